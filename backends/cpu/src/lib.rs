@@ -1,0 +1,203 @@
+//! Kiln's CPU reference backend.
+//!
+//! Plain, obviously-correct code: the oracle every GPU kernel is tested against.
+//! Launches run at once (there is no queue to batch into), so `submit` and `wait`
+//! have nothing to do. Elementwise math follows the GPU contract exactly — widen to
+//! f32, compute in f32, round to nearest-even on store — while reductions accumulate
+//! in f64 so that they are a tighter reference than any kernel.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use half::{bf16, f16};
+use kiln_engine::device::check_upload;
+use kiln_engine::{
+    BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, ReduceOp, Result,
+};
+
+pub struct CpuDevice {
+    caps: Capabilities,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    next_id: u64,
+    buffers: HashMap<u64, HostData>,
+}
+
+impl Default for CpuDevice {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuDevice {
+    pub fn new() -> Self {
+        CpuDevice {
+            caps: Capabilities {
+                name: "cpu reference".into(),
+                backend: "cpu".into(),
+                device_type: "cpu".into(),
+                vendor: 0,
+                driver: concat!("kiln-cpu ", env!("CARGO_PKG_VERSION")).into(),
+                f16_arithmetic: false,
+                subgroup_sizes: None,
+                timestamp_queries: false,
+                max_storage_binding: u64::MAX,
+                max_buffer: isize::MAX as u64,
+                memory_budget: None,
+            },
+            state: Mutex::new(State {
+                next_id: 1,
+                ..State::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // A panic elsewhere cannot leave a half-written HashMap entry we care about.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl State {
+    fn get(&self, b: Buffer, device: &str) -> Result<&HostData> {
+        self.buffers.get(&b.id).ok_or_else(|| Error::UnknownBuffer {
+            id: b.id,
+            device: device.into(),
+        })
+    }
+
+    fn f32s(&self, b: Buffer, device: &str) -> Result<Vec<f32>> {
+        Ok(self.get(b, device)?.to_f32())
+    }
+
+    fn put(&mut self, b: Buffer, values: HostData, device: &str) -> Result<()> {
+        let slot = self.buffers.get_mut(&b.id).ok_or_else(|| Error::UnknownBuffer {
+            id: b.id,
+            device: device.into(),
+        })?;
+        *slot = values;
+        Ok(())
+    }
+}
+
+impl Device for CpuDevice {
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        let mut s = self.lock();
+        let id = s.next_id;
+        s.next_id += 1;
+        s.buffers.insert(id, HostData::zeros(dtype, len));
+        Ok(Buffer { id, dtype, len })
+    }
+
+    fn free(&self, buf: Buffer) -> Result<()> {
+        self.lock()
+            .buffers
+            .remove(&buf.id)
+            .map(|_| ())
+            .ok_or_else(|| Error::UnknownBuffer {
+                id: buf.id,
+                device: self.caps.name.clone(),
+            })
+    }
+
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        check_upload(buf, data)?;
+        self.lock().put(buf, data.clone(), &self.caps.name)
+    }
+
+    fn download(&self, buf: Buffer) -> Result<HostData> {
+        self.lock().get(buf, &self.caps.name).cloned()
+    }
+
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        kernel.validate()?;
+        let name = self.caps.name.as_str();
+        let mut s = self.lock();
+        for b in kernel.buffers() {
+            s.get(b, name)?;
+        }
+        match kernel {
+            Kernel::Fill { dst, value } => {
+                let v = match dst.dtype {
+                    DType::U32 => HostData::U32(vec![*value as u32; dst.len]),
+                    // Rounds once, from the f64 value, as the GPU fill pattern does.
+                    dt => fill_float(dt, *value, dst.len),
+                };
+                s.put(*dst, v, name)
+            }
+            Kernel::Copy { src, dst } => {
+                let v = s.get(*src, name)?.clone();
+                s.put(*dst, v, name)
+            }
+            Kernel::Cast { src, dst } => {
+                let v = s.f32s(*src, name)?;
+                s.put(*dst, HostData::from_f32(dst.dtype, &v), name)
+            }
+            Kernel::Binary { op, a, b, out } => {
+                let (x, y) = (s.f32s(*a, name)?, s.f32s(*b, name)?);
+                let r: Vec<f32> = match op {
+                    BinaryOp::Add => x.iter().zip(&y).map(|(p, q)| p + q).collect(),
+                    BinaryOp::Mul => x.iter().zip(&y).map(|(p, q)| p * q).collect(),
+                };
+                s.put(*out, HostData::from_f32(out.dtype, &r), name)
+            }
+            Kernel::Scale { alpha, x, out } => {
+                let r: Vec<f32> = s.f32s(*x, name)?.iter().map(|v| alpha * v).collect();
+                s.put(*out, HostData::from_f32(out.dtype, &r), name)
+            }
+            Kernel::Axpy { alpha, x, y } => {
+                let xs = s.f32s(*x, name)?;
+                let ys = s.f32s(*y, name)?;
+                let r: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| alpha * a + b).collect();
+                s.put(*y, HostData::from_f32(y.dtype, &r), name)
+            }
+            Kernel::Reduce { op, src, dst } => {
+                let xs = s.f32s(*src, name)?;
+                let r = match op {
+                    ReduceOp::Sum => xs.iter().map(|&v| v as f64).sum::<f64>() as f32,
+                    ReduceOp::Max => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                };
+                s.put(*dst, HostData::F32(vec![r]), name)
+            }
+            Kernel::NonFinite { srcs, flag } => {
+                let mut any = false;
+                for b in srcs {
+                    any |= s.f32s(*b, name)?.iter().any(|v| !v.is_finite());
+                }
+                s.put(*flag, HostData::U32(vec![any as u32]), name)
+            }
+        }
+    }
+
+    fn submit(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.lock()
+            .buffers
+            .values()
+            .map(|d| d.dtype().padded_bytes(d.len()))
+            .sum()
+    }
+}
+
+fn fill_float(dtype: DType, value: f64, len: usize) -> HostData {
+    match dtype {
+        DType::F32 => HostData::F32(vec![value as f32; len]),
+        DType::F16 => HostData::F16(vec![f16::from_f64(value); len]),
+        DType::BF16 => HostData::BF16(vec![bf16::from_f64(value); len]),
+        DType::U32 => unreachable!("u32 fills are handled by the caller"),
+    }
+}

@@ -1,0 +1,130 @@
+//! Adapter discovery and device creation.
+
+use std::sync::OnceLock;
+
+use kiln_engine::{Capabilities, Error, Result};
+
+/// How to open a device.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceOptions {
+    /// Use the packed-f16 kernels even if the adapter computes in f16 natively
+    /// (to test that path, or to work around a driver bug).
+    pub disable_f16: bool,
+}
+
+/// One adapter as `kiln devices` shows it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AdapterSummary {
+    pub index: usize,
+    #[serde(flatten)]
+    pub caps: Capabilities,
+}
+
+/// What to tell someone whose machine shows no adapter.
+pub const NO_ADAPTER_HINT: &str = "On Debian/Ubuntu without a GPU, install Mesa's software Vulkan driver \
+(lavapipe): `sudo apt-get install -y mesa-vulkan-drivers`. With a GPU, install its Vulkan driver.";
+
+pub(crate) fn instance() -> &'static wgpu::Instance {
+    static INSTANCE: OnceLock<wgpu::Instance> = OnceLock::new();
+    INSTANCE.get_or_init(|| {
+        wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::all(),
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        })
+    })
+}
+
+/// Every adapter wgpu finds, on every backend, in a stable order.
+pub(crate) fn raw_adapters() -> &'static [wgpu::Adapter] {
+    static ADAPTERS: OnceLock<Vec<wgpu::Adapter>> = OnceLock::new();
+    ADAPTERS.get_or_init(|| {
+        let mut list = pollster::block_on(instance().enumerate_adapters(wgpu::Backends::all()));
+        // Vulkan first, then the rest, so that index 0 is the best-supported path.
+        list.sort_by_key(|a| backend_rank(a.get_info().backend));
+        list
+    })
+}
+
+fn backend_rank(b: wgpu::Backend) -> u8 {
+    match b {
+        wgpu::Backend::Vulkan => 0,
+        wgpu::Backend::Metal => 1,
+        wgpu::Backend::Dx12 => 2,
+        wgpu::Backend::Gl => 3,
+        _ => 4,
+    }
+}
+
+/// Lists every adapter with its capabilities.
+pub fn adapters() -> Vec<AdapterSummary> {
+    raw_adapters()
+        .iter()
+        .enumerate()
+        .map(|(index, a)| AdapterSummary {
+            index,
+            caps: capabilities(a, false),
+        })
+        .collect()
+}
+
+/// Index of the first adapter on `backend` (`vulkan`, `gl`, `metal`, `dx12`).
+pub fn find_adapter(backend: &str) -> Result<usize> {
+    let all = adapters();
+    all.iter()
+        .find(|a| a.caps.backend == backend)
+        .map(|a| a.index)
+        .ok_or_else(|| Error::NoAdapter {
+            hint: format!(
+                "none on backend `{backend}` ({} adapter(s) on other backends). {NO_ADAPTER_HINT}",
+                all.len()
+            ),
+        })
+}
+
+pub(crate) fn backend_name(b: wgpu::Backend) -> &'static str {
+    match b {
+        wgpu::Backend::Vulkan => "vulkan",
+        wgpu::Backend::Metal => "metal",
+        wgpu::Backend::Dx12 => "dx12",
+        wgpu::Backend::Gl => "gl",
+        wgpu::Backend::BrowserWebGpu => "webgpu",
+        wgpu::Backend::Noop => "noop",
+    }
+}
+
+/// Capabilities of an adapter as a device opened with `disable_f16` would have them.
+pub(crate) fn capabilities(a: &wgpu::Adapter, disable_f16: bool) -> Capabilities {
+    let info = a.get_info();
+    let features = a.features();
+    let limits = a.limits();
+    let device_type = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => "discrete",
+        wgpu::DeviceType::IntegratedGpu => "integrated",
+        wgpu::DeviceType::VirtualGpu => "virtual",
+        wgpu::DeviceType::Cpu => "cpu",
+        wgpu::DeviceType::Other => "other",
+    };
+    let driver = [info.driver.as_str(), info.driver_info.as_str()]
+        .iter()
+        .filter(|s| !s.is_empty())
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
+    Capabilities {
+        name: info.name.clone(),
+        backend: backend_name(info.backend).into(),
+        device_type: device_type.into(),
+        vendor: info.vendor,
+        driver,
+        f16_arithmetic: features.contains(wgpu::Features::SHADER_F16) && !disable_f16,
+        subgroup_sizes: features
+            .contains(wgpu::Features::SUBGROUP)
+            .then_some((info.subgroup_min_size, info.subgroup_max_size)),
+        timestamp_queries: features.contains(
+            wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
+        ),
+        max_storage_binding: limits.max_storage_buffer_binding_size as u64,
+        max_buffer: limits.max_buffer_size,
+        memory_budget: None,
+    }
+}

@@ -1,0 +1,672 @@
+//! A wgpu device behind Kiln's device contract.
+//!
+//! Resource lifetimes, explicitly:
+//! - buffers live in `State::buffers` from `alloc` to `free`;
+//! - pipelines and bind-group layouts are created on first use and kept for the
+//!   device's life; bind groups are cached per (pipeline, buffers) and dropped when
+//!   one of their buffers is freed;
+//! - launches are recorded into one open command encoder (the stream); their
+//!   parameters go into a uniform arena, bound with dynamic offsets and written once
+//!   per submit, so a step of N launches is one `queue.submit`, not N.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kiln_engine::device::check_upload;
+use kiln_engine::{
+    BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, ReduceOp, Result,
+};
+
+use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
+use crate::shader::{self, Access, KernelSource, Repr};
+
+const WORKGROUP: u32 = 256;
+const MAX_GROUPS: u32 = 65535;
+/// Workgroups in the first pass of a reduction, so also the partials the second folds.
+const REDUCE_GROUPS: u32 = 256;
+/// Bytes of one launch's parameters (`shaders/common/params.wgsl`).
+const PARAMS_SIZE: u64 = 16;
+/// Launches whose parameters fit one arena; past that the stream is submitted early.
+const ARENA_SLOTS: u64 = 4096;
+/// Internal buffer ids live at the top of the id space, apart from user buffers.
+const SCRATCH_ID: u64 = u64::MAX;
+
+pub struct WgpuDevice {
+    caps: Capabilities,
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    /// Alignment of dynamic uniform offsets.
+    arena_stride: u64,
+    arena: wgpu::Buffer,
+    /// Partials of a reduction's first pass.
+    scratch: wgpu::Buffer,
+    /// Validation errors wgpu reports out of band; checked at submit.
+    errors: Arc<Mutex<Vec<String>>>,
+    state: Mutex<State>,
+}
+
+struct Slot {
+    buffer: wgpu::Buffer,
+    meta: Buffer,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PipelineKey {
+    file: &'static str,
+    reprs: Vec<Repr>,
+    constant: Option<(&'static str, u32)>,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct BindKey {
+    pipeline: PipelineKey,
+    buffers: Vec<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    next_id: u64,
+    buffers: HashMap<u64, Slot>,
+    allocated: u64,
+    layouts: HashMap<Vec<Access>, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pipelines: HashMap<PipelineKey, wgpu::ComputePipeline>,
+    bind_groups: HashMap<BindKey, wgpu::BindGroup>,
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Parameters of the launches recorded since the last submit.
+    params: Vec<u8>,
+}
+
+/// One dispatch, before it is recorded.
+struct Dispatch<'a> {
+    kernel: &'static KernelSource,
+    reprs: Vec<Repr>,
+    constant: Option<(&'static str, u32)>,
+    /// (id, buffer) per slot, in slot order.
+    buffers: Vec<(u64, &'a wgpu::Buffer)>,
+    params: [u32; 4],
+    groups: u32,
+}
+
+impl WgpuDevice {
+    /// Opens a new, independent device on adapter `index` (see `kiln devices`).
+    /// Opening the same adapter again gives another device with its own memory and queue.
+    pub fn open(index: usize, options: &DeviceOptions) -> Result<WgpuDevice> {
+        let adapters = raw_adapters();
+        let adapter = adapters.get(index).ok_or(Error::NoSuchAdapter {
+            index,
+            available: adapters.len(),
+        })?;
+        let caps = capabilities(adapter, options.disable_f16);
+        let mut features = wgpu::Features::empty();
+        if caps.f16_arithmetic {
+            features |= wgpu::Features::SHADER_F16;
+        }
+        if caps.timestamp_queries {
+            features |=
+                wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+        }
+        if caps.subgroup_sizes.is_some() {
+            features |= wgpu::Features::SUBGROUP;
+        }
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("kiln"),
+            required_features: features,
+            // Ask for everything the adapter offers: large buffers are the norm here.
+            required_limits: adapter.limits(),
+            ..Default::default()
+        }))
+        .map_err(|e| Error::Backend {
+            device: caps.name.clone(),
+            detail: format!("could not open a device: {e}"),
+        })?;
+
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let sink = errors.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            sink.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
+        }));
+
+        let arena_stride = (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_SIZE);
+        let arena = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln params arena"),
+            size: arena_stride * ARENA_SLOTS,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let scratch = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln reduce partials"),
+            size: DType::F32.padded_bytes(REDUCE_GROUPS as usize),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        Ok(WgpuDevice {
+            caps,
+            device,
+            queue,
+            arena_stride,
+            arena,
+            scratch,
+            errors,
+            state: Mutex::new(State {
+                next_id: 1,
+                ..State::default()
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn backend_error(&self, detail: impl Into<String>) -> Error {
+        Error::Backend {
+            device: self.caps.name.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    /// Reports errors wgpu raised since the last check.
+    fn check_errors(&self) -> Result<()> {
+        let mut errs = self.errors.lock().unwrap_or_else(|e| e.into_inner());
+        if errs.is_empty() {
+            return Ok(());
+        }
+        let all = std::mem::take(&mut *errs).join("; ");
+        Err(self.backend_error(all))
+    }
+
+    fn unknown(&self, id: u64) -> Error {
+        Error::UnknownBuffer {
+            id,
+            device: self.caps.name.clone(),
+        }
+    }
+
+    fn encoder<'s>(&self, s: &'s mut State) -> &'s mut wgpu::CommandEncoder {
+        s.encoder.get_or_insert_with(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kiln stream") })
+        })
+    }
+
+    /// Submits the open stream, if any, with its parameters.
+    fn flush(&self, s: &mut State) -> Result<()> {
+        let Some(encoder) = s.encoder.take() else {
+            return Ok(());
+        };
+        if !s.params.is_empty() {
+            self.queue.write_buffer(&self.arena, 0, &s.params);
+            s.params.clear();
+        }
+        self.queue.submit([encoder.finish()]);
+        self.check_errors()
+    }
+
+    fn layout<'s>(
+        &self,
+        s: &'s mut State,
+        kernel: &KernelSource,
+    ) -> &'s (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        let accesses: Vec<Access> = kernel.slots.iter().map(|slot| slot.access).collect();
+        s.layouts.entry(accesses.clone()).or_insert_with(|| {
+            let mut entries = vec![wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: true,
+                    min_binding_size: wgpu::BufferSize::new(PARAMS_SIZE),
+                },
+                count: None,
+            }];
+            for (i, a) in accesses.iter().enumerate() {
+                entries.push(wgpu::BindGroupLayoutEntry {
+                    binding: i as u32 + 1,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Storage {
+                            read_only: *a == Access::Read,
+                        },
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                });
+            }
+            let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some("kiln kernel bindings"),
+                entries: &entries,
+            });
+            let pl = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some("kiln kernel layout"),
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+            (bgl, pl)
+        })
+    }
+
+    fn pipeline(&self, s: &mut State, key: &PipelineKey, kernel: &KernelSource) -> Result<()> {
+        if s.pipelines.contains_key(key) {
+            return Ok(());
+        }
+        let source = shader::assemble(kernel, &key.reprs);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.file),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let constants: Vec<(&str, f64)> = key
+            .constant
+            .iter()
+            .map(|&(name, v)| (name, v as f64))
+            .collect();
+        let layout = &self.layout(s, kernel).1;
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel.file),
+            layout: Some(layout),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants: &constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.file)));
+        }
+        s.pipelines.insert(key.clone(), pipeline);
+        Ok(())
+    }
+
+    /// Records one compute dispatch into the stream.
+    fn dispatch(&self, s: &mut State, d: Dispatch<'_>) -> Result<()> {
+        let key = PipelineKey {
+            file: d.kernel.file,
+            reprs: d.reprs,
+            constant: d.constant,
+        };
+        self.pipeline(s, &key, d.kernel)?;
+        if s.params.len() as u64 + self.arena_stride > self.arena.size() {
+            self.flush(s)?;
+        }
+        let offset = s.params.len() as u32;
+        s.params.extend_from_slice(bytemuck::cast_slice(&d.params));
+        s.params.resize(offset as usize + self.arena_stride as usize, 0);
+
+        let bind_key = BindKey {
+            pipeline: key.clone(),
+            buffers: d.buffers.iter().map(|(id, _)| *id).collect(),
+        };
+        if !s.bind_groups.contains_key(&bind_key) {
+            let mut entries = vec![wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &self.arena,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(PARAMS_SIZE),
+                }),
+            }];
+            for (i, (_, b)) in d.buffers.iter().enumerate() {
+                entries.push(wgpu::BindGroupEntry {
+                    binding: i as u32 + 1,
+                    resource: b.as_entire_binding(),
+                });
+            }
+            let layout = &self.layout(s, d.kernel).0;
+            let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(d.kernel.file),
+                layout,
+                entries: &entries,
+            });
+            s.bind_groups.insert(bind_key.clone(), bg);
+        }
+        // Take what the pass needs out of `s` before borrowing the encoder mutably.
+        let pipeline = s.pipelines[&key].clone();
+        let bind_group = s.bind_groups[&bind_key].clone();
+        let encoder = self.encoder(s);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some(d.kernel.file),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &bind_group, &[offset]);
+        pass.dispatch_workgroups(d.groups, 1, 1);
+        Ok(())
+    }
+
+    fn repr(&self, dtype: DType) -> Repr {
+        Repr::of(dtype, self.caps.f16_arithmetic)
+    }
+}
+
+/// Workgroups for a grid-strided walk over `words` items.
+fn groups(words: u32) -> u32 {
+    words.div_ceil(WORKGROUP).clamp(1, MAX_GROUPS)
+}
+
+/// Pairs of elements an elementwise kernel walks.
+fn pairs(len: usize) -> u32 {
+    len.div_ceil(2) as u32
+}
+
+/// The 32-bit word `fill` writes for `value` in `dtype`.
+fn fill_pattern(dtype: DType, value: f64) -> u32 {
+    match dtype {
+        DType::F32 => (value as f32).to_bits(),
+        DType::F16 => {
+            let h = half::f16::from_f64(value).to_bits() as u32;
+            h | (h << 16)
+        }
+        DType::BF16 => {
+            let h = half::bf16::from_f64(value).to_bits() as u32;
+            h | (h << 16)
+        }
+        DType::U32 => value as u32,
+    }
+}
+
+impl Device for WgpuDevice {
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        let bytes = dtype.padded_bytes(len);
+        let max = self.caps.max_buffer;
+        if bytes > max {
+            return Err(Error::OutOfMemory {
+                device: self.caps.name.clone(),
+                detail: format!(
+                    "{len} {dtype} elements need {bytes} bytes, over the adapter's largest buffer of {max} bytes; split the tensor"
+                ),
+            });
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: bytes,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::OutOfMemory {
+                device: self.caps.name.clone(),
+                detail: format!("allocating {bytes} bytes: {e}"),
+            });
+        }
+        let mut s = self.lock();
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer { id, dtype, len };
+        s.buffers.insert(id, Slot { buffer, meta });
+        s.allocated += bytes;
+        Ok(meta)
+    }
+
+    fn free(&self, buf: Buffer) -> Result<()> {
+        let mut s = self.lock();
+        let slot = s.buffers.remove(&buf.id).ok_or_else(|| self.unknown(buf.id))?;
+        s.allocated -= slot.meta.bytes();
+        s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
+        // Launches already recorded keep their own reference; wgpu frees it after them.
+        drop(slot);
+        Ok(())
+    }
+
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        check_upload(buf, data)?;
+        let mut s = self.lock();
+        let target = &s.buffers.get(&buf.id).ok_or_else(|| self.unknown(buf.id))?.buffer;
+        let bytes = data.as_bytes();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // write_buffer runs before the next submit's commands, so with launches pending
+        // it would jump ahead of them; then the copy goes through the stream instead.
+        let padded = buf.bytes();
+        if s.encoder.is_none() {
+            let mut view = self
+                .queue
+                .write_buffer_with(target, 0, wgpu::BufferSize::new(padded).expect("padded > 0"))
+                .ok_or_else(|| self.backend_error("could not stage an upload"))?;
+            view.slice(..bytes.len()).copy_from_slice(bytes);
+            view.slice(bytes.len()..).fill(0);
+        } else {
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kiln upload"),
+                size: padded,
+                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::MAP_WRITE,
+                mapped_at_creation: true,
+            });
+            staging
+                .slice(..)
+                .get_mapped_range_mut()
+                .map_err(|e| self.backend_error(format!("staging an upload: {e}")))?
+                .slice(..bytes.len())
+                .copy_from_slice(bytes);
+            staging.unmap();
+            let target = target.clone();
+            self.encoder(&mut s)
+                .copy_buffer_to_buffer(&staging, 0, &target, 0, padded);
+        }
+        Ok(())
+    }
+
+    fn download(&self, buf: Buffer) -> Result<HostData> {
+        let mut s = self.lock();
+        let src = s.buffers.get(&buf.id).ok_or_else(|| self.unknown(buf.id))?.buffer.clone();
+        let padded = buf.bytes();
+        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln download"),
+            size: padded,
+            usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
+            mapped_at_creation: false,
+        });
+        self.encoder(&mut s)
+            .copy_buffer_to_buffer(&src, 0, &readback, 0, padded);
+        self.flush(&mut s)?;
+        drop(s);
+        let slice = readback.slice(..);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.backend_error(format!("waiting for a download: {e}")))?;
+        rx.recv()
+            .map_err(|_| self.backend_error("download was cancelled"))?
+            .map_err(|e| self.backend_error(format!("mapping a download: {e}")))?;
+        let view = slice
+            .get_mapped_range()
+            .map_err(|e| self.backend_error(format!("reading a download: {e}")))?;
+        let data = HostData::from_bytes(buf.dtype, buf.len, &view);
+        drop(view);
+        readback.unmap();
+        self.check_errors()?;
+        Ok(data)
+    }
+
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        kernel.validate()?;
+        let mut s = self.lock();
+        // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
+        let mut handles = HashMap::new();
+        for b in kernel.buffers() {
+            let slot = s.buffers.get(&b.id).ok_or_else(|| self.unknown(b.id))?;
+            if slot.meta != b {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: handle for buffer #{} says {} x {} but it holds {} x {}",
+                    kernel.name(),
+                    b.id,
+                    b.len,
+                    b.dtype,
+                    slot.meta.len,
+                    slot.meta.dtype
+                )));
+            }
+            handles.insert(b.id, slot.buffer.clone());
+        }
+        let h = |b: &Buffer| (b.id, &handles[&b.id]);
+        match kernel {
+            Kernel::Fill { dst, value } => {
+                let words = (dst.bytes() / 4) as u32;
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::FILL,
+                        reprs: vec![],
+                        constant: None,
+                        buffers: vec![h(dst)],
+                        params: [dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        groups: groups(words),
+                    },
+                )?;
+            }
+            Kernel::Copy { src, dst } => {
+                let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
+                self.encoder(&mut s).copy_buffer_to_buffer(&a, 0, &b, 0, src.bytes());
+            }
+            Kernel::Cast { src, dst } => self.elementwise(
+                &mut s,
+                &shader::CAST,
+                None,
+                &[(src, &handles), (dst, &handles)],
+                0.0,
+            )?,
+            Kernel::Binary { op, a, b, out } => {
+                let code = match op {
+                    BinaryOp::Add => 0,
+                    BinaryOp::Mul => 1,
+                };
+                self.elementwise(
+                    &mut s,
+                    &shader::BINARY,
+                    Some(("OP", code)),
+                    &[(a, &handles), (b, &handles), (out, &handles)],
+                    0.0,
+                )?
+            }
+            Kernel::Scale { alpha, x, out } => self.elementwise(
+                &mut s,
+                &shader::SCALE,
+                None,
+                &[(x, &handles), (out, &handles)],
+                *alpha,
+            )?,
+            Kernel::Axpy { alpha, x, y } => self.elementwise(
+                &mut s,
+                &shader::AXPY,
+                None,
+                &[(x, &handles), (y, &handles)],
+                *alpha,
+            )?,
+            Kernel::Reduce { op, src, dst } => {
+                let code = match op {
+                    ReduceOp::Sum => 0,
+                    ReduceOp::Max => 1,
+                };
+                // Pass 1: data -> one partial per workgroup; pass 2: partials -> dst.
+                let words = pairs(src.len);
+                let g = groups(words).min(REDUCE_GROUPS);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::REDUCE,
+                        reprs: vec![self.repr(src.dtype)],
+                        constant: Some(("OP", code)),
+                        buffers: vec![h(src), (SCRATCH_ID, &self.scratch)],
+                        params: [src.len as u32, words, 0, 0],
+                        groups: g,
+                    },
+                )?;
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::REDUCE,
+                        reprs: vec![Repr::F32],
+                        constant: Some(("OP", code)),
+                        buffers: vec![(SCRATCH_ID, &self.scratch), h(dst)],
+                        params: [g, pairs(g as usize), 0, 0],
+                        groups: 1,
+                    },
+                )?;
+            }
+            Kernel::NonFinite { srcs, flag } => {
+                let f = handles[&flag.id].clone();
+                self.encoder(&mut s).clear_buffer(&f, 0, None);
+                for src in srcs {
+                    let (kind, words) = match src.dtype {
+                        DType::F32 => (0, (src.bytes() / 4) as u32),
+                        DType::F16 => (1, pairs(src.len)),
+                        _ => (2, pairs(src.len)),
+                    };
+                    if src.len == 0 {
+                        continue;
+                    }
+                    self.dispatch(
+                        &mut s,
+                        Dispatch {
+                            kernel: &shader::NONFINITE,
+                            reprs: vec![],
+                            constant: Some(("KIND", kind)),
+                            buffers: vec![h(src), h(flag)],
+                            params: [src.len as u32, words, 0, 0],
+                            groups: groups(words),
+                        },
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(&self) -> Result<()> {
+        let mut s = self.lock();
+        self.flush(&mut s)
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+        self.check_errors()
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.lock().allocated
+    }
+}
+
+impl WgpuDevice {
+    /// An elementwise kernel over typed slots that all have the first slot's length.
+    fn elementwise(
+        &self,
+        s: &mut State,
+        kernel: &'static KernelSource,
+        constant: Option<(&'static str, u32)>,
+        slots: &[(&Buffer, &HashMap<u64, wgpu::Buffer>)],
+        alpha: f32,
+    ) -> Result<()> {
+        let len = slots[0].0.len;
+        if len == 0 {
+            return Ok(());
+        }
+        let words = pairs(len);
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel,
+                reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
+                constant,
+                buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
+                params: [len as u32, words, alpha.to_bits(), 0],
+                groups: groups(words),
+            },
+        )
+    }
+}

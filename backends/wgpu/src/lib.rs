@@ -1,0 +1,9 @@
+//! Kiln's WebGPU backend: every adapter wgpu can reach (Vulkan, Metal, DX12, GL),
+//! running the hand-written WGSL kernels in `shaders/`.
+
+mod adapter;
+mod device;
+pub mod shader;
+
+pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
+pub use device::WgpuDevice;

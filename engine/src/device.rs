@@ -1,0 +1,102 @@
+//! The device contract: the one trait every backend implements.
+//!
+//! It is deliberately narrow — memory, kernel launches, submission — and object-safe,
+//! so a device group can hold `Box<dyn Device>`s of different backends side by side.
+
+use serde::Serialize;
+
+use crate::{DType, HostData, Kernel, Result};
+
+/// A handle to a device buffer. Cheap to copy; only meaningful on the device that
+/// allocated it. Using it after [`Device::free`] is an error, never undefined behaviour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Buffer {
+    pub id: u64,
+    pub dtype: DType,
+    pub len: usize,
+}
+
+/// What a device is and what it can do.
+#[derive(Clone, Debug, Serialize)]
+pub struct Capabilities {
+    /// Adapter name as the driver reports it.
+    pub name: String,
+    /// `vulkan`, `gl`, `metal`, `dx12` or `cpu`.
+    pub backend: String,
+    /// `discrete`, `integrated`, `virtual`, `cpu` or `other`.
+    pub device_type: String,
+    /// PCI vendor id (0 when unknown).
+    pub vendor: u32,
+    /// Driver name and version, when reported.
+    pub driver: String,
+    /// Kernels compute natively in f16. When false, f16 tensors are still stored in
+    /// 16 bits and the kernels widen them to f32.
+    pub f16_arithmetic: bool,
+    /// Smallest and largest subgroup size, when subgroup operations are available.
+    pub subgroup_sizes: Option<(u32, u32)>,
+    /// GPU timestamps can be written from inside compute passes.
+    pub timestamp_queries: bool,
+    /// Largest storage buffer one kernel binding can see, in bytes.
+    pub max_storage_binding: u64,
+    /// Largest buffer that can be allocated, in bytes.
+    pub max_buffer: u64,
+    /// Device memory the driver lets us use, in bytes, when known.
+    pub memory_budget: Option<u64>,
+}
+
+/// One compute device. Launches are recorded into the device's stream in program
+/// order and run when submitted; uploads and downloads keep that order too.
+pub trait Device: Send + Sync {
+    /// What this device is and can do.
+    fn caps(&self) -> &Capabilities;
+
+    /// Allocates a zero-filled buffer of `len` elements.
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer>;
+
+    /// Releases a buffer. Launches already recorded that use it still complete.
+    fn free(&self, buf: Buffer) -> Result<()>;
+
+    /// Copies host data into a buffer; dtype and length must match exactly.
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()>;
+
+    /// Copies a buffer to the host, after everything recorded before it has run.
+    fn download(&self, buf: Buffer) -> Result<HostData>;
+
+    /// Records a kernel launch into the stream. Nothing runs until [`Device::submit`].
+    fn launch(&self, kernel: &Kernel) -> Result<()>;
+
+    /// Sends everything recorded so far to the device, as few submissions as possible.
+    fn submit(&self) -> Result<()>;
+
+    /// Blocks until every submitted launch has finished.
+    fn wait(&self) -> Result<()>;
+
+    /// Bytes of device memory held by live buffers allocated through this trait.
+    fn allocated_bytes(&self) -> u64;
+}
+
+impl Buffer {
+    /// Bytes the device holds for this buffer (see [`DType::padded_bytes`]).
+    pub fn bytes(&self) -> u64 {
+        self.dtype.padded_bytes(self.len)
+    }
+}
+
+/// Checks that host data fits a buffer exactly.
+pub fn check_upload(buf: Buffer, data: &HostData) -> Result<()> {
+    if data.dtype() != buf.dtype {
+        return Err(crate::Error::DTypeMismatch {
+            what: format!("upload into buffer #{}", buf.id),
+            expected: buf.dtype,
+            found: data.dtype(),
+        });
+    }
+    if data.len() != buf.len {
+        return Err(crate::Error::LenMismatch {
+            what: format!("upload into buffer #{}", buf.id),
+            expected: buf.len,
+            found: data.len(),
+        });
+    }
+    Ok(())
+}

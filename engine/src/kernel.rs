@@ -1,0 +1,185 @@
+//! The kernels a device can launch, described as plain data.
+//!
+//! Describing launches as an enum keeps the device trait small and object-safe:
+//! a backend matches on it and records the matching pipeline. Argument checks live
+//! here, once, so every backend rejects the same bad launches with the same words.
+
+use crate::{Buffer, DType, Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Mul,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// One kernel launch. Float operands may each have their own dtype (f32, f16, bf16):
+/// values are widened to f32, computed in f32 and rounded to nearest-even on store.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kernel {
+    /// `dst[i] = value` (rounded to `dst`'s dtype; must be an exact integer for u32).
+    Fill { dst: Buffer, value: f64 },
+    /// `dst = src`, bit for bit; same dtype and length.
+    Copy { src: Buffer, dst: Buffer },
+    /// `dst[i] = src[i]` converted between float dtypes with round-to-nearest-even.
+    Cast { src: Buffer, dst: Buffer },
+    /// `out[i] = a[i] op b[i]`.
+    Binary {
+        op: BinaryOp,
+        a: Buffer,
+        b: Buffer,
+        out: Buffer,
+    },
+    /// `out[i] = alpha * x[i]`.
+    Scale { alpha: f32, x: Buffer, out: Buffer },
+    /// `y[i] = alpha * x[i] + y[i]`.
+    Axpy { alpha: f32, x: Buffer, y: Buffer },
+    /// `dst[0] = op over src`, accumulated in f32; `dst` is a 1-element f32 buffer.
+    /// The sum of an empty buffer is 0, its max is -inf. Inputs are expected to be
+    /// finite: check with [`Kernel::NonFinite`] first (the max of a NaN is unspecified).
+    Reduce {
+        op: ReduceOp,
+        src: Buffer,
+        dst: Buffer,
+    },
+    /// `flag[0] = 1` if any element of any `srcs` is inf or NaN, else 0.
+    /// `flag` is a 1-element u32 buffer; one launch checks all of `srcs`.
+    NonFinite { srcs: Vec<Buffer>, flag: Buffer },
+}
+
+impl Kernel {
+    /// Short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Kernel::Fill { .. } => "fill",
+            Kernel::Copy { .. } => "copy",
+            Kernel::Cast { .. } => "cast",
+            Kernel::Binary { op: BinaryOp::Add, .. } => "add",
+            Kernel::Binary { op: BinaryOp::Mul, .. } => "mul",
+            Kernel::Scale { .. } => "scale",
+            Kernel::Axpy { .. } => "axpy",
+            Kernel::Reduce { op: ReduceOp::Sum, .. } => "sum",
+            Kernel::Reduce { op: ReduceOp::Max, .. } => "max",
+            Kernel::NonFinite { .. } => "nonfinite",
+        }
+    }
+
+    /// Every buffer the launch touches.
+    pub fn buffers(&self) -> Vec<Buffer> {
+        match self {
+            Kernel::Fill { dst, .. } => vec![*dst],
+            Kernel::Copy { src, dst } | Kernel::Cast { src, dst } => vec![*src, *dst],
+            Kernel::Binary { a, b, out, .. } => vec![*a, *b, *out],
+            Kernel::Scale { x, out, .. } => vec![*x, *out],
+            Kernel::Axpy { x, y, .. } => vec![*x, *y],
+            Kernel::Reduce { src, dst, .. } => vec![*src, *dst],
+            Kernel::NonFinite { srcs, flag } => {
+                let mut v = srcs.clone();
+                v.push(*flag);
+                v
+            }
+        }
+    }
+
+    /// Checks dtypes and lengths; backends call this before recording anything.
+    pub fn validate(&self) -> Result<()> {
+        let k = self.name();
+        match self {
+            Kernel::Fill { dst, value } => {
+                if !value.is_finite() && !dst.dtype.is_float() {
+                    return Err(Error::InvalidArgument(format!(
+                        "fill: {value} cannot be stored in a u32 buffer"
+                    )));
+                }
+                if dst.dtype == DType::U32
+                    && (value.fract() != 0.0 || *value < 0.0 || *value > u32::MAX as f64)
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "fill: {value} is not a u32; pass a whole number in 0..=4294967295"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::Copy { src, dst } => {
+                same_dtype(k, "dst", dst, src.dtype)?;
+                same_len(k, "dst", dst, src.len)
+            }
+            Kernel::Cast { src, dst } => {
+                float(k, "src", src)?;
+                float(k, "dst", dst)?;
+                same_len(k, "dst", dst, src.len)
+            }
+            Kernel::Binary { a, b, out, .. } => {
+                float(k, "a", a)?;
+                float(k, "b", b)?;
+                float(k, "out", out)?;
+                same_len(k, "b", b, a.len)?;
+                same_len(k, "out", out, a.len)
+            }
+            Kernel::Scale { x, out, .. } => {
+                float(k, "x", x)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)
+            }
+            Kernel::Axpy { x, y, .. } => {
+                float(k, "x", x)?;
+                float(k, "y", y)?;
+                same_len(k, "y", y, x.len)
+            }
+            Kernel::Reduce { src, dst, .. } => {
+                float(k, "src", src)?;
+                same_dtype(k, "dst", dst, DType::F32)?;
+                same_len(k, "dst", dst, 1)
+            }
+            Kernel::NonFinite { srcs, flag } => {
+                if srcs.is_empty() {
+                    return Err(Error::InvalidArgument(
+                        "nonfinite: no buffers to check; pass at least one".into(),
+                    ));
+                }
+                for (i, s) in srcs.iter().enumerate() {
+                    float(k, &format!("srcs[{i}]"), s)?;
+                }
+                same_dtype(k, "flag", flag, DType::U32)?;
+                same_len(k, "flag", flag, 1)
+            }
+        }
+    }
+}
+
+fn same_dtype(kernel: &str, what: &str, b: &Buffer, expected: DType) -> Result<()> {
+    if b.dtype != expected {
+        return Err(Error::DTypeMismatch {
+            what: format!("{kernel}: `{what}` (buffer #{})", b.id),
+            expected,
+            found: b.dtype,
+        });
+    }
+    Ok(())
+}
+
+fn same_len(kernel: &str, what: &str, b: &Buffer, expected: usize) -> Result<()> {
+    if b.len != expected {
+        return Err(Error::LenMismatch {
+            what: format!("{kernel}: `{what}` (buffer #{})", b.id),
+            expected,
+            found: b.len,
+        });
+    }
+    Ok(())
+}
+
+fn float(kernel: &str, what: &str, b: &Buffer) -> Result<()> {
+    if !b.dtype.is_float() {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: `{what}` (buffer #{}) is {}, but this kernel takes f32, f16 or bf16",
+            b.id, b.dtype
+        )));
+    }
+    Ok(())
+}

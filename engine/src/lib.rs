@@ -1,0 +1,16 @@
+//! Kiln's backend-independent core.
+//!
+//! Everything above the device contract ([`device::Device`]) is generic over it:
+//! a backend implements that one small trait and the rest of the engine runs on it.
+
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod host;
+pub mod kernel;
+
+pub use device::{Buffer, Capabilities, Device};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use host::HostData;
+pub use kernel::{BinaryOp, Kernel, ReduceOp};

@@ -1,0 +1,109 @@
+//! Choosing devices by name: `cpu`, an adapter index (`0`), a backend (`vulkan`, `gl`),
+//! or the n-th adapter of a backend (`vulkan:1`). See `kiln devices` for the list.
+
+use std::fmt;
+use std::str::FromStr;
+
+use kiln_engine::{Device, Error, Result};
+use kiln_wgpu::{DeviceOptions, WgpuDevice};
+
+/// A parsed device selector.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU reference backend.
+    Cpu,
+    /// Adapter by its index in `kiln devices`.
+    Index(usize),
+    /// The `nth` adapter on a wgpu backend (`vulkan`, `gl`, `metal`, `dx12`).
+    Backend { backend: String, nth: usize },
+}
+
+const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim().to_ascii_lowercase();
+        if s == "cpu" {
+            return Ok(DeviceSpec::Cpu);
+        }
+        if let Ok(i) = s.parse::<usize>() {
+            return Ok(DeviceSpec::Index(i));
+        }
+        let (name, nth) = match s.split_once(':') {
+            Some((n, i)) => (
+                n,
+                i.parse::<usize>().map_err(|_| {
+                    Error::InvalidArgument(format!(
+                        "device `{s}`: `{i}` is not an adapter number; write e.g. `{n}:0`"
+                    ))
+                })?,
+            ),
+            None => (s.as_str(), 0),
+        };
+        if !BACKENDS.contains(&name) {
+            return Err(Error::InvalidArgument(format!(
+                "unknown device `{s}`: use `cpu`, an adapter index from `kiln devices`, or a backend \
+                 ({}) optionally followed by `:N`",
+                BACKENDS.join(", ")
+            )));
+        }
+        Ok(DeviceSpec::Backend {
+            backend: name.to_string(),
+            nth,
+        })
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Index(i) => write!(f, "{i}"),
+            DeviceSpec::Backend { backend, nth } => write!(f, "{backend}:{nth}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// The wgpu adapter index this spec names, or `None` for the CPU.
+    pub fn adapter_index(&self) -> Result<Option<usize>> {
+        match self {
+            DeviceSpec::Cpu => Ok(None),
+            DeviceSpec::Index(i) => Ok(Some(*i)),
+            DeviceSpec::Backend { backend, nth } => {
+                let all = kiln_wgpu::adapters();
+                let matching: Vec<usize> = all
+                    .iter()
+                    .filter(|a| a.caps.backend == *backend)
+                    .map(|a| a.index)
+                    .collect();
+                matching.get(*nth).copied().map(Some).ok_or_else(|| {
+                    if matching.is_empty() {
+                        Error::NoAdapter {
+                            hint: format!(
+                                "no `{backend}` adapter among the {} found. {}",
+                                all.len(),
+                                kiln_wgpu::NO_ADAPTER_HINT
+                            ),
+                        }
+                    } else {
+                        Error::InvalidArgument(format!(
+                            "device `{self}`: only {} `{backend}` adapter(s) found (numbered from 0); \
+                             run `kiln devices` to list them",
+                            matching.len()
+                        ))
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// Opens the device a spec names. Each call opens a new, independent device.
+pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn Device>> {
+    match spec.adapter_index()? {
+        None => Ok(Box::new(kiln_cpu::CpuDevice::new())),
+        Some(i) => Ok(Box::new(WgpuDevice::open(i, options)?)),
+    }
+}

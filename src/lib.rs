@@ -1,0 +1,13 @@
+//! Kiln: mixed-precision neural network training on any GPU, through WebGPU and Vulkan.
+//!
+//! The engine ([`engine`]) is generic over one small device contract
+//! ([`engine::Device`]); [`cpu`] is the reference backend and [`wgpu`] reaches every
+//! adapter wgpu can open. [`open_device`] turns a device spec into a device.
+
+pub use kiln_cpu as cpu;
+pub use kiln_engine as engine;
+pub use kiln_wgpu as wgpu;
+
+pub mod devices;
+
+pub use devices::{open_device, DeviceSpec};
