@@ -60,7 +60,14 @@ fn devices(json: bool) -> Result<()> {
     rows.sort_by_key(|a| a.index);
     let mib = |b: u64| format!("{} MiB", b >> 20);
     let header = [
-        "spec", "backend", "type", "name", "f16", "subgroups", "timestamps", "max binding",
+        "spec",
+        "backend",
+        "type",
+        "name",
+        "f16",
+        "subgroups",
+        "timestamps",
+        "max binding",
         "max buffer",
     ];
     let mut table: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
@@ -75,11 +82,24 @@ fn devices(json: bool) -> Result<()> {
             c.device_type.clone(),
             c.name.clone(),
             if c.f16_arithmetic { "native" } else { "packed" }.into(),
-            c.subgroup_sizes
-                .map_or("-".into(), |(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }),
+            c.subgroup_sizes.map_or("-".into(), |(a, b)| {
+                if a == b {
+                    a.to_string()
+                } else {
+                    format!("{a}-{b}")
+                }
+            }),
             if c.timestamp_queries { "yes" } else { "no" }.into(),
-            if c.backend == "cpu" { "-".into() } else { mib(c.max_storage_binding) },
-            if c.backend == "cpu" { "-".into() } else { mib(c.max_buffer) },
+            if c.backend == "cpu" {
+                "-".into()
+            } else {
+                mib(c.max_storage_binding)
+            },
+            if c.backend == "cpu" {
+                "-".into()
+            } else {
+                mib(c.max_buffer)
+            },
         ]);
     }
     let widths: Vec<usize> = (0..header.len())

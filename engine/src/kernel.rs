@@ -59,12 +59,20 @@ impl Kernel {
             Kernel::Fill { .. } => "fill",
             Kernel::Copy { .. } => "copy",
             Kernel::Cast { .. } => "cast",
-            Kernel::Binary { op: BinaryOp::Add, .. } => "add",
-            Kernel::Binary { op: BinaryOp::Mul, .. } => "mul",
+            Kernel::Binary {
+                op: BinaryOp::Add, ..
+            } => "add",
+            Kernel::Binary {
+                op: BinaryOp::Mul, ..
+            } => "mul",
             Kernel::Scale { .. } => "scale",
             Kernel::Axpy { .. } => "axpy",
-            Kernel::Reduce { op: ReduceOp::Sum, .. } => "sum",
-            Kernel::Reduce { op: ReduceOp::Max, .. } => "max",
+            Kernel::Reduce {
+                op: ReduceOp::Sum, ..
+            } => "sum",
+            Kernel::Reduce {
+                op: ReduceOp::Max, ..
+            } => "max",
             Kernel::NonFinite { .. } => "nonfinite",
         }
     }

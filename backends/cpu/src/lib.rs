@@ -74,10 +74,13 @@ impl State {
     }
 
     fn put(&mut self, b: Buffer, values: HostData, device: &str) -> Result<()> {
-        let slot = self.buffers.get_mut(&b.id).ok_or_else(|| Error::UnknownBuffer {
-            id: b.id,
-            device: device.into(),
-        })?;
+        let slot = self
+            .buffers
+            .get_mut(&b.id)
+            .ok_or_else(|| Error::UnknownBuffer {
+                id: b.id,
+                device: device.into(),
+            })?;
         *slot = values;
         Ok(())
     }

@@ -21,7 +21,8 @@ pub struct AdapterSummary {
 }
 
 /// What to tell someone whose machine shows no adapter.
-pub const NO_ADAPTER_HINT: &str = "On Debian/Ubuntu without a GPU, install Mesa's software Vulkan driver \
+pub const NO_ADAPTER_HINT: &str =
+    "On Debian/Ubuntu without a GPU, install Mesa's software Vulkan driver \
 (lavapipe): `sudo apt-get install -y mesa-vulkan-drivers`. With a GPU, install its Vulkan driver.";
 
 pub(crate) fn instance() -> &'static wgpu::Instance {
@@ -123,7 +124,7 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, disable_f16: bool) -> Capabilities
         timestamp_queries: features.contains(
             wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
         ),
-        max_storage_binding: limits.max_storage_buffer_binding_size as u64,
+        max_storage_binding: limits.max_storage_buffer_binding_size,
         max_buffer: limits.max_buffer_size,
         memory_budget: None,
     }

@@ -123,10 +123,13 @@ impl WgpuDevice {
         let errors = Arc::new(Mutex::new(Vec::new()));
         let sink = errors.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            sink.lock().unwrap_or_else(|p| p.into_inner()).push(e.to_string());
+            sink.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(e.to_string());
         }));
 
-        let arena_stride = (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_SIZE);
+        let arena_stride =
+            (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_SIZE);
         let arena = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln params arena"),
             size: arena_stride * ARENA_SLOTS,
@@ -185,7 +188,9 @@ impl WgpuDevice {
     fn encoder<'s>(&self, s: &'s mut State) -> &'s mut wgpu::CommandEncoder {
         s.encoder.get_or_insert_with(|| {
             self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kiln stream") })
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("kiln stream"),
+                })
         })
     }
 
@@ -233,15 +238,19 @@ impl WgpuDevice {
                     count: None,
                 });
             }
-            let bgl = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                label: Some("kiln kernel bindings"),
-                entries: &entries,
-            });
-            let pl = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                label: Some("kiln kernel layout"),
-                bind_group_layouts: &[Some(&bgl)],
-                immediate_size: 0,
-            });
+            let bgl = self
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some("kiln kernel bindings"),
+                    entries: &entries,
+                });
+            let pl = self
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some("kiln kernel layout"),
+                    bind_group_layouts: &[Some(&bgl)],
+                    immediate_size: 0,
+                });
             (bgl, pl)
         })
     }
@@ -252,27 +261,31 @@ impl WgpuDevice {
         }
         let source = shader::assemble(kernel, &key.reprs);
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(kernel.file),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        });
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(kernel.file),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
         let constants: Vec<(&str, f64)> = key
             .constant
             .iter()
             .map(|&(name, v)| (name, v as f64))
             .collect();
         let layout = &self.layout(s, kernel).1;
-        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(kernel.file),
-            layout: Some(layout),
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: wgpu::PipelineCompilationOptions {
-                constants: &constants,
-                zero_initialize_workgroup_memory: false,
-            },
-            cache: None,
-        });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(kernel.file),
+                layout: Some(layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &constants,
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.file)));
         }
@@ -293,7 +306,8 @@ impl WgpuDevice {
         }
         let offset = s.params.len() as u32;
         s.params.extend_from_slice(bytemuck::cast_slice(&d.params));
-        s.params.resize(offset as usize + self.arena_stride as usize, 0);
+        s.params
+            .resize(offset as usize + self.arena_stride as usize, 0);
 
         let bind_key = BindKey {
             pipeline: key.clone(),
@@ -409,7 +423,10 @@ impl Device for WgpuDevice {
 
     fn free(&self, buf: Buffer) -> Result<()> {
         let mut s = self.lock();
-        let slot = s.buffers.remove(&buf.id).ok_or_else(|| self.unknown(buf.id))?;
+        let slot = s
+            .buffers
+            .remove(&buf.id)
+            .ok_or_else(|| self.unknown(buf.id))?;
         s.allocated -= slot.meta.bytes();
         s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
         // Launches already recorded keep their own reference; wgpu frees it after them.
@@ -420,7 +437,11 @@ impl Device for WgpuDevice {
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
         check_upload(buf, data)?;
         let mut s = self.lock();
-        let target = &s.buffers.get(&buf.id).ok_or_else(|| self.unknown(buf.id))?.buffer;
+        let target = &s
+            .buffers
+            .get(&buf.id)
+            .ok_or_else(|| self.unknown(buf.id))?
+            .buffer;
         let bytes = data.as_bytes();
         if bytes.is_empty() {
             return Ok(());
@@ -431,7 +452,11 @@ impl Device for WgpuDevice {
         if s.encoder.is_none() {
             let mut view = self
                 .queue
-                .write_buffer_with(target, 0, wgpu::BufferSize::new(padded).expect("padded > 0"))
+                .write_buffer_with(
+                    target,
+                    0,
+                    wgpu::BufferSize::new(padded).expect("padded > 0"),
+                )
                 .ok_or_else(|| self.backend_error("could not stage an upload"))?;
             view.slice(..bytes.len()).copy_from_slice(bytes);
             view.slice(bytes.len()..).fill(0);
@@ -458,7 +483,12 @@ impl Device for WgpuDevice {
 
     fn download(&self, buf: Buffer) -> Result<HostData> {
         let mut s = self.lock();
-        let src = s.buffers.get(&buf.id).ok_or_else(|| self.unknown(buf.id))?.buffer.clone();
+        let src = s
+            .buffers
+            .get(&buf.id)
+            .ok_or_else(|| self.unknown(buf.id))?
+            .buffer
+            .clone();
         let padded = buf.bytes();
         let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln download"),
@@ -529,7 +559,8 @@ impl Device for WgpuDevice {
             }
             Kernel::Copy { src, dst } => {
                 let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
-                self.encoder(&mut s).copy_buffer_to_buffer(&a, 0, &b, 0, src.bytes());
+                self.encoder(&mut s)
+                    .copy_buffer_to_buffer(&a, 0, &b, 0, src.bytes());
             }
             Kernel::Cast { src, dst } => self.elementwise(
                 &mut s,

@@ -9,7 +9,11 @@ use kiln_engine::DType;
 
 macro_rules! shader {
     ($path:literal) => {
-        include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shaders/", $path))
+        include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shaders/",
+            $path
+        ))
     };
 }
 
@@ -116,7 +120,9 @@ impl Repr {
             DType::F16 if native_f16 => Repr::F16,
             DType::F16 => Repr::F16Packed,
             DType::BF16 => Repr::BF16,
-            DType::U32 => unreachable!("u32 buffers are never typed slots; Kernel::validate rejects them"),
+            DType::U32 => {
+                unreachable!("u32 buffers are never typed slots; Kernel::validate rejects them")
+            }
         }
     }
 
@@ -154,7 +160,12 @@ fn section<'a>(template: &'a str, name: &str) -> &'a str {
 /// The full WGSL module for `kernel` with `reprs` for its typed slots, in slot order.
 pub fn assemble(kernel: &KernelSource, reprs: &[Repr]) -> String {
     let n_typed = kernel.slots.iter().filter(|s| s.typed).count();
-    assert_eq!(n_typed, reprs.len(), "{}: one repr per typed slot", kernel.file);
+    assert_eq!(
+        n_typed,
+        reprs.len(),
+        "{}: one repr per typed slot",
+        kernel.file
+    );
     let mut out = String::new();
     if reprs.contains(&Repr::F16) {
         out.push_str("enable f16;\n\n");

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what Kiln needs beyond a Rust toolchain on Debian/Ubuntu: Vulkan and GL
+# drivers. On a machine without a GPU these are Mesa's software drivers (lavapipe for
+# Vulkan, llvmpipe for GL), which is how the test suite runs everywhere.
+set -euo pipefail
+
+packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri)
+
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "setup: installing ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "setup: cargo not found; install Rust from https://rustup.rs and rerun" >&2
+    exit 1
+fi

@@ -1,0 +1,230 @@
+//! Shared test helpers: the GPU paths every kernel must pass on, the CPU oracle,
+//! deterministic random data and comparisons with stated tolerances.
+#![allow(dead_code)]
+
+use half::{bf16, f16};
+use kiln::engine::{Buffer, DType, Device, HostData, Kernel};
+use kiln::wgpu::{find_adapter, DeviceOptions, WgpuDevice};
+
+/// A GPU device under test, named for failure messages.
+pub struct Path {
+    pub name: &'static str,
+    pub dev: Box<dyn Device>,
+}
+
+/// Opens a device on the first adapter of `backend`. No adapter is a test failure,
+/// never a skip: a GPU test that silently passes without a GPU proves nothing.
+pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
+    let index = find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+    Box::new(
+        WgpuDevice::open(index, &DeviceOptions { disable_f16 })
+            .unwrap_or_else(|e| panic!("opening {backend}: {e}")),
+    )
+}
+
+/// Both f16 paths: Vulkan with native f16, the same adapter with f16 forced off, and
+/// the GL adapter, which has no SHADER_F16 at all.
+pub fn gpu_paths() -> Vec<Path> {
+    let vk = gpu("vulkan", false);
+    assert!(
+        vk.caps().f16_arithmetic,
+        "the Vulkan adapter `{}` has no native f16; lavapipe should (it needs F16C)",
+        vk.caps().name
+    );
+    let packed = gpu("vulkan", true);
+    assert!(!packed.caps().f16_arithmetic);
+    let gl = gpu("gl", false);
+    assert!(!gl.caps().f16_arithmetic);
+    vec![
+        Path {
+            name: "vulkan (native f16)",
+            dev: vk,
+        },
+        Path {
+            name: "vulkan (packed f16)",
+            dev: packed,
+        },
+        Path {
+            name: "gl (packed f16)",
+            dev: gl,
+        },
+    ]
+}
+
+/// Small deterministic generator (xorshift64*), so failures reproduce.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn next_u32(&mut self) -> u32 {
+        (self.next_u64() >> 32) as u32
+    }
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        lo + (hi - lo) * ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32)
+    }
+    /// f32 with random sign, mantissa bits and a binary exponent in [lo, hi]: every
+    /// rounding case of a 16-bit conversion, ties included, shows up often.
+    pub fn wide(&mut self, lo: i32, hi: i32) -> f32 {
+        let e = lo + (self.next_u32() % (hi - lo + 1) as u32) as i32;
+        let bits = ((e + 127) as u32) << 23 | (self.next_u32() & 0x807f_ffff);
+        f32::from_bits(bits)
+    }
+}
+
+/// Values every 16-bit conversion must get right: signed zeros, the f16 limits, the
+/// round-to-infinity edge, subnormals of both types, ties, and non-finite values.
+pub fn edge_values() -> Vec<f32> {
+    vec![
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        65504.0,
+        65519.996,
+        65520.0,
+        -65536.0,
+        6.1035156e-5,
+        5.9604645e-8,
+        2.9802322e-8,
+        2.9802326e-8,
+        8.940697e-8,
+        1.0e-10,
+        // Exact ties for f16 (1 + 2^-11, 1 + 3*2^-11) and bf16 (1 + 2^-8, 1 + 3*2^-8).
+        f32::from_bits(0x3f80_1000),
+        f32::from_bits(0x3f80_3000),
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        f32::MIN_POSITIVE,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ]
+}
+
+/// Data of `len` elements: the edge values first (when `edges`), then wide-range values.
+pub fn data(dtype: DType, len: usize, seed: u64, edges: bool) -> HostData {
+    let mut rng = Rng::new(seed);
+    let mut v: Vec<f32> = if edges { edge_values() } else { vec![] };
+    v.truncate(len);
+    while v.len() < len {
+        v.push(rng.wide(-26, 17));
+    }
+    match dtype {
+        DType::U32 => HostData::U32((0..len).map(|_| rng.next_u32()).collect()),
+        _ => HostData::from_f32(dtype, &v),
+    }
+}
+
+/// Finite data in [-2, 2) for arithmetic kernels.
+pub fn finite(dtype: DType, len: usize, seed: u64) -> HostData {
+    let mut rng = Rng::new(seed);
+    let v: Vec<f32> = (0..len).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    HostData::from_f32(dtype, &v)
+}
+
+/// Allocates and fills a buffer.
+pub fn put(dev: &dyn Device, data: &HostData) -> Buffer {
+    let b = dev.alloc(data.dtype(), data.len()).expect("alloc");
+    dev.upload(b, data).expect("upload");
+    b
+}
+
+/// Bit-exact equality, except that any NaN matches any NaN (payloads may differ
+/// between a native conversion and ours).
+pub fn assert_bits_eq(what: &str, got: &HostData, want: &HostData) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (g, w) = (got.to_f32(), want.to_f32());
+    let (gb, wb) = (got.bits(), want.bits());
+    for i in 0..g.len() {
+        if g[i].is_nan() && w[i].is_nan() {
+            continue;
+        }
+        assert_eq!(
+            gb[i],
+            wb[i],
+            "{what}: element {i} of {} is {} ({:#x}), expected {} ({:#x})",
+            g.len(),
+            g[i],
+            gb[i],
+            w[i],
+            wb[i]
+        );
+    }
+}
+
+/// Distance in units in the last place of `dtype` between two finite values of it.
+fn ulps(dtype: DType, a: f32, b: f32) -> u64 {
+    // Map sign-magnitude bits onto a monotonic integer line.
+    let key = |x: f32| -> i64 {
+        let (bits, top) = match dtype {
+            DType::F16 => (f16::from_f32(x).to_bits() as i64, 1i64 << 15),
+            DType::BF16 => (bf16::from_f32(x).to_bits() as i64, 1i64 << 15),
+            _ => (x.to_bits() as i64, 1i64 << 31),
+        };
+        if bits >= top {
+            top - bits
+        } else {
+            bits
+        }
+    };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+/// Each element within `max_ulps` units in the last place of the output dtype.
+///
+/// Elementwise kernels compute in f32 and round once, as the CPU does, so results are
+/// usually bit-identical; one ulp is allowed because a GPU compiler may contract
+/// `alpha * x + y` into a fused multiply-add, which rounds once where the CPU rounds twice.
+pub fn assert_ulps(what: &str, got: &HostData, want: &HostData, max_ulps: u64) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (g, w) = (got.to_f32(), want.to_f32());
+    for i in 0..g.len() {
+        let d = ulps(got.dtype(), g[i], w[i]);
+        assert!(
+            d <= max_ulps,
+            "{what}: element {i} of {} is {} but the CPU gives {} ({d} ulps apart, {max_ulps} allowed)",
+            g.len(),
+            g[i],
+            w[i]
+        );
+    }
+}
+
+/// Runs one launch on a GPU device and on the CPU oracle with the same inputs and
+/// returns the contents of `outputs` from both, (gpu, cpu) per output.
+pub fn run_both(
+    gpu: &dyn Device,
+    inputs: &[HostData],
+    make: impl Fn(&[Buffer]) -> (Kernel, Vec<usize>),
+) -> Vec<(HostData, HostData)> {
+    let cpu = kiln::cpu::CpuDevice::new();
+    let run = |dev: &dyn Device| -> Vec<HostData> {
+        let bufs: Vec<Buffer> = inputs.iter().map(|d| put(dev, d)).collect();
+        let (kernel, outs) = make(&bufs);
+        dev.launch(&kernel).expect("launch");
+        dev.submit().expect("submit");
+        let res = outs
+            .iter()
+            .map(|&i| dev.download(bufs[i]).expect("download"))
+            .collect();
+        for b in bufs {
+            dev.free(b).expect("free");
+        }
+        res
+    };
+    let g = run(gpu);
+    let c = run(&cpu);
+    g.into_iter().zip(c).collect()
+}

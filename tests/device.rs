@@ -1,0 +1,237 @@
+//! The device contract itself: independent devices, exact round trips, and clear
+//! errors (never panics) on bad input.
+
+mod common;
+
+use common::*;
+use kiln::engine::{DType, Device, Error, HostData, Kernel};
+use kiln::wgpu::{DeviceOptions, WgpuDevice};
+use kiln::{open_device, DeviceSpec};
+
+fn all_devices() -> Vec<(String, Box<dyn Device>)> {
+    let mut v: Vec<(String, Box<dyn Device>)> = gpu_paths()
+        .into_iter()
+        .map(|p| (p.name.to_string(), p.dev))
+        .collect();
+    v.push(("cpu".into(), Box::new(kiln::cpu::CpuDevice::new())));
+    v
+}
+
+#[test]
+fn two_devices_on_one_adapter_round_trip_exactly() {
+    let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
+    let d0 = WgpuDevice::open(index, &DeviceOptions::default()).unwrap();
+    let d1 = WgpuDevice::open(index, &DeviceOptions::default()).unwrap();
+    for dtype in DType::ALL {
+        let original = data(dtype, 1001, 42, true);
+        let b0 = put(&d0, &original);
+        let back = d0.download(b0).unwrap();
+        let b1 = put(&d1, &back);
+        // Work on device 1 must not touch device 0's memory.
+        d1.launch(&Kernel::Fill {
+            dst: b1,
+            value: 3.0,
+        })
+        .unwrap();
+        d1.upload(b1, &back).unwrap();
+        let again = d1.download(b1).unwrap();
+        assert_eq!(original.bits(), again.bits(), "{dtype} via device 1");
+        assert_eq!(
+            original.bits(),
+            d0.download(b0).unwrap().bits(),
+            "{dtype} on device 0"
+        );
+    }
+    // Ids are per device: device 1's handle is not valid on device 0 once freed there.
+    let b = d1.alloc(DType::F32, 4).unwrap();
+    d1.free(b).unwrap();
+    assert!(matches!(d1.download(b), Err(Error::UnknownBuffer { .. })));
+}
+
+#[test]
+fn uploads_of_the_wrong_dtype_or_length_are_errors() {
+    for (name, dev) in all_devices() {
+        let b = dev.alloc(DType::F16, 10).unwrap();
+        let e = dev.upload(b, &HostData::F32(vec![0.0; 10])).unwrap_err();
+        assert!(matches!(e, Error::DTypeMismatch { .. }), "{name}: {e}");
+        assert!(
+            e.to_string().contains("f16") && e.to_string().contains("f32"),
+            "{name}: {e}"
+        );
+        let e = dev
+            .upload(b, &HostData::from_f32(DType::F16, &[0.0; 9]))
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::LenMismatch {
+                    expected: 10,
+                    found: 9,
+                    ..
+                }
+            ),
+            "{name}: {e}"
+        );
+    }
+}
+
+#[test]
+fn freed_buffers_are_errors_everywhere() {
+    for (name, dev) in all_devices() {
+        let b = dev.alloc(DType::F32, 3).unwrap();
+        let before = dev.allocated_bytes();
+        dev.free(b).unwrap();
+        assert_eq!(
+            dev.allocated_bytes(),
+            before - b.bytes(),
+            "{name}: allocator count"
+        );
+        let e = dev.download(b).unwrap_err();
+        assert!(
+            matches!(e, Error::UnknownBuffer { id, .. } if id == b.id),
+            "{name}: {e}"
+        );
+        assert!(e.to_string().contains("freed"), "{name}: {e}");
+        assert!(
+            dev.upload(b, &HostData::F32(vec![1.0; 3])).is_err(),
+            "{name}"
+        );
+        assert!(dev.free(b).is_err(), "{name}: double free");
+        let e = dev
+            .launch(&Kernel::Fill { dst: b, value: 1.0 })
+            .unwrap_err();
+        assert!(matches!(e, Error::UnknownBuffer { .. }), "{name}: {e}");
+    }
+}
+
+#[test]
+fn bad_launches_are_errors() {
+    for (name, dev) in all_devices() {
+        let a = dev.alloc(DType::F32, 5).unwrap();
+        let short = dev.alloc(DType::F32, 4).unwrap();
+        let ints = dev.alloc(DType::U32, 5).unwrap();
+        let scalar = dev.alloc(DType::F32, 1).unwrap();
+        let bad = [
+            Kernel::Copy { src: a, dst: short },
+            Kernel::Cast { src: ints, dst: a },
+            Kernel::Binary {
+                op: kiln::engine::BinaryOp::Add,
+                a,
+                b: short,
+                out: a,
+            },
+            Kernel::Reduce {
+                op: kiln::engine::ReduceOp::Sum,
+                src: a,
+                dst: short,
+            },
+            Kernel::Reduce {
+                op: kiln::engine::ReduceOp::Sum,
+                src: ints,
+                dst: scalar,
+            },
+            Kernel::NonFinite {
+                srcs: vec![],
+                flag: ints,
+            },
+            Kernel::NonFinite {
+                srcs: vec![a],
+                flag: scalar,
+            },
+            Kernel::Fill {
+                dst: ints,
+                value: -1.0,
+            },
+            Kernel::Fill {
+                dst: ints,
+                value: 0.5,
+            },
+        ];
+        for k in bad {
+            let e = dev
+                .launch(&k)
+                .expect_err(&format!("{name}: {k:?} should fail"));
+            assert!(!e.to_string().is_empty());
+        }
+        // A forged handle with the right id but the wrong shape is caught too.
+        let forged = kiln::engine::Buffer { len: 99, ..a };
+        if dev.caps().backend != "cpu" {
+            assert!(
+                dev.launch(&Kernel::Fill {
+                    dst: forged,
+                    value: 0.0
+                })
+                .is_err(),
+                "{name}"
+            );
+        }
+        // Nothing bad was recorded: the device still works.
+        dev.launch(&Kernel::Fill { dst: a, value: 2.0 }).unwrap();
+        dev.submit().unwrap();
+        assert_eq!(
+            dev.download(a).unwrap(),
+            HostData::F32(vec![2.0; 5]),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_adapter_is_a_clear_error() {
+    let n = kiln::wgpu::adapters().len();
+    let e = WgpuDevice::open(n + 3, &DeviceOptions::default())
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::NoSuchAdapter { .. }), "{e}");
+    assert!(e.to_string().contains("kiln devices"), "{e}");
+
+    let e = open_device(&"vulkan:57".parse().unwrap(), &DeviceOptions::default())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("only"), "{e}");
+
+    // A backend with no adapter here says how to get one.
+    let absent = if cfg!(target_os = "macos") {
+        "dx12"
+    } else {
+        "metal"
+    };
+    let e = kiln::wgpu::find_adapter(absent).unwrap_err();
+    assert!(e.to_string().contains("mesa-vulkan-drivers"), "{e}");
+
+    let e = "vulkna:0".parse::<DeviceSpec>().unwrap_err();
+    assert!(e.to_string().contains("unknown device"), "{e}");
+    let e = "vulkan:x".parse::<DeviceSpec>().unwrap_err();
+    assert!(e.to_string().contains("vulkan:0"), "{e}");
+}
+
+#[test]
+fn oversized_allocations_are_errors() {
+    let dev = gpu("vulkan", false);
+    let too_big = (dev.caps().max_buffer / 4 + 1) as usize;
+    let e = dev.alloc(DType::F32, too_big).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    assert!(e.to_string().contains("largest buffer"), "{e}");
+}
+
+#[test]
+fn device_specs_parse() {
+    assert_eq!("cpu".parse::<DeviceSpec>().unwrap(), DeviceSpec::Cpu);
+    assert_eq!("2".parse::<DeviceSpec>().unwrap(), DeviceSpec::Index(2));
+    assert_eq!(
+        "Vulkan:1".parse::<DeviceSpec>().unwrap(),
+        DeviceSpec::Backend {
+            backend: "vulkan".into(),
+            nth: 1
+        }
+    );
+    assert_eq!(
+        "gl".parse::<DeviceSpec>().unwrap(),
+        DeviceSpec::Backend {
+            backend: "gl".into(),
+            nth: 0
+        }
+    );
+    let gl = open_device(&"gl".parse().unwrap(), &DeviceOptions::default()).unwrap();
+    assert_eq!(gl.caps().backend, "gl");
+}

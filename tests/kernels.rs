@@ -1,0 +1,282 @@
+//! Every first-generation kernel against the CPU reference, on both f16 paths,
+//! over awkward sizes: empty, one element, odd, primes, past a workgroup, and large.
+
+mod common;
+
+use common::*;
+use kiln::engine::{BinaryOp, DType, HostData, Kernel, ReduceOp};
+
+/// 0 where legal, 1, odd and prime lengths, one past a workgroup of pairs, and a
+/// large prime that needs many workgroups and an odd tail.
+const SIZES: [usize; 6] = [0, 1, 7, 513, 4099, 1_000_003];
+
+#[test]
+fn fill_matches_cpu_bit_exactly() {
+    for p in gpu_paths() {
+        for dtype in DType::ALL {
+            let values: &[f64] = if dtype == DType::U32 {
+                &[0.0, 7.0, 4294967295.0]
+            } else {
+                &[0.0, -0.0, 1.5, 0.1, -65520.0, 1e-7, f64::INFINITY, f64::NAN]
+            };
+            for &value in values {
+                for len in SIZES {
+                    let out = run_both(p.dev.as_ref(), &[HostData::zeros(dtype, len)], |b| {
+                        (Kernel::Fill { dst: b[0], value }, vec![0])
+                    });
+                    let what = format!("{}: fill {dtype} x{len} with {value}", p.name);
+                    assert_bits_eq(&what, &out[0].0, &out[0].1);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn copy_is_bit_exact() {
+    for p in gpu_paths() {
+        for dtype in DType::ALL {
+            for len in SIZES {
+                let src = data(dtype, len, len as u64, true);
+                let out = run_both(
+                    p.dev.as_ref(),
+                    &[src.clone(), HostData::zeros(dtype, len)],
+                    |b| {
+                        (
+                            Kernel::Copy {
+                                src: b[0],
+                                dst: b[1],
+                            },
+                            vec![1],
+                        )
+                    },
+                );
+                let what = format!("{}: copy {dtype} x{len}", p.name);
+                assert_bits_eq(&what, &out[0].0, &src);
+                assert_bits_eq(&what, &out[0].0, &out[0].1);
+            }
+        }
+    }
+}
+
+#[test]
+fn cast_matches_cpu_bit_exactly_between_all_float_dtypes() {
+    for p in gpu_paths() {
+        for from in DType::FLOATS {
+            for to in DType::FLOATS {
+                for len in SIZES {
+                    let src = data(from, len, 17 + len as u64, true);
+                    let out = run_both(p.dev.as_ref(), &[src, HostData::zeros(to, len)], |b| {
+                        (
+                            Kernel::Cast {
+                                src: b[0],
+                                dst: b[1],
+                            },
+                            vec![1],
+                        )
+                    });
+                    let what = format!("{}: cast {from} -> {to} x{len}", p.name);
+                    assert_bits_eq(&what, &out[0].0, &out[0].1);
+                }
+            }
+        }
+    }
+}
+
+/// Same-dtype operands for each float dtype, plus the mixes training uses
+/// (f16 activations with f32 gradients, bf16 with f32).
+fn operand_sets() -> Vec<[DType; 3]> {
+    use DType::*;
+    vec![
+        [F32, F32, F32],
+        [F16, F16, F16],
+        [BF16, BF16, BF16],
+        [F16, F32, F32],
+        [F32, BF16, F16],
+        [BF16, F16, BF16],
+    ]
+}
+
+#[test]
+fn add_and_mul_match_cpu() {
+    for p in gpu_paths() {
+        for op in [BinaryOp::Add, BinaryOp::Mul] {
+            for [da, db, dout] in operand_sets() {
+                for len in SIZES {
+                    let inputs = [
+                        finite(da, len, 1 + len as u64),
+                        finite(db, len, 2 + len as u64),
+                        HostData::zeros(dout, len),
+                    ];
+                    let out = run_both(p.dev.as_ref(), &inputs, |b| {
+                        let k = Kernel::Binary {
+                            op,
+                            a: b[0],
+                            b: b[1],
+                            out: b[2],
+                        };
+                        (k, vec![2])
+                    });
+                    let what = format!("{}: {op:?} {da},{db} -> {dout} x{len}", p.name);
+                    // One f32 operation rounded once to the output: exact, see assert_ulps.
+                    assert_ulps(&what, &out[0].0, &out[0].1, 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn scale_and_axpy_match_cpu() {
+    for p in gpu_paths() {
+        for [dx, dy, _] in operand_sets() {
+            for len in SIZES {
+                let alpha = -0.7391;
+                let inputs = [
+                    finite(dx, len, 3 + len as u64),
+                    finite(dy, len, 4 + len as u64),
+                ];
+                let scaled = run_both(p.dev.as_ref(), &inputs, |b| {
+                    (
+                        Kernel::Scale {
+                            alpha,
+                            x: b[0],
+                            out: b[1],
+                        },
+                        vec![1],
+                    )
+                });
+                let what = format!("{}: scale {dx} -> {dy} x{len}", p.name);
+                assert_ulps(&what, &scaled[0].0, &scaled[0].1, 0);
+
+                let axpy = run_both(p.dev.as_ref(), &inputs, |b| {
+                    (
+                        Kernel::Axpy {
+                            alpha,
+                            x: b[0],
+                            y: b[1],
+                        },
+                        vec![1],
+                    )
+                });
+                let what = format!("{}: axpy {dx} into {dy} x{len}", p.name);
+                assert_ulps(&what, &axpy[0].0, &axpy[0].1, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn sum_and_max_match_cpu_within_f32_accumulation_error() {
+    for p in gpu_paths() {
+        for dtype in DType::FLOATS {
+            for len in SIZES {
+                let src = finite(dtype, len, 5 + len as u64);
+                let abs_sum: f64 = src.to_f32().iter().map(|v| v.abs() as f64).sum();
+                for op in [ReduceOp::Sum, ReduceOp::Max] {
+                    let out = run_both(
+                        p.dev.as_ref(),
+                        &[src.clone(), HostData::zeros(DType::F32, 1)],
+                        |b| {
+                            (
+                                Kernel::Reduce {
+                                    op,
+                                    src: b[0],
+                                    dst: b[1],
+                                },
+                                vec![1],
+                            )
+                        },
+                    );
+                    let (g, c) = (out[0].0.to_f32()[0], out[0].1.to_f32()[0]);
+                    let what = format!("{}: {op:?} of {dtype} x{len}", p.name);
+                    match op {
+                        // Max involves no rounding at all.
+                        ReduceOp::Max => assert_eq!(g.to_bits(), c.to_bits(), "{what}"),
+                        // f32 accumulation along at most `depth` sequential additions: each
+                        // thread folds ceil(len / (2 * 256 * 256)) pairs, then two 8-level
+                        // trees; error <= depth * eps32 * sum |x| (standard bound).
+                        ReduceOp::Sum => {
+                            let depth = 2 * len.div_ceil(2 * 256 * 256) + 8 + 8 + 2;
+                            let tol = depth as f64 * f32::EPSILON as f64 * abs_sum;
+                            assert!(
+                                (g as f64 - c as f64).abs() <= tol,
+                                "{what}: gpu {g}, cpu {c}, tolerance {tol}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn nonfinite_flags_any_inf_or_nan_across_buffers() {
+    for p in gpu_paths() {
+        for dtype in DType::FLOATS {
+            for len in [1usize, 7, 4099, 1_000_003] {
+                let clean = finite(dtype, len, 6);
+                let poison = |at: usize, v: f32| {
+                    let mut x = finite(DType::F32, len, 7).to_f32();
+                    x[at] = v;
+                    HostData::from_f32(dtype, &x)
+                };
+                let cases = [
+                    ("clean", vec![clean.clone(), finite(DType::F32, 3, 8)], 0u32),
+                    (
+                        "inf at the odd tail",
+                        vec![clean.clone(), poison(len - 1, f32::INFINITY)],
+                        1,
+                    ),
+                    (
+                        "NaN at the start",
+                        vec![poison(0, f32::NAN), clean.clone()],
+                        1,
+                    ),
+                    ("-inf mid-way", vec![poison(len / 2, f32::NEG_INFINITY)], 1),
+                ];
+                for (case, inputs, want) in cases {
+                    let mut all = inputs.clone();
+                    all.push(HostData::U32(vec![7])); // stale flag: the kernel must clear it
+                    let n = inputs.len();
+                    let out = run_both(p.dev.as_ref(), &all, |b| {
+                        let k = Kernel::NonFinite {
+                            srcs: b[..n].to_vec(),
+                            flag: b[n],
+                        };
+                        (k, vec![n])
+                    });
+                    let what = format!("{}: nonfinite {dtype} x{len} {case}", p.name);
+                    assert_eq!(out[0].1, HostData::U32(vec![want]), "{what}: cpu");
+                    assert_eq!(out[0].0, HostData::U32(vec![want]), "{what}: gpu");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn many_launches_share_one_submit_and_keep_program_order() {
+    // 3000 dependent launches in one stream: more than one parameter arena's worth is
+    // not needed for correctness, but the order must hold across uploads mid-stream.
+    for p in gpu_paths() {
+        let dev = p.dev.as_ref();
+        let x = put(dev, &HostData::F32(vec![1.0; 9]));
+        let y = put(dev, &HostData::F32(vec![0.0; 9]));
+        for _ in 0..3000 {
+            dev.launch(&Kernel::Axpy { alpha: 1.0, x, y }).unwrap();
+        }
+        // Uploaded after the launches above were recorded: must not overwrite `x` before them.
+        dev.upload(x, &HostData::F32(vec![2.0; 9])).unwrap();
+        dev.launch(&Kernel::Axpy { alpha: 1.0, x, y }).unwrap();
+        dev.submit().unwrap();
+        dev.wait().unwrap();
+        assert_eq!(
+            dev.download(y).unwrap(),
+            HostData::F32(vec![3002.0; 9]),
+            "{}",
+            p.name
+        );
+    }
+}
