@@ -4,7 +4,7 @@
 //! a backend matches on it and records the matching pipeline. Argument checks live
 //! here, once, so every backend rejects the same bad launches with the same words.
 
-use crate::{Buffer, DType, Error, Result};
+use crate::{Buffer, DType, Error, Matmul, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
@@ -50,6 +50,8 @@ pub enum Kernel {
     /// `flag[0] = 1` if any element of any `srcs` is inf or NaN, else 0.
     /// `flag` is a 1-element u32 buffer; one launch checks all of `srcs`.
     NonFinite { srcs: Vec<Buffer>, flag: Buffer },
+    /// A batched GEMM with optional fused epilogue; see [`Matmul`].
+    Matmul(Matmul),
 }
 
 impl Kernel {
@@ -74,6 +76,7 @@ impl Kernel {
                 op: ReduceOp::Max, ..
             } => "max",
             Kernel::NonFinite { .. } => "nonfinite",
+            Kernel::Matmul(_) => "matmul",
         }
     }
 
@@ -91,6 +94,7 @@ impl Kernel {
                 v.push(*flag);
                 v
             }
+            Kernel::Matmul(mm) => mm.buffers(),
         }
     }
 
@@ -156,6 +160,7 @@ impl Kernel {
                 same_dtype(k, "flag", flag, DType::U32)?;
                 same_len(k, "flag", flag, 1)
             }
+            Kernel::Matmul(mm) => mm.validate(),
         }
     }
 }

@@ -8,9 +8,11 @@ pub mod dtype;
 pub mod error;
 pub mod host;
 pub mod kernel;
+pub mod matmul;
 
 pub use device::{Buffer, Capabilities, Device};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use host::HostData;
 pub use kernel::{BinaryOp, Kernel, ReduceOp};
+pub use matmul::Matmul;

@@ -5,7 +5,24 @@
 fn $S_load(w: u32) -> vec2<f32> {
     return $S_buf[w];
 }
+//@ at
+fn $S_at(i: u32) -> f32 {
+    return $S_buf[i >> 1u][i & 1u];
+}
+fn $S_at4(i: u32) -> vec4<f32> {
+    let w = i >> 1u;
+    return vec4<f32>($S_buf[w], $S_buf[w + 1u]);
+}
 //@ store
 fn $S_store(w: u32, v: vec2<f32>) {
     $S_buf[w] = v;
+}
+//@ put
+fn $S_put(i: u32, v: f32) {
+    $S_buf[i >> 1u][i & 1u] = v;
+}
+fn $S_put4(i: u32, v: vec4<f32>) {
+    let w = i >> 1u;
+    $S_buf[w] = v.xy;
+    $S_buf[w + 1u] = v.zw;
 }

@@ -11,8 +11,10 @@ use std::sync::Mutex;
 
 use half::{bf16, f16};
 use kiln_engine::device::check_upload;
+use kiln_engine::matmul::gelu_f64;
 use kiln_engine::{
-    BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, ReduceOp, Result,
+    BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul, ReduceOp,
+    Result,
 };
 
 pub struct CpuDevice {
@@ -176,6 +178,7 @@ impl Device for CpuDevice {
                 }
                 s.put(*flag, HostData::U32(vec![any as u32]), name)
             }
+            Kernel::Matmul(mm) => matmul(&mut s, mm, name),
         }
     }
 
@@ -203,4 +206,55 @@ fn fill_float(dtype: DType, value: f64, len: usize) -> HostData {
         DType::BF16 => HostData::BF16(vec![bf16::from_f64(value); len]),
         DType::U32 => unreachable!("u32 fills are handled by the caller"),
     }
+}
+
+/// The reference GEMM: products summed in f64, the epilogue in f64, one rounding to
+/// C's dtype at the end. Tighter than any f32-accumulating kernel, so GPU results are
+/// judged against an error bound, not against another f32 ordering.
+fn matmul(s: &mut State, mm: &Matmul, name: &str) -> Result<()> {
+    let a = s.f32s(mm.a, name)?;
+    let b = s.f32s(mm.b, name)?;
+    let mut c = s.get(mm.c, name)?.to_f32();
+    let bias = match mm.bias {
+        Some(bb) => Some(s.f32s(bb, name)?),
+        None => None,
+    };
+    let mut c32 = match mm.c_f32 {
+        Some(cf) => Some(s.f32s(cf, name)?),
+        None => None,
+    };
+    let mut row = vec![0f64; mm.n];
+    for g in 0..mm.batch {
+        for i in 0..mm.m {
+            row.iter_mut().for_each(|v| *v = 0.0);
+            for kk in 0..mm.k {
+                let av = a[mm.a_index(g, i, kk)] as f64;
+                for (j, r) in row.iter_mut().enumerate() {
+                    *r += av * b[mm.b_index(g, kk, j)] as f64;
+                }
+            }
+            for (j, &acc) in row.iter().enumerate() {
+                let at = g * mm.stride_c + i * mm.n + j;
+                let mut v = mm.alpha as f64 * acc;
+                if mm.beta != 0.0 {
+                    v += mm.beta as f64 * c[at] as f64;
+                }
+                if let Some(bias) = &bias {
+                    v += bias[j] as f64;
+                }
+                if mm.gelu {
+                    v = gelu_f64(v);
+                }
+                c[at] = v as f32;
+                if let Some(c32) = &mut c32 {
+                    c32[at] = v as f32;
+                }
+            }
+        }
+    }
+    s.put(mm.c, HostData::from_f32(mm.c.dtype, &c), name)?;
+    if let (Some(cf), Some(c32)) = (mm.c_f32, c32) {
+        s.put(cf, HostData::F32(c32), name)?;
+    }
+    Ok(())
 }

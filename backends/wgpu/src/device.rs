@@ -24,22 +24,28 @@ const WORKGROUP: u32 = 256;
 const MAX_GROUPS: u32 = 65535;
 /// Workgroups in the first pass of a reduction, so also the partials the second folds.
 const REDUCE_GROUPS: u32 = 256;
-/// Bytes of one launch's parameters (`shaders/common/params.wgsl`).
-const PARAMS_SIZE: u64 = 16;
+/// Bytes of the largest launch parameters (`shaders/common/matmul_params.wgsl`).
+const PARAMS_MAX: u64 = shader::MATMUL_PARAMS_SIZE;
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
 const ARENA_SLOTS: u64 = 4096;
 /// Internal buffer ids live at the top of the id space, apart from user buffers.
-const SCRATCH_ID: u64 = u64::MAX;
+pub(crate) const SCRATCH_ID: u64 = u64::MAX;
+pub(crate) const PARTIALS_ID: u64 = u64::MAX - 1;
+pub(crate) const DUMMY_ID: u64 = u64::MAX - 2;
 
 pub struct WgpuDevice {
-    caps: Capabilities,
+    pub(crate) caps: Capabilities,
     device: wgpu::Device,
     queue: wgpu::Queue,
     /// Alignment of dynamic uniform offsets.
     arena_stride: u64,
     arena: wgpu::Buffer,
-    /// Partials of a reduction's first pass.
-    scratch: wgpu::Buffer,
+    /// Partials of a reduction's first pass; also bound where a kernel's optional
+    /// operand is absent.
+    pub(crate) scratch: wgpu::Buffer,
+    /// Bound read-only where a kernel's optional input is absent (a buffer may not be
+    /// bound both read-only and writable in one dispatch, so it cannot be `scratch`).
+    pub(crate) dummy: wgpu::Buffer,
     /// Validation errors wgpu reports out of band; checked at submit.
     errors: Arc<Mutex<Vec<String>>>,
     state: Mutex<State>,
@@ -52,9 +58,10 @@ struct Slot {
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct PipelineKey {
-    file: &'static str,
+    name: &'static str,
     reprs: Vec<Repr>,
-    constant: Option<(&'static str, u32)>,
+    consts: Vec<(&'static str, u32)>,
+    overrides: Vec<(&'static str, u32)>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -64,27 +71,32 @@ struct BindKey {
 }
 
 #[derive(Default)]
-struct State {
+pub(crate) struct State {
     next_id: u64,
     buffers: HashMap<u64, Slot>,
     allocated: u64,
-    layouts: HashMap<Vec<Access>, (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    layouts: HashMap<(Vec<Access>, u64), (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pipelines: HashMap<PipelineKey, wgpu::ComputePipeline>,
     bind_groups: HashMap<BindKey, wgpu::BindGroup>,
     encoder: Option<wgpu::CommandEncoder>,
     /// Parameters of the launches recorded since the last submit.
     params: Vec<u8>,
+    /// f32 split-K partials of GEMMs (grown on demand, kept for reuse).
+    pub(crate) partials: Option<wgpu::Buffer>,
 }
 
 /// One dispatch, before it is recorded.
-struct Dispatch<'a> {
-    kernel: &'static KernelSource,
-    reprs: Vec<Repr>,
-    constant: Option<(&'static str, u32)>,
+pub(crate) struct Dispatch<'a> {
+    pub kernel: &'static KernelSource,
+    pub reprs: Vec<Repr>,
+    /// Assembly-time constants (tile shapes); each set is its own module.
+    pub consts: Vec<(&'static str, u32)>,
+    /// Pipeline-overridable constants (`override` in WGSL), as u32 (bools: 0 or 1).
+    pub overrides: Vec<(&'static str, u32)>,
     /// (id, buffer) per slot, in slot order.
-    buffers: Vec<(u64, &'a wgpu::Buffer)>,
-    params: [u32; 4],
-    groups: u32,
+    pub buffers: Vec<(u64, &'a wgpu::Buffer)>,
+    pub params: Vec<u32>,
+    pub groups: (u32, u32, u32),
 }
 
 impl WgpuDevice {
@@ -129,7 +141,7 @@ impl WgpuDevice {
         }));
 
         let arena_stride =
-            (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_SIZE);
+            (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_MAX);
         let arena = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln params arena"),
             size: arena_stride * ARENA_SLOTS,
@@ -142,7 +154,14 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let dummy = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln absent operand"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         Ok(WgpuDevice {
+            dummy,
             caps,
             device,
             queue,
@@ -157,11 +176,11 @@ impl WgpuDevice {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn backend_error(&self, detail: impl Into<String>) -> Error {
+    pub(crate) fn backend_error(&self, detail: impl Into<String>) -> Error {
         Error::Backend {
             device: self.caps.name.clone(),
             detail: detail.into(),
@@ -178,14 +197,14 @@ impl WgpuDevice {
         Err(self.backend_error(all))
     }
 
-    fn unknown(&self, id: u64) -> Error {
+    pub(crate) fn unknown(&self, id: u64) -> Error {
         Error::UnknownBuffer {
             id,
             device: self.caps.name.clone(),
         }
     }
 
-    fn encoder<'s>(&self, s: &'s mut State) -> &'s mut wgpu::CommandEncoder {
+    pub(crate) fn encoder<'s>(&self, s: &'s mut State) -> &'s mut wgpu::CommandEncoder {
         s.encoder.get_or_insert_with(|| {
             self.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -213,62 +232,80 @@ impl WgpuDevice {
         kernel: &KernelSource,
     ) -> &'s (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         let accesses: Vec<Access> = kernel.slots.iter().map(|slot| slot.access).collect();
-        s.layouts.entry(accesses.clone()).or_insert_with(|| {
-            let mut entries = vec![wgpu::BindGroupLayoutEntry {
-                binding: 0,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Uniform,
-                    has_dynamic_offset: true,
-                    min_binding_size: wgpu::BufferSize::new(PARAMS_SIZE),
-                },
-                count: None,
-            }];
-            for (i, a) in accesses.iter().enumerate() {
-                entries.push(wgpu::BindGroupLayoutEntry {
-                    binding: i as u32 + 1,
+        let params_size = kernel.params_size;
+        s.layouts
+            .entry((accesses.clone(), params_size))
+            .or_insert_with(|| {
+                let mut entries = vec![wgpu::BindGroupLayoutEntry {
+                    binding: 0,
                     visibility: wgpu::ShaderStages::COMPUTE,
                     ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Storage {
-                            read_only: *a == Access::Read,
-                        },
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: true,
+                        min_binding_size: wgpu::BufferSize::new(params_size),
                     },
                     count: None,
-                });
-            }
-            let bgl = self
-                .device
-                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                    label: Some("kiln kernel bindings"),
-                    entries: &entries,
-                });
-            let pl = self
-                .device
-                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                    label: Some("kiln kernel layout"),
-                    bind_group_layouts: &[Some(&bgl)],
-                    immediate_size: 0,
-                });
-            (bgl, pl)
-        })
+                }];
+                for (i, a) in accesses.iter().enumerate() {
+                    entries.push(wgpu::BindGroupLayoutEntry {
+                        binding: i as u32 + 1,
+                        visibility: wgpu::ShaderStages::COMPUTE,
+                        ty: wgpu::BindingType::Buffer {
+                            ty: wgpu::BufferBindingType::Storage {
+                                read_only: *a == Access::Read,
+                            },
+                            has_dynamic_offset: false,
+                            min_binding_size: None,
+                        },
+                        count: None,
+                    });
+                }
+                let bgl = self
+                    .device
+                    .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                        label: Some("kiln kernel bindings"),
+                        entries: &entries,
+                    });
+                let pl = self
+                    .device
+                    .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                        label: Some("kiln kernel layout"),
+                        bind_group_layouts: &[Some(&bgl)],
+                        immediate_size: 0,
+                    });
+                (bgl, pl)
+            })
     }
 
     fn pipeline(&self, s: &mut State, key: &PipelineKey, kernel: &KernelSource) -> Result<()> {
         if s.pipelines.contains_key(key) {
             return Ok(());
         }
-        let source = shader::assemble(kernel, &key.reprs);
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = self
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(kernel.file),
-                source: wgpu::ShaderSource::Wgsl(source.into()),
+        if kernel.subgroups && self.caps.subgroup_sizes.is_none() {
+            return Err(Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: format!("subgroup operations, which kernel {} needs", kernel.name),
             });
+        }
+        let source = shader::assemble(kernel, &key.reprs, &key.consts);
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        };
+        let module = if kernel.trusted {
+            // SAFETY: `trusted` kernels clamp every buffer index into range themselves
+            // (see their sources) and their loops are bounded by launch parameters, so
+            // the checks the compiler would add can never fire.
+            unsafe {
+                self.device
+                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            self.device.create_shader_module(desc)
+        };
         let constants: Vec<(&str, f64)> = key
-            .constant
+            .overrides
             .iter()
             .map(|&(name, v)| (name, v as f64))
             .collect();
@@ -276,7 +313,7 @@ impl WgpuDevice {
         let pipeline = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel.file),
+                label: Some(kernel.name),
                 layout: Some(layout),
                 module: &module,
                 entry_point: Some("main"),
@@ -287,24 +324,26 @@ impl WgpuDevice {
                 cache: None,
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.file)));
+            return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)));
         }
         s.pipelines.insert(key.clone(), pipeline);
         Ok(())
     }
 
     /// Records one compute dispatch into the stream.
-    fn dispatch(&self, s: &mut State, d: Dispatch<'_>) -> Result<()> {
+    pub(crate) fn dispatch(&self, s: &mut State, d: Dispatch<'_>) -> Result<()> {
         let key = PipelineKey {
-            file: d.kernel.file,
+            name: d.kernel.name,
             reprs: d.reprs,
-            constant: d.constant,
+            consts: d.consts,
+            overrides: d.overrides,
         };
         self.pipeline(s, &key, d.kernel)?;
         if s.params.len() as u64 + self.arena_stride > self.arena.size() {
             self.flush(s)?;
         }
         let offset = s.params.len() as u32;
+        debug_assert_eq!(d.params.len() as u64 * 4, d.kernel.params_size);
         s.params.extend_from_slice(bytemuck::cast_slice(&d.params));
         s.params
             .resize(offset as usize + self.arena_stride as usize, 0);
@@ -319,7 +358,7 @@ impl WgpuDevice {
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer: &self.arena,
                     offset: 0,
-                    size: wgpu::BufferSize::new(PARAMS_SIZE),
+                    size: wgpu::BufferSize::new(d.kernel.params_size),
                 }),
             }];
             for (i, (_, b)) in d.buffers.iter().enumerate() {
@@ -346,17 +385,46 @@ impl WgpuDevice {
         });
         pass.set_pipeline(&pipeline);
         pass.set_bind_group(0, &bind_group, &[offset]);
-        pass.dispatch_workgroups(d.groups, 1, 1);
+        pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
         Ok(())
     }
 
-    fn repr(&self, dtype: DType) -> Repr {
+    pub(crate) fn repr(&self, dtype: DType) -> Repr {
         Repr::of(dtype, self.caps.f16_arithmetic)
     }
 }
 
+impl State {
+    /// A user buffer's handle (cheap to clone: reference-counted).
+    pub(crate) fn buffer(&self, id: u64) -> Option<wgpu::Buffer> {
+        self.buffers.get(&id).map(|slot| slot.buffer.clone())
+    }
+}
+
+impl WgpuDevice {
+    /// The GEMM partials buffer, at least `bytes` long.
+    pub(crate) fn partials(&self, s: &mut State, bytes: u64) -> wgpu::Buffer {
+        if let Some(p) = &s.partials {
+            if p.size() >= bytes {
+                return p.clone();
+            }
+        }
+        // Bind groups of the old buffer would keep it alive and bind the wrong size.
+        s.bind_groups
+            .retain(|k, _| !k.buffers.contains(&PARTIALS_ID));
+        let p = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln matmul partials"),
+            size: bytes.max(8),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        s.partials = Some(p.clone());
+        p
+    }
+}
+
 /// Workgroups for a grid-strided walk over `words` items.
-fn groups(words: u32) -> u32 {
+pub(crate) fn groups(words: u32) -> u32 {
     words.div_ceil(WORKGROUP).clamp(1, MAX_GROUPS)
 }
 
@@ -550,10 +618,11 @@ impl Device for WgpuDevice {
                     Dispatch {
                         kernel: &shader::FILL,
                         reprs: vec![],
-                        constant: None,
+                        consts: vec![],
+                        overrides: vec![],
                         buffers: vec![h(dst)],
-                        params: [dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
-                        groups: groups(words),
+                        params: vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        groups: (groups(words), 1, 1),
                     },
                 )?;
             }
@@ -609,10 +678,11 @@ impl Device for WgpuDevice {
                     Dispatch {
                         kernel: &shader::REDUCE,
                         reprs: vec![self.repr(src.dtype)],
-                        constant: Some(("OP", code)),
+                        consts: vec![],
+                        overrides: vec![("OP", code)],
                         buffers: vec![h(src), (SCRATCH_ID, &self.scratch)],
-                        params: [src.len as u32, words, 0, 0],
-                        groups: g,
+                        params: vec![src.len as u32, words, 0, 0],
+                        groups: (g, 1, 1),
                     },
                 )?;
                 self.dispatch(
@@ -620,12 +690,17 @@ impl Device for WgpuDevice {
                     Dispatch {
                         kernel: &shader::REDUCE,
                         reprs: vec![Repr::F32],
-                        constant: Some(("OP", code)),
+                        consts: vec![],
+                        overrides: vec![("OP", code)],
                         buffers: vec![(SCRATCH_ID, &self.scratch), h(dst)],
-                        params: [g, pairs(g as usize), 0, 0],
-                        groups: 1,
+                        params: vec![g, pairs(g as usize), 0, 0],
+                        groups: (1, 1, 1),
                     },
                 )?;
+            }
+            Kernel::Matmul(mm) => {
+                let plan = crate::matmul::plan(mm, &self.caps, None)?;
+                self.matmul(&mut s, mm, &plan, &handles)?;
             }
             Kernel::NonFinite { srcs, flag } => {
                 let f = handles[&flag.id].clone();
@@ -644,10 +719,11 @@ impl Device for WgpuDevice {
                         Dispatch {
                             kernel: &shader::NONFINITE,
                             reprs: vec![],
-                            constant: Some(("KIND", kind)),
+                            consts: vec![],
+                            overrides: vec![("KIND", kind)],
                             buffers: vec![h(src), h(flag)],
-                            params: [src.len as u32, words, 0, 0],
-                            groups: groups(words),
+                            params: vec![src.len as u32, words, 0, 0],
+                            groups: (groups(words), 1, 1),
                         },
                     )?;
                 }
@@ -693,10 +769,11 @@ impl WgpuDevice {
             Dispatch {
                 kernel,
                 reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
-                constant,
+                consts: vec![],
+                overrides: constant.into_iter().collect(),
                 buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
-                params: [len as u32, words, alpha.to_bits(), 0],
-                groups: groups(words),
+                params: vec![len as u32, words, alpha.to_bits(), 0],
+                groups: (groups(words), 1, 1),
             },
         )
     }

@@ -3,7 +3,9 @@
 
 mod adapter;
 mod device;
+mod matmul;
 pub mod shader;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use device::WgpuDevice;
+pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};

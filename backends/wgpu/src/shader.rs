@@ -17,8 +17,12 @@ macro_rules! shader {
     };
 }
 
-const PARAMS: &str = shader!("common/params.wgsl");
 const CONVERT: &str = shader!("common/convert.wgsl");
+const ELEMENTWISE_PARAMS: &str = shader!("common/params.wgsl");
+const MATMUL_PARAMS: &str = shader!("common/matmul_params.wgsl");
+const MATMUL_EPILOGUE: &str = shader!("common/matmul_epilogue.wgsl");
+const SHARE_SUBGROUP: &str = shader!("common/share_subgroup.wgsl");
+const SHARE_NONE: &str = shader!("common/share_none.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,9 +43,20 @@ pub struct Slot {
 /// A kernel file and the bindings it expects, in binding order from 1.
 #[derive(Debug)]
 pub struct KernelSource {
+    /// Unique name (two sources may share a file with different preludes).
+    pub name: &'static str,
     pub file: &'static str,
     pub body: &'static str,
     pub slots: &'static [Slot],
+    /// WGSL declaring `P`, the launch parameters at binding 0, and anything shared.
+    pub prelude: &'static [&'static str],
+    /// Bytes of `P`.
+    pub params_size: u64,
+    /// Whether the kernel uses subgroup operations (needs the SUBGROUP feature).
+    pub subgroups: bool,
+    /// Every buffer index is clamped in range by the kernel itself, so the module may
+    /// be built without the compiler's bounds checks (which cost a lot on lavapipe).
+    pub trusted: bool,
 }
 
 const fn typed(name: &'static str, access: Access) -> Slot {
@@ -63,43 +78,170 @@ const fn own(name: &'static str, access: Access) -> Slot {
 use Access::{Read, ReadWrite};
 
 pub const FILL: KernelSource = KernelSource {
+    name: "fill",
     file: "fill.wgsl",
     body: shader!("fill.wgsl"),
     slots: &[own("dst", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const CAST: KernelSource = KernelSource {
+    name: "cast",
     file: "cast.wgsl",
     body: shader!("cast.wgsl"),
     slots: &[typed("src", Read), typed("dst", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const BINARY: KernelSource = KernelSource {
+    name: "binary",
     file: "binary.wgsl",
     body: shader!("binary.wgsl"),
     slots: &[typed("a", Read), typed("b", Read), typed("out", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const SCALE: KernelSource = KernelSource {
+    name: "scale",
     file: "scale.wgsl",
     body: shader!("scale.wgsl"),
     slots: &[typed("x", Read), typed("out", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const AXPY: KernelSource = KernelSource {
+    name: "axpy",
     file: "axpy.wgsl",
     body: shader!("axpy.wgsl"),
     slots: &[typed("x", Read), typed("y", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const REDUCE: KernelSource = KernelSource {
+    name: "reduce",
     file: "reduce.wgsl",
     body: shader!("reduce.wgsl"),
     slots: &[typed("src", Read), own("dst", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 pub const NONFINITE: KernelSource = KernelSource {
+    name: "nonfinite",
     file: "nonfinite.wgsl",
     body: shader!("nonfinite.wgsl"),
     slots: &[own("src", Read), own("flag", ReadWrite)],
+    prelude: &[ELEMENTWISE_PARAMS],
+    params_size: 16,
+    subgroups: false,
+    trusted: false,
 };
 
+const MATMUL_SLOTS: &[Slot] = &[
+    typed("a", Read),
+    typed("b", Read),
+    typed("c", ReadWrite),
+    typed("bias", Read),
+    typed("cf", ReadWrite),
+];
+
+/// One output per invocation, straight from storage: the baseline row of `kiln bench`.
+pub const MATMUL_NAIVE: KernelSource = KernelSource {
+    name: "matmul_naive",
+    file: "matmul_naive.wgsl",
+    body: shader!("matmul_naive.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: false,
+    trusted: false,
+};
+/// CPU-class adapters (lavapipe, llvmpipe): register blocks, A shared by subgroup shuffles.
+pub const MATMUL_CPU: KernelSource = KernelSource {
+    name: "matmul_cpu",
+    file: "matmul_cpu.wgsl",
+    body: shader!("matmul_cpu.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, SHARE_SUBGROUP],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: true,
+    trusted: true,
+};
+/// CPU-class adapters without subgroups (llvmpipe through GL).
+pub const MATMUL_CPU_NOSG: KernelSource = KernelSource {
+    name: "matmul_cpu_nosg",
+    file: "matmul_cpu.wgsl",
+    body: shader!("matmul_cpu.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, SHARE_NONE],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: false,
+    trusted: true,
+};
+/// GPUs: workgroup shared-memory tiles with per-thread register blocks.
+pub const MATMUL_TILED: KernelSource = KernelSource {
+    name: "matmul_tiled",
+    file: "matmul_tiled.wgsl",
+    body: shader!("matmul_tiled.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: false,
+    trusted: true,
+};
+/// Matrix-vector products (N = 1): one workgroup per output row.
+pub const GEMV: KernelSource = KernelSource {
+    name: "gemv",
+    file: "gemv.wgsl",
+    body: shader!("gemv.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: false,
+    trusted: false,
+};
+/// Sums split-K partials and applies the epilogue, two outputs per invocation.
+pub const MATMUL_FINISH: KernelSource = KernelSource {
+    name: "matmul_finish",
+    file: "matmul_finish.wgsl",
+    body: shader!("matmul_finish.wgsl"),
+    slots: MATMUL_SLOTS,
+    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
+    params_size: MATMUL_PARAMS_SIZE,
+    subgroups: false,
+    trusted: false,
+};
+
+/// Bytes of `shaders/common/matmul_params.wgsl`.
+pub const MATMUL_PARAMS_SIZE: u64 = 64;
+
 /// Every kernel file, for validation.
-pub const ALL: &[&KernelSource] = &[&FILL, &CAST, &BINARY, &SCALE, &AXPY, &REDUCE, &NONFINITE];
+pub const ALL: &[&KernelSource] = &[
+    &FILL,
+    &CAST,
+    &BINARY,
+    &SCALE,
+    &AXPY,
+    &REDUCE,
+    &NONFINITE,
+    &MATMUL_NAIVE,
+    &MATMUL_CPU,
+    &MATMUL_CPU_NOSG,
+    &MATMUL_TILED,
+    &GEMV,
+    &MATMUL_FINISH,
+];
 
 /// How a typed slot's elements are stored in WGSL.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,8 +299,9 @@ fn section<'a>(template: &'a str, name: &str) -> &'a str {
     &template[start..end]
 }
 
-/// The full WGSL module for `kernel` with `reprs` for its typed slots, in slot order.
-pub fn assemble(kernel: &KernelSource, reprs: &[Repr]) -> String {
+/// The full WGSL module for `kernel` with `reprs` for its typed slots, in slot order,
+/// and `consts` declared as `const NAME: u32` (they also size `//@unroll` blocks).
+pub fn assemble(kernel: &KernelSource, reprs: &[Repr], consts: &[(&str, u32)]) -> String {
     let n_typed = kernel.slots.iter().filter(|s| s.typed).count();
     assert_eq!(
         n_typed,
@@ -170,8 +313,13 @@ pub fn assemble(kernel: &KernelSource, reprs: &[Repr]) -> String {
     if reprs.contains(&Repr::F16) {
         out.push_str("enable f16;\n\n");
     }
-    out.push_str(PARAMS);
-    out.push('\n');
+    for (name, value) in consts {
+        out.push_str(&format!("const {name}: u32 = {value}u;\n"));
+    }
+    for p in kernel.prelude {
+        out.push_str(p);
+        out.push('\n');
+    }
     out.push_str(CONVERT);
     out.push('\n');
     let mut reprs = reprs.iter();
@@ -183,8 +331,10 @@ pub fn assemble(kernel: &KernelSource, reprs: &[Repr]) -> String {
         };
         let mut text = section(t, "decl").to_string();
         text.push_str(section(t, "load"));
+        text.push_str(section(t, "at"));
         if slot.access == Access::ReadWrite {
             text.push_str(section(t, "store"));
+            text.push_str(section(t, "put"));
         }
         let text = text
             .replace("$S", slot.name)
@@ -193,6 +343,67 @@ pub fn assemble(kernel: &KernelSource, reprs: &[Repr]) -> String {
         out.push_str(&text);
         out.push('\n');
     }
-    out.push_str(kernel.body);
+    out.push_str(&unroll(kernel.body, consts));
     out
+}
+
+/// Expands `//@unroll VAR COUNT` directives: the statement after the directive (one
+/// line, another directive with its statement, or a block closed by `//@}` when the
+/// directive ends in `{`) is repeated COUNT times with `{VAR}` replaced by 0, 1, ….
+/// COUNT is a number or a name from `consts`. Fully unrolled register blocks are what
+/// make register tiling work on compilers (like llvmpipe's) that will not unroll them.
+pub fn unroll(text: &str, consts: &[(&str, u32)]) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let (expanded, next) = statement(&lines, i, consts);
+        out.push_str(&expanded);
+        i = next;
+    }
+    out
+}
+
+/// Expands the statement starting at line `i`; returns it and the next line index.
+fn statement(lines: &[&str], i: usize, consts: &[(&str, u32)]) -> (String, usize) {
+    let line = lines[i];
+    let Some(rest) = line.trim().strip_prefix("//@unroll ") else {
+        return (format!("{line}\n"), i + 1);
+    };
+    let mut words = rest.split_whitespace();
+    let var = words.next().expect("//@unroll needs a variable");
+    let count_word = words.next().expect("//@unroll needs a count");
+    let count = count_word.parse::<u32>().unwrap_or_else(|_| {
+        consts
+            .iter()
+            .find(|(n, _)| *n == count_word)
+            .unwrap_or_else(|| {
+                panic!("//@unroll count `{count_word}` is not a number or a kernel constant")
+            })
+            .1
+    });
+    let (body, next) = if words.next() == Some("{") {
+        // Block: up to the matching `//@}`.
+        let mut depth = 1;
+        let mut j = i + 1;
+        while depth > 0 {
+            let t = lines.get(j).expect("unterminated //@unroll block").trim();
+            if t.starts_with("//@unroll ") && t.ends_with('{') {
+                depth += 1;
+            } else if t == "//@}" {
+                depth -= 1;
+            }
+            j += 1;
+        }
+        (lines[i + 1..j - 1].join("\n"), j)
+    } else {
+        let (_, next) = statement(lines, i + 1, consts);
+        (lines[i + 1..next].join("\n"), next)
+    };
+    let mut out = String::new();
+    let key = format!("{{{var}}}");
+    for v in 0..count {
+        out.push_str(&unroll(&body.replace(&key, &v.to_string()), consts));
+    }
+    (out, next)
 }

@@ -3,7 +3,7 @@
 //! before any device compiles it.
 
 use kiln_wgpu::shader::{self, Repr};
-use naga::valid::{Capabilities, ValidationFlags, Validator};
+use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 
 /// All ways to give `n` typed slots a representation from `reprs`.
 fn combos(n: usize, reprs: &[Repr]) -> Vec<Vec<Repr>> {
@@ -27,17 +27,52 @@ fn combos(n: usize, reprs: &[Repr]) -> Vec<Vec<Repr>> {
 /// downlevel flag, set by its Vulkan, GL and Metal backends and core in WebGPU).
 const BASE: Capabilities = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
 
+/// Assembly constants each kernel is built with: the tile shapes the planner uses,
+/// aligned and unaligned.
+fn const_sets(kernel: &shader::KernelSource) -> Vec<Vec<(&'static str, u32)>> {
+    match kernel.body.contains("//@unroll r TM") {
+        true => vec![
+            vec![("SG", 8), ("TM", 16), ("NV", 2), ("VEC_B", 1), ("VEC_C", 1)],
+            vec![("SG", 8), ("TM", 4), ("NV", 1), ("VEC_B", 0), ("VEC_C", 0)],
+        ],
+        false => vec![vec![]],
+    }
+}
+
+fn validator(caps: Capabilities) -> Validator {
+    let mut v = Validator::new(ValidationFlags::all(), caps);
+    v.subgroup_stages(ShaderStages::COMPUTE);
+    v.subgroup_operations(SubgroupOperationSet::all());
+    v
+}
+
 fn validate(native_f16: bool) -> usize {
     let caps = if native_f16 {
         BASE | Capabilities::SHADER_FLOAT16
     } else {
         BASE
     };
+    let with_subgroups = caps | Capabilities::SUBGROUP;
     let mut checked = 0;
     for kernel in shader::ALL {
         let n = kernel.slots.iter().filter(|s| s.typed).count();
-        for reprs in combos(n, Repr::all(native_f16)) {
-            let src = shader::assemble(kernel, &reprs);
+        // GEMM kernels: every mix of a, b and c; bias as f32 or bf16; the f32 slot is f32.
+        let mixes = if n == 5 {
+            combos(3, Repr::all(native_f16))
+                .into_iter()
+                .flat_map(|abc| {
+                    [Repr::F32, Repr::BF16]
+                        .map(|bias| [abc.clone(), vec![bias, Repr::F32]].concat())
+                })
+                .collect()
+        } else {
+            combos(n, Repr::all(native_f16))
+        };
+        for (reprs, consts) in mixes
+            .into_iter()
+            .flat_map(|r| const_sets(kernel).into_iter().map(move |c| (r.clone(), c)))
+        {
+            let src = shader::assemble(kernel, &reprs, &consts);
             let module = naga::front::wgsl::parse_str(&src).unwrap_or_else(|e| {
                 panic!(
                     "shaders/{} with {reprs:?} does not parse:\n{}",
@@ -45,38 +80,48 @@ fn validate(native_f16: bool) -> usize {
                     e.emit_to_string_with_path(&src, kernel.file)
                 )
             });
-            Validator::new(ValidationFlags::all(), caps)
-                .validate(&module)
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "shaders/{} with {reprs:?} fails validation (native f16: {native_f16}):\n{}",
-                        kernel.file,
-                        e.emit_to_string_with_path(&src, kernel.file)
-                    )
-                });
+            validator(if kernel.subgroups {
+                with_subgroups
+            } else {
+                caps
+            })
+            .validate(&module)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "shaders/{} with {reprs:?} fails validation (native f16: {native_f16}):\n{}",
+                    kernel.file,
+                    e.emit_to_string_with_path(&src, kernel.file)
+                )
+            });
             checked += 1;
         }
     }
     checked
 }
 
+/// Module count: elementwise kernels over every dtype mix, plus six GEMM kernels
+/// (the two CPU-class ones with two tile shapes each) over their mixes.
+fn expected(reprs: usize) -> usize {
+    let elementwise = 1 + reprs.pow(2) + reprs.pow(3) + 2 * reprs.pow(2) + reprs + 1;
+    elementwise + (4 + 2 * 2) * reprs.pow(3) * 2
+}
+
 #[test]
 fn every_kernel_validates_with_native_f16() {
-    // 1 (fill) + 4^2 (cast) + 4^3 (binary) + 4^2 + 4^2 + 4 (reduce) + 1 (nonfinite)
-    assert_eq!(validate(true), 1 + 16 + 64 + 16 + 16 + 4 + 1);
+    assert_eq!(validate(true), expected(4));
 }
 
 #[test]
 fn every_kernel_validates_without_f16() {
-    assert_eq!(validate(false), 1 + 9 + 27 + 9 + 9 + 3 + 1);
+    assert_eq!(validate(false), expected(3));
 }
 
 #[test]
 fn native_f16_kernels_need_the_capability() {
     // The packed path exists because these fail without SHADER_F16; prove the check is real.
-    let src = shader::assemble(&shader::CAST, &[Repr::F16, Repr::F32]);
+    let src = shader::assemble(&shader::CAST, &[Repr::F16, Repr::F32], &[]);
     let module = naga::front::wgsl::parse_str(&src).expect("parses");
-    let result = Validator::new(ValidationFlags::all(), BASE).validate(&module);
+    let result = validator(BASE).validate(&module);
     assert!(
         result.is_err(),
         "native-f16 cast validated without the f16 capability"

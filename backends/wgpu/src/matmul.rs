@@ -1,0 +1,338 @@
+//! GEMM planning: which kernel, tile shape, K split and dispatch chunks a product gets,
+//! by adapter class and shape — then recording it.
+//!
+//! The table is small on purpose and every entry was measured (benches/RESULTS.md):
+//! CPU-class adapters (lavapipe, llvmpipe) are bound by load instructions and get the
+//! subgroup-shared register-block kernel; GPUs get the shared-memory tiled kernel.
+
+use std::collections::HashMap;
+
+use kiln_engine::{Capabilities, Error, Matmul, Result};
+
+use crate::device::{groups, Dispatch, State, WgpuDevice, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::shader::{self, KernelSource, Repr};
+
+/// The GEMM kernels, for `kiln bench` and tests that pin one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatmulVariant {
+    /// One output per invocation: the baseline.
+    Naive,
+    /// Register blocks for CPU-class adapters; `tm` rows x `nv` vec4 column groups per lane.
+    Cpu { tm: u32, nv: u32 },
+    /// Shared-memory tiles for GPUs.
+    Tiled,
+    /// Matrix-vector (N = 1).
+    Gemv,
+}
+
+impl MatmulVariant {
+    pub fn name(&self) -> String {
+        match self {
+            MatmulVariant::Naive => "naive".into(),
+            MatmulVariant::Cpu { tm, nv } => format!("cpu{tm}x{}", nv * 4),
+            MatmulVariant::Tiled => "tiled64".into(),
+            MatmulVariant::Gemv => "gemv".into(),
+        }
+    }
+}
+
+/// How one GEMM is run.
+#[derive(Clone, Debug)]
+pub struct MatmulPlan {
+    pub variant: MatmulVariant,
+    /// K is cut into this many chunks whose f32 partials `matmul_finish` sums.
+    pub splits: u32,
+    pub k_chunk: u32,
+    /// Output rows per dispatch, so that no single dispatch runs for long.
+    pub rows_per_dispatch: u32,
+    /// Results go through f32 partials and `matmul_finish` (split K, or a 16-bit packed
+    /// C that the kernel cannot store a whole word of at a time).
+    pub partial: bool,
+}
+
+/// Lanes per subgroup on the CPU-class kernel when subgroups are off (and lavapipe's).
+const CPU_LANES: u32 = 8;
+/// Work per dispatch, in flops: ~0.1 s on lavapipe, well under a millisecond on a GPU.
+const FLOPS_PER_DISPATCH: f64 = 4e9;
+
+fn cpu_class(caps: &Capabilities) -> bool {
+    caps.device_type == "cpu"
+}
+
+/// Subgroup size the CPU kernel can rely on: a fixed size, or none.
+fn fixed_subgroup(caps: &Capabilities) -> Option<u32> {
+    match caps.subgroup_sizes {
+        Some((lo, hi)) if lo == hi && (4..=64).contains(&lo) => Some(lo),
+        _ => None,
+    }
+}
+
+/// Rows and columns of C one workgroup of `variant` covers.
+fn tile(variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
+    match variant {
+        MatmulVariant::Naive => (8, 8),
+        MatmulVariant::Cpu { tm, nv } => (tm, fixed_subgroup(caps).unwrap_or(CPU_LANES) * 4 * nv),
+        MatmulVariant::Tiled => (64, 64),
+        MatmulVariant::Gemv => (1, 1),
+    }
+}
+
+/// Chooses the kernel and its launch shape for `mm` on `caps` (or plans `force`).
+pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> Result<MatmulPlan> {
+    let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+    let variant = force.unwrap_or_else(|| {
+        if n == 1 && k >= 32 {
+            MatmulVariant::Gemv
+        } else if cpu_class(caps) {
+            // 16 x 8 per lane was the best block measured on lavapipe; small matrices
+            // take smaller blocks so that both worker threads get tiles.
+            // Without subgroups every lane loads every A value, so tall blocks buy
+            // nothing and only make the (per-device, at first use) compile slower.
+            let sg = fixed_subgroup(caps).is_some();
+            let tm = if m >= 64 && sg {
+                16
+            } else if m >= 8 {
+                8
+            } else {
+                4
+            };
+            let nv = if n >= 64 && sg { 2 } else { 1 };
+            MatmulVariant::Cpu { tm, nv }
+        } else {
+            MatmulVariant::Tiled
+        }
+    });
+    let (tm, tn) = tile(variant, caps);
+    let tiles = m.div_ceil(tm) as u64 * n.div_ceil(tn) as u64 * mm.batch as u64;
+    // Split K when the output has too few tiles to fill the adapter and K is long.
+    let busy = if cpu_class(caps) { 8 } else { 256 };
+    let step = match variant {
+        MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
+        MatmulVariant::Tiled => 16,
+        MatmulVariant::Gemv => 64,
+        MatmulVariant::Naive => 1,
+    };
+    let mut splits = 1u32;
+    if variant != MatmulVariant::Naive && tiles < busy && k >= 1024 {
+        splits = ((busy / tiles.max(1)) as u32).clamp(1, 8).min(k / 256);
+    }
+    let k_chunk = k.div_ceil(splits.max(1)).div_ceil(step) * step;
+    let splits = if k == 0 {
+        1
+    } else {
+        k.div_ceil(k_chunk.max(1))
+    };
+
+    let packed_c = matches!(
+        Repr::of(mm.c.dtype, caps.f16_arithmetic),
+        Repr::F16Packed | Repr::BF16
+    );
+    let whole_groups = matches!(variant, MatmulVariant::Cpu { .. })
+        && n.is_multiple_of(4)
+        && (mm.batch == 1 || mm.stride_c.is_multiple_of(4));
+    let partial = splits > 1 || (packed_c && !whole_groups);
+
+    let row_flops = 2.0 * n as f64 * k as f64 * mm.batch as f64;
+    let mut rows = ((FLOPS_PER_DISPATCH / row_flops.max(1.0)) as u32).max(tm);
+    rows = (rows / tm * tm).min(65535 * tm).min(m.div_ceil(tm) * tm);
+    let z = mm.batch as u64 * splits as u64;
+    if z > 65535 {
+        return Err(Error::InvalidArgument(format!(
+            "matmul: batch {} x {splits} K-splits exceeds 65535 workgroups in one dimension; split the batch",
+            mm.batch
+        )));
+    }
+    Ok(MatmulPlan {
+        variant,
+        splits,
+        k_chunk,
+        rows_per_dispatch: rows.max(1),
+        partial,
+    })
+}
+
+fn kernel_for(variant: MatmulVariant, caps: &Capabilities) -> &'static KernelSource {
+    match variant {
+        MatmulVariant::Naive => &shader::MATMUL_NAIVE,
+        MatmulVariant::Cpu { .. } if fixed_subgroup(caps).is_some() => &shader::MATMUL_CPU,
+        MatmulVariant::Cpu { .. } => &shader::MATMUL_CPU_NOSG,
+        MatmulVariant::Tiled => &shader::MATMUL_TILED,
+        MatmulVariant::Gemv => &shader::GEMV,
+    }
+}
+
+impl WgpuDevice {
+    /// Records `mm` with a pinned kernel (for benchmarks and tests of one variant).
+    pub fn launch_matmul(&self, mm: &Matmul, variant: Option<MatmulVariant>) -> Result<MatmulPlan> {
+        mm.validate()?;
+        let plan = plan(mm, &self.caps, variant)?;
+        let mut s = self.lock();
+        let mut handles = HashMap::new();
+        for b in mm.buffers() {
+            let slot = s.buffer(b.id).ok_or_else(|| self.unknown(b.id))?;
+            handles.insert(b.id, slot);
+        }
+        self.matmul(&mut s, mm, &plan, &handles)?;
+        Ok(plan)
+    }
+
+    pub(crate) fn matmul(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+    ) -> Result<()> {
+        if mm.m == 0 || mm.n == 0 {
+            return Ok(());
+        }
+        let caps = &self.caps;
+        let limit = caps.max_storage_binding;
+        for b in mm.buffers() {
+            if b.bytes() > limit {
+                return Err(Error::Unsupported {
+                    device: caps.name.clone(),
+                    what: format!(
+                        "a matmul operand of {} bytes (buffer #{}); one binding holds at most {limit} bytes, split the matrix",
+                        b.bytes(),
+                        b.id
+                    ),
+                });
+            }
+        }
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        let total = mm.batch as u64 * mm.m as u64 * mm.n as u64;
+        let partial_bytes = (total * plan.splits as u64).div_ceil(2) * 8;
+        if plan.partial && partial_bytes > limit {
+            return Err(Error::Unsupported {
+                device: caps.name.clone(),
+                what: format!(
+                    "{partial_bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
+                ),
+            });
+        }
+        let partials = if plan.partial {
+            Some(self.partials(s, partial_bytes))
+        } else {
+            None
+        };
+        let stride_c = if mm.batch == 1 {
+            m * n
+        } else {
+            mm.stride_c as u32
+        };
+        let kernel = kernel_for(plan.variant, caps);
+        let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
+        let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
+        let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
+        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
+        let flag = |b: bool| b as u32;
+        let overrides = |partial: bool| {
+            vec![
+                ("TRANS_A", flag(mm.trans_a)),
+                ("TRANS_B", flag(mm.trans_b)),
+                ("USE_BETA", flag(mm.beta != 0.0)),
+                ("BIAS", flag(mm.bias.is_some())),
+                ("GELU", flag(mm.gelu)),
+                ("COPY_F32", flag(mm.c_f32.is_some())),
+                ("PARTIAL", flag(partial)),
+            ]
+        };
+        let params = |row_base: u32, rows: u32, words: u32| -> Vec<u32> {
+            vec![
+                m,
+                n,
+                k,
+                mm.batch as u32,
+                mm.stride_a as u32,
+                mm.stride_b as u32,
+                stride_c,
+                row_base,
+                mm.alpha.to_bits(),
+                mm.beta.to_bits(),
+                plan.splits,
+                plan.k_chunk,
+                total as u32,
+                words,
+                rows,
+                0,
+            ]
+        };
+        let (tm, tn) = tile(plan.variant, caps);
+        let mut consts = vec![];
+        if let MatmulVariant::Cpu { tm, nv } = plan.variant {
+            let vec_b = !mm.trans_b && n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_b.is_multiple_of(4));
+            let vec_c = n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_c.is_multiple_of(4));
+            consts = vec![
+                ("SG", fixed_subgroup(caps).unwrap_or(CPU_LANES)),
+                ("TM", tm),
+                ("NV", nv),
+                ("VEC_B", vec_b as u32),
+                ("VEC_C", vec_c as u32),
+            ];
+        }
+        let cf = match &partials {
+            Some(p) => (PARTIALS_ID, p),
+            None => cf_user,
+        };
+        let z = mm.batch as u32 * plan.splits;
+        let mut row_base = 0;
+        while row_base < m {
+            let rows = plan.rows_per_dispatch.min(m - row_base);
+            let groups_y = match plan.variant {
+                MatmulVariant::Naive => rows.div_ceil(8),
+                _ => rows.div_ceil(tm),
+            };
+            let groups_x = match plan.variant {
+                MatmulVariant::Gemv => 1,
+                _ => n.div_ceil(tn),
+            };
+            self.dispatch(
+                s,
+                Dispatch {
+                    kernel,
+                    reprs: vec![
+                        repr(mm.a),
+                        repr(mm.b),
+                        repr(mm.c),
+                        repr_of_bias(self, mm),
+                        Repr::F32,
+                    ],
+                    consts: consts.clone(),
+                    overrides: overrides(plan.partial),
+                    buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
+                    params: params(row_base, rows, 0),
+                    groups: (groups_x, groups_y, z),
+                },
+            )?;
+            row_base += rows;
+        }
+        if let Some(p) = &partials {
+            let span = (mm.batch as u64 - 1) * stride_c as u64 + total / mm.batch as u64;
+            let words = span.div_ceil(2) as u32;
+            self.dispatch(
+                s,
+                Dispatch {
+                    kernel: &shader::MATMUL_FINISH,
+                    reprs: vec![
+                        Repr::F32,
+                        repr(mm.b),
+                        repr(mm.c),
+                        repr_of_bias(self, mm),
+                        Repr::F32,
+                    ],
+                    consts: vec![],
+                    overrides: overrides(false),
+                    buffers: vec![(PARTIALS_ID, p), h(mm.b), h(mm.c), bias, cf_user],
+                    params: params(0, m, words),
+                    groups: (groups(words), 1, 1),
+                },
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn repr_of_bias(dev: &WgpuDevice, mm: &Matmul) -> Repr {
+    mm.bias.map_or(Repr::F32, |b| dev.repr(b.dtype))
+}

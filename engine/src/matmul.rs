@@ -1,0 +1,227 @@
+//! The GEMM launch: `C = epilogue(alpha · op(A) · op(B) + beta · C)`, batched.
+//!
+//! Layouts are row-major. `op(A)` is `M×K`: A is stored `M×K`, or `K×M` when
+//! `trans_a`. `op(B)` is `K×N`: B is stored `K×N`, or `N×K` when `trans_b`. C is `M×N`.
+//! Training needs NN (forward), NT (input gradient) and TN (weight gradient).
+
+use crate::{Buffer, DType, Error, Result};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Matmul {
+    pub a: Buffer,
+    pub b: Buffer,
+    pub c: Buffer,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    /// Matrices in the batch; each operand advances by its stride (0 reuses one matrix).
+    pub batch: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+    pub alpha: f32,
+    /// 0 means C is not read (so it may hold anything, NaN included).
+    pub beta: f32,
+    /// Added to every row: `n` elements of any float dtype.
+    pub bias: Option<Buffer>,
+    /// GELU, tanh form, applied last.
+    pub gelu: bool,
+    /// Also store the f32 result before it is rounded to C's dtype.
+    pub c_f32: Option<Buffer>,
+}
+
+impl Matmul {
+    /// `C = A · B` for one `M×K` by `K×N` product, no transposes.
+    pub fn new(a: Buffer, b: Buffer, c: Buffer, m: usize, n: usize, k: usize) -> Matmul {
+        Matmul {
+            a,
+            b,
+            c,
+            m,
+            n,
+            k,
+            trans_a: false,
+            trans_b: false,
+            batch: 1,
+            stride_a: m * k,
+            stride_b: k * n,
+            stride_c: m * n,
+            alpha: 1.0,
+            beta: 0.0,
+            bias: None,
+            gelu: false,
+            c_f32: None,
+        }
+    }
+
+    pub fn transpose(mut self, trans_a: bool, trans_b: bool) -> Matmul {
+        self.trans_a = trans_a;
+        self.trans_b = trans_b;
+        self
+    }
+
+    pub fn batched(
+        mut self,
+        batch: usize,
+        stride_a: usize,
+        stride_b: usize,
+        stride_c: usize,
+    ) -> Matmul {
+        self.batch = batch;
+        self.stride_a = stride_a;
+        self.stride_b = stride_b;
+        self.stride_c = stride_c;
+        self
+    }
+
+    pub fn scaled(mut self, alpha: f32, beta: f32) -> Matmul {
+        self.alpha = alpha;
+        self.beta = beta;
+        self
+    }
+
+    pub fn with_bias(mut self, bias: Buffer) -> Matmul {
+        self.bias = Some(bias);
+        self
+    }
+
+    pub fn with_gelu(mut self) -> Matmul {
+        self.gelu = true;
+        self
+    }
+
+    pub fn with_f32_copy(mut self, c_f32: Buffer) -> Matmul {
+        self.c_f32 = Some(c_f32);
+        self
+    }
+
+    /// Floating-point operations, counting a multiply-add as two.
+    pub fn flops(&self) -> f64 {
+        2.0 * self.batch as f64 * self.m as f64 * self.n as f64 * self.k as f64
+    }
+
+    /// Every buffer the launch touches.
+    pub fn buffers(&self) -> Vec<Buffer> {
+        let mut v = vec![self.a, self.b, self.c];
+        v.extend(self.bias);
+        v.extend(self.c_f32);
+        v
+    }
+
+    /// Element index of `op(A)[i][k]` in matrix `g` of the batch.
+    pub fn a_index(&self, g: usize, i: usize, k: usize) -> usize {
+        g * self.stride_a
+            + if self.trans_a {
+                k * self.m + i
+            } else {
+                i * self.k + k
+            }
+    }
+
+    /// Element index of `op(B)[k][j]` in matrix `g` of the batch.
+    pub fn b_index(&self, g: usize, k: usize, j: usize) -> usize {
+        g * self.stride_b
+            + if self.trans_b {
+                j * self.k + k
+            } else {
+                k * self.n + j
+            }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::InvalidArgument(format!("matmul: {msg}")));
+        for (name, b) in [("a", self.a), ("b", self.b), ("c", self.c)] {
+            if !b.dtype.is_float() {
+                return bad(format!(
+                    "`{name}` is {}, but matmul takes f32, f16 or bf16",
+                    b.dtype
+                ));
+            }
+        }
+        if !self.alpha.is_finite() || !self.beta.is_finite() {
+            return bad(format!(
+                "alpha ({}) and beta ({}) must be finite",
+                self.alpha, self.beta
+            ));
+        }
+        if self.batch == 0 {
+            return bad("batch is 0; use 1 for a single product".into());
+        }
+        let need = |stride: usize, one: usize| (self.batch - 1) * stride + one;
+        for (name, buf, stride, one, shape) in [
+            (
+                "a",
+                self.a,
+                self.stride_a,
+                self.m * self.k,
+                if self.trans_a {
+                    (self.k, self.m)
+                } else {
+                    (self.m, self.k)
+                },
+            ),
+            (
+                "b",
+                self.b,
+                self.stride_b,
+                self.k * self.n,
+                if self.trans_b {
+                    (self.n, self.k)
+                } else {
+                    (self.k, self.n)
+                },
+            ),
+            (
+                "c",
+                self.c,
+                self.stride_c,
+                self.m * self.n,
+                (self.m, self.n),
+            ),
+        ] {
+            let n = need(stride, one);
+            if buf.len < n {
+                return bad(format!(
+                    "`{name}` (buffer #{}) has {} elements but {} matrices of {}x{} with stride {stride} need {n}",
+                    buf.id, buf.len, self.batch, shape.0, shape.1
+                ));
+            }
+            if n > u32::MAX as usize {
+                return bad(format!(
+                    "`{name}` spans {n} elements; kernels index with 32 bits, split the batch"
+                ));
+            }
+        }
+        if self.batch > 1 && self.stride_c < self.m * self.n {
+            return bad(format!(
+                "stride_c {} is smaller than one {}x{} output: results would overlap",
+                self.stride_c, self.m, self.n
+            ));
+        }
+        if let Some(bias) = self.bias {
+            if !bias.dtype.is_float() || bias.len != self.n {
+                return bad(format!(
+                    "bias (buffer #{}) must be {} float elements, one per output column; it is {} x {}",
+                    bias.id, self.n, bias.len, bias.dtype
+                ));
+            }
+        }
+        if let Some(cf) = self.c_f32 {
+            if cf.dtype != DType::F32 || cf.len < need(self.stride_c, self.m * self.n) {
+                return bad(format!(
+                    "c_f32 (buffer #{}) must be f32 with at least as many elements as C needs; it is {} x {}",
+                    cf.id, cf.len, cf.dtype
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// GELU, tanh approximation, in f64: the reference form.
+pub fn gelu_f64(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+}

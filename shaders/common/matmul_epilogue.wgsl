@@ -1,0 +1,89 @@
+// Shared by every GEMM kernel: operand indexing and the fused epilogue.
+// Bindings (typed slots): a, b (read), c (read_write), bias (read), cf (read_write f32:
+// the caller's f32 copy of C, or the split-K partials when PARTIAL).
+
+override TRANS_A: bool = false;
+override TRANS_B: bool = false;
+// beta != 0: C is read; with beta == 0 it is not, so it may hold NaN.
+override USE_BETA: bool = false;
+override BIAS: bool = false;
+override GELU: bool = false;
+override COPY_F32: bool = false;
+// Write raw f32 accumulators to cf[split * total + (g * m + i) * n + j]; matmul_finish.wgsl
+// sums the splits and applies the epilogue.
+override PARTIAL: bool = false;
+
+// Element index of op(A)[i][kk] in matrix g.
+fn a_index(g: u32, i: u32, kk: u32) -> u32 {
+    if (TRANS_A) {
+        return g * P.stride_a + kk * P.m + i;
+    }
+    return g * P.stride_a + i * P.k + kk;
+}
+
+// Element index of op(B)[kk][j] in matrix g.
+fn b_index(g: u32, kk: u32, j: u32) -> u32 {
+    if (TRANS_B) {
+        return g * P.stride_b + j * P.k + kk;
+    }
+    return g * P.stride_b + kk * P.n + j;
+}
+
+// GELU, tanh form. tanh is built from exp of a clamped argument: some drivers' tanh
+// returns NaN for large inputs, and |y| > 15 is already +-1 in f32.
+fn gelu(x: f32) -> f32 {
+    let y = clamp(0.7978845608 * (x + 0.044715 * x * x * x), -15.0, 15.0);
+    let e = exp(2.0 * y);
+    return 0.5 * x * (1.0 + (e - 1.0) / (e + 1.0));
+}
+
+// alpha * acc + beta * C + bias, then GELU: the f32 value of output element `ci` (column j).
+fn finish(acc: f32, ci: u32, j: u32) -> f32 {
+    var v = P.alpha * acc;
+    if (USE_BETA) {
+        v += P.beta * c_at(ci);
+    }
+    if (BIAS) {
+        v += bias_at(j);
+    }
+    if (GELU) {
+        v = gelu(v);
+    }
+    return v;
+}
+
+// Stores output element (g, i, j). Single-element stores are race-free only for f32 and
+// native f16 C; the host uses PARTIAL for 16-bit packed C unless a kernel stores whole
+// aligned groups with emit4.
+fn emit(acc: f32, g: u32, i: u32, j: u32, split: u32) {
+    if (PARTIAL) {
+        cf_put(split * P.total + (g * P.m + i) * P.n + j, acc);
+        return;
+    }
+    let ci = g * P.stride_c + i * P.n + j;
+    let v = finish(acc, ci, j);
+    c_put(ci, v);
+    if (COPY_F32) {
+        cf_put(ci, v);
+    }
+}
+
+// Stores output elements (g, i, j..j+3); the caller guarantees j + 3 < n and that the
+// flat index is a multiple of 4 (so a 16-bit pair never straddles two writers).
+fn emit4(acc: vec4<f32>, g: u32, i: u32, j: u32, split: u32) {
+    if (PARTIAL) {
+        cf_put4(split * P.total + (g * P.m + i) * P.n + j, acc);
+        return;
+    }
+    let ci = g * P.stride_c + i * P.n + j;
+    let v = vec4<f32>(
+        finish(acc.x, ci, j),
+        finish(acc.y, ci + 1u, j + 1u),
+        finish(acc.z, ci + 2u, j + 2u),
+        finish(acc.w, ci + 3u, j + 3u),
+    );
+    c_put4(ci, v);
+    if (COPY_F32) {
+        cf_put4(ci, v);
+    }
+}

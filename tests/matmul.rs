@@ -1,0 +1,357 @@
+//! GEMM kernels against the CPU reference: hundreds of random shapes (1x1x1, primes,
+//! K = 1, long K, non-multiples of every tile), all transposes, every dtype, batches,
+//! split K and the fused epilogue, on both f16 paths.
+//!
+//! Tolerance, per output element, with S = sum_k |a_ik * b_kj|:
+//!   |gpu - ref| <= |alpha| * K * 2^-23 * S      (f32 accumulation, any order: the
+//!                                                 standard gamma_K bound, doubled)
+//!              + |ref| * u_out + tiny_out       (one rounding to C's dtype may land on
+//!                                                 the neighbouring value: u_out = 2^-10
+//!                                                 for f16, 2^-7 bf16, 2^-23 f32)
+//! The reference sums in f64, so the bound is against the exact product of the stored
+//! (already rounded) inputs.
+
+mod common;
+
+use common::*;
+use kiln::engine::{DType, Device, HostData, Kernel, Matmul};
+use kiln::wgpu::{DeviceOptions, MatmulVariant, WgpuDevice};
+
+fn wgpu_paths() -> Vec<(&'static str, WgpuDevice)> {
+    let open = |backend: &str, disable_f16| {
+        let i = kiln::wgpu::find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+        WgpuDevice::open(i, &DeviceOptions { disable_f16 }).unwrap()
+    };
+    vec![
+        ("vulkan (native f16)", open("vulkan", false)),
+        ("vulkan (packed f16)", open("vulkan", true)),
+        ("gl (packed f16)", open("gl", false)),
+    ]
+}
+
+fn unit(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F16 => (2f64.powi(-10), 2f64.powi(-24)),
+        DType::BF16 => (2f64.powi(-7), 1e-38),
+        _ => (2f64.powi(-23), 1e-38),
+    }
+}
+
+struct Case {
+    mm: Matmul,
+    a: HostData,
+    b: HostData,
+    c: HostData,
+    bias: Option<HostData>,
+}
+
+/// Runs `case` on `dev` (optionally pinning a kernel) and on the CPU, and checks every
+/// element of C (and of the f32 copy) against the bound above.
+fn check(what: &str, dev: &WgpuDevice, case: &Case, variant: Option<MatmulVariant>) {
+    let cpu = kiln::cpu::CpuDevice::new();
+    let run = |d: &dyn Device, gpu: bool| -> (HostData, Option<HostData>) {
+        let a = put(d, &case.a);
+        let b = put(d, &case.b);
+        let c = put(d, &case.c);
+        let mut mm = Matmul {
+            a,
+            b,
+            c,
+            ..case.mm.clone()
+        };
+        mm.bias = case.bias.as_ref().map(|h| put(d, h));
+        mm.c_f32 = case
+            .mm
+            .c_f32
+            .map(|cf| put(d, &HostData::F32(vec![0.0; cf.len])));
+        if gpu {
+            dev.launch_matmul(&mm, variant)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        } else {
+            d.launch(&Kernel::Matmul(mm.clone())).unwrap();
+        }
+        d.submit().unwrap();
+        let out = d.download(c).unwrap();
+        let copy = mm.c_f32.map(|cf| d.download(cf).unwrap());
+        for buf in mm.buffers() {
+            d.free(buf).unwrap();
+        }
+        (out, copy)
+    };
+    let (got, got_f32) = run(dev, true);
+    let (want, want_f32) = run(&cpu, false);
+    let mm = &case.mm;
+    let (a, b) = (case.a.to_f32(), case.b.to_f32());
+    let (g, w) = (got.to_f32(), want.to_f32());
+    let (u, tiny) = unit(mm.c.dtype);
+    let mut checked = 0;
+    for gi in 0..mm.batch {
+        for i in 0..mm.m {
+            for j in 0..mm.n {
+                let s: f64 = (0..mm.k)
+                    .map(|kk| {
+                        (a[mm.a_index(gi, i, kk)] as f64 * b[mm.b_index(gi, kk, j)] as f64).abs()
+                    })
+                    .sum();
+                let at = gi * mm.stride_c + i * mm.n + j;
+                // GELU's slope is at most ~1.13, and the bias adds no error.
+                let acc_err = 1.2 * mm.alpha.abs() as f64 * mm.k as f64 * 2f64.powi(-23) * s
+                    + 1e-6 * mm.gelu as u8 as f64;
+                let tol = acc_err + (w[at] as f64).abs() * u + tiny;
+                let d = (g[at] as f64 - w[at] as f64).abs();
+                assert!(
+                    d <= tol,
+                    "{what}: C[{gi}][{i}][{j}] = {} but the CPU gives {} (|diff| {d:e} > tol {tol:e})",
+                    g[at],
+                    w[at]
+                );
+                if let (Some(gf), Some(wf)) = (&got_f32, &want_f32) {
+                    let (gf, wf) = (gf.to_f32()[at] as f64, wf.to_f32()[at] as f64);
+                    let tol = acc_err + wf.abs() * 2f64.powi(-23) + 1e-38;
+                    assert!(
+                        (gf - wf).abs() <= tol,
+                        "{what}: f32 copy [{gi}][{i}][{j}] = {gf}, CPU {wf}"
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    // Elements between batch strides are not outputs and must keep their value.
+    let before = case.c.to_f32();
+    let stride = mm.stride_c.max(mm.m * mm.n).max(1);
+    for (at, (&now, &was)) in g.iter().zip(&before).enumerate() {
+        let output = at / stride < mm.batch && at % stride < mm.m * mm.n;
+        if !output {
+            assert!(
+                now.to_bits() == was.to_bits() || (now.is_nan() && was.is_nan()),
+                "{what}: C[{at}] is not an output but changed from {was} to {now}"
+            );
+        }
+    }
+    assert!(checked > 0 || mm.m * mm.n == 0);
+}
+
+/// A random case: values in [-1, 1) so that sums stay far from f16 overflow.
+fn case(
+    rng: &mut Rng,
+    dims: (usize, usize, usize),
+    trans: (bool, bool),
+    dtypes: [DType; 3],
+) -> Case {
+    let (m, n, k) = dims;
+    let [da, db, dc] = dtypes;
+    let vals = |rng: &mut Rng, dt: DType, len: usize| {
+        HostData::from_f32(
+            dt,
+            &(0..len).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>(),
+        )
+    };
+    let a = vals(rng, da, m * k);
+    let b = vals(rng, db, k * n);
+    // C starts as NaN: with beta = 0 it must never be read.
+    let c = HostData::from_f32(dc, &vec![f32::NAN; m * n]);
+    let dummy = |dtype, len| kiln::engine::Buffer { id: 0, dtype, len };
+    let mm = Matmul::new(
+        dummy(da, m * k),
+        dummy(db, k * n),
+        dummy(dc, m * n),
+        m,
+        n,
+        k,
+    )
+    .transpose(trans.0, trans.1);
+    Case {
+        mm,
+        a,
+        b,
+        c,
+        bias: None,
+    }
+}
+
+const AWKWARD: [usize; 16] = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 33, 63, 65, 100];
+
+fn pick(rng: &mut Rng, from: &[usize]) -> usize {
+    from[(rng.next_u32() as usize) % from.len()]
+}
+
+#[test]
+fn random_shapes_match_cpu_on_every_path() {
+    let mut rng = Rng::new(2024);
+    let mut shapes = 0;
+    for (name, dev) in wgpu_paths() {
+        let dtype_sets = [
+            [DType::F32, DType::F32, DType::F32],
+            [DType::F16, DType::F16, DType::F16],
+            [DType::BF16, DType::BF16, DType::BF16],
+            [DType::F16, DType::F16, DType::F32],
+        ];
+        for dtypes in dtype_sets {
+            for trans in [(false, false), (false, true), (true, false), (true, true)] {
+                for _ in 0..5 {
+                    let dims = (
+                        pick(&mut rng, &AWKWARD),
+                        pick(&mut rng, &AWKWARD),
+                        pick(&mut rng, &AWKWARD),
+                    );
+                    let c = case(&mut rng, dims, trans, dtypes);
+                    let what = format!("{name}: {dims:?} trans {trans:?} {dtypes:?}");
+                    check(&what, &dev, &c, None);
+                    shapes += 1;
+                }
+            }
+        }
+        // The edge shapes every kernel must get right.
+        for dims in [
+            (1, 1, 1),
+            (1, 1, 2000),
+            (97, 89, 1),
+            (2, 3, 1031),
+            (65, 1, 300),
+            (1, 67, 129),
+        ] {
+            let c = case(&mut rng, dims, (false, false), [DType::F16; 3]);
+            check(&format!("{name}: edge {dims:?}"), &dev, &c, None);
+            shapes += 1;
+        }
+    }
+    assert!(shapes >= 200, "only {shapes} shapes");
+}
+
+#[test]
+fn every_variant_matches_cpu() {
+    let mut rng = Rng::new(7);
+    let dev = &wgpu_paths()[0].1;
+    let variants = [
+        MatmulVariant::Naive,
+        MatmulVariant::Tiled,
+        MatmulVariant::Cpu { tm: 16, nv: 2 },
+        MatmulVariant::Cpu { tm: 4, nv: 1 },
+    ];
+    for v in variants {
+        for dtypes in [[DType::F32; 3], [DType::F16; 3], [DType::BF16; 3]] {
+            for trans in [(false, false), (false, true), (true, false)] {
+                for dims in [(1, 1, 1), (67, 131, 97), (3, 5, 1100), (64, 64, 16)] {
+                    let c = case(&mut rng, dims, trans, dtypes);
+                    check(
+                        &format!("{v:?} {dims:?} {trans:?} {dtypes:?}"),
+                        dev,
+                        &c,
+                        Some(v),
+                    );
+                }
+            }
+        }
+    }
+    for dims in [(5, 1, 300), (64, 1, 33), (1, 1, 1)] {
+        let c = case(&mut rng, dims, (true, false), [DType::F16; 3]);
+        check(
+            &format!("gemv {dims:?}"),
+            dev,
+            &c,
+            Some(MatmulVariant::Gemv),
+        );
+    }
+}
+
+#[test]
+fn epilogue_batches_and_split_k_match_cpu() {
+    let mut rng = Rng::new(99);
+    for (name, dev) in &wgpu_paths() {
+        for dtypes in [
+            [DType::F32; 3],
+            [DType::F16; 3],
+            [DType::BF16, DType::BF16, DType::F16],
+        ] {
+            // alpha, beta (C read), bias, GELU and the f32 copy, in one launch.
+            let dims = (19, 24, 37);
+            let mut c = case(&mut rng, dims, (false, true), dtypes);
+            c.c = HostData::from_f32(
+                dtypes[2],
+                &(0..19 * 24)
+                    .map(|_| rng.uniform(-1.0, 1.0))
+                    .collect::<Vec<_>>(),
+            );
+            c.bias = Some(HostData::from_f32(
+                DType::BF16,
+                &(0..24).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>(),
+            ));
+            let mut mm = c.mm.clone().scaled(0.5, -1.25).with_gelu();
+            mm.bias = Some(kiln::engine::Buffer {
+                id: 0,
+                dtype: DType::BF16,
+                len: 24,
+            });
+            mm.c_f32 = Some(kiln::engine::Buffer {
+                id: 0,
+                dtype: DType::F32,
+                len: 19 * 24,
+            });
+            c.mm = mm;
+            check(&format!("{name}: epilogue {dtypes:?}"), dev, &c, None);
+
+            // A batch of 3 with gaps between outputs and B shared by every matrix.
+            let (m, n, k) = (5, 7, 9);
+            let mut c = case(&mut rng, (m, n, k), (false, false), dtypes);
+            c.a = HostData::from_f32(
+                dtypes[0],
+                &(0..3 * m * k)
+                    .map(|_| rng.uniform(-1.0, 1.0))
+                    .collect::<Vec<_>>(),
+            );
+            c.c = HostData::from_f32(dtypes[2], &vec![3.5; 2 * 40 + m * n]);
+            c.mm = Matmul::new(
+                kiln::engine::Buffer {
+                    id: 0,
+                    dtype: dtypes[0],
+                    len: 3 * m * k,
+                },
+                c.mm.b,
+                kiln::engine::Buffer {
+                    id: 0,
+                    dtype: dtypes[2],
+                    len: 2 * 40 + m * n,
+                },
+                m,
+                n,
+                k,
+            )
+            .batched(3, m * k, 0, 40);
+            check(&format!("{name}: batch {dtypes:?}"), dev, &c, None);
+
+            // Tall-skinny with long K: the planner splits K.
+            let c = case(&mut rng, (3, 5, 3000), (true, false), dtypes);
+            let plan =
+                kiln::wgpu::plan_matmul(&c.mm, kiln::engine::Device::caps(dev), None).unwrap();
+            assert!(plan.splits > 1, "{name}: 3x5x3000 was not split: {plan:?}");
+            check(&format!("{name}: split-K {dtypes:?}"), dev, &c, None);
+        }
+    }
+}
+
+#[test]
+fn bad_matmuls_are_errors() {
+    let dev = gpu("vulkan", false);
+    let a = dev.alloc(DType::F16, 6).unwrap();
+    let b = dev.alloc(DType::F16, 6).unwrap();
+    let c = dev.alloc(DType::F16, 4).unwrap();
+    let ints = dev.alloc(DType::U32, 6).unwrap();
+    let bad = [
+        Matmul::new(a, b, c, 2, 2, 4),
+        Matmul::new(ints, b, c, 2, 2, 3),
+        Matmul::new(a, b, c, 2, 2, 3).batched(0, 6, 6, 4),
+        Matmul::new(a, b, c, 2, 2, 3).with_bias(a),
+        Matmul::new(a, b, c, 2, 2, 3).scaled(f32::NAN, 0.0),
+        Matmul::new(a, b, c, 2, 2, 3).with_f32_copy(c),
+    ];
+    for mm in bad {
+        let e = dev
+            .launch(&Kernel::Matmul(mm.clone()))
+            .expect_err(&format!("{mm:?}"));
+        assert!(
+            e.to_string().starts_with("invalid argument: matmul:"),
+            "{e}"
+        );
+    }
+}
