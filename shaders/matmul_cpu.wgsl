@@ -13,8 +13,9 @@
 
 var<private> acc: array<vec4<f32>, TM * NV>;
 
-// B(kk, j..j+3), zero past K; j is clamped so that every load stays inside the buffer.
-fn load_b4(g: u32, kk: u32, j: u32, tail: bool) -> vec4<f32> {
+// B(kk, j..j+3), zero past K (so that an inf in B's last row cannot meet a zero A and
+// make NaN); j is clamped so that every load stays inside the buffer.
+fn load_b4(g: u32, kk: u32, j: u32) -> vec4<f32> {
     let kc = min(kk, P.k - 1u);
     var v: vec4<f32>;
     if (VEC_B == 1u) {
@@ -28,25 +29,33 @@ fn load_b4(g: u32, kk: u32, j: u32, tail: bool) -> vec4<f32> {
             b_at(b_index(g, kc, min(j + 3u, jm))),
         );
     }
-    if (tail) {
-        return select(vec4<f32>(0.0), v, kk < P.k);
-    }
-    return v;
+    return select(vec4<f32>(0.0), v, kk < P.k);
 }
 
 // SG consecutive values of k starting at kk, folded into the accumulators.
-fn chunk(g: u32, i0: u32, j0: u32, lane: u32, kk: u32, tail: bool) {
+fn chunk(g: u32, i0: u32, j0: u32, lane: u32, kk: u32) {
     let im = P.m - 1u;
     //@unroll r TM
     let al{r} = a_own(g, min(i0 + {r}u, im), kk + lane);
-    //@unroll t SG {
+    //@unroll t SG
     //@unroll v NV
-    let b{t}_{v} = load_b4(g, kk + {t}u, j0 + {v}u * SG * 4u, tail);
+    let b{t}_{v} = load_b4(g, kk + {t}u, j0 + {v}u * SG * 4u);
+    // Row by row, each accumulator takes all SG steps of k while it is in a register:
+    // the block is far larger than the register file, and this order touches each
+    // spilled accumulator once per chunk instead of once per k.
     //@unroll r TM {
-    let a{t}_{r} = vec4<f32>(a_share(al{r}, g, min(i0 + {r}u, im), kk, {t}u));
-    //@unroll v NV
-    acc[{r}u * NV + {v}u] = fma(a{t}_{r}, b{t}_{v}, acc[{r}u * NV + {v}u]);
-    //@}
+    {
+        //@unroll t SG
+        let a{t} = vec4<f32>(a_share(al{r}, g, min(i0 + {r}u, im), kk, {t}u));
+        //@unroll v NV {
+        {
+            var s = acc[{r}u * NV + {v}u];
+            //@unroll t SG
+            s = fma(a{t}, b{t}_{v}, s);
+            acc[{r}u * NV + {v}u] = s;
+        }
+        //@}
+    }
     //@}
 }
 
@@ -62,13 +71,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     //@unroll r TM
     //@unroll v NV
     acc[{r}u * NV + {v}u] = vec4<f32>(0.0);
-    var kk = k_begin;
-    // Full chunks need no bounds on k; the last, partial one does.
-    for (; kk + SG <= k_end; kk += SG) {
-        chunk(g, i0, j0, lane, kk, false);
-    }
-    if (kk < k_end) {
-        chunk(g, i0, j0, lane, kk, true);
+    // Only the last split's last chunk can run past K, and the loads zero it there.
+    // (One call site: the chunk is large once unrolled, and compile time matters.)
+    for (var kk = k_begin; kk < k_end; kk += SG) {
+        chunk(g, i0, j0, lane, kk);
     }
     //@unroll r TM {
     //@unroll v NV {

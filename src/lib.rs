@@ -8,6 +8,7 @@ pub use kiln_cpu as cpu;
 pub use kiln_engine as engine;
 pub use kiln_wgpu as wgpu;
 
+pub mod bench;
 pub mod devices;
 
 pub use devices::{open_device, DeviceSpec};

@@ -1,6 +1,6 @@
 //! The `kiln` command line.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 use kiln::engine::Device;
@@ -20,6 +20,42 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure kernel throughput.
+    Bench {
+        #[command(subcommand)]
+        what: BenchWhat,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchWhat {
+    /// GEMM GFLOP/s per adapter, dtype and shape, against CPU sgemm in the same run.
+    Matmul {
+        /// Devices to measure (`kiln devices` lists them); default: every adapter.
+        #[arg(long, value_delimiter = ',')]
+        devices: Vec<String>,
+        /// Storage dtypes.
+        #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+        dtypes: Vec<String>,
+        /// Square sizes to run instead of the default set (256..2048 and GPT shapes).
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<usize>,
+        /// Measure each row for about this many milliseconds.
+        #[arg(long, default_value_t = 400)]
+        budget_ms: u64,
+        /// Largest dimension the naive baseline kernel is run at (it is slow).
+        #[arg(long, default_value_t = 1024)]
+        naive_up_to: usize,
+        /// Turn native f16 off on every device (measures the packed path).
+        #[arg(long)]
+        no_f16: bool,
+        /// Also measure these kernel variants (e.g. `cpu24x8,tiled64`) beside the planner's choice.
+        #[arg(long, value_delimiter = ',')]
+        variants: Vec<String>,
+        /// Write the rows as JSON to this file (`-` for stdout) as well.
+        #[arg(long)]
+        json: Option<String>,
+    },
 }
 
 fn main() {
@@ -33,6 +69,28 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Devices { json } => devices(json),
+        Command::Bench {
+            what:
+                BenchWhat::Matmul {
+                    devices,
+                    dtypes,
+                    sizes,
+                    budget_ms,
+                    naive_up_to,
+                    no_f16,
+                    variants,
+                    json,
+                },
+        } => bench_matmul(
+            devices,
+            dtypes,
+            sizes,
+            budget_ms,
+            naive_up_to,
+            no_f16,
+            variants,
+            json,
+        ),
     }
 }
 
@@ -112,6 +170,91 @@ fn devices(json: bool) -> Result<()> {
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
         println!("{}", line.join("  ").trim_end());
+    }
+    Ok(())
+}
+
+fn bench_matmul(
+    devices: Vec<String>,
+    dtypes: Vec<String>,
+    sizes: Vec<usize>,
+    budget_ms: u64,
+    naive_up_to: usize,
+    no_f16: bool,
+    variants: Vec<String>,
+    json: Option<String>,
+) -> Result<()> {
+    use kiln::bench::{default_shapes, format_table, matmul_table, Shape};
+    use kiln::engine::DType;
+    use kiln::wgpu::{DeviceOptions, WgpuDevice};
+
+    let options = DeviceOptions {
+        disable_f16: no_f16,
+    };
+    let indices: Vec<usize> = if devices.is_empty() {
+        kiln::wgpu::adapters().iter().map(|a| a.index).collect()
+    } else {
+        devices
+            .iter()
+            .map(|d| {
+                let spec: kiln::DeviceSpec = d.parse()?;
+                spec.adapter_index()?
+                    .ok_or_else(|| anyhow::anyhow!("`cpu` is the reference, not a benchmarked device; it is measured as `cpu GFLOP/s` in every row"))
+            })
+            .collect::<Result<_>>()?
+    };
+    if indices.is_empty() {
+        anyhow::bail!("no GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
+    }
+    let devs = indices
+        .iter()
+        .map(|&i| WgpuDevice::open(i, &options))
+        .collect::<Result<Vec<_>, _>>()?;
+    let dtypes = dtypes
+        .iter()
+        .map(|d| d.parse::<DType>())
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(bad) = dtypes.iter().find(|d| !d.is_float()) {
+        anyhow::bail!("matmul takes f32, f16 or bf16, not {bad}");
+    }
+    let extra = variants
+        .iter()
+        .map(|v| v.parse::<kiln::wgpu::MatmulVariant>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let shapes = if sizes.is_empty() {
+        default_shapes()
+    } else {
+        sizes.into_iter().map(Shape::square).collect()
+    };
+    eprintln!(
+        "kiln bench matmul: {} device(s), {} dtype(s), {} shape(s); CPU reference: matrixmultiply sgemm, {} threads",
+        devs.len(),
+        dtypes.len(),
+        shapes.len(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    let rows = matmul_table(
+        &devs,
+        &dtypes,
+        &shapes,
+        std::time::Duration::from_millis(budget_ms),
+        naive_up_to,
+        &extra,
+        |r| {
+            eprintln!(
+                "  {} {} {}x{}x{} {} {}: {:.2} GFLOP/s (cpu {:.1}, ratio {:.3})",
+                r.backend, r.dtype, r.m, r.n, r.k, r.op, r.variant, r.gflops, r.cpu_gflops, r.ratio
+            )
+        },
+    )?;
+    println!("{}", format_table(&rows));
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&rows)?;
+        if path == "-" {
+            println!("{text}");
+        } else {
+            std::fs::write(&path, text).with_context(|| format!("writing {path}"))?;
+        }
     }
     Ok(())
 }

@@ -25,6 +25,36 @@ pub enum MatmulVariant {
     Gemv,
 }
 
+impl std::str::FromStr for MatmulVariant {
+    type Err = Error;
+    /// Parses a name as [`MatmulVariant::name`] writes it: `naive`, `tiled64`, `gemv`,
+    /// `cpuTMxCOLS` (COLS a multiple of 4, e.g. `cpu16x8`).
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "unknown matmul variant `{s}`: use naive, tiled64, gemv or cpuTMxCOLS (e.g. cpu16x8)"
+            ))
+        };
+        match s {
+            "naive" => Ok(MatmulVariant::Naive),
+            "tiled64" => Ok(MatmulVariant::Tiled),
+            "gemv" => Ok(MatmulVariant::Gemv),
+            _ => {
+                let (tm, cols) = s
+                    .strip_prefix("cpu")
+                    .and_then(|r| r.split_once('x'))
+                    .ok_or_else(bad)?;
+                let tm: u32 = tm.parse().map_err(|_| bad())?;
+                let cols: u32 = cols.parse().map_err(|_| bad())?;
+                if tm == 0 || tm > 64 || cols == 0 || !cols.is_multiple_of(4) || cols > 32 {
+                    return Err(bad());
+                }
+                Ok(MatmulVariant::Cpu { tm, nv: cols / 4 })
+            }
+        }
+    }
+}
+
 impl MatmulVariant {
     pub fn name(&self) -> String {
         match self {
@@ -86,17 +116,24 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
         } else if cpu_class(caps) {
             // 16 x 8 per lane was the best block measured on lavapipe; small matrices
             // take smaller blocks so that both worker threads get tiles.
-            // Without subgroups every lane loads every A value, so tall blocks buy
-            // nothing and only make the (per-device, at first use) compile slower.
+            // Measured on lavapipe (benches/RESULTS.md): taller and wider blocks keep
+            // winning up to 64 x 16 per workgroup, but their unrolled code takes seconds
+            // to compile (0.4 s at 16 x 8, 2 s at 32 x 12, 11 s at 64 x 16), so only
+            // products big enough to repay that get them. Without subgroups every lane
+            // loads every A value: tall blocks buy nothing there.
             let sg = fixed_subgroup(caps).is_some();
-            let tm = if m >= 64 && sg {
-                16
+            let work = m as u64 * n as u64 * k as u64 * mm.batch as u64;
+            let (tm, nv) = if sg && m >= 64 && n >= 128 && work >= 1 << 30 {
+                (64, 4)
+            } else if sg && m >= 32 && n >= 96 && work >= 1 << 27 {
+                (32, 3)
+            } else if sg && m >= 64 && n >= 64 {
+                (16, 2)
             } else if m >= 8 {
-                8
+                (8, 1)
             } else {
-                4
+                (4, 1)
             };
-            let nv = if n >= 64 && sg { 2 } else { 1 };
             MatmulVariant::Cpu { tm, nv }
         } else {
             MatmulVariant::Tiled
@@ -261,7 +298,9 @@ impl WgpuDevice {
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
         if let MatmulVariant::Cpu { tm, nv } = plan.variant {
-            let vec_b = !mm.trans_b && n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_b.is_multiple_of(4));
+            let vec_b = !mm.trans_b
+                && n.is_multiple_of(4)
+                && (mm.batch == 1 || mm.stride_b.is_multiple_of(4));
             let vec_c = n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_c.is_multiple_of(4));
             consts = vec![
                 ("SG", fixed_subgroup(caps).unwrap_or(CPU_LANES)),

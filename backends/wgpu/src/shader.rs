@@ -317,7 +317,7 @@ pub fn assemble(kernel: &KernelSource, reprs: &[Repr], consts: &[(&str, u32)]) -
         out.push_str(&format!("const {name}: u32 = {value}u;\n"));
     }
     for p in kernel.prelude {
-        out.push_str(p);
+        out.push_str(&unroll(p, consts));
         out.push('\n');
     }
     out.push_str(CONVERT);
