@@ -30,32 +30,35 @@ enum Command {
 #[derive(Subcommand)]
 enum BenchWhat {
     /// GEMM GFLOP/s per adapter, dtype and shape, against CPU sgemm in the same run.
-    Matmul {
-        /// Devices to measure (`kiln devices` lists them); default: every adapter.
-        #[arg(long, value_delimiter = ',')]
-        devices: Vec<String>,
-        /// Storage dtypes.
-        #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
-        dtypes: Vec<String>,
-        /// Square sizes to run instead of the default set (256..2048 and GPT shapes).
-        #[arg(long, value_delimiter = ',')]
-        sizes: Vec<usize>,
-        /// Measure each row for about this many milliseconds.
-        #[arg(long, default_value_t = 400)]
-        budget_ms: u64,
-        /// Largest dimension the naive baseline kernel is run at (it is slow).
-        #[arg(long, default_value_t = 1024)]
-        naive_up_to: usize,
-        /// Turn native f16 off on every device (measures the packed path).
-        #[arg(long)]
-        no_f16: bool,
-        /// Also measure these kernel variants (e.g. `cpu24x8,tiled64`) beside the planner's choice.
-        #[arg(long, value_delimiter = ',')]
-        variants: Vec<String>,
-        /// Write the rows as JSON to this file (`-` for stdout) as well.
-        #[arg(long)]
-        json: Option<String>,
-    },
+    Matmul(MatmulArgs),
+}
+
+#[derive(clap::Args)]
+struct MatmulArgs {
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Storage dtypes.
+    #[arg(long, value_delimiter = ',', default_value = "f32,f16,bf16")]
+    dtypes: Vec<String>,
+    /// Square sizes to run instead of the default set (256..2048 and GPT shapes).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    /// Measure each row for about this many milliseconds.
+    #[arg(long, default_value_t = 400)]
+    budget_ms: u64,
+    /// Largest dimension the naive baseline kernel is run at (it is slow).
+    #[arg(long, default_value_t = 1024)]
+    naive_up_to: usize,
+    /// Turn native f16 off on every device (measures the packed path).
+    #[arg(long)]
+    no_f16: bool,
+    /// Also measure these kernel variants (e.g. `cpu24x8,tiled64`) beside the planner's choice.
+    #[arg(long, value_delimiter = ',')]
+    variants: Vec<String>,
+    /// Write the rows as JSON to this file (`-` for stdout) as well.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 fn main() {
@@ -70,27 +73,8 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Devices { json } => devices(json),
         Command::Bench {
-            what:
-                BenchWhat::Matmul {
-                    devices,
-                    dtypes,
-                    sizes,
-                    budget_ms,
-                    naive_up_to,
-                    no_f16,
-                    variants,
-                    json,
-                },
-        } => bench_matmul(
-            devices,
-            dtypes,
-            sizes,
-            budget_ms,
-            naive_up_to,
-            no_f16,
-            variants,
-            json,
-        ),
+            what: BenchWhat::Matmul(args),
+        } => bench_matmul(args),
     }
 }
 
@@ -174,16 +158,17 @@ fn devices(json: bool) -> Result<()> {
     Ok(())
 }
 
-fn bench_matmul(
-    devices: Vec<String>,
-    dtypes: Vec<String>,
-    sizes: Vec<usize>,
-    budget_ms: u64,
-    naive_up_to: usize,
-    no_f16: bool,
-    variants: Vec<String>,
-    json: Option<String>,
-) -> Result<()> {
+fn bench_matmul(args: MatmulArgs) -> Result<()> {
+    let MatmulArgs {
+        devices,
+        dtypes,
+        sizes,
+        budget_ms,
+        naive_up_to,
+        no_f16,
+        variants,
+        json,
+    } = args;
     use kiln::bench::{default_shapes, format_table, matmul_table, Shape};
     use kiln::engine::DType;
     use kiln::wgpu::{DeviceOptions, WgpuDevice};
