@@ -83,6 +83,7 @@ fn check(what: &str, dev: &WgpuDevice, case: &Case, variant: Option<MatmulVarian
     let mm = &case.mm;
     let (a, b) = (case.a.to_f32(), case.b.to_f32());
     let (g, w) = (got.to_f32(), want.to_f32());
+    let copies = got_f32.zip(want_f32).map(|(g, w)| (g.to_f32(), w.to_f32()));
     let (u, tiny) = unit(mm.c.dtype);
     let mut checked = 0;
     for gi in 0..mm.batch {
@@ -105,8 +106,8 @@ fn check(what: &str, dev: &WgpuDevice, case: &Case, variant: Option<MatmulVarian
                     g[at],
                     w[at]
                 );
-                if let (Some(gf), Some(wf)) = (&got_f32, &want_f32) {
-                    let (gf, wf) = (gf.to_f32()[at] as f64, wf.to_f32()[at] as f64);
+                if let Some((gf, wf)) = &copies {
+                    let (gf, wf) = (gf[at] as f64, wf[at] as f64);
                     let tol = acc_err + wf.abs() * 2f64.powi(-23) + 1e-38;
                     assert!(
                         (gf - wf).abs() <= tol,
@@ -354,4 +355,43 @@ fn bad_matmuls_are_errors() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn operands_larger_than_one_binding_are_split_by_rows() {
+    let dev = &wgpu_paths()[0].1;
+    let limit = kiln::engine::Device::caps(dev).max_storage_binding as usize;
+    let mut rng = Rng::new(5);
+    // A (f32) is larger than one binding; C is small.
+    let k = 1020;
+    let m = limit / (4 * k) + 37;
+    let c = case(&mut rng, (m, 3, k), (false, false), [DType::F32; 3]);
+    assert!(c.mm.a.bytes() as usize > limit);
+    check("A over the binding limit", dev, &c, None);
+    // C (f32) and its f32 copy are larger than one binding; K = 1 keeps it cheap.
+    let n = 4100;
+    let m = limit / (4 * n) + 5;
+    let mut c = case(
+        &mut rng,
+        (m, n, 1),
+        (false, false),
+        [DType::F16, DType::F16, DType::F32],
+    );
+    c.mm.c_f32 = Some(kiln::engine::Buffer {
+        id: 0,
+        dtype: DType::F32,
+        len: m * n,
+    });
+    assert!(c.mm.c.bytes() as usize > limit);
+    check("C over the binding limit", dev, &c, None);
+    // What rows of C cannot split says so: here B (stored m x n, transposed) is too big.
+    let big = dev.alloc(DType::F32, m * n).unwrap();
+    let x = dev.alloc(DType::F32, n).unwrap();
+    let out = dev.alloc(DType::F32, m).unwrap();
+    let e = dev
+        .launch(&Kernel::Matmul(
+            Matmul::new(x, big, out, 1, m, n).transpose(false, true),
+        ))
+        .unwrap_err();
+    assert!(e.to_string().contains("binding"), "{e}");
 }

@@ -68,6 +68,7 @@ struct PipelineKey {
 struct BindKey {
     pipeline: PipelineKey,
     buffers: Vec<u64>,
+    ranges: Vec<(usize, u64, u64)>,
 }
 
 #[derive(Default)]
@@ -95,6 +96,8 @@ pub(crate) struct Dispatch<'a> {
     pub overrides: Vec<(&'static str, u32)>,
     /// (id, buffer) per slot, in slot order.
     pub buffers: Vec<(u64, &'a wgpu::Buffer)>,
+    /// (slot, byte offset, byte size) for slots bound to part of their buffer.
+    pub ranges: Vec<(usize, u64, u64)>,
     pub params: Vec<u32>,
     pub groups: (u32, u32, u32),
 }
@@ -351,6 +354,7 @@ impl WgpuDevice {
         let bind_key = BindKey {
             pipeline: key.clone(),
             buffers: d.buffers.iter().map(|(id, _)| *id).collect(),
+            ranges: d.ranges.clone(),
         };
         if !s.bind_groups.contains_key(&bind_key) {
             let mut entries = vec![wgpu::BindGroupEntry {
@@ -362,9 +366,19 @@ impl WgpuDevice {
                 }),
             }];
             for (i, (_, b)) in d.buffers.iter().enumerate() {
+                let resource = match d.ranges.iter().find(|r| r.0 == i) {
+                    Some(&(_, offset, size)) => {
+                        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                            buffer: b,
+                            offset,
+                            size: wgpu::BufferSize::new(size),
+                        })
+                    }
+                    None => b.as_entire_binding(),
+                };
                 entries.push(wgpu::BindGroupEntry {
                     binding: i as u32 + 1,
-                    resource: b.as_entire_binding(),
+                    resource,
                 });
             }
             let layout = &self.layout(s, d.kernel).0;
@@ -402,6 +416,11 @@ impl State {
 }
 
 impl WgpuDevice {
+    /// Byte alignment a partial binding's offset needs.
+    pub(crate) fn storage_offset_alignment(&self) -> u64 {
+        self.device.limits().min_storage_buffer_offset_alignment as u64
+    }
+
     /// The GEMM partials buffer, at least `bytes` long.
     pub(crate) fn partials(&self, s: &mut State, bytes: u64) -> wgpu::Buffer {
         if let Some(p) = &s.partials {
@@ -621,6 +640,7 @@ impl Device for WgpuDevice {
                         consts: vec![],
                         overrides: vec![],
                         buffers: vec![h(dst)],
+                        ranges: vec![],
                         params: vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
                         groups: (groups(words), 1, 1),
                     },
@@ -681,6 +701,7 @@ impl Device for WgpuDevice {
                         consts: vec![],
                         overrides: vec![("OP", code)],
                         buffers: vec![h(src), (SCRATCH_ID, &self.scratch)],
+                        ranges: vec![],
                         params: vec![src.len as u32, words, 0, 0],
                         groups: (g, 1, 1),
                     },
@@ -693,6 +714,7 @@ impl Device for WgpuDevice {
                         consts: vec![],
                         overrides: vec![("OP", code)],
                         buffers: vec![(SCRATCH_ID, &self.scratch), h(dst)],
+                        ranges: vec![],
                         params: vec![g, pairs(g as usize), 0, 0],
                         groups: (1, 1, 1),
                     },
@@ -722,6 +744,7 @@ impl Device for WgpuDevice {
                             consts: vec![],
                             overrides: vec![("KIND", kind)],
                             buffers: vec![h(src), h(flag)],
+                            ranges: vec![],
                             params: vec![src.len as u32, words, 0, 0],
                             groups: (groups(words), 1, 1),
                         },
@@ -772,6 +795,7 @@ impl WgpuDevice {
                 consts: vec![],
                 overrides: constant.into_iter().collect(),
                 buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
+                ranges: vec![],
                 params: vec![len as u32, words, alpha.to_bits(), 0],
                 groups: (groups(words), 1, 1),
             },

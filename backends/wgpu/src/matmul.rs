@@ -223,20 +223,94 @@ impl WgpuDevice {
         if mm.m == 0 || mm.n == 0 {
             return Ok(());
         }
-        let caps = &self.caps;
-        let limit = caps.max_storage_binding;
-        for b in mm.buffers() {
+        let limit = self.caps.max_storage_binding;
+        if mm.buffers().iter().all(|b| b.bytes() <= limit) {
+            return self.record(s, mm, plan, handles, &Windows::default());
+        }
+        // An operand is larger than one binding can show a kernel: run the product in
+        // bands of C's rows, each binding only its rows of A, C and the f32 copy.
+        let too_big = |what: String| Error::Unsupported {
+            device: self.caps.name.clone(),
+            what: format!(
+                "{what}; one binding holds at most {limit} bytes. Matrices larger than that are \
+                 split by rows of C when batch = 1 and A is not transposed"
+            ),
+        };
+        if mm.batch != 1 || mm.trans_a {
+            return Err(too_big(format!(
+                "a batched or A-transposed matmul with an operand over the binding limit (A {} bytes, C {} bytes)",
+                mm.a.bytes(),
+                mm.c.bytes()
+            )));
+        }
+        for b in [Some(mm.b), mm.bias].into_iter().flatten() {
             if b.bytes() > limit {
-                return Err(Error::Unsupported {
-                    device: caps.name.clone(),
-                    what: format!(
-                        "a matmul operand of {} bytes (buffer #{}); one binding holds at most {limit} bytes, split the matrix",
-                        b.bytes(),
-                        b.id
-                    ),
-                });
+                return Err(too_big(format!(
+                    "operand buffer #{} of {} bytes, which rows of C cannot split",
+                    b.id,
+                    b.bytes()
+                )));
             }
         }
+        let align = self.storage_offset_alignment();
+        // Bytes per row of each banded operand; a band must start at an aligned offset
+        // in all of them.
+        let mut row_bytes = vec![
+            (mm.k * mm.a.dtype.size()) as u64,
+            (mm.n * mm.c.dtype.size()) as u64,
+        ];
+        if mm.c_f32.is_some() {
+            row_bytes.push(mm.n as u64 * 4);
+        }
+        let unit = row_bytes
+            .iter()
+            .map(|&r| align / gcd(r.max(1), align))
+            .fold(1, lcm);
+        let widest = *row_bytes.iter().max().expect("two entries");
+        // Two elements of slack: kernels read 16-bit and f32 values in pairs.
+        let band = ((limit - 16) / widest.max(1)) / unit * unit;
+        if band == 0 {
+            return Err(too_big(format!("{unit} rows of {widest} bytes")));
+        }
+        let mut r0 = 0u64;
+        while r0 < mm.m as u64 {
+            let rows = band.min(mm.m as u64 - r0);
+            let sub = Matmul {
+                m: rows as usize,
+                stride_a: rows as usize * mm.k,
+                stride_c: rows as usize * mm.n,
+                ..mm.clone()
+            };
+            let window = |buf: kiln_engine::Buffer, row: u64| {
+                let offset = r0 * row;
+                // Round up to whole 8-byte pairs, within the buffer's padded size.
+                let size = (rows * row).div_ceil(8) * 8;
+                (offset, size.min(buf.bytes() - offset))
+            };
+            let windows = Windows {
+                a: Some(window(mm.a, row_bytes[0])),
+                c: Some(window(mm.c, row_bytes[1])),
+                cf: mm.c_f32.map(|cf| window(cf, mm.n as u64 * 4)),
+            };
+            let sub_plan = plan_for(&sub, &self.caps, plan)?;
+            self.record(s, &sub, &sub_plan, handles, &windows)?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+
+    /// Records one GEMM whose operands each fit a binding (`windows` gives the byte
+    /// ranges of A, C and the f32 copy when only part of their buffer is bound).
+    fn record(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        windows: &Windows,
+    ) -> Result<()> {
+        let caps = &self.caps;
+        let limit = caps.max_storage_binding;
         let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
         let total = mm.batch as u64 * mm.m as u64 * mm.n as u64;
         let partial_bytes = (total * plan.splits as u64).div_ceil(2) * 8;
@@ -340,6 +414,7 @@ impl WgpuDevice {
                     consts: consts.clone(),
                     overrides: overrides(plan.partial),
                     buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
+                    ranges: windows.main(plan.partial),
                     params: params(row_base, rows, 0),
                     groups: (groups_x, groups_y, z),
                 },
@@ -363,6 +438,7 @@ impl WgpuDevice {
                     consts: vec![],
                     overrides: overrides(false),
                     buffers: vec![(PARTIALS_ID, p), h(mm.b), h(mm.c), bias, cf_user],
+                    ranges: windows.finish(),
                     params: params(0, m, words),
                     groups: (groups(words), 1, 1),
                 },
@@ -370,6 +446,53 @@ impl WgpuDevice {
         }
         Ok(())
     }
+}
+
+/// Byte ranges of A, C and the f32 copy bound for one band of rows (none: whole buffer).
+#[derive(Default)]
+struct Windows {
+    a: Option<(u64, u64)>,
+    c: Option<(u64, u64)>,
+    cf: Option<(u64, u64)>,
+}
+
+impl Windows {
+    /// Slot ranges for the GEMM kernel (slots a, b, c, bias, cf). With partials, cf is
+    /// the partials buffer, which is sized for the band already.
+    fn main(&self, partial: bool) -> Vec<(usize, u64, u64)> {
+        let mut v = vec![];
+        v.extend(self.a.map(|(o, n)| (0, o, n)));
+        v.extend(self.c.map(|(o, n)| (2, o, n)));
+        if !partial {
+            v.extend(self.cf.map(|(o, n)| (4, o, n)));
+        }
+        v
+    }
+
+    /// Slot ranges for `matmul_finish` (slot a holds the partials).
+    fn finish(&self) -> Vec<(usize, u64, u64)> {
+        let mut v = vec![];
+        v.extend(self.c.map(|(o, n)| (2, o, n)));
+        v.extend(self.cf.map(|(o, n)| (4, o, n)));
+        v
+    }
+}
+
+/// The plan for one band of a banded product: the caller's pinned variant, if any.
+fn plan_for(sub: &Matmul, caps: &Capabilities, whole: &MatmulPlan) -> Result<MatmulPlan> {
+    plan(sub, caps, Some(whole.variant))
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
 }
 
 fn repr_of_bias(dev: &WgpuDevice, mm: &Matmul) -> Repr {
