@@ -371,6 +371,18 @@ impl WgpuDevice {
         };
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
+        let aligned = |dim: usize, stride: usize| {
+            dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
+        };
+        if plan.variant == MatmulVariant::Tiled {
+            // 16-byte loads along each operand's contiguous dimension when it allows.
+            let a_dim = if mm.trans_a { mm.m } else { mm.k };
+            let b_dim = if mm.trans_b { mm.k } else { mm.n };
+            consts = vec![
+                ("VEC_A", aligned(a_dim, mm.stride_a) as u32),
+                ("VEC_B", aligned(b_dim, mm.stride_b) as u32),
+            ];
+        }
         if let MatmulVariant::Cpu { tm, nv } = plan.variant {
             let vec_b = !mm.trans_b
                 && n.is_multiple_of(4)

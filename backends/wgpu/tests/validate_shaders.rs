@@ -30,12 +30,18 @@ const BASE: Capabilities = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
 /// Assembly constants each kernel is built with: the tile shapes the planner uses,
 /// aligned and unaligned.
 fn const_sets(kernel: &shader::KernelSource) -> Vec<Vec<(&'static str, u32)>> {
-    match kernel.body.contains("//@unroll r TM") {
-        true => vec![
+    if kernel.body.contains("//@unroll r TM") {
+        vec![
             vec![("SG", 8), ("TM", 16), ("NV", 2), ("VEC_B", 1), ("VEC_C", 1)],
             vec![("SG", 8), ("TM", 4), ("NV", 1), ("VEC_B", 0), ("VEC_C", 0)],
-        ],
-        false => vec![vec![]],
+        ]
+    } else if kernel.body.contains("VEC_A") {
+        vec![
+            vec![("VEC_A", 1), ("VEC_B", 1)],
+            vec![("VEC_A", 0), ("VEC_B", 0)],
+        ]
+    } else {
+        vec![vec![]]
     }
 }
 
@@ -100,10 +106,10 @@ fn validate(native_f16: bool) -> usize {
 }
 
 /// Module count: elementwise kernels over every dtype mix, plus six GEMM kernels
-/// (the two CPU-class ones with two tile shapes each) over their mixes.
+/// (the two CPU-class ones and the tiled one with two constant sets each) over their mixes.
 fn expected(reprs: usize) -> usize {
     let elementwise = 1 + reprs.pow(2) + reprs.pow(3) + 2 * reprs.pow(2) + reprs + 1;
-    elementwise + (4 + 2 * 2) * reprs.pow(3) * 2
+    elementwise + (3 + 3 * 2) * reprs.pow(3) * 2
 }
 
 #[test]
