@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod error;
 pub mod host;
 pub mod kernel;
+pub mod loss_scaler;
 pub mod matmul;
 
 pub use device::{Buffer, Capabilities, Device};
@@ -15,4 +16,5 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use host::HostData;
 pub use kernel::{BinaryOp, Kernel, ReduceOp};
+pub use loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 pub use matmul::Matmul;
