@@ -77,76 +77,56 @@ const fn own(name: &'static str, access: Access) -> Slot {
 
 use Access::{Read, ReadWrite};
 
-pub const FILL: KernelSource = KernelSource {
-    name: "fill",
-    file: "fill.wgsl",
-    body: shader!("fill.wgsl"),
-    slots: &[own("dst", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const CAST: KernelSource = KernelSource {
-    name: "cast",
-    file: "cast.wgsl",
-    body: shader!("cast.wgsl"),
-    slots: &[typed("src", Read), typed("dst", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const BINARY: KernelSource = KernelSource {
-    name: "binary",
-    file: "binary.wgsl",
-    body: shader!("binary.wgsl"),
-    slots: &[typed("a", Read), typed("b", Read), typed("out", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const SCALE: KernelSource = KernelSource {
-    name: "scale",
-    file: "scale.wgsl",
-    body: shader!("scale.wgsl"),
-    slots: &[typed("x", Read), typed("out", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const AXPY: KernelSource = KernelSource {
-    name: "axpy",
-    file: "axpy.wgsl",
-    body: shader!("axpy.wgsl"),
-    slots: &[typed("x", Read), typed("y", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const REDUCE: KernelSource = KernelSource {
-    name: "reduce",
-    file: "reduce.wgsl",
-    body: shader!("reduce.wgsl"),
-    slots: &[typed("src", Read), own("dst", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
-pub const NONFINITE: KernelSource = KernelSource {
-    name: "nonfinite",
-    file: "nonfinite.wgsl",
-    body: shader!("nonfinite.wgsl"),
-    slots: &[own("src", Read), own("flag", ReadWrite)],
-    prelude: &[ELEMENTWISE_PARAMS],
-    params_size: 16,
-    subgroups: false,
-    trusted: false,
-};
+/// An elementwise kernel: `shaders/<name>.wgsl` with the 16-byte parameter block.
+macro_rules! elementwise {
+    ($name:literal, $slots:expr) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".wgsl"),
+            body: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../shaders/",
+                $name,
+                ".wgsl"
+            )),
+            slots: $slots,
+            prelude: &[ELEMENTWISE_PARAMS],
+            params_size: 16,
+            subgroups: false,
+            trusted: false,
+        }
+    };
+}
+
+/// A GEMM kernel: five slots (a, b, c, bias, cf), the 64-byte parameter block and the
+/// shared epilogue, plus `extra` prelude.
+macro_rules! gemm {
+    ($name:literal, $file:literal, [$($extra:expr),*], subgroups: $sg:literal, trusted: $trusted:literal) => {
+        KernelSource {
+            name: $name,
+            file: $file,
+            body: shader!($file),
+            slots: MATMUL_SLOTS,
+            prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, $($extra),*],
+            params_size: MATMUL_PARAMS_SIZE,
+            subgroups: $sg,
+            trusted: $trusted,
+        }
+    };
+}
+
+pub const FILL: KernelSource = elementwise!("fill", &[own("dst", ReadWrite)]);
+pub const CAST: KernelSource = elementwise!("cast", &[typed("src", Read), typed("dst", ReadWrite)]);
+pub const BINARY: KernelSource = elementwise!(
+    "binary",
+    &[typed("a", Read), typed("b", Read), typed("out", ReadWrite)]
+);
+pub const SCALE: KernelSource = elementwise!("scale", &[typed("x", Read), typed("out", ReadWrite)]);
+pub const AXPY: KernelSource = elementwise!("axpy", &[typed("x", Read), typed("y", ReadWrite)]);
+pub const REDUCE: KernelSource =
+    elementwise!("reduce", &[typed("src", Read), own("dst", ReadWrite)]);
+pub const NONFINITE: KernelSource =
+    elementwise!("nonfinite", &[own("src", Read), own("flag", ReadWrite)]);
 
 const MATMUL_SLOTS: &[Slot] = &[
     typed("a", Read),
@@ -157,71 +137,22 @@ const MATMUL_SLOTS: &[Slot] = &[
 ];
 
 /// One output per invocation, straight from storage: the baseline row of `kiln bench`.
-pub const MATMUL_NAIVE: KernelSource = KernelSource {
-    name: "matmul_naive",
-    file: "matmul_naive.wgsl",
-    body: shader!("matmul_naive.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: false,
-    trusted: false,
-};
-/// CPU-class adapters (lavapipe, llvmpipe): register blocks, A shared by subgroup shuffles.
-pub const MATMUL_CPU: KernelSource = KernelSource {
-    name: "matmul_cpu",
-    file: "matmul_cpu.wgsl",
-    body: shader!("matmul_cpu.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, SHARE_SUBGROUP],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: true,
-    trusted: true,
-};
-/// CPU-class adapters without subgroups (llvmpipe through GL).
-pub const MATMUL_CPU_NOSG: KernelSource = KernelSource {
-    name: "matmul_cpu_nosg",
-    file: "matmul_cpu.wgsl",
-    body: shader!("matmul_cpu.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, SHARE_NONE],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: false,
-    trusted: true,
-};
+pub const MATMUL_NAIVE: KernelSource =
+    gemm!("matmul_naive", "matmul_naive.wgsl", [], subgroups: false, trusted: false);
+/// CPU-class adapters (lavapipe, llvmpipe): register blocks, A shared by subgroup broadcasts.
+pub const MATMUL_CPU: KernelSource =
+    gemm!("matmul_cpu", "matmul_cpu.wgsl", [SHARE_SUBGROUP], subgroups: true, trusted: true);
+/// CPU-class adapters without subgroups (llvmpipe through GL): the same body, per-lane A loads.
+pub const MATMUL_CPU_NOSG: KernelSource =
+    gemm!("matmul_cpu_nosg", "matmul_cpu.wgsl", [SHARE_NONE], subgroups: false, trusted: true);
 /// GPUs: workgroup shared-memory tiles with per-thread register blocks.
-pub const MATMUL_TILED: KernelSource = KernelSource {
-    name: "matmul_tiled",
-    file: "matmul_tiled.wgsl",
-    body: shader!("matmul_tiled.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: false,
-    trusted: true,
-};
+pub const MATMUL_TILED: KernelSource =
+    gemm!("matmul_tiled", "matmul_tiled.wgsl", [], subgroups: false, trusted: true);
 /// Matrix-vector products (N = 1): one workgroup per output row.
-pub const GEMV: KernelSource = KernelSource {
-    name: "gemv",
-    file: "gemv.wgsl",
-    body: shader!("gemv.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: false,
-    trusted: false,
-};
+pub const GEMV: KernelSource = gemm!("gemv", "gemv.wgsl", [], subgroups: false, trusted: false);
 /// Sums split-K partials and applies the epilogue, two outputs per invocation.
-pub const MATMUL_FINISH: KernelSource = KernelSource {
-    name: "matmul_finish",
-    file: "matmul_finish.wgsl",
-    body: shader!("matmul_finish.wgsl"),
-    slots: MATMUL_SLOTS,
-    prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE],
-    params_size: MATMUL_PARAMS_SIZE,
-    subgroups: false,
-    trusted: false,
-};
+pub const MATMUL_FINISH: KernelSource =
+    gemm!("matmul_finish", "matmul_finish.wgsl", [], subgroups: false, trusted: false);
 
 /// Bytes of `shaders/common/matmul_params.wgsl`.
 pub const MATMUL_PARAMS_SIZE: u64 = 64;
