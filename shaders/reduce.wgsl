@@ -1,9 +1,11 @@
-// One pass of a sum or max reduction in f32. OP: 0 sum, 1 max.
+// One pass of a sum or max reduction in f32. OP: 0 sum, 1 max. SQUARE squares each
+// input first (the first pass of a sum of squares; the second pass sums partials).
 // Each workgroup folds a grid-strided share of `src` and writes one partial to
 // dst[workgroup]; the host runs it twice (data -> partials -> result) so the
 // order of additions is fixed and results are reproducible run to run.
 // Slot: src (read). dst is f32 words.
 override OP: u32 = 0u;
+override SQUARE: bool = false;
 
 @group(0) @binding(2) var<storage, read_write> dst: array<f32>;
 
@@ -26,7 +28,10 @@ fn main(
     var acc = select(0.0, bitcast<f32>(0xff800000u), OP == 1u);
     let stride = nwg.x * 256u;
     for (var w = wid.x * 256u + lid.x; w < P.words; w += stride) {
-        let v = src_load(w);
+        var v = src_load(w);
+        if (SQUARE) {
+            v *= v;
+        }
         acc = combine(acc, v.x);
         // The odd tail's second lane is padding, not data.
         if (2u * w + 1u < P.n) {

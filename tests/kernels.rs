@@ -173,7 +173,8 @@ fn sum_and_max_match_cpu_within_f32_accumulation_error() {
             for len in SIZES {
                 let src = finite(dtype, len, 5 + len as u64);
                 let abs_sum: f64 = src.to_f32().iter().map(|v| v.abs() as f64).sum();
-                for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let sq_sum: f64 = src.to_f32().iter().map(|&v| v as f64 * v as f64).sum();
+                for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::SumSquares] {
                     let out = run_both(
                         p.dev.as_ref(),
                         &[src.clone(), HostData::zeros(DType::F32, 1)],
@@ -196,9 +197,11 @@ fn sum_and_max_match_cpu_within_f32_accumulation_error() {
                         // f32 accumulation along at most `depth` sequential additions: each
                         // thread folds ceil(len / (2 * 256 * 256)) pairs, then two 8-level
                         // trees; error <= depth * eps32 * sum |x| (standard bound).
-                        ReduceOp::Sum => {
-                            let depth = 2 * len.div_ceil(2 * 256 * 256) + 8 + 8 + 2;
-                            let tol = depth as f64 * f32::EPSILON as f64 * abs_sum;
+                        // (Squares add one rounding each: depth + 1, over sum x^2.)
+                        ReduceOp::Sum | ReduceOp::SumSquares => {
+                            let depth = 2 * len.div_ceil(2 * 256 * 256) + 8 + 8 + 3;
+                            let mass = if op == ReduceOp::Sum { abs_sum } else { sq_sum };
+                            let tol = depth as f64 * f32::EPSILON as f64 * mass;
                             assert!(
                                 (g as f64 - c as f64).abs() <= tol,
                                 "{what}: gpu {g}, cpu {c}, tolerance {tol}"

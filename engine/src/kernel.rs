@@ -4,7 +4,7 @@
 //! a backend matches on it and records the matching pipeline. Argument checks live
 //! here, once, so every backend rejects the same bad launches with the same words.
 
-use crate::{Buffer, DType, Error, Matmul, Result};
+use crate::{AdamStep, Buffer, DType, Error, Matmul, Result, SgdStep};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
@@ -16,6 +16,8 @@ pub enum BinaryOp {
 pub enum ReduceOp {
     Sum,
     Max,
+    /// Sum of squares (for gradient norms).
+    SumSquares,
 }
 
 /// One kernel launch. Float operands may each have their own dtype (f32, f16, bf16):
@@ -52,6 +54,18 @@ pub enum Kernel {
     NonFinite { srcs: Vec<Buffer>, flag: Buffer },
     /// A batched GEMM with optional fused epilogue; see [`Matmul`].
     Matmul(Matmul),
+    /// `out[0] = 1 / combined scale` from the gradients' sum of squares `sum_squares[0]`
+    /// (both 1-element f32); see [`crate::optim::grad_scale_reference`].
+    GradScale {
+        sum_squares: Buffer,
+        out: Buffer,
+        loss_scale: f32,
+        clip: f32,
+    },
+    /// One Adam/AdamW step over flat buffers; see [`AdamStep`].
+    Adam(AdamStep),
+    /// One SGD-with-momentum step over flat buffers; see [`SgdStep`].
+    Sgd(SgdStep),
 }
 
 impl Kernel {
@@ -75,8 +89,15 @@ impl Kernel {
             Kernel::Reduce {
                 op: ReduceOp::Max, ..
             } => "max",
+            Kernel::Reduce {
+                op: ReduceOp::SumSquares,
+                ..
+            } => "sumsq",
             Kernel::NonFinite { .. } => "nonfinite",
             Kernel::Matmul(_) => "matmul",
+            Kernel::GradScale { .. } => "grad_scale",
+            Kernel::Adam(_) => "adam",
+            Kernel::Sgd(_) => "sgd",
         }
     }
 
@@ -95,6 +116,11 @@ impl Kernel {
                 v
             }
             Kernel::Matmul(mm) => mm.buffers(),
+            Kernel::GradScale {
+                sum_squares, out, ..
+            } => vec![*sum_squares, *out],
+            Kernel::Adam(a) => a.buffers(),
+            Kernel::Sgd(s) => s.buffers(),
         }
     }
 
@@ -161,6 +187,27 @@ impl Kernel {
                 same_len(k, "flag", flag, 1)
             }
             Kernel::Matmul(mm) => mm.validate(),
+            Kernel::GradScale {
+                sum_squares,
+                out,
+                loss_scale,
+                clip,
+            } => {
+                same_dtype(k, "sum_squares", sum_squares, DType::F32)?;
+                same_len(k, "sum_squares", sum_squares, 1)?;
+                same_dtype(k, "out", out, DType::F32)?;
+                same_len(k, "out", out, 1)?;
+                let valid =
+                    *loss_scale > 0.0 && loss_scale.is_finite() && *clip >= 0.0 && clip.is_finite();
+                if !valid {
+                    return Err(Error::InvalidArgument(format!(
+                        "grad_scale: loss_scale ({loss_scale}) must be positive and clip ({clip}) non-negative (0: no clipping)"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::Adam(a) => a.validate(),
+            Kernel::Sgd(s) => s.validate(),
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod host;
 pub mod kernel;
 pub mod loss_scaler;
 pub mod matmul;
+pub mod optim;
 
 pub use device::{Buffer, Capabilities, Device};
 pub use dtype::DType;
@@ -18,3 +19,4 @@ pub use host::HostData;
 pub use kernel::{BinaryOp, Kernel, ReduceOp};
 pub use loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 pub use matmul::Matmul;
+pub use optim::{AdamStep, SgdStep};

@@ -13,8 +13,8 @@ use half::{bf16, f16};
 use kiln_engine::device::check_upload;
 use kiln_engine::matmul::gelu_f64;
 use kiln_engine::{
-    BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul, ReduceOp,
-    Result,
+    AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul,
+    ReduceOp, Result, SgdStep,
 };
 
 pub struct CpuDevice {
@@ -168,6 +168,9 @@ impl Device for CpuDevice {
                 let r = match op {
                     ReduceOp::Sum => xs.iter().map(|&v| v as f64).sum::<f64>() as f32,
                     ReduceOp::Max => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                    ReduceOp::SumSquares => {
+                        xs.iter().map(|&v| v as f64 * v as f64).sum::<f64>() as f32
+                    }
                 };
                 s.put(*dst, HostData::F32(vec![r]), name)
             }
@@ -179,6 +182,18 @@ impl Device for CpuDevice {
                 s.put(*flag, HostData::U32(vec![any as u32]), name)
             }
             Kernel::Matmul(mm) => matmul(&mut s, mm, name),
+            Kernel::GradScale {
+                sum_squares,
+                out,
+                loss_scale,
+                clip,
+            } => {
+                let ss = s.f32s(*sum_squares, name)?[0] as f64;
+                let v = kiln_engine::optim::grad_scale_reference(ss, *loss_scale, *clip);
+                s.put(*out, HostData::F32(vec![v]), name)
+            }
+            Kernel::Adam(a) => adam(&mut s, a, name),
+            Kernel::Sgd(step) => sgd(&mut s, step, name),
         }
     }
 
@@ -257,4 +272,50 @@ fn matmul(s: &mut State, mm: &Matmul, name: &str) -> Result<()> {
         s.put(cf, HostData::F32(c32), name)?;
     }
     Ok(())
+}
+
+/// Adam/AdamW in f32, in the order the kernel computes it.
+fn adam(s: &mut State, a: &AdamStep, name: &str) -> Result<()> {
+    let scale = s.f32s(a.grad_scale, name)?[0];
+    let grads = s.f32s(a.grads, name)?;
+    let mut w = s.f32s(a.master, name)?;
+    let mut m = s.f32s(a.m, name)?;
+    let mut v = s.f32s(a.v, name)?;
+    let (bc1, bc2) = a.bias_corrections();
+    for i in 0..w.len() {
+        let mut g = grads[i] * scale;
+        if !a.decoupled {
+            g += a.weight_decay * w[i];
+        }
+        m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * g;
+        v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * g * g;
+        if a.decoupled {
+            w[i] -= a.lr * a.weight_decay * w[i];
+        }
+        w[i] -= a.lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + a.eps);
+    }
+    if let Some(p) = a.params {
+        s.put(p, HostData::from_f32(p.dtype, &w), name)?;
+    }
+    s.put(a.m, HostData::F32(m), name)?;
+    s.put(a.v, HostData::F32(v), name)?;
+    s.put(a.master, HostData::F32(w), name)
+}
+
+/// SGD with momentum in f32, PyTorch's form.
+fn sgd(s: &mut State, step: &SgdStep, name: &str) -> Result<()> {
+    let scale = s.f32s(step.grad_scale, name)?[0];
+    let grads = s.f32s(step.grads, name)?;
+    let mut w = s.f32s(step.master, name)?;
+    let mut buf = s.f32s(step.momentum_buf, name)?;
+    for i in 0..w.len() {
+        let g = grads[i] * scale + step.weight_decay * w[i];
+        buf[i] = step.momentum * buf[i] + g;
+        w[i] -= step.lr * buf[i];
+    }
+    if let Some(p) = step.params {
+        s.put(p, HostData::from_f32(p.dtype, &w), name)?;
+    }
+    s.put(step.momentum_buf, HostData::F32(buf), name)?;
+    s.put(step.master, HostData::F32(w), name)
 }

@@ -687,9 +687,10 @@ impl Device for WgpuDevice {
             )?,
             Kernel::Reduce { op, src, dst } => {
                 let code = match op {
-                    ReduceOp::Sum => 0,
+                    ReduceOp::Sum | ReduceOp::SumSquares => 0,
                     ReduceOp::Max => 1,
                 };
+                let square = (*op == ReduceOp::SumSquares) as u32;
                 // Pass 1: data -> one partial per workgroup; pass 2: partials -> dst.
                 let words = pairs(src.len);
                 let g = groups(words).min(REDUCE_GROUPS);
@@ -699,7 +700,7 @@ impl Device for WgpuDevice {
                         kernel: &shader::REDUCE,
                         reprs: vec![self.repr(src.dtype)],
                         consts: vec![],
-                        overrides: vec![("OP", code)],
+                        overrides: vec![("OP", code), ("SQUARE", square)],
                         buffers: vec![h(src), (SCRATCH_ID, &self.scratch)],
                         ranges: vec![],
                         params: vec![src.len as u32, words, 0, 0],
@@ -723,6 +724,88 @@ impl Device for WgpuDevice {
             Kernel::Matmul(mm) => {
                 let plan = crate::matmul::plan(mm, &self.caps, None)?;
                 self.matmul(&mut s, mm, &plan, &handles)?;
+            }
+            Kernel::GradScale {
+                sum_squares,
+                out,
+                loss_scale,
+                clip,
+            } => {
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::GRAD_SCALE,
+                        reprs: vec![],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(sum_squares), h(out)],
+                        ranges: vec![],
+                        params: vec![1, 1, loss_scale.to_bits(), clip.to_bits()],
+                        groups: (1, 1, 1),
+                    },
+                )?;
+            }
+            Kernel::Adam(a) => {
+                let (bias1, bias2) = a.bias_corrections();
+                let optional = a.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                self.optimizer(
+                    &mut s,
+                    &shader::ADAM,
+                    vec![
+                        h(&a.master),
+                        h(&a.grads),
+                        h(&a.m),
+                        h(&a.v),
+                        optional,
+                        h(&a.grad_scale),
+                    ],
+                    vec![a.master, a.grads, a.m, a.v, a.params.unwrap_or(a.master)],
+                    vec![
+                        ("DECOUPLED", a.decoupled as u32),
+                        ("WRITE_PARAMS", a.params.is_some() as u32),
+                    ],
+                    [
+                        a.lr,
+                        a.beta1,
+                        a.beta2,
+                        a.eps,
+                        a.weight_decay,
+                        bias1,
+                        bias2,
+                        0.0,
+                    ],
+                )?;
+            }
+            Kernel::Sgd(step) => {
+                let optional = step.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                self.optimizer(
+                    &mut s,
+                    &shader::SGD,
+                    vec![
+                        h(&step.master),
+                        h(&step.grads),
+                        h(&step.momentum_buf),
+                        optional,
+                        h(&step.grad_scale),
+                    ],
+                    vec![
+                        step.master,
+                        step.grads,
+                        step.momentum_buf,
+                        step.params.unwrap_or(step.master),
+                    ],
+                    vec![("WRITE_PARAMS", step.params.is_some() as u32)],
+                    [
+                        step.lr,
+                        0.0,
+                        0.0,
+                        0.0,
+                        step.weight_decay,
+                        1.0,
+                        1.0,
+                        step.momentum,
+                    ],
+                )?;
             }
             Kernel::NonFinite { srcs, flag } => {
                 let f = handles[&flag.id].clone();
@@ -773,6 +856,41 @@ impl Device for WgpuDevice {
 }
 
 impl WgpuDevice {
+    /// An optimizer step: `typed` gives the dtypes of the typed slots (an absent
+    /// optional slot repeats the master, f32, and is never written); `values` are
+    /// lr, beta1, beta2, eps, weight_decay, bias1, bias2, momentum.
+    fn optimizer<'a>(
+        &self,
+        s: &mut State,
+        kernel: &'static KernelSource,
+        buffers: Vec<(u64, &'a wgpu::Buffer)>,
+        typed: Vec<Buffer>,
+        overrides: Vec<(&'static str, u32)>,
+        values: [f32; 8],
+    ) -> Result<()> {
+        let n = typed[0].len;
+        if n == 0 {
+            return Ok(());
+        }
+        let words = pairs(n);
+        let mut params = vec![n as u32, words];
+        params.extend(values.iter().map(|v| v.to_bits()));
+        params.extend([0, 0]);
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel,
+                reprs: typed.iter().map(|b| self.repr(b.dtype)).collect(),
+                consts: vec![],
+                overrides,
+                buffers,
+                ranges: vec![],
+                params,
+                groups: (groups(words), 1, 1),
+            },
+        )
+    }
+
     /// An elementwise kernel over typed slots that all have the first slot's length.
     fn elementwise(
         &self,

@@ -23,6 +23,7 @@ const MATMUL_PARAMS: &str = shader!("common/matmul_params.wgsl");
 const MATMUL_EPILOGUE: &str = shader!("common/matmul_epilogue.wgsl");
 const SHARE_SUBGROUP: &str = shader!("common/share_subgroup.wgsl");
 const SHARE_NONE: &str = shader!("common/share_none.wgsl");
+const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -125,6 +126,10 @@ pub const SCALE: KernelSource = elementwise!("scale", &[typed("x", Read), typed(
 pub const AXPY: KernelSource = elementwise!("axpy", &[typed("x", Read), typed("y", ReadWrite)]);
 pub const REDUCE: KernelSource =
     elementwise!("reduce", &[typed("src", Read), own("dst", ReadWrite)]);
+pub const GRAD_SCALE: KernelSource = elementwise!(
+    "grad_scale",
+    &[own("sum_squares", Read), own("out", ReadWrite)]
+);
 pub const NONFINITE: KernelSource =
     elementwise!("nonfinite", &[own("src", Read), own("flag", ReadWrite)]);
 
@@ -154,6 +159,52 @@ pub const GEMV: KernelSource = gemm!("gemv", "gemv.wgsl", [], subgroups: false, 
 pub const MATMUL_FINISH: KernelSource =
     gemm!("matmul_finish", "matmul_finish.wgsl", [], subgroups: false, trusted: false);
 
+/// An optimizer step over flat buffers (48-byte parameter block).
+macro_rules! optimizer {
+    ($name:literal, $slots:expr) => {
+        KernelSource {
+            name: $name,
+            file: concat!($name, ".wgsl"),
+            body: include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../shaders/",
+                $name,
+                ".wgsl"
+            )),
+            slots: $slots,
+            prelude: &[OPTIM_PARAMS],
+            params_size: OPTIM_PARAMS_SIZE,
+            subgroups: false,
+            trusted: false,
+        }
+    };
+}
+
+pub const ADAM: KernelSource = optimizer!(
+    "adam",
+    &[
+        typed("master", ReadWrite),
+        typed("grads", Read),
+        typed("m", ReadWrite),
+        typed("v", ReadWrite),
+        typed("params", ReadWrite),
+        own("grad_scale", Read),
+    ]
+);
+pub const SGD: KernelSource = optimizer!(
+    "sgd",
+    &[
+        typed("master", ReadWrite),
+        typed("grads", Read),
+        typed("buf", ReadWrite),
+        typed("params", ReadWrite),
+        own("grad_scale", Read),
+    ]
+);
+
+/// Bytes of `shaders/common/optim_params.wgsl`.
+pub const OPTIM_PARAMS_SIZE: u64 = 48;
+
 /// Bytes of `shaders/common/matmul_params.wgsl`.
 pub const MATMUL_PARAMS_SIZE: u64 = 64;
 
@@ -166,6 +217,9 @@ pub const ALL: &[&KernelSource] = &[
     &AXPY,
     &REDUCE,
     &NONFINITE,
+    &GRAD_SCALE,
+    &ADAM,
+    &SGD,
     &MATMUL_NAIVE,
     &MATMUL_CPU,
     &MATMUL_CPU_NOSG,

@@ -62,7 +62,8 @@ fn validate(native_f16: bool) -> usize {
     let mut checked = 0;
     for kernel in shader::ALL {
         let n = kernel.slots.iter().filter(|s| s.typed).count();
-        // GEMM kernels: every mix of a, b and c; bias as f32 or bf16; the f32 slot is f32.
+        // Five typed slots (GEMM, Adam): every mix of the first three; the fourth as f32
+        // or bf16; the fifth f32.
         let mixes = if n == 5 {
             combos(3, Repr::all(native_f16))
                 .into_iter()
@@ -105,21 +106,27 @@ fn validate(native_f16: bool) -> usize {
     checked
 }
 
-/// Module count: elementwise kernels over every dtype mix, plus six GEMM kernels
-/// (the two CPU-class ones and the tiled one with two constant sets each) over their mixes.
-fn expected(reprs: usize) -> usize {
-    let elementwise = 1 + reprs.pow(2) + reprs.pow(3) + 2 * reprs.pow(2) + reprs + 1;
-    elementwise + (3 + 3 * 2) * reprs.pow(3) * 2
+/// Modules per kernel: one per dtype mix and constant set.
+fn expected(kernel: &shader::KernelSource, reprs: usize) -> usize {
+    let n = kernel.slots.iter().filter(|s| s.typed).count();
+    let mixes = if n == 5 {
+        reprs.pow(3) * 2
+    } else {
+        reprs.pow(n as u32)
+    };
+    mixes * const_sets(kernel).len()
 }
 
 #[test]
 fn every_kernel_validates_with_native_f16() {
-    assert_eq!(validate(true), expected(4));
+    let want: usize = shader::ALL.iter().map(|k| expected(k, 4)).sum();
+    assert_eq!(validate(true), want);
 }
 
 #[test]
 fn every_kernel_validates_without_f16() {
-    assert_eq!(validate(false), expected(3));
+    let want: usize = shader::ALL.iter().map(|k| expected(k, 3)).sum();
+    assert_eq!(validate(false), want);
 }
 
 #[test]
