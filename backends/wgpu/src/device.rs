@@ -859,11 +859,11 @@ impl WgpuDevice {
     /// An optimizer step: `typed` gives the dtypes of the typed slots (an absent
     /// optional slot repeats the master, f32, and is never written); `values` are
     /// lr, beta1, beta2, eps, weight_decay, bias1, bias2, momentum.
-    fn optimizer<'a>(
+    fn optimizer(
         &self,
         s: &mut State,
         kernel: &'static KernelSource,
-        buffers: Vec<(u64, &'a wgpu::Buffer)>,
+        buffers: Vec<(u64, &wgpu::Buffer)>,
         typed: Vec<Buffer>,
         overrides: Vec<(&'static str, u32)>,
         values: [f32; 8],
