@@ -66,6 +66,35 @@ pub enum Kernel {
     Adam(AdamStep),
     /// One SGD-with-momentum step over flat buffers; see [`SgdStep`].
     Sgd(SgdStep),
+    /// `out = gelu(x)`, tanh form, elementwise.
+    Gelu { x: Buffer, out: Buffer },
+    /// `dx = dout * gelu'(x)`, elementwise.
+    GeluBackward { x: Buffer, dout: Buffer, dx: Buffer },
+    /// Layer norm over rows of `cols` elements: `out = (x - mean) * rstd * weight + bias`.
+    /// Saves each row's `mean` and `rstd` (f32, one per row) for the backward pass.
+    LayerNorm {
+        x: Buffer,
+        weight: Buffer,
+        bias: Buffer,
+        out: Buffer,
+        mean: Buffer,
+        rstd: Buffer,
+        cols: usize,
+        eps: f32,
+    },
+    /// Layer-norm backward: `dx` is overwritten; `dweight` and `dbias` (f32, `cols`)
+    /// are accumulated into (`+=`), as gradients over micro-batches are.
+    LayerNormBackward {
+        x: Buffer,
+        weight: Buffer,
+        mean: Buffer,
+        rstd: Buffer,
+        dout: Buffer,
+        dx: Buffer,
+        dweight: Buffer,
+        dbias: Buffer,
+        cols: usize,
+    },
 }
 
 impl Kernel {
@@ -98,6 +127,10 @@ impl Kernel {
             Kernel::GradScale { .. } => "grad_scale",
             Kernel::Adam(_) => "adam",
             Kernel::Sgd(_) => "sgd",
+            Kernel::Gelu { .. } => "gelu",
+            Kernel::GeluBackward { .. } => "gelu_backward",
+            Kernel::LayerNorm { .. } => "layernorm",
+            Kernel::LayerNormBackward { .. } => "layernorm_backward",
         }
     }
 
@@ -121,6 +154,28 @@ impl Kernel {
             } => vec![*sum_squares, *out],
             Kernel::Adam(a) => a.buffers(),
             Kernel::Sgd(s) => s.buffers(),
+            Kernel::Gelu { x, out } => vec![*x, *out],
+            Kernel::GeluBackward { x, dout, dx } => vec![*x, *dout, *dx],
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                ..
+            } => vec![*x, *weight, *bias, *out, *mean, *rstd],
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                ..
+            } => vec![*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
         }
     }
 
@@ -208,8 +263,93 @@ impl Kernel {
             }
             Kernel::Adam(a) => a.validate(),
             Kernel::Sgd(s) => s.validate(),
+            Kernel::Gelu { x, out } => {
+                float(k, "x", x)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)
+            }
+            Kernel::GeluBackward { x, dout, dx } => {
+                for (name, b) in [("x", x), ("dout", dout), ("dx", dx)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, x.len)?;
+                }
+                Ok(())
+            }
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let rows = rows_of(k, x, *cols)?;
+                for (name, b, n) in [
+                    ("weight", weight, *cols),
+                    ("bias", bias, *cols),
+                    ("out", out, x.len),
+                ] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, n)?;
+                }
+                for (name, b) in [("mean", mean), ("rstd", rstd)] {
+                    same_dtype(k, name, b, DType::F32)?;
+                    same_len(k, name, b, rows)?;
+                }
+                if !(*eps > 0.0 && eps.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "layernorm: eps must be positive, not {eps}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                cols,
+            } => {
+                let rows = rows_of(k, x, *cols)?;
+                for (name, b, n) in [
+                    ("weight", weight, *cols),
+                    ("dout", dout, x.len),
+                    ("dx", dx, x.len),
+                ] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, n)?;
+                }
+                for (name, b, n) in [
+                    ("mean", mean, rows),
+                    ("rstd", rstd, rows),
+                    ("dweight", dweight, *cols),
+                    ("dbias", dbias, *cols),
+                ] {
+                    same_dtype(k, name, b, DType::F32)?;
+                    same_len(k, name, b, n)?;
+                }
+                Ok(())
+            }
         }
     }
+}
+
+/// Rows of a row-major matrix with `cols` columns held in `x`.
+fn rows_of(kernel: &str, x: &Buffer, cols: usize) -> Result<usize> {
+    float(kernel, "x", x)?;
+    if cols == 0 || x.len % cols != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: `x` (buffer #{}) has {} elements, not a whole number of rows of {cols}",
+            x.id, x.len
+        )));
+    }
+    Ok(x.len / cols)
 }
 
 fn same_dtype(kernel: &str, what: &str, b: &Buffer, expected: DType) -> Result<()> {

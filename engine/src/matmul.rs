@@ -225,3 +225,10 @@ pub fn gelu_f64(x: f64) -> f64 {
     let c = (2.0 / std::f64::consts::PI).sqrt();
     0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
 }
+
+/// d gelu / dx for the tanh form, in f64.
+pub fn gelu_grad_f64(x: f64) -> f64 {
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    let t = (c * (x + 0.044715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+}

@@ -29,13 +29,7 @@ fn b_index(g: u32, kk: u32, j: u32) -> u32 {
     return g * P.stride_b + kk * P.n + j;
 }
 
-// GELU, tanh form. tanh is built from exp of a clamped argument: some drivers' tanh
-// returns NaN for large inputs, and |y| > 15 is already +-1 in f32.
-fn gelu(x: f32) -> f32 {
-    let y = clamp(0.7978845608 * (x + 0.044715 * x * x * x), -15.0, 15.0);
-    let e = exp(2.0 * y);
-    return 0.5 * x * (1.0 + (e - 1.0) / (e + 1.0));
-}
+// gelu() comes from common/gelu.wgsl.
 
 // alpha * acc + beta * C + bias, then GELU: the f32 value of output element `ci` (column j).
 fn finish(acc: f32, ci: u32, j: u32) -> f32 {

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 
 use half::{bf16, f16};
 use kiln_engine::device::check_upload;
-use kiln_engine::matmul::gelu_f64;
+use kiln_engine::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::{
     AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul,
     ReduceOp, Result, SgdStep,
@@ -194,6 +194,74 @@ impl Device for CpuDevice {
             }
             Kernel::Adam(a) => adam(&mut s, a, name),
             Kernel::Sgd(step) => sgd(&mut s, step, name),
+            Kernel::Gelu { x, out } => {
+                let r: Vec<f32> = s
+                    .f32s(*x, name)?
+                    .iter()
+                    .map(|&v| gelu_f64(v as f64) as f32)
+                    .collect();
+                s.put(*out, HostData::from_f32(out.dtype, &r), name)
+            }
+            Kernel::GeluBackward { x, dout, dx } => {
+                let (xs, ds) = (s.f32s(*x, name)?, s.f32s(*dout, name)?);
+                let r: Vec<f32> = xs
+                    .iter()
+                    .zip(&ds)
+                    .map(|(&v, &d)| (d as f64 * gelu_grad_f64(v as f64)) as f32)
+                    .collect();
+                s.put(*dx, HostData::from_f32(dx.dtype, &r), name)
+            }
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let (xs, w, b) = (
+                    s.f32s(*x, name)?,
+                    s.f32s(*weight, name)?,
+                    s.f32s(*bias, name)?,
+                );
+                let rows = xs.len() / cols;
+                let (mut o, mut mu, mut rs) =
+                    (vec![0f32; xs.len()], vec![0f32; rows], vec![0f32; rows]);
+                for r in 0..rows {
+                    let row = &xs[r * cols..(r + 1) * cols];
+                    let m = row.iter().map(|&v| v as f64).sum::<f64>() / *cols as f64;
+                    let var =
+                        row.iter().map(|&v| (v as f64 - m).powi(2)).sum::<f64>() / *cols as f64;
+                    let inv = 1.0 / (var + *eps as f64).sqrt();
+                    for c in 0..*cols {
+                        let xhat = (row[c] as f64 - m) * inv;
+                        o[r * cols + c] = (xhat * w[c] as f64 + b[c] as f64) as f32;
+                    }
+                    mu[r] = m as f32;
+                    rs[r] = inv as f32;
+                }
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
+                s.put(*mean, HostData::F32(mu), name)?;
+                s.put(*rstd, HostData::F32(rs), name)
+            }
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                cols,
+            } => layernorm_backward(
+                &mut s,
+                [*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
+                *cols,
+                name,
+            ),
         }
     }
 
@@ -318,4 +386,34 @@ fn sgd(s: &mut State, step: &SgdStep, name: &str) -> Result<()> {
     }
     s.put(step.momentum_buf, HostData::F32(buf), name)?;
     s.put(step.master, HostData::F32(w), name)
+}
+
+/// Layer-norm backward in f64 from the saved statistics:
+/// dx = rstd * (dy*w - mean(dy*w) - xhat * mean(dy*w*xhat)), dw += sum dy*xhat, db += sum dy.
+fn layernorm_backward(s: &mut State, b: [Buffer; 8], cols: usize, name: &str) -> Result<()> {
+    let [x, weight, mean, rstd, dout, dx, dweight, dbias] = b;
+    let (xs, w, mu, rs, dy) = (
+        s.f32s(x, name)?,
+        s.f32s(weight, name)?,
+        s.f32s(mean, name)?,
+        s.f32s(rstd, name)?,
+        s.f32s(dout, name)?,
+    );
+    let (mut dw, mut db) = (s.f32s(dweight, name)?, s.f32s(dbias, name)?);
+    let mut d = vec![0f32; xs.len()];
+    for r in 0..xs.len() / cols {
+        let (m, inv) = (mu[r] as f64, rs[r] as f64);
+        let xhat = |c: usize| (xs[r * cols + c] as f64 - m) * inv;
+        let dyw = |c: usize| dy[r * cols + c] as f64 * w[c] as f64;
+        let a = (0..cols).map(dyw).sum::<f64>() / cols as f64;
+        let bb = (0..cols).map(|c| dyw(c) * xhat(c)).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            d[r * cols + c] = (inv * (dyw(c) - a - xhat(c) * bb)) as f32;
+            dw[c] += (dy[r * cols + c] as f64 * xhat(c)) as f32;
+            db[c] += dy[r * cols + c];
+        }
+    }
+    s.put(dx, HostData::from_f32(dx.dtype, &d), name)?;
+    s.put(dweight, HostData::F32(dw), name)?;
+    s.put(dbias, HostData::F32(db), name)
 }

@@ -447,6 +447,12 @@ pub(crate) fn groups(words: u32) -> u32 {
     words.div_ceil(WORKGROUP).clamp(1, MAX_GROUPS)
 }
 
+/// A 2-D grid of at least `rows` workgroups (one per row; 65535 per dimension).
+fn row_groups(rows: u32) -> (u32, u32, u32) {
+    let x = rows.clamp(1, MAX_GROUPS);
+    (x, rows.div_ceil(x).max(1), 1)
+}
+
 /// Pairs of elements an elementwise kernel walks.
 fn pairs(len: usize) -> u32 {
     len.div_ceil(2) as u32
@@ -724,6 +730,126 @@ impl Device for WgpuDevice {
             Kernel::Matmul(mm) => {
                 let plan = crate::matmul::plan(mm, &self.caps, None)?;
                 self.matmul(&mut s, mm, &plan, &handles)?;
+            }
+            Kernel::Gelu { x, out } => self.elementwise(
+                &mut s,
+                &shader::GELU_FORWARD,
+                None,
+                &[(x, &handles), (out, &handles)],
+                0.0,
+            )?,
+            Kernel::GeluBackward { x, dout, dx } => self.elementwise(
+                &mut s,
+                &shader::GELU_BACKWARD,
+                None,
+                &[(x, &handles), (dout, &handles), (dx, &handles)],
+                0.0,
+            )?,
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                // Pass 1: one workgroup per row -> mean, rstd. Pass 2: pairs of elements.
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::LAYERNORM_STATS,
+                        reprs: vec![self.repr(x.dtype)],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(x), h(mean), h(rstd)],
+                        ranges: vec![],
+                        params: vec![rows, 0, eps.to_bits(), cols],
+                        groups: row_groups(rows),
+                    },
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::LAYERNORM_APPLY,
+                        reprs: [x, weight, bias, out]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(x), h(weight), h(bias), h(out), h(mean), h(rstd)],
+                        ranges: vec![],
+                        params: vec![n, words, 0, cols],
+                        groups: (groups(words), 1, 1),
+                    },
+                )?;
+            }
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                cols,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                let stats = self.partials(&mut s, rows as u64 * 8);
+                let st = (PARTIALS_ID, &stats);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::LAYERNORM_BACKWARD_STATS,
+                        reprs: [x, weight, dout]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
+                        ranges: vec![],
+                        params: vec![rows, 0, 0, cols],
+                        groups: row_groups(rows),
+                    },
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::LAYERNORM_BACKWARD_DX,
+                        reprs: [x, weight, dout, dx]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(x), h(weight), h(dout), h(dx), h(mean), h(rstd), st],
+                        ranges: vec![],
+                        params: vec![n, words, 0, cols],
+                        groups: (groups(words), 1, 1),
+                    },
+                )?;
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::LAYERNORM_BACKWARD_PARAMS,
+                        reprs: [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(x), h(dout), h(mean), h(rstd), h(dweight), h(dbias)],
+                        ranges: vec![],
+                        params: vec![rows, 0, 0, cols],
+                        groups: (groups(cols), 1, 1),
+                    },
+                )?;
             }
             Kernel::GradScale {
                 sum_squares,

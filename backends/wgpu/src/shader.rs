@@ -24,6 +24,7 @@ const MATMUL_EPILOGUE: &str = shader!("common/matmul_epilogue.wgsl");
 const SHARE_SUBGROUP: &str = shader!("common/share_subgroup.wgsl");
 const SHARE_NONE: &str = shader!("common/share_none.wgsl");
 const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
+const GELU: &str = shader!("common/gelu.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,7 +92,7 @@ macro_rules! elementwise {
                 ".wgsl"
             )),
             slots: $slots,
-            prelude: &[ELEMENTWISE_PARAMS],
+            prelude: &[ELEMENTWISE_PARAMS, GELU],
             params_size: 16,
             subgroups: false,
             trusted: false,
@@ -108,7 +109,7 @@ macro_rules! gemm {
             file: $file,
             body: shader!($file),
             slots: MATMUL_SLOTS,
-            prelude: &[MATMUL_PARAMS, MATMUL_EPILOGUE, $($extra),*],
+            prelude: &[MATMUL_PARAMS, GELU, MATMUL_EPILOGUE, $($extra),*],
             params_size: MATMUL_PARAMS_SIZE,
             subgroups: $sg,
             trusted: $trusted,
@@ -129,6 +130,69 @@ pub const REDUCE: KernelSource =
 pub const GRAD_SCALE: KernelSource = elementwise!(
     "grad_scale",
     &[own("sum_squares", Read), own("out", ReadWrite)]
+);
+pub const GELU_FORWARD: KernelSource =
+    elementwise!("gelu", &[typed("x", Read), typed("out", ReadWrite)]);
+pub const GELU_BACKWARD: KernelSource = elementwise!(
+    "gelu_backward",
+    &[
+        typed("x", Read),
+        typed("dout", Read),
+        typed("dx", ReadWrite)
+    ]
+);
+pub const LAYERNORM_STATS: KernelSource = elementwise!(
+    "layernorm_stats",
+    &[
+        typed("x", Read),
+        own("mean", ReadWrite),
+        own("rstd", ReadWrite)
+    ]
+);
+pub const LAYERNORM_APPLY: KernelSource = elementwise!(
+    "layernorm_apply",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("bias", Read),
+        typed("out", ReadWrite),
+        own("mean", Read),
+        own("rstd", Read),
+    ]
+);
+pub const LAYERNORM_BACKWARD_STATS: KernelSource = elementwise!(
+    "layernorm_backward_stats",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("dout", Read),
+        own("mean", Read),
+        own("rstd", Read),
+        own("stats", ReadWrite),
+    ]
+);
+pub const LAYERNORM_BACKWARD_DX: KernelSource = elementwise!(
+    "layernorm_backward_dx",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("dout", Read),
+        typed("dx", ReadWrite),
+        own("mean", Read),
+        own("rstd", Read),
+        own("stats", Read),
+    ]
+);
+pub const LAYERNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
+    "layernorm_backward_params",
+    &[
+        typed("x", Read),
+        typed("dout", Read),
+        own("mean", Read),
+        own("rstd", Read),
+        own("dweight", ReadWrite),
+        own("dbias", ReadWrite),
+    ]
 );
 pub const NONFINITE: KernelSource =
     elementwise!("nonfinite", &[own("src", Read), own("flag", ReadWrite)]);
@@ -218,6 +282,13 @@ pub const ALL: &[&KernelSource] = &[
     &REDUCE,
     &NONFINITE,
     &GRAD_SCALE,
+    &GELU_FORWARD,
+    &GELU_BACKWARD,
+    &LAYERNORM_STATS,
+    &LAYERNORM_APPLY,
+    &LAYERNORM_BACKWARD_STATS,
+    &LAYERNORM_BACKWARD_DX,
+    &LAYERNORM_BACKWARD_PARAMS,
     &ADAM,
     &SGD,
     &MATMUL_NAIVE,

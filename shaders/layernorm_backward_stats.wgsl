@@ -1,0 +1,47 @@
+// Layer-norm backward, pass 1: per row, a = mean(dy * w) and b = mean(dy * w * xhat)
+// into stats[2 row], stats[2 row + 1]. P.n = rows, P.u0 = cols.
+// Slots: x, weight, dout (read); mean, rstd (f32 per row); stats (f32, 2 per row).
+@group(0) @binding(4) var<storage, read> mean: array<f32>;
+@group(0) @binding(5) var<storage, read> rstd: array<f32>;
+@group(0) @binding(6) var<storage, read_write> stats: array<f32>;
+
+var<workgroup> part_a: array<f32, 256>;
+var<workgroup> part_b: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(local_invocation_id) lid3: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let lid = lid3.x;
+    let row = wg.x + wg.y * nwg.x;
+    if (row >= P.n) {
+        return;
+    }
+    let cols = P.u0;
+    let base = row * cols;
+    let m = mean[row];
+    let r = rstd[row];
+    var a = 0.0;
+    var b = 0.0;
+    for (var c = lid; c < cols; c += 256u) {
+        let dyw = dout_at(base + c) * weight_at(c);
+        a += dyw;
+        b += dyw * (x_at(base + c) - m) * r;
+    }
+    part_a[lid] = a;
+    part_b[lid] = b;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            part_a[lid] += part_a[lid + s];
+            part_b[lid] += part_b[lid + s];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        stats[2u * row] = part_a[0] / f32(cols);
+        stats[2u * row + 1u] = part_b[0] / f32(cols);
+    }
+}

@@ -1,0 +1,287 @@
+//! Layer kernels: GELU and layer norm, forward and backward.
+//! - Backward passes against central finite differences of the forward pass, on the CPU
+//!   backend (f32 storage, f64 arithmetic inside).
+//! - GPU against the CPU reference on both f16 paths, over awkward shapes.
+
+mod common;
+
+use common::*;
+use kiln::cpu::CpuDevice;
+use kiln::engine::{Buffer, DType, Device, HostData, Kernel};
+
+fn vals(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.uniform(lo, hi)).collect()
+}
+
+fn f32s(dev: &dyn Device, b: Buffer) -> Vec<f32> {
+    dev.download(b).unwrap().to_f32()
+}
+
+/// L = sum_i r_i * gelu(x_i), in f64 from the kernel's f32 outputs.
+fn gelu_loss(dev: &CpuDevice, x: &[f32], r: &[f32]) -> f64 {
+    let xb = put(dev, &HostData::F32(x.to_vec()));
+    let out = dev.alloc(DType::F32, x.len()).unwrap();
+    dev.launch(&Kernel::Gelu { x: xb, out }).unwrap();
+    f32s(dev, out)
+        .iter()
+        .zip(r)
+        .map(|(&o, &r)| o as f64 * r as f64)
+        .sum()
+}
+
+#[test]
+fn gelu_backward_matches_finite_differences() {
+    let dev = CpuDevice::new();
+    let mut rng = Rng::new(1);
+    let x = vals(&mut rng, 40, -4.0, 4.0);
+    let r = vals(&mut rng, 40, -1.0, 1.0);
+    let (xb, rb) = (
+        put(&dev, &HostData::F32(x.clone())),
+        put(&dev, &HostData::F32(r.clone())),
+    );
+    let dx = dev.alloc(DType::F32, 40).unwrap();
+    dev.launch(&Kernel::GeluBackward {
+        x: xb,
+        dout: rb,
+        dx,
+    })
+    .unwrap();
+    let dx = f32s(&dev, dx);
+    let h = 1e-2f32;
+    for i in 0..x.len() {
+        let (mut up, mut down) = (x.clone(), x.clone());
+        up[i] += h;
+        down[i] -= h;
+        let fd = (gelu_loss(&dev, &up, &r) - gelu_loss(&dev, &down, &r)) / (2.0 * h as f64);
+        // Central differences: O(h^2) truncation plus f32 output rounding / h.
+        assert!(
+            (fd - dx[i] as f64).abs() < 1e-3 * (1.0 + fd.abs()),
+            "x={} fd {fd} vs {}",
+            x[i],
+            dx[i]
+        );
+    }
+}
+
+struct Ln {
+    x: Vec<f32>,
+    w: Vec<f32>,
+    b: Vec<f32>,
+    cols: usize,
+}
+
+/// Forward on `dev`: (out, mean, rstd) as f32, from inputs stored as `dtype`.
+fn ln_forward(
+    dev: &dyn Device,
+    ln: &Ln,
+    dtype: DType,
+) -> (Buffer, Buffer, Buffer, Buffer, Buffer, Buffer) {
+    let rows = ln.x.len() / ln.cols;
+    let x = put(dev, &HostData::from_f32(dtype, &ln.x));
+    let w = put(dev, &HostData::from_f32(dtype, &ln.w));
+    let b = put(dev, &HostData::from_f32(dtype, &ln.b));
+    let out = dev.alloc(dtype, ln.x.len()).unwrap();
+    let mean = dev.alloc(DType::F32, rows).unwrap();
+    let rstd = dev.alloc(DType::F32, rows).unwrap();
+    dev.launch(&Kernel::LayerNorm {
+        x,
+        weight: w,
+        bias: b,
+        out,
+        mean,
+        rstd,
+        cols: ln.cols,
+        eps: 1e-5,
+    })
+    .unwrap();
+    (x, w, b, out, mean, rstd)
+}
+
+fn ln_loss(dev: &CpuDevice, ln: &Ln, r: &[f32]) -> f64 {
+    let (.., out, _, _) = ln_forward(dev, ln, DType::F32);
+    f32s(dev, out)
+        .iter()
+        .zip(r)
+        .map(|(&o, &r)| o as f64 * r as f64)
+        .sum()
+}
+
+/// Backward on `dev` with dout = r: (dx, dweight, dbias). dweight/dbias start at 0.5
+/// to check that they accumulate.
+fn ln_backward(
+    dev: &dyn Device,
+    ln: &Ln,
+    r: &[f32],
+    dtype: DType,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (x, w, _, _, mean, rstd) = ln_forward(dev, ln, dtype);
+    let dout = put(dev, &HostData::from_f32(dtype, r));
+    let dx = dev.alloc(dtype, ln.x.len()).unwrap();
+    let dweight = put(dev, &HostData::F32(vec![0.5; ln.cols]));
+    let dbias = put(dev, &HostData::F32(vec![0.5; ln.cols]));
+    dev.launch(&Kernel::LayerNormBackward {
+        x,
+        weight: w,
+        mean,
+        rstd,
+        dout,
+        dx,
+        dweight,
+        dbias,
+        cols: ln.cols,
+    })
+    .unwrap();
+    dev.submit().unwrap();
+    (f32s(dev, dx), f32s(dev, dweight), f32s(dev, dbias))
+}
+
+#[test]
+fn layernorm_backward_matches_finite_differences() {
+    let dev = CpuDevice::new();
+    let mut rng = Rng::new(2);
+    let (rows, cols) = (3, 7);
+    let ln = Ln {
+        x: vals(&mut rng, rows * cols, -2.0, 2.0),
+        w: vals(&mut rng, cols, 0.5, 1.5),
+        b: vals(&mut rng, cols, -0.5, 0.5),
+        cols,
+    };
+    let r = vals(&mut rng, rows * cols, -1.0, 1.0);
+    let (dx, dw, db) = ln_backward(&dev, &ln, &r, DType::F32);
+    let h = 1e-2f32;
+    let fd = |f: &dyn Fn(&mut Ln, f32)| {
+        let (mut up, mut down) = (
+            Ln {
+                x: ln.x.clone(),
+                w: ln.w.clone(),
+                b: ln.b.clone(),
+                cols,
+            },
+            Ln {
+                x: ln.x.clone(),
+                w: ln.w.clone(),
+                b: ln.b.clone(),
+                cols,
+            },
+        );
+        f(&mut up, h);
+        f(&mut down, -h);
+        (ln_loss(&dev, &up, &r) - ln_loss(&dev, &down, &r)) / (2.0 * h as f64)
+    };
+    let close = |what: &str, fd: f64, got: f32| {
+        assert!(
+            (fd - got as f64).abs() < 2e-3 * (1.0 + fd.abs()),
+            "{what}: fd {fd} vs backward {got}"
+        );
+    };
+    for i in 0..rows * cols {
+        close(&format!("dx[{i}]"), fd(&|l, d| l.x[i] += d), dx[i]);
+    }
+    for c in 0..cols {
+        close(
+            &format!("dweight[{c}]"),
+            fd(&|l, d| l.w[c] += d),
+            dw[c] - 0.5,
+        );
+        close(&format!("dbias[{c}]"), fd(&|l, d| l.b[c] += d), db[c] - 0.5);
+    }
+}
+
+/// |gpu - cpu| <= tol * (|cpu| + scale) + one ulp of `dtype` at |cpu|.
+fn near(what: &str, got: &[f32], want: &[f32], tol: f32, dtype: DType) {
+    let scale = want.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1e-3);
+    let ulp = match dtype {
+        DType::F16 => 2f32.powi(-10),
+        DType::BF16 => 2f32.powi(-7),
+        _ => 0.0,
+    };
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let t = tol * (w.abs() + scale) + ulp * w.abs() + 1e-30;
+        assert!(
+            (g - w).abs() <= t,
+            "{what}: element {i}: gpu {g}, cpu {w} (tol {t})"
+        );
+    }
+}
+
+#[test]
+fn gpu_layers_match_cpu_on_both_f16_paths() {
+    let cpu = CpuDevice::new();
+    let mut rng = Rng::new(3);
+    for p in gpu_paths() {
+        let dev = p.dev.as_ref();
+        for dtype in DType::FLOATS {
+            // GELU over awkward lengths.
+            for n in [1usize, 7, 4099] {
+                let x = HostData::from_f32(dtype, &vals(&mut rng, n, -6.0, 6.0));
+                let out = run_both(dev, &[x.clone(), HostData::zeros(dtype, n)], |b| {
+                    (Kernel::Gelu { x: b[0], out: b[1] }, vec![1])
+                });
+                let what = format!("{}: gelu {dtype} x{n}", p.name);
+                near(&what, &out[0].0.to_f32(), &out[0].1.to_f32(), 2e-6, dtype);
+                let dy = HostData::from_f32(dtype, &vals(&mut rng, n, -1.0, 1.0));
+                let out = run_both(dev, &[x, dy, HostData::zeros(dtype, n)], |b| {
+                    (
+                        Kernel::GeluBackward {
+                            x: b[0],
+                            dout: b[1],
+                            dx: b[2],
+                        },
+                        vec![2],
+                    )
+                });
+                near(
+                    &format!("{what} backward"),
+                    &out[0].0.to_f32(),
+                    &out[0].1.to_f32(),
+                    2e-6,
+                    dtype,
+                );
+            }
+            // Layer norm: one element, odd rows, a GPT width, a row longer than a
+            // workgroup, many short rows.
+            for (rows, cols) in [(1, 1), (3, 7), (5, 768), (2, 1001), (300, 5)] {
+                let ln = Ln {
+                    x: vals(&mut rng, rows * cols, -3.0, 3.0),
+                    w: vals(&mut rng, cols, 0.5, 1.5),
+                    b: vals(&mut rng, cols, -0.5, 0.5),
+                    cols,
+                };
+                let what = format!("{}: layernorm {dtype} {rows}x{cols}", p.name);
+                let (.., og, mg, rg) = ln_forward(dev, &ln, dtype);
+                let (.., oc, mc, rc) = ln_forward(&cpu, &ln, dtype);
+                // f32 reductions over `cols` against f64: a few ulps of f32 times cols.
+                let tol = 4e-7 * (cols as f32).sqrt().max(1.0);
+                near(
+                    &format!("{what}: mean"),
+                    &f32s(dev, mg),
+                    &f32s(&cpu, mc),
+                    tol,
+                    DType::F32,
+                );
+                near(
+                    &format!("{what}: rstd"),
+                    &f32s(dev, rg),
+                    &f32s(&cpu, rc),
+                    tol,
+                    DType::F32,
+                );
+                near(
+                    &format!("{what}: out"),
+                    &f32s(dev, og),
+                    &f32s(&cpu, oc),
+                    4.0 * tol,
+                    dtype,
+                );
+                let r = vals(&mut rng, rows * cols, -1.0, 1.0);
+                let (dxg, dwg, dbg) = ln_backward(dev, &ln, &r, dtype);
+                let (dxc, dwc, dbc) = ln_backward(&cpu, &ln, &r, dtype);
+                near(&format!("{what}: dx"), &dxg, &dxc, 8.0 * tol, dtype);
+                let acc = 4e-7 * (rows as f32).max(1.0);
+                near(&format!("{what}: dweight"), &dwg, &dwc, acc, DType::F32);
+                near(&format!("{what}: dbias"), &dbg, &dbc, acc, DType::F32);
+            }
+        }
+    }
+}
