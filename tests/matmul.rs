@@ -355,6 +355,36 @@ fn bad_matmuls_are_errors() {
             "{e}"
         );
     }
+    // Sizes that wrap around usize are caught, not passed to unchecked kernels.
+    let huge = Matmul::new(a, b, c, 1, 1, 1).batched(4, 1, 1, 0x5555_5555_5555_5556);
+    let e = dev.launch(&Kernel::Matmul(huge)).unwrap_err();
+    assert!(e.to_string().contains("overflows"), "{e}");
+    // Writing C over an input is refused (the GPU cannot bind it both ways).
+    let sq = dev.alloc(DType::F16, 4).unwrap();
+    let e = dev
+        .launch(&Kernel::Matmul(Matmul::new(sq, b, sq, 2, 2, 2)))
+        .unwrap_err();
+    assert!(e.to_string().contains("both written"), "{e}");
+    // An empty product is a no-op, whatever its batch.
+    let empty = Matmul::new(a, b, c, 0, 2, 3).batched(10_000, 0, 0, 0);
+    dev.launch(&Kernel::Matmul(empty)).unwrap();
+}
+
+#[test]
+fn handles_from_another_device_are_refused() {
+    let paths = wgpu_paths();
+    let (d0, d1) = (&paths[0].1, &paths[1].1);
+    // Same ids on both devices, different sizes.
+    let big: Vec<_> = (0..3)
+        .map(|_| d0.alloc(DType::F32, 1 << 16).unwrap())
+        .collect();
+    let small: Vec<_> = (0..3).map(|_| d1.alloc(DType::F32, 4).unwrap()).collect();
+    assert_eq!(big[0].id, small[0].id);
+    let mm = Matmul::new(big[0], big[1], big[2], 256, 256, 256);
+    let e = d1.launch_matmul(&mm, None).unwrap_err();
+    assert!(e.to_string().contains("another device"), "{e}");
+    let e = d1.launch(&Kernel::Matmul(mm)).unwrap_err();
+    assert!(e.to_string().contains("another device"), "{e}");
 }
 
 #[test]
@@ -384,6 +414,17 @@ fn operands_larger_than_one_binding_are_split_by_rows() {
     });
     assert!(c.mm.c.bytes() as usize > limit);
     check("C over the binding limit", dev, &c, None);
+    // A bf16 C that fits but whose f32 partials (n odd: no whole 4-groups) would not.
+    let n = 4099;
+    let m = limit / (4 * n) + 5;
+    let c = case(&mut rng, (m, n, 1), (false, false), [DType::BF16; 3]);
+    assert!((c.mm.c.bytes() as usize) < limit && m * n * 4 > limit);
+    check(
+        "bf16 C whose partials exceed the binding limit",
+        dev,
+        &c,
+        None,
+    );
     // What rows of C cannot split says so: here B (stored m x n, transposed) is too big.
     let big = dev.alloc(DType::F32, m * n).unwrap();
     let x = dev.alloc(DType::F32, n).unwrap();

@@ -179,8 +179,58 @@ impl Kernel {
         }
     }
 
-    /// Checks dtypes and lengths; backends call this before recording anything.
+    /// Buffers the launch writes.
+    pub fn written(&self) -> Vec<Buffer> {
+        match self {
+            Kernel::Fill { dst, .. } | Kernel::Copy { dst, .. } | Kernel::Cast { dst, .. } => {
+                vec![*dst]
+            }
+            Kernel::Binary { out, .. } | Kernel::Scale { out, .. } | Kernel::Gelu { out, .. } => {
+                vec![*out]
+            }
+            Kernel::Axpy { y, .. } => vec![*y],
+            Kernel::Reduce { dst, .. } => vec![*dst],
+            Kernel::NonFinite { flag, .. } => vec![*flag],
+            Kernel::Matmul(mm) => [Some(mm.c), mm.c_f32].into_iter().flatten().collect(),
+            Kernel::GradScale { out, .. } => vec![*out],
+            Kernel::Adam(a) => [Some(a.master), Some(a.m), Some(a.v), a.params]
+                .into_iter()
+                .flatten()
+                .collect(),
+            Kernel::Sgd(s) => [Some(s.master), Some(s.momentum_buf), s.params]
+                .into_iter()
+                .flatten()
+                .collect(),
+            Kernel::GeluBackward { dx, .. } => vec![*dx],
+            Kernel::LayerNorm {
+                out, mean, rstd, ..
+            } => vec![*out, *mean, *rstd],
+            Kernel::LayerNormBackward {
+                dx, dweight, dbias, ..
+            } => vec![*dx, *dweight, *dbias],
+        }
+    }
+
+    /// Checks dtypes, lengths and aliasing; backends call this before recording anything.
     pub fn validate(&self) -> Result<()> {
+        self.validate_args()?;
+        // A buffer a launch writes may not be any of its other operands: GPUs cannot
+        // bind one buffer both read-only and writable in a dispatch, and in-place
+        // variants of these kernels would race.
+        let all = self.buffers();
+        for w in self.written() {
+            if all.iter().filter(|b| b.id == w.id).count() > 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: buffer #{} is both written and used as another operand; write to a separate buffer",
+                    self.name(),
+                    w.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_args(&self) -> Result<()> {
         let k = self.name();
         match self {
             Kernel::Fill { dst, value } => {

@@ -149,13 +149,32 @@ impl Matmul {
         if self.batch == 0 {
             return bad("batch is 0; use 1 for a single product".into());
         }
-        let need = |stride: usize, one: usize| (self.batch - 1) * stride + one;
+        // Checked: a wrapped size would pass these checks and send kernels that skip
+        // bounds checks far outside the buffer.
+        let overflow = || {
+            Error::InvalidArgument(format!(
+                "matmul: {}x{}x{} with batch {} and strides ({}, {}, {}) overflows the index range",
+                self.m, self.n, self.k, self.batch, self.stride_a, self.stride_b, self.stride_c
+            ))
+        };
+        let need = |stride: usize, one: usize| -> Result<usize> {
+            (self.batch - 1)
+                .checked_mul(stride)
+                .and_then(|s| s.checked_add(one))
+                .ok_or_else(overflow)
+        };
+        let product = |a: usize, b: usize| a.checked_mul(b).ok_or_else(overflow);
+        let (mk, kn, mn) = (
+            product(self.m, self.k)?,
+            product(self.k, self.n)?,
+            product(self.m, self.n)?,
+        );
         for (name, buf, stride, one, shape) in [
             (
                 "a",
                 self.a,
                 self.stride_a,
-                self.m * self.k,
+                mk,
                 if self.trans_a {
                     (self.k, self.m)
                 } else {
@@ -166,22 +185,16 @@ impl Matmul {
                 "b",
                 self.b,
                 self.stride_b,
-                self.k * self.n,
+                kn,
                 if self.trans_b {
                     (self.n, self.k)
                 } else {
                     (self.k, self.n)
                 },
             ),
-            (
-                "c",
-                self.c,
-                self.stride_c,
-                self.m * self.n,
-                (self.m, self.n),
-            ),
+            ("c", self.c, self.stride_c, mn, (self.m, self.n)),
         ] {
-            let n = need(stride, one);
+            let n = need(stride, one)?;
             if buf.len < n {
                 return bad(format!(
                     "`{name}` (buffer #{}) has {} elements but {} matrices of {}x{} with stride {stride} need {n}",
@@ -194,7 +207,7 @@ impl Matmul {
                 ));
             }
         }
-        if self.batch > 1 && self.stride_c < self.m * self.n {
+        if self.batch > 1 && self.stride_c < mn {
             return bad(format!(
                 "stride_c {} is smaller than one {}x{} output: results would overlap",
                 self.stride_c, self.m, self.n
@@ -209,7 +222,7 @@ impl Matmul {
             }
         }
         if let Some(cf) = self.c_f32 {
-            if cf.dtype != DType::F32 || cf.len < need(self.stride_c, self.m * self.n) {
+            if cf.dtype != DType::F32 || cf.len < need(self.stride_c, mn)? {
                 return bad(format!(
                     "c_f32 (buffer #{}) must be f32 with at least as many elements as C needs; it is {} x {}",
                     cf.id, cf.len, cf.dtype

@@ -1,4 +1,8 @@
 // Typed slot `$S` holding f16 on an adapter with native f16 (SHADER_F16).
+// Stores use the native f32 -> f16 conversion, whose rounding WGSL leaves to the
+// implementation; tests/kernels.rs checks it against round-to-nearest-even (overflow to
+// infinity included) on every adapter the suite runs on. (Storing f16_bits through a
+// bitcast would pin it everywhere, but naga cannot yet bitcast u32 to vec2<f16>.)
 //@ decl
 @group(0) @binding($B) var<storage, $A> $S_buf: array<vec2<f16>>;
 //@ load

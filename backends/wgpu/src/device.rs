@@ -408,14 +408,30 @@ impl WgpuDevice {
     }
 }
 
-impl State {
-    /// A user buffer's handle (cheap to clone: reference-counted).
-    pub(crate) fn buffer(&self, id: u64) -> Option<wgpu::Buffer> {
-        self.buffers.get(&id).map(|slot| slot.buffer.clone())
-    }
-}
-
 impl WgpuDevice {
+    /// The wgpu buffers behind `buffers`, after checking that each handle is live on
+    /// this device and describes the buffer it names (a handle from another device can
+    /// carry a valid id with the wrong size, and kernels trust the size).
+    pub(crate) fn handles(
+        &self,
+        s: &State,
+        kernel: &str,
+        buffers: &[Buffer],
+    ) -> Result<HashMap<u64, wgpu::Buffer>> {
+        let mut handles = HashMap::new();
+        for b in buffers {
+            let slot = s.buffers.get(&b.id).ok_or_else(|| self.unknown(b.id))?;
+            if slot.meta != *b {
+                return Err(Error::InvalidArgument(format!(
+                    "{kernel}: handle for buffer #{} says {} x {} but it holds {} x {} (a handle from another device?)",
+                    b.id, b.len, b.dtype, slot.meta.len, slot.meta.dtype
+                )));
+            }
+            handles.insert(b.id, slot.buffer.clone());
+        }
+        Ok(handles)
+    }
+
     /// Byte alignment a partial binding's offset needs.
     pub(crate) fn storage_offset_alignment(&self) -> u64 {
         self.device.limits().min_storage_buffer_offset_alignment as u64
@@ -618,22 +634,7 @@ impl Device for WgpuDevice {
         kernel.validate()?;
         let mut s = self.lock();
         // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
-        let mut handles = HashMap::new();
-        for b in kernel.buffers() {
-            let slot = s.buffers.get(&b.id).ok_or_else(|| self.unknown(b.id))?;
-            if slot.meta != b {
-                return Err(Error::InvalidArgument(format!(
-                    "{}: handle for buffer #{} says {} x {} but it holds {} x {}",
-                    kernel.name(),
-                    b.id,
-                    b.len,
-                    b.dtype,
-                    slot.meta.len,
-                    slot.meta.dtype
-                )));
-            }
-            handles.insert(b.id, slot.buffer.clone());
-        }
+        let handles = self.handles(&s, kernel.name(), &kernel.buffers())?;
         let h = |b: &Buffer| (b.id, &handles[&b.id]);
         match kernel {
             Kernel::Fill { dst, value } => {

@@ -110,6 +110,16 @@ fn tile(variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
 /// Chooses the kernel and its launch shape for `mm` on `caps` (or plans `force`).
 pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> Result<MatmulPlan> {
     let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+    if m == 0 || n == 0 {
+        // Nothing to compute (and nothing to dispatch).
+        return Ok(MatmulPlan {
+            variant: force.unwrap_or(MatmulVariant::Naive),
+            splits: 1,
+            k_chunk: k,
+            rows_per_dispatch: 1,
+            partial: false,
+        });
+    }
     let variant = force.unwrap_or_else(|| {
         if n == 1 && k >= 32 {
             MatmulVariant::Gemv
@@ -140,6 +150,13 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
         }
     });
     let (tm, tn) = tile(variant, caps);
+    if variant != MatmulVariant::Gemv && n.div_ceil(tn) > 65535 {
+        return Err(Error::InvalidArgument(format!(
+            "matmul: n = {n} needs {} column workgroups, over the 65535 one dispatch allows; \
+             compute the transposed product (swap A and B) instead",
+            n.div_ceil(tn)
+        )));
+    }
     let tiles = m.div_ceil(tm) as u64 * n.div_ceil(tn) as u64 * mm.batch as u64;
     // Split K when the output has too few tiles to fill the adapter and K is long.
     let busy = if cpu_class(caps) { 8 } else { 256 };
@@ -201,14 +218,17 @@ fn kernel_for(variant: MatmulVariant, caps: &Capabilities) -> &'static KernelSou
 impl WgpuDevice {
     /// Records `mm` with a pinned kernel (for benchmarks and tests of one variant).
     pub fn launch_matmul(&self, mm: &Matmul, variant: Option<MatmulVariant>) -> Result<MatmulPlan> {
-        mm.validate()?;
+        let kernel = kiln_engine::Kernel::Matmul(mm.clone());
+        kernel.validate()?;
+        if variant == Some(MatmulVariant::Gemv) && mm.n != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "matmul: the gemv kernel computes one output column, but n = {}",
+                mm.n
+            )));
+        }
         let plan = plan(mm, &self.caps, variant)?;
         let mut s = self.lock();
-        let mut handles = HashMap::new();
-        for b in mm.buffers() {
-            let slot = s.buffer(b.id).ok_or_else(|| self.unknown(b.id))?;
-            handles.insert(b.id, slot);
-        }
+        let handles = self.handles(&s, "matmul", &mm.buffers())?;
         self.matmul(&mut s, mm, &plan, &handles)?;
         Ok(plan)
     }
@@ -224,7 +244,11 @@ impl WgpuDevice {
             return Ok(());
         }
         let limit = self.caps.max_storage_binding;
-        if mm.buffers().iter().all(|b| b.bytes() <= limit) {
+        let partial_bytes = |mm: &Matmul, splits: u32| {
+            (mm.batch as u64 * mm.m as u64 * mm.n as u64 * splits as u64).div_ceil(2) * 8
+        };
+        let partials_fit = !plan.partial || partial_bytes(mm, plan.splits) <= limit;
+        if partials_fit && mm.buffers().iter().all(|b| b.bytes() <= limit) {
             return self.record(s, mm, plan, handles, &Windows::default());
         }
         // An operand is larger than one binding can show a kernel: run the product in
@@ -261,6 +285,10 @@ impl WgpuDevice {
         ];
         if mm.c_f32.is_some() {
             row_bytes.push(mm.n as u64 * 4);
+        }
+        if plan.partial {
+            // f32 partials for every split (at most 8) of a band's rows.
+            row_bytes.push(mm.n as u64 * 4 * 8);
         }
         let unit = row_bytes
             .iter()
