@@ -393,7 +393,7 @@ impl Kernel {
 /// Rows of a row-major matrix with `cols` columns held in `x`.
 fn rows_of(kernel: &str, x: &Buffer, cols: usize) -> Result<usize> {
     float(kernel, "x", x)?;
-    if cols == 0 || x.len % cols != 0 {
+    if cols == 0 || !x.len.is_multiple_of(cols) {
         return Err(Error::InvalidArgument(format!(
             "{kernel}: `x` (buffer #{}) has {} elements, not a whole number of rows of {cols}",
             x.id, x.len
