@@ -174,8 +174,8 @@ fn layernorm_backward_matches_finite_differences() {
             "{what}: fd {fd} vs backward {got}"
         );
     };
-    for i in 0..rows * cols {
-        close(&format!("dx[{i}]"), fd(&|l, d| l.x[i] += d), dx[i]);
+    for (i, &g) in dx.iter().enumerate() {
+        close(&format!("dx[{i}]"), fd(&|l, d| l.x[i] += d), g);
     }
     for c in 0..cols {
         close(
