@@ -82,6 +82,42 @@ pub enum Kernel {
         cols: usize,
         eps: f32,
     },
+    /// Fused softmax + cross-entropy over rows of `vocab` logits: `losses[r] =
+    /// logsumexp(logits[r]) - logits[r][targets[r]]`, statistics in f32; saves `lse` per
+    /// row for the backward pass. A target outside the vocabulary gives a NaN loss.
+    CrossEntropy {
+        logits: Buffer,
+        targets: Buffer,
+        losses: Buffer,
+        lse: Buffer,
+        vocab: usize,
+    },
+    /// `dlogits = (softmax(logits) - onehot(target)) * scale` (scale: d loss / d loss_r,
+    /// e.g. loss scale / rows), from the saved `lse`.
+    CrossEntropyBackward {
+        logits: Buffer,
+        targets: Buffer,
+        lse: Buffer,
+        dlogits: Buffer,
+        vocab: usize,
+        scale: f32,
+    },
+    /// `out[i] = table[tokens[i]]`, rows of `dim` elements. A token outside the table
+    /// gives NaN rows (so an overflow check catches it).
+    Embedding {
+        tokens: Buffer,
+        table: Buffer,
+        out: Buffer,
+        dim: usize,
+    },
+    /// `dtable[tokens[i]] += dout[i]` (f32 `dtable`, accumulated), deterministic: each
+    /// column is summed over the tokens in order.
+    EmbeddingBackward {
+        tokens: Buffer,
+        dout: Buffer,
+        dtable: Buffer,
+        dim: usize,
+    },
     /// Layer-norm backward: `dx` is overwritten; `dweight` and `dbias` (f32, `cols`)
     /// are accumulated into (`+=`), as gradients over micro-batches are.
     LayerNormBackward {
@@ -131,6 +167,10 @@ impl Kernel {
             Kernel::GeluBackward { .. } => "gelu_backward",
             Kernel::LayerNorm { .. } => "layernorm",
             Kernel::LayerNormBackward { .. } => "layernorm_backward",
+            Kernel::CrossEntropy { .. } => "cross_entropy",
+            Kernel::CrossEntropyBackward { .. } => "cross_entropy_backward",
+            Kernel::Embedding { .. } => "embedding",
+            Kernel::EmbeddingBackward { .. } => "embedding_backward",
         }
     }
 
@@ -176,6 +216,29 @@ impl Kernel {
                 dbias,
                 ..
             } => vec![*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                ..
+            } => vec![*logits, *targets, *losses, *lse],
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                ..
+            } => vec![*logits, *targets, *lse, *dlogits],
+            Kernel::Embedding {
+                tokens, table, out, ..
+            } => vec![*tokens, *table, *out],
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                ..
+            } => vec![*tokens, *dout, *dtable],
         }
     }
 
@@ -208,6 +271,10 @@ impl Kernel {
             Kernel::LayerNormBackward {
                 dx, dweight, dbias, ..
             } => vec![*dx, *dweight, *dbias],
+            Kernel::CrossEntropy { losses, lse, .. } => vec![*losses, *lse],
+            Kernel::CrossEntropyBackward { dlogits, .. } => vec![*dlogits],
+            Kernel::Embedding { out, .. } => vec![*out],
+            Kernel::EmbeddingBackward { dtable, .. } => vec![*dtable],
         }
     }
 
@@ -354,6 +421,67 @@ impl Kernel {
                     )));
                 }
                 Ok(())
+            }
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                vocab,
+            } => {
+                let rows = rows_of(k, logits, *vocab)?;
+                same_dtype(k, "targets", targets, DType::U32)?;
+                same_len(k, "targets", targets, rows)?;
+                for (name, b) in [("losses", losses), ("lse", lse)] {
+                    same_dtype(k, name, b, DType::F32)?;
+                    same_len(k, name, b, rows)?;
+                }
+                Ok(())
+            }
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                vocab,
+                scale,
+            } => {
+                let rows = rows_of(k, logits, *vocab)?;
+                same_dtype(k, "targets", targets, DType::U32)?;
+                same_len(k, "targets", targets, rows)?;
+                same_dtype(k, "lse", lse, DType::F32)?;
+                same_len(k, "lse", lse, rows)?;
+                float(k, "dlogits", dlogits)?;
+                same_len(k, "dlogits", dlogits, logits.len)?;
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument(format!(
+                        "cross_entropy_backward: scale is {scale}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::Embedding {
+                tokens,
+                table,
+                out,
+                dim,
+            } => {
+                rows_of(k, table, *dim)?;
+                same_dtype(k, "tokens", tokens, DType::U32)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, tokens.len * dim)
+            }
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                dim,
+            } => {
+                same_dtype(k, "tokens", tokens, DType::U32)?;
+                float(k, "dout", dout)?;
+                same_len(k, "dout", dout, tokens.len * dim)?;
+                same_dtype(k, "dtable", dtable, DType::F32)?;
+                rows_of(k, dtable, *dim).map(|_| ())
             }
             Kernel::LayerNormBackward {
                 x,

@@ -246,6 +246,90 @@ impl Device for CpuDevice {
                 s.put(*mean, HostData::F32(mu), name)?;
                 s.put(*rstd, HostData::F32(rs), name)
             }
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                vocab,
+            } => {
+                let l = s.f32s(*logits, name)?;
+                let t = s.get(*targets, name)?.bits();
+                let (mut loss, mut lses) = (vec![0f32; t.len()], vec![0f32; t.len()]);
+                for (r, &target) in t.iter().enumerate() {
+                    let row = &l[r * vocab..(r + 1) * vocab];
+                    let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v as f64));
+                    let z = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+                    lses[r] = z as f32;
+                    loss[r] = match row.get(target as usize) {
+                        Some(&v) => (z - v as f64) as f32,
+                        None => f32::NAN,
+                    };
+                }
+                s.put(*losses, HostData::F32(loss), name)?;
+                s.put(*lse, HostData::F32(lses), name)
+            }
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                vocab,
+                scale,
+            } => {
+                let l = s.f32s(*logits, name)?;
+                let t = s.get(*targets, name)?.bits();
+                let z = s.f32s(*lse, name)?;
+                let d: Vec<f32> = l
+                    .iter()
+                    .enumerate()
+                    .map(|(e, &v)| {
+                        let (r, j) = (e / vocab, e % vocab);
+                        let p = (v as f64 - z[r] as f64).exp();
+                        ((p - (j as u32 == t[r]) as u8 as f64) * *scale as f64) as f32
+                    })
+                    .collect();
+                s.put(*dlogits, HostData::from_f32(dlogits.dtype, &d), name)
+            }
+            Kernel::Embedding {
+                tokens,
+                table,
+                out,
+                dim,
+            } => {
+                let t = s.get(*tokens, name)?.bits();
+                let w = s.f32s(*table, name)?;
+                let rows = w.len() / dim;
+                let mut o = Vec::with_capacity(t.len() * dim);
+                for &tok in &t {
+                    match (tok as usize) < rows {
+                        true => {
+                            o.extend_from_slice(&w[tok as usize * dim..(tok as usize + 1) * dim])
+                        }
+                        false => o.extend(std::iter::repeat_n(f32::NAN, *dim)),
+                    }
+                }
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)
+            }
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                dim,
+            } => {
+                let t = s.get(*tokens, name)?.bits();
+                let d = s.f32s(*dout, name)?;
+                let mut g = s.f32s(*dtable, name)?;
+                let rows = g.len() / dim;
+                for (i, &tok) in t.iter().enumerate() {
+                    if (tok as usize) < rows {
+                        for c in 0..*dim {
+                            g[tok as usize * dim + c] += d[i * dim + c];
+                        }
+                    }
+                }
+                s.put(*dtable, HostData::F32(g), name)
+            }
             Kernel::LayerNormBackward {
                 x,
                 weight,

@@ -852,6 +852,96 @@ impl Device for WgpuDevice {
                     },
                 )?;
             }
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                vocab,
+            } => {
+                let rows = (logits.len / vocab) as u32;
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::CROSS_ENTROPY,
+                        reprs: vec![self.repr(logits.dtype)],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(logits), h(targets), h(losses), h(lse)],
+                        ranges: vec![],
+                        params: vec![rows, 0, 0, *vocab as u32],
+                        groups: row_groups(rows),
+                    },
+                )?;
+            }
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                vocab,
+                scale,
+            } => {
+                let words = pairs(logits.len);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::CROSS_ENTROPY_BACKWARD,
+                        reprs: vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(logits), h(dlogits), h(targets), h(lse)],
+                        ranges: vec![],
+                        params: vec![logits.len as u32, words, scale.to_bits(), *vocab as u32],
+                        groups: (groups(words), 1, 1),
+                    },
+                )?;
+            }
+            Kernel::Embedding {
+                tokens,
+                table,
+                out,
+                dim,
+            } => {
+                if out.len > 0 {
+                    let words = pairs(out.len);
+                    let rows = (table.len / dim) as u32;
+                    self.dispatch(
+                        &mut s,
+                        Dispatch {
+                            kernel: &shader::EMBEDDING,
+                            reprs: vec![self.repr(table.dtype), self.repr(out.dtype)],
+                            consts: vec![],
+                            overrides: vec![],
+                            buffers: vec![h(table), h(out), h(tokens)],
+                            ranges: vec![],
+                            params: vec![out.len as u32, words, rows, *dim as u32],
+                            groups: (groups(words), 1, 1),
+                        },
+                    )?;
+                }
+            }
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                dim,
+            } => {
+                let rows = (dtable.len / dim) as u32;
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::EMBEDDING_BACKWARD,
+                        reprs: vec![self.repr(dout.dtype)],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(dout), h(tokens), h(dtable)],
+                        ranges: vec![],
+                        params: vec![tokens.len as u32, 0, rows, *dim as u32],
+                        groups: (groups(*dim as u32), 1, 1),
+                    },
+                )?;
+            }
             Kernel::GradScale {
                 sum_squares,
                 out,

@@ -194,6 +194,40 @@ pub const LAYERNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
         own("dbias", ReadWrite),
     ]
 );
+pub const CROSS_ENTROPY: KernelSource = elementwise!(
+    "cross_entropy",
+    &[
+        typed("logits", Read),
+        own("targets", Read),
+        own("losses", ReadWrite),
+        own("lse", ReadWrite),
+    ]
+);
+pub const CROSS_ENTROPY_BACKWARD: KernelSource = elementwise!(
+    "cross_entropy_backward",
+    &[
+        typed("logits", Read),
+        typed("dlogits", ReadWrite),
+        own("targets", Read),
+        own("lse", Read),
+    ]
+);
+pub const EMBEDDING: KernelSource = elementwise!(
+    "embedding",
+    &[
+        typed("table", Read),
+        typed("out", ReadWrite),
+        own("tokens", Read)
+    ]
+);
+pub const EMBEDDING_BACKWARD: KernelSource = elementwise!(
+    "embedding_backward",
+    &[
+        typed("dout", Read),
+        own("tokens", Read),
+        own("dtable", ReadWrite)
+    ]
+);
 pub const NONFINITE: KernelSource =
     elementwise!("nonfinite", &[own("src", Read), own("flag", ReadWrite)]);
 
@@ -284,6 +318,10 @@ pub const ALL: &[&KernelSource] = &[
     &GRAD_SCALE,
     &GELU_FORWARD,
     &GELU_BACKWARD,
+    &CROSS_ENTROPY,
+    &CROSS_ENTROPY_BACKWARD,
+    &EMBEDDING,
+    &EMBEDDING_BACKWARD,
     &LAYERNORM_STATS,
     &LAYERNORM_APPLY,
     &LAYERNORM_BACKWARD_STATS,

@@ -1,0 +1,57 @@
+// Fused softmax + cross-entropy, forward: one workgroup per row of `vocab` (P.u0) logits.
+// max and sum of exp(l - max) in f32 (the max starts at the lowest finite f32, so a
+// row of -inf gives no NaN from inf - inf), lse = max + log(sum),
+// loss = lse - logits[target]. A target outside the vocabulary gives a NaN loss.
+// P.n = rows. Slot: logits (read). targets (u32), losses and lse (f32) per row.
+@group(0) @binding(2) var<storage, read> targets: array<u32>;
+@group(0) @binding(3) var<storage, read_write> losses: array<f32>;
+@group(0) @binding(4) var<storage, read_write> lse: array<f32>;
+
+var<workgroup> part: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn main(
+    @builtin(local_invocation_id) lid3: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let lid = lid3.x;
+    let row = wg.x + wg.y * nwg.x;
+    if (row >= P.n) {
+        return;
+    }
+    let vocab = P.u0;
+    let base = row * vocab;
+    var m = -3.4028235e38;
+    for (var j = lid; j < vocab; j += 256u) {
+        m = max(m, logits_at(base + j));
+    }
+    part[lid] = m;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            part[lid] = max(part[lid], part[lid + s]);
+        }
+        workgroupBarrier();
+    }
+    m = part[0];
+    workgroupBarrier();
+    var acc = 0.0;
+    for (var j = lid; j < vocab; j += 256u) {
+        acc += exp(logits_at(base + j) - m);
+    }
+    part[lid] = acc;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            part[lid] += part[lid + s];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        let z = m + log(part[0]);
+        lse[row] = z;
+        let t = targets[row];
+        losses[row] = select(bitcast<f32>(0x7fc00000u), z - logits_at(base + min(t, vocab - 1u)), t < vocab);
+    }
+}
