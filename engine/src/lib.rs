@@ -10,6 +10,7 @@ pub mod host;
 pub mod kernel;
 pub mod loss_scaler;
 pub mod matmul;
+pub mod mlp;
 pub mod optim;
 
 pub use device::{Buffer, Capabilities, Device};
