@@ -107,3 +107,13 @@ pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn
         Some(i) => Ok(Box::new(WgpuDevice::open(i, options)?)),
     }
 }
+
+/// Turns off Mesa's device-select Vulkan layer for this process, unless the user set
+/// `NODEVICE_SELECT` themselves. The layer reorders adapters (Kiln lists and picks them
+/// itself) and, on machines without a display, prints "XDG_RUNTIME_DIR is invalid"
+/// errors that are not errors. Call it first thing in `main`, before any thread starts.
+pub fn quiet_device_select() {
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
+}

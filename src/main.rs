@@ -62,13 +62,7 @@ struct MatmulArgs {
 }
 
 fn main() {
-    // Mesa's device-select Vulkan layer reorders adapters (Kiln lists and picks them
-    // itself) and, on machines without a display, prints "XDG_RUNTIME_DIR is invalid"
-    // errors that are not errors. Turn it off unless the user set it explicitly.
-    if std::env::var_os("NODEVICE_SELECT").is_none() {
-        // SAFETY: no other thread exists yet.
-        unsafe { std::env::set_var("NODEVICE_SELECT", "1") };
-    }
+    kiln::devices::quiet_device_select();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
