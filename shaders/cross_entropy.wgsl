@@ -7,8 +7,6 @@
 @group(0) @binding(3) var<storage, read_write> losses: array<f32>;
 @group(0) @binding(4) var<storage, read_write> lse: array<f32>;
 
-var<workgroup> part: array<f32, 256>;
-
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_id) lid3: vec3<u32>,
@@ -26,30 +24,14 @@ fn main(
     for (var j = lid; j < vocab; j += 256u) {
         m = max(m, logits_at(base + j));
     }
-    part[lid] = m;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            part[lid] = max(part[lid], part[lid + s]);
-        }
-        workgroupBarrier();
-    }
-    m = part[0];
-    workgroupBarrier();
+    m = row_max(lid, m);
     var acc = 0.0;
     for (var j = lid; j < vocab; j += 256u) {
         acc += exp(logits_at(base + j) - m);
     }
-    part[lid] = acc;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            part[lid] += part[lid + s];
-        }
-        workgroupBarrier();
-    }
+    acc = row_sum(lid, acc);
     if (lid == 0u) {
-        let z = m + log(part[0]);
+        let z = m + log(acc);
         lse[row] = z;
         let t = targets[row];
         losses[row] = select(bitcast<f32>(0x7fc00000u), z - logits_at(base + min(t, vocab - 1u)), t < vocab);

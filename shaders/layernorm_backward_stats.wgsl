@@ -5,9 +5,6 @@
 @group(0) @binding(5) var<storage, read> rstd: array<f32>;
 @group(0) @binding(6) var<storage, read_write> stats: array<f32>;
 
-var<workgroup> part_a: array<f32, 256>;
-var<workgroup> part_b: array<f32, 256>;
-
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_id) lid3: vec3<u32>,
@@ -30,18 +27,10 @@ fn main(
         a += dyw;
         b += dyw * (x_at(base + c) - m) * r;
     }
-    part_a[lid] = a;
-    part_b[lid] = b;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            part_a[lid] += part_a[lid + s];
-            part_b[lid] += part_b[lid + s];
-        }
-        workgroupBarrier();
-    }
+    a = row_sum(lid, a);
+    b = row_sum(lid, b);
     if (lid == 0u) {
-        stats[2u * row] = part_a[0] / f32(cols);
-        stats[2u * row + 1u] = part_b[0] / f32(cols);
+        stats[2u * row] = a / f32(cols);
+        stats[2u * row + 1u] = b / f32(cols);
     }
 }

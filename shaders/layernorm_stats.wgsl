@@ -5,21 +5,6 @@
 @group(0) @binding(2) var<storage, read_write> mean: array<f32>;
 @group(0) @binding(3) var<storage, read_write> rstd: array<f32>;
 
-var<workgroup> part: array<f32, 256>;
-
-fn fold(lid: u32) -> f32 {
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            part[lid] += part[lid + s];
-        }
-        workgroupBarrier();
-    }
-    let total = part[0];
-    workgroupBarrier();
-    return total;
-}
-
 @compute @workgroup_size(256)
 fn main(
     @builtin(local_invocation_id) lid3: vec3<u32>,
@@ -37,15 +22,13 @@ fn main(
     for (var c = lid; c < cols; c += 256u) {
         acc += x_at(base + c);
     }
-    part[lid] = acc;
-    let m = fold(lid) / f32(cols);
+    let m = row_sum(lid, acc) / f32(cols);
     acc = 0.0;
     for (var c = lid; c < cols; c += 256u) {
         let d = x_at(base + c) - m;
         acc += d * d;
     }
-    part[lid] = acc;
-    let var_ = fold(lid) / f32(cols);
+    let var_ = row_sum(lid, acc) / f32(cols);
     if (lid == 0u) {
         mean[row] = m;
         rstd[row] = inverseSqrt(var_ + P.alpha);

@@ -285,3 +285,100 @@ fn gpu_layers_match_cpu_on_both_f16_paths() {
         }
     }
 }
+
+/// Softmax of `x` (rows x cols) on `dev`, then its backward with dout = r.
+fn softmax_both(
+    dev: &dyn Device,
+    x: &[f32],
+    r: &[f32],
+    cols: usize,
+    causal: bool,
+    dtype: DType,
+) -> (Vec<f32>, Vec<f32>) {
+    let rows = x.len() / cols;
+    let xb = put(dev, &HostData::from_f32(dtype, x));
+    let p = dev.alloc(dtype, x.len()).unwrap();
+    let stats = dev.alloc(DType::F32, 2 * rows).unwrap();
+    let scale = 0.37;
+    dev.launch(&Kernel::Softmax {
+        x: xb,
+        out: p,
+        stats,
+        cols,
+        scale,
+        causal,
+    })
+    .unwrap();
+    let dout = put(dev, &HostData::from_f32(dtype, r));
+    let dx = dev.alloc(dtype, x.len()).unwrap();
+    dev.launch(&Kernel::SoftmaxBackward {
+        p,
+        dout,
+        dx,
+        stats,
+        cols,
+        scale,
+    })
+    .unwrap();
+    dev.submit().unwrap();
+    (f32s(dev, p), f32s(dev, dx))
+}
+
+#[test]
+fn softmax_backward_matches_finite_differences() {
+    let dev = CpuDevice::new();
+    let mut rng = Rng::new(8);
+    for causal in [false, true] {
+        let (rows, cols) = (10, 5); // two stacked 5x5 score matrices when causal
+        let x = vals(&mut rng, rows * cols, -3.0, 3.0);
+        let r = vals(&mut rng, rows * cols, -1.0, 1.0);
+        let (p, dx) = softmax_both(&dev, &x, &r, cols, causal, DType::F32);
+        if causal {
+            // Row 0 sees only column 0; row 6 (query 1 of the second matrix) columns 0-1.
+            assert_eq!(p[0], 1.0);
+            assert!(p[1..5].iter().all(|&v| v == 0.0), "{:?}", &p[..5]);
+            assert!(p[30 + 2..35].iter().all(|&v| v == 0.0));
+        }
+        let loss = |x: &[f32]| -> f64 {
+            let (p, _) = softmax_both(&dev, x, &r, cols, causal, DType::F32);
+            p.iter().zip(&r).map(|(&a, &b)| a as f64 * b as f64).sum()
+        };
+        let h = 1e-2f32;
+        for (i, &g) in dx.iter().enumerate() {
+            let (mut up, mut down) = (x.clone(), x.clone());
+            up[i] += h;
+            down[i] -= h;
+            let fd = (loss(&up) - loss(&down)) / (2.0 * h as f64);
+            assert!(
+                (fd - g as f64).abs() < 1e-3 * (1.0 + fd.abs()),
+                "causal {causal} dx[{i}]: fd {fd} vs {g}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_softmax_matches_cpu_on_both_f16_paths() {
+    let cpu = CpuDevice::new();
+    let mut rng = Rng::new(9);
+    for p in gpu_paths() {
+        for dtype in DType::FLOATS {
+            for (rows, cols, causal) in [
+                (1, 1, false),
+                (1, 1, true),
+                (14, 7, true),
+                (3, 1001, false),
+                (128, 64, true),
+            ] {
+                let x = vals(&mut rng, rows * cols, -6.0, 6.0);
+                let r = vals(&mut rng, rows * cols, -1.0, 1.0);
+                let (pg, dg) = softmax_both(p.dev.as_ref(), &x, &r, cols, causal, dtype);
+                let (pc, dc) = softmax_both(&cpu, &x, &r, cols, causal, dtype);
+                let what = format!("{}: softmax {dtype} {rows}x{cols} causal {causal}", p.name);
+                // exp and the f32 row statistics: a few ulps of f32 relative.
+                near(&format!("{what}: p"), &pg, &pc, 2e-6, dtype);
+                near(&format!("{what}: dx"), &dg, &dc, 4e-6, dtype);
+            }
+        }
+    }
+}

@@ -82,6 +82,28 @@ pub enum Kernel {
         cols: usize,
         eps: f32,
     },
+    /// Row softmax of `scale * x` over rows of `cols`, statistics in f32. With `causal`,
+    /// row r sees only columns `j <= r % cols` (rows are stacked T x T score matrices)
+    /// and the masked entries are 0. `stats` (f32, 2 per row: max and sum) is scratch
+    /// that the pass writes.
+    Softmax {
+        x: Buffer,
+        out: Buffer,
+        stats: Buffer,
+        cols: usize,
+        scale: f32,
+        causal: bool,
+    },
+    /// `dx = scale * p * (dout - sum_j p_j dout_j)` per row, from the softmax output `p`;
+    /// `stats` (f32, 2 per row) is scratch.
+    SoftmaxBackward {
+        p: Buffer,
+        dout: Buffer,
+        dx: Buffer,
+        stats: Buffer,
+        cols: usize,
+        scale: f32,
+    },
     /// Fused softmax + cross-entropy over rows of `vocab` logits: `losses[r] =
     /// logsumexp(logits[r]) - logits[r][targets[r]]`, statistics in f32; saves `lse` per
     /// row for the backward pass. A target outside the vocabulary gives a NaN loss.
@@ -167,6 +189,8 @@ impl Kernel {
             Kernel::GeluBackward { .. } => "gelu_backward",
             Kernel::LayerNorm { .. } => "layernorm",
             Kernel::LayerNormBackward { .. } => "layernorm_backward",
+            Kernel::Softmax { .. } => "softmax",
+            Kernel::SoftmaxBackward { .. } => "softmax_backward",
             Kernel::CrossEntropy { .. } => "cross_entropy",
             Kernel::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Kernel::Embedding { .. } => "embedding",
@@ -216,6 +240,10 @@ impl Kernel {
                 dbias,
                 ..
             } => vec![*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
+            Kernel::Softmax { x, out, stats, .. } => vec![*x, *out, *stats],
+            Kernel::SoftmaxBackward {
+                p, dout, dx, stats, ..
+            } => vec![*p, *dout, *dx, *stats],
             Kernel::CrossEntropy {
                 logits,
                 targets,
@@ -271,6 +299,8 @@ impl Kernel {
             Kernel::LayerNormBackward {
                 dx, dweight, dbias, ..
             } => vec![*dx, *dweight, *dbias],
+            Kernel::Softmax { out, stats, .. } => vec![*out, *stats],
+            Kernel::SoftmaxBackward { dx, stats, .. } => vec![*dx, *stats],
             Kernel::CrossEntropy { losses, lse, .. } => vec![*losses, *lse],
             Kernel::CrossEntropyBackward { dlogits, .. } => vec![*dlogits],
             Kernel::Embedding { out, .. } => vec![*out],
@@ -418,6 +448,46 @@ impl Kernel {
                 if !(*eps > 0.0 && eps.is_finite()) {
                     return Err(Error::InvalidArgument(format!(
                         "layernorm: eps must be positive, not {eps}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::Softmax {
+                x,
+                out,
+                stats,
+                cols,
+                scale,
+                ..
+            } => {
+                let rows = rows_of(k, x, *cols)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)?;
+                same_dtype(k, "stats", stats, DType::F32)?;
+                same_len(k, "stats", stats, 2 * rows)?;
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument(format!("softmax: scale is {scale}")));
+                }
+                Ok(())
+            }
+            Kernel::SoftmaxBackward {
+                p,
+                dout,
+                dx,
+                stats,
+                cols,
+                scale,
+            } => {
+                let rows = rows_of(k, p, *cols)?;
+                for (name, b) in [("dout", dout), ("dx", dx)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, p.len)?;
+                }
+                same_dtype(k, "stats", stats, DType::F32)?;
+                same_len(k, "stats", stats, 2 * rows)?;
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument(format!(
+                        "softmax_backward: scale is {scale}"
                     )));
                 }
                 Ok(())

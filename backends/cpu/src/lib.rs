@@ -246,6 +246,60 @@ impl Device for CpuDevice {
                 s.put(*mean, HostData::F32(mu), name)?;
                 s.put(*rstd, HostData::F32(rs), name)
             }
+            Kernel::Softmax {
+                x,
+                out,
+                stats,
+                cols,
+                scale,
+                causal,
+            } => {
+                let xs = s.f32s(*x, name)?;
+                let mut o = vec![0f32; xs.len()];
+                let mut st = vec![0f32; 2 * xs.len() / cols];
+                for r in 0..xs.len() / cols {
+                    let seen = if *causal { r % cols + 1 } else { *cols };
+                    let row: Vec<f64> = xs[r * cols..r * cols + seen]
+                        .iter()
+                        .map(|&v| *scale as f64 * v as f64)
+                        .collect();
+                    let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
+                    let z: f64 = row.iter().map(|&v| (v - m).exp()).sum();
+                    for (j, &v) in row.iter().enumerate() {
+                        o[r * cols + j] = ((v - m).exp() / z) as f32;
+                    }
+                    st[2 * r] = m as f32;
+                    st[2 * r + 1] = z as f32;
+                }
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
+                s.put(*stats, HostData::F32(st), name)
+            }
+            Kernel::SoftmaxBackward {
+                p,
+                dout,
+                dx,
+                stats,
+                cols,
+                scale,
+            } => {
+                let (ps, ds) = (s.f32s(*p, name)?, s.f32s(*dout, name)?);
+                let mut d = vec![0f32; ps.len()];
+                let mut st = vec![0f32; 2 * ps.len() / cols];
+                for r in 0..ps.len() / cols {
+                    let row = r * cols..(r + 1) * cols;
+                    let dot: f64 = ps[row.clone()]
+                        .iter()
+                        .zip(&ds[row.clone()])
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum();
+                    for e in row {
+                        d[e] = (*scale as f64 * ps[e] as f64 * (ds[e] as f64 - dot)) as f32;
+                    }
+                    st[2 * r] = dot as f32;
+                }
+                s.put(*dx, HostData::from_f32(dx.dtype, &d), name)?;
+                s.put(*stats, HostData::F32(st), name)
+            }
             Kernel::CrossEntropy {
                 logits,
                 targets,

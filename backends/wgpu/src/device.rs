@@ -852,6 +852,81 @@ impl Device for WgpuDevice {
                     },
                 )?;
             }
+            Kernel::Softmax {
+                x,
+                out,
+                stats,
+                cols,
+                scale,
+                causal,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let mask = vec![("CAUSAL", *causal as u32)];
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::SOFTMAX_STATS,
+                        reprs: vec![self.repr(x.dtype)],
+                        consts: vec![],
+                        overrides: mask.clone(),
+                        buffers: vec![h(x), h(stats)],
+                        ranges: vec![],
+                        params: vec![n / cols, 0, scale.to_bits(), cols],
+                        groups: row_groups(n / cols),
+                    },
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::SOFTMAX_APPLY,
+                        reprs: vec![self.repr(x.dtype), self.repr(out.dtype)],
+                        consts: vec![],
+                        overrides: mask,
+                        buffers: vec![h(x), h(out), h(stats)],
+                        ranges: vec![],
+                        params: vec![n, words, scale.to_bits(), cols],
+                        groups: (groups(words), 1, 1),
+                    },
+                )?;
+            }
+            Kernel::SoftmaxBackward {
+                p,
+                dout,
+                dx,
+                stats,
+                cols,
+                scale,
+            } => {
+                let (n, cols) = (p.len as u32, *cols as u32);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::SOFTMAX_BACKWARD_STATS,
+                        reprs: vec![self.repr(p.dtype), self.repr(dout.dtype)],
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(p), h(dout), h(stats)],
+                        ranges: vec![],
+                        params: vec![n / cols, 0, 0, cols],
+                        groups: row_groups(n / cols),
+                    },
+                )?;
+                let words = pairs(p.len);
+                self.dispatch(
+                    &mut s,
+                    Dispatch {
+                        kernel: &shader::SOFTMAX_BACKWARD_DX,
+                        reprs: [p, dout, dx].iter().map(|b| self.repr(b.dtype)).collect(),
+                        consts: vec![],
+                        overrides: vec![],
+                        buffers: vec![h(p), h(dout), h(dx), h(stats)],
+                        ranges: vec![],
+                        params: vec![n, words, scale.to_bits(), cols],
+                        groups: (groups(words), 1, 1),
+                    },
+                )?;
+            }
             Kernel::CrossEntropy {
                 logits,
                 targets,

@@ -25,6 +25,7 @@ const SHARE_SUBGROUP: &str = shader!("common/share_subgroup.wgsl");
 const SHARE_NONE: &str = shader!("common/share_none.wgsl");
 const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
 const GELU: &str = shader!("common/gelu.wgsl");
+const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,7 +93,7 @@ macro_rules! elementwise {
                 ".wgsl"
             )),
             slots: $slots,
-            prelude: &[ELEMENTWISE_PARAMS, GELU],
+            prelude: &[ELEMENTWISE_PARAMS, GELU, ROW_REDUCE],
             params_size: 16,
             subgroups: false,
             trusted: false,
@@ -192,6 +193,35 @@ pub const LAYERNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
         own("rstd", Read),
         own("dweight", ReadWrite),
         own("dbias", ReadWrite),
+    ]
+);
+pub const SOFTMAX_STATS: KernelSource = elementwise!(
+    "softmax_stats",
+    &[typed("x", Read), own("stats", ReadWrite)]
+);
+pub const SOFTMAX_APPLY: KernelSource = elementwise!(
+    "softmax_apply",
+    &[
+        typed("x", Read),
+        typed("out", ReadWrite),
+        own("stats", Read)
+    ]
+);
+pub const SOFTMAX_BACKWARD_STATS: KernelSource = elementwise!(
+    "softmax_backward_stats",
+    &[
+        typed("p", Read),
+        typed("dout", Read),
+        own("stats", ReadWrite)
+    ]
+);
+pub const SOFTMAX_BACKWARD_DX: KernelSource = elementwise!(
+    "softmax_backward_dx",
+    &[
+        typed("p", Read),
+        typed("dout", Read),
+        typed("dx", ReadWrite),
+        own("stats", Read)
     ]
 );
 pub const CROSS_ENTROPY: KernelSource = elementwise!(
@@ -318,6 +348,10 @@ pub const ALL: &[&KernelSource] = &[
     &GRAD_SCALE,
     &GELU_FORWARD,
     &GELU_BACKWARD,
+    &SOFTMAX_STATS,
+    &SOFTMAX_APPLY,
+    &SOFTMAX_BACKWARD_STATS,
+    &SOFTMAX_BACKWARD_DX,
     &CROSS_ENTROPY,
     &CROSS_ENTROPY_BACKWARD,
     &EMBEDDING,
