@@ -12,6 +12,7 @@ pub mod loss_scaler;
 pub mod matmul;
 pub mod mlp;
 pub mod optim;
+pub mod safetensors_io;
 
 pub use device::{Buffer, Capabilities, Device};
 pub use dtype::DType;

@@ -325,6 +325,33 @@ impl Mlp {
         Ok((loss as f32, correct as f32 / y.len() as f32))
     }
 
+    /// Every tensor a checkpoint holds: model weights, f32 masters and Adam moments,
+    /// named `fc1.weight`, `fc1.weight.master`, `fc1.weight.adam_m`, ….
+    pub fn tensors(&self) -> Vec<crate::safetensors_io::NamedTensor> {
+        let c = &self.config;
+        let mut out = vec![];
+        for (name, p, shape) in [
+            ("fc1.weight", &self.w1, vec![c.inputs, c.hidden]),
+            ("fc1.bias", &self.b1, vec![c.hidden]),
+            ("fc2.weight", &self.w2, vec![c.hidden, c.classes]),
+            ("fc2.bias", &self.b2, vec![c.classes]),
+        ] {
+            for (suffix, buffer) in [
+                ("", p.value),
+                (".master", p.master),
+                (".adam_m", p.m),
+                (".adam_v", p.v),
+            ] {
+                out.push(crate::safetensors_io::NamedTensor {
+                    name: format!("{name}{suffix}"),
+                    buffer,
+                    shape: shape.clone(),
+                });
+            }
+        }
+        out
+    }
+
     /// The f32 master weights (W1, b1, W2, b2), for comparisons and export.
     pub fn masters(&self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
         [&self.w1, &self.b1, &self.w2, &self.b2]
