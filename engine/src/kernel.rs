@@ -104,6 +104,28 @@ pub enum Kernel {
         cols: usize,
         scale: f32,
     },
+    /// Attention heads out of rows: `src` holds `rows = batch * seq` rows of `width`
+    /// elements; columns `offset + h * dim + i` of row `(b, t)` go to `dst[b][h][t][i]`
+    /// (`dst` is `batch * heads * seq * dim`, `dim = dst.len / (rows * heads)`).
+    SplitHeads {
+        src: Buffer,
+        dst: Buffer,
+        seq: usize,
+        heads: usize,
+        width: usize,
+        offset: usize,
+    },
+    /// The inverse: `src[b][h][t][i]` to column `offset + h * dim + i` of row `(b, t)` of
+    /// `dst`; other columns of `dst` are left as they are. `heads * dim`, `width` and
+    /// `offset` must be even, so that no 16-bit word is shared with a column outside.
+    MergeHeads {
+        src: Buffer,
+        dst: Buffer,
+        seq: usize,
+        heads: usize,
+        width: usize,
+        offset: usize,
+    },
     /// Fused softmax + cross-entropy over rows of `vocab` logits: `losses[r] =
     /// logsumexp(logits[r]) - logits[r][targets[r]]`, statistics in f32; saves `lse` per
     /// row for the backward pass. A target outside the vocabulary gives a NaN loss.
@@ -189,6 +211,8 @@ impl Kernel {
             Kernel::GeluBackward { .. } => "gelu_backward",
             Kernel::LayerNorm { .. } => "layernorm",
             Kernel::LayerNormBackward { .. } => "layernorm_backward",
+            Kernel::SplitHeads { .. } => "split_heads",
+            Kernel::MergeHeads { .. } => "merge_heads",
             Kernel::Softmax { .. } => "softmax",
             Kernel::SoftmaxBackward { .. } => "softmax_backward",
             Kernel::CrossEntropy { .. } => "cross_entropy",
@@ -240,6 +264,9 @@ impl Kernel {
                 dbias,
                 ..
             } => vec![*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
+            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+                vec![*src, *dst]
+            }
             Kernel::Softmax { x, out, stats, .. } => vec![*x, *out, *stats],
             Kernel::SoftmaxBackward {
                 p, dout, dx, stats, ..
@@ -299,6 +326,7 @@ impl Kernel {
             Kernel::LayerNormBackward {
                 dx, dweight, dbias, ..
             } => vec![*dx, *dweight, *dbias],
+            Kernel::SplitHeads { dst, .. } | Kernel::MergeHeads { dst, .. } => vec![*dst],
             Kernel::Softmax { out, stats, .. } => vec![*out, *stats],
             Kernel::SoftmaxBackward { dx, stats, .. } => vec![*dx, *stats],
             Kernel::CrossEntropy { losses, lse, .. } => vec![*losses, *lse],
@@ -448,6 +476,51 @@ impl Kernel {
                 if !(*eps > 0.0 && eps.is_finite()) {
                     return Err(Error::InvalidArgument(format!(
                         "layernorm: eps must be positive, not {eps}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::SplitHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            }
+            | Kernel::MergeHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            } => {
+                let split = matches!(self, Kernel::SplitHeads { .. });
+                let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
+                float(k, "src", src)?;
+                float(k, "dst", dst)?;
+                let rows = rows_of(k, rows_buf, *width)?;
+                if *seq == 0
+                    || rows % seq != 0
+                    || *heads == 0
+                    || heads_buf.len % (rows * heads).max(1) != 0
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: {rows} rows are not whole sequences of {seq}, or {} head elements do not split into {heads} heads per row",
+                        heads_buf.len
+                    )));
+                }
+                let span = heads_buf.len / rows;
+                if offset + span > *width {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: columns {offset}..{} run past the row width {width}",
+                        offset + span
+                    )));
+                }
+                if !split && (span % 2 != 0 || width % 2 != 0 || offset % 2 != 0) {
+                    return Err(Error::InvalidArgument(format!(
+                        "merge_heads: heads*dim ({span}), width ({width}) and offset ({offset}) must be even"
                     )));
                 }
                 Ok(())

@@ -852,6 +852,62 @@ impl Device for WgpuDevice {
                     },
                 )?;
             }
+            Kernel::SplitHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            }
+            | Kernel::MergeHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            } => {
+                let split = matches!(kernel, Kernel::SplitHeads { .. });
+                let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
+                let rows = rows_buf.len / width;
+                if rows > 0 && heads_buf.len > 0 {
+                    let dim = heads_buf.len / (rows * heads);
+                    let words = if split {
+                        pairs(dst.len)
+                    } else {
+                        (rows * heads * dim / 2) as u32
+                    };
+                    self.dispatch(
+                        &mut s,
+                        Dispatch {
+                            kernel: if split {
+                                &shader::SPLIT_HEADS
+                            } else {
+                                &shader::MERGE_HEADS
+                            },
+                            reprs: vec![self.repr(src.dtype), self.repr(dst.dtype)],
+                            consts: vec![],
+                            overrides: vec![],
+                            buffers: vec![h(src), h(dst)],
+                            ranges: vec![],
+                            params: [
+                                heads_buf.len,
+                                words as usize,
+                                *seq,
+                                *heads,
+                                *width,
+                                *offset,
+                                dim,
+                                0,
+                            ]
+                            .map(|v| v as u32)
+                            .to_vec(),
+                            groups: (groups(words), 1, 1),
+                        },
+                    )?;
+                }
+            }
             Kernel::Softmax {
                 x,
                 out,

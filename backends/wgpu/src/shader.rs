@@ -26,6 +26,7 @@ const SHARE_NONE: &str = shader!("common/share_none.wgsl");
 const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
 const GELU: &str = shader!("common/gelu.wgsl");
 const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
+const HEADS_PARAMS: &str = shader!("common/heads_params.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -195,6 +196,22 @@ pub const LAYERNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
         own("dbias", ReadWrite),
     ]
 );
+pub const SPLIT_HEADS: KernelSource = KernelSource {
+    prelude: &[HEADS_PARAMS],
+    params_size: 32,
+    ..elementwise!(
+        "split_heads",
+        &[typed("src", Read), typed("dst", ReadWrite)]
+    )
+};
+pub const MERGE_HEADS: KernelSource = KernelSource {
+    prelude: &[HEADS_PARAMS],
+    params_size: 32,
+    ..elementwise!(
+        "merge_heads",
+        &[typed("src", Read), typed("dst", ReadWrite)]
+    )
+};
 pub const SOFTMAX_STATS: KernelSource = elementwise!(
     "softmax_stats",
     &[typed("x", Read), own("stats", ReadWrite)]
@@ -348,6 +365,8 @@ pub const ALL: &[&KernelSource] = &[
     &GRAD_SCALE,
     &GELU_FORWARD,
     &GELU_BACKWARD,
+    &SPLIT_HEADS,
+    &MERGE_HEADS,
     &SOFTMAX_STATS,
     &SOFTMAX_APPLY,
     &SOFTMAX_BACKWARD_STATS,
