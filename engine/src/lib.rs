@@ -6,6 +6,7 @@
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod gpt;
 pub mod host;
 pub mod kernel;
 pub mod loss_scaler;

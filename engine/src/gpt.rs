@@ -1,0 +1,875 @@
+//! A GPT-2 style model trained on a device, every layer's forward and backward written
+//! out side by side in the manner of llm.c (autodiff is still to come: see the issue
+//! notes). Token + learned position embeddings, pre-LN blocks with causal self-attention
+//! (built from batched GEMMs and a causal softmax: the straightforward version) and a
+//! GELU MLP, a final layer norm and an LM head tied to the token embedding. Parameter
+//! names follow GPT-2's (`transformer.h.0.attn.c_attn.weight`, …), weights stored
+//! (in, out) as GPT-2's Conv1D does.
+//!
+//! Shapes: B batch, T sequence, C = n_embd, H heads, D = C / H, V vocabulary, BT = B*T.
+
+use serde::Deserialize;
+
+use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
+use crate::mlp::{Precision, SplitMix};
+use crate::safetensors_io::NamedTensor;
+use crate::{AdamStep, Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
+
+/// Model sizes, as in a GPT-2 config file.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub block_size: usize,
+    pub vocab_size: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct GptTraining {
+    pub batch: usize,
+    pub seq: usize,
+    pub precision: Precision,
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub seed: u64,
+}
+
+struct Param {
+    name: String,
+    shape: Vec<usize>,
+    value: Buffer,
+    master: Buffer,
+    grad: Buffer,
+    m: Buffer,
+    v: Buffer,
+    /// Weight decay applies (matrices), or not (biases, norms, embeddings).
+    decay: bool,
+}
+
+/// Indices into `Gpt::params` and the saved activations of one block.
+struct Block {
+    ln1_w: usize,
+    ln1_b: usize,
+    qkv_w: usize,
+    qkv_b: usize,
+    proj_w: usize,
+    proj_b: usize,
+    ln2_w: usize,
+    ln2_b: usize,
+    fc_w: usize,
+    fc_b: usize,
+    fcp_w: usize,
+    fcp_b: usize,
+    x_in: Buffer,     // (BT, C) block input
+    ln1: Buffer,      // (BT, C)
+    ln1_mean: Buffer, // (BT) f32
+    ln1_rstd: Buffer,
+    qkv: Buffer, // (BT, 3C)
+    q: Buffer,   // (B, H, T, D)
+    k: Buffer,
+    v: Buffer,
+    att: Buffer,   // (B, H, T, T) probabilities
+    yh: Buffer,    // (B, H, T, D)
+    y: Buffer,     // (BT, C)
+    x_mid: Buffer, // (BT, C) after the attention residual
+    ln2: Buffer,
+    ln2_mean: Buffer,
+    ln2_rstd: Buffer,
+    fc: Buffer,  // (BT, 4C) before GELU
+    fcg: Buffer, // (BT, 4C) after GELU
+}
+
+pub struct Gpt {
+    pub config: GptConfig,
+    pub training: GptTraining,
+    params: Vec<Param>,
+    blocks: Vec<Block>,
+    wte: usize,
+    wpe: usize,
+    lnf_w: usize,
+    lnf_b: usize,
+    tokens: Buffer,
+    targets: Buffer,
+    positions: Buffer,
+    x_final: Buffer,
+    lnf: Buffer,
+    lnf_mean: Buffer,
+    lnf_rstd: Buffer,
+    logits: Buffer,
+    losses: Buffer,
+    lse: Buffer,
+    // Backward scratch.
+    dlogits: Buffer,
+    dres: Buffer,
+    dtmp: Buffer,
+    dln: Buffer,
+    dbig: Buffer, // (BT, 4C): d fcg, then d fc
+    dfc: Buffer,
+    dqkv: Buffer,
+    dy: Buffer,
+    dyh: Buffer,
+    dq: Buffer,
+    dk: Buffer,
+    dv: Buffer,
+    datt: Buffer,
+    dscores: Buffer,
+    stats: Buffer,
+    tmp: Buffer, // (BT, C) block outputs before the residual add
+    ones: Buffer,
+    flag: Buffer,
+    zero: Buffer,
+    grad_scale: Buffer,
+    pub scaler: LossScaler,
+    step: u32,
+}
+
+/// One training step's numbers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptStep {
+    pub loss: f32,
+    pub skipped: bool,
+    pub scale: f32,
+}
+
+impl Gpt {
+    pub fn new(dev: &dyn Device, config: GptConfig, training: GptTraining) -> Result<Gpt> {
+        let (c, h, v) = (config.n_embd, config.n_head, config.vocab_size);
+        let (b, t) = (training.batch, training.seq);
+        if h == 0 || c % h != 0 || c % 2 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: n_embd {c} must be even and divisible by n_head {h}"
+            )));
+        }
+        if t == 0 || t > config.block_size || b == 0 || v == 0 || config.n_layer == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: need 1 <= seq ({t}) <= block_size ({}), batch >= 1, vocab >= 1, n_layer >= 1",
+                config.block_size
+            )));
+        }
+        let act = training.precision.dtype();
+        let bt = b * t;
+        let mut rng = SplitMix(training.seed);
+        let mut params: Vec<Param> = vec![];
+        // (name, shape, init std or value, grad dtype, decay)
+        let mut add = |name: String,
+                       shape: Vec<usize>,
+                       init: Init,
+                       grad: DType,
+                       decay: bool|
+         -> Result<usize> {
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = match init {
+                Init::Const(x) => vec![x; n],
+                // Uniform with the given standard deviation (GPT-2 uses normal 0.02).
+                Init::Std(s) => (0..n).map(|_| rng.symmetric() * s * 3f32.sqrt()).collect(),
+            };
+            let master = dev.alloc(DType::F32, n)?;
+            dev.upload(master, &HostData::F32(values.clone()))?;
+            let value = dev.alloc(act, n)?;
+            dev.upload(value, &HostData::from_f32(act, &values))?;
+            params.push(Param {
+                name,
+                shape,
+                value,
+                master,
+                grad: dev.alloc(grad, n)?,
+                m: dev.alloc(DType::F32, n)?,
+                v: dev.alloc(DType::F32, n)?,
+                decay,
+            });
+            Ok(params.len() - 1)
+        };
+        let proj_std = 0.02 / (2.0 * config.n_layer as f32).sqrt();
+        // Embeddings and norms keep f32 gradients (their kernels accumulate in f32).
+        let wte = add(
+            "transformer.wte.weight".into(),
+            vec![v, c],
+            Init::Std(0.02),
+            DType::F32,
+            false,
+        )?;
+        let wpe = add(
+            "transformer.wpe.weight".into(),
+            vec![config.block_size, c],
+            Init::Std(0.01),
+            DType::F32,
+            false,
+        )?;
+        let mut layer_params = vec![];
+        for l in 0..config.n_layer {
+            let p = |s: &str| format!("transformer.h.{l}.{s}");
+            layer_params.push([
+                add(
+                    p("ln_1.weight"),
+                    vec![c],
+                    Init::Const(1.0),
+                    DType::F32,
+                    false,
+                )?,
+                add(p("ln_1.bias"), vec![c], Init::Const(0.0), DType::F32, false)?,
+                add(
+                    p("attn.c_attn.weight"),
+                    vec![c, 3 * c],
+                    Init::Std(0.02),
+                    act,
+                    true,
+                )?,
+                add(
+                    p("attn.c_attn.bias"),
+                    vec![3 * c],
+                    Init::Const(0.0),
+                    act,
+                    false,
+                )?,
+                add(
+                    p("attn.c_proj.weight"),
+                    vec![c, c],
+                    Init::Std(proj_std),
+                    act,
+                    true,
+                )?,
+                add(p("attn.c_proj.bias"), vec![c], Init::Const(0.0), act, false)?,
+                add(
+                    p("ln_2.weight"),
+                    vec![c],
+                    Init::Const(1.0),
+                    DType::F32,
+                    false,
+                )?,
+                add(p("ln_2.bias"), vec![c], Init::Const(0.0), DType::F32, false)?,
+                add(
+                    p("mlp.c_fc.weight"),
+                    vec![c, 4 * c],
+                    Init::Std(0.02),
+                    act,
+                    true,
+                )?,
+                add(
+                    p("mlp.c_fc.bias"),
+                    vec![4 * c],
+                    Init::Const(0.0),
+                    act,
+                    false,
+                )?,
+                add(
+                    p("mlp.c_proj.weight"),
+                    vec![4 * c, c],
+                    Init::Std(proj_std),
+                    act,
+                    true,
+                )?,
+                add(p("mlp.c_proj.bias"), vec![c], Init::Const(0.0), act, false)?,
+            ]);
+        }
+        let lnf_w = add(
+            "transformer.ln_f.weight".into(),
+            vec![c],
+            Init::Const(1.0),
+            DType::F32,
+            false,
+        )?;
+        let lnf_b = add(
+            "transformer.ln_f.bias".into(),
+            vec![c],
+            Init::Const(0.0),
+            DType::F32,
+            false,
+        )?;
+        let a = |dtype: DType, n: usize| dev.alloc(dtype, n);
+        let mut blocks = vec![];
+        for lp in layer_params {
+            blocks.push(Block {
+                ln1_w: lp[0],
+                ln1_b: lp[1],
+                qkv_w: lp[2],
+                qkv_b: lp[3],
+                proj_w: lp[4],
+                proj_b: lp[5],
+                ln2_w: lp[6],
+                ln2_b: lp[7],
+                fc_w: lp[8],
+                fc_b: lp[9],
+                fcp_w: lp[10],
+                fcp_b: lp[11],
+                x_in: a(act, bt * c)?,
+                ln1: a(act, bt * c)?,
+                ln1_mean: a(DType::F32, bt)?,
+                ln1_rstd: a(DType::F32, bt)?,
+                qkv: a(act, bt * 3 * c)?,
+                q: a(act, bt * c)?,
+                k: a(act, bt * c)?,
+                v: a(act, bt * c)?,
+                att: a(act, b * h * t * t)?,
+                yh: a(act, bt * c)?,
+                y: a(act, bt * c)?,
+                x_mid: a(act, bt * c)?,
+                ln2: a(act, bt * c)?,
+                ln2_mean: a(DType::F32, bt)?,
+                ln2_rstd: a(DType::F32, bt)?,
+                fc: a(act, bt * 4 * c)?,
+                fcg: a(act, bt * 4 * c)?,
+            });
+        }
+        let positions = a(DType::U32, bt)?;
+        dev.upload(
+            positions,
+            &HostData::U32((0..bt).map(|i| (i % t) as u32).collect()),
+        )?;
+        let ones = a(act, bt)?;
+        dev.upload(ones, &HostData::from_f32(act, &vec![1.0; bt]))?;
+        let scaler = match training.precision {
+            Precision::F16 => LossScaler::dynamic(DynamicScaling::default())?,
+            _ => LossScaler::fixed(1.0)?,
+        };
+        Ok(Gpt {
+            tokens: a(DType::U32, bt)?,
+            targets: a(DType::U32, bt)?,
+            positions,
+            x_final: a(act, bt * c)?,
+            lnf: a(act, bt * c)?,
+            lnf_mean: a(DType::F32, bt)?,
+            lnf_rstd: a(DType::F32, bt)?,
+            logits: a(act, bt * v)?,
+            losses: a(DType::F32, bt)?,
+            lse: a(DType::F32, bt)?,
+            dlogits: a(act, bt * v)?,
+            dres: a(act, bt * c)?,
+            dtmp: a(act, bt * c)?,
+            dln: a(act, bt * c)?,
+            dbig: a(act, bt * 4 * c)?,
+            dfc: a(act, bt * 4 * c)?,
+            dqkv: a(act, bt * 3 * c)?,
+            dy: a(act, bt * c)?,
+            dyh: a(act, bt * c)?,
+            dq: a(act, bt * c)?,
+            dk: a(act, bt * c)?,
+            dv: a(act, bt * c)?,
+            datt: a(act, b * h * t * t)?,
+            dscores: a(act, b * h * t * t)?,
+            stats: a(DType::F32, 2 * b * h * t)?,
+            tmp: a(act, bt * c)?,
+            ones,
+            flag: a(DType::U32, 1)?,
+            zero: a(DType::F32, 1)?,
+            grad_scale: a(DType::F32, 1)?,
+            params,
+            blocks,
+            wte,
+            wpe,
+            lnf_w,
+            lnf_b,
+            scaler,
+            step: 0,
+            config,
+            training,
+        })
+    }
+
+    fn val(&self, i: usize) -> Buffer {
+        self.params[i].value
+    }
+
+    fn grad(&self, i: usize) -> Buffer {
+        self.params[i].grad
+    }
+
+    /// `out = x W + b` over BT rows.
+    fn linear(
+        &self,
+        dev: &dyn Device,
+        x: Buffer,
+        (w, b): (usize, usize),
+        out: Buffer,
+        (k, n): (usize, usize),
+    ) -> Result<()> {
+        let bt = self.training.batch * self.training.seq;
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(x, self.val(w), out, bt, n, k).with_bias(self.val(b)),
+        ))
+    }
+
+    /// Backward of `linear`: dW = x^T dout, db = 1^T dout, dx = dout W^T.
+    fn linear_backward(
+        &self,
+        dev: &dyn Device,
+        x: Buffer,
+        (w, b): (usize, usize),
+        dout: Buffer,
+        dx: Buffer,
+        (k, n): (usize, usize),
+    ) -> Result<()> {
+        let bt = self.training.batch * self.training.seq;
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(x, dout, self.grad(w), k, n, bt).transpose(true, false),
+        ))?;
+        dev.launch(&Kernel::Matmul(Matmul::new(
+            self.ones,
+            dout,
+            self.grad(b),
+            1,
+            n,
+            bt,
+        )))?;
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(dout, self.val(w), dx, bt, k, n).transpose(false, true),
+        ))
+    }
+
+    /// Records the forward pass for the tokens and targets already uploaded.
+    fn forward(&self, dev: &dyn Device) -> Result<()> {
+        let (b, t) = (self.training.batch, self.training.seq);
+        let (c, h, v) = (
+            self.config.n_embd,
+            self.config.n_head,
+            self.config.vocab_size,
+        );
+        let (bt, d) = (b * t, c / h);
+        // x = wte[tokens] + wpe[positions]
+        let x0 = self.blocks[0].x_in;
+        dev.launch(&Kernel::Embedding {
+            tokens: self.tokens,
+            table: self.val(self.wte),
+            out: self.tmp,
+            dim: c,
+        })?;
+        dev.launch(&Kernel::Embedding {
+            tokens: self.positions,
+            table: self.val(self.wpe),
+            out: self.dtmp,
+            dim: c,
+        })?;
+        dev.launch(&Kernel::Binary {
+            op: crate::BinaryOp::Add,
+            a: self.tmp,
+            b: self.dtmp,
+            out: x0,
+        })?;
+        for (l, blk) in self.blocks.iter().enumerate() {
+            // Attention: ln1 -> qkv -> heads -> causal softmax(q k^T / sqrt(D)) v -> proj.
+            dev.launch(&Kernel::LayerNorm {
+                x: blk.x_in,
+                weight: self.val(blk.ln1_w),
+                bias: self.val(blk.ln1_b),
+                out: blk.ln1,
+                mean: blk.ln1_mean,
+                rstd: blk.ln1_rstd,
+                cols: c,
+                eps: 1e-5,
+            })?;
+            self.linear(dev, blk.ln1, (blk.qkv_w, blk.qkv_b), blk.qkv, (c, 3 * c))?;
+            for (i, dst) in [blk.q, blk.k, blk.v].into_iter().enumerate() {
+                dev.launch(&Kernel::SplitHeads {
+                    src: blk.qkv,
+                    dst,
+                    seq: t,
+                    heads: h,
+                    width: 3 * c,
+                    offset: i * c,
+                })?;
+            }
+            // scores (B*H, T, T) = q k^T, into `att`, then softmax in place via stats.
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(blk.q, blk.k, self.dscores, t, t, d)
+                    .transpose(false, true)
+                    .batched(b * h, t * d, t * d, t * t),
+            ))?;
+            dev.launch(&Kernel::Softmax {
+                x: self.dscores,
+                out: blk.att,
+                stats: self.stats,
+                cols: t,
+                scale: 1.0 / (d as f32).sqrt(),
+                causal: true,
+            })?;
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(blk.att, blk.v, blk.yh, t, d, t).batched(b * h, t * t, t * d, t * d),
+            ))?;
+            dev.launch(&Kernel::MergeHeads {
+                src: blk.yh,
+                dst: blk.y,
+                seq: t,
+                heads: h,
+                width: c,
+                offset: 0,
+            })?;
+            self.linear(dev, blk.y, (blk.proj_w, blk.proj_b), self.tmp, (c, c))?;
+            dev.launch(&Kernel::Binary {
+                op: crate::BinaryOp::Add,
+                a: blk.x_in,
+                b: self.tmp,
+                out: blk.x_mid,
+            })?;
+            // MLP: ln2 -> fc -> gelu -> proj.
+            dev.launch(&Kernel::LayerNorm {
+                x: blk.x_mid,
+                weight: self.val(blk.ln2_w),
+                bias: self.val(blk.ln2_b),
+                out: blk.ln2,
+                mean: blk.ln2_mean,
+                rstd: blk.ln2_rstd,
+                cols: c,
+                eps: 1e-5,
+            })?;
+            self.linear(dev, blk.ln2, (blk.fc_w, blk.fc_b), blk.fc, (c, 4 * c))?;
+            dev.launch(&Kernel::Gelu {
+                x: blk.fc,
+                out: blk.fcg,
+            })?;
+            self.linear(dev, blk.fcg, (blk.fcp_w, blk.fcp_b), self.tmp, (4 * c, c))?;
+            let out = self
+                .blocks
+                .get(l + 1)
+                .map_or(self.x_final, |next| next.x_in);
+            dev.launch(&Kernel::Binary {
+                op: crate::BinaryOp::Add,
+                a: blk.x_mid,
+                b: self.tmp,
+                out,
+            })?;
+        }
+        dev.launch(&Kernel::LayerNorm {
+            x: self.x_final,
+            weight: self.val(self.lnf_w),
+            bias: self.val(self.lnf_b),
+            out: self.lnf,
+            mean: self.lnf_mean,
+            rstd: self.lnf_rstd,
+            cols: c,
+            eps: 1e-5,
+        })?;
+        // Tied LM head: logits = lnf wte^T.
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(self.lnf, self.val(self.wte), self.logits, bt, v, c).transpose(false, true),
+        ))?;
+        dev.launch(&Kernel::CrossEntropy {
+            logits: self.logits,
+            targets: self.targets,
+            losses: self.losses,
+            lse: self.lse,
+            vocab: v,
+        })
+    }
+
+    /// Records the backward pass of the mean loss times `scale`, leaving every
+    /// parameter's gradient in its `grad` buffer.
+    fn backward(&self, dev: &dyn Device, scale: f32) -> Result<()> {
+        let (b, t) = (self.training.batch, self.training.seq);
+        let (c, h, v) = (
+            self.config.n_embd,
+            self.config.n_head,
+            self.config.vocab_size,
+        );
+        let (bt, d) = (b * t, c / h);
+        // Norm and embedding gradients accumulate (+=): start them at zero.
+        for p in &self.params {
+            if p.grad.dtype == DType::F32 {
+                dev.launch(&Kernel::Fill {
+                    dst: p.grad,
+                    value: 0.0,
+                })?;
+            }
+        }
+        dev.launch(&Kernel::CrossEntropyBackward {
+            logits: self.logits,
+            targets: self.targets,
+            lse: self.lse,
+            dlogits: self.dlogits,
+            vocab: v,
+            scale: scale / bt as f32,
+        })?;
+        // LM head: dwte = dlogits^T lnf (V, C); dlnf = dlogits wte (BT, C).
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(self.dlogits, self.lnf, self.grad(self.wte), v, c, bt)
+                .transpose(true, false),
+        ))?;
+        dev.launch(&Kernel::Matmul(Matmul::new(
+            self.dlogits,
+            self.val(self.wte),
+            self.dln,
+            bt,
+            c,
+            v,
+        )))?;
+        dev.launch(&Kernel::LayerNormBackward {
+            x: self.x_final,
+            weight: self.val(self.lnf_w),
+            mean: self.lnf_mean,
+            rstd: self.lnf_rstd,
+            dout: self.dln,
+            dx: self.dres,
+            dweight: self.grad(self.lnf_w),
+            dbias: self.grad(self.lnf_b),
+            cols: c,
+        })?;
+        for blk in self.blocks.iter().rev() {
+            // dres: gradient of the block output = x_mid + mlp(x_mid).
+            self.linear_backward(
+                dev,
+                blk.fcg,
+                (blk.fcp_w, blk.fcp_b),
+                self.dres,
+                self.dbig,
+                (4 * c, c),
+            )?;
+            dev.launch(&Kernel::GeluBackward {
+                x: blk.fc,
+                dout: self.dbig,
+                dx: self.dfc,
+            })?;
+            self.linear_backward(
+                dev,
+                blk.ln2,
+                (blk.fc_w, blk.fc_b),
+                self.dfc,
+                self.dln,
+                (c, 4 * c),
+            )?;
+            dev.launch(&Kernel::LayerNormBackward {
+                x: blk.x_mid,
+                weight: self.val(blk.ln2_w),
+                mean: blk.ln2_mean,
+                rstd: blk.ln2_rstd,
+                dout: self.dln,
+                dx: self.dtmp,
+                dweight: self.grad(blk.ln2_w),
+                dbias: self.grad(blk.ln2_b),
+                cols: c,
+            })?;
+            dev.launch(&Kernel::Axpy {
+                alpha: 1.0,
+                x: self.dtmp,
+                y: self.dres,
+            })?;
+            // dres: gradient of x_mid = x_in + attn(x_in).
+            self.linear_backward(
+                dev,
+                blk.y,
+                (blk.proj_w, blk.proj_b),
+                self.dres,
+                self.dy,
+                (c, c),
+            )?;
+            dev.launch(&Kernel::SplitHeads {
+                src: self.dy,
+                dst: self.dyh,
+                seq: t,
+                heads: h,
+                width: c,
+                offset: 0,
+            })?;
+            let bh = b * h;
+            // datt = dyh v^T; dv = att^T dyh.
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(self.dyh, blk.v, self.datt, t, t, d)
+                    .transpose(false, true)
+                    .batched(bh, t * d, t * d, t * t),
+            ))?;
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(blk.att, self.dyh, self.dv, t, d, t)
+                    .transpose(true, false)
+                    .batched(bh, t * t, t * d, t * d),
+            ))?;
+            dev.launch(&Kernel::SoftmaxBackward {
+                p: blk.att,
+                dout: self.datt,
+                dx: self.dscores,
+                stats: self.stats,
+                cols: t,
+                scale: 1.0 / (d as f32).sqrt(),
+            })?;
+            // dq = dscores k; dk = dscores^T q.
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(self.dscores, blk.k, self.dq, t, d, t).batched(bh, t * t, t * d, t * d),
+            ))?;
+            dev.launch(&Kernel::Matmul(
+                Matmul::new(self.dscores, blk.q, self.dk, t, d, t)
+                    .transpose(true, false)
+                    .batched(bh, t * t, t * d, t * d),
+            ))?;
+            for (i, src) in [self.dq, self.dk, self.dv].into_iter().enumerate() {
+                dev.launch(&Kernel::MergeHeads {
+                    src,
+                    dst: self.dqkv,
+                    seq: t,
+                    heads: h,
+                    width: 3 * c,
+                    offset: i * c,
+                })?;
+            }
+            self.linear_backward(
+                dev,
+                blk.ln1,
+                (blk.qkv_w, blk.qkv_b),
+                self.dqkv,
+                self.dln,
+                (c, 3 * c),
+            )?;
+            dev.launch(&Kernel::LayerNormBackward {
+                x: blk.x_in,
+                weight: self.val(blk.ln1_w),
+                mean: blk.ln1_mean,
+                rstd: blk.ln1_rstd,
+                dout: self.dln,
+                dx: self.dtmp,
+                dweight: self.grad(blk.ln1_w),
+                dbias: self.grad(blk.ln1_b),
+                cols: c,
+            })?;
+            dev.launch(&Kernel::Axpy {
+                alpha: 1.0,
+                x: self.dtmp,
+                y: self.dres,
+            })?;
+        }
+        // Embeddings: dwte (already holding the LM head's part) and dwpe += dres rows.
+        dev.launch(&Kernel::EmbeddingBackward {
+            tokens: self.tokens,
+            dout: self.dres,
+            dtable: self.grad(self.wte),
+            dim: c,
+        })?;
+        dev.launch(&Kernel::EmbeddingBackward {
+            tokens: self.positions,
+            dout: self.dres,
+            dtable: self.grad(self.wpe),
+            dim: c,
+        })
+    }
+
+    fn upload(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
+        dev.upload(self.tokens, &HostData::U32(tokens.to_vec()))?;
+        dev.upload(self.targets, &HostData::U32(targets.to_vec()))
+    }
+
+    /// Mean of the per-token losses, summed in f64 (finite differences need the digits).
+    fn mean_loss(&self, dev: &dyn Device) -> Result<f64> {
+        let l = dev.download(self.losses)?.to_f32();
+        Ok(l.iter().map(|&x| x as f64).sum::<f64>() / l.len() as f64)
+    }
+
+    /// Mean loss of a batch (B*T tokens and next-token targets), no update.
+    pub fn loss(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<f64> {
+        self.upload(dev, tokens, targets)?;
+        self.forward(dev)?;
+        dev.submit()?;
+        self.mean_loss(dev)
+    }
+
+    /// Forward and backward with loss scale 1; returns the loss. Gradients are left in
+    /// the parameters' grad buffers (see `gradients`).
+    pub fn loss_and_gradients(
+        &self,
+        dev: &dyn Device,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> Result<f64> {
+        self.upload(dev, tokens, targets)?;
+        self.forward(dev)?;
+        self.backward(dev, 1.0)?;
+        dev.submit()?;
+        self.mean_loss(dev)
+    }
+
+    /// (name, gradient) of every parameter, as f32.
+    pub fn gradients(&self, dev: &dyn Device) -> Result<Vec<(String, Vec<f32>)>> {
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), dev.download(p.grad)?.to_f32())))
+            .collect()
+    }
+
+    /// Overwrites one parameter (value and master) from f32 values.
+    pub fn set_parameter(&self, dev: &dyn Device, index: usize, values: &[f32]) -> Result<()> {
+        let p = &self.params[index];
+        dev.upload(p.master, &HostData::F32(values.to_vec()))?;
+        dev.upload(p.value, &HostData::from_f32(p.value.dtype, values))
+    }
+
+    /// (name, f32 master values) of every parameter.
+    pub fn parameters(&self, dev: &dyn Device) -> Result<Vec<(String, Vec<f32>)>> {
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), dev.download(p.master)?.to_f32())))
+            .collect()
+    }
+
+    /// The model weights under their GPT-2 names, for safetensors export/import.
+    pub fn tensors(&self) -> Vec<NamedTensor> {
+        self.params
+            .iter()
+            .map(|p| NamedTensor {
+                name: p.name.clone(),
+                buffer: p.value,
+                shape: p.shape.clone(),
+            })
+            .collect()
+    }
+
+    /// One AdamW step on a batch; the overflow flag and the losses are the only readback.
+    pub fn train_step(
+        &mut self,
+        dev: &dyn Device,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> Result<GptStep> {
+        let scale = self.scaler.scale();
+        self.upload(dev, tokens, targets)?;
+        self.forward(dev)?;
+        self.backward(dev, scale)?;
+        dev.launch(&Kernel::NonFinite {
+            srcs: self.params.iter().map(|p| p.grad).collect(),
+            flag: self.flag,
+        })?;
+        dev.submit()?;
+        let overflow = dev.download(self.flag)?.bits()[0] != 0;
+        let loss = self.mean_loss(dev)? as f32;
+        if self.scaler.update(overflow)? == StepDecision::Skip {
+            return Ok(GptStep {
+                loss,
+                skipped: true,
+                scale,
+            });
+        }
+        self.step += 1;
+        dev.launch(&Kernel::GradScale {
+            sum_squares: self.zero,
+            out: self.grad_scale,
+            loss_scale: scale,
+            clip: 0.0,
+        })?;
+        for p in &self.params {
+            dev.launch(&Kernel::Adam(AdamStep {
+                master: p.master,
+                grads: p.grad,
+                m: p.m,
+                v: p.v,
+                params: Some(p.value),
+                grad_scale: self.grad_scale,
+                lr: self.training.lr,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: if p.decay {
+                    self.training.weight_decay
+                } else {
+                    0.0
+                },
+                decoupled: true,
+                step: self.step,
+            }))?;
+        }
+        dev.submit()?;
+        Ok(GptStep {
+            loss,
+            skipped: false,
+            scale,
+        })
+    }
+}
+
+enum Init {
+    Const(f32),
+    Std(f32),
+}
