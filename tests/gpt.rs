@@ -184,3 +184,83 @@ fn learns_counting_in_fp32_fp16_and_bf16() {
         );
     }
 }
+
+#[test]
+fn weights_export_and_import_bit_exactly_under_gpt2_names() {
+    let dev = gpu("vulkan", false);
+    let cfg: GptConfig = serde_json::from_str(
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let mut a = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F16)).unwrap();
+    let mut rng = Rng::new(4);
+    let (tok, tgt) = counting(&mut rng, 2, 8, 13);
+    a.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    let names: Vec<String> = a.tensors().iter().map(|t| t.name.clone()).collect();
+    for want in [
+        "transformer.wte.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.mlp.c_proj.bias",
+        "transformer.ln_f.weight",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+    let path = std::env::temp_dir().join(format!("kiln-gpt-{}.safetensors", std::process::id()));
+    kiln::engine::safetensors_io::save(dev.as_ref(), &a.tensors(), &path).unwrap();
+    let b = Gpt::new(
+        dev.as_ref(),
+        cfg,
+        GptTraining {
+            seed: 77,
+            ..training(2, 8, Precision::F16)
+        },
+    )
+    .unwrap();
+    kiln::engine::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    std::fs::remove_file(&path).ok();
+    for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
+        assert_eq!(
+            dev.download(ta.buffer).unwrap().bits(),
+            dev.download(tb.buffer).unwrap().bits(),
+            "{}",
+            ta.name
+        );
+    }
+    // Same weights, same loss, bit for bit.
+    assert_eq!(
+        a.loss(dev.as_ref(), &tok, &tgt).unwrap(),
+        b.loss(dev.as_ref(), &tok, &tgt).unwrap()
+    );
+}
+
+#[test]
+fn bad_model_configs_are_errors() {
+    let e = serde_json::from_str::<GptConfig>(
+        r#"{"n_layer": 1, "n_heads": 2, "n_embd": 16, "block_size": 8, "vocab_size": 13}"#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("n_heads"), "{e}");
+    let dev = CpuDevice::new();
+    let cfg = GptConfig {
+        n_layer: 1,
+        n_head: 3,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 13,
+    };
+    let e = Gpt::new(&dev, cfg.clone(), training(1, 8, Precision::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("divisible by n_head"), "{e}");
+    let cfg = GptConfig { n_head: 2, ..cfg };
+    let e = Gpt::new(&dev, cfg, training(1, 9, Precision::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("block_size"), "{e}");
+}
