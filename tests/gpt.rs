@@ -264,3 +264,67 @@ fn bad_model_configs_are_errors() {
         .to_string();
     assert!(e.contains("block_size"), "{e}");
 }
+
+#[test]
+fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_norm() {
+    let dev = gpu("vulkan", false);
+    let cfg = GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 13,
+    };
+    let mut rng = Rng::new(6);
+    let (tok, tgt) = batch(&mut rng, 4 * 8, cfg.vocab_size);
+    // One batch of 4 sequences vs two micro-batches of 2, from the same initial weights.
+    let mut big = Gpt::new(dev.as_ref(), cfg.clone(), training(4, 8, Precision::F32)).unwrap();
+    let mut small = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F32)).unwrap();
+    let sb = big.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    let micro: [(&[u32], &[u32]); 2] = [(&tok[..16], &tgt[..16]), (&tok[16..], &tgt[16..])];
+    let ss = small
+        .train_step_accumulated(dev.as_ref(), &micro, 0.0)
+        .unwrap();
+    assert!(
+        (sb.loss - ss.loss).abs() < 1e-6 * sb.loss,
+        "loss {} vs {}",
+        sb.loss,
+        ss.loss
+    );
+    for ((name, gb), (_, gs)) in big
+        .gradients(dev.as_ref())
+        .unwrap()
+        .iter()
+        .zip(small.gradients(dev.as_ref()).unwrap())
+    {
+        let scale = gb.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-12);
+        for (e, (a, b)) in gb.iter().zip(&gs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-4 * scale,
+                "{name}[{e}]: one batch {a}, accumulated {b}"
+            );
+        }
+    }
+    // Clipping: the factor applied is DeepSpeed's, from the norm over every tensor.
+    let clip = 0.05;
+    small
+        .train_step_accumulated(dev.as_ref(), &micro, clip)
+        .unwrap();
+    let norm: f64 = small
+        .gradients(dev.as_ref())
+        .unwrap()
+        .iter()
+        .flat_map(|(_, g)| g.iter().map(|&v| v as f64 * v as f64))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        norm > clip as f64,
+        "the test needs a norm above the clip, got {norm}"
+    );
+    let want = kiln::engine::optim::grad_scale_reference(norm * norm, 1.0, clip);
+    let got = small.last_grad_scale(dev.as_ref()).unwrap();
+    assert!(
+        (got - want).abs() <= 1e-5 * want,
+        "grad scale {got}, expected {want}"
+    );
+}

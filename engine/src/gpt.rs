@@ -123,6 +123,14 @@ pub struct Gpt {
     grad_scale: Buffer,
     pub scaler: LossScaler,
     step: u32,
+    /// 0 for the first micro-batch of a step (gradients are overwritten), 1 after
+    /// (gradients accumulate).
+    grad_beta: std::cell::Cell<f32>,
+    /// Per-token losses summed over a step's micro-batches.
+    loss_sum: Buffer,
+    /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per tensor).
+    norm_parts: Vec<Buffer>,
+    norm_acc: [Buffer; 2],
 }
 
 /// One training step's numbers.
@@ -354,7 +362,6 @@ impl Gpt {
             flag: a(DType::U32, 1)?,
             zero: a(DType::F32, 1)?,
             grad_scale: a(DType::F32, 1)?,
-            params,
             blocks,
             wte,
             wpe,
@@ -362,6 +369,13 @@ impl Gpt {
             lnf_b,
             scaler,
             step: 0,
+            grad_beta: std::cell::Cell::new(0.0),
+            loss_sum: a(DType::F32, bt)?,
+            norm_parts: (0..params.len())
+                .map(|_| a(DType::F32, 1))
+                .collect::<Result<_>>()?,
+            norm_acc: [a(DType::F32, 1)?, a(DType::F32, 1)?],
+            params,
             config,
             training,
         })
@@ -401,17 +415,15 @@ impl Gpt {
         (k, n): (usize, usize),
     ) -> Result<()> {
         let bt = self.training.batch * self.training.seq;
+        let beta = self.grad_beta.get();
         dev.launch(&Kernel::Matmul(
-            Matmul::new(x, dout, self.grad(w), k, n, bt).transpose(true, false),
+            Matmul::new(x, dout, self.grad(w), k, n, bt)
+                .transpose(true, false)
+                .scaled(1.0, beta),
         ))?;
-        dev.launch(&Kernel::Matmul(Matmul::new(
-            self.ones,
-            dout,
-            self.grad(b),
-            1,
-            n,
-            bt,
-        )))?;
+        dev.launch(&Kernel::Matmul(
+            Matmul::new(self.ones, dout, self.grad(b), 1, n, bt).scaled(1.0, beta),
+        ))?;
         dev.launch(&Kernel::Matmul(
             Matmul::new(dout, self.val(w), dx, bt, k, n).transpose(false, true),
         ))
@@ -562,9 +574,10 @@ impl Gpt {
             self.config.vocab_size,
         );
         let (bt, d) = (b * t, c / h);
-        // Norm and embedding gradients accumulate (+=): start them at zero.
+        // Norm and embedding gradients accumulate (+=): start them at zero on a step's
+        // first micro-batch.
         for p in &self.params {
-            if p.grad.dtype == DType::F32 {
+            if p.grad.dtype == DType::F32 && self.grad_beta.get() == 0.0 {
                 dev.launch(&Kernel::Fill {
                     dst: p.grad,
                     value: 0.0,
@@ -582,7 +595,8 @@ impl Gpt {
         // LM head: dwte = dlogits^T lnf (V, C); dlnf = dlogits wte (BT, C).
         dev.launch(&Kernel::Matmul(
             Matmul::new(self.dlogits, self.lnf, self.grad(self.wte), v, c, bt)
-                .transpose(true, false),
+                .transpose(true, false)
+                .scaled(1.0, self.grad_beta.get()),
         ))?;
         dev.launch(&Kernel::Matmul(Matmul::new(
             self.dlogits,
@@ -814,17 +828,80 @@ impl Gpt {
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<GptStep> {
+        self.train_step_accumulated(dev, &[(tokens, targets)], 0.0)
+    }
+
+    /// One AdamW step over several micro-batches (gradients accumulated, the loss their
+    /// mean), with the gradients clipped to global norm `clip` (0: no clipping) after
+    /// unscaling, DeepSpeed's way. Readback: the overflow flag and the summed losses.
+    pub fn train_step_accumulated(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        clip: f32,
+    ) -> Result<GptStep> {
+        if micro.is_empty() {
+            return Err(Error::InvalidArgument(
+                "gpt: a step needs at least one micro-batch".into(),
+            ));
+        }
         let scale = self.scaler.scale();
-        self.upload(dev, tokens, targets)?;
-        self.forward(dev)?;
-        self.backward(dev, scale)?;
+        let n = micro.len() as f32;
+        dev.launch(&Kernel::Fill {
+            dst: self.loss_sum,
+            value: 0.0,
+        })?;
+        for (i, (tokens, targets)) in micro.iter().enumerate() {
+            self.upload(dev, tokens, targets)?;
+            self.forward(dev)?;
+            dev.launch(&Kernel::Axpy {
+                alpha: 1.0,
+                x: self.losses,
+                y: self.loss_sum,
+            })?;
+            self.grad_beta.set(if i == 0 { 0.0 } else { 1.0 });
+            // Each micro-batch's mean loss counts 1/n of the step's.
+            self.backward(dev, scale / n)?;
+        }
+        self.grad_beta.set(0.0);
         dev.launch(&Kernel::NonFinite {
             srcs: self.params.iter().map(|p| p.grad).collect(),
             flag: self.flag,
         })?;
+        // Global norm of the (scaled) gradients: per-tensor sums of squares, added up.
+        let mut sum_squares = self.zero;
+        if clip > 0.0 {
+            for (p, part) in self.params.iter().zip(&self.norm_parts) {
+                dev.launch(&Kernel::Reduce {
+                    op: crate::ReduceOp::SumSquares,
+                    src: p.grad,
+                    dst: *part,
+                })?;
+            }
+            let mut acc = self.norm_parts[0];
+            for (k, part) in self.norm_parts.iter().enumerate().skip(1) {
+                let out = self.norm_acc[k % 2];
+                dev.launch(&Kernel::Binary {
+                    op: crate::BinaryOp::Add,
+                    a: acc,
+                    b: *part,
+                    out,
+                })?;
+                acc = out;
+            }
+            sum_squares = acc;
+        }
+        dev.launch(&Kernel::GradScale {
+            sum_squares,
+            out: self.grad_scale,
+            loss_scale: scale,
+            clip,
+        })?;
         dev.submit()?;
         let overflow = dev.download(self.flag)?.bits()[0] != 0;
-        let loss = self.mean_loss(dev)? as f32;
+        let sums = dev.download(self.loss_sum)?.to_f32();
+        let loss = (sums.iter().map(|&x| x as f64).sum::<f64>()
+            / (sums.len() as f64 * micro.len() as f64)) as f32;
         if self.scaler.update(overflow)? == StepDecision::Skip {
             return Ok(GptStep {
                 loss,
@@ -833,12 +910,6 @@ impl Gpt {
             });
         }
         self.step += 1;
-        dev.launch(&Kernel::GradScale {
-            sum_squares: self.zero,
-            out: self.grad_scale,
-            loss_scale: scale,
-            clip: 0.0,
-        })?;
         for p in &self.params {
             dev.launch(&Kernel::Adam(AdamStep {
                 master: p.master,
@@ -866,6 +937,11 @@ impl Gpt {
             skipped: false,
             scale,
         })
+    }
+
+    /// The factor the last step multiplied gradients by (1 / (loss scale * clip factor)).
+    pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
+        Ok(dev.download(self.grad_scale)?.to_f32()[0])
     }
 }
 
