@@ -328,3 +328,96 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
         "grad scale {got}, expected {want}"
     );
 }
+
+#[test]
+fn gpu_matches_cpu_in_fp16_on_both_f16_paths() {
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 64,
+        block_size: 32,
+        vocab_size: 97,
+    };
+    let (b, t) = (2, 32);
+    let cpu = CpuDevice::new();
+    let c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F16)).unwrap();
+    let mut rng = Rng::new(2);
+    let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
+    let lc = c.loss_and_gradients(&cpu, &tok, &tgt).unwrap();
+    let gc = c.gradients(&cpu).unwrap();
+    for p in gpu_paths()
+        .into_iter()
+        .filter(|p| p.name != "gl (packed f16)")
+    {
+        let g = Gpt::new(p.dev.as_ref(), cfg.clone(), training(b, t, Precision::F16)).unwrap();
+        let lg = g.loss_and_gradients(p.dev.as_ref(), &tok, &tgt).unwrap();
+        // Every activation is rounded to f16 (2^-11 relative) at each of ~30 stored
+        // steps; the CPU rounds at the same points but sums in another order.
+        assert!(
+            (lg - lc).abs() < 2e-3 * lc,
+            "{}: loss gpu {lg}, cpu {lc}",
+            p.name
+        );
+        for ((name, gg), (_, gcc)) in g.gradients(p.dev.as_ref()).unwrap().iter().zip(&gc) {
+            let scale = gcc.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-12);
+            let worst = gg
+                .iter()
+                .zip(gcc)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst <= 0.05 * scale,
+                "{}: {name}: worst |gpu - cpu| {worst} vs max |grad| {scale}",
+                p.name
+            );
+        }
+    }
+}
+
+#[test]
+fn an_overflowing_fp16_step_changes_nothing_but_the_scaler() {
+    let dev = gpu("vulkan", false);
+    let cfg = GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 8,
+        vocab_size: 13,
+    };
+    let mut gpt = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F16)).unwrap();
+    let mut rng = Rng::new(7);
+    let (tok, tgt) = counting(&mut rng, 2, 8, 13);
+    gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    // Poison one embedding row with f16's largest value: the forward overflows to inf.
+    let wte = gpt.parameters(dev.as_ref()).unwrap()[0].1.clone();
+    let mut poisoned = wte.clone();
+    poisoned[tok[0] as usize * 16] = 65504.0;
+    gpt.set_parameter(dev.as_ref(), 0, &poisoned).unwrap();
+    let before = (
+        gpt.parameters(dev.as_ref()).unwrap(),
+        gpt.moments(dev.as_ref()).unwrap(),
+        gpt.steps_applied(),
+    );
+    let scale = gpt.scaler.scale();
+    let st = gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    assert!(st.skipped, "{st:?}");
+    assert_eq!(
+        gpt.parameters(dev.as_ref()).unwrap(),
+        before.0,
+        "weights moved on a skipped step"
+    );
+    assert_eq!(
+        gpt.moments(dev.as_ref()).unwrap(),
+        before.1,
+        "moments moved on a skipped step"
+    );
+    assert_eq!(
+        gpt.steps_applied(),
+        before.2,
+        "the step counter (LR schedule, bias correction) advanced"
+    );
+    // Default hysteresis 2: the first overflow keeps the scale, the second halves it.
+    assert_eq!(gpt.scaler.scale(), scale);
+    assert!(gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap().skipped);
+    assert_eq!(gpt.scaler.scale(), scale / 2.0);
+}

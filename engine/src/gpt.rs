@@ -133,6 +133,9 @@ pub struct Gpt {
     norm_acc: [Buffer; 2],
 }
 
+/// A parameter's name and its Adam first and second moments.
+pub type Moments = (String, Vec<f32>, Vec<f32>);
+
 /// One training step's numbers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptStep {
@@ -807,6 +810,26 @@ impl Gpt {
             .iter()
             .map(|p| Ok((p.name.clone(), dev.download(p.master)?.to_f32())))
             .collect()
+    }
+
+    /// (name, Adam first moment, second moment) of every parameter.
+    pub fn moments(&self, dev: &dyn Device) -> Result<Vec<Moments>> {
+        self.params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.name.clone(),
+                    dev.download(p.m)?.to_f32(),
+                    dev.download(p.v)?.to_f32(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Optimizer steps applied so far (skipped steps do not count; the LR schedule and
+    /// Adam's bias correction follow this).
+    pub fn steps_applied(&self) -> u32 {
+        self.step
     }
 
     /// The model weights under their GPT-2 names, for safetensors export/import.
