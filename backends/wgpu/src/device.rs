@@ -102,6 +102,33 @@ pub(crate) struct Dispatch<'a> {
     pub groups: (u32, u32, u32),
 }
 
+impl<'a> Dispatch<'a> {
+    /// A dispatch with no assembly constants, overrides or partial bindings.
+    pub fn new(
+        kernel: &'static KernelSource,
+        reprs: Vec<Repr>,
+        buffers: Vec<(u64, &'a wgpu::Buffer)>,
+        params: Vec<u32>,
+        groups: (u32, u32, u32),
+    ) -> Dispatch<'a> {
+        Dispatch {
+            kernel,
+            reprs,
+            consts: vec![],
+            overrides: vec![],
+            buffers,
+            ranges: vec![],
+            params,
+            groups,
+        }
+    }
+
+    pub fn with_overrides(mut self, overrides: Vec<(&'static str, u32)>) -> Dispatch<'a> {
+        self.overrides = overrides;
+        self
+    }
+}
+
 impl WgpuDevice {
     /// Opens a new, independent device on adapter `index` (see `kiln devices`).
     /// Opening the same adapter again gives another device with its own memory and queue.
@@ -641,16 +668,13 @@ impl Device for WgpuDevice {
                 let words = (dst.bytes() / 4) as u32;
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::FILL,
-                        reprs: vec![],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(dst)],
-                        ranges: vec![],
-                        params: vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
-                        groups: (groups(words), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::FILL,
+                        vec![],
+                        vec![h(dst)],
+                        vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        (groups(words), 1, 1),
+                    ),
                 )?;
             }
             Kernel::Copy { src, dst } => {
@@ -703,29 +727,25 @@ impl Device for WgpuDevice {
                 let g = groups(words).min(REDUCE_GROUPS);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::REDUCE,
-                        reprs: vec![self.repr(src.dtype)],
-                        consts: vec![],
-                        overrides: vec![("OP", code), ("SQUARE", square)],
-                        buffers: vec![h(src), (SCRATCH_ID, &self.scratch)],
-                        ranges: vec![],
-                        params: vec![src.len as u32, words, 0, 0],
-                        groups: (g, 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::REDUCE,
+                        vec![self.repr(src.dtype)],
+                        vec![h(src), (SCRATCH_ID, &self.scratch)],
+                        vec![src.len as u32, words, 0, 0],
+                        (g, 1, 1),
+                    )
+                    .with_overrides(vec![("OP", code), ("SQUARE", square)]),
                 )?;
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::REDUCE,
-                        reprs: vec![Repr::F32],
-                        consts: vec![],
-                        overrides: vec![("OP", code)],
-                        buffers: vec![(SCRATCH_ID, &self.scratch), h(dst)],
-                        ranges: vec![],
-                        params: vec![g, pairs(g as usize), 0, 0],
-                        groups: (1, 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::REDUCE,
+                        vec![Repr::F32],
+                        vec![(SCRATCH_ID, &self.scratch), h(dst)],
+                        vec![g, pairs(g as usize), 0, 0],
+                        (1, 1, 1),
+                    )
+                    .with_overrides(vec![("OP", code)]),
                 )?;
             }
             Kernel::Matmul(mm) => {
@@ -761,33 +781,27 @@ impl Device for WgpuDevice {
                 // Pass 1: one workgroup per row -> mean, rstd. Pass 2: pairs of elements.
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::LAYERNORM_STATS,
-                        reprs: vec![self.repr(x.dtype)],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(x), h(mean), h(rstd)],
-                        ranges: vec![],
-                        params: vec![rows, 0, eps.to_bits(), cols],
-                        groups: row_groups(rows),
-                    },
+                    Dispatch::new(
+                        &shader::LAYERNORM_STATS,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(mean), h(rstd)],
+                        vec![rows, 0, eps.to_bits(), cols],
+                        row_groups(rows),
+                    ),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::LAYERNORM_APPLY,
-                        reprs: [x, weight, bias, out]
+                    Dispatch::new(
+                        &shader::LAYERNORM_APPLY,
+                        [x, weight, bias, out]
                             .iter()
                             .map(|b| self.repr(b.dtype))
                             .collect(),
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(x), h(weight), h(bias), h(out), h(mean), h(rstd)],
-                        ranges: vec![],
-                        params: vec![n, words, 0, cols],
-                        groups: (groups(words), 1, 1),
-                    },
+                        vec![h(x), h(weight), h(bias), h(out), h(mean), h(rstd)],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
                 )?;
             }
             Kernel::LayerNormBackward {
@@ -807,49 +821,40 @@ impl Device for WgpuDevice {
                 let st = (PARTIALS_ID, &stats);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::LAYERNORM_BACKWARD_STATS,
-                        reprs: [x, weight, dout]
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_STATS,
+                        [x, weight, dout]
                             .iter()
                             .map(|b| self.repr(b.dtype))
                             .collect(),
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
-                        ranges: vec![],
-                        params: vec![rows, 0, 0, cols],
-                        groups: row_groups(rows),
-                    },
+                        vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
+                        vec![rows, 0, 0, cols],
+                        row_groups(rows),
+                    ),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::LAYERNORM_BACKWARD_DX,
-                        reprs: [x, weight, dout, dx]
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_DX,
+                        [x, weight, dout, dx]
                             .iter()
                             .map(|b| self.repr(b.dtype))
                             .collect(),
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(x), h(weight), h(dout), h(dx), h(mean), h(rstd), st],
-                        ranges: vec![],
-                        params: vec![n, words, 0, cols],
-                        groups: (groups(words), 1, 1),
-                    },
+                        vec![h(x), h(weight), h(dout), h(dx), h(mean), h(rstd), st],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
                 )?;
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::LAYERNORM_BACKWARD_PARAMS,
-                        reprs: [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(x), h(dout), h(mean), h(rstd), h(dweight), h(dbias)],
-                        ranges: vec![],
-                        params: vec![rows, 0, 0, cols],
-                        groups: (groups(cols), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_PARAMS,
+                        [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
+                        vec![h(x), h(dout), h(mean), h(rstd), h(dweight), h(dbias)],
+                        vec![rows, 0, 0, cols],
+                        (groups(cols), 1, 1),
+                    ),
                 )?;
             }
             Kernel::SplitHeads {
@@ -880,18 +885,15 @@ impl Device for WgpuDevice {
                     };
                     self.dispatch(
                         &mut s,
-                        Dispatch {
-                            kernel: if split {
+                        Dispatch::new(
+                            if split {
                                 &shader::SPLIT_HEADS
                             } else {
                                 &shader::MERGE_HEADS
                             },
-                            reprs: vec![self.repr(src.dtype), self.repr(dst.dtype)],
-                            consts: vec![],
-                            overrides: vec![],
-                            buffers: vec![h(src), h(dst)],
-                            ranges: vec![],
-                            params: [
+                            vec![self.repr(src.dtype), self.repr(dst.dtype)],
+                            vec![h(src), h(dst)],
+                            [
                                 heads_buf.len,
                                 words as usize,
                                 *seq,
@@ -903,8 +905,8 @@ impl Device for WgpuDevice {
                             ]
                             .map(|v| v as u32)
                             .to_vec(),
-                            groups: (groups(words), 1, 1),
-                        },
+                            (groups(words), 1, 1),
+                        ),
                     )?;
                 }
             }
@@ -920,30 +922,26 @@ impl Device for WgpuDevice {
                 let mask = vec![("CAUSAL", *causal as u32)];
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::SOFTMAX_STATS,
-                        reprs: vec![self.repr(x.dtype)],
-                        consts: vec![],
-                        overrides: mask.clone(),
-                        buffers: vec![h(x), h(stats)],
-                        ranges: vec![],
-                        params: vec![n / cols, 0, scale.to_bits(), cols],
-                        groups: row_groups(n / cols),
-                    },
+                    Dispatch::new(
+                        &shader::SOFTMAX_STATS,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(stats)],
+                        vec![n / cols, 0, scale.to_bits(), cols],
+                        row_groups(n / cols),
+                    )
+                    .with_overrides(mask.clone()),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::SOFTMAX_APPLY,
-                        reprs: vec![self.repr(x.dtype), self.repr(out.dtype)],
-                        consts: vec![],
-                        overrides: mask,
-                        buffers: vec![h(x), h(out), h(stats)],
-                        ranges: vec![],
-                        params: vec![n, words, scale.to_bits(), cols],
-                        groups: (groups(words), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::SOFTMAX_APPLY,
+                        vec![self.repr(x.dtype), self.repr(out.dtype)],
+                        vec![h(x), h(out), h(stats)],
+                        vec![n, words, scale.to_bits(), cols],
+                        (groups(words), 1, 1),
+                    )
+                    .with_overrides(mask),
                 )?;
             }
             Kernel::SoftmaxBackward {
@@ -957,30 +955,24 @@ impl Device for WgpuDevice {
                 let (n, cols) = (p.len as u32, *cols as u32);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::SOFTMAX_BACKWARD_STATS,
-                        reprs: vec![self.repr(p.dtype), self.repr(dout.dtype)],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(p), h(dout), h(stats)],
-                        ranges: vec![],
-                        params: vec![n / cols, 0, 0, cols],
-                        groups: row_groups(n / cols),
-                    },
+                    Dispatch::new(
+                        &shader::SOFTMAX_BACKWARD_STATS,
+                        vec![self.repr(p.dtype), self.repr(dout.dtype)],
+                        vec![h(p), h(dout), h(stats)],
+                        vec![n / cols, 0, 0, cols],
+                        row_groups(n / cols),
+                    ),
                 )?;
                 let words = pairs(p.len);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::SOFTMAX_BACKWARD_DX,
-                        reprs: [p, dout, dx].iter().map(|b| self.repr(b.dtype)).collect(),
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(p), h(dout), h(dx), h(stats)],
-                        ranges: vec![],
-                        params: vec![n, words, scale.to_bits(), cols],
-                        groups: (groups(words), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::SOFTMAX_BACKWARD_DX,
+                        [p, dout, dx].iter().map(|b| self.repr(b.dtype)).collect(),
+                        vec![h(p), h(dout), h(dx), h(stats)],
+                        vec![n, words, scale.to_bits(), cols],
+                        (groups(words), 1, 1),
+                    ),
                 )?;
             }
             Kernel::CrossEntropy {
@@ -993,16 +985,13 @@ impl Device for WgpuDevice {
                 let rows = (logits.len / vocab) as u32;
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::CROSS_ENTROPY,
-                        reprs: vec![self.repr(logits.dtype)],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(logits), h(targets), h(losses), h(lse)],
-                        ranges: vec![],
-                        params: vec![rows, 0, 0, *vocab as u32],
-                        groups: row_groups(rows),
-                    },
+                    Dispatch::new(
+                        &shader::CROSS_ENTROPY,
+                        vec![self.repr(logits.dtype)],
+                        vec![h(logits), h(targets), h(losses), h(lse)],
+                        vec![rows, 0, 0, *vocab as u32],
+                        row_groups(rows),
+                    ),
                 )?;
             }
             Kernel::CrossEntropyBackward {
@@ -1016,16 +1005,13 @@ impl Device for WgpuDevice {
                 let words = pairs(logits.len);
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::CROSS_ENTROPY_BACKWARD,
-                        reprs: vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(logits), h(dlogits), h(targets), h(lse)],
-                        ranges: vec![],
-                        params: vec![logits.len as u32, words, scale.to_bits(), *vocab as u32],
-                        groups: (groups(words), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::CROSS_ENTROPY_BACKWARD,
+                        vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
+                        vec![h(logits), h(dlogits), h(targets), h(lse)],
+                        vec![logits.len as u32, words, scale.to_bits(), *vocab as u32],
+                        (groups(words), 1, 1),
+                    ),
                 )?;
             }
             Kernel::Embedding {
@@ -1039,16 +1025,13 @@ impl Device for WgpuDevice {
                     let rows = (table.len / dim) as u32;
                     self.dispatch(
                         &mut s,
-                        Dispatch {
-                            kernel: &shader::EMBEDDING,
-                            reprs: vec![self.repr(table.dtype), self.repr(out.dtype)],
-                            consts: vec![],
-                            overrides: vec![],
-                            buffers: vec![h(table), h(out), h(tokens)],
-                            ranges: vec![],
-                            params: vec![out.len as u32, words, rows, *dim as u32],
-                            groups: (groups(words), 1, 1),
-                        },
+                        Dispatch::new(
+                            &shader::EMBEDDING,
+                            vec![self.repr(table.dtype), self.repr(out.dtype)],
+                            vec![h(table), h(out), h(tokens)],
+                            vec![out.len as u32, words, rows, *dim as u32],
+                            (groups(words), 1, 1),
+                        ),
                     )?;
                 }
             }
@@ -1061,16 +1044,13 @@ impl Device for WgpuDevice {
                 let rows = (dtable.len / dim) as u32;
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::EMBEDDING_BACKWARD,
-                        reprs: vec![self.repr(dout.dtype)],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(dout), h(tokens), h(dtable)],
-                        ranges: vec![],
-                        params: vec![tokens.len as u32, 0, rows, *dim as u32],
-                        groups: (groups(*dim as u32), 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::EMBEDDING_BACKWARD,
+                        vec![self.repr(dout.dtype)],
+                        vec![h(dout), h(tokens), h(dtable)],
+                        vec![tokens.len as u32, 0, rows, *dim as u32],
+                        (groups(*dim as u32), 1, 1),
+                    ),
                 )?;
             }
             Kernel::GradScale {
@@ -1081,16 +1061,13 @@ impl Device for WgpuDevice {
             } => {
                 self.dispatch(
                     &mut s,
-                    Dispatch {
-                        kernel: &shader::GRAD_SCALE,
-                        reprs: vec![],
-                        consts: vec![],
-                        overrides: vec![],
-                        buffers: vec![h(sum_squares), h(out)],
-                        ranges: vec![],
-                        params: vec![1, 1, loss_scale.to_bits(), clip.to_bits()],
-                        groups: (1, 1, 1),
-                    },
+                    Dispatch::new(
+                        &shader::GRAD_SCALE,
+                        vec![],
+                        vec![h(sum_squares), h(out)],
+                        vec![1, 1, loss_scale.to_bits(), clip.to_bits()],
+                        (1, 1, 1),
+                    ),
                 )?;
             }
             Kernel::Adam(a) => {
@@ -1169,16 +1146,14 @@ impl Device for WgpuDevice {
                     }
                     self.dispatch(
                         &mut s,
-                        Dispatch {
-                            kernel: &shader::NONFINITE,
-                            reprs: vec![],
-                            consts: vec![],
-                            overrides: vec![("KIND", kind)],
-                            buffers: vec![h(src), h(flag)],
-                            ranges: vec![],
-                            params: vec![src.len as u32, words, 0, 0],
-                            groups: (groups(words), 1, 1),
-                        },
+                        Dispatch::new(
+                            &shader::NONFINITE,
+                            vec![],
+                            vec![h(src), h(flag)],
+                            vec![src.len as u32, words, 0, 0],
+                            (groups(words), 1, 1),
+                        )
+                        .with_overrides(vec![("KIND", kind)]),
                     )?;
                 }
             }
