@@ -432,3 +432,43 @@ fn an_overflowing_fp16_step_changes_nothing_but_the_scaler() {
     assert!(gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap().skipped);
     assert_eq!(gpt.scaler.scale(), scale / 2.0);
 }
+
+#[test]
+fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
+    let dev = CpuDevice::new();
+    let cfg = GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 8,
+        block_size: 4,
+        vocab_size: 5,
+    };
+    let mut gpt = Gpt::new(&dev, cfg, training(1, 4, Precision::F32)).unwrap();
+    let e = gpt
+        .train_step(&dev, &[0, 1, 2, 5], &[1, 2, 3, 4])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token 5 at position 3"), "{e}");
+    let e = gpt
+        .train_step(&dev, &[0, 1, 2, 3], &[1, 2, 3, 9])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("target 9 at position 3"), "{e}");
+    let e = gpt
+        .train_step(&dev, &[0, 1, 2], &[1, 2, 3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("4 tokens"), "{e}");
+    // Empty head tensors validate (no division by zero rows).
+    let z = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
+    let z2 = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
+    let k = kiln::engine::Kernel::SplitHeads {
+        src: z,
+        dst: z2,
+        seq: 1,
+        heads: 1,
+        width: 2,
+        offset: 0,
+    };
+    kiln::engine::Device::launch(&dev, &k).unwrap();
+}

@@ -484,18 +484,21 @@ impl Gpt {
                     offset: i * c,
                 })?;
             }
-            // scores (B*H, T, T) = q k^T, into `att`, then softmax in place via stats.
+            // scores (B*H, T, T) = q k^T / sqrt(D), scaled inside the GEMM (in f32) so that
+            // a large raw dot product cannot overflow an f16 scores buffer; then the
+            // causal softmax into `att`.
             dev.launch(&Kernel::Matmul(
                 Matmul::new(blk.q, blk.k, self.dscores, t, t, d)
                     .transpose(false, true)
-                    .batched(b * h, t * d, t * d, t * t),
+                    .batched(b * h, t * d, t * d, t * t)
+                    .scaled(1.0 / (d as f32).sqrt(), 0.0),
             ))?;
             dev.launch(&Kernel::Softmax {
                 x: self.dscores,
                 out: blk.att,
                 stats: self.stats,
                 cols: t,
-                scale: 1.0 / (d as f32).sqrt(),
+                scale: 1.0,
                 causal: true,
             })?;
             dev.launch(&Kernel::Matmul(
@@ -756,6 +759,33 @@ impl Gpt {
     }
 
     fn upload(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
+        let (bt, v) = (
+            self.training.batch * self.training.seq,
+            self.config.vocab_size,
+        );
+        if tokens.len() != bt || targets.len() != bt {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: a batch is {} x {} = {bt} tokens and as many targets, got {} and {}",
+                self.training.batch,
+                self.training.seq,
+                tokens.len(),
+                targets.len()
+            )));
+        }
+        // Checked here: on the device an out-of-range id would quietly give NaN losses
+        // or skip every step.
+        if let Some((i, &t)) = tokens
+            .iter()
+            .chain(targets)
+            .enumerate()
+            .find(|(_, &t)| t as usize >= v)
+        {
+            let which = if i < bt { "token" } else { "target" };
+            return Err(Error::InvalidArgument(format!(
+                "gpt: {which} {t} at position {} is outside the vocabulary of {v}",
+                i % bt
+            )));
+        }
         dev.upload(self.tokens, &HostData::U32(tokens.to_vec()))?;
         dev.upload(self.targets, &HostData::U32(targets.to_vec()))
     }
@@ -782,6 +812,7 @@ impl Gpt {
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<f64> {
+        self.grad_beta.set(0.0);
         self.upload(dev, tokens, targets)?;
         self.forward(dev)?;
         self.backward(dev, 1.0)?;

@@ -501,7 +501,11 @@ impl Kernel {
                 float(k, "src", src)?;
                 float(k, "dst", dst)?;
                 let rows = rows_of(k, rows_buf, *width)?;
-                if *seq == 0
+                if rows == 0 && heads_buf.len == 0 {
+                    return Ok(());
+                }
+                if rows == 0
+                    || *seq == 0
                     || rows % seq != 0
                     || *heads == 0
                     || heads_buf.len % (rows * heads).max(1) != 0
