@@ -3,6 +3,7 @@
 
 mod adapter;
 mod device;
+mod launch;
 mod matmul;
 pub mod shader;
 

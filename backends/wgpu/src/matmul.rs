@@ -9,7 +9,8 @@ use std::collections::HashMap;
 
 use kiln_engine::{Capabilities, Error, Matmul, Result};
 
-use crate::device::{groups, Dispatch, State, WgpuDevice, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::device::{Dispatch, State, WgpuDevice, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::launch::groups;
 use crate::shader::{self, KernelSource, Repr};
 
 /// The GEMM kernels, for `kiln bench` and tests that pin one.

@@ -1,0 +1,620 @@
+//! Kernel launches: how each engine `Kernel` becomes the dispatches that run it.
+
+use std::collections::HashMap;
+
+use kiln_engine::{BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
+
+use crate::device::{Dispatch, State, WgpuDevice, PARTIALS_ID, SCRATCH_ID};
+use crate::shader::{self, KernelSource, Repr};
+
+/// Workgroup size of the elementwise kernels, and the most workgroups in one dimension.
+const WORKGROUP: u32 = 256;
+const MAX_GROUPS: u32 = 65535;
+/// Workgroups in the first pass of a reduction, so also the partials the second folds.
+pub(crate) const REDUCE_GROUPS: u32 = 256;
+
+impl WgpuDevice {
+    /// Records `kernel` (already validated, its buffers resolved to `handles`).
+    pub(crate) fn record_kernel(
+        &self,
+        s: &mut State,
+        kernel: &Kernel,
+        handles: &HashMap<u64, wgpu::Buffer>,
+    ) -> Result<()> {
+        let h = |b: &Buffer| (b.id, &handles[&b.id]);
+        match kernel {
+            Kernel::Fill { dst, value } => {
+                let words = (dst.bytes() / 4) as u32;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::FILL,
+                        vec![],
+                        vec![h(dst)],
+                        vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::Copy { src, dst } => {
+                let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
+                self.encoder(s)
+                    .copy_buffer_to_buffer(&a, 0, &b, 0, src.bytes());
+            }
+            Kernel::Cast { src, dst } => self.elementwise(
+                s,
+                &shader::CAST,
+                None,
+                &[(src, handles), (dst, handles)],
+                0.0,
+            )?,
+            Kernel::Binary { op, a, b, out } => {
+                let code = match op {
+                    BinaryOp::Add => 0,
+                    BinaryOp::Mul => 1,
+                };
+                self.elementwise(
+                    s,
+                    &shader::BINARY,
+                    Some(("OP", code)),
+                    &[(a, handles), (b, handles), (out, handles)],
+                    0.0,
+                )?
+            }
+            Kernel::Scale { alpha, x, out } => self.elementwise(
+                s,
+                &shader::SCALE,
+                None,
+                &[(x, handles), (out, handles)],
+                *alpha,
+            )?,
+            Kernel::Axpy { alpha, x, y } => self.elementwise(
+                s,
+                &shader::AXPY,
+                None,
+                &[(x, handles), (y, handles)],
+                *alpha,
+            )?,
+            Kernel::Reduce { op, src, dst } => {
+                let code = match op {
+                    ReduceOp::Sum | ReduceOp::SumSquares => 0,
+                    ReduceOp::Max => 1,
+                };
+                let square = (*op == ReduceOp::SumSquares) as u32;
+                // Pass 1: data -> one partial per workgroup; pass 2: partials -> dst.
+                let words = pairs(src.len);
+                let g = groups(words).min(REDUCE_GROUPS);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::REDUCE,
+                        vec![self.repr(src.dtype)],
+                        vec![h(src), (SCRATCH_ID, &self.scratch)],
+                        vec![src.len as u32, words, 0, 0],
+                        (g, 1, 1),
+                    )
+                    .with_overrides(vec![("OP", code), ("SQUARE", square)]),
+                )?;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::REDUCE,
+                        vec![Repr::F32],
+                        vec![(SCRATCH_ID, &self.scratch), h(dst)],
+                        vec![g, pairs(g as usize), 0, 0],
+                        (1, 1, 1),
+                    )
+                    .with_overrides(vec![("OP", code)]),
+                )?;
+            }
+            Kernel::Matmul(mm) => {
+                let plan = crate::matmul::plan(mm, &self.caps, None)?;
+                self.matmul(s, mm, &plan, handles)?;
+            }
+            Kernel::Gelu { x, out } => self.elementwise(
+                s,
+                &shader::GELU_FORWARD,
+                None,
+                &[(x, handles), (out, handles)],
+                0.0,
+            )?,
+            Kernel::GeluBackward { x, dout, dx } => self.elementwise(
+                s,
+                &shader::GELU_BACKWARD,
+                None,
+                &[(x, handles), (dout, handles), (dx, handles)],
+                0.0,
+            )?,
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                // Pass 1: one workgroup per row -> mean, rstd. Pass 2: pairs of elements.
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::LAYERNORM_STATS,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(mean), h(rstd)],
+                        vec![rows, 0, eps.to_bits(), cols],
+                        row_groups(rows),
+                    ),
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::LAYERNORM_APPLY,
+                        [x, weight, bias, out]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(bias), h(out), h(mean), h(rstd)],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                cols,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                let stats = self.partials(s, rows as u64 * 8);
+                let st = (PARTIALS_ID, &stats);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_STATS,
+                        [x, weight, dout]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
+                        vec![rows, 0, 0, cols],
+                        row_groups(rows),
+                    ),
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_DX,
+                        [x, weight, dout, dx]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(dout), h(dx), h(mean), h(rstd), st],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::LAYERNORM_BACKWARD_PARAMS,
+                        [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
+                        vec![h(x), h(dout), h(mean), h(rstd), h(dweight), h(dbias)],
+                        vec![rows, 0, 0, cols],
+                        (groups(cols), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::SplitHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            }
+            | Kernel::MergeHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            } => {
+                let split = matches!(kernel, Kernel::SplitHeads { .. });
+                let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
+                let rows = rows_buf.len / width;
+                if rows > 0 && heads_buf.len > 0 {
+                    let dim = heads_buf.len / (rows * heads);
+                    let words = if split {
+                        pairs(dst.len)
+                    } else {
+                        (rows * heads * dim / 2) as u32
+                    };
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            if split {
+                                &shader::SPLIT_HEADS
+                            } else {
+                                &shader::MERGE_HEADS
+                            },
+                            vec![self.repr(src.dtype), self.repr(dst.dtype)],
+                            vec![h(src), h(dst)],
+                            [
+                                heads_buf.len,
+                                words as usize,
+                                *seq,
+                                *heads,
+                                *width,
+                                *offset,
+                                dim,
+                                0,
+                            ]
+                            .map(|v| v as u32)
+                            .to_vec(),
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
+            Kernel::Softmax {
+                x,
+                out,
+                stats,
+                cols,
+                scale,
+                causal,
+            } => {
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let mask = vec![("CAUSAL", *causal as u32)];
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::SOFTMAX_STATS,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(stats)],
+                        vec![n / cols, 0, scale.to_bits(), cols],
+                        row_groups(n / cols),
+                    )
+                    .with_overrides(mask.clone()),
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::SOFTMAX_APPLY,
+                        vec![self.repr(x.dtype), self.repr(out.dtype)],
+                        vec![h(x), h(out), h(stats)],
+                        vec![n, words, scale.to_bits(), cols],
+                        (groups(words), 1, 1),
+                    )
+                    .with_overrides(mask),
+                )?;
+            }
+            Kernel::SoftmaxBackward {
+                p,
+                dout,
+                dx,
+                stats,
+                cols,
+                scale,
+            } => {
+                let (n, cols) = (p.len as u32, *cols as u32);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::SOFTMAX_BACKWARD_STATS,
+                        vec![self.repr(p.dtype), self.repr(dout.dtype)],
+                        vec![h(p), h(dout), h(stats)],
+                        vec![n / cols, 0, 0, cols],
+                        row_groups(n / cols),
+                    ),
+                )?;
+                let words = pairs(p.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::SOFTMAX_BACKWARD_DX,
+                        [p, dout, dx].iter().map(|b| self.repr(b.dtype)).collect(),
+                        vec![h(p), h(dout), h(dx), h(stats)],
+                        vec![n, words, scale.to_bits(), cols],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                vocab,
+            } => {
+                let rows = (logits.len / vocab) as u32;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::CROSS_ENTROPY,
+                        vec![self.repr(logits.dtype)],
+                        vec![h(logits), h(targets), h(losses), h(lse)],
+                        vec![rows, 0, 0, *vocab as u32],
+                        row_groups(rows),
+                    ),
+                )?;
+            }
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                vocab,
+                scale,
+            } => {
+                let words = pairs(logits.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::CROSS_ENTROPY_BACKWARD,
+                        vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
+                        vec![h(logits), h(dlogits), h(targets), h(lse)],
+                        vec![logits.len as u32, words, scale.to_bits(), *vocab as u32],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::Embedding {
+                tokens,
+                table,
+                out,
+                dim,
+            } => {
+                if out.len > 0 {
+                    let words = pairs(out.len);
+                    let rows = (table.len / dim) as u32;
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::EMBEDDING,
+                            vec![self.repr(table.dtype), self.repr(out.dtype)],
+                            vec![h(table), h(out), h(tokens)],
+                            vec![out.len as u32, words, rows, *dim as u32],
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                dim,
+            } => {
+                let rows = (dtable.len / dim) as u32;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::EMBEDDING_BACKWARD,
+                        vec![self.repr(dout.dtype)],
+                        vec![h(dout), h(tokens), h(dtable)],
+                        vec![tokens.len as u32, 0, rows, *dim as u32],
+                        (groups(*dim as u32), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::GradScale {
+                sum_squares,
+                out,
+                loss_scale,
+                clip,
+            } => {
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::GRAD_SCALE,
+                        vec![],
+                        vec![h(sum_squares), h(out)],
+                        vec![1, 1, loss_scale.to_bits(), clip.to_bits()],
+                        (1, 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::Adam(a) => {
+                let (bias1, bias2) = a.bias_corrections();
+                let optional = a.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                self.optimizer(
+                    s,
+                    &shader::ADAM,
+                    vec![
+                        h(&a.master),
+                        h(&a.grads),
+                        h(&a.m),
+                        h(&a.v),
+                        optional,
+                        h(&a.grad_scale),
+                    ],
+                    vec![a.master, a.grads, a.m, a.v, a.params.unwrap_or(a.master)],
+                    vec![
+                        ("DECOUPLED", a.decoupled as u32),
+                        ("WRITE_PARAMS", a.params.is_some() as u32),
+                    ],
+                    [
+                        a.lr,
+                        a.beta1,
+                        a.beta2,
+                        a.eps,
+                        a.weight_decay,
+                        bias1,
+                        bias2,
+                        0.0,
+                    ],
+                )?;
+            }
+            Kernel::Sgd(step) => {
+                let optional = step.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                self.optimizer(
+                    s,
+                    &shader::SGD,
+                    vec![
+                        h(&step.master),
+                        h(&step.grads),
+                        h(&step.momentum_buf),
+                        optional,
+                        h(&step.grad_scale),
+                    ],
+                    vec![
+                        step.master,
+                        step.grads,
+                        step.momentum_buf,
+                        step.params.unwrap_or(step.master),
+                    ],
+                    vec![("WRITE_PARAMS", step.params.is_some() as u32)],
+                    [
+                        step.lr,
+                        0.0,
+                        0.0,
+                        0.0,
+                        step.weight_decay,
+                        1.0,
+                        1.0,
+                        step.momentum,
+                    ],
+                )?;
+            }
+            Kernel::NonFinite { srcs, flag } => {
+                let f = handles[&flag.id].clone();
+                self.encoder(s).clear_buffer(&f, 0, None);
+                for src in srcs {
+                    let (kind, words) = match src.dtype {
+                        DType::F32 => (0, (src.bytes() / 4) as u32),
+                        DType::F16 => (1, pairs(src.len)),
+                        _ => (2, pairs(src.len)),
+                    };
+                    if src.len == 0 {
+                        continue;
+                    }
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::NONFINITE,
+                            vec![],
+                            vec![h(src), h(flag)],
+                            vec![src.len as u32, words, 0, 0],
+                            (groups(words), 1, 1),
+                        )
+                        .with_overrides(vec![("KIND", kind)]),
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl WgpuDevice {
+    /// An optimizer step: `typed` gives the dtypes of the typed slots (an absent
+    /// optional slot repeats the master, f32, and is never written); `values` are
+    /// lr, beta1, beta2, eps, weight_decay, bias1, bias2, momentum.
+    fn optimizer(
+        &self,
+        s: &mut State,
+        kernel: &'static KernelSource,
+        buffers: Vec<(u64, &wgpu::Buffer)>,
+        typed: Vec<Buffer>,
+        overrides: Vec<(&'static str, u32)>,
+        values: [f32; 8],
+    ) -> Result<()> {
+        let n = typed[0].len;
+        if n == 0 {
+            return Ok(());
+        }
+        let words = pairs(n);
+        let mut params = vec![n as u32, words];
+        params.extend(values.iter().map(|v| v.to_bits()));
+        params.extend([0, 0]);
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel,
+                reprs: typed.iter().map(|b| self.repr(b.dtype)).collect(),
+                consts: vec![],
+                overrides,
+                buffers,
+                ranges: vec![],
+                params,
+                groups: (groups(words), 1, 1),
+            },
+        )
+    }
+
+    /// An elementwise kernel over typed slots that all have the first slot's length.
+    fn elementwise(
+        &self,
+        s: &mut State,
+        kernel: &'static KernelSource,
+        constant: Option<(&'static str, u32)>,
+        slots: &[(&Buffer, &HashMap<u64, wgpu::Buffer>)],
+        alpha: f32,
+    ) -> Result<()> {
+        let len = slots[0].0.len;
+        if len == 0 {
+            return Ok(());
+        }
+        let words = pairs(len);
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel,
+                reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
+                consts: vec![],
+                overrides: constant.into_iter().collect(),
+                buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
+                ranges: vec![],
+                params: vec![len as u32, words, alpha.to_bits(), 0],
+                groups: (groups(words), 1, 1),
+            },
+        )
+    }
+}
+
+/// Workgroups for a grid-strided walk over `words` items.
+pub(crate) fn groups(words: u32) -> u32 {
+    words.div_ceil(WORKGROUP).clamp(1, MAX_GROUPS)
+}
+
+/// A 2-D grid of at least `rows` workgroups (one per row; 65535 per dimension).
+fn row_groups(rows: u32) -> (u32, u32, u32) {
+    let x = rows.clamp(1, MAX_GROUPS);
+    (x, rows.div_ceil(x).max(1), 1)
+}
+
+/// Pairs of elements an elementwise kernel walks.
+fn pairs(len: usize) -> u32 {
+    len.div_ceil(2) as u32
+}
+
+/// The 32-bit word `fill` writes for `value` in `dtype`.
+fn fill_pattern(dtype: DType, value: f64) -> u32 {
+    match dtype {
+        DType::F32 => (value as f32).to_bits(),
+        DType::F16 => {
+            let h = half::f16::from_f64(value).to_bits() as u32;
+            h | (h << 16)
+        }
+        DType::BF16 => {
+            let h = half::bf16::from_f64(value).to_bits() as u32;
+            h | (h << 16)
+        }
+        DType::U32 => value as u32,
+    }
+}
