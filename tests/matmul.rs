@@ -425,7 +425,43 @@ fn operands_larger_than_one_binding_are_split_by_rows() {
         &c,
         None,
     );
+    // A batch whose A (three matrices) is over the limit: run in groups of whole matrices.
+    // Strides are multiples of 256 bytes here (m a multiple of 16, n = 16), so that each
+    // group's binding can start at its first matrix.
+    let (k, n, batch) = (1100, 16, 3);
+    let m = (limit / (4 * k * 2)).div_ceil(16) * 16;
+    let mut c = case(&mut rng, (m, n, k), (false, false), [DType::F32; 3]);
+    c.a = HostData::from_f32(
+        DType::F32,
+        &(0..batch * m * k)
+            .map(|_| rng.uniform(-1.0, 1.0))
+            .collect::<Vec<_>>(),
+    );
+    c.b = HostData::from_f32(
+        DType::F32,
+        &(0..batch * k * n)
+            .map(|_| rng.uniform(-1.0, 1.0))
+            .collect::<Vec<_>>(),
+    );
+    c.c = HostData::from_f32(DType::F32, &vec![0.0; batch * m * n]);
+    let buf = |len| kiln::engine::Buffer {
+        id: 0,
+        dtype: DType::F32,
+        len,
+    };
+    c.mm = Matmul::new(
+        buf(batch * m * k),
+        buf(batch * k * n),
+        buf(batch * m * n),
+        m,
+        n,
+        k,
+    )
+    .batched(batch, m * k, k * n, m * n);
+    assert!(c.mm.a.bytes() as usize > limit);
+    check("batched A over the binding limit", dev, &c, None);
     // What rows of C cannot split says so: here B (stored m x n, transposed) is too big.
+    let (m, n) = (limit / (4 * 4100) + 5, 4100);
     let big = dev.alloc(DType::F32, m * n).unwrap();
     let x = dev.alloc(DType::F32, n).unwrap();
     let out = dev.alloc(DType::F32, m).unwrap();

@@ -257,13 +257,22 @@ impl WgpuDevice {
         let too_big = |what: String| Error::Unsupported {
             device: self.caps.name.clone(),
             what: format!(
-                "{what}; one binding holds at most {limit} bytes. Matrices larger than that are \
-                 split by rows of C when batch = 1 and A is not transposed"
+                "{what}; one binding holds at most {limit} bytes. Larger operands are split by \
+                 rows of C (batch 1, A not transposed) or into groups of whole matrices (batches)"
             ),
         };
-        if mm.batch != 1 || mm.trans_a {
+        if mm.batch > 1 {
+            return self.matmul_in_batch_groups(
+                s,
+                mm,
+                plan,
+                handles,
+                partial_bytes(mm, 8) / mm.batch as u64,
+            );
+        }
+        if mm.trans_a {
             return Err(too_big(format!(
-                "a batched or A-transposed matmul with an operand over the binding limit (A {} bytes, C {} bytes)",
+                "an A-transposed matmul with an operand over the binding limit (A {} bytes, C {} bytes)",
                 mm.a.bytes(),
                 mm.c.bytes()
             )));
@@ -318,12 +327,113 @@ impl WgpuDevice {
             };
             let windows = Windows {
                 a: Some(window(mm.a, row_bytes[0])),
+                b: None,
                 c: Some(window(mm.c, row_bytes[1])),
                 cf: mm.c_f32.map(|cf| window(cf, mm.n as u64 * 4)),
             };
             let sub_plan = plan_for(&sub, &self.caps, plan)?;
             self.record(s, &sub, &sub_plan, handles, &windows)?;
             r0 += rows;
+        }
+        Ok(())
+    }
+
+    /// A batch with an operand over the binding limit: groups of whole matrices, each
+    /// group binding only its matrices of every strided operand (stride-0 operands are
+    /// shared and must fit as they are). `partial_per_matrix`: f32 partial bytes one
+    /// matrix needs at the most splits.
+    fn matmul_in_batch_groups(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        partial_per_matrix: u64,
+    ) -> Result<()> {
+        let limit = self.caps.max_storage_binding;
+        let align = self.storage_offset_alignment();
+        let refuse = |what: String| Error::Unsupported {
+            device: self.caps.name.clone(),
+            what: format!("{what}; one binding holds at most {limit} bytes"),
+        };
+        // (buffer, bytes between matrices, bytes of one matrix's span)
+        let mut operands = vec![
+            (
+                mm.a,
+                mm.stride_a as u64 * mm.a.dtype.size() as u64,
+                (mm.m * mm.k * mm.a.dtype.size()) as u64,
+            ),
+            (
+                mm.b,
+                mm.stride_b as u64 * mm.b.dtype.size() as u64,
+                (mm.k * mm.n * mm.b.dtype.size()) as u64,
+            ),
+            (
+                mm.c,
+                mm.stride_c as u64 * mm.c.dtype.size() as u64,
+                (mm.m * mm.n * mm.c.dtype.size()) as u64,
+            ),
+        ];
+        if let Some(cf) = mm.c_f32 {
+            operands.push((cf, mm.stride_c as u64 * 4, (mm.m * mm.n * 4) as u64));
+        }
+        let mut unit = 1;
+        for &(buf, stride, _) in &operands {
+            if stride == 0 {
+                if buf.bytes() > limit {
+                    return Err(refuse(format!(
+                        "buffer #{} ({} bytes) is shared by every matrix of the batch (stride 0)",
+                        buf.id,
+                        buf.bytes()
+                    )));
+                }
+            } else {
+                unit = lcm(unit, align / gcd(stride, align));
+            }
+        }
+        // The largest group (a multiple of `unit` matrices) whose windows all fit.
+        let fits = |g: u64| {
+            operands
+                .iter()
+                .all(|&(_, stride, span)| stride == 0 || (g - 1) * stride + span + 16 <= limit)
+                && (!plan.partial || g * partial_per_matrix <= limit)
+        };
+        let mut group = 0;
+        let mut g = unit;
+        while g <= mm.batch as u64 && fits(g) {
+            group = g;
+            g += unit;
+        }
+        if group == 0 {
+            return Err(refuse(format!(
+                "one matrix of this batch does not fit a binding (or {unit} matrices are needed \
+                 for an aligned group); split the matrices themselves"
+            )));
+        }
+        let mut g0 = 0u64;
+        while g0 < mm.batch as u64 {
+            let n = group.min(mm.batch as u64 - g0);
+            let sub = Matmul {
+                batch: n as usize,
+                ..mm.clone()
+            };
+            let window = |buf: kiln_engine::Buffer, stride: u64, span: u64| {
+                (stride > 0).then(|| {
+                    let offset = g0 * stride;
+                    let size = ((n - 1) * stride + span).div_ceil(8) * 8;
+                    (offset, size.min(buf.bytes() - offset))
+                })
+            };
+            let w = |i: usize| window(operands[i].0, operands[i].1, operands[i].2);
+            let windows = Windows {
+                a: w(0),
+                b: w(1),
+                c: w(2),
+                cf: if operands.len() > 3 { w(3) } else { None },
+            };
+            let sub_plan = plan_for(&sub, &self.caps, plan)?;
+            self.record(s, &sub, &sub_plan, handles, &windows)?;
+            g0 += n;
         }
         Ok(())
     }
@@ -493,6 +603,7 @@ impl WgpuDevice {
 #[derive(Default)]
 struct Windows {
     a: Option<(u64, u64)>,
+    b: Option<(u64, u64)>,
     c: Option<(u64, u64)>,
     cf: Option<(u64, u64)>,
 }
@@ -503,6 +614,7 @@ impl Windows {
     fn main(&self, partial: bool) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
         v.extend(self.a.map(|(o, n)| (0, o, n)));
+        v.extend(self.b.map(|(o, n)| (1, o, n)));
         v.extend(self.c.map(|(o, n)| (2, o, n)));
         if !partial {
             v.extend(self.cf.map(|(o, n)| (4, o, n)));
@@ -513,6 +625,7 @@ impl Windows {
     /// Slot ranges for `matmul_finish` (slot a holds the partials).
     fn finish(&self) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
+        v.extend(self.b.map(|(o, n)| (1, o, n)));
         v.extend(self.c.map(|(o, n)| (2, o, n)));
         v.extend(self.cf.map(|(o, n)| (4, o, n)));
         v
