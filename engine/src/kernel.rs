@@ -177,7 +177,75 @@ pub enum Kernel {
     },
 }
 
+/// The geometry of a [`Kernel::SplitHeads`] or [`Kernel::MergeHeads`] launch, worked
+/// out once for validation and for every backend.
+#[derive(Clone, Copy, Debug)]
+pub struct HeadsLayout {
+    /// Rows to heads (split) or heads to rows (merge).
+    pub split: bool,
+    /// The buffer in row layout (`rows x width`) and the one in head layout.
+    pub rows_buf: Buffer,
+    pub heads_buf: Buffer,
+    pub rows: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub dim: usize,
+    pub width: usize,
+    pub offset: usize,
+}
+
+impl HeadsLayout {
+    /// Row-layout index of element `e` of the head layout `(b, h, t, i)`.
+    pub fn row_index(&self, e: usize) -> usize {
+        let (d, t, h) = (self.dim, self.seq, self.heads);
+        let (i, ti, hi, b) = (e % d, (e / d) % t, (e / (d * t)) % h, e / (d * t * h));
+        (b * t + ti) * self.width + self.offset + hi * d + i
+    }
+}
+
 impl Kernel {
+    /// The geometry of a head split or merge (`None` for other kernels). Sizes are only
+    /// meaningful once [`Kernel::validate`] has passed.
+    pub fn heads_layout(&self) -> Option<HeadsLayout> {
+        let (split, src, dst, seq, heads, width, offset) = match *self {
+            Kernel::SplitHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            } => (true, src, dst, seq, heads, width, offset),
+            Kernel::MergeHeads {
+                src,
+                dst,
+                seq,
+                heads,
+                width,
+                offset,
+            } => (false, src, dst, seq, heads, width, offset),
+            _ => return None,
+        };
+        let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
+        let rows = rows_buf.len / width.max(1);
+        let dim = if rows == 0 || heads == 0 {
+            0
+        } else {
+            heads_buf.len / (rows * heads)
+        };
+        Some(HeadsLayout {
+            split,
+            rows_buf,
+            heads_buf,
+            rows,
+            seq,
+            heads,
+            dim,
+            width,
+            offset,
+        })
+    }
+
     /// Short name for logs and errors.
     pub fn name(&self) -> &'static str {
         match self {
@@ -480,49 +548,36 @@ impl Kernel {
                 }
                 Ok(())
             }
-            Kernel::SplitHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            }
-            | Kernel::MergeHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            } => {
-                let split = matches!(self, Kernel::SplitHeads { .. });
-                let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
+            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+                let l = self.heads_layout().expect("a heads kernel");
+                let (seq, heads, width, offset) = (l.seq, l.heads, l.width, l.offset);
                 float(k, "src", src)?;
                 float(k, "dst", dst)?;
-                let rows = rows_of(k, rows_buf, *width)?;
-                if rows == 0 && heads_buf.len == 0 {
+                let rows = rows_of(k, &l.rows_buf, width)?;
+                if rows == 0 && l.heads_buf.len == 0 {
                     return Ok(());
                 }
                 if rows == 0
-                    || *seq == 0
+                    || seq == 0
                     || rows % seq != 0
-                    || *heads == 0
-                    || heads_buf.len % (rows * heads).max(1) != 0
+                    || heads == 0
+                    || !l.heads_buf.len.is_multiple_of(rows * heads)
                 {
                     return Err(Error::InvalidArgument(format!(
                         "{k}: {rows} rows are not whole sequences of {seq}, or {} head elements do not split into {heads} heads per row",
-                        heads_buf.len
+                        l.heads_buf.len
                     )));
                 }
-                let span = heads_buf.len / rows;
-                if offset + span > *width {
+                let span = heads * l.dim;
+                if offset + span > width {
                     return Err(Error::InvalidArgument(format!(
                         "{k}: columns {offset}..{} run past the row width {width}",
                         offset + span
                     )));
                 }
-                if !split && (span % 2 != 0 || width % 2 != 0 || offset % 2 != 0) {
+                let even =
+                    span.is_multiple_of(2) && width.is_multiple_of(2) && offset.is_multiple_of(2);
+                if !l.split && !even {
                     return Err(Error::InvalidArgument(format!(
                         "merge_heads: heads*dim ({span}), width ({width}) and offset ({offset}) must be even"
                     )));

@@ -19,7 +19,7 @@ pub use device::{Buffer, Capabilities, Device};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use host::HostData;
-pub use kernel::{BinaryOp, Kernel, ReduceOp};
+pub use kernel::{BinaryOp, HeadsLayout, Kernel, ReduceOp};
 pub use loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 pub use matmul::Matmul;
 pub use optim::{AdamStep, SgdStep};

@@ -246,41 +246,13 @@ impl Device for CpuDevice {
                 s.put(*mean, HostData::F32(mu), name)?;
                 s.put(*rstd, HostData::F32(rs), name)
             }
-            Kernel::SplitHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            }
-            | Kernel::MergeHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            } => {
-                let split = matches!(kernel, Kernel::SplitHeads { .. });
-                let (rows_buf, heads_buf) = if split { (*src, *dst) } else { (*dst, *src) };
-                let rows = rows_buf.len / width;
-                let dim = if rows == 0 {
-                    0
-                } else {
-                    heads_buf.len / (rows * heads)
-                };
+            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+                let l = kernel.heads_layout().expect("a heads kernel");
                 let from = s.f32s(*src, name)?;
                 let mut to = s.f32s(*dst, name)?;
-                for e in 0..heads_buf.len {
-                    let (i, t, h, b) = (
-                        e % dim,
-                        (e / dim) % seq,
-                        (e / (dim * seq)) % heads,
-                        e / (dim * seq * heads),
-                    );
-                    let r = (b * seq + t) * width + offset + h * dim + i;
-                    if split {
+                for e in 0..l.heads_buf.len {
+                    let r = l.row_index(e);
+                    if l.split {
                         to[e] = from[r];
                     } else {
                         to[r] = from[e];

@@ -216,54 +216,32 @@ impl WgpuDevice {
                     ),
                 )?;
             }
-            Kernel::SplitHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            }
-            | Kernel::MergeHeads {
-                src,
-                dst,
-                seq,
-                heads,
-                width,
-                offset,
-            } => {
-                let split = matches!(kernel, Kernel::SplitHeads { .. });
-                let (rows_buf, heads_buf) = if split { (src, dst) } else { (dst, src) };
-                let rows = rows_buf.len / width;
-                if rows > 0 && heads_buf.len > 0 {
-                    let dim = heads_buf.len / (rows * heads);
-                    let words = if split {
-                        pairs(dst.len)
+            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+                let l = kernel.heads_layout().expect("a heads kernel");
+                if l.rows > 0 && l.heads_buf.len > 0 {
+                    // Split walks destination pairs; merge walks the words of each row's span.
+                    let (shader, words) = if l.split {
+                        (&shader::SPLIT_HEADS, pairs(dst.len))
                     } else {
-                        (rows * heads * dim / 2) as u32
+                        (&shader::MERGE_HEADS, (l.rows * l.heads * l.dim / 2) as u32)
                     };
+                    let params = [
+                        l.heads_buf.len,
+                        words as usize,
+                        l.seq,
+                        l.heads,
+                        l.width,
+                        l.offset,
+                        l.dim,
+                        0,
+                    ];
                     self.dispatch(
                         s,
                         Dispatch::new(
-                            if split {
-                                &shader::SPLIT_HEADS
-                            } else {
-                                &shader::MERGE_HEADS
-                            },
+                            shader,
                             vec![self.repr(src.dtype), self.repr(dst.dtype)],
                             vec![h(src), h(dst)],
-                            [
-                                heads_buf.len,
-                                words as usize,
-                                *seq,
-                                *heads,
-                                *width,
-                                *offset,
-                                dim,
-                                0,
-                            ]
-                            .map(|v| v as u32)
-                            .to_vec(),
+                            params.map(|v| v as u32).to_vec(),
                             (groups(words), 1, 1),
                         ),
                     )?;
