@@ -12,8 +12,9 @@ use serde::Deserialize;
 
 use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 use crate::mlp::{Precision, SplitMix};
+use crate::optim::ParamBuffers;
 use crate::safetensors_io::NamedTensor;
-use crate::{AdamStep, Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
+use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
 
 /// Model sizes, as in a GPT-2 config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -36,16 +37,20 @@ pub struct GptTraining {
     pub seed: u64,
 }
 
+/// A named parameter: its buffers (model copy, master, gradient, moments) and whether
+/// weight decay applies (matrices) or not (biases, norms, embeddings).
 struct Param {
     name: String,
     shape: Vec<usize>,
-    value: Buffer,
-    master: Buffer,
-    grad: Buffer,
-    m: Buffer,
-    v: Buffer,
-    /// Weight decay applies (matrices), or not (biases, norms, embeddings).
+    buffers: ParamBuffers,
     decay: bool,
+}
+
+impl std::ops::Deref for Param {
+    type Target = ParamBuffers;
+    fn deref(&self) -> &ParamBuffers {
+        &self.buffers
+    }
 }
 
 /// Indices into `Gpt::params` and the saved activations of one block.
@@ -176,18 +181,10 @@ impl Gpt {
                 // Uniform with the given standard deviation (GPT-2 uses normal 0.02).
                 Init::Std(s) => (0..n).map(|_| rng.symmetric() * s * 3f32.sqrt()).collect(),
             };
-            let master = dev.alloc(DType::F32, n)?;
-            dev.upload(master, &HostData::F32(values.clone()))?;
-            let value = dev.alloc(act, n)?;
-            dev.upload(value, &HostData::from_f32(act, &values))?;
             params.push(Param {
                 name,
                 shape,
-                value,
-                master,
-                grad: dev.alloc(grad, n)?,
-                m: dev.alloc(DType::F32, n)?,
-                v: dev.alloc(DType::F32, n)?,
+                buffers: ParamBuffers::new(dev, &values, act, grad)?,
                 decay,
             });
             Ok(params.len() - 1)
@@ -965,25 +962,12 @@ impl Gpt {
         }
         self.step += 1;
         for p in &self.params {
-            dev.launch(&Kernel::Adam(AdamStep {
-                master: p.master,
-                grads: p.grad,
-                m: p.m,
-                v: p.v,
-                params: Some(p.value),
-                grad_scale: self.grad_scale,
-                lr: self.training.lr,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: if p.decay {
-                    self.training.weight_decay
-                } else {
-                    0.0
-                },
-                decoupled: true,
-                step: self.step,
-            }))?;
+            let decay = if p.decay {
+                self.training.weight_decay
+            } else {
+                0.0
+            };
+            dev.launch(&p.adamw(self.grad_scale, self.training.lr, 0.95, decay, self.step))?;
         }
         dev.submit()?;
         Ok(GptStep {

@@ -8,7 +8,7 @@
 //!   h  (B, H)  --W2 (H, C), b2 (C)-->  logits (B, C)  --cross-entropy(y)-->  loss (B)
 
 use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
-use crate::{AdamStep, Buffer, DType, Device, HostData, Kernel, Matmul, Result};
+use crate::{Buffer, DType, Device, HostData, Kernel, Matmul, Result};
 
 /// Storage precision of weights, activations and gradients (masters are always f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,14 +42,7 @@ pub struct MlpConfig {
     pub seed: u64,
 }
 
-/// One trainable tensor: the model's copy, its f32 master, gradient and Adam moments.
-struct Param {
-    value: Buffer,
-    master: Buffer,
-    grad: Buffer,
-    m: Buffer,
-    v: Buffer,
-}
+use crate::optim::ParamBuffers as Param;
 
 pub struct Mlp {
     pub config: MlpConfig,
@@ -113,17 +106,7 @@ impl Mlp {
             // Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)), PyTorch's Linear default bound.
             let bound = 1.0 / (fan_in as f32).sqrt();
             let init: Vec<f32> = (0..len).map(|_| rng.symmetric() * bound).collect();
-            let master = dev.alloc(DType::F32, len)?;
-            dev.upload(master, &HostData::F32(init.clone()))?;
-            let value = dev.alloc(act, len)?;
-            dev.upload(value, &HostData::from_f32(act, &init))?;
-            Ok(Param {
-                value,
-                master,
-                grad: dev.alloc(act, len)?,
-                m: dev.alloc(DType::F32, len)?,
-                v: dev.alloc(DType::F32, len)?,
-            })
+            Param::new(dev, &init, act, act)
         };
         let (w1, b1, w2, b2) = (
             param(i * h, i)?,
@@ -278,21 +261,13 @@ impl Mlp {
             clip: 0.0,
         })?;
         for p in params {
-            dev.launch(&Kernel::Adam(AdamStep {
-                master: p.master,
-                grads: p.grad,
-                m: p.m,
-                v: p.v,
-                params: Some(p.value),
-                grad_scale: self.grad_scale,
-                lr: self.config.lr,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: self.config.weight_decay,
-                decoupled: true,
-                step: self.step,
-            }))?;
+            dev.launch(&p.adamw(
+                self.grad_scale,
+                self.config.lr,
+                0.999,
+                self.config.weight_decay,
+                self.step,
+            ))?;
         }
         dev.submit()?;
         Ok(StepStats {

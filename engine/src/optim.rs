@@ -6,7 +6,7 @@
 //! `grad_scale[0]`, a device value produced by [`crate::Kernel::GradScale`] from the
 //! gradient norm, so unscaling and clipping need no host round trip.
 
-use crate::{Buffer, DType, Error, Result};
+use crate::{Buffer, DType, Device, Error, HostData, Kernel, Result};
 
 /// One Adam or AdamW step (PyTorch's formulas, bias-corrected, 1-based `step`).
 #[derive(Clone, Debug, PartialEq)]
@@ -188,4 +188,59 @@ pub fn grad_scale_reference(sum_squares: f64, loss_scale: f32, clip: f32) -> f32
         ls
     };
     (1.0 / combined) as f32
+}
+
+/// One trainable tensor on a device: the model's copy (`value`, in the activation
+/// dtype), its f32 master, its gradient and Adam's two f32 moments.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamBuffers {
+    pub value: Buffer,
+    pub master: Buffer,
+    pub grad: Buffer,
+    pub m: Buffer,
+    pub v: Buffer,
+}
+
+impl ParamBuffers {
+    /// Allocates the buffers and uploads `init` to the master and (rounded) the value.
+    pub fn new(dev: &dyn Device, init: &[f32], value: DType, grad: DType) -> Result<ParamBuffers> {
+        let n = init.len();
+        let master = dev.alloc(DType::F32, n)?;
+        dev.upload(master, &HostData::F32(init.to_vec()))?;
+        let v = dev.alloc(value, n)?;
+        dev.upload(v, &HostData::from_f32(value, init))?;
+        Ok(ParamBuffers {
+            value: v,
+            master,
+            grad: dev.alloc(grad, n)?,
+            m: dev.alloc(DType::F32, n)?,
+            v: dev.alloc(DType::F32, n)?,
+        })
+    }
+
+    /// The AdamW step for this tensor (beta1 0.9, eps 1e-8), writing the model copy too.
+    pub fn adamw(
+        &self,
+        grad_scale: Buffer,
+        lr: f32,
+        beta2: f32,
+        weight_decay: f32,
+        step: u32,
+    ) -> Kernel {
+        Kernel::Adam(AdamStep {
+            master: self.master,
+            grads: self.grad,
+            m: self.m,
+            v: self.v,
+            params: Some(self.value),
+            grad_scale,
+            lr,
+            beta1: 0.9,
+            beta2,
+            eps: 1e-8,
+            weight_decay,
+            decoupled: true,
+            step,
+        })
+    }
 }
