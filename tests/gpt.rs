@@ -7,15 +7,14 @@ use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::gpt::{Gpt, GptConfig, GptTraining};
 use kiln::engine::mlp::Precision;
-use kiln::engine::Device;
+use kiln::engine::{Device, Optimizer};
 
 fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
     GptTraining {
         batch,
         seq,
         precision,
-        lr: 1e-2,
-        weight_decay: 0.0,
+        optimizer: Optimizer::adamw(1e-2, 0.0),
         seed: 5,
     }
 }

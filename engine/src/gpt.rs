@@ -12,7 +12,7 @@ use serde::Deserialize;
 
 use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 use crate::mlp::{Precision, SplitMix};
-use crate::optim::ParamBuffers;
+use crate::optim::{Optimizer, ParamBuffers};
 use crate::safetensors_io::NamedTensor;
 use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
 
@@ -32,8 +32,9 @@ pub struct GptTraining {
     pub batch: usize,
     pub seq: usize,
     pub precision: Precision,
-    pub lr: f32,
-    pub weight_decay: f32,
+    /// The optimizer and its base learning rate (a schedule may vary it per step, see
+    /// [`Gpt::step`]); weight decay applies to matrices only.
+    pub optimizer: Optimizer,
     pub seed: u64,
 }
 
@@ -136,6 +137,18 @@ pub struct Gpt {
     /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per tensor).
     norm_parts: Vec<Buffer>,
     norm_acc: [Buffer; 2],
+}
+
+/// One parameter's training state on the host: model copy (storage dtype, bit-exact),
+/// f32 master and the optimizer's two moments (SGD uses `m` for momentum).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamState {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub value: HostData,
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
 }
 
 /// A parameter's name and its Adam first and second moments.
@@ -882,13 +895,28 @@ impl Gpt {
         self.train_step_accumulated(dev, &[(tokens, targets)], 0.0)
     }
 
-    /// One AdamW step over several micro-batches (gradients accumulated, the loss their
-    /// mean), with the gradients clipped to global norm `clip` (0: no clipping) after
-    /// unscaling, DeepSpeed's way. Readback: the overflow flag and the summed losses.
+    /// One optimizer step over several micro-batches at the optimizer's base learning
+    /// rate; see [`Gpt::step`].
     pub fn train_step_accumulated(
         &mut self,
         dev: &dyn Device,
         micro: &[(&[u32], &[u32])],
+        clip: f32,
+    ) -> Result<GptStep> {
+        let lr = self.training.optimizer.lr();
+        self.step(dev, micro, lr, clip)
+    }
+
+    /// One optimizer step at learning rate `lr` over several micro-batches (gradients
+    /// accumulated, the loss their mean), with the gradients clipped to global norm
+    /// `clip` (0: no clipping) after unscaling, DeepSpeed's way. Readback: the overflow
+    /// flag and the summed losses. A skipped (overflowing) step changes nothing but the
+    /// loss scaler.
+    pub fn step(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        lr: f32,
         clip: f32,
     ) -> Result<GptStep> {
         if micro.is_empty() {
@@ -961,13 +989,14 @@ impl Gpt {
             });
         }
         self.step += 1;
+        let optimizer = &self.training.optimizer;
         for p in &self.params {
             let decay = if p.decay {
-                self.training.weight_decay
+                optimizer.weight_decay()
             } else {
                 0.0
             };
-            dev.launch(&p.adamw(self.grad_scale, self.training.lr, 0.95, decay, self.step))?;
+            dev.launch(&p.step(optimizer, self.grad_scale, lr, decay, self.step))?;
         }
         dev.submit()?;
         Ok(GptStep {
@@ -980,6 +1009,117 @@ impl Gpt {
     /// The factor the last step multiplied gradients by (1 / (loss scale * clip factor)).
     pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
         Ok(dev.download(self.grad_scale)?.to_f32()[0])
+    }
+
+    /// Mean loss of a batch and the model's most likely next token at every position
+    /// (B*T ids): one forward pass, for evaluation.
+    pub fn predict(
+        &self,
+        dev: &dyn Device,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> Result<(f64, Vec<u32>)> {
+        self.upload(dev, tokens, targets)?;
+        self.forward(dev)?;
+        dev.submit()?;
+        let loss = self.mean_loss(dev)?;
+        let v = self.config.vocab_size;
+        let logits = dev.download(self.logits)?.to_f32();
+        let best = logits
+            .chunks_exact(v)
+            .map(|row| {
+                // First maximum wins, so ties resolve the same way on every backend.
+                let mut arg = 0;
+                for (i, &x) in row.iter().enumerate() {
+                    if x > row[arg] {
+                        arg = i;
+                    }
+                }
+                arg as u32
+            })
+            .collect();
+        Ok((loss, best))
+    }
+
+    /// Every parameter's full training state, for checkpoints.
+    pub fn param_states(&self, dev: &dyn Device) -> Result<Vec<ParamState>> {
+        self.params
+            .iter()
+            .map(|p| {
+                Ok(ParamState {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    value: dev.download(p.value)?,
+                    master: dev.download(p.master)?.to_f32(),
+                    m: dev.download(p.m)?.to_f32(),
+                    v: dev.download(p.v)?.to_f32(),
+                })
+            })
+            .collect()
+    }
+
+    /// Restores what [`Gpt::param_states`] saved. Every parameter must be present with
+    /// its shape and the model's storage dtype: a checkpoint of another model or another
+    /// precision is an error, never a partial load.
+    pub fn load_param_states(&self, dev: &dyn Device, states: &[ParamState]) -> Result<()> {
+        if states.len() != self.params.len() {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: the checkpoint holds {} parameters but this model has {}: it was saved \
+                 from a different model config",
+                states.len(),
+                self.params.len()
+            )));
+        }
+        for p in &self.params {
+            let s = states.iter().find(|s| s.name == p.name).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "gpt: the checkpoint has no parameter `{}`: it was saved from a different \
+                     model config",
+                    p.name
+                ))
+            })?;
+            let n: usize = p.shape.iter().product();
+            if s.shape != p.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "gpt: `{}` has shape {:?} in the checkpoint but {:?} in this model: the \
+                     model config differs from the one the checkpoint was saved with",
+                    p.name, s.shape, p.shape
+                )));
+            }
+            if s.value.dtype() != p.value.dtype {
+                return Err(Error::InvalidArgument(format!(
+                    "gpt: `{}` is stored as {} in the checkpoint but this run trains in {}: \
+                     resume with the precision the checkpoint was saved with",
+                    p.name,
+                    s.value.dtype(),
+                    p.value.dtype
+                )));
+            }
+            for (what, len) in [
+                ("value", s.value.len()),
+                ("master", s.master.len()),
+                ("exp_avg", s.m.len()),
+                ("exp_avg_sq", s.v.len()),
+            ] {
+                if len != n {
+                    return Err(Error::LenMismatch {
+                        what: format!("checkpoint {what} of `{}`", p.name),
+                        expected: n,
+                        found: len,
+                    });
+                }
+            }
+            dev.upload(p.value, &s.value)?;
+            dev.upload(p.master, &HostData::F32(s.master.clone()))?;
+            dev.upload(p.m, &HostData::F32(s.m.clone()))?;
+            dev.upload(p.v, &HostData::F32(s.v.clone()))?;
+        }
+        Ok(())
+    }
+
+    /// Sets the count of applied optimizer steps (restoring a checkpoint).
+    pub fn set_steps_applied(&mut self, steps: u32) {
+        self.step = steps;
     }
 }
 

@@ -22,4 +22,4 @@ pub use host::HostData;
 pub use kernel::{BinaryOp, HeadsLayout, Kernel, ReduceOp};
 pub use loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 pub use matmul::Matmul;
-pub use optim::{AdamStep, SgdStep};
+pub use optim::{AdamStep, Optimizer, SgdStep};

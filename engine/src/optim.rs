@@ -227,20 +227,109 @@ impl ParamBuffers {
         weight_decay: f32,
         step: u32,
     ) -> Kernel {
-        Kernel::Adam(AdamStep {
-            master: self.master,
-            grads: self.grad,
-            m: self.m,
-            v: self.v,
-            params: Some(self.value),
-            grad_scale,
+        let adamw = Optimizer::Adam {
             lr,
             beta1: 0.9,
             beta2,
             eps: 1e-8,
             weight_decay,
             decoupled: true,
-            step,
-        })
+        };
+        self.step(&adamw, grad_scale, lr, weight_decay, step)
+    }
+
+    /// This tensor's update under `optimizer` at learning rate `lr` (the schedule's value
+    /// for this step) with `weight_decay` (0 for tensors that are not decayed); `step` is
+    /// 1-based and drives Adam's bias correction. SGD keeps its momentum in `m`.
+    pub fn step(
+        &self,
+        optimizer: &Optimizer,
+        grad_scale: Buffer,
+        lr: f32,
+        weight_decay: f32,
+        step: u32,
+    ) -> Kernel {
+        match *optimizer {
+            Optimizer::Adam {
+                beta1,
+                beta2,
+                eps,
+                decoupled,
+                ..
+            } => Kernel::Adam(AdamStep {
+                master: self.master,
+                grads: self.grad,
+                m: self.m,
+                v: self.v,
+                params: Some(self.value),
+                grad_scale,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                step,
+            }),
+            Optimizer::Sgd { momentum, .. } => Kernel::Sgd(SgdStep {
+                master: self.master,
+                grads: self.grad,
+                momentum_buf: self.m,
+                params: Some(self.value),
+                grad_scale,
+                lr,
+                momentum,
+                weight_decay,
+            }),
+        }
+    }
+}
+
+/// Which optimizer updates the weights, with its hyper-parameters. `lr` is the base
+/// rate; a schedule may scale or replace it step by step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Optimizer {
+    /// Adam; `decoupled` makes it AdamW (decay applied to the weights, not the gradient).
+    Adam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        decoupled: bool,
+    },
+    /// SGD with (PyTorch-style, undampened) momentum.
+    Sgd {
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    },
+}
+
+impl Optimizer {
+    /// AdamW with the betas small transformers train well with (0.9, 0.95).
+    pub fn adamw(lr: f32, weight_decay: f32) -> Optimizer {
+        Optimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay,
+            decoupled: true,
+        }
+    }
+
+    pub fn lr(&self) -> f32 {
+        match *self {
+            Optimizer::Adam { lr, .. } | Optimizer::Sgd { lr, .. } => lr,
+        }
+    }
+
+    pub fn weight_decay(&self) -> f32 {
+        match *self {
+            Optimizer::Adam { weight_decay, .. } | Optimizer::Sgd { weight_decay, .. } => {
+                weight_decay
+            }
+        }
     }
 }
