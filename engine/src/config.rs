@@ -623,20 +623,25 @@ pub fn parse(text: &str, world: usize) -> Result<TrainConfig, ConfigError> {
     let root = match serde_json::from_str::<StrictValue>(text) {
         Ok(v) => v.0,
         Err(e) => {
+            // serde_json appends " at line L column C"; the message states it once.
+            let full = e.to_string();
+            let what = full
+                .rsplit_once(" at line ")
+                .map_or(full.as_str(), |(m, _)| m);
             return Err(ConfigError {
                 file: None,
                 problems: vec![Problem {
                     path: String::new(),
                     message: format!(
-                        "invalid JSON at line {}, column {}: {e}",
+                        "invalid JSON at line {}, column {}: {what}",
                         e.line(),
-                        e.column()
+                        e.column(),
                     ),
                     fix: "correct the text there (JSON allows no comments, trailing commas, \
                           single quotes or NaN, and each key once per object)"
                         .to_string(),
                 }],
-            })
+            });
         }
     };
     let Value::Object(root) = root else {
