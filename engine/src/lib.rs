@@ -3,6 +3,7 @@
 //! Everything above the device contract ([`device::Device`]) is generic over it:
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
+pub mod config;
 pub mod device;
 pub mod dtype;
 pub mod error;
@@ -15,6 +16,7 @@ pub mod mlp;
 pub mod optim;
 pub mod safetensors_io;
 
+pub use config::{ConfigError, TrainConfig};
 pub use device::{Buffer, Capabilities, Device};
 pub use dtype::DType;
 pub use error::{Error, Result};
