@@ -37,6 +37,7 @@ use serde::Serialize;
 use serde_json::{Map, Number, Value};
 
 use crate::loss_scaler::DynamicScaling;
+pub use crate::optim::Optimizer;
 
 // ---------------------------------------------------------------------------------------
 // Resolved configuration
@@ -53,7 +54,7 @@ pub struct TrainConfig {
     pub precision: Precision,
     /// The optimizer's settings. Its `lr` is the base rate; the rate actually applied at
     /// each step comes from [`TrainConfig::schedule`], which may override it (WarmupLR).
-    pub optimizer: OptimizerConfig,
+    pub optimizer: Optimizer,
     /// The learning rate per optimizer step: always use [`Schedule::lr_at`].
     pub schedule: Schedule,
     /// Clip the global gradient norm to this value; 0 turns clipping off.
@@ -110,35 +111,6 @@ pub enum LossScaling {
     Dynamic(DynamicScaling),
     /// `fp16.loss_scale > 0`: this fixed scale.
     Static(f32),
-}
-
-/// The optimizer and its hyper-parameters.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub enum OptimizerConfig {
-    /// DeepSpeed's `Adam` and `AdamW`; `decoupled` is AdamW's decoupled weight decay
-    /// (DeepSpeed's `adam_w_mode`, which defaults to true even for type `Adam`).
-    Adam {
-        lr: f32,
-        betas: [f32; 2],
-        eps: f32,
-        weight_decay: f32,
-        decoupled: bool,
-    },
-    /// PyTorch's SGD with momentum, no dampening, no Nesterov.
-    Sgd {
-        lr: f32,
-        momentum: f32,
-        weight_decay: f32,
-    },
-}
-
-impl OptimizerConfig {
-    /// The optimizer's own learning rate (`optimizer.params.lr`).
-    pub fn lr(&self) -> f32 {
-        match self {
-            OptimizerConfig::Adam { lr, .. } | OptimizerConfig::Sgd { lr, .. } => *lr,
-        }
-    }
 }
 
 /// Shape of the warmup ramp.
@@ -323,8 +295,8 @@ const DEFAULT_LR: f64 = 1e-3;
 const DEFAULT_BETAS: [f32; 2] = [0.9, 0.999];
 const DEFAULT_EPS: f64 = 1e-8;
 
-fn default_optimizer() -> OptimizerConfig {
-    OptimizerConfig::Adam {
+fn default_optimizer() -> Optimizer {
+    Optimizer::Adam {
         lr: DEFAULT_LR as f32,
         betas: DEFAULT_BETAS,
         eps: DEFAULT_EPS as f32,
@@ -431,7 +403,7 @@ impl TrainConfig {
         }
 
         match &self.optimizer {
-            OptimizerConfig::Adam {
+            Optimizer::Adam {
                 lr,
                 betas,
                 eps,
@@ -449,7 +421,7 @@ impl TrainConfig {
                 line("optimizer.params.weight_decay", format!("{weight_decay:?}"));
                 line("optimizer.params.adam_w_mode", decoupled.to_string());
             }
-            OptimizerConfig::Sgd {
+            Optimizer::Sgd {
                 lr,
                 momentum,
                 weight_decay,
@@ -1769,7 +1741,7 @@ impl Reader {
         )
     }
 
-    fn optimizer(&mut self, root: &Map<String, Value>) -> (OptimizerConfig, bool) {
+    fn optimizer(&mut self, root: &Map<String, Value>) -> (Optimizer, bool) {
         let fallback = (default_optimizer(), false);
         let sec = match self.section(root, "", "optimizer") {
             Ok(Some(s)) => s,
@@ -1843,7 +1815,7 @@ impl Reader {
             let momentum = self.float_or(p, pp, "momentum", Range::HalfOpen(0.0, 1.0), 0.0) as f32;
             let weight_decay =
                 self.float_or(p, pp, "weight_decay", Range::AtLeast(0.0), 0.0) as f32;
-            let sgd = OptimizerConfig::Sgd {
+            let sgd = Optimizer::Sgd {
                 lr,
                 momentum,
                 weight_decay,
@@ -1907,7 +1879,7 @@ impl Reader {
                 ),
             );
         }
-        let adam = OptimizerConfig::Adam {
+        let adam = Optimizer::Adam {
             lr,
             betas,
             eps,
@@ -1980,7 +1952,7 @@ impl Reader {
     fn scheduler(
         &mut self,
         root: &Map<String, Value>,
-        opt: &OptimizerConfig,
+        opt: &Optimizer,
         lr_given: bool,
     ) -> Schedule {
         let constant = Schedule::Constant { lr: opt.lr() };

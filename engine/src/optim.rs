@@ -229,8 +229,7 @@ impl ParamBuffers {
     ) -> Kernel {
         let adamw = Optimizer::Adam {
             lr,
-            beta1: 0.9,
-            beta2,
+            betas: [0.9, beta2],
             eps: 1e-8,
             weight_decay,
             decoupled: true,
@@ -251,8 +250,7 @@ impl ParamBuffers {
     ) -> Kernel {
         match *optimizer {
             Optimizer::Adam {
-                beta1,
-                beta2,
+                betas: [beta1, beta2],
                 eps,
                 decoupled,
                 ..
@@ -286,14 +284,13 @@ impl ParamBuffers {
 }
 
 /// Which optimizer updates the weights, with its hyper-parameters. `lr` is the base
-/// rate; a schedule may scale or replace it step by step.
+/// rate; a schedule may scale or replace it step by step (see `config::Schedule`).
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Optimizer {
     /// Adam; `decoupled` makes it AdamW (decay applied to the weights, not the gradient).
     Adam {
         lr: f32,
-        beta1: f32,
-        beta2: f32,
+        betas: [f32; 2],
         eps: f32,
         weight_decay: f32,
         decoupled: bool,
@@ -311,8 +308,7 @@ impl Optimizer {
     pub fn adamw(lr: f32, weight_decay: f32) -> Optimizer {
         Optimizer::Adam {
             lr,
-            beta1: 0.9,
-            beta2: 0.95,
+            betas: [0.9, 0.95],
             eps: 1e-8,
             weight_decay,
             decoupled: true,

@@ -1,8 +1,8 @@
 //! DeepSpeed config reading: batch inference, strict key checking, schedules, provenance.
 
 use kiln_engine::config::{
-    load, parse, BatchConfig, ConfigError, LossScaling, OptimizerConfig, Precision, Problem,
-    Provenance, Schedule, TrainConfig, WarmupType,
+    load, parse, BatchConfig, ConfigError, LossScaling, Optimizer, Precision, Problem, Provenance,
+    Schedule, TrainConfig, WarmupType,
 };
 use kiln_engine::DynamicScaling;
 
@@ -541,7 +541,7 @@ fn optimizer_types_and_defaults() {
     let c = ok(r#"{"train_batch_size": 32, "optimizer": {"type": "adamw"}}"#);
     assert_eq!(
         c.optimizer,
-        OptimizerConfig::Adam {
+        Optimizer::Adam {
             lr: 1e-3,
             betas: [0.9, 0.999],
             eps: 1e-8,
@@ -554,7 +554,7 @@ fn optimizer_types_and_defaults() {
         ok(r#"{"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 3e-4}}}"#);
     assert_eq!(
         c.optimizer,
-        OptimizerConfig::Adam {
+        Optimizer::Adam {
             lr: 3e-4,
             betas: [0.9, 0.999],
             eps: 1e-8,
@@ -566,7 +566,7 @@ fn optimizer_types_and_defaults() {
                   "params": {"adam_w_mode": false, "weight_decay": 0.1, "betas": [0.8, 0.99]}}}"#);
     assert_eq!(
         c.optimizer,
-        OptimizerConfig::Adam {
+        Optimizer::Adam {
             lr: 1e-3,
             betas: [0.8, 0.99],
             eps: 1e-8,
@@ -578,7 +578,7 @@ fn optimizer_types_and_defaults() {
                   "params": {"lr": 0.1, "momentum": 0.9}}}"#);
     assert_eq!(
         c.optimizer,
-        OptimizerConfig::Sgd {
+        Optimizer::Sgd {
             lr: 0.1,
             momentum: 0.9,
             weight_decay: 0.0
@@ -964,7 +964,7 @@ fn realistic_deepspeed_config_parses() {
     ));
     assert_eq!(
         c.optimizer,
-        OptimizerConfig::Adam {
+        Optimizer::Adam {
             lr: 3e-4,
             betas: [0.9, 0.95],
             eps: 1e-8,
