@@ -15,6 +15,7 @@ pub mod matmul;
 pub mod mlp;
 pub mod optim;
 pub mod safetensors_io;
+pub mod trainer;
 
 pub use config::{ConfigError, TrainConfig};
 pub use device::{Buffer, Capabilities, Device};
