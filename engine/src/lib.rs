@@ -3,6 +3,7 @@
 //! Everything above the device contract ([`device::Device`]) is generic over it:
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
+pub mod data;
 pub mod device;
 pub mod dtype;
 pub mod error;
