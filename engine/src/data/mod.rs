@@ -19,6 +19,7 @@
 //! Token ids are checked against the model's vocabulary lazily, once per batch, when the
 //! batch is built (on a loader worker): see [`Sampler::read_rows`].
 
+pub mod addition;
 pub mod memory;
 pub mod sampler;
 pub mod text;
@@ -26,6 +27,7 @@ pub mod token_file;
 
 use std::path::{Path, PathBuf};
 
+pub use addition::{accuracy, Addition, EvalProblem, EvalRows};
 pub use memory::MemorySource;
 pub use sampler::{Batch, BatchLayout, Sampler};
 pub use text::ByteTextSource;
