@@ -21,6 +21,7 @@
 
 pub mod addition;
 pub mod memory;
+pub mod prefetch;
 pub mod sampler;
 pub mod text;
 pub mod token_file;
@@ -29,6 +30,7 @@ use std::path::{Path, PathBuf};
 
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows};
 pub use memory::MemorySource;
+pub use prefetch::{Fetched, Loader, LoaderConfig};
 pub use sampler::{Batch, BatchLayout, Sampler};
 pub use text::ByteTextSource;
 pub use token_file::{Sidecar, TokenFile};
