@@ -22,6 +22,7 @@
 pub mod addition;
 pub mod memory;
 pub mod prefetch;
+pub mod prepare;
 pub mod sampler;
 pub mod text;
 pub mod token_file;
@@ -31,6 +32,7 @@ use std::path::{Path, PathBuf};
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows};
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
+pub use prepare::{prepare, write_token_file, Tokenizer};
 pub use sampler::{Batch, BatchLayout, Sampler};
 pub use text::ByteTextSource;
 pub use token_file::{Sidecar, TokenFile};
