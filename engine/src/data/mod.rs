@@ -89,7 +89,7 @@ impl DataError {
         if source.kind() == std::io::ErrorKind::NotFound {
             DataError::NotFound {
                 path: path.to_path_buf(),
-                hint: ", or create the file (a text file with `prepare`, for a .bin)",
+                hint: " (a .bin token file is made from a text file with `prepare`)",
             }
         } else {
             DataError::Io {
