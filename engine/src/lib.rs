@@ -4,6 +4,7 @@
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
 pub mod config;
+pub mod data;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -1,0 +1,115 @@
+//! A text (or any) file read as bytes: each byte is one token, vocabulary 256.
+
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::{check_range, DataError, Result, TokenSource};
+
+/// A file whose bytes are the tokens (ids 0..=255), memory-mapped.
+pub struct ByteTextSource {
+    path: PathBuf,
+    map: Mmap,
+}
+
+impl ByteTextSource {
+    pub fn open(path: &Path) -> Result<ByteTextSource> {
+        let map = map_file(path)?;
+        if map.is_empty() {
+            return Err(DataError::format(
+                path,
+                "the file is empty: a byte-level text source needs at least one row of text",
+            ));
+        }
+        Ok(ByteTextSource {
+            path: path.to_path_buf(),
+            map,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Maps a whole file read-only. An empty file gives an empty map (not an error here:
+/// callers say what they need).
+pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| DataError::io(path, "open", e))?;
+    let len = file
+        .metadata()
+        .map_err(|e| DataError::io(path, "stat", e))?
+        .len();
+    if len == 0 {
+        // Mapping zero bytes fails on some platforms; an empty anonymous map stands in.
+        return memmap2::MmapOptions::new()
+            .len(0)
+            .map_anon()
+            .and_then(|m| m.make_read_only())
+            .map_err(|e| DataError::io(path, "map", e));
+    }
+    // SAFETY: the map is read-only and private to this process. Data files are not
+    // expected to change while training reads them; if another process truncates the file
+    // anyway, reads fault (SIGBUS) rather than silently returning stale data.
+    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, "memory-map", e))
+}
+
+impl TokenSource for ByteTextSource {
+    fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    fn read(&self, start: u64, out: &mut [u32]) -> Result<()> {
+        check_range(
+            &self.path.display().to_string(),
+            self.len(),
+            start,
+            out.len(),
+        )?;
+        let s = start as usize;
+        let bytes = &self.map[s..s + out.len()];
+        for (o, &b) in out.iter_mut().zip(bytes) {
+            *o = b as u32;
+        }
+        Ok(())
+    }
+
+    fn vocab_hint(&self) -> Option<usize> {
+        Some(256)
+    }
+
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::test_util::TempDir;
+
+    #[test]
+    fn bytes_are_tokens() {
+        let dir = TempDir::new();
+        let p = dir.path("a.txt");
+        std::fs::write(&p, "hé\n").unwrap();
+        let s = ByteTextSource::open(&p).unwrap();
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.vocab_hint(), Some(256));
+        let mut out = [0u32; 4];
+        s.read(0, &mut out).unwrap();
+        assert_eq!(out, [b'h' as u32, 0xC3, 0xA9, b'\n' as u32]);
+        assert!(s.read(1, &mut out).is_err());
+    }
+
+    #[test]
+    fn missing_and_empty_files_are_named() {
+        let dir = TempDir::new();
+        let p = dir.path("nope.txt");
+        let e = ByteTextSource::open(&p).err().unwrap().to_string();
+        assert!(e.contains("nope.txt") && e.contains("no such file"), "{e}");
+        std::fs::write(&p, "").unwrap();
+        let e = ByteTextSource::open(&p).err().unwrap().to_string();
+        assert!(e.contains("nope.txt") && e.contains("empty"), "{e}");
+    }
+}

@@ -1,0 +1,260 @@
+//! `.bin` token files: little-endian `u16` token ids, no header (the nanoGPT layout),
+//! memory-mapped. An optional sidecar `<file>.json` (written by [`prepare`]) records the
+//! tokenizer, its vocabulary size and the token count.
+//!
+//! [`prepare`]: super::prepare::prepare
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+
+use super::text::map_file;
+use super::{check_range, DataError, Result, TokenSource};
+
+/// The `<file>.json` written next to a prepared `.bin`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sidecar {
+    /// `"gpt2"` (tiktoken's r50k_base BPE) or `"bytes"`, or any name another tool wrote.
+    pub tokenizer: String,
+    /// Every id in the file is below this.
+    pub vocab_size: usize,
+    /// Number of tokens in the `.bin` (its byte length / 2).
+    pub tokens: u64,
+}
+
+impl Sidecar {
+    /// `<bin>.json`: the sidecar's path for a token file.
+    pub fn path_for(bin: &Path) -> PathBuf {
+        let mut s = OsString::from(bin.as_os_str());
+        s.push(".json");
+        PathBuf::from(s)
+    }
+
+    /// Reads the sidecar of `bin`, `None` if there is none.
+    pub fn read_for(bin: &Path) -> Result<Option<Sidecar>> {
+        let path = Sidecar::path_for(bin);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(DataError::io(&path, "read", e)),
+        };
+        serde_json::from_str(&text).map(Some).map_err(|e| {
+            DataError::format(
+                &path,
+                format!(
+                    "not a valid token-file sidecar ({e}). Expected {{\"tokenizer\": ..., \
+                     \"vocab_size\": ..., \"tokens\": ...}}: delete it or prepare the data again"
+                ),
+            )
+        })
+    }
+}
+
+/// A memory-mapped `.bin` of little-endian `u16` tokens.
+pub struct TokenFile {
+    path: PathBuf,
+    map: Mmap,
+    sidecar: Option<Sidecar>,
+}
+
+impl TokenFile {
+    pub fn open(path: &Path) -> Result<TokenFile> {
+        let map = map_file(path)?;
+        if map.is_empty() {
+            return Err(DataError::format(
+                path,
+                "the token file is empty. Prepare it again from a non-empty text",
+            ));
+        }
+        if !map.len().is_multiple_of(2) {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "{} bytes is an odd length, but a .bin token file holds 2-byte \
+                     little-endian u16 tokens: the file is truncated or not a token file. \
+                     Prepare it again",
+                    map.len()
+                ),
+            ));
+        }
+        let sidecar = Sidecar::read_for(path)?;
+        if let Some(s) = &sidecar {
+            let tokens = map.len() as u64 / 2;
+            if s.tokens != tokens {
+                return Err(DataError::format(
+                    &Sidecar::path_for(path),
+                    format!(
+                        "says {} tokens but {} holds {tokens}: the sidecar is stale. Prepare the \
+                         data again (or delete the sidecar)",
+                        s.tokens,
+                        path.display()
+                    ),
+                ));
+            }
+        }
+        Ok(TokenFile {
+            path: path.to_path_buf(),
+            map,
+            sidecar,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn sidecar(&self) -> Option<&Sidecar> {
+        self.sidecar.as_ref()
+    }
+
+    /// The largest id in the file: a full scan (it reads the whole file), for tools that
+    /// want a one-time check. Training does not call it (see [`Sampler::read_rows`]).
+    ///
+    /// [`Sampler::read_rows`]: super::Sampler::read_rows
+    pub fn max_token(&self) -> u32 {
+        self.map
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl TokenSource for TokenFile {
+    fn len(&self) -> u64 {
+        self.map.len() as u64 / 2
+    }
+
+    fn read(&self, start: u64, out: &mut [u32]) -> Result<()> {
+        check_range(&self.name(), self.len(), start, out.len())?;
+        let s = start as usize * 2;
+        let bytes = &self.map[s..s + out.len() * 2];
+        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+            *o = u16::from_le_bytes([c[0], c[1]]) as u32;
+        }
+        Ok(())
+    }
+
+    fn vocab_hint(&self) -> Option<usize> {
+        self.sidecar.as_ref().map(|s| s.vocab_size)
+    }
+
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::test_util::TempDir;
+    use crate::data::{check_source, Sampler};
+
+    fn write_u16(path: &Path, ids: &[u16]) {
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn reads_back_little_endian_u16_through_the_map() {
+        let dir = TempDir::new();
+        let p = dir.path("t.bin");
+        let ids: Vec<u16> = vec![0, 1, 255, 256, 50256, 65535, 7];
+        write_u16(&p, &ids);
+        let f = TokenFile::open(&p).unwrap();
+        assert_eq!(f.len(), 7);
+        assert_eq!(f.vocab_hint(), None);
+        let mut out = vec![0u32; 7];
+        f.read(0, &mut out).unwrap();
+        assert_eq!(out, ids.iter().map(|&t| t as u32).collect::<Vec<_>>());
+        let mut two = [0u32; 2];
+        f.read(3, &mut two).unwrap();
+        assert_eq!(two, [256, 50256]);
+        assert!(f.read(6, &mut two).is_err());
+        assert_eq!(f.max_token(), 65535);
+    }
+
+    #[test]
+    fn bad_files_are_errors_that_name_the_file() {
+        let dir = TempDir::new();
+        let missing = dir.path("missing.bin");
+        let e = TokenFile::open(&missing).err().unwrap().to_string();
+        assert!(
+            e.contains("missing.bin") && e.contains("no such file"),
+            "{e}"
+        );
+
+        let empty = dir.path("empty.bin");
+        std::fs::write(&empty, b"").unwrap();
+        let e = TokenFile::open(&empty).err().unwrap().to_string();
+        assert!(e.contains("empty.bin") && e.contains("empty"), "{e}");
+
+        let odd = dir.path("odd.bin");
+        std::fs::write(&odd, [1u8, 0, 2]).unwrap();
+        let e = TokenFile::open(&odd).err().unwrap().to_string();
+        assert!(e.contains("odd.bin") && e.contains("odd length"), "{e}");
+
+        let short = dir.path("short.bin");
+        write_u16(&short, &[1, 2, 3]);
+        let f = TokenFile::open(&short).unwrap();
+        let e = check_source(&f, 3, 100).unwrap_err().to_string();
+        assert!(
+            e.contains("short.bin") && e.contains("shorter than one row"),
+            "{e}"
+        );
+        let e = Sampler::new(f.len(), 3, 0).unwrap_err().to_string();
+        assert!(e.contains("shorter than one row"), "{e}");
+    }
+
+    #[test]
+    fn out_of_vocab_ids_are_found_when_the_batch_is_read() {
+        let dir = TempDir::new();
+        let p = dir.path("big.bin");
+        write_u16(&p, &[1, 2, 3, 4, 5, 6, 99, 7]);
+        let f = TokenFile::open(&p).unwrap();
+        let s = Sampler::new(f.len(), 3, 0).unwrap();
+        // Two windows, [1 2 3 4] and [5 6 99 7]: reading both must hit the 99.
+        let e = s.read_rows(&f, 0, 2, 50).unwrap_err().to_string();
+        assert!(
+            e.contains("big.bin") && e.contains("token id 99") && e.contains("at token 6"),
+            "{e}"
+        );
+        assert!(s.read_rows(&f, 0, 2, 100).is_ok());
+    }
+
+    #[test]
+    fn sidecar_gives_the_vocabulary_and_is_checked() {
+        let dir = TempDir::new();
+        let p = dir.path("s.bin");
+        write_u16(&p, &[1, 2, 3, 4]);
+        let side = Sidecar {
+            tokenizer: "gpt2".into(),
+            vocab_size: 50257,
+            tokens: 4,
+        };
+        std::fs::write(Sidecar::path_for(&p), serde_json::to_string(&side).unwrap()).unwrap();
+        let f = TokenFile::open(&p).unwrap();
+        assert_eq!(f.sidecar(), Some(&side));
+        assert_eq!(f.vocab_hint(), Some(50257));
+        let e = check_source(&f, 2, 1000).unwrap_err().to_string();
+        assert!(
+            e.contains("s.bin") && e.contains("50257") && e.contains("1000"),
+            "{e}"
+        );
+        assert!(check_source(&f, 2, 50304).is_ok());
+
+        std::fs::write(
+            Sidecar::path_for(&p),
+            r#"{"tokenizer":"gpt2","vocab_size":50257,"tokens":9}"#,
+        )
+        .unwrap();
+        let e = TokenFile::open(&p).err().unwrap().to_string();
+        assert!(e.contains("s.bin.json") && e.contains("stale"), "{e}");
+
+        std::fs::write(Sidecar::path_for(&p), "not json").unwrap();
+        let e = TokenFile::open(&p).err().unwrap().to_string();
+        assert!(e.contains("s.bin.json") && e.contains("not a valid"), "{e}");
+    }
+}
