@@ -6,6 +6,7 @@
 pub mod device;
 pub mod dtype;
 pub mod error;
+mod fsutil;
 pub mod gpt;
 pub mod host;
 pub mod kernel;
