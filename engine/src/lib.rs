@@ -4,6 +4,7 @@
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
 pub mod device;
+pub mod checkpoint;
 pub mod dtype;
 pub mod error;
 mod fsutil;
