@@ -3,8 +3,8 @@
 //! Everything above the device contract ([`device::Device`]) is generic over it:
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
-pub mod device;
 pub mod checkpoint;
+pub mod device;
 pub mod dtype;
 pub mod error;
 mod fsutil;
@@ -15,6 +15,7 @@ pub mod loss_scaler;
 pub mod matmul;
 pub mod mlp;
 pub mod optim;
+pub mod runs;
 pub mod safetensors_io;
 
 pub use device::{Buffer, Capabilities, Device};
