@@ -3,11 +3,13 @@
 //! Everything above the device contract ([`device::Device`]) is generic over it:
 //! a backend implements that one small trait and the rest of the engine runs on it.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod device;
 pub mod dtype;
 pub mod error;
+mod fsutil;
 pub mod gpt;
 pub mod host;
 pub mod kernel;
@@ -15,6 +17,7 @@ pub mod loss_scaler;
 pub mod matmul;
 pub mod mlp;
 pub mod optim;
+pub mod runs;
 pub mod safetensors_io;
 pub mod trainer;
 

@@ -4,7 +4,6 @@
 //! flushed to disk and renamed over it, so a crash mid-write never leaves a truncated
 //! file where a good one was. Reads check every name, dtype and shape and say which.
 
-use std::io::Write;
 use std::path::Path;
 
 use safetensors::tensor::{Dtype as StDtype, TensorView};
@@ -20,7 +19,7 @@ pub struct NamedTensor {
     pub shape: Vec<usize>,
 }
 
-fn st_dtype(d: DType) -> StDtype {
+pub(crate) fn st_dtype(d: DType) -> StDtype {
     match d {
         DType::F32 => StDtype::F32,
         DType::F16 => StDtype::F16,
@@ -46,21 +45,27 @@ pub fn save(dev: &dyn Device, tensors: &[NamedTensor], path: &Path) -> Result<()
         }
         data.push((t, dev.download(t.buffer)?));
     }
-    let views = data
+    let named: Vec<_> = data
         .iter()
-        .map(|(t, host)| {
-            TensorView::new(st_dtype(t.buffer.dtype), t.shape.clone(), host.as_bytes())
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| io(path, "building", e))
+        .map(|(t, host)| (t.name.as_str(), t.shape.as_slice(), host))
+        .collect();
+    let bytes = encode(&named).map_err(|e| io(path, "serializing", e))?;
+    crate::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
+}
+
+/// Serializes named host tensors to safetensors bytes.
+pub(crate) fn encode(
+    tensors: &[(&str, &[usize], &HostData)],
+) -> std::result::Result<Vec<u8>, String> {
+    let views = tensors
+        .iter()
+        .map(|&(name, shape, host)| {
+            TensorView::new(st_dtype(host.dtype()), shape.to_vec(), host.as_bytes())
+                .map(|v| (name.to_string(), v))
+                .map_err(|e| format!("tensor `{name}`: {e}"))
         })
-        .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| io(path, "serializing", e))?;
-    let tmp = path.with_extension("safetensors.tmp");
-    let mut file = std::fs::File::create(&tmp).map_err(|e| io(&tmp, "creating", e))?;
-    file.write_all(&bytes).map_err(|e| io(&tmp, "writing", e))?;
-    file.sync_all().map_err(|e| io(&tmp, "flushing", e))?;
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(|e| io(path, "renaming the finished file to", e))
+        .collect::<std::result::Result<Vec<_>, String>>()?;
+    safetensors::serialize(views, None).map_err(|e| e.to_string())
 }
 
 /// Reads `path` and uploads each of `tensors` from the tensor of the same name, which

@@ -1,0 +1,1168 @@
+//! The run ledger: per-step metrics, a summary, a chart, and the listing and diffing
+//! of runs behind `kiln runs` and `kiln runs diff A B`.
+//!
+//! A run directory `runs/NAME/` holds `config.json` (the resolved configuration,
+//! written with [`write_config`]), `metrics.jsonl` (one [`StepRecord`] per line, written
+//! by [`MetricsWriter`]), `summary.json` ([`Summary`]), `chart.svg` ([`write_chart`])
+//! and `checkpoints/` (see [`crate::checkpoint`]). The ledger's rule is one variable
+//! at a time: [`diff_runs`] says so when two runs differ in more than one config key.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
+
+use crate::checkpoint;
+use crate::fsutil::{self, ctx, IoFailure};
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const METRICS_FILE: &str = "metrics.jsonl";
+pub const SUMMARY_FILE: &str = "summary.json";
+pub const CHART_FILE: &str = "chart.svg";
+/// Steps left out of the mean throughput by default (shader compilation, warm-up).
+pub const DEFAULT_WARMUP_STEPS: usize = 5;
+/// Config keys (matched on the last path segment) shown in a run's one-line summary.
+pub const SUMMARY_KEYS: &[&str] = &[
+    "model",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "vocab_size",
+    "precision",
+    "dtype",
+    "batch",
+    "batch_size",
+    "seq",
+    "seq_len",
+    "grad_accum",
+    "lr",
+    "device",
+];
+
+/// Everything that can go wrong with a run directory. Each message names the path.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{action} `{}`: {err} (check that the path exists and is writable and that the disk is not full)", .path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        err: std::io::Error,
+    },
+
+    #[error("`{}` is not a run directory: {missing}. Runs are created by training with a run name; `kiln runs` lists them", .dir.display())]
+    NotARun { dir: PathBuf, missing: String },
+
+    #[error("no runs directory `{}`: nothing has been trained there yet (train with a run name, or pass the directory that holds the runs)", .root.display())]
+    NoRunsDir { root: PathBuf },
+
+    #[error("`{}`{}: not valid JSON ({detail}); the file was edited or damaged: fix or remove {}", .path.display(), .line.map(|l| format!(" line {l}")).unwrap_or_default(), if .line.is_some() { "that line" } else { "the file" })]
+    BadJson {
+        path: PathBuf,
+        line: Option<usize>,
+        detail: String,
+    },
+
+    #[error("writing `{}`: cannot encode it as JSON ({detail})", .path.display())]
+    Encode { path: PathBuf, detail: String },
+
+    #[error("drawing the chart `{}`: {detail}", .path.display())]
+    Chart { path: PathBuf, detail: String },
+}
+
+impl From<IoFailure> for RunError {
+    fn from(f: IoFailure) -> Self {
+        RunError::Io {
+            action: f.action,
+            path: f.path,
+            err: f.err,
+        }
+    }
+}
+
+pub type Result<T, E = RunError> = std::result::Result<T, E>;
+
+/// Non-finite floats are written as `null` by JSON; read them back as NaN.
+fn nan_if_null<'de, D, T>(d: D) -> std::result::Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + From<f32>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_else(|| T::from(f32::NAN)))
+}
+
+/// One optimizer step, one line of `metrics.jsonl`. Non-finite values (an overflowed
+/// loss) are written as `null` and read back as NaN; a non-finite eval value reads
+/// back as `None`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss: f32,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub lr: f32,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub loss_scale: f32,
+    /// The step was skipped (gradient overflow): weights untouched.
+    pub skipped: bool,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub tokens_per_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub step_ms: f64,
+    /// Time the step waited for its input batch.
+    #[serde(deserialize_with = "nan_if_null")]
+    pub input_stall_ms: f64,
+    pub device_memory_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_accuracy: Option<f32>,
+}
+
+fn require_run(dir: &Path) -> Result<()> {
+    let missing = if !dir.is_dir() {
+        "the directory does not exist".to_string()
+    } else if !dir.join(CONFIG_FILE).is_file() {
+        format!("it has no {CONFIG_FILE}")
+    } else {
+        return Ok(());
+    };
+    Err(RunError::NotARun {
+        dir: dir.to_path_buf(),
+        missing,
+    })
+}
+
+/// Creates `run_dir` if needed and writes the resolved configuration to its
+/// `config.json` atomically.
+pub fn write_config(run_dir: &Path, config: &Value) -> Result<()> {
+    ctx(std::fs::create_dir_all(run_dir), "creating", run_dir)?;
+    let path = run_dir.join(CONFIG_FILE);
+    let mut text = encode_json(&path, config, true)?;
+    text.push('\n');
+    fsutil::write_atomic(&path, text.as_bytes())?;
+    Ok(())
+}
+
+/// Reads a run's `config.json`.
+pub fn read_config(run_dir: &Path) -> Result<Value> {
+    require_run(run_dir)?;
+    read_json(&run_dir.join(CONFIG_FILE))
+}
+
+fn encode_json<T: Serialize>(path: &Path, value: &T, pretty: bool) -> Result<String> {
+    let text = if pretty {
+        serde_json::to_string_pretty(value)
+    } else {
+        serde_json::to_string(value)
+    };
+    text.map_err(|e| RunError::Encode {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    })
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = ctx(std::fs::read_to_string(path), "reading", path)?;
+    serde_json::from_str(&text).map_err(|e| RunError::BadJson {
+        path: path.to_path_buf(),
+        line: None,
+        detail: e.to_string(),
+    })
+}
+
+/// The records of a metrics file with the raw line each came from. A last line
+/// without its newline that does not parse is a write cut short by a crash and is
+/// left out; any other line that does not parse is an error naming it.
+struct MetricsFile {
+    records: Vec<(StepRecord, String)>,
+    /// The file needs rewriting to end cleanly (cut-short or unterminated last line).
+    unclean_end: bool,
+}
+
+fn parse_metrics(path: &Path) -> Result<MetricsFile> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(err) => {
+            return Err(RunError::Io {
+                action: "reading",
+                path: path.to_path_buf(),
+                err,
+            })
+        }
+    };
+    let mut out = MetricsFile {
+        records: Vec::new(),
+        unclean_end: !text.is_empty() && !text.ends_with('\n'),
+    };
+    let lines: Vec<&str> = text.split_terminator('\n').collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<StepRecord>(line) {
+            Ok(r) => out.records.push((r, line.to_string())),
+            Err(_) if i + 1 == lines.len() && out.unclean_end => {}
+            Err(e) => {
+                return Err(RunError::BadJson {
+                    path: path.to_path_buf(),
+                    line: Some(i + 1),
+                    detail: e.to_string(),
+                })
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// All step records of a run, in file order (a crash-cut last line left out).
+pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>> {
+    Ok(parse_metrics(&run_dir.join(METRICS_FILE))?
+        .records
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect())
+}
+
+/// Appends step records to `metrics.jsonl`, one JSON object per line, each line
+/// handed to the operating system as it is written (a crash of the process loses
+/// nothing already appended; [`MetricsWriter::sync`] also survives power loss).
+#[derive(Debug)]
+pub struct MetricsWriter {
+    path: PathBuf,
+    file: std::fs::File,
+    dropped: usize,
+}
+
+impl MetricsWriter {
+    /// Starts a fresh `metrics.jsonl` in `run_dir` (created if needed), replacing any.
+    pub fn create(run_dir: &Path) -> Result<MetricsWriter> {
+        ctx(std::fs::create_dir_all(run_dir), "creating", run_dir)?;
+        let path = run_dir.join(METRICS_FILE);
+        let file = ctx(std::fs::File::create(&path), "creating", &path)?;
+        Ok(MetricsWriter {
+            path,
+            file,
+            dropped: 0,
+        })
+    }
+
+    /// Continues the metrics of a run resumed from the checkpoint at `resume_step`:
+    /// records with a step after it (written after that checkpoint, before the
+    /// interruption) are dropped, so the steps about to be redone appear once. The
+    /// file is rewritten atomically when anything is dropped.
+    pub fn resume(run_dir: &Path, resume_step: u64) -> Result<MetricsWriter> {
+        ctx(std::fs::create_dir_all(run_dir), "creating", run_dir)?;
+        let path = run_dir.join(METRICS_FILE);
+        let parsed = parse_metrics(&path)?;
+        let total = parsed.records.len();
+        let kept: Vec<&str> = parsed
+            .records
+            .iter()
+            .filter(|(r, _)| r.step <= resume_step)
+            .map(|(_, line)| line.as_str())
+            .collect();
+        let dropped = total - kept.len();
+        if dropped > 0 || parsed.unclean_end {
+            let mut text = String::new();
+            for line in &kept {
+                text.push_str(line);
+                text.push('\n');
+            }
+            fsutil::write_atomic(&path, text.as_bytes())?;
+        }
+        let file = ctx(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path),
+            "opening for appending",
+            &path,
+        )?;
+        Ok(MetricsWriter {
+            path,
+            file,
+            dropped,
+        })
+    }
+
+    /// Appends one record as one line.
+    pub fn append(&mut self, record: &StepRecord) -> Result<()> {
+        let mut line = encode_json(&self.path, record, false)?;
+        line.push('\n');
+        ctx(
+            self.file.write_all(line.as_bytes()),
+            "appending to",
+            &self.path,
+        )?;
+        Ok(())
+    }
+
+    /// Flushes everything appended so far to disk.
+    pub fn sync(&self) -> Result<()> {
+        ctx(self.file.sync_data(), "flushing", &self.path)?;
+        Ok(())
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// How many records [`MetricsWriter::resume`] dropped.
+    pub fn dropped(&self) -> usize {
+        self.dropped
+    }
+}
+
+/// The outcome of a run, `summary.json`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Step records.
+    pub steps: usize,
+    pub last_step: Option<u64>,
+    pub skipped_steps: usize,
+    /// The loss of the last step with a finite loss.
+    pub final_loss: Option<f32>,
+    pub best_loss: Option<f32>,
+    pub best_loss_step: Option<u64>,
+    pub final_eval_loss: Option<f32>,
+    pub best_eval_loss: Option<f32>,
+    pub final_eval_accuracy: Option<f32>,
+    pub best_eval_accuracy: Option<f32>,
+    /// Tokens over time across the steps after the first `warmup_steps_excluded`
+    /// (all steps when there are no more than that).
+    pub mean_tokens_per_s: Option<f64>,
+    pub warmup_steps_excluded: usize,
+    pub mean_step_ms: Option<f64>,
+    pub mean_input_stall_ms: Option<f64>,
+    /// Sum of step times unless the caller sets the wall-clock time.
+    pub total_time_s: f64,
+    pub peak_device_memory_bytes: u64,
+    /// Filled in by the caller.
+    pub devices: Vec<String>,
+}
+
+fn finite<T: Into<f64> + Copy>(v: T) -> Option<T> {
+    v.into().is_finite().then_some(v)
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values
+        .filter(|v| v.is_finite())
+        .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
+impl Summary {
+    /// Summarizes step records, leaving the first `warmup_steps` out of throughput.
+    pub fn from_records(records: &[StepRecord], warmup_steps: usize) -> Summary {
+        let mut s = Summary {
+            steps: records.len(),
+            last_step: records.last().map(|r| r.step),
+            skipped_steps: records.iter().filter(|r| r.skipped).count(),
+            ..Summary::default()
+        };
+        for r in records {
+            if let Some(l) = finite(r.loss) {
+                s.final_loss = Some(l);
+                if s.best_loss.is_none_or(|b| l < b) {
+                    s.best_loss = Some(l);
+                    s.best_loss_step = Some(r.step);
+                }
+            }
+            if let Some(l) = r.eval_loss.and_then(finite) {
+                s.final_eval_loss = Some(l);
+                s.best_eval_loss = Some(s.best_eval_loss.map_or(l, |b| b.min(l)));
+            }
+            if let Some(a) = r.eval_accuracy.and_then(finite) {
+                s.final_eval_accuracy = Some(a);
+                s.best_eval_accuracy = Some(s.best_eval_accuracy.map_or(a, |b| b.max(a)));
+            }
+            s.peak_device_memory_bytes = s.peak_device_memory_bytes.max(r.device_memory_bytes);
+        }
+        s.warmup_steps_excluded = if records.len() > warmup_steps {
+            warmup_steps
+        } else {
+            0
+        };
+        let timed = &records[s.warmup_steps_excluded..];
+        // Weighted by step time: total tokens over total time, not a mean of rates.
+        let (tokens, ms) = timed
+            .iter()
+            .filter(|r| r.tokens_per_s.is_finite() && r.step_ms.is_finite() && r.step_ms > 0.0)
+            .fold((0.0, 0.0), |(t, m), r| {
+                (t + r.tokens_per_s * r.step_ms / 1e3, m + r.step_ms)
+            });
+        s.mean_tokens_per_s = if ms > 0.0 {
+            Some(tokens / (ms / 1e3))
+        } else {
+            mean(timed.iter().map(|r| r.tokens_per_s))
+        };
+        s.mean_step_ms = mean(timed.iter().map(|r| r.step_ms));
+        s.mean_input_stall_ms = mean(timed.iter().map(|r| r.input_stall_ms));
+        s.total_time_s = records
+            .iter()
+            .filter(|r| r.step_ms.is_finite())
+            .map(|r| r.step_ms)
+            .sum::<f64>()
+            / 1e3;
+        s
+    }
+
+    /// Writes `run_dir/summary.json` atomically.
+    pub fn write(&self, run_dir: &Path) -> Result<()> {
+        let path = run_dir.join(SUMMARY_FILE);
+        let mut text = encode_json(&path, self, true)?;
+        text.push('\n');
+        fsutil::write_atomic(&path, text.as_bytes())?;
+        Ok(())
+    }
+
+    /// Reads `run_dir/summary.json`.
+    pub fn read(run_dir: &Path) -> Result<Summary> {
+        read_json(&run_dir.join(SUMMARY_FILE))
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Chart
+
+const CHART_SIZE: (u32, u32) = (960, 900);
+const FONT: &str = "sans-serif";
+
+struct Series {
+    label: &'static str,
+    color: RGBColor,
+    points: Vec<(f64, f64)>,
+    markers: bool,
+}
+
+impl Series {
+    fn new(
+        label: &'static str,
+        color: RGBColor,
+        markers: bool,
+        points: impl Iterator<Item = (f64, f64)>,
+    ) -> Series {
+        Series {
+            label,
+            color,
+            points: points
+                .filter(|p| p.0.is_finite() && p.1.is_finite())
+                .collect(),
+            markers,
+        }
+    }
+}
+
+/// A range that plotters can draw: never empty, never inverted, padded a little.
+fn padded_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    if lo > hi {
+        return (0.0, 1.0);
+    }
+    let span = hi - lo;
+    let pad = if span > 0.0 {
+        span * 0.05
+    } else if lo != 0.0 {
+        lo.abs() * 0.1
+    } else {
+        1.0
+    };
+    (lo - pad, hi + pad)
+}
+
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+
+fn draw_panel(
+    area: &Area<'_>,
+    caption: &str,
+    x: (f64, f64),
+    series: &[Series],
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<_>| e.to_string();
+    let y = padded_range(series.iter().flat_map(|s| s.points.iter().map(|p| p.1)));
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, (FONT, 18))
+        .margin(10)
+        .x_label_area_size(32)
+        .y_label_area_size(72)
+        .build_cartesian_2d(x.0..x.1, y.0..y.1)
+        .map_err(err)?;
+    let decimals = |span: f64| (1.0 - span.log10().floor()).clamp(0.0, 6.0) as usize;
+    let yd = decimals(y.1 - y.0);
+    // Steps are whole numbers: at most one label per step, printed without decimals.
+    let x_labels = ((x.1 - x.0).floor() as usize + 1).clamp(2, 10);
+    let x_fmt = |v: &f64| format!("{v:.0}");
+    let y_fmt = move |v: &f64| format!("{v:.yd$}");
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .x_labels(x_labels)
+        .x_label_formatter(&x_fmt)
+        .y_label_formatter(&y_fmt)
+        .light_line_style(WHITE)
+        .draw()
+        .map_err(err)?;
+    let mut any = false;
+    for s in series.iter().filter(|s| !s.points.is_empty()) {
+        any = true;
+        let color = s.color;
+        let legend = move |(x, y): (i32, i32)| {
+            PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+        };
+        if s.points.len() >= 2 {
+            chart
+                .draw_series(LineSeries::new(
+                    s.points.iter().copied(),
+                    color.stroke_width(2),
+                ))
+                .map_err(err)?
+                .label(s.label)
+                .legend(legend);
+        }
+        if s.markers || s.points.len() == 1 {
+            let drawn = chart
+                .draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(err)?;
+            if s.points.len() == 1 {
+                drawn.label(s.label).legend(legend);
+            }
+        }
+    }
+    if any {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font((FONT, 14))
+            .draw()
+            .map_err(err)?;
+    } else {
+        chart
+            .plotting_area()
+            .draw(&Text::new(
+                "no data yet",
+                ((x.0 + x.1) / 2.0, (y.0 + y.1) / 2.0),
+                (FONT, 16),
+            ))
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Renders step records as an SVG document: loss (and eval loss), eval accuracy
+/// when there is any, and tokens/s, each against the step. Any number of records,
+/// zero included, gives a valid document.
+pub fn render_chart(records: &[StepRecord], title: &str) -> std::result::Result<String, String> {
+    let step = |r: &StepRecord| r.step as f64;
+    let loss = [
+        Series::new(
+            "train loss",
+            BLUE,
+            false,
+            records.iter().map(|r| (step(r), r.loss as f64)),
+        ),
+        Series::new(
+            "eval loss",
+            RED,
+            true,
+            records
+                .iter()
+                .filter_map(|r| r.eval_loss.map(|l| (step(r), l as f64))),
+        ),
+    ];
+    let accuracy = [Series::new(
+        "eval accuracy",
+        RGBColor(0, 140, 60),
+        true,
+        records
+            .iter()
+            .filter_map(|r| r.eval_accuracy.map(|a| (step(r), a as f64))),
+    )];
+    let throughput = [Series::new(
+        "tokens/s",
+        RGBColor(120, 60, 170),
+        false,
+        records.iter().map(|r| (step(r), r.tokens_per_s)),
+    )];
+    let mut panels: Vec<(&str, &[Series])> = vec![("loss", &loss)];
+    if !accuracy[0].points.is_empty() {
+        panels.push(("eval accuracy", &accuracy));
+    }
+    panels.push(("tokens/s", &throughput));
+    let x = padded_range(records.iter().map(step));
+
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, CHART_SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        let root = root.titled(title, (FONT, 22)).map_err(|e| e.to_string())?;
+        let areas = root.split_evenly((panels.len(), 1));
+        for ((caption, series), area) in panels.iter().zip(&areas) {
+            draw_panel(area, caption, x, series)?;
+        }
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(svg)
+}
+
+/// Draws `run_dir/metrics.jsonl` into `run_dir/chart.svg` (written atomically) and
+/// returns the chart's path.
+pub fn write_chart(run_dir: &Path) -> Result<PathBuf> {
+    if !run_dir.is_dir() {
+        return Err(RunError::NotARun {
+            dir: run_dir.to_path_buf(),
+            missing: "the directory does not exist".to_string(),
+        });
+    }
+    let records = read_metrics(run_dir)?;
+    let path = run_dir.join(CHART_FILE);
+    let title = run_name(run_dir);
+    let svg = render_chart(&records, &title).map_err(|detail| RunError::Chart {
+        path: path.clone(),
+        detail,
+    })?;
+    fsutil::write_atomic(&path, svg.as_bytes())?;
+    Ok(path)
+}
+
+// ---------------------------------------------------------------------------------
+// Listing
+
+fn run_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}
+
+/// One run, as `kiln runs` shows it.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    pub name: String,
+    pub dir: PathBuf,
+    /// Latest modification of its config, metrics or summary.
+    pub modified: SystemTime,
+    /// The last step recorded.
+    pub steps: Option<u64>,
+    pub final_loss: Option<f32>,
+    pub tokens_per_s: Option<f64>,
+    pub final_eval_accuracy: Option<f32>,
+    /// A one-line summary of the config (see [`config_summary`]).
+    pub config: String,
+    /// Complete checkpoints.
+    pub checkpoints: usize,
+    /// `summary.json` is there and up to date with the metrics.
+    pub finished: bool,
+    /// Why some of the above is missing (a damaged metrics file, say).
+    pub note: Option<String>,
+}
+
+/// The summary of a run: `summary.json` when it covers every recorded step, else one
+/// computed from the metrics (a run still going, or one that stopped early).
+fn outcome(dir: &Path) -> Result<(Summary, bool)> {
+    let records = read_metrics(dir)?;
+    let saved = if dir.join(SUMMARY_FILE).is_file() {
+        Some(Summary::read(dir)?)
+    } else {
+        None
+    };
+    let last = records.last().map(|r| r.step);
+    match saved {
+        Some(s) if s.last_step == last => Ok((s, true)),
+        saved => {
+            let mut s = Summary::from_records(&records, DEFAULT_WARMUP_STEPS);
+            if let Some(old) = saved {
+                s.devices = old.devices;
+            }
+            Ok((s, false))
+        }
+    }
+}
+
+/// The details of one run directory.
+pub fn run_info(dir: &Path) -> Result<RunInfo> {
+    require_run(dir)?;
+    let mut modified = SystemTime::UNIX_EPOCH;
+    for f in [CONFIG_FILE, METRICS_FILE, SUMMARY_FILE] {
+        if let Ok(t) = std::fs::metadata(dir.join(f)).and_then(|m| m.modified()) {
+            modified = modified.max(t);
+        }
+    }
+    let mut info = RunInfo {
+        name: run_name(dir),
+        dir: dir.to_path_buf(),
+        modified,
+        steps: None,
+        final_loss: None,
+        tokens_per_s: None,
+        final_eval_accuracy: None,
+        config: String::new(),
+        checkpoints: 0,
+        finished: false,
+        note: None,
+    };
+    let mut notes = Vec::new();
+    match read_config(dir) {
+        Ok(c) => info.config = config_summary(&c),
+        Err(e) => notes.push(e.to_string()),
+    }
+    match outcome(dir) {
+        Ok((s, finished)) => {
+            info.steps = s.last_step;
+            info.final_loss = s.final_loss;
+            info.tokens_per_s = s.mean_tokens_per_s;
+            info.final_eval_accuracy = s.final_eval_accuracy;
+            info.finished = finished;
+        }
+        Err(e) => notes.push(e.to_string()),
+    }
+    match checkpoint::list(dir) {
+        Ok(c) => info.checkpoints = c.len(),
+        Err(e) => notes.push(e.to_string()),
+    }
+    if !notes.is_empty() {
+        info.note = Some(notes.join("; "));
+    }
+    Ok(info)
+}
+
+/// Every run under `root` (directories with a `config.json`), oldest first. A run
+/// whose files are damaged is listed with a note rather than failing the listing.
+pub fn list_runs(root: &Path) -> Result<Vec<RunInfo>> {
+    if !root.is_dir() {
+        return Err(RunError::NoRunsDir {
+            root: root.to_path_buf(),
+        });
+    }
+    let mut runs = Vec::new();
+    for entry in ctx(std::fs::read_dir(root), "listing", root)? {
+        let path = ctx(entry, "listing", root)?.path();
+        if path.join(CONFIG_FILE).is_file() {
+            runs.push(run_info(&path)?);
+        }
+    }
+    runs.sort_by(|a, b| a.modified.cmp(&b.modified).then(a.name.cmp(&b.name)));
+    Ok(runs)
+}
+
+/// A one-line summary of a config: the leaves named in [`SUMMARY_KEYS`], in that
+/// order, as `key=value`.
+pub fn config_summary(config: &Value) -> String {
+    let flat = flatten_json(config);
+    let mut parts = Vec::new();
+    for want in SUMMARY_KEYS {
+        let hit = flat
+            .iter()
+            .find(|(k, _)| k.rsplit('.').next() == Some(want));
+        if let Some((_, v)) = hit {
+            parts.push(format!("{want}={}", show_value(v)));
+        }
+    }
+    if parts.is_empty() {
+        format!("{} keys", flat.len())
+    } else {
+        parts.join(" ")
+    }
+}
+
+/// Formats a time as UTC `YYYY-MM-DD HH:MM`.
+pub fn format_utc(t: SystemTime) -> String {
+    let secs = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (mut days, rem) = (secs / 86_400, secs % 86_400);
+    let leap = |y: u64| (y.is_multiple_of(4) && !y.is_multiple_of(100)) || y.is_multiple_of(400);
+    let mut year = 1970;
+    loop {
+        let len = if leap(year) { 366 } else { 365 };
+        if days < len {
+            break;
+        }
+        days -= len;
+        year += 1;
+    }
+    let mut month_len = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+    if leap(year) {
+        month_len[1] = 29;
+    }
+    let mut month = 0;
+    while days >= month_len[month] {
+        days -= month_len[month];
+        month += 1;
+    }
+    format!(
+        "{year:04}-{:02}-{:02} {:02}:{:02}",
+        month + 1,
+        days + 1,
+        rem / 3600,
+        rem % 3600 / 60
+    )
+}
+
+fn fmt_opt<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
+    v.map(f).unwrap_or_else(|| "-".to_string())
+}
+
+/// Writes rows as left-aligned columns two spaces apart, with a leading indent.
+fn write_table(f: &mut fmt::Formatter<'_>, indent: &str, rows: &[Vec<String>]) -> fmt::Result {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in rows {
+        let mut line = indent.to_string();
+        for (c, cell) in row.iter().enumerate() {
+            if c + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                line.push_str(cell);
+                line.push_str(&" ".repeat(widths[c] - cell.chars().count() + 2));
+            }
+        }
+        writeln!(f, "{}", line.trim_end())?;
+    }
+    Ok(())
+}
+
+/// [`list_runs`]'s result as a table.
+pub struct RunsTable<'a>(pub &'a [RunInfo]);
+
+impl fmt::Display for RunsTable<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return writeln!(f, "no runs");
+        }
+        let mut rows = vec![[
+            "name",
+            "date (UTC)",
+            "steps",
+            "final loss",
+            "tokens/s",
+            "eval acc",
+            "ckpts",
+            "config",
+        ]
+        .map(String::from)
+        .to_vec()];
+        for r in self.0 {
+            let mut name = r.name.clone();
+            if !r.finished && r.steps.is_some() {
+                name.push('*');
+            }
+            rows.push(vec![
+                name,
+                format_utc(r.modified),
+                fmt_opt(r.steps, |s| s.to_string()),
+                fmt_opt(r.final_loss, |l| format!("{l:.4}")),
+                fmt_opt(r.tokens_per_s, |t| format!("{t:.0}")),
+                fmt_opt(r.final_eval_accuracy, |a| format!("{a:.4}")),
+                r.checkpoints.to_string(),
+                r.config.clone(),
+            ]);
+        }
+        write_table(f, "", &rows)?;
+        if self.0.iter().any(|r| !r.finished && r.steps.is_some()) {
+            writeln!(
+                f,
+                "* no up-to-date summary.json: still running or stopped early"
+            )?;
+        }
+        for r in self.0 {
+            if let Some(note) = &r.note {
+                writeln!(f, "{}: {note}", r.name)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Diff
+
+/// Flattens JSON to `a.b.c = leaf` (array elements by index: `layers.0`). Empty
+/// objects and arrays are leaves.
+pub fn flatten_json(value: &Value) -> BTreeMap<String, Value> {
+    fn walk(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
+        let key = |k: &str| {
+            if prefix.is_empty() {
+                k.to_string()
+            } else {
+                format!("{prefix}.{k}")
+            }
+        };
+        match v {
+            Value::Object(m) if !m.is_empty() => {
+                for (k, child) in m {
+                    walk(&key(k), child, out);
+                }
+            }
+            Value::Array(a) if !a.is_empty() => {
+                for (i, child) in a.iter().enumerate() {
+                    walk(&key(&i.to_string()), child, out);
+                }
+            }
+            leaf => {
+                out.insert(prefix.to_string(), leaf.clone());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk("", value, &mut out);
+    out
+}
+
+/// JSON leaves compared as values: `1` and `1.0` are the same number.
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x == y || x.as_f64() == y.as_f64(),
+        _ => a == b,
+    }
+}
+
+fn show_value(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// How a config key differs between run A and run B.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChangeKind {
+    Added,
+    Removed,
+    Changed,
+}
+
+/// One config key that differs; `a`/`b` are `None` where the key is absent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConfigChange {
+    pub key: String,
+    pub a: Option<Value>,
+    pub b: Option<Value>,
+}
+
+impl ConfigChange {
+    pub fn kind(&self) -> ChangeKind {
+        match (&self.a, &self.b) {
+            (None, _) => ChangeKind::Added,
+            (_, None) => ChangeKind::Removed,
+            _ => ChangeKind::Changed,
+        }
+    }
+}
+
+/// What a run achieved, for comparison.
+#[derive(Clone, Debug)]
+pub struct RunOutcome {
+    pub name: String,
+    pub dir: PathBuf,
+    pub summary: Summary,
+}
+
+/// Two runs compared: config keys that differ, then results.
+#[derive(Clone, Debug)]
+pub struct RunDiff {
+    pub a: RunOutcome,
+    pub b: RunOutcome,
+    /// Sorted by key.
+    pub changes: Vec<ConfigChange>,
+}
+
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if a != 0.0 && a.is_finite() && b.is_finite() => Some(b / a),
+        _ => None,
+    }
+}
+
+impl RunDiff {
+    pub fn changed_keys(&self) -> Vec<&str> {
+        self.changes.iter().map(|c| c.key.as_str()).collect()
+    }
+
+    /// The runs differ in exactly one config key, as the ledger's rule wants.
+    pub fn is_one_variable(&self) -> bool {
+        self.changes.len() == 1
+    }
+
+    /// B's throughput over A's.
+    pub fn tokens_per_s_ratio(&self) -> Option<f64> {
+        ratio(
+            self.a.summary.mean_tokens_per_s,
+            self.b.summary.mean_tokens_per_s,
+        )
+    }
+
+    /// B's final loss over A's.
+    pub fn final_loss_ratio(&self) -> Option<f64> {
+        ratio(
+            self.a.summary.final_loss.map(f64::from),
+            self.b.summary.final_loss.map(f64::from),
+        )
+    }
+}
+
+/// Compares two runs: their flattened `config.json` files key by key, then their
+/// results.
+pub fn diff_runs(a: &Path, b: &Path) -> Result<RunDiff> {
+    let side = |dir: &Path| -> Result<(RunOutcome, BTreeMap<String, Value>)> {
+        let config = read_config(dir)?;
+        let (summary, _) = outcome(dir)?;
+        Ok((
+            RunOutcome {
+                name: run_name(dir),
+                dir: dir.to_path_buf(),
+                summary,
+            },
+            flatten_json(&config),
+        ))
+    };
+    let (a, ca) = side(a)?;
+    let (b, cb) = side(b)?;
+    let mut changes = Vec::new();
+    for (key, va) in &ca {
+        match cb.get(key) {
+            None => changes.push(ConfigChange {
+                key: key.clone(),
+                a: Some(va.clone()),
+                b: None,
+            }),
+            Some(vb) if !same_value(va, vb) => changes.push(ConfigChange {
+                key: key.clone(),
+                a: Some(va.clone()),
+                b: Some(vb.clone()),
+            }),
+            Some(_) => {}
+        }
+    }
+    for (key, vb) in &cb {
+        if !ca.contains_key(key) {
+            changes.push(ConfigChange {
+                key: key.clone(),
+                a: None,
+                b: Some(vb.clone()),
+            });
+        }
+    }
+    changes.sort_by(|x, y| x.key.cmp(&y.key));
+    Ok(RunDiff { a, b, changes })
+}
+
+impl fmt::Display for RunDiff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (an, bn) = (&self.a.name, &self.b.name);
+        writeln!(f, "A = {} ({})", an, self.a.dir.display())?;
+        writeln!(f, "B = {} ({})", bn, self.b.dir.display())?;
+        writeln!(f)?;
+        match self.changes.len() {
+            0 => writeln!(f, "config: identical")?,
+            1 => writeln!(f, "config: 1 key differs")?,
+            n => {
+                writeln!(f, "config: {n} keys differ")?;
+                writeln!(
+                    f,
+                    "WARNING: more than one config key differs, so the difference in results cannot be put down to one change (the ledger's rule is one variable at a time)"
+                )?;
+            }
+        }
+        if !self.changes.is_empty() {
+            let mut rows = vec![vec![
+                String::new(),
+                "key".to_string(),
+                "A".to_string(),
+                "B".to_string(),
+            ]];
+            for c in &self.changes {
+                let mark = match c.kind() {
+                    ChangeKind::Added => "+",
+                    ChangeKind::Removed => "-",
+                    ChangeKind::Changed => "~",
+                };
+                rows.push(vec![
+                    mark.to_string(),
+                    c.key.clone(),
+                    c.a.as_ref().map_or("(absent)".into(), show_value),
+                    c.b.as_ref().map_or("(absent)".into(), show_value),
+                ]);
+            }
+            write_table(f, "  ", &rows)?;
+        }
+        writeln!(f)?;
+        let (sa, sb) = (&self.a.summary, &self.b.summary);
+        let ratio_cell = |r: Option<f64>| fmt_opt(r, |r| format!("{r:.3}x"));
+        let loss = |l: Option<f32>| fmt_opt(l, |l| format!("{l:.4}"));
+        let f64r = |a: Option<f32>, b: Option<f32>| ratio(a.map(f64::from), b.map(f64::from));
+        let rows = vec![
+            vec![
+                "result".to_string(),
+                "A".to_string(),
+                "B".to_string(),
+                "B/A".to_string(),
+            ],
+            vec![
+                "steps".to_string(),
+                fmt_opt(sa.last_step, |s| s.to_string()),
+                fmt_opt(sb.last_step, |s| s.to_string()),
+                String::new(),
+            ],
+            vec![
+                "tokens/s".to_string(),
+                fmt_opt(sa.mean_tokens_per_s, |t| format!("{t:.1}")),
+                fmt_opt(sb.mean_tokens_per_s, |t| format!("{t:.1}")),
+                ratio_cell(self.tokens_per_s_ratio()),
+            ],
+            vec![
+                "final loss".to_string(),
+                loss(sa.final_loss),
+                loss(sb.final_loss),
+                ratio_cell(self.final_loss_ratio()),
+            ],
+            vec![
+                "best loss".to_string(),
+                loss(sa.best_loss),
+                loss(sb.best_loss),
+                ratio_cell(f64r(sa.best_loss, sb.best_loss)),
+            ],
+            vec![
+                "eval loss".to_string(),
+                loss(sa.final_eval_loss),
+                loss(sb.final_eval_loss),
+                ratio_cell(f64r(sa.final_eval_loss, sb.final_eval_loss)),
+            ],
+            vec![
+                "eval accuracy".to_string(),
+                loss(sa.final_eval_accuracy),
+                loss(sb.final_eval_accuracy),
+                ratio_cell(f64r(sa.final_eval_accuracy, sb.final_eval_accuracy)),
+            ],
+            vec![
+                "skipped steps".to_string(),
+                sa.skipped_steps.to_string(),
+                sb.skipped_steps.to_string(),
+                String::new(),
+            ],
+        ];
+        write_table(f, "  ", &rows)
+    }
+}
