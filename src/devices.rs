@@ -108,6 +108,33 @@ pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn
     }
 }
 
+/// The adapter to train on when none is named: discrete GPUs first, then integrated,
+/// virtual and CPU adapters (lavapipe); Vulkan before other backends of the same kind.
+/// No adapter at all is an error with the install hint, never a silent switch to the
+/// CPU reference backend.
+pub fn default_device() -> Result<DeviceSpec> {
+    let rank = |t: &str| match t {
+        "discrete" => 0,
+        "integrated" => 1,
+        "virtual" => 2,
+        "cpu" => 3,
+        _ => 4,
+    };
+    kiln_wgpu::adapters()
+        .iter()
+        .min_by_key(|a| {
+            (
+                rank(&a.caps.device_type),
+                a.caps.backend != "vulkan",
+                a.index,
+            )
+        })
+        .map(|a| DeviceSpec::Index(a.index))
+        .ok_or_else(|| Error::NoAdapter {
+            hint: kiln_wgpu::NO_ADAPTER_HINT.to_string(),
+        })
+}
+
 /// Turns off Mesa's device-select Vulkan layer for this process, unless the user set
 /// `NODEVICE_SELECT` themselves. The layer reorders adapters (Kiln lists and picks them
 /// itself) and, on machines without a display, prints "XDG_RUNTIME_DIR is invalid"

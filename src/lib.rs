@@ -10,5 +10,6 @@ pub use kiln_wgpu as wgpu;
 
 pub mod bench;
 pub mod devices;
+pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

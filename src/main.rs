@@ -1,5 +1,9 @@
 //! The `kiln` command line.
 
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
@@ -20,11 +24,98 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Train a GPT from a DeepSpeed config (no arguments: the built-in addition demo).
+    Train(TrainArgs),
+    /// Check or explain a DeepSpeed config file.
+    Config {
+        #[command(subcommand)]
+        what: ConfigWhat,
+    },
+    /// Turn a text file into a `.bin` token file (u16 tokens, with a `.json` sidecar).
+    Prepare {
+        /// The text file (UTF-8 for the GPT-2 tokenizer).
+        input: PathBuf,
+        /// The token file to write (`.bin`).
+        output: PathBuf,
+        /// `gpt2` (GPT-2's BPE, vocab 50257) or `bytes` (vocab 256).
+        #[arg(long, default_value = "gpt2")]
+        tokenizer: String,
+    },
+    /// List training runs, or compare two.
+    Runs {
+        #[command(subcommand)]
+        what: Option<RunsWhat>,
+        /// Directory holding the runs.
+        #[arg(long, default_value = "runs")]
+        root: PathBuf,
+    },
     /// Measure kernel throughput.
     Bench {
         #[command(subcommand)]
         what: BenchWhat,
     },
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// DeepSpeed config (`ds_config.json`); default: demos/addition.ds_config.json.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// GPT sizes as JSON {n_layer, n_head, n_embd, block_size, vocab_size}; default:
+    /// demos/addition.model.json (vocab_size taken from the data).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Training data: a `.bin` token file from `kiln prepare`, or any file as bytes;
+    /// default: built-in 2-digit addition problems.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Device to train on (`kiln devices` lists them); default: the best adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Run directory; default: runs/<UTC date and time>.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Total optimizer steps; default: the scheduler's total_num_steps, else 1000.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// Evaluate on held-out data every N steps (0: only at the end).
+    #[arg(long, default_value_t = 50)]
+    eval_every: u64,
+    /// Checkpoint every N steps (0: only at the end).
+    #[arg(long, default_value_t = 200)]
+    checkpoint_every: u64,
+    /// Checkpoints to keep.
+    #[arg(long, default_value_t = 3)]
+    keep_checkpoints: usize,
+    /// Continue the run in --out from its latest checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// Seed of the weights and the data order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[derive(Subcommand)]
+enum ConfigWhat {
+    /// Validate a config: every problem, with its key path and fix.
+    Check {
+        file: PathBuf,
+        /// Data-parallel world size the batch sizes are checked against.
+        #[arg(long, default_value_t = 1)]
+        world: usize,
+    },
+    /// Print every resolved setting and where it came from (file, default, inferred).
+    Explain {
+        file: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        world: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum RunsWhat {
+    /// What changed between two runs' configs, and what it did to loss and throughput.
+    Diff { a: PathBuf, b: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -73,10 +164,122 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Devices { json } => devices(json),
+        Command::Train(args) => train(args),
+        Command::Config { what } => config(what),
+        Command::Prepare {
+            input,
+            output,
+            tokenizer,
+        } => {
+            let tok: kiln::engine::data::Tokenizer = tokenizer.parse()?;
+            let n = kiln::engine::data::prepare(&input, &output, tok)?;
+            println!(
+                "{}: {n} tokens ({}, vocab {}) from {}",
+                output.display(),
+                tok.name(),
+                tok.vocab_size(),
+                input.display()
+            );
+            Ok(())
+        }
+        Command::Runs { what, root } => runs(what, &root),
         Command::Bench {
             what: BenchWhat::Matmul(args),
         } => bench_matmul(args),
     }
+}
+
+fn train(a: TrainArgs) -> Result<()> {
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            // A second Ctrl-C: the user does not want to wait for the checkpoint.
+            std::process::exit(130);
+        }
+        eprintln!("\nstopping after this step and writing a checkpoint (Ctrl-C again to quit now)");
+    })
+    .context("installing the Ctrl-C handler")?;
+    let opts = kiln::train::TrainOptions {
+        config: a.config,
+        model: a.model,
+        data: a.data,
+        devices: a.devices,
+        out: a.out,
+        steps: a.steps,
+        eval_every: a.eval_every,
+        checkpoint_every: a.checkpoint_every,
+        keep_checkpoints: a.keep_checkpoints,
+        resume: a.resume,
+        seed: a.seed,
+        progress: true,
+        interrupt: Some(interrupt),
+    };
+    let r = kiln::train::train(&opts)?;
+    let s = &r.summary;
+    let acc = s.final_eval_accuracy.map_or(String::new(), |a| {
+        format!(", held-out exact match {:.1}%", a * 100.0)
+    });
+    println!(
+        "{} steps ({} skipped), final loss {:.4}, eval loss {}{acc}, {:.0} tokens/s, {:.1} s",
+        r.steps,
+        s.skipped_steps,
+        s.final_loss.unwrap_or(f32::NAN),
+        s.final_eval_loss
+            .map_or("-".to_string(), |l| format!("{l:.4}")),
+        s.mean_tokens_per_s.unwrap_or(f64::NAN),
+        s.total_time_s
+    );
+    println!(
+        "run: {} (metrics.jsonl, summary.json, chart.svg, checkpoints/)",
+        r.dir.display()
+    );
+    if r.interrupted {
+        std::process::exit(130);
+    }
+    Ok(())
+}
+
+fn config(what: ConfigWhat) -> Result<()> {
+    match what {
+        ConfigWhat::Check { file, world } => {
+            let c = kiln::engine::config::load(&file, world)?;
+            for w in &c.warnings {
+                println!("warning: {w}");
+            }
+            println!(
+                "{}: ok (train_batch_size {} = micro-batch {} × accumulation {} × world {})",
+                file.display(),
+                c.batch.train_batch_size,
+                c.batch.micro_batch,
+                c.batch.grad_accum,
+                c.batch.world
+            );
+        }
+        ConfigWhat::Explain { file, world } => {
+            print!("{}", kiln::engine::config::load(&file, world)?.explain());
+        }
+    }
+    Ok(())
+}
+
+fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()> {
+    use kiln::engine::runs;
+    match what {
+        None => {
+            let list = runs::list_runs(root)?;
+            if list.is_empty() {
+                println!(
+                    "no runs under {} (kiln train writes them there)",
+                    root.display()
+                );
+            } else {
+                print!("{}", runs::RunsTable(&list));
+            }
+        }
+        Some(RunsWhat::Diff { a, b }) => print!("{}", runs::diff_runs(&a, &b)?),
+    }
+    Ok(())
 }
 
 fn devices(json: bool) -> Result<()> {

@@ -29,7 +29,7 @@ pub mod token_file;
 
 use std::path::{Path, PathBuf};
 
-pub use addition::{accuracy, Addition, EvalProblem, EvalRows};
+pub use addition::{accuracy, Addition, EvalProblem, EvalRows, DEFAULT_DIGITS};
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
 pub use prepare::{prepare, write_token_file, Tokenizer};

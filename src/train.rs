@@ -1,0 +1,654 @@
+//! `kiln train`: a GPT trained from a DeepSpeed config on one device, with prefetched
+//! data, periodic evaluation, atomic checkpoints, `--resume`, and a run directory
+//! holding the resolved config, per-step metrics, a summary and a chart.
+//!
+//! With no arguments it trains the built-in demo: a small GPT learning 2-digit addition
+//! (`demos/addition.*.json`), scored by exact match on held-out problems.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Value};
+
+use kiln_engine::checkpoint::{
+    self, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE, OPTIMIZER_FILE,
+};
+use kiln_engine::config::{self, Schedule, TrainConfig};
+use kiln_engine::data::{
+    self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
+};
+use kiln_engine::gpt::{GptConfig, ParamState};
+use kiln_engine::runs::{self, MetricsWriter, StepRecord, Summary};
+use kiln_engine::trainer::{Trainer, TrainerState};
+use kiln_engine::{DType, Device, HostData};
+use kiln_wgpu::DeviceOptions;
+
+use crate::devices::{default_device, open_device, DeviceSpec};
+
+/// The demo's DeepSpeed config and model, used when `--config` / `--model` are absent.
+pub const DEMO_DS_CONFIG: &str = include_str!("../demos/addition.ds_config.json");
+pub const DEMO_MODEL: &str = include_str!("../demos/addition.model.json");
+
+/// Training steps when neither `--steps` nor the scheduler's `total_num_steps` says.
+const DEFAULT_STEPS: u64 = 1000;
+/// Lines of the built-in addition stream (10 tokens each at 2 digits): 200k lines are
+/// ~20 epochs' worth of the default run, so batches rarely repeat.
+const ADDITION_LINES: u64 = 200_000;
+/// At least this many rows are evaluated (rounded up to whole micro-batches).
+const EVAL_ROWS: usize = 128;
+/// Share of a data file kept for evaluation (its tail).
+const HOLDOUT_FRACTION: f64 = 0.05;
+
+/// Everything `kiln train` can be told.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// DeepSpeed config file; `None`: the demo config.
+    pub config: Option<PathBuf>,
+    /// Model sizes (GPT-2 style JSON); `None`: the demo model (its vocab_size is
+    /// replaced by the data's when the data is not the built-in addition task).
+    pub model: Option<PathBuf>,
+    /// Training data: a `.bin` token file or a text file (bytes); `None`: addition.
+    pub data: Option<PathBuf>,
+    /// Devices (`kiln devices` lists them); empty: the best adapter found.
+    pub devices: Vec<String>,
+    /// Run directory; `None`: `runs/<UTC time>`.
+    pub out: Option<PathBuf>,
+    /// Optimizer steps to run in total (a resumed run counts the steps already done).
+    pub steps: Option<u64>,
+    /// Evaluate every this many steps (and at the end); 0: only at the end.
+    pub eval_every: u64,
+    /// Checkpoint every this many steps (and at the end); 0: only at the end.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept (older ones are deleted once a newer one is complete).
+    pub keep_checkpoints: usize,
+    /// Continue the run in `out` from its latest checkpoint.
+    pub resume: bool,
+    /// Seeds the weights and the data order.
+    pub seed: u64,
+    /// Draw a progress bar and print log lines.
+    pub progress: bool,
+    /// Set (by Ctrl-C) to stop after the current step, checkpointing first.
+    pub interrupt: Option<Arc<AtomicBool>>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            config: None,
+            model: None,
+            data: None,
+            devices: vec![],
+            out: None,
+            steps: None,
+            eval_every: 50,
+            checkpoint_every: 200,
+            keep_checkpoints: 3,
+            resume: false,
+            seed: 1,
+            progress: true,
+            interrupt: None,
+        }
+    }
+}
+
+/// What a finished (or interrupted) run reports.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub dir: PathBuf,
+    /// Steps done in total (including those before a resume).
+    pub steps: u64,
+    pub interrupted: bool,
+    pub summary: Summary,
+}
+
+/// The training data and how it is evaluated.
+enum Dataset {
+    /// The built-in task: exact-match accuracy on held-out problems.
+    Addition { eval: EvalRows },
+    /// A file: loss on windows from its held-out tail (none if it is too short).
+    File { eval: Option<(Vec<u32>, Vec<u32>)> },
+}
+
+/// Resolves the config, opens the device, builds or restores the engine and trains.
+pub fn train(opts: &TrainOptions) -> Result<RunReport> {
+    let started = Instant::now();
+    if opts.devices.len() > 1 {
+        bail!(
+            "training on {} devices needs data parallelism, which Kiln does not have yet; \
+             pass one device (e.g. --devices {})",
+            opts.devices.len(),
+            opts.devices[0]
+        );
+    }
+    let ds = match &opts.config {
+        Some(path) => config::load(path, 1)?,
+        None => config::parse(DEMO_DS_CONFIG, 1).context("the built-in demo config")?,
+    };
+    if ds.zero.stage > 0 {
+        bail!(
+            "zero_optimization.stage {} partitions optimizer state across data-parallel devices; \
+             with one device it has nothing to partition. Set stage 0 (or remove the section)",
+            ds.zero.stage
+        );
+    }
+    let (mut model, model_from_file) = match &opts.model {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the model config {}", path.display()))?;
+            let m: GptConfig = serde_json::from_str(&text).with_context(|| {
+                format!(
+                    "{}: expected a GPT config {{\"n_layer\", \"n_head\", \"n_embd\", \
+                     \"block_size\", \"vocab_size\"}}",
+                    path.display()
+                )
+            })?;
+            (m, true)
+        }
+        None => (serde_json::from_str::<GptConfig>(DEMO_MODEL)?, false),
+    };
+    let t = model.block_size;
+    let b = ds.batch.micro_batch;
+
+    // Data: the training stream, its sampler, and what evaluation runs on.
+    let (source, train_len, dataset, data_name): (Arc<dyn TokenSource>, u64, Dataset, String) =
+        match &opts.data {
+            None => {
+                let add = Addition::new(data::DEFAULT_DIGITS, opts.seed)?;
+                if !model_from_file {
+                    model.vocab_size = Addition::vocab_size();
+                }
+                let rows = EVAL_ROWS.div_ceil(b) * b;
+                let eval = add.eval_rows(t, rows)?;
+                let src = add.train_source(ADDITION_LINES);
+                let len = src.len();
+                let name = format!("addition ({} digits)", add.digits());
+                (Arc::new(src), len, Dataset::Addition { eval }, name)
+            }
+            Some(path) => {
+                let src: Arc<dyn TokenSource> = Arc::from(data::open_path(path)?);
+                if !model_from_file {
+                    model.vocab_size = src.vocab_hint().ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "{}: its vocabulary size is unknown (no .json sidecar); pass --model \
+                             with a vocab_size, or make the file with `kiln prepare`",
+                            path.display()
+                        )
+                    })?;
+                }
+                data::check_source(src.as_ref(), t, model.vocab_size)?;
+                let len = src.len();
+                let hold = ((len as f64 * HOLDOUT_FRACTION) as u64 / (t as u64 + 1))
+                    .min((EVAL_ROWS.div_ceil(b) * b) as u64) as usize
+                    / b
+                    * b;
+                let train_len = len - (hold * (t + 1)) as u64;
+                let eval = if hold == 0 {
+                    None
+                } else {
+                    let mut toks = Vec::with_capacity(hold * t);
+                    let mut tgts = Vec::with_capacity(hold * t);
+                    let mut row = vec![0u32; t + 1];
+                    for r in 0..hold {
+                        src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
+                        if let Some(&bad) = row.iter().find(|&&x| x as usize >= model.vocab_size) {
+                            bail!(
+                                "{}: token id {bad} is not below the model's vocab_size {}",
+                                src.name(),
+                                model.vocab_size
+                            );
+                        }
+                        toks.extend_from_slice(&row[..t]);
+                        tgts.extend_from_slice(&row[1..]);
+                    }
+                    Some((toks, tgts))
+                };
+                (src.clone(), train_len, Dataset::File { eval }, src.name())
+            }
+        };
+    let sampler = Sampler::new(train_len, t, opts.seed)?;
+
+    // Device.
+    let spec: DeviceSpec = match opts.devices.first() {
+        Some(s) => s.parse()?,
+        None => default_device()?,
+    };
+    let dev = open_device(&spec, &DeviceOptions::default())?;
+    let dev: &dyn Device = dev.as_ref();
+    let device_name = format!("{} ({})", dev.caps().name, dev.caps().backend);
+
+    // The run directory and the record of what this run is.
+    let dir = match &opts.out {
+        Some(d) => d.clone(),
+        None => {
+            let stamp = runs::format_utc(std::time::SystemTime::now())
+                .replace([':', ' '], "-")
+                .replace("-UTC", "");
+            PathBuf::from("runs").join(stamp)
+        }
+    };
+    let record = run_record(&ds, &model, &data_name, opts.seed, &device_name);
+    prepare_run_dir(&dir, &record, opts.resume)?;
+
+    let mut trainer = Trainer::new(dev, model.clone(), ds.clone(), t, opts.seed)?;
+    let total = opts.steps.unwrap_or(match ds.schedule {
+        Schedule::WarmupDecayLr { total_steps, .. }
+        | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
+        _ => DEFAULT_STEPS,
+    });
+    let mut next_sample = 0;
+    let mut metrics = if opts.resume {
+        let ck = checkpoint::load_latest(&dir)?;
+        for note in &ck.notes {
+            eprintln!("note: {note}");
+        }
+        next_sample = restore(&mut trainer, dev, &ck)?;
+        eprintln!(
+            "resuming {} from step {} ({})",
+            dir.display(),
+            ck.step(),
+            ck.dir.display()
+        );
+        let w = MetricsWriter::resume(&dir, ck.step())?;
+        if w.dropped() > 0 {
+            eprintln!(
+                "note: dropped {} metrics records written after step {} (they belong to the \
+                 interrupted continuation)",
+                w.dropped(),
+                ck.step()
+            );
+        }
+        w
+    } else {
+        MetricsWriter::create(&dir)?
+    };
+    let mut step = trainer.state().steps;
+    if step >= total {
+        bail!(
+            "the run in {} has already done {step} steps, and {total} were asked for; pass a \
+             larger --steps to continue it",
+            dir.display()
+        );
+    }
+
+    let mut cfg = LoaderConfig::new(
+        BatchLayout::new(b, ds.batch.grad_accum, 1)?,
+        0,
+        model.vocab_size,
+    );
+    cfg.start_sample = next_sample;
+    let mut loader = Loader::new(source, sampler, cfg)?;
+
+    // The bar is drawn only on a terminal; elsewhere (CI, pipes) log lines go to stderr.
+    let log = |bar: &ProgressBar, line: String| {
+        if !opts.progress {
+        } else if bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            bar.println(line);
+        }
+    };
+    let bar = if opts.progress {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:28.cyan/blue} {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}",
+            )
+            .expect("a fixed template")
+            .progress_chars("=> "),
+        );
+        bar.set_position(step);
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    log(
+        &bar,
+        format!(
+            "training {} ({} parameters, {} layers, {} embd, T {t}) on {} for {total} steps, \
+             micro-batch {b} × {} accumulation, {}; run dir {}",
+            data_name,
+            parameter_count(&model),
+            model.n_layer,
+            model.n_embd,
+            device_name,
+            ds.batch.grad_accum,
+            precision_name(&ds),
+            dir.display()
+        ),
+    );
+    for w in &ds.warnings {
+        log(&bar, format!("config warning: {w}"));
+    }
+
+    let tokens_per_step = (b * t * ds.batch.grad_accum) as f64;
+    let mut interrupted = false;
+    let mut since_print = (0.0f64, 0u32);
+    while step < total {
+        let t0 = Instant::now();
+        let mut batches = Vec::with_capacity(ds.batch.grad_accum);
+        let mut stall = 0.0;
+        for _ in 0..ds.batch.grad_accum {
+            let f = loader.next()?;
+            stall += f.stall.as_secs_f64() * 1e3;
+            next_sample = f.next_sample;
+            batches.push(f.batch);
+        }
+        let micro: Vec<(&[u32], &[u32])> = batches
+            .iter()
+            .map(|x| (x.tokens.as_slice(), x.targets.as_slice()))
+            .collect();
+        let s = trainer.step(dev, &micro)?;
+        step += 1;
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut rec = StepRecord {
+            step,
+            loss: s.loss,
+            lr: s.lr,
+            loss_scale: s.loss_scale,
+            skipped: s.skipped,
+            tokens_per_s: tokens_per_step / (step_ms / 1e3),
+            step_ms,
+            input_stall_ms: stall,
+            device_memory_bytes: dev.allocated_bytes(),
+            ..Default::default()
+        };
+        if opts
+            .interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
+        {
+            interrupted = true;
+        }
+        let last = step == total || interrupted;
+        if last || (opts.eval_every > 0 && step.is_multiple_of(opts.eval_every)) {
+            let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
+            rec.eval_loss = Some(loss);
+            rec.eval_accuracy = acc;
+            let acc = acc.map_or(String::new(), |a| {
+                format!(", held-out exact match {:.1}%", a * 100.0)
+            });
+            log(&bar, format!("step {step}: eval loss {loss:.4}{acc}"));
+        }
+        metrics.append(&rec)?;
+        since_print.0 += s.loss as f64;
+        since_print.1 += 1;
+        if step.is_multiple_of(ds.steps_per_print.max(1)) || last {
+            log(
+                &bar,
+                format!(
+                    "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} tokens/s, \
+                     stall {:.1} ms",
+                    since_print.0 / since_print.1 as f64,
+                    since_print.1,
+                    s.lr,
+                    s.loss_scale,
+                    rec.tokens_per_s,
+                    stall
+                ),
+            );
+            since_print = (0.0, 0);
+        }
+        if s.skipped {
+            log(
+                &bar,
+                format!(
+                    "step {step}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
+                    s.loss_scale,
+                    trainer.model.scaler.scale()
+                ),
+            );
+        }
+        bar.set_position(step);
+        bar.set_message(format!(
+            "loss {:.3} | {:.0} tok/s | scale {}",
+            s.loss, rec.tokens_per_s, s.loss_scale
+        ));
+        if last || (opts.checkpoint_every > 0 && step.is_multiple_of(opts.checkpoint_every)) {
+            let saved = save(
+                &trainer,
+                dev,
+                &dir,
+                step,
+                next_sample,
+                opts.keep_checkpoints,
+            )?;
+            for note in saved.notes {
+                log(&bar, format!("note: {note}"));
+            }
+        }
+        if interrupted {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    metrics.sync()?;
+
+    let records = runs::read_metrics(&dir)?;
+    let mut summary = Summary::from_records(&records, runs::DEFAULT_WARMUP_STEPS);
+    summary.total_time_s = started.elapsed().as_secs_f64();
+    summary.devices = vec![device_name];
+    summary.write(&dir)?;
+    runs::write_chart(&dir)?;
+    if interrupted {
+        eprintln!(
+            "interrupted after step {step}; checkpoint saved. Continue with: kiln train --resume --out {} \
+             (and the same --config/--model/--data)",
+            dir.display()
+        );
+    }
+    Ok(RunReport {
+        dir,
+        steps: step,
+        interrupted,
+        summary,
+    })
+}
+
+/// What identifies a run: every setting that changes its numbers, and nothing per-run
+/// (name, paths), so `kiln runs diff` compares like with like.
+fn run_record(ds: &TrainConfig, model: &GptConfig, data: &str, seed: u64, device: &str) -> Value {
+    let mut config = serde_json::to_value(ds).expect("the resolved config serializes");
+    if let Some(obj) = config.as_object_mut() {
+        obj.remove("provenance");
+        obj.remove("warnings");
+    }
+    json!({
+        "deepspeed": config,
+        "model": {
+            "n_layer": model.n_layer,
+            "n_head": model.n_head,
+            "n_embd": model.n_embd,
+            "block_size": model.block_size,
+            "vocab_size": model.vocab_size,
+        },
+        "data": data,
+        "seed": seed,
+        "device": device,
+    })
+}
+
+/// Creates the run directory, or checks that a resumed one was started with the same
+/// settings. Never overwrites a run's history.
+fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
+    let has_run = dir.join(runs::CONFIG_FILE).exists();
+    if !resume {
+        if has_run {
+            bail!(
+                "{} already holds a run; continue it with --resume, or pick another --out",
+                dir.display()
+            );
+        }
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating the run directory {}", dir.display()))?;
+        runs::write_config(dir, record)?;
+        return Ok(());
+    }
+    if !has_run {
+        bail!(
+            "--resume: {} holds no run (no {}); pass the --out of an earlier run",
+            dir.display(),
+            runs::CONFIG_FILE
+        );
+    }
+    let old = runs::flatten_json(&runs::read_config(dir)?);
+    let new = runs::flatten_json(record);
+    let mut diffs = vec![];
+    for key in old
+        .keys()
+        .chain(new.keys().filter(|k| !old.contains_key(*k)))
+    {
+        let (a, b) = (old.get(key), new.get(key));
+        if a != b {
+            let show = |v: Option<&Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
+            diffs.push(format!("  {key}: {} -> {}", show(a), show(b)));
+        }
+    }
+    if !diffs.is_empty() {
+        bail!(
+            "--resume: these settings differ from the ones {} was started with, so it would not \
+             continue the same run:\n{}\nResume with the original --config/--model/--data/--seed \
+             (and device), or start a new run with another --out",
+            dir.display(),
+            diffs.join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// Writes a checkpoint of everything `--resume` needs.
+fn save(
+    trainer: &Trainer,
+    dev: &dyn Device,
+    dir: &Path,
+    step: u64,
+    next_sample: u64,
+    keep: usize,
+) -> Result<checkpoint::Saved> {
+    let states = trainer.model.param_states(dev)?;
+    let mut model = vec![];
+    let mut optimizer = vec![];
+    for p in states {
+        let f32s = |v: Vec<f32>| HostData::F32(v);
+        model.push(HostTensor::new(&p.name, p.shape.clone(), p.value));
+        optimizer.push(HostTensor::new(
+            format!("master.{}", p.name),
+            p.shape.clone(),
+            f32s(p.master),
+        ));
+        optimizer.push(HostTensor::new(
+            format!("exp_avg.{}", p.name),
+            p.shape.clone(),
+            f32s(p.m),
+        ));
+        optimizer.push(HostTensor::new(
+            format!("exp_avg_sq.{}", p.name),
+            p.shape,
+            f32s(p.v),
+        ));
+    }
+    let state = json!({ "trainer": trainer.state(), "next_sample": next_sample });
+    Ok(checkpoint::save(
+        dir,
+        step,
+        &[
+            CheckpointFile::new(MODEL_FILE, model),
+            CheckpointFile::new(OPTIMIZER_FILE, optimizer),
+        ],
+        &state,
+        &SaveOptions { keep_last: keep },
+    )?)
+}
+
+/// Restores a checkpoint into the engine; returns the data position to continue from.
+fn restore(trainer: &mut Trainer, dev: &dyn Device, ck: &checkpoint::Checkpoint) -> Result<u64> {
+    let mut states = vec![];
+    for t in trainer.model.tensors() {
+        let n = &t.name;
+        let value = ck.tensor_checked(MODEL_FILE, n, t.buffer.dtype, &t.shape)?;
+        let f32s = |prefix: &str| -> Result<Vec<f32>> {
+            let name = format!("{prefix}.{n}");
+            Ok(ck
+                .tensor_checked(OPTIMIZER_FILE, &name, DType::F32, &t.shape)?
+                .data
+                .to_f32())
+        };
+        states.push(ParamState {
+            name: n.clone(),
+            shape: t.shape.clone(),
+            value: value.data.clone(),
+            master: f32s("master")?,
+            m: f32s("exp_avg")?,
+            v: f32s("exp_avg_sq")?,
+        });
+    }
+    trainer.model.load_param_states(dev, &states)?;
+    let state = ck.state();
+    let bad = |what: &str| {
+        anyhow::anyhow!(
+            "{}: the manifest's state has no valid `{what}`; the checkpoint was not written by \
+             this version of kiln train",
+            ck.dir.display()
+        )
+    };
+    let t: TrainerState = serde_json::from_value(
+        state
+            .get("trainer")
+            .cloned()
+            .ok_or_else(|| bad("trainer"))?,
+    )
+    .map_err(|_| bad("trainer"))?;
+    trainer.restore(&t)?;
+    state
+        .get("next_sample")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| bad("next_sample"))
+}
+
+/// Held-out loss, and exact-match accuracy for the addition task.
+fn evaluate(
+    trainer: &Trainer,
+    dev: &dyn Device,
+    dataset: &Dataset,
+    b: usize,
+    t: usize,
+) -> Result<(f32, Option<f32>)> {
+    let (tokens, targets) = match dataset {
+        Dataset::Addition { eval } => (&eval.tokens, &eval.targets),
+        Dataset::File { eval: Some((a, b)) } => (a, b),
+        Dataset::File { eval: None } => return Ok((f32::NAN, None)),
+    };
+    // Rows are whole micro-batches (the model's shapes are fixed at build time).
+    let mut loss = 0.0;
+    let mut predictions = Vec::with_capacity(tokens.len());
+    let chunks = tokens.len() / (b * t);
+    for (tok, tgt) in tokens.chunks_exact(b * t).zip(targets.chunks_exact(b * t)) {
+        let (l, p) = trainer.model.predict(dev, tok, tgt)?;
+        loss += l;
+        predictions.extend(p);
+    }
+    let loss = (loss / chunks as f64) as f32;
+    Ok(match dataset {
+        Dataset::Addition { eval } => {
+            let (right, all) = data::accuracy(&predictions, eval);
+            (loss, Some(right as f32 / all.max(1) as f32))
+        }
+        Dataset::File { .. } => (loss, None),
+    })
+}
+
+fn parameter_count(m: &GptConfig) -> usize {
+    let c = m.n_embd;
+    (m.vocab_size + m.block_size) * c + m.n_layer * (12 * c * c + 13 * c) + 2 * c
+}
+
+fn precision_name(ds: &TrainConfig) -> &'static str {
+    match ds.precision {
+        config::Precision::Fp32 => "fp32",
+        config::Precision::Fp16 { .. } => "fp16 (fp32 master weights, loss scaling)",
+        config::Precision::Bf16 => "bf16 (fp32 master weights)",
+    }
+}
