@@ -39,7 +39,7 @@ const DEFAULT_STEPS: u64 = 1000;
 /// ~20 epochs' worth of the default run, so batches rarely repeat.
 const ADDITION_LINES: u64 = 200_000;
 /// At least this many rows are evaluated (rounded up to whole micro-batches).
-const EVAL_ROWS: usize = 128;
+const EVAL_ROWS: usize = 256;
 /// Share of a data file kept for evaluation (its tail).
 const HOLDOUT_FRACTION: f64 = 0.05;
 
@@ -162,7 +162,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     model.vocab_size = Addition::vocab_size();
                 }
                 let rows = EVAL_ROWS.div_ceil(b) * b;
-                let eval = add.eval_rows(t, rows)?;
+                let mut eval = add.eval_rows(t, rows)?;
+                Addition::mask_prompts(&eval.tokens, &mut eval.targets, t);
                 let src = add.train_source(ADDITION_LINES);
                 let len = src.len();
                 let name = format!("addition ({} digits)", add.digits());
@@ -206,7 +207,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     }
                     Some((toks, tgts))
                 };
-                (src.clone(), train_len, Dataset::File { eval }, src.name())
+                let name = src.name();
+                let head: Arc<dyn TokenSource> = Arc::new(data::Prefix::new(src, train_len)?);
+                (head, train_len, Dataset::File { eval }, name)
             }
         };
     let sampler = Sampler::new(train_len, t, opts.seed)?;
@@ -332,9 +335,12 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         let mut batches = Vec::with_capacity(ds.batch.grad_accum);
         let mut stall = 0.0;
         for _ in 0..ds.batch.grad_accum {
-            let f = loader.next()?;
+            let mut f = loader.next()?;
             stall += f.stall.as_secs_f64() * 1e3;
             next_sample = f.next_sample;
+            if let Dataset::Addition { .. } = dataset {
+                Addition::mask_prompts(&f.batch.tokens, &mut f.batch.targets, t);
+            }
             batches.push(f.batch);
         }
         let micro: Vec<(&[u32], &[u32])> = batches

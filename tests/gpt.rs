@@ -7,7 +7,7 @@ use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::gpt::{Gpt, GptConfig, GptTraining};
 use kiln::engine::mlp::Precision;
-use kiln::engine::{Device, Optimizer};
+use kiln::engine::{Device, Optimizer, IGNORE_TARGET};
 
 fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
     GptTraining {
@@ -38,7 +38,10 @@ fn gradients_match_finite_differences() {
     let (b, t) = (2, 5);
     let gpt = Gpt::new(&dev, cfg.clone(), training(b, t, Precision::F32)).unwrap();
     let mut rng = Rng::new(1);
-    let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
+    let (tok, mut tgt) = batch(&mut rng, b * t, cfg.vocab_size);
+    // Two positions are not trained on: the loss is the mean over the other eight.
+    tgt[1] = IGNORE_TARGET;
+    tgt[7] = IGNORE_TARGET;
     // GPT-2's initialisation leaves activations ~0.03 wide, where layer norm's 1/std is
     // ~30 and a finite-difference step of 3e-3 is far from small. Unit-scale embeddings
     // put every layer in the regime where central differences are accurate.
@@ -48,7 +51,22 @@ fn gradients_match_finite_differences() {
             gpt.set_parameter(&dev, i, &unit).unwrap();
         }
     }
-    gpt.loss_and_gradients(&dev, &tok, &tgt).unwrap();
+    let loss = gpt.loss_and_gradients(&dev, &tok, &tgt).unwrap();
+    // Each trained position's loss alone (all others ignored); their mean is the loss.
+    let alone: Vec<f64> = (0..b * t)
+        .filter(|&i| tgt[i] != IGNORE_TARGET)
+        .map(|i| {
+            let mut one = vec![IGNORE_TARGET; b * t];
+            one[i] = tgt[i];
+            gpt.loss(&dev, &tok, &one).unwrap()
+        })
+        .collect();
+    assert_eq!(alone.len(), 8);
+    let mean = alone.iter().sum::<f64>() / 8.0;
+    assert!(
+        (loss - mean).abs() < 1e-6 * mean,
+        "loss {loss} vs mean of trained {mean}"
+    );
     let grads = gpt.gradients(&dev).unwrap();
     let params = gpt.parameters(&dev).unwrap();
     let h = 3e-3f32;

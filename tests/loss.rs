@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::{DType, Device, HostData, Kernel};
+use kiln::engine::{DType, Device, HostData, Kernel, IGNORE_TARGET};
 
 #[test]
 fn cross_entropy_backward_matches_finite_differences() {
@@ -96,7 +96,7 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
     let mut rng = Rng::new(5);
     for p in gpu_paths() {
         for dtype in DType::FLOATS {
-            for (rows, vocab) in [(1, 1), (3, 7), (5, 97), (2, 1001), (64, 50)] {
+            for (rows, vocab) in [(1, 1), (3, 7), (5, 97), (2, 1001), (64, 50), (300, 13)] {
                 let logits = HostData::from_f32(
                     dtype,
                     &(0..rows * vocab)
@@ -107,6 +107,11 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                 let mut t: Vec<u32> = (0..rows).map(|_| rng.next_u32() % vocab as u32).collect();
                 if rows > 1 {
                     t[rows - 1] = vocab as u32 + 3;
+                }
+                // The first row is not trained on: loss 0 and no gradient, exactly.
+                let ignored = rows > 2;
+                if ignored {
+                    t[0] = IGNORE_TARGET;
                 }
                 let inputs = [
                     logits,
@@ -180,6 +185,13 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                     1e-5 + ulp,
                     1024.0 * 1e-6,
                 );
+                if ignored {
+                    assert_eq!(out[0].0.to_f32()[0], 0.0, "{what}: ignored row's loss");
+                    assert!(
+                        grads[0][..vocab].iter().all(|&g| g == 0.0),
+                        "{what}: ignored row's gradient"
+                    );
+                }
             }
         }
     }

@@ -14,7 +14,7 @@ use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 use crate::mlp::{Precision, SplitMix};
 use crate::optim::{Optimizer, ParamBuffers};
 use crate::safetensors_io::NamedTensor;
-use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
+use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result, IGNORE_TARGET};
 
 /// Model sizes, as in a GPT-2 config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -132,6 +132,8 @@ pub struct Gpt {
     /// 0 for the first micro-batch of a step (gradients are overwritten), 1 after
     /// (gradients accumulate).
     grad_beta: std::cell::Cell<f32>,
+    /// Targets of the uploaded batch that are trained on (not IGNORE_TARGET).
+    trained: std::cell::Cell<usize>,
     /// Per-token losses summed over a step's micro-batches.
     loss_sum: Buffer,
     /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per tensor).
@@ -383,6 +385,7 @@ impl Gpt {
             scaler,
             step: 0,
             grad_beta: std::cell::Cell::new(0.0),
+            trained: std::cell::Cell::new(0),
             loss_sum: a(DType::F32, bt)?,
             norm_parts: (0..params.len())
                 .map(|_| a(DType::F32, 1))
@@ -606,7 +609,7 @@ impl Gpt {
             lse: self.lse,
             dlogits: self.dlogits,
             vocab: v,
-            scale: scale / bt as f32,
+            scale: scale * self.per_target(),
         })?;
         // LM head: dwte = dlogits^T lnf (V, C); dlnf = dlogits wte (BT, C).
         dev.launch(&Kernel::Matmul(
@@ -783,12 +786,12 @@ impl Gpt {
             )));
         }
         // Checked here: on the device an out-of-range id would quietly give NaN losses
-        // or skip every step.
+        // or skip every step. Targets may be IGNORE_TARGET (not trained on).
         if let Some((i, &t)) = tokens
             .iter()
             .chain(targets)
             .enumerate()
-            .find(|(_, &t)| t as usize >= v)
+            .find(|&(i, &t)| t as usize >= v && !(i >= bt && t == IGNORE_TARGET))
         {
             let which = if i < bt { "token" } else { "target" };
             return Err(Error::InvalidArgument(format!(
@@ -796,14 +799,23 @@ impl Gpt {
                 i % bt
             )));
         }
+        self.trained
+            .set(targets.iter().filter(|&&t| t != IGNORE_TARGET).count());
         dev.upload(self.tokens, &HostData::U32(tokens.to_vec()))?;
         dev.upload(self.targets, &HostData::U32(targets.to_vec()))
     }
 
-    /// Mean of the per-token losses, summed in f64 (finite differences need the digits).
+    /// 1 / the number of trained targets of the uploaded batch: the batch's loss is the
+    /// mean over them (ignored positions weigh nothing; a batch with none has loss 0).
+    fn per_target(&self) -> f32 {
+        1.0 / self.trained.get().max(1) as f32
+    }
+
+    /// Mean of the trained positions' losses, summed in f64 (finite differences need
+    /// the digits).
     fn mean_loss(&self, dev: &dyn Device) -> Result<f64> {
         let l = dev.download(self.losses)?.to_f32();
-        Ok(l.iter().map(|&x| x as f64).sum::<f64>() / l.len() as f64)
+        Ok(l.iter().map(|&x| x as f64).sum::<f64>() / self.trained.get().max(1) as f64)
     }
 
     /// Mean loss of a batch (B*T tokens and next-token targets), no update.
@@ -933,8 +945,9 @@ impl Gpt {
         for (i, (tokens, targets)) in micro.iter().enumerate() {
             self.upload(dev, tokens, targets)?;
             self.forward(dev)?;
+            // loss_sum collects each micro-batch's mean, spread over its positions.
             dev.launch(&Kernel::Axpy {
-                alpha: 1.0,
+                alpha: self.per_target(),
                 x: self.losses,
                 y: self.loss_sum,
             })?;
@@ -979,8 +992,7 @@ impl Gpt {
         dev.submit()?;
         let overflow = dev.download(self.flag)?.bits()[0] != 0;
         let sums = dev.download(self.loss_sum)?.to_f32();
-        let loss = (sums.iter().map(|&x| x as f64).sum::<f64>()
-            / (sums.len() as f64 * micro.len() as f64)) as f32;
+        let loss = (sums.iter().map(|&x| x as f64).sum::<f64>() / micro.len() as f64) as f32;
         if self.scaler.update(overflow)? == StepDecision::Skip {
             return Ok(GptStep {
                 loss,

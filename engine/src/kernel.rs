@@ -20,6 +20,10 @@ pub enum ReduceOp {
     SumSquares,
 }
 
+/// The target id that marks a position as not trained on (PyTorch's `ignore_index`):
+/// cross-entropy gives it loss 0 and zero gradient.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
 /// One kernel launch. Float operands may each have their own dtype (f32, f16, bf16):
 /// values are widened to f32, computed in f32 and rounded to nearest-even on store.
 #[derive(Clone, Debug, PartialEq)]
@@ -128,7 +132,9 @@ pub enum Kernel {
     },
     /// Fused softmax + cross-entropy over rows of `vocab` logits: `losses[r] =
     /// logsumexp(logits[r]) - logits[r][targets[r]]`, statistics in f32; saves `lse` per
-    /// row for the backward pass. A target outside the vocabulary gives a NaN loss.
+    /// row for the backward pass. A target of [`IGNORE_TARGET`] gives loss 0 (a position
+    /// that is not trained on: padding, prompts); any other target outside the
+    /// vocabulary gives a NaN loss.
     CrossEntropy {
         logits: Buffer,
         targets: Buffer,
@@ -137,7 +143,8 @@ pub enum Kernel {
         vocab: usize,
     },
     /// `dlogits = (softmax(logits) - onehot(target)) * scale` (scale: d loss / d loss_r,
-    /// e.g. loss scale / rows), from the saved `lse`.
+    /// e.g. loss scale / rows), from the saved `lse`; rows whose target is
+    /// [`IGNORE_TARGET`] get zero gradient.
     CrossEntropyBackward {
         logits: Buffer,
         targets: Buffer,

@@ -14,7 +14,7 @@ use kiln_engine::device::check_upload;
 use kiln_engine::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::{
     AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul,
-    ReduceOp, Result, SgdStep,
+    ReduceOp, Result, SgdStep, IGNORE_TARGET,
 };
 
 pub struct CpuDevice {
@@ -330,6 +330,7 @@ impl Device for CpuDevice {
                     let z = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
                     lses[r] = z as f32;
                     loss[r] = match row.get(target as usize) {
+                        _ if target == IGNORE_TARGET => 0.0,
                         Some(&v) => (z - v as f64) as f32,
                         None => f32::NAN,
                     };
@@ -353,6 +354,9 @@ impl Device for CpuDevice {
                     .enumerate()
                     .map(|(e, &v)| {
                         let (r, j) = (e / vocab, e % vocab);
+                        if t[r] == IGNORE_TARGET {
+                            return 0.0;
+                        }
                         let p = (v as f64 - z[r] as f64).exp();
                         ((p - (j as u32 == t[r]) as u8 as f64) * *scale as f64) as f32
                     })

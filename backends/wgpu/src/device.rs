@@ -44,6 +44,10 @@ pub struct WgpuDevice {
     /// Validation errors wgpu reports out of band; checked at submit.
     errors: Arc<Mutex<Vec<String>>>,
     state: Mutex<State>,
+    /// `KILN_PROFILE=1`: each launch is submitted and waited for alone, its wall time
+    /// added up per kernel; the table is printed when the device is dropped. Slows
+    /// everything down (no batching), so it is for finding hot spots, not for totals.
+    profile: Option<Mutex<HashMap<String, (u32, f64)>>>,
 }
 
 struct Slot {
@@ -198,6 +202,7 @@ impl WgpuDevice {
                 next_id: 1,
                 ..State::default()
             }),
+            profile: std::env::var_os("KILN_PROFILE").map(|_| Mutex::new(HashMap::new())),
         })
     }
 
@@ -480,6 +485,20 @@ impl WgpuDevice {
     }
 }
 
+impl Drop for WgpuDevice {
+    fn drop(&mut self) {
+        let Some(profile) = &self.profile else { return };
+        let p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rows: Vec<_> = p.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+        let total: f64 = rows.iter().map(|r| r.1 .1).sum();
+        eprintln!("KILN_PROFILE {}: {total:.1} ms in launches", self.caps.name);
+        for (k, (n, ms)) in rows {
+            eprintln!("{ms:10.1} ms {:5.1}% {n:6} x  {k}", 100.0 * ms / total);
+        }
+    }
+}
+
 impl Device for WgpuDevice {
     fn caps(&self) -> &Capabilities {
         &self.caps
@@ -625,7 +644,25 @@ impl Device for WgpuDevice {
         let mut s = self.lock();
         // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
         let handles = self.handles(&s, kernel.name(), &kernel.buffers())?;
-        self.record_kernel(&mut s, kernel, &handles)
+        let Some(profile) = &self.profile else {
+            return self.record_kernel(&mut s, kernel, &handles);
+        };
+        self.flush(&mut s)?;
+        self.wait()?;
+        let t0 = std::time::Instant::now();
+        self.record_kernel(&mut s, kernel, &handles)?;
+        self.flush(&mut s)?;
+        self.wait()?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let key = match kernel {
+            Kernel::Matmul(m) => format!("matmul {}x{}x{} b{}", m.m, m.n, m.k, m.batch),
+            k => k.name().to_string(),
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        let e = p.entry(key).or_insert((0, 0.0));
+        e.0 += 1;
+        e.1 += ms;
+        Ok(())
     }
 
     fn submit(&self) -> Result<()> {

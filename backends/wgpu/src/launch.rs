@@ -137,7 +137,8 @@ impl WgpuDevice {
             } => {
                 let (n, cols) = (x.len as u32, *cols as u32);
                 let rows = n / cols;
-                // Pass 1: one workgroup per row -> mean, rstd. Pass 2: pairs of elements.
+                // Pass 1: per row -> mean, rstd. Pass 2: pairs of elements.
+                let (lanes, grid) = self.row_plan(rows, cols);
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -145,8 +146,9 @@ impl WgpuDevice {
                         vec![self.repr(x.dtype)],
                         vec![h(x), h(mean), h(rstd)],
                         vec![rows, 0, eps.to_bits(), cols],
-                        row_groups(rows),
-                    ),
+                        grid,
+                    )
+                    .with_overrides(lanes),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
@@ -178,6 +180,7 @@ impl WgpuDevice {
                 let rows = n / cols;
                 let stats = self.partials(s, rows as u64 * 8);
                 let st = (PARTIALS_ID, &stats);
+                let (lanes, grid) = self.row_plan(rows, cols);
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -188,8 +191,9 @@ impl WgpuDevice {
                             .collect(),
                         vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
                         vec![rows, 0, 0, cols],
-                        row_groups(rows),
-                    ),
+                        grid,
+                    )
+                    .with_overrides(lanes),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
@@ -257,6 +261,7 @@ impl WgpuDevice {
             } => {
                 let (n, cols) = (x.len as u32, *cols as u32);
                 let mask = vec![("CAUSAL", *causal as u32)];
+                let (lanes, grid) = self.row_plan(n / cols, cols);
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -264,9 +269,9 @@ impl WgpuDevice {
                         vec![self.repr(x.dtype)],
                         vec![h(x), h(stats)],
                         vec![n / cols, 0, scale.to_bits(), cols],
-                        row_groups(n / cols),
+                        grid,
                     )
-                    .with_overrides(mask.clone()),
+                    .with_overrides([mask.clone(), lanes].concat()),
                 )?;
                 let words = pairs(x.len);
                 self.dispatch(
@@ -290,6 +295,7 @@ impl WgpuDevice {
                 scale,
             } => {
                 let (n, cols) = (p.len as u32, *cols as u32);
+                let (lanes, grid) = self.row_plan(n / cols, cols);
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -297,8 +303,9 @@ impl WgpuDevice {
                         vec![self.repr(p.dtype), self.repr(dout.dtype)],
                         vec![h(p), h(dout), h(stats)],
                         vec![n / cols, 0, 0, cols],
-                        row_groups(n / cols),
-                    ),
+                        grid,
+                    )
+                    .with_overrides(lanes),
                 )?;
                 let words = pairs(p.len);
                 self.dispatch(
@@ -320,6 +327,7 @@ impl WgpuDevice {
                 vocab,
             } => {
                 let rows = (logits.len / vocab) as u32;
+                let (lanes, grid) = self.row_plan(rows, *vocab as u32);
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -327,8 +335,9 @@ impl WgpuDevice {
                         vec![self.repr(logits.dtype)],
                         vec![h(logits), h(targets), h(losses), h(lse)],
                         vec![rows, 0, 0, *vocab as u32],
-                        row_groups(rows),
-                    ),
+                        grid,
+                    )
+                    .with_overrides(lanes),
                 )?;
             }
             Kernel::CrossEntropyBackward {
@@ -571,6 +580,35 @@ pub(crate) fn groups(words: u32) -> u32 {
 }
 
 /// A 2-D grid of at least `rows` workgroups (one per row; 65535 per dimension).
+/// Pipeline-overridable constants of one dispatch.
+type Overrides = Vec<(&'static str, u32)>;
+
+impl WgpuDevice {
+    /// How a row kernel (`common/row_reduce.wgsl`) covers `rows` rows of `cols`: its
+    /// ROW_LANES override and grid. CPU adapters walk a row per invocation when there
+    /// are rows enough to fill the workgroups: a barrier there costs a switch through
+    /// every invocation of the workgroup, which dominated the GPT's step on lavapipe
+    /// (measured with KILN_PROFILE: softmax and layer norm were 45% of it). GPUs give a
+    /// short row one warp-sized group and a long row the whole workgroup.
+    fn row_plan(&self, rows: u32, cols: u32) -> (Overrides, (u32, u32, u32)) {
+        let lanes = if self.caps.device_type == "cpu" {
+            if rows >= 128 {
+                1
+            } else {
+                256
+            }
+        } else if cols <= 256 {
+            32
+        } else {
+            256
+        };
+        (
+            vec![("ROW_LANES", lanes)],
+            row_groups(rows.div_ceil(256 / lanes)),
+        )
+    }
+}
+
 fn row_groups(rows: u32) -> (u32, u32, u32) {
     let x = rows.clamp(1, MAX_GROUPS);
     (x, rows.div_ceil(x).max(1), 1)

@@ -21,9 +21,13 @@
 //! and the carry out of the digit just produced, so a small model can emit it left to
 //! right; in the usual order the first digit depends on every carry. Fixed widths put
 //! every digit at a fixed offset in the line and make every line the same length, so
-//! the model needs no counting and rows of the stream stay easy to lay out. `d = 2` (the
-//! default) is what a 2-layer GPT of a few hundred thousand parameters learns in a few
-//! hundred steps.
+//! the model needs no counting and rows of the stream stay easy to lay out. With rows of
+//! exactly one line (T + 1 = 3d + 4, so each position has one role) and the loss on the
+//! answers only ([`Addition::mask_prompts`]), `d = 2` (the default) is what a 2-layer,
+//! 100k-parameter GPT learns in a few hundred steps (measured: 50% held-out exact match
+//! at step 300, 100% by step 1000, micro-batch 64, AdamW 3e-3). With several lines per
+//! row, or the loss on the random operands too, the same model stayed at chance for
+//! 700 steps.
 //!
 //! # Held-out problems
 //!
@@ -225,6 +229,28 @@ impl Addition {
         )
     }
 
+    /// Marks every target that is not part of an answer as [`crate::IGNORE_TARGET`], in
+    /// rows of `t` positions: the operands are random, so predicting them teaches nothing
+    /// and their irreducible loss (ln 10 per digit) would drown the answers' signal.
+    /// A target is trained when an `=` has been seen in the row since the last
+    /// separator, that is: the answer digits and the separator ending the line.
+    /// Works from the tokens alone, whatever the row's offset in the stream.
+    pub fn mask_prompts(tokens: &[u32], targets: &mut [u32], t: usize) {
+        for (row, tgt) in tokens.chunks(t).zip(targets.chunks_mut(t)) {
+            let mut answering = false;
+            for (&tok, target) in row.iter().zip(tgt) {
+                if tok == Self::EQUALS {
+                    answering = true;
+                } else if tok == Self::SEP {
+                    answering = false;
+                }
+                if !answering {
+                    *target = crate::IGNORE_TARGET;
+                }
+            }
+        }
+    }
+
     /// `rows` rows of `t + 1` tokens made of held-out problems, for exact-match accuracy
     /// from one teacher-forced forward pass (feed `tokens`, take the argmax per position,
     /// call [`accuracy`]).
@@ -345,6 +371,28 @@ mod tests {
         let c: u64 = c.chars().rev().collect::<String>().parse().unwrap();
         assert_eq!(a + b, c, "{line}");
         (a, b)
+    }
+
+    #[test]
+    fn only_answers_and_their_separator_are_trained_on() {
+        // A row starting mid-line: "5+31=64\n27+0" (tokens), targets shifted by one.
+        let stream = Addition::encode("5+31=64\n27+08=5").unwrap();
+        let t = stream.len() - 1;
+        let tokens = stream[..t].to_vec();
+        let mut targets = stream[1..].to_vec();
+        Addition::mask_prompts(&tokens, &mut targets, t);
+        let kept: String = targets
+            .iter()
+            .map(|&x| {
+                if x == crate::IGNORE_TARGET {
+                    '.'
+                } else {
+                    Addition::decode(&[x]).chars().next().unwrap()
+                }
+            })
+            .collect();
+        // After `=`: the answer digits and the newline; then after the second `=`, `5`.
+        assert_eq!(kept, "....64\n......5");
     }
 
     #[test]

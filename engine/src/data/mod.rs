@@ -22,6 +22,7 @@
 pub mod addition;
 pub mod memory;
 pub mod prefetch;
+pub mod prefix;
 pub mod prepare;
 pub mod sampler;
 pub mod text;
@@ -32,6 +33,7 @@ use std::path::{Path, PathBuf};
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows, DEFAULT_DIGITS};
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
+pub use prefix::Prefix;
 pub use prepare::{prepare, write_token_file, Tokenizer};
 pub use sampler::{Batch, BatchLayout, Sampler};
 pub use text::ByteTextSource;
