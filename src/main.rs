@@ -69,30 +69,32 @@ struct TrainArgs {
     /// default: built-in 2-digit addition problems.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Device to train on (`kiln devices` lists them); default: the best adapter.
+    /// Device to train on (`kiln devices` lists them); default: the config's
+    /// kiln.devices, else the best adapter.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<String>,
     /// Run directory; default: runs/<UTC date and time>.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Total optimizer steps; default: the scheduler's total_num_steps, else 1000.
+    /// Total optimizer steps; default: kiln.steps, else the scheduler's
+    /// total_num_steps, else 1000.
     #[arg(long)]
     steps: Option<u64>,
-    /// Evaluate on held-out data every N steps (0: only at the end).
-    #[arg(long, default_value_t = 50)]
-    eval_every: u64,
-    /// Checkpoint every N steps (0: only at the end).
-    #[arg(long, default_value_t = 200)]
-    checkpoint_every: u64,
-    /// Checkpoints to keep.
-    #[arg(long, default_value_t = 3)]
-    keep_checkpoints: usize,
+    /// Evaluate on held-out data every N steps, 0: only at the end [default: kiln.eval_every, else 50].
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// Checkpoint every N steps, 0: only at the end [default: kiln.checkpoint_every, else 200].
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Checkpoints to keep, 0: all [default: kiln.keep_checkpoints, else 3].
+    #[arg(long)]
+    keep_checkpoints: Option<usize>,
     /// Continue the run in --out from its latest checkpoint.
     #[arg(long)]
     resume: bool,
-    /// Seed of the weights and the data order.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
+    /// Seed of the weights and the data order [default: kiln.seed, else 1].
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 #[derive(Subcommand)]

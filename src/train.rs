@@ -43,8 +43,9 @@ const EVAL_ROWS: usize = 256;
 /// Share of a data file kept for evaluation (its tail).
 const HOLDOUT_FRACTION: f64 = 0.05;
 
-/// Everything `kiln train` can be told.
-#[derive(Clone, Debug)]
+/// Everything `kiln train` can be told. The `Option`s override the config's `kiln`
+/// section when set (command-line flags); unset, the config (or its default) decides.
+#[derive(Clone, Debug, Default)]
 pub struct TrainOptions {
     /// DeepSpeed config file; `None`: the demo config.
     pub config: Option<PathBuf>,
@@ -53,46 +54,26 @@ pub struct TrainOptions {
     pub model: Option<PathBuf>,
     /// Training data: a `.bin` token file or a text file (bytes); `None`: addition.
     pub data: Option<PathBuf>,
-    /// Devices (`kiln devices` lists them); empty: the best adapter found.
+    /// Devices (`kiln devices` lists them); empty: `kiln.devices`, else the best adapter.
     pub devices: Vec<String>,
     /// Run directory; `None`: `runs/<UTC time>`.
     pub out: Option<PathBuf>,
     /// Optimizer steps to run in total (a resumed run counts the steps already done).
     pub steps: Option<u64>,
     /// Evaluate every this many steps (and at the end); 0: only at the end.
-    pub eval_every: u64,
+    pub eval_every: Option<u64>,
     /// Checkpoint every this many steps (and at the end); 0: only at the end.
-    pub checkpoint_every: u64,
+    pub checkpoint_every: Option<u64>,
     /// Checkpoints kept (older ones are deleted once a newer one is complete).
-    pub keep_checkpoints: usize,
+    pub keep_checkpoints: Option<usize>,
+    /// Seeds the weights and the data order.
+    pub seed: Option<u64>,
     /// Continue the run in `out` from its latest checkpoint.
     pub resume: bool,
-    /// Seeds the weights and the data order.
-    pub seed: u64,
     /// Draw a progress bar and print log lines.
     pub progress: bool,
     /// Set (by Ctrl-C) to stop after the current step, checkpointing first.
     pub interrupt: Option<Arc<AtomicBool>>,
-}
-
-impl Default for TrainOptions {
-    fn default() -> Self {
-        TrainOptions {
-            config: None,
-            model: None,
-            data: None,
-            devices: vec![],
-            out: None,
-            steps: None,
-            eval_every: 50,
-            checkpoint_every: 200,
-            keep_checkpoints: 3,
-            resume: false,
-            seed: 1,
-            progress: true,
-            interrupt: None,
-        }
-    }
 }
 
 /// What a finished (or interrupted) run reports.
@@ -116,18 +97,28 @@ enum Dataset {
 /// Resolves the config, opens the device, builds or restores the engine and trains.
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let started = Instant::now();
-    if opts.devices.len() > 1 {
-        bail!(
-            "training on {} devices needs data parallelism, which Kiln does not have yet; \
-             pass one device (e.g. --devices {})",
-            opts.devices.len(),
-            opts.devices[0]
-        );
-    }
     let ds = match &opts.config {
         Some(path) => config::load(path, 1)?,
         None => config::parse(DEMO_DS_CONFIG, 1).context("the built-in demo config")?,
     };
+    let k = &ds.kiln;
+    let devices = if opts.devices.is_empty() {
+        k.devices.clone()
+    } else {
+        opts.devices.clone()
+    };
+    if devices.len() > 1 {
+        bail!(
+            "training on {} devices needs data parallelism, which Kiln does not have yet; \
+             pass one device (e.g. --devices {})",
+            devices.len(),
+            devices[0]
+        );
+    }
+    let seed = opts.seed.unwrap_or(k.seed);
+    let eval_every = opts.eval_every.unwrap_or(k.eval_every);
+    let checkpoint_every = opts.checkpoint_every.unwrap_or(k.checkpoint_every);
+    let keep_checkpoints = opts.keep_checkpoints.unwrap_or(k.keep_checkpoints);
     if ds.zero.stage > 0 {
         bail!(
             "zero_optimization.stage {} partitions optimizer state across data-parallel devices; \
@@ -157,7 +148,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let (source, train_len, dataset, data_name): (Arc<dyn TokenSource>, u64, Dataset, String) =
         match &opts.data {
             None => {
-                let add = Addition::new(data::DEFAULT_DIGITS, opts.seed)?;
+                let add = Addition::new(data::DEFAULT_DIGITS, seed)?;
                 if !model_from_file {
                     model.vocab_size = Addition::vocab_size();
                 }
@@ -212,10 +203,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 (head, train_len, Dataset::File { eval }, name)
             }
         };
-    let sampler = Sampler::new(train_len, t, opts.seed)?;
+    let sampler = Sampler::new(train_len, t, seed)?;
 
     // Device.
-    let spec: DeviceSpec = match opts.devices.first() {
+    let spec: DeviceSpec = match devices.first() {
         Some(s) => s.parse()?,
         None => default_device()?,
     };
@@ -233,11 +224,11 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             PathBuf::from("runs").join(stamp)
         }
     };
-    let record = run_record(&ds, &model, &data_name, opts.seed, &device_name);
+    let record = run_record(&ds, &model, &data_name, seed, &device_name);
     prepare_run_dir(&dir, &record, opts.resume)?;
 
-    let mut trainer = Trainer::new(dev, model.clone(), ds.clone(), t, opts.seed)?;
-    let total = opts.steps.unwrap_or(match ds.schedule {
+    let mut trainer = Trainer::new(dev, model.clone(), ds.clone(), t, seed)?;
+    let total = opts.steps.or(k.steps).unwrap_or(match ds.schedule {
         Schedule::WarmupDecayLr { total_steps, .. }
         | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
         _ => DEFAULT_STEPS,
@@ -283,6 +274,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         model.vocab_size,
     );
     cfg.start_sample = next_sample;
+    cfg.workers = k.data_workers;
+    cfg.depth = k.prefetch_depth;
     let mut loader = Loader::new(source, sampler, cfg)?;
 
     // The bar is drawn only on a terminal; elsewhere (CI, pipes) log lines go to stderr.
@@ -370,7 +363,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             interrupted = true;
         }
         let last = step == total || interrupted;
-        if last || (opts.eval_every > 0 && step.is_multiple_of(opts.eval_every)) {
+        if last || (eval_every > 0 && step.is_multiple_of(eval_every)) {
             let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
             rec.eval_loss = Some(loss);
             rec.eval_accuracy = acc;
@@ -413,15 +406,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             "loss {:.3} | {:.0} tok/s | scale {}",
             s.loss, rec.tokens_per_s, s.loss_scale
         ));
-        if last || (opts.checkpoint_every > 0 && step.is_multiple_of(opts.checkpoint_every)) {
-            let saved = save(
-                &trainer,
-                dev,
-                &dir,
-                step,
-                next_sample,
-                opts.keep_checkpoints,
-            )?;
+        if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
+            let saved = save(&trainer, dev, &dir, step, next_sample, keep_checkpoints)?;
             for note in saved.notes {
                 log(&bar, format!("note: {note}"));
             }
@@ -459,9 +445,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 fn run_record(ds: &TrainConfig, model: &GptConfig, data: &str, seed: u64, device: &str) -> Value {
     let mut config = serde_json::to_value(ds).expect("the resolved config serializes");
     if let Some(obj) = config.as_object_mut() {
+        // Not settings of the run's numbers: where values came from, notes, and the
+        // `kiln` section (devices, workers, intervals; the seed is recorded below).
         obj.remove("provenance");
         obj.remove("warnings");
+        obj.remove("kiln");
     }
+    tidy_floats(&mut config);
     json!({
         "deepspeed": config,
         "model": {
@@ -475,6 +465,25 @@ fn run_record(ds: &TrainConfig, model: &GptConfig, data: &str, seed: u64, device
         "seed": seed,
         "device": device,
     })
+}
+
+/// Writes each number that is an f32 widened to f64 (every float of the config) as the
+/// f32's shortest decimal: `0.003`, not `0.003000000026077032`.
+fn tidy_floats(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or(0.0);
+            let short: f64 = (x as f32).to_string().parse().unwrap_or(x);
+            if (x as f32) as f64 == x {
+                if let Some(m) = serde_json::Number::from_f64(short) {
+                    *n = m;
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(tidy_floats),
+        Value::Object(o) => o.values_mut().for_each(tidy_floats),
+        _ => {}
+    }
 }
 
 /// Creates the run directory, or checks that a resumed one was started with the same

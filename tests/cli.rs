@@ -96,3 +96,170 @@ fn bad_arguments_are_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown matmul variant"));
 }
+
+/// A scratch directory for one test.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-cli-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn config_check_lists_every_problem_with_a_fix_and_explain_shows_origins() {
+    let dir = scratch("config");
+    let bad = dir.join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"train_batch_size": 33, "train_micro_batch_size_per_gpu": 17,
+            "grandient_accumulation_steps": 2, "fp16": {"enabled": true, "loss_scale_window": "1000"}}"#,
+    )
+    .unwrap();
+    let out = kiln(&["config", "check", bad.to_str().unwrap(), "--world", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "bad.json",
+        "did you mean \"gradient_accumulation_steps\"",
+        "fp16.loss_scale_window",
+        "remove the quotes",
+        "train_batch_size",
+    ] {
+        assert!(err.contains(needle), "`{needle}` missing from:\n{err}");
+    }
+
+    let good = dir.join("good.json");
+    std::fs::write(
+        &good,
+        r#"{"train_batch_size": 32, "gradient_accumulation_steps": 2, "bf16": {"enabled": true}}"#,
+    )
+    .unwrap();
+    let out = kiln(&["config", "check", good.to_str().unwrap(), "--world", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("micro-batch 8 × accumulation 2 × world 2"),
+        "{text}"
+    );
+    let out = kiln(&["config", "explain", good.to_str().unwrap(), "--world", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("bf16.enabled = true (file)"), "{text}");
+    assert!(
+        text.contains("train_micro_batch_size_per_gpu = 8 (inferred"),
+        "{text}"
+    );
+    assert!(text.contains("fp16.enabled = false (default)"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn prepare_tokenizes_with_gpt2_bpe_and_bytes() {
+    let dir = scratch("prepare");
+    let text = dir.join("t.txt");
+    std::fs::write(&text, "Hello world").unwrap();
+    let bin = dir.join("t.bin");
+    let out = kiln(&["prepare", text.to_str().unwrap(), bin.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // GPT-2's ids for "Hello" and " world", as little-endian u16.
+    assert_eq!(std::fs::read(&bin).unwrap(), [0x88, 0x3c, 0xe3, 0x03]);
+    let bytes = dir.join("b.bin");
+    let out = kiln(&[
+        "prepare",
+        text.to_str().unwrap(),
+        bytes.to_str().unwrap(),
+        "--tokenizer",
+        "bytes",
+    ]);
+    assert!(out.status.success());
+    let ids: Vec<u16> = std::fs::read(&bytes)
+        .unwrap()
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    assert_eq!(
+        ids,
+        "Hello world".bytes().map(u16::from).collect::<Vec<_>>()
+    );
+    let out = kiln(&["prepare", "/nonexistent.txt", bytes.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.txt"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn train_then_runs_lists_and_diffs_the_runs() {
+    let dir = scratch("runs");
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 9, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let cfg = |name: &str, lr: f64| {
+        let p = dir.join(name);
+        std::fs::write(
+            &p,
+            format!(
+                r#"{{"train_micro_batch_size_per_gpu": 4,
+                    "optimizer": {{"type": "AdamW", "params": {{"lr": {lr}}}}}}}"#
+            ),
+        )
+        .unwrap();
+        p
+    };
+    for (name, lr) in [("a", 0.001), ("b", 0.003)] {
+        let c = cfg(&format!("{name}.json"), lr);
+        let out = kiln(&[
+            "train",
+            "--config",
+            c.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--devices",
+            "vulkan",
+            "--steps",
+            "4",
+            "--out",
+            dir.join("runs").join(name).to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("4 steps (0 skipped)"), "{text}");
+        assert!(text.contains("held-out exact match"), "{text}");
+    }
+    let root = dir.join("runs");
+    let out = kiln(&["runs", "--root", root.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains('a') && text.contains('b'),
+        "{text}"
+    );
+    let out = kiln(&[
+        "runs",
+        "diff",
+        root.join("a").to_str().unwrap(),
+        root.join("b").to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Exactly the learning rate differs: the optimizer's and the constant schedule's.
+    assert!(text.contains("optimizer") && text.contains("lr"), "{text}");
+    assert!(!text.contains("seed"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

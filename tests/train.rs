@@ -53,8 +53,8 @@ fn options(dir: &Path, out: &str, steps: u64) -> TrainOptions {
         devices: vec!["vulkan".into()],
         out: Some(dir.join(out)),
         steps: Some(steps),
-        eval_every: 0,
-        checkpoint_every: 0,
+        eval_every: Some(0),
+        checkpoint_every: Some(0),
         progress: false,
         ..TrainOptions::default()
     }
@@ -133,7 +133,7 @@ fn an_interrupted_run_checkpoints_and_resumes_but_refuses_other_settings_and_dam
     // Resuming with another seed is another run: refused, naming the setting.
     let e = train(&TrainOptions {
         resume: true,
-        seed: 99,
+        seed: Some(99),
         ..options(&dir, "run", 10)
     })
     .unwrap_err()
@@ -194,9 +194,9 @@ fn trains_on_a_byte_file_with_held_out_loss_and_records_the_run() {
         devices: vec!["vulkan".into()],
         out: Some(dir.join("bytes")),
         steps: Some(30),
-        eval_every: 10,
-        checkpoint_every: 10,
-        keep_checkpoints: 2,
+        eval_every: Some(10),
+        checkpoint_every: Some(10),
+        keep_checkpoints: Some(2),
         progress: false,
         ..TrainOptions::default()
     };
@@ -230,7 +230,7 @@ fn trains_on_a_byte_file_with_held_out_loss_and_records_the_run() {
     // A second run differing in one setting: the ledger lists both and the diff names
     // exactly that key.
     let r2 = train(&TrainOptions {
-        seed: 2,
+        seed: Some(2),
         out: Some(dir.join("bytes-seed2")),
         steps: Some(5),
         ..opts
@@ -252,7 +252,7 @@ fn the_default_demo_learns_addition_on_held_out_problems() {
     let r = train(&TrainOptions {
         devices: vec!["vulkan".into()],
         out: Some(dir.join("demo")),
-        eval_every: 100,
+        eval_every: Some(100),
         progress: false,
         ..TrainOptions::default()
     })

@@ -14,6 +14,8 @@
 //!   listed in [`TrainConfig::warnings`] as ignored.
 //! - **Every problem is reported at once** ([`ConfigError::problems`]), each with its key
 //!   path, what was expected, what was found and how to fix it.
+//! - Kiln's own settings (devices, data workers, step count, evaluation and checkpoint
+//!   intervals, seed) live in a `kiln` section ([`KilnSettings`]), checked as strictly.
 //! - `null` means "not set", as DeepSpeed's `None` does. The string `"auto"` is rejected:
 //!   it is a placeholder the HuggingFace Trainer fills in, not a value.
 //!
@@ -68,6 +70,8 @@ pub struct TrainConfig {
     /// Print the full engine state at start-up.
     pub dump_state: bool,
     pub zero: ZeroConfig,
+    /// Kiln's own settings (the `kiln` section).
+    pub kiln: KilnSettings,
     /// Things the user should know that are not errors: ignored logging sections, settings
     /// that override others, differences from DeepSpeed's behaviour.
     pub warnings: Vec<String>,
@@ -76,6 +80,43 @@ pub struct TrainConfig {
     /// is absent here counts as [`Provenance::Default`]. Only [`TrainConfig::explain`]
     /// reads it, so code that edits the fields afterwards should update it too.
     pub provenance: BTreeMap<String, Provenance>,
+}
+
+/// Kiln's own settings, from the config's `kiln` section: what DeepSpeed leaves to its
+/// launcher or to the user's script. Command-line flags of `kiln train` override them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KilnSettings {
+    /// Devices to train on, as `kiln devices` names them; empty: the best adapter.
+    pub devices: Vec<String>,
+    /// Threads building batches ahead of the step.
+    pub data_workers: usize,
+    /// Batches built ahead (the prefetch queue's bound).
+    pub prefetch_depth: usize,
+    /// Optimizer steps in all; `None`: the scheduler's `total_num_steps`, else 1000.
+    pub steps: Option<u64>,
+    /// Evaluate every this many steps (and at the end); 0: only at the end.
+    pub eval_every: u64,
+    /// Checkpoint every this many steps (and at the end); 0: only at the end.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept; older ones are deleted once a newer one is complete. 0: all.
+    pub keep_checkpoints: usize,
+    /// Seeds the weights and the data order.
+    pub seed: u64,
+}
+
+impl Default for KilnSettings {
+    fn default() -> Self {
+        KilnSettings {
+            devices: vec![],
+            data_workers: 2,
+            prefetch_depth: 4,
+            steps: None,
+            eval_every: 50,
+            checkpoint_every: 200,
+            keep_checkpoints: 3,
+            seed: 1,
+        }
+    }
 }
 
 /// Batch geometry. Invariant: `train_batch_size == micro_batch * grad_accum * world`.
@@ -345,6 +386,7 @@ impl TrainConfig {
             memory_breakdown: false,
             dump_state: false,
             zero: ZeroConfig::default(),
+            kiln: KilnSettings::default(),
             warnings: Vec::new(),
             provenance,
         }
@@ -522,6 +564,22 @@ impl TrainConfig {
             &format!("{zp}round_robin_gradients"),
             z.round_robin_gradients.to_string(),
         );
+
+        let k = &self.kiln;
+        line("kiln.devices", format!("{:?}", k.devices));
+        line("kiln.data_workers", k.data_workers.to_string());
+        line("kiln.prefetch_depth", k.prefetch_depth.to_string());
+        line(
+            "kiln.steps",
+            k.steps
+                .map_or("(scheduler total_num_steps, else 1000)".into(), |n| {
+                    n.to_string()
+                }),
+        );
+        line("kiln.eval_every", k.eval_every.to_string());
+        line("kiln.checkpoint_every", k.checkpoint_every.to_string());
+        line("kiln.keep_checkpoints", k.keep_checkpoints.to_string());
+        line("kiln.seed", k.seed.to_string());
 
         for w in &self.warnings {
             let _ = writeln!(out, "warning: {w}");
@@ -812,6 +870,7 @@ const TOP: Spec = Spec {
         "memory_breakdown",
         "dump_state",
         "zero_optimization",
+        "kiln",
     ],
     ignored: &[
         ("tensorboard", LOGGING),
@@ -929,6 +988,17 @@ const DYNAMIC_KEYS: &[&str] = &[
     "consecutive_hysteresis",
     "min_loss_scale",
 ];
+
+const KILN: Spec = Spec::keys(&[
+    "devices",
+    "data_workers",
+    "prefetch_depth",
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "seed",
+]);
 
 const STAGE3_ONLY: &str = "it is only used by ZeRO stage 3";
 
@@ -2153,6 +2223,72 @@ impl Reader {
         }
     }
 
+    fn kiln(&mut self, root: &Map<String, Value>) -> KilnSettings {
+        let empty = Map::new();
+        let sec = self.section(root, "", "kiln").ok().flatten();
+        let kp = "kiln";
+        if let Some(s) = sec {
+            self.check_keys(s, kp, &KILN);
+        }
+        let k = sec.unwrap_or(&empty);
+        let d = KilnSettings::default();
+        let path = "kiln.devices";
+        let expected = "a list of device names such as [\"vulkan:0\"] (see `kiln devices`)";
+        let devices = match self.raw(k, path, "devices", expected, None) {
+            Ok(Some(Value::String(s))) => {
+                self.mark(path, Provenance::File);
+                s.split(',').map(|d| d.trim().to_string()).collect()
+            }
+            Ok(Some(Value::Array(list))) if list.iter().all(Value::is_string) => {
+                self.mark(path, Provenance::File);
+                list.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            }
+            Ok(Some(v)) => {
+                self.wrong_value(path, expected, v, None);
+                vec![]
+            }
+            _ => {
+                self.mark(path, Provenance::Default);
+                vec![]
+            }
+        };
+        let steps = self.uint(k, kp, "steps", 1, u64::MAX, None);
+        let steps = match steps {
+            Ok(Some(n)) => {
+                self.mark("kiln.steps", Provenance::File);
+                Some(n)
+            }
+            _ => None,
+        };
+        let count = (1, 1024);
+        KilnSettings {
+            devices,
+            data_workers: self.uint_or(k, kp, "data_workers", count, d.data_workers as u64)
+                as usize,
+            prefetch_depth: self.uint_or(k, kp, "prefetch_depth", count, d.prefetch_depth as u64)
+                as usize,
+            steps,
+            eval_every: self.uint_or(k, kp, "eval_every", (0, u64::MAX), d.eval_every),
+            checkpoint_every: self.uint_or(
+                k,
+                kp,
+                "checkpoint_every",
+                (0, u64::MAX),
+                d.checkpoint_every,
+            ),
+            keep_checkpoints: self.uint_or(
+                k,
+                kp,
+                "keep_checkpoints",
+                (0, 1_000_000),
+                d.keep_checkpoints as u64,
+            ) as usize,
+            seed: self.uint_or(k, kp, "seed", (0, u64::MAX), d.seed),
+        }
+    }
+
     fn zero(&mut self, root: &Map<String, Value>) -> ZeroConfig {
         let empty = Map::new();
         let sec = self.section(root, "", "zero_optimization").ok().flatten();
@@ -2225,6 +2361,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
     let memory_breakdown = r.bool_or(root, "", "memory_breakdown", false);
     let dump_state = r.bool_or(root, "", "dump_state", false);
     let zero = r.zero(root);
+    let kiln = r.kiln(root);
     if bare_fp16 && zero.stage >= 1 {
         r.warnings.push(
             "fp16 sets only \"enabled\": Kiln starts the dynamic loss scale at 2^16 with \
@@ -2251,6 +2388,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         memory_breakdown,
         dump_state,
         zero,
+        kiln,
         warnings: r.warnings,
         provenance: r.provenance,
     })

@@ -1,8 +1,8 @@
 //! DeepSpeed config reading: batch inference, strict key checking, schedules, provenance.
 
 use kiln_engine::config::{
-    load, parse, BatchConfig, ConfigError, LossScaling, Optimizer, Precision, Problem, Provenance,
-    Schedule, TrainConfig, WarmupType,
+    load, parse, BatchConfig, ConfigError, KilnSettings, LossScaling, Optimizer, Precision,
+    Problem, Provenance, Schedule, TrainConfig, WarmupType,
 };
 use kiln_engine::DynamicScaling;
 
@@ -989,4 +989,50 @@ fn realistic_deepspeed_config_parses() {
     assert_eq!(c.zero.reduce_bucket_size, 200_000_000);
     assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
     assert!(c.warnings[0].contains("tensorboard"));
+}
+
+#[test]
+fn the_kiln_section_holds_our_own_settings_strictly() {
+    let c = ok(r#"{"train_batch_size": 8,
+        "kiln": {"devices": ["vulkan:0"], "data_workers": 3, "steps": 500,
+                 "eval_every": 0, "checkpoint_every": 100, "keep_checkpoints": 0, "seed": 7}}"#);
+    let k = &c.kiln;
+    assert_eq!(k.devices, ["vulkan:0"]);
+    assert_eq!((k.data_workers, k.prefetch_depth), (3, 4));
+    assert_eq!(k.steps, Some(500));
+    assert_eq!(
+        (k.eval_every, k.checkpoint_every, k.keep_checkpoints, k.seed),
+        (0, 100, 0, 7)
+    );
+    assert!(c.explain().contains("kiln.prefetch_depth = 4 (default)"));
+    assert!(
+        c.explain().contains("kiln.seed = 7 (file)"),
+        "{}",
+        c.explain()
+    );
+    // A comma-separated string works as well as a list.
+    assert_eq!(
+        ok(r#"{"train_batch_size": 8, "kiln": {"devices": "vulkan:0, gl"}}"#)
+            .kiln
+            .devices,
+        ["vulkan:0", "gl"]
+    );
+    assert_eq!(
+        ok(r#"{"train_batch_size": 8}"#).kiln,
+        KilnSettings::default()
+    );
+
+    let e = err(r#"{"train_batch_size": 8,
+        "kiln": {"checkpoint_evry": 10, "data_workers": 0, "devices": 3, "steps": 0}}"#);
+    assert!(problem(&e, "kiln.checkpoint_evry")
+        .fix
+        .contains("checkpoint_every"));
+    assert!(problem(&e, "kiln.data_workers")
+        .message
+        .contains("from 1 to 1024"));
+    assert!(problem(&e, "kiln.devices")
+        .message
+        .contains("list of device names"));
+    assert!(problem(&e, "kiln.steps").message.contains(">= 1"));
+    assert_eq!(e.problems.len(), 4, "{e}");
 }
