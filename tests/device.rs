@@ -235,3 +235,53 @@ fn device_specs_parse() {
     let gl = open_device(&"gl".parse().unwrap(), &DeviceOptions::default()).unwrap();
     assert_eq!(gl.caps().backend, "gl");
 }
+
+/// Uploads never wait for the device: each is staged in host-visible memory and its copy
+/// queued behind the work already recorded, so the next batch goes up while the current
+/// step computes (the training loop relies on this), and program order still holds.
+#[test]
+fn uploads_are_staged_behind_running_work_without_waiting_for_it() {
+    let dev = gpu("vulkan", false);
+    let n = 512;
+    let ones = HostData::F32(vec![1.0; n * n]);
+    let (a, b, c) = (
+        put(dev.as_ref(), &ones),
+        put(dev.as_ref(), &ones),
+        dev.alloc(DType::F32, n * n).unwrap(),
+    );
+    let small = dev.alloc(DType::F32, 256).unwrap();
+    let gemm = Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, n, n, n));
+    let one = put(dev.as_ref(), &HostData::F32(vec![1.0; 256]));
+    let axpy = Kernel::Axpy {
+        alpha: 1.0,
+        x: one,
+        y: small,
+    };
+    // Warm-up: compiles the pipelines, so the timed part is staging alone.
+    dev.launch(&axpy).unwrap();
+    dev.launch(&gemm).unwrap();
+    dev.submit().unwrap();
+    dev.wait().unwrap();
+
+    let t0 = std::time::Instant::now();
+    for _ in 0..4 {
+        dev.launch(&gemm).unwrap();
+    }
+    dev.submit().unwrap();
+    let t1 = std::time::Instant::now();
+    dev.upload(small, &HostData::F32(vec![2.5; 256])).unwrap();
+    // And one recorded behind a pending launch: it must land after that launch ran
+    // (small = 2.5 + 1, then overwritten by 7; landing early would leave 8).
+    dev.launch(&axpy).unwrap();
+    dev.upload(small, &HostData::F32(vec![7.0; 256])).unwrap();
+    let upload = t1.elapsed();
+    dev.submit().unwrap();
+    dev.wait().unwrap();
+    let gemm_time = t0.elapsed();
+    assert!(
+        upload * 4 < gemm_time,
+        "uploads took {upload:?} while a {gemm_time:?} GEMM ran: they waited for it"
+    );
+    assert_eq!(dev.download(small).unwrap().to_f32(), vec![7.0; 256]);
+    assert_eq!(dev.download(c).unwrap().to_f32()[n * n - 1], n as f32);
+}
