@@ -919,18 +919,11 @@ impl Gpt {
         self.step(dev, micro, lr, clip)
     }
 
-    /// One optimizer step at learning rate `lr` over several micro-batches (gradients
-    /// accumulated, the loss their mean), with the gradients clipped to global norm
-    /// `clip` (0: no clipping) after unscaling, DeepSpeed's way. Readback: the overflow
-    /// flag and the summed losses. A skipped (overflowing) step changes nothing but the
-    /// loss scaler.
-    pub fn step(
-        &mut self,
-        dev: &dyn Device,
-        micro: &[(&[u32], &[u32])],
-        lr: f32,
-        clip: f32,
-    ) -> Result<GptStep> {
+    /// A step's first phase: forward and backward over the micro-batches at the
+    /// scaler's current scale, each micro-batch's mean loss weighing 1/n, so the grad
+    /// buffers end up holding the scaled gradient of the step's mean loss. Recorded and
+    /// submitted, not waited for: several devices can compute at once.
+    pub fn accumulate(&self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<()> {
         if micro.is_empty() {
             return Err(Error::InvalidArgument(
                 "gpt: a step needs at least one micro-batch".into(),
@@ -956,6 +949,77 @@ impl Gpt {
             self.backward(dev, scale / n)?;
         }
         self.grad_beta.set(0.0);
+        dev.submit()
+    }
+
+    /// Mean loss of the `n` micro-batches [`Gpt::accumulate`] ran (waits for them).
+    pub fn accumulated_loss(&self, dev: &dyn Device, n: usize) -> Result<f32> {
+        let sums = dev.download(self.loss_sum)?.to_f32();
+        Ok((sums.iter().map(|&x| x as f64).sum::<f64>() / n.max(1) as f64) as f32)
+    }
+
+    /// Bytes of all gradient buffers as stored on the device.
+    pub fn gradient_bytes(&self) -> u64 {
+        self.params.iter().map(|p| p.grad.bytes()).sum()
+    }
+
+    /// Every parameter's gradient as f32, in parameter order (waits for the device).
+    pub fn gradient_values(&self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        self.params
+            .iter()
+            .map(|p| Ok(dev.download(p.grad)?.to_f32()))
+            .collect()
+    }
+
+    /// Overwrites every gradient (rounded to the grad buffers' dtypes): how a
+    /// data-parallel group hands back the gradients it reduced on the host.
+    pub fn set_gradients(&self, dev: &dyn Device, grads: &[Vec<f32>]) -> Result<()> {
+        if grads.len() != self.params.len() {
+            return Err(Error::InvalidArgument(format!(
+                "gpt: {} gradients for {} parameters",
+                grads.len(),
+                self.params.len()
+            )));
+        }
+        for (p, g) in self.params.iter().zip(grads) {
+            dev.upload(p.grad, &HostData::from_f32(p.grad.dtype, g))?;
+        }
+        Ok(())
+    }
+
+    /// A step's last phase when the host has decided it (a data-parallel group: the
+    /// overflow check, norm and scaler ran on the reduced gradients): applies the
+    /// optimizer with every gradient multiplied by `grad_scale` (1 / (loss scale × clip
+    /// factor)) at learning rate `lr`.
+    pub fn apply(&mut self, dev: &dyn Device, lr: f32, grad_scale: f32) -> Result<()> {
+        dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
+        self.step += 1;
+        let optimizer = &self.training.optimizer;
+        for p in &self.params {
+            let decay = if p.decay {
+                optimizer.weight_decay()
+            } else {
+                0.0
+            };
+            dev.launch(&p.step(optimizer, self.grad_scale, lr, decay, self.step))?;
+        }
+        dev.submit()
+    }
+
+    /// One optimizer step at learning rate `lr` over several micro-batches (gradients
+    /// accumulated, the loss their mean), with the gradients clipped to global norm
+    /// `clip` (0: no clipping) after unscaling, DeepSpeed's way. Readback: the overflow
+    /// flag and the summed losses. A skipped (overflowing) step changes nothing but the
+    /// loss scaler.
+    pub fn step(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        lr: f32,
+        clip: f32,
+    ) -> Result<GptStep> {
+        let scale = self.scaler.scale();
+        self.accumulate(dev, micro)?;
         dev.launch(&Kernel::NonFinite {
             srcs: self.params.iter().map(|p| p.grad).collect(),
             flag: self.flag,
@@ -991,8 +1055,7 @@ impl Gpt {
         })?;
         dev.submit()?;
         let overflow = dev.download(self.flag)?.bits()[0] != 0;
-        let sums = dev.download(self.loss_sum)?.to_f32();
-        let loss = (sums.iter().map(|&x| x as f64).sum::<f64>() / micro.len() as f64) as f32;
+        let loss = self.accumulated_loss(dev, micro.len())?;
         if self.scaler.update(overflow)? == StepDecision::Skip {
             return Ok(GptStep {
                 loss,

@@ -42,10 +42,24 @@ pub struct TrainerState {
     pub scaler: LossScaler,
 }
 
+/// What a data-parallel step spent exchanging gradients through the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CommStats {
+    /// Waiting for the devices' gradients, reducing them and uploading the result.
+    pub ms: f64,
+    /// Bytes copied between devices and host (both directions, all devices).
+    pub bytes: u64,
+}
+
 pub struct Trainer {
+    /// Rank 0's model: the one checkpoints and evaluation read.
     pub model: Gpt,
+    /// Ranks 1.. of a data-parallel group: identical replicas on their own devices.
+    pub replicas: Vec<Gpt>,
     pub config: TrainConfig,
     steps: u64,
+    /// The last data-parallel step's exchange.
+    pub last_comm: CommStats,
 }
 
 impl Trainer {
@@ -58,12 +72,43 @@ impl Trainer {
         seq: usize,
         seed: u64,
     ) -> Result<Trainer> {
-        if config.batch.world != 1 {
+        Trainer::new_group(&[dev], model, config, seq, seed)
+    }
+
+    /// A data-parallel group: one identical replica per device (the same seed gives the
+    /// same weights), `config` resolved for `devs.len()` ranks.
+    pub fn new_group(
+        devs: &[&dyn Device],
+        model: GptConfig,
+        config: TrainConfig,
+        seq: usize,
+        seed: u64,
+    ) -> Result<Trainer> {
+        if devs.is_empty() || config.batch.world != devs.len() {
             return Err(Error::InvalidArgument(format!(
-                "the config was resolved for {} data-parallel ranks, but this engine drives one \
-                 device; resolve it with world size 1",
-                config.batch.world
+                "the config was resolved for {} data-parallel ranks but {} devices were given; \
+                 resolve it with the number of devices",
+                config.batch.world,
+                devs.len()
             )));
+        }
+        if config.zero.stage > 0 && devs.len() == 1 {
+            return Err(Error::InvalidArgument(format!(
+                "zero_optimization.stage {} partitions optimizer state across data-parallel \
+                 devices; with one device there is nothing to partition. Use stage 0 or more \
+                 devices",
+                config.zero.stage
+            )));
+        }
+        if config.zero.stage > 0 {
+            return Err(Error::Unsupported {
+                device: devs[0].caps().name.clone(),
+                what: format!(
+                    "zero_optimization.stage {} (ZeRO partitioning is not implemented yet; \
+                     data parallelism runs with stage 0)",
+                    config.zero.stage
+                ),
+            });
         }
         let (precision, scaler) = match &config.precision {
             ConfigPrecision::Fp32 => (Precision::F32, LossScaler::fixed(1.0)?),
@@ -83,18 +128,38 @@ impl Trainer {
             optimizer: config.optimizer.clone(),
             seed,
         };
-        let mut model = Gpt::new(dev, model, training)?;
-        model.scaler = scaler;
+        let mut models = devs
+            .iter()
+            .map(|&dev| {
+                let mut m = Gpt::new(dev, model.clone(), training.clone())?;
+                m.scaler = scaler.clone();
+                Ok(m)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let model = models.remove(0);
         Ok(Trainer {
             model,
+            replicas: models,
             config,
             steps: 0,
+            last_comm: CommStats::default(),
         })
+    }
+
+    /// Devices in the group.
+    pub fn world(&self) -> usize {
+        1 + self.replicas.len()
     }
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches, each
     /// (tokens, next-token targets) of micro_batch × seq ids.
     pub fn step(&mut self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<StepStats> {
+        if self.world() > 1 {
+            return Err(Error::InvalidArgument(format!(
+                "this engine drives {} devices: step it with step_group",
+                self.world()
+            )));
+        }
         let want = self.config.batch.grad_accum;
         if micro.len() != want {
             return Err(Error::InvalidArgument(format!(
@@ -115,6 +180,122 @@ impl Trainer {
             skipped: s.skipped,
             applied: self.model.steps_applied() as u64,
         })
+    }
+
+    /// One data-parallel optimizer step: `micro[r]` are rank r's micro-batches. Each
+    /// device runs forward and backward on its shard; the gradients are averaged on the
+    /// host in f32 (rank order, so the sum is deterministic) and the overflow check, the
+    /// global norm and the loss scaler run once on the result, so every rank takes the
+    /// same decision and applies the same update. One device: [`Trainer::step`].
+    pub fn step_group(
+        &mut self,
+        devs: &[&dyn Device],
+        micro: &[Vec<(&[u32], &[u32])>],
+    ) -> Result<StepStats> {
+        let world = self.world();
+        if devs.len() != world || micro.len() != world {
+            return Err(Error::InvalidArgument(format!(
+                "a step of this {world}-device group takes {world} devices and {world} \
+                 micro-batch lists, got {} and {}",
+                devs.len(),
+                micro.len()
+            )));
+        }
+        if world == 1 {
+            return self.step(devs[0], &micro[0]);
+        }
+        let want = self.config.batch.grad_accum;
+        if let Some(m) = micro.iter().find(|m| m.len() != want) {
+            return Err(Error::InvalidArgument(format!(
+                "a step takes gradient_accumulation_steps = {want} micro-batches per rank, got {}",
+                m.len()
+            )));
+        }
+        let applied = self.model.steps_applied() as u64;
+        let lr = self.config.schedule.lr_at(applied);
+        let loss_scale = self.model.scaler.scale();
+        let clip = self.config.gradient_clipping;
+        // Every device computes at once: accumulate submits without waiting.
+        for (r, (m, dev)) in self.models().zip(devs).enumerate() {
+            m.accumulate(*dev, &micro[r])?;
+        }
+        let t0 = std::time::Instant::now();
+        let mut loss = 0.0;
+        let mut sum: Vec<Vec<f32>> = vec![];
+        let mut bytes = 0u64;
+        for (m, dev) in self.models().zip(devs) {
+            loss += m.accumulated_loss(*dev, want)? as f64;
+            let g = m.gradient_values(*dev)?;
+            bytes += m.gradient_bytes();
+            if sum.is_empty() {
+                sum = g;
+            } else {
+                for (s, t) in sum.iter_mut().zip(&g) {
+                    for (a, b) in s.iter_mut().zip(t) {
+                        *a += b;
+                    }
+                }
+            }
+        }
+        let inv = 1.0 / world as f32;
+        let mut overflow = false;
+        let mut sum_squares = 0f64;
+        for t in &mut sum {
+            for a in t.iter_mut() {
+                *a *= inv;
+                overflow |= !a.is_finite();
+                sum_squares += (*a as f64) * (*a as f64);
+            }
+        }
+        let loss = (loss / world as f64) as f32;
+        let decision = self.model.scaler.update(overflow)?;
+        let scaler = self.model.scaler.clone();
+        for r in &mut self.replicas {
+            r.scaler = scaler.clone();
+        }
+        self.steps += 1;
+        if decision == crate::StepDecision::Skip {
+            self.last_comm = CommStats {
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+                bytes,
+            };
+            return Ok(StepStats {
+                loss,
+                lr,
+                loss_scale,
+                skipped: true,
+                applied,
+            });
+        }
+        let grad_scale = crate::optim::grad_scale_reference(
+            if clip > 0.0 { sum_squares } else { 0.0 },
+            loss_scale,
+            clip,
+        );
+        for (m, dev) in std::iter::once(&mut self.model)
+            .chain(self.replicas.iter_mut())
+            .zip(devs)
+        {
+            m.set_gradients(*dev, &sum)?;
+            bytes += m.gradient_bytes();
+            m.apply(*dev, lr, grad_scale)?;
+        }
+        self.last_comm = CommStats {
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+            bytes,
+        };
+        Ok(StepStats {
+            loss,
+            lr,
+            loss_scale,
+            skipped: false,
+            applied: applied + 1,
+        })
+    }
+
+    /// Every rank's model, rank 0 first.
+    pub fn models(&self) -> impl Iterator<Item = &Gpt> {
+        std::iter::once(&self.model).chain(&self.replicas)
     }
 
     pub fn state(&self) -> TrainerState {
@@ -149,8 +330,10 @@ impl Trainer {
             ));
         }
         self.steps = state.steps;
-        self.model.set_steps_applied(applied);
-        self.model.scaler = state.scaler.clone();
+        for m in std::iter::once(&mut self.model).chain(self.replicas.iter_mut()) {
+            m.set_steps_applied(applied);
+            m.scaler = state.scaler.clone();
+        }
         Ok(())
     }
 }

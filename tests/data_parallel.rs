@@ -1,0 +1,219 @@
+//! Data parallelism over several devices with the gradient exchange staged through the
+//! host: the same global batch gives the same training as one device, whatever the
+//! devices (several on one adapter, Vulkan mixed with GL), and an overflow on one
+//! device makes every device skip.
+
+mod common;
+
+use common::*;
+use kiln::engine::config::parse;
+use kiln::engine::gpt::GptConfig;
+use kiln::engine::trainer::Trainer;
+use kiln::engine::Device;
+
+const STEPS: usize = 20;
+const B: usize = 2;
+const T: usize = 8;
+
+fn model() -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: T,
+        vocab_size: 13,
+    }
+}
+
+fn config(precision: &str, micro: usize, accum: usize, world: usize) -> kiln::engine::TrainConfig {
+    parse(
+        &format!(
+            r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {accum},
+                "gradient_clipping": 0.5, {precision}
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
+                "scheduler": {{"type": "WarmupLR", "params": {{"warmup_num_steps": 5, "warmup_max_lr": 0.01}}}}}}"#
+        ),
+        world,
+    )
+    .unwrap()
+}
+
+/// Per step, `world` micro-batches of B rows: rank r's in data parallel, micro-batch r
+/// of the single device's accumulation.
+fn batches(world: usize) -> Vec<Vec<(Vec<u32>, Vec<u32>)>> {
+    let mut rng = Rng::new(11);
+    (0..STEPS)
+        .map(|_| {
+            (0..world)
+                .map(|_| {
+                    // Counting mod 13 from a random start in each row: learnable.
+                    let mut tok = vec![];
+                    let mut tgt = vec![];
+                    for _ in 0..B {
+                        let start = rng.next_u32() % 13;
+                        tok.extend((0..T as u32).map(|i| (start + i) % 13));
+                        tgt.extend((1..=T as u32).map(|i| (start + i) % 13));
+                    }
+                    (tok, tgt)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Per-step losses and the final (name, master weights).
+type Curve = (Vec<f32>, Vec<(String, Vec<f32>)>);
+
+/// (per-step losses, final master weights) of the group, and of one device accumulating
+/// the same micro-batches.
+fn run(devs: &[&dyn Device], precision: &str) -> (Curve, Curve) {
+    let world = devs.len();
+    let data = batches(world);
+    let mut group =
+        Trainer::new_group(devs, model(), config(precision, B, 1, world), T, 3).unwrap();
+    let mut single = Trainer::new(devs[0], model(), config(precision, B, world, 1), T, 3).unwrap();
+    let (mut lg, mut ls) = (vec![], vec![]);
+    for step in &data {
+        let micro: Vec<(&[u32], &[u32])> = step
+            .iter()
+            .map(|(a, b)| (a.as_slice(), b.as_slice()))
+            .collect();
+        let per_rank: Vec<Vec<(&[u32], &[u32])>> = micro.iter().map(|m| vec![*m]).collect();
+        let g = group.step_group(devs, &per_rank).unwrap();
+        let s = single.step(devs[0], &micro).unwrap();
+        assert_eq!(
+            (g.skipped, g.lr, g.loss_scale),
+            (s.skipped, s.lr, s.loss_scale)
+        );
+        lg.push(g.loss);
+        ls.push(s.loss);
+    }
+    // Every replica holds the same weights as rank 0, bit for bit.
+    let w0 = group.model.parameters(devs[0]).unwrap();
+    for (r, m) in group.replicas.iter().enumerate() {
+        assert_eq!(
+            m.parameters(devs[r + 1]).unwrap(),
+            w0,
+            "rank {} drifted",
+            r + 1
+        );
+    }
+    ((lg, w0), (ls, single.model.parameters(devs[0]).unwrap()))
+}
+
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "{what}[{i}]: data parallel {x}, single device {y} (tol {tol})"
+        );
+    }
+}
+
+/// The attention key bias is left out of the weight comparison: its true gradient is
+/// zero (softmax ignores a shift shared by a whole row of scores), so Adam, dividing by
+/// the root of the second moment, takes full-size steps on rounding noise alone, and
+/// two valid summation orders walk it apart. Every parameter with a real gradient is
+/// compared.
+fn key_bias(name: &str, i: usize, c: usize) -> bool {
+    name.ends_with("attn.c_attn.bias") && (c..2 * c).contains(&i)
+}
+
+fn check(devs: &[&dyn Device], precision: &str, tol: f32) {
+    let ((lg, wg), (ls, ws)) = run(devs, precision);
+    eprintln!(
+        "{} devices {precision}: losses {:?} .. {:?}",
+        devs.len(),
+        &lg[..2],
+        &lg[STEPS - 2..]
+    );
+    assert!(lg[STEPS - 1] < lg[0], "did not learn: {lg:?}");
+    assert_close("loss", &lg, &ls, tol);
+    for ((name, a), (_, b)) in wg.iter().zip(&ws) {
+        let keep = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .enumerate()
+                .filter(|(i, _)| !key_bias(name, *i, model().n_embd))
+                .map(|(_, x)| *x)
+                .collect()
+        };
+        assert_close(name, &keep(a), &keep(b), tol);
+    }
+}
+
+// fp32: the only differences are where the sums happen (the single device adds the
+// micro-batches' gradients in its GEMM epilogue, the group on the host in f32), a few
+// f32 roundings per gradient, which 20 Adam steps keep at ~1e-6 relative.
+const FP32_TOL: f32 = 2e-5;
+// fp16: the single device rounds its running gradient sum to f16 after each micro-batch
+// and the group rounds the host's f32 average once, so gradients differ by up to an f16
+// ulp (~1e-3 relative); Adam's normalised steps turn that into ~1e-3 in the weights.
+const FP16_TOL: f32 = 2e-2;
+
+#[test]
+fn two_and_three_devices_on_one_adapter_train_like_one_device() {
+    let devs: Vec<Box<dyn Device>> = (0..3).map(|_| gpu("vulkan", false)).collect();
+    let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+    check(&refs[..2], "", FP32_TOL);
+    check(&refs[..3], "", FP32_TOL);
+    check(
+        &refs[..2],
+        r#""fp16": {"enabled": true, "initial_scale_power": 10},"#,
+        FP16_TOL,
+    );
+}
+
+#[test]
+fn a_vulkan_and_a_gl_device_train_together() {
+    let devs: Vec<Box<dyn Device>> = vec![gpu("vulkan", false), gpu("gl", false)];
+    let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+    check(&refs, "", FP32_TOL);
+    check(
+        &refs,
+        r#""fp16": {"enabled": true, "initial_scale_power": 10},"#,
+        FP16_TOL,
+    );
+}
+
+#[test]
+fn an_overflow_on_one_device_makes_every_device_skip() {
+    let devs: Vec<Box<dyn Device>> = (0..2).map(|_| gpu("vulkan", false)).collect();
+    let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+    let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 1},"#;
+    let mut group = Trainer::new_group(&refs, model(), config(fp16, B, 1, 2), T, 3).unwrap();
+    let data = batches(2);
+    let step = |group: &mut Trainer, i: usize| {
+        let per_rank: Vec<Vec<(&[u32], &[u32])>> = data[i]
+            .iter()
+            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+            .collect();
+        group.step_group(&refs, &per_rank).unwrap()
+    };
+    assert!(!step(&mut group, 0).skipped);
+    let before_rank0 = group.model.parameters(refs[0]).unwrap();
+    // Rank 1's token embedding is infinite in fp16: only its gradients overflow.
+    let (name, wte) = &group.replicas[0].parameters(refs[1]).unwrap()[0];
+    assert_eq!(name, "transformer.wte.weight");
+    let huge = vec![1e6; wte.len()];
+    group.replicas[0].set_parameter(refs[1], 0, &huge).unwrap();
+    let s = step(&mut group, 1);
+    assert!(s.skipped, "{s:?}");
+    assert_eq!(s.loss_scale, 1024.0);
+    // Every rank skipped: rank 0's weights are untouched, the scale halved everywhere.
+    assert_eq!(group.model.parameters(refs[0]).unwrap(), before_rank0);
+    assert_eq!(group.model.scaler.scale(), 512.0);
+    assert!(group
+        .replicas
+        .iter()
+        .all(|r| r.scaler == group.model.scaler));
+    assert_eq!(group.model.steps_applied(), 1);
+    assert_eq!(group.replicas[0].steps_applied(), 1);
+    // Repaired, the group carries on in step.
+    group.replicas[0].set_parameter(refs[1], 0, wte).unwrap();
+    let s = step(&mut group, 2);
+    assert!(!s.skipped && s.loss_scale == 512.0, "{s:?}");
+    assert_eq!(
+        group.model.parameters(refs[0]).unwrap(),
+        group.replicas[0].parameters(refs[1]).unwrap()
+    );
+}
