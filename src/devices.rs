@@ -108,6 +108,83 @@ pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn
     }
 }
 
+/// A device group from `--devices` items: each a spec (`vulkan:0`, `1`, `gl`, `cpu`),
+/// an adapter name or part of one (`llvmpipe`), `all` (every adapter), optionally
+/// followed by `xN` for N independent devices on that adapter (`vulkan:0x2`), which is
+/// how multi-device training is tested on one machine.
+pub fn parse_devices(items: &[String]) -> Result<Vec<DeviceSpec>> {
+    let mut out = vec![];
+    for item in items {
+        let item = item.trim();
+        // The whole item first, so that names holding an `x` (`dx12`) stay names.
+        let (specs, copies) = match resolve(item) {
+            Ok(specs) => (specs, 1),
+            Err(e) => match item.rsplit_once(['x', 'X']) {
+                Some((s, n))
+                    if !s.is_empty() && !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()) =>
+                {
+                    let n: usize = n.parse().map_err(|_| {
+                        Error::InvalidArgument(format!("device `{item}`: `{n}` is not a count"))
+                    })?;
+                    if n == 0 {
+                        return Err(Error::InvalidArgument(format!(
+                            "device `{item}`: x0 asks for no device; write x1 or more"
+                        )));
+                    }
+                    (resolve(s)?, n)
+                }
+                _ => return Err(e),
+            },
+        };
+        for _ in 0..copies {
+            out.extend(specs.iter().cloned());
+        }
+    }
+    Ok(out)
+}
+
+/// `all`, a spec, or an adapter name.
+fn resolve(spec: &str) -> Result<Vec<DeviceSpec>> {
+    if spec.eq_ignore_ascii_case("all") {
+        let all: Vec<DeviceSpec> = kiln_wgpu::adapters()
+            .iter()
+            .map(|a| DeviceSpec::Index(a.index))
+            .collect();
+        if all.is_empty() {
+            return Err(Error::NoAdapter {
+                hint: kiln_wgpu::NO_ADAPTER_HINT.to_string(),
+            });
+        }
+        return Ok(all);
+    }
+    match spec.parse::<DeviceSpec>() {
+        Ok(s) => Ok(vec![s]),
+        Err(e) => Ok(vec![by_name(spec).ok_or(e)??]),
+    }
+}
+
+/// The one adapter whose name contains `name` (case-insensitive); `None` if none does.
+fn by_name(name: &str) -> Option<Result<DeviceSpec>> {
+    let lower = name.to_ascii_lowercase();
+    let hits: Vec<_> = kiln_wgpu::adapters()
+        .into_iter()
+        .filter(|a| a.caps.name.to_ascii_lowercase().contains(&lower))
+        .collect();
+    match hits.len() {
+        0 => None,
+        1 => Some(Ok(DeviceSpec::Index(hits[0].index))),
+        _ => Some(Err(Error::InvalidArgument(format!(
+            "device `{name}` matches {} adapters ({}); name one by index or backend \
+             (`kiln devices` lists them)",
+            hits.len(),
+            hits.iter()
+                .map(|a| format!("{}: {} ({})", a.index, a.caps.name, a.caps.backend))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))),
+    }
+}
+
 /// The adapter to train on when none is named: discrete GPUs first, then integrated,
 /// virtual and CPU adapters (lavapipe); Vulkan before other backends of the same kind.
 /// No adapter at all is an error with the install hint, never a silent switch to the

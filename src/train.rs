@@ -27,7 +27,7 @@ use kiln_engine::trainer::{Trainer, TrainerState};
 use kiln_engine::{DType, Device, HostData};
 use kiln_wgpu::DeviceOptions;
 
-use crate::devices::{default_device, open_device, DeviceSpec};
+use crate::devices::{default_device, open_device, parse_devices};
 
 /// The demo's DeepSpeed config and model, used when `--config` / `--model` are absent.
 pub const DEMO_DS_CONFIG: &str = include_str!("../demos/addition.ds_config.json");
@@ -97,35 +97,38 @@ enum Dataset {
 /// Resolves the config, opens the device, builds or restores the engine and trains.
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let started = Instant::now();
-    let ds = match &opts.config {
-        Some(path) => config::load(path, 1)?,
-        None => config::parse(DEMO_DS_CONFIG, 1).context("the built-in demo config")?,
+    let text = match &opts.config {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the config {}", path.display()))?,
+        ),
+        None => None,
     };
-    let k = &ds.kiln;
-    let devices = if opts.devices.is_empty() {
-        k.devices.clone()
+    // The devices decide the world size the config's batch sizes are resolved for, so
+    // they are read first: from the command line, else the config's kiln.devices.
+    let device_items = if opts.devices.is_empty() {
+        configured_devices(text.as_deref().unwrap_or(DEMO_DS_CONFIG))
     } else {
         opts.devices.clone()
     };
-    if devices.len() > 1 {
-        bail!(
-            "training on {} devices needs data parallelism, which Kiln does not have yet; \
-             pass one device (e.g. --devices {})",
-            devices.len(),
-            devices[0]
-        );
-    }
+    let specs = if device_items.is_empty() {
+        vec![default_device()?]
+    } else {
+        parse_devices(&device_items)?
+    };
+    let world = specs.len();
+    let ds = match (&opts.config, &text) {
+        (Some(path), Some(text)) => config::parse(text, world).map_err(|mut e| {
+            e.file = Some(path.clone());
+            e
+        })?,
+        _ => config::parse(DEMO_DS_CONFIG, world).context("the built-in demo config")?,
+    };
+    let k = &ds.kiln;
     let seed = opts.seed.unwrap_or(k.seed);
     let eval_every = opts.eval_every.unwrap_or(k.eval_every);
     let checkpoint_every = opts.checkpoint_every.unwrap_or(k.checkpoint_every);
     let keep_checkpoints = opts.keep_checkpoints.unwrap_or(k.keep_checkpoints);
-    if ds.zero.stage > 0 {
-        bail!(
-            "zero_optimization.stage {} partitions optimizer state across data-parallel devices; \
-             with one device it has nothing to partition. Set stage 0 (or remove the section)",
-            ds.zero.stage
-        );
-    }
     let (mut model, model_from_file) = match &opts.model {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -205,14 +208,22 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         };
     let sampler = Sampler::new(train_len, t, seed)?;
 
-    // Device.
-    let spec: DeviceSpec = match devices.first() {
-        Some(s) => s.parse()?,
-        None => default_device()?,
+    // Devices: each spec opens its own device, so `vulkan:0x2` gives two.
+    let opened = specs
+        .iter()
+        .map(|s| open_device(s, &DeviceOptions::default()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let devs: Vec<&dyn Device> = opened.iter().map(|d| d.as_ref()).collect();
+    let dev = devs[0];
+    let device_names: Vec<String> = devs
+        .iter()
+        .map(|d| format!("{} ({})", d.caps().name, d.caps().backend))
+        .collect();
+    let device_name = if world == 1 {
+        device_names[0].clone()
+    } else {
+        format!("{world} devices: {}", device_names.join(", "))
     };
-    let dev = open_device(&spec, &DeviceOptions::default())?;
-    let dev: &dyn Device = dev.as_ref();
-    let device_name = format!("{} ({})", dev.caps().name, dev.caps().backend);
 
     // The run directory and the record of what this run is.
     let dir = match &opts.out {
@@ -227,7 +238,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let record = run_record(&ds, &model, &data_name, seed, &device_name);
     prepare_run_dir(&dir, &record, opts.resume)?;
 
-    let mut trainer = Trainer::new(dev, model.clone(), ds.clone(), t, seed)?;
+    let mut trainer = Trainer::new_group(&devs, model.clone(), ds.clone(), t, seed)?;
     let total = opts.steps.or(k.steps).unwrap_or(match ds.schedule {
         Schedule::WarmupDecayLr { total_steps, .. }
         | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
@@ -239,7 +250,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         for note in &ck.notes {
             eprintln!("note: {note}");
         }
-        next_sample = restore(&mut trainer, dev, &ck)?;
+        next_sample = restore(&mut trainer, &devs, &ck)?;
         eprintln!(
             "resuming {} from step {} ({})",
             dir.display(),
@@ -268,15 +279,17 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         );
     }
 
-    let mut cfg = LoaderConfig::new(
-        BatchLayout::new(b, ds.batch.grad_accum, 1)?,
-        0,
-        model.vocab_size,
-    );
-    cfg.start_sample = next_sample;
-    cfg.workers = k.data_workers;
-    cfg.depth = k.prefetch_depth;
-    let mut loader = Loader::new(source, sampler, cfg)?;
+    // One loader per rank, each reading its disjoint share of every global batch.
+    let layout = BatchLayout::new(b, ds.batch.grad_accum, world)?;
+    let mut loaders = (0..world)
+        .map(|rank| {
+            let mut cfg = LoaderConfig::new(layout, rank, model.vocab_size);
+            cfg.start_sample = next_sample;
+            cfg.workers = k.data_workers;
+            cfg.depth = k.prefetch_depth;
+            Loader::new(source.clone(), sampler.clone(), cfg)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
 
     // The bar is drawn only on a terminal; elsewhere (CI, pipes) log lines go to stderr.
     let log = |bar: &ProgressBar, line: String| {
@@ -305,7 +318,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         &bar,
         format!(
             "training {} ({} parameters, {} layers, {} embd, T {t}) on {} for {total} steps, \
-             micro-batch {b} × {} accumulation, {}; run dir {}",
+             micro-batch {b} × {} accumulation × {world} device(s), {}; run dir {}",
             data_name,
             parameter_count(&model),
             model.n_layer,
@@ -320,29 +333,40 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         log(&bar, format!("config warning: {w}"));
     }
 
-    let tokens_per_step = (b * t * ds.batch.grad_accum) as f64;
+    let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;
     let mut interrupted = false;
     let mut since_print = (0.0f64, 0u32);
     while step < total {
         let t0 = Instant::now();
-        let mut batches = Vec::with_capacity(ds.batch.grad_accum);
+        let mut batches = vec![];
         let mut stall = 0.0;
-        for _ in 0..ds.batch.grad_accum {
-            let mut f = loader.next()?;
-            stall += f.stall.as_secs_f64() * 1e3;
-            next_sample = f.next_sample;
-            if let Dataset::Addition { .. } = dataset {
-                Addition::mask_prompts(&f.batch.tokens, &mut f.batch.targets, t);
+        for (rank, loader) in loaders.iter_mut().enumerate() {
+            let mut mine = Vec::with_capacity(ds.batch.grad_accum);
+            for _ in 0..ds.batch.grad_accum {
+                let mut f = loader.next()?;
+                stall += f.stall.as_secs_f64() * 1e3;
+                if rank == 0 {
+                    next_sample = f.next_sample;
+                }
+                if let Dataset::Addition { .. } = dataset {
+                    Addition::mask_prompts(&f.batch.tokens, &mut f.batch.targets, t);
+                }
+                mine.push(f.batch);
             }
-            batches.push(f.batch);
+            batches.push(mine);
         }
-        let micro: Vec<(&[u32], &[u32])> = batches
+        let micro: Vec<Vec<(&[u32], &[u32])>> = batches
             .iter()
-            .map(|x| (x.tokens.as_slice(), x.targets.as_slice()))
+            .map(|mine| {
+                mine.iter()
+                    .map(|x| (x.tokens.as_slice(), x.targets.as_slice()))
+                    .collect()
+            })
             .collect();
-        let s = trainer.step(dev, &micro)?;
+        let s = trainer.step_group(&devs, &micro)?;
         step += 1;
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let comm = trainer.last_comm;
         let mut rec = StepRecord {
             step,
             loss: s.loss,
@@ -352,7 +376,12 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             tokens_per_s: tokens_per_step / (step_ms / 1e3),
             step_ms,
             input_stall_ms: stall,
-            device_memory_bytes: dev.allocated_bytes(),
+            // Per device (the largest): what has to fit on each adapter.
+            device_memory_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
+            comm_ms: comm.ms,
+            // The exchange starts once every device's backward is done: no overlap yet.
+            comm_overlap: 0.0,
+            comm_bytes: comm.bytes,
             ..Default::default()
         };
         if opts
@@ -380,13 +409,22 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 &bar,
                 format!(
                     "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} tokens/s, \
-                     stall {:.1} ms",
+                     stall {:.1} ms{}",
                     since_print.0 / since_print.1 as f64,
                     since_print.1,
                     s.lr,
                     s.loss_scale,
                     rec.tokens_per_s,
-                    stall
+                    stall,
+                    if world > 1 {
+                        format!(
+                            ", gradient exchange {:.1} ms ({:.1} MB, 0% overlapped)",
+                            comm.ms,
+                            comm.bytes as f64 / 1e6
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
             );
             since_print = (0.0, 0);
@@ -422,7 +460,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let records = runs::read_metrics(&dir)?;
     let mut summary = Summary::from_records(&records, runs::DEFAULT_WARMUP_STEPS);
     summary.total_time_s = started.elapsed().as_secs_f64();
-    summary.devices = vec![device_name];
+    summary.devices = device_names;
     summary.write(&dir)?;
     runs::write_chart(&dir)?;
     if interrupted {
@@ -438,6 +476,28 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         interrupted,
         summary,
     })
+}
+
+/// Settings a resumed run may change: where it runs and how the global batch is split.
+const RESHARDABLE: [&str; 4] = [
+    "device",
+    "deepspeed.batch.world",
+    "deepspeed.batch.micro_batch",
+    "deepspeed.batch.grad_accum",
+];
+
+/// `kiln.devices` of a config, read leniently: the full, strict reading comes after,
+/// once the device count (the world size its batch sizes depend on) is known.
+fn configured_devices(text: &str) -> Vec<String> {
+    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+    match &v["kiln"]["devices"] {
+        Value::String(s) => s.split(',').map(|d| d.trim().to_string()).collect(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|d| d.as_str().map(str::to_string))
+            .collect(),
+        _ => vec![],
+    }
 }
 
 /// What identifies a run: every setting that changes its numbers, and nothing per-run
@@ -512,15 +572,22 @@ fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
     let old = runs::flatten_json(&runs::read_config(dir)?);
     let new = runs::flatten_json(record);
     let mut diffs = vec![];
+    let show = |v: Option<&Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
     for key in old
         .keys()
         .chain(new.keys().filter(|k| !old.contains_key(*k)))
     {
         let (a, b) = (old.get(key), new.get(key));
-        if a != b {
-            let show = |v: Option<&Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
-            diffs.push(format!("  {key}: {} -> {}", show(a), show(b)));
+        if a == b {
+            continue;
         }
+        // Checkpoints hold whole tensors, so a run may continue on other devices or
+        // another number of them, with the same global batch.
+        if RESHARDABLE.contains(&key.as_str()) {
+            eprintln!("note: resuming with {key} {} (was {})", show(b), show(a));
+            continue;
+        }
+        diffs.push(format!("  {key}: {} -> {}", show(a), show(b)));
     }
     if !diffs.is_empty() {
         bail!(
@@ -579,7 +646,11 @@ fn save(
 }
 
 /// Restores a checkpoint into the engine; returns the data position to continue from.
-fn restore(trainer: &mut Trainer, dev: &dyn Device, ck: &checkpoint::Checkpoint) -> Result<u64> {
+fn restore(
+    trainer: &mut Trainer,
+    devs: &[&dyn Device],
+    ck: &checkpoint::Checkpoint,
+) -> Result<u64> {
     let mut states = vec![];
     for t in trainer.model.tensors() {
         let n = &t.name;
@@ -600,7 +671,10 @@ fn restore(trainer: &mut Trainer, dev: &dyn Device, ck: &checkpoint::Checkpoint)
             v: f32s("exp_avg_sq")?,
         });
     }
-    trainer.model.load_param_states(dev, &states)?;
+    // Whole tensors: every replica loads all of them, whatever the group's size.
+    for (m, dev) in trainer.models().zip(devs) {
+        m.load_param_states(*dev, &states)?;
+    }
     let state = ck.state();
     let bad = |what: &str| {
         anyhow::anyhow!(

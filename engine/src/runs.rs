@@ -119,6 +119,14 @@ pub struct StepRecord {
     #[serde(deserialize_with = "nan_if_null")]
     pub input_stall_ms: f64,
     pub device_memory_bytes: u64,
+    /// Data parallelism: time spent exchanging gradients through the host, the share
+    /// of it hidden behind compute, and the bytes moved (0 on one device).
+    #[serde(default)]
+    pub comm_ms: f64,
+    #[serde(default)]
+    pub comm_overlap: f64,
+    #[serde(default)]
+    pub comm_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -342,6 +350,14 @@ pub struct Summary {
     pub warmup_steps_excluded: usize,
     pub mean_step_ms: Option<f64>,
     pub mean_input_stall_ms: Option<f64>,
+    /// Data parallelism (0 on one device): mean gradient-exchange time per step, the
+    /// share of it overlapped with compute, and bytes moved per step.
+    #[serde(default)]
+    pub mean_comm_ms: f64,
+    #[serde(default)]
+    pub mean_comm_overlap: f64,
+    #[serde(default)]
+    pub comm_bytes_per_step: u64,
     /// Sum of step times unless the caller sets the wall-clock time.
     pub total_time_s: f64,
     pub peak_device_memory_bytes: u64,
@@ -407,6 +423,9 @@ impl Summary {
         };
         s.mean_step_ms = mean(timed.iter().map(|r| r.step_ms));
         s.mean_input_stall_ms = mean(timed.iter().map(|r| r.input_stall_ms));
+        s.mean_comm_ms = mean(timed.iter().map(|r| r.comm_ms)).unwrap_or(0.0);
+        s.mean_comm_overlap = mean(timed.iter().map(|r| r.comm_overlap)).unwrap_or(0.0);
+        s.comm_bytes_per_step = timed.iter().map(|r| r.comm_bytes).max().unwrap_or(0);
         s.total_time_s = records
             .iter()
             .filter(|r| r.step_ms.is_finite())

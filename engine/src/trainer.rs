@@ -219,6 +219,10 @@ impl Trainer {
         for (r, (m, dev)) in self.models().zip(devs).enumerate() {
             m.accumulate(*dev, &micro[r])?;
         }
+        // The exchange is timed from when every device has finished its backward.
+        for dev in devs {
+            dev.wait()?;
+        }
         let t0 = std::time::Instant::now();
         let mut loss = 0.0;
         let mut sum: Vec<Vec<f32>> = vec![];
