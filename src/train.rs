@@ -287,7 +287,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             cfg.start_sample = next_sample;
             cfg.workers = k.data_workers;
             cfg.depth = k.prefetch_depth;
-            Loader::new(source.clone(), sampler.clone(), cfg)
+            Loader::new(source.clone(), sampler, cfg)
         })
         .collect::<Result<Vec<_>, _>>()?;
 
