@@ -445,7 +445,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             s.loss, rec.tokens_per_s, s.loss_scale
         ));
         if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
-            let saved = save(&trainer, dev, &dir, step, next_sample, keep_checkpoints)?;
+            let saved = save(&trainer, &devs, &dir, step, next_sample, keep_checkpoints)?;
             for note in saved.notes {
                 log(&bar, format!("note: {note}"));
             }
@@ -479,8 +479,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 }
 
 /// Settings a resumed run may change: where it runs and how the global batch is split.
-const RESHARDABLE: [&str; 4] = [
+const RESHARDABLE: [&str; 5] = [
     "device",
+    "deepspeed.zero.stage",
     "deepspeed.batch.world",
     "deepspeed.batch.micro_batch",
     "deepspeed.batch.grad_accum",
@@ -604,13 +605,13 @@ fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
 /// Writes a checkpoint of everything `--resume` needs.
 fn save(
     trainer: &Trainer,
-    dev: &dyn Device,
+    devs: &[&dyn Device],
     dir: &Path,
     step: u64,
     next_sample: u64,
     keep: usize,
 ) -> Result<checkpoint::Saved> {
-    let states = trainer.model.param_states(dev)?;
+    let states = trainer.param_states(devs)?;
     let mut model = vec![];
     let mut optimizer = vec![];
     for p in states {
@@ -671,10 +672,8 @@ fn restore(
             v: f32s("exp_avg_sq")?,
         });
     }
-    // Whole tensors: every replica loads all of them, whatever the group's size.
-    for (m, dev) in trainer.models().zip(devs) {
-        m.load_param_states(*dev, &states)?;
-    }
+    // Whole tensors: every rank takes what it keeps, whatever the group's size.
+    trainer.load_param_states(devs, &states)?;
     let state = ck.state();
     let bad = |what: &str| {
         anyhow::anyhow!(

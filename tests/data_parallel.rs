@@ -9,7 +9,7 @@ use common::*;
 use kiln::engine::config::parse;
 use kiln::engine::gpt::GptConfig;
 use kiln::engine::trainer::Trainer;
-use kiln::engine::Device;
+use kiln::engine::{DType, Device};
 
 const STEPS: usize = 20;
 const B: usize = 2;
@@ -216,4 +216,87 @@ fn an_overflow_on_one_device_makes_every_device_skip() {
         group.model.parameters(refs[0]).unwrap(),
         group.replicas[0].parameters(refs[1]).unwrap()
     );
+}
+
+/// ZeRO stage 1: each rank keeps only its flat slice of the master weights and Adam
+/// moments (slices cross tensor boundaries; with 3 ranks they are uneven), and the
+/// group trains exactly as stage 0 does: in fp32 the update is the same f32 arithmetic
+/// on the same numbers, so the weights and moments agree bit for bit.
+#[test]
+fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
+    for world in [2, 3] {
+        let group = |stage: u8| {
+            let devs: Vec<Box<dyn Device>> = (0..world).map(|_| gpu("vulkan", false)).collect();
+            let mut c = config("", B, 1, world);
+            c.zero.stage = stage;
+            let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+            let t = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+            let bytes: Vec<u64> = refs.iter().map(|d| d.allocated_bytes()).collect();
+            (devs, t, bytes)
+        };
+        let (devs0, mut stage0, bytes0) = group(0);
+        let (devs1, mut stage1, bytes1) = group(1);
+        let refs0: Vec<&dyn Device> = devs0.iter().map(|d| d.as_ref()).collect();
+        let refs1: Vec<&dyn Device> = devs1.iter().map(|d| d.as_ref()).collect();
+
+        // Memory, from each device's allocator: stage 1 drops every tensor's master and
+        // moments (3 f32 per element; empty buffers stay in their place) and holds its
+        // slice's master, moments, f32 gradient and model copy, and one f32 scale.
+        let layout = stage0.model.parameter_layout();
+        let total: usize = layout.iter().map(|l| l.1.iter().product::<usize>()).sum();
+        if world == 3 {
+            assert_ne!(total % 3, 0, "pick a model whose size does not divide by 3");
+        }
+        let f32b = |n: usize| DType::F32.padded_bytes(n);
+        let dropped: u64 = layout
+            .iter()
+            .map(|l| 3 * (f32b(l.1.iter().product()) - f32b(0)))
+            .sum();
+        let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
+        let mut owned = 0;
+        for rank in 0..world {
+            let segs = kiln::engine::zero::segments(&sizes, world, rank);
+            let kept: u64 = segs.iter().map(|s| 5 * f32b(s.range.len())).sum::<u64>() + f32b(1);
+            assert_eq!(
+                bytes0[rank] - bytes1[rank],
+                dropped - kept,
+                "world {world} rank {rank}: allocator bytes, stage 0 {} vs stage 1 {}",
+                bytes0[rank],
+                bytes1[rank]
+            );
+            let mine = stage1.optimizer_state_elements(rank);
+            assert!(
+                mine.abs_diff(total / world) <= 1,
+                "rank {rank}: {mine} of {total}"
+            );
+            owned += mine;
+            let state: u64 = segs.iter().map(|s| 3 * f32b(s.range.len())).sum();
+            eprintln!(
+                "world {world} rank {rank}: optimizer state {state} bytes of {} ({:.3})",
+                dropped,
+                state as f64 / dropped as f64
+            );
+        }
+        assert_eq!(owned, total, "every element owned once");
+
+        let data = batches(world);
+        for step in &data {
+            let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+                .iter()
+                .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                .collect();
+            let a = stage0.step_group(&refs0, &per_rank).unwrap();
+            let b = stage1.step_group(&refs1, &per_rank).unwrap();
+            assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "world {world}");
+        }
+        let sa = stage0.param_states(&refs0).unwrap();
+        let sb = stage1.param_states(&refs1).unwrap();
+        assert_eq!(sa, sb, "world {world}: weights, masters or moments differ");
+        // Every rank's model copy is the gathered one.
+        for (m, d) in stage1.models().zip(&refs1) {
+            for (i, st) in sb.iter().enumerate() {
+                assert_eq!(m.value(*d, i).unwrap(), st.value);
+            }
+        }
+    }
 }

@@ -318,10 +318,10 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// Data parallelism through `kiln train`: `vulkan:0x2` is two devices on one adapter;
 /// a 12-sample global batch is split 1 × 6, 2 × 3 or 3 × 2 (devices × accumulation),
-/// so a checkpoint of the 2-device run continues on 1 or 3 devices with the same next
-/// losses as on 2.
+/// so a checkpoint of the 2-device ZeRO-1 run (optimizer state sharded 2 ways, saved
+/// whole) continues on 1 or 3 devices (re-sharded) with the same next losses as on 2.
 #[test]
-fn a_two_device_run_resumes_on_one_and_on_three_devices() {
+fn a_two_device_zero_run_resumes_on_one_and_on_three_devices() {
     let dir = scratch("dp");
     let model = dir.join("model.json");
     std::fs::write(
@@ -333,7 +333,7 @@ fn a_two_device_run_resumes_on_one_and_on_three_devices() {
     std::fs::write(
         &config,
         r#"{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
-            "gradient_clipping": 1.0,
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
     )
     .unwrap();

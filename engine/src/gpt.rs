@@ -1192,6 +1192,43 @@ impl Gpt {
         Ok(())
     }
 
+    /// Frees every parameter's f32 master and moments, for a ZeRO group whose ranks
+    /// each keep only their shard of them (see `zero.rs`); the buffers left in their
+    /// place are empty, so an optimizer launch on them is a length error, never a
+    /// silent no-op. Returns the master weights as they were (the shards' start).
+    pub fn release_optimizer_state(&mut self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        let mut masters = vec![];
+        for p in &mut self.params {
+            masters.push(dev.download(p.buffers.master)?.to_f32());
+            for b in [p.buffers.master, p.buffers.m, p.buffers.v] {
+                dev.free(b)?;
+            }
+            p.buffers.master = dev.alloc(DType::F32, 0)?;
+            p.buffers.m = dev.alloc(DType::F32, 0)?;
+            p.buffers.v = dev.alloc(DType::F32, 0)?;
+        }
+        Ok(masters)
+    }
+
+    /// (name, shape, storage dtype, weight decay applies) of every parameter, in order.
+    pub fn parameter_layout(&self) -> Vec<(String, Vec<usize>, DType, bool)> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone(), p.value.dtype, p.decay))
+            .collect()
+    }
+
+    /// Overwrites parameter `index`'s model copy (storage dtype, bit-exact): how a ZeRO
+    /// group hands every rank the updated weights its shards produced.
+    pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
+        dev.upload(self.params[index].value, data)
+    }
+
+    /// Parameter `index`'s model copy as stored.
+    pub fn value(&self, dev: &dyn Device, index: usize) -> Result<HostData> {
+        dev.download(self.params[index].value)
+    }
+
     /// Sets the count of applied optimizer steps (restoring a checkpoint).
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;

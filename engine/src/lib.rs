@@ -20,6 +20,7 @@ pub mod optim;
 pub mod runs;
 pub mod safetensors_io;
 pub mod trainer;
+pub mod zero;
 
 pub use config::{ConfigError, TrainConfig};
 pub use device::{Buffer, Capabilities, Device};

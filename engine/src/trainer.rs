@@ -11,10 +11,12 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision as ConfigPrecision, TrainConfig};
-use crate::gpt::{Gpt, GptConfig, GptTraining};
+use crate::gpt::{Gpt, GptConfig, GptTraining, ParamState};
 use crate::loss_scaler::LossScaler;
 use crate::mlp::Precision;
-use crate::{Device, Error, Result};
+use crate::optim::ParamBuffers;
+use crate::zero::{segments, Segment};
+use crate::{Buffer, DType, Device, Error, HostData, Result};
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -60,6 +62,17 @@ pub struct Trainer {
     steps: u64,
     /// The last data-parallel step's exchange.
     pub last_comm: CommStats,
+    /// ZeRO stage 1: per rank, the optimizer-state segments it owns (empty at stage 0).
+    shards: Vec<Vec<ShardSegment>>,
+    /// ZeRO: per rank, the f32[1] gradient factor its shard's update reads.
+    shard_scale: Vec<Buffer>,
+}
+
+/// One segment of a rank's ZeRO shard on its device: the f32 master, moments and
+/// reduced gradient of that slice of one tensor, and the slice's updated model copy.
+struct ShardSegment {
+    seg: Segment,
+    buffers: ParamBuffers,
 }
 
 impl Trainer {
@@ -92,20 +105,13 @@ impl Trainer {
                 devs.len()
             )));
         }
-        if config.zero.stage > 0 && devs.len() == 1 {
-            return Err(Error::InvalidArgument(format!(
-                "zero_optimization.stage {} partitions optimizer state across data-parallel \
-                 devices; with one device there is nothing to partition. Use stage 0 or more \
-                 devices",
-                config.zero.stage
-            )));
-        }
-        if config.zero.stage > 0 {
+        if config.zero.stage >= 2 {
             return Err(Error::Unsupported {
                 device: devs[0].caps().name.clone(),
                 what: format!(
-                    "zero_optimization.stage {} (ZeRO partitioning is not implemented yet; \
-                     data parallelism runs with stage 0)",
+                    "zero_optimization.stage {}: gradient partitioning is not implemented yet \
+                     (backward still holds every gradient on every device); stage 1 shards \
+                     the master weights and optimizer moments",
                     config.zero.stage
                 ),
             });
@@ -136,6 +142,24 @@ impl Trainer {
                 Ok(m)
             })
             .collect::<Result<Vec<_>>>()?;
+        let (mut shards, mut shard_scale) = (vec![], vec![]);
+        // On one device the single shard is the whole state: stage 0's layout.
+        if config.zero.stage == 1 && devs.len() > 1 {
+            let layout = models[0].parameter_layout();
+            let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
+            for (rank, (m, &dev)) in models.iter_mut().zip(devs).enumerate() {
+                // Every replica starts from the same weights: each keeps its slice.
+                let masters = m.release_optimizer_state(dev)?;
+                let mut segs = vec![];
+                for seg in segments(&sizes, devs.len(), rank) {
+                    let init = &masters[seg.param][seg.range.clone()];
+                    let buffers = ParamBuffers::new(dev, init, layout[seg.param].2, DType::F32)?;
+                    segs.push(ShardSegment { seg, buffers });
+                }
+                shards.push(segs);
+                shard_scale.push(dev.alloc(DType::F32, 1)?);
+            }
+        }
         let model = models.remove(0);
         Ok(Trainer {
             model,
@@ -143,6 +167,8 @@ impl Trainer {
             config,
             steps: 0,
             last_comm: CommStats::default(),
+            shards,
+            shard_scale,
         })
     }
 
@@ -276,13 +302,17 @@ impl Trainer {
             loss_scale,
             clip,
         );
-        for (m, dev) in std::iter::once(&mut self.model)
-            .chain(self.replicas.iter_mut())
-            .zip(devs)
-        {
-            m.set_gradients(*dev, &sum)?;
-            bytes += m.gradient_bytes();
-            m.apply(*dev, lr, grad_scale)?;
+        if self.shards.is_empty() {
+            for (m, dev) in std::iter::once(&mut self.model)
+                .chain(self.replicas.iter_mut())
+                .zip(devs)
+            {
+                m.set_gradients(*dev, &sum)?;
+                bytes += m.gradient_bytes();
+                m.apply(*dev, lr, grad_scale)?;
+            }
+        } else {
+            bytes += self.apply_shards(devs, &sum, lr, grad_scale, applied + 1)?;
         }
         self.last_comm = CommStats {
             ms: t0.elapsed().as_secs_f64() * 1e3,
@@ -295,6 +325,150 @@ impl Trainer {
             skipped: false,
             applied: applied + 1,
         })
+    }
+
+    /// ZeRO stage 1: each rank updates its own segments from the reduced gradients
+    /// (a reduce-scatter: it receives only its slice), then the updated slices are
+    /// gathered on the host and every rank receives the whole new model copy (the
+    /// all-gather). Returns the bytes moved.
+    fn apply_shards(
+        &mut self,
+        devs: &[&dyn Device],
+        sum: &[Vec<f32>],
+        lr: f32,
+        grad_scale: f32,
+        step: u64,
+    ) -> Result<u64> {
+        let step = u32::try_from(step).map_err(|_| {
+            Error::InvalidArgument("more optimizer steps than the engine counts".into())
+        })?;
+        let layout = self.model.parameter_layout();
+        let optimizer = self.config.optimizer.clone();
+        let mut bytes = 0;
+        for ((segs, &scale), dev) in self.shards.iter().zip(&self.shard_scale).zip(devs) {
+            dev.upload(scale, &HostData::F32(vec![grad_scale]))?;
+            for s in segs {
+                let g = HostData::F32(sum[s.seg.param][s.seg.range.clone()].to_vec());
+                bytes += g.as_bytes().len() as u64;
+                dev.upload(s.buffers.grad, &g)?;
+                let decay = if layout[s.seg.param].3 {
+                    optimizer.weight_decay()
+                } else {
+                    0.0
+                };
+                dev.launch(&s.buffers.step(&optimizer, scale, lr, decay, step))?;
+            }
+            dev.submit()?;
+        }
+        // All-gather: each tensor's slices, in rank order, make the whole tensor.
+        let mut parts: Vec<Vec<u8>> = vec![vec![]; layout.len()];
+        for (segs, dev) in self.shards.iter().zip(devs) {
+            for s in segs {
+                let v = dev.download(s.buffers.value)?;
+                bytes += v.as_bytes().len() as u64;
+                parts[s.seg.param].extend_from_slice(v.as_bytes());
+            }
+        }
+        for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let whole = HostData::from_bytes(*dtype, n, &parts[i]);
+            for (m, dev) in self.models().zip(devs) {
+                m.set_value(*dev, i, &whole)?;
+                bytes += whole.as_bytes().len() as u64;
+            }
+        }
+        for m in std::iter::once(&mut self.model).chain(self.replicas.iter_mut()) {
+            m.set_steps_applied(step);
+        }
+        Ok(bytes)
+    }
+
+    /// Every parameter's full training state (gathered from the ZeRO shards when the
+    /// optimizer state is partitioned): what a checkpoint holds, whatever the group.
+    pub fn param_states(&self, devs: &[&dyn Device]) -> Result<Vec<ParamState>> {
+        let mut states = self.model.param_states(devs[0])?;
+        if self.shards.is_empty() {
+            return Ok(states);
+        }
+        for st in &mut states {
+            let n: usize = st.shape.iter().product();
+            st.master = vec![0.0; n];
+            st.m = vec![0.0; n];
+            st.v = vec![0.0; n];
+        }
+        for (segs, dev) in self.shards.iter().zip(devs) {
+            for s in segs {
+                let st = &mut states[s.seg.param];
+                let r = s.seg.range.clone();
+                st.master[r.clone()].copy_from_slice(&dev.download(s.buffers.master)?.to_f32());
+                st.m[r.clone()].copy_from_slice(&dev.download(s.buffers.m)?.to_f32());
+                st.v[r].copy_from_slice(&dev.download(s.buffers.v)?.to_f32());
+            }
+        }
+        Ok(states)
+    }
+
+    /// Restores what [`Trainer::param_states`] gave, into every rank (each ZeRO rank
+    /// taking its slices): a checkpoint resumes on any number of devices.
+    pub fn load_param_states(&self, devs: &[&dyn Device], states: &[ParamState]) -> Result<()> {
+        if self.shards.is_empty() {
+            for (m, dev) in self.models().zip(devs) {
+                m.load_param_states(*dev, states)?;
+            }
+            return Ok(());
+        }
+        let layout = self.model.parameter_layout();
+        if states.len() != layout.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint holds {} parameters but this model has {}",
+                states.len(),
+                layout.len()
+            )));
+        }
+        // Whole-model checks (names, shapes, dtypes) are the unsharded loader's; the
+        // states must be listed in model order here.
+        for (st, (name, shape, dtype, _)) in states.iter().zip(&layout) {
+            if &st.name != name || &st.shape != shape || st.value.dtype() != *dtype {
+                return Err(Error::InvalidArgument(format!(
+                    "checkpoint parameter `{}` {:?} {} does not match this model's `{name}` \
+                     {shape:?} {dtype}: resume with the model and precision it was saved with",
+                    st.name,
+                    st.shape,
+                    st.value.dtype()
+                )));
+            }
+        }
+        for (m, dev) in self.models().zip(devs) {
+            for (i, st) in states.iter().enumerate() {
+                m.set_value(*dev, i, &st.value)?;
+            }
+        }
+        for (segs, dev) in self.shards.iter().zip(devs) {
+            for s in segs {
+                let st = &states[s.seg.param];
+                let r = s.seg.range.clone();
+                dev.upload(
+                    s.buffers.master,
+                    &HostData::F32(st.master[r.clone()].to_vec()),
+                )?;
+                dev.upload(s.buffers.m, &HostData::F32(st.m[r.clone()].to_vec()))?;
+                dev.upload(s.buffers.v, &HostData::F32(st.v[r].to_vec()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Elements of the optimizer state rank `rank` holds (master + moments count once).
+    pub fn optimizer_state_elements(&self, rank: usize) -> usize {
+        match self.shards.get(rank) {
+            Some(segs) => segs.iter().map(|s| s.seg.range.len()).sum(),
+            None => self
+                .model
+                .parameter_layout()
+                .iter()
+                .map(|l| l.1.iter().product::<usize>())
+                .sum(),
+        }
     }
 
     /// Every rank's model, rank 0 first.
