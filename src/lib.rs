@@ -10,6 +10,7 @@ pub use kiln_wgpu as wgpu;
 
 pub mod bench;
 pub mod devices;
+pub mod estimate;
 pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

@@ -49,6 +49,21 @@ enum Command {
         #[arg(long, default_value = "runs")]
         root: PathBuf,
     },
+    /// Per-device memory of a GPT for ZeRO stages 0-3, before training.
+    Estimate {
+        /// GPT sizes as JSON {n_layer, n_head, n_embd, block_size, vocab_size}.
+        #[arg(long)]
+        model: PathBuf,
+        /// A device count, or device specs (`vulkan:0x2`, `all`) to check against.
+        #[arg(long, value_delimiter = ',', default_value = "1")]
+        devices: Vec<String>,
+        /// DeepSpeed config for the micro-batch and precision; default: micro-batch 1, fp16.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Sequence length; default: the model's block_size.
+        #[arg(long)]
+        seq: Option<usize>,
+    },
     /// Measure kernel throughput.
     Bench {
         #[command(subcommand)]
@@ -185,6 +200,12 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Runs { what, root } => runs(what, &root),
+        Command::Estimate {
+            model,
+            devices,
+            config,
+            seq,
+        } => estimate(&model, &devices, config.as_deref(), seq),
         Command::Bench {
             what: BenchWhat::Matmul(args),
         } => bench_matmul(args),
@@ -239,6 +260,59 @@ fn train(a: TrainArgs) -> Result<()> {
     if r.interrupted {
         std::process::exit(130);
     }
+    Ok(())
+}
+
+fn estimate(
+    model: &std::path::Path,
+    devices: &[String],
+    config: Option<&std::path::Path>,
+    seq: Option<usize>,
+) -> Result<()> {
+    use kiln::engine::mlp::Precision;
+    let text = std::fs::read_to_string(model)
+        .with_context(|| format!("reading the model config {}", model.display()))?;
+    let m: kiln::engine::gpt::GptConfig = serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a GPT config", model.display()))?;
+    let (world, adapters) = match devices {
+        [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
+        specs => {
+            let specs = kiln::devices::parse_devices(specs)?;
+            let all = kiln::wgpu::adapters();
+            let mut adapters: Vec<(String, u64)> = specs
+                .iter()
+                .filter_map(|s| s.adapter_index().ok().flatten())
+                .filter_map(|i| all.iter().find(|a| a.index == i))
+                .map(|a| {
+                    (
+                        format!("{} ({})", a.caps.name, a.caps.backend),
+                        a.caps.max_storage_binding,
+                    )
+                })
+                .collect();
+            // One line per adapter, however many devices it hosts.
+            let mut seen = std::collections::HashSet::new();
+            adapters.retain(|a| seen.insert(a.0.clone()));
+            (specs.len(), adapters)
+        }
+    };
+    let (micro, precision) = match config {
+        Some(path) => {
+            let c = kiln::engine::config::load(path, world)?;
+            let p = match c.precision {
+                kiln::engine::config::Precision::Fp32 => Precision::F32,
+                kiln::engine::config::Precision::Fp16 { .. } => Precision::F16,
+                kiln::engine::config::Precision::Bf16 => Precision::BF16,
+            };
+            (c.batch.micro_batch, p)
+        }
+        None => (1, Precision::F16),
+    };
+    let seq = seq.unwrap_or(m.block_size);
+    print!(
+        "{}",
+        kiln::estimate::report(&m, micro, seq, precision, world, &adapters)?
+    );
     Ok(())
 }
 

@@ -489,3 +489,43 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
     };
     kiln::engine::Device::launch(&dev, &k).unwrap();
 }
+
+/// `kiln estimate` computes memory without a device; it must be what a device's
+/// allocator sees for the same model.
+#[test]
+fn the_memory_estimate_is_what_the_allocator_sees() {
+    use kiln::engine::gpt::GptMemory;
+    for (cfg, b, t) in [
+        (
+            GptConfig {
+                n_layer: 2,
+                n_head: 2,
+                n_embd: 8,
+                block_size: 8,
+                vocab_size: 11,
+            },
+            2,
+            5,
+        ),
+        (
+            GptConfig {
+                n_layer: 3,
+                n_head: 4,
+                n_embd: 36,
+                block_size: 16,
+                vocab_size: 97,
+            },
+            3,
+            16,
+        ),
+    ] {
+        for p in [Precision::F32, Precision::F16, Precision::BF16] {
+            let dev = CpuDevice::new();
+            let _gpt = Gpt::new(&dev, cfg.clone(), training(b, t, p)).unwrap();
+            let m = GptMemory::of(&cfg, b, t, p);
+            assert_eq!(m.total(), dev.allocated_bytes(), "{cfg:?} {p:?}: {m:?}");
+            // Master + two moments: 12 bytes per parameter.
+            assert_eq!(m.optimizer / 12, cfg.parameter_count() as u64);
+        }
+    }
+}

@@ -27,6 +27,91 @@ pub struct GptConfig {
     pub vocab_size: usize,
 }
 
+impl GptConfig {
+    /// Ψ: the number of parameter elements (the LM head is tied to the embedding).
+    pub fn parameter_count(&self) -> usize {
+        let c = self.n_embd;
+        (self.vocab_size + self.block_size) * c + self.n_layer * (12 * c * c + 13 * c) + 2 * c
+    }
+}
+
+/// Device bytes a [`Gpt`] allocates, by what they hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GptMemory {
+    /// The model copy in the storage dtype.
+    pub weights: u64,
+    /// Gradients (storage dtype; f32 for embeddings and norms).
+    pub gradients: u64,
+    /// f32 master weights and the optimizer's two moments.
+    pub optimizer: u64,
+    /// Activations saved for backward, backward scratch, inputs and small buffers.
+    pub activations: u64,
+}
+
+impl GptMemory {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.activations
+    }
+
+    /// What [`Gpt::new`] allocates for `config` at `batch` × `seq` in `precision`,
+    /// computed without a device (tested equal to a device's allocator).
+    pub fn of(config: &GptConfig, batch: usize, seq: usize, precision: Precision) -> GptMemory {
+        let act = precision.dtype();
+        let f = |n: usize| DType::F32.padded_bytes(n);
+        let a = |n: usize| act.padded_bytes(n);
+        let u = |n: usize| DType::U32.padded_bytes(n);
+        let (c, h, v, l) = (
+            config.n_embd,
+            config.n_head,
+            config.vocab_size,
+            config.n_layer,
+        );
+        let (bt, bhtt) = (batch * seq, batch * h * seq * seq);
+        let mut m = GptMemory::default();
+        // (elements, gradient in f32) per tensor, in Gpt::new's order.
+        let mut tensors = vec![(v * c, true), (config.block_size * c, true)];
+        for _ in 0..l {
+            tensors.extend([
+                (c, true),
+                (c, true),
+                (c * 3 * c, false),
+                (3 * c, false),
+                (c * c, false),
+                (c, false),
+                (c, true),
+                (c, true),
+                (c * 4 * c, false),
+                (4 * c, false),
+                (4 * c * c, false),
+                (c, false),
+            ]);
+        }
+        tensors.extend([(c, true), (c, true)]);
+        for &(n, f32_grad) in &tensors {
+            m.weights += a(n);
+            m.gradients += if f32_grad { f(n) } else { a(n) };
+            m.optimizer += 3 * f(n);
+        }
+        let block = 9 * a(bt * c) + a(bt * 3 * c) + a(bhtt) + 2 * a(bt * 4 * c) + 4 * f(bt);
+        m.activations = l as u64 * block
+            + 3 * u(bt)
+            + a(bt)
+            + 2 * a(bt * c)
+            + 4 * f(bt)
+            + 2 * a(bt * v)
+            + 9 * a(bt * c)
+            + 2 * a(bt * 4 * c)
+            + a(bt * 3 * c)
+            + 2 * a(bhtt)
+            + f(2 * batch * h * seq)
+            + u(1)
+            + 2 * f(1)
+            + f(bt)
+            + (tensors.len() as u64 + 2) * f(1);
+        m
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct GptTraining {
     pub batch: usize,
