@@ -9,6 +9,7 @@ pub use kiln_engine as engine;
 pub use kiln_wgpu as wgpu;
 
 pub mod bench;
+pub mod bench_dp;
 pub mod devices;
 pub mod estimate;
 pub mod train;

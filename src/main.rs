@@ -139,6 +139,34 @@ enum RunsWhat {
 enum BenchWhat {
     /// GEMM GFLOP/s per adapter, dtype and shape, against CPU sgemm in the same run.
     Matmul(MatmulArgs),
+    /// Data-parallel step time and gradient exchange on 1, 2, 4… devices of one
+    /// adapter, and the scaling that gives N real GPUs over PCIe.
+    Dp(DpArgs),
+}
+
+#[derive(clap::Args)]
+struct DpArgs {
+    /// The adapter whose devices are grouped.
+    #[arg(long, default_value = "vulkan")]
+    device: String,
+    /// Group sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    counts: Vec<usize>,
+    /// GPT sizes as JSON; default: 4 layers, 128 embd, 4 heads, T 64, vocab 512.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Samples per device per step.
+    #[arg(long, default_value_t = 8)]
+    micro: usize,
+    /// Timed steps per group size (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// PCIe bandwidth per GPU for the model, GB/s (PCIe 4.0 x16 moves ~25 in practice).
+    #[arg(long, default_value_t = 25.0)]
+    pcie_gbps: f64,
+    /// Host memory bandwidth for adding gradients, GB/s.
+    #[arg(long, default_value_t = 20.0)]
+    host_gbps: f64,
 }
 
 #[derive(clap::Args)]
@@ -209,6 +237,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Matmul(args),
         } => bench_matmul(args),
+        Command::Bench {
+            what: BenchWhat::Dp(args),
+        } => bench_dp(args),
     }
 }
 
@@ -434,6 +465,83 @@ fn devices(json: bool) -> Result<()> {
             .map(|(c, w)| format!("{c:<w$}"))
             .collect();
         println!("{}", line.join("  ").trim_end());
+    }
+    Ok(())
+}
+
+fn bench_dp(a: DpArgs) -> Result<()> {
+    use kiln::bench_dp::{dp_table, modelled_efficiency};
+    use kiln::engine::gpt::{GptConfig, GptMemory};
+    let model: GptConfig = match &a.model {
+        Some(p) => serde_json::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("{}: expected a GPT config", p.display()))?,
+        None => GptConfig {
+            n_layer: 4,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 64,
+            vocab_size: 512,
+        },
+    };
+    let spec: kiln::DeviceSpec = a.device.parse()?;
+    let adapter = spec
+        .adapter_index()?
+        .ok_or_else(|| anyhow::anyhow!("bench dp groups devices of a GPU adapter, not `cpu`"))?;
+    let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps)?;
+    println!(
+        "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per device",
+        model.n_layer,
+        model.n_embd,
+        model.block_size,
+        model.vocab_size,
+        model.parameter_count(),
+        a.micro
+    );
+    println!(
+        "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10}",
+        "adapter", "devices", "step ms", "comm ms", "overlap", "MB/step", "samples/s", "vs 1 dev"
+    );
+    let base = rows.first().map_or(1.0, |r| r.samples_per_s);
+    for r in &rows {
+        println!(
+            "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x",
+            r.adapter,
+            r.devices,
+            r.step_ms,
+            r.comm_ms,
+            r.overlap * 100.0,
+            r.bytes_per_step as f64 / 1e6,
+            r.samples_per_s,
+            r.samples_per_s / base
+        );
+    }
+    // All devices here share one adapter (and on lavapipe its CPU cores), so these rows
+    // measure overhead, not scaling; the model below is what separate GPUs would see.
+    let compute_ms = rows
+        .iter()
+        .find(|r| r.devices == 1)
+        .map_or(rows[0].step_ms - rows[0].comm_ms, |r| r.step_ms);
+    let grads = GptMemory::of(
+        &model,
+        a.micro,
+        model.block_size,
+        kiln::engine::mlp::Precision::F16,
+    )
+    .gradients as f64;
+    println!(
+        "modelled for separate GPUs: compute {compute_ms:.1} ms/step (measured, 1 device), \
+         {:.2} MB of gradients per GPU, PCIe {} GB/s each way, host adds at {} GB/s, overlap 0%",
+        grads / 1e6,
+        a.pcie_gbps,
+        a.host_gbps
+    );
+    for n in [2, 4, 8] {
+        println!(
+            "  {n} GPUs: scaling efficiency {:.1}%",
+            100.0 * modelled_efficiency(n, compute_ms, grads, a.pcie_gbps, a.host_gbps, 0.0)
+        );
     }
     Ok(())
 }

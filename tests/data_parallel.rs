@@ -300,3 +300,18 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
         }
     }
 }
+
+/// `kiln bench dp`'s measurements: every device's gradients go down and the average
+/// comes back up, 2·N·(gradient bytes) per step.
+#[test]
+fn bench_dp_reports_the_bytes_the_exchange_moves() {
+    use kiln::engine::gpt::GptMemory;
+    use kiln::engine::mlp::Precision;
+    let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
+    let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1).unwrap();
+    let grads = GptMemory::of(&model(), B, T, Precision::F16).gradients;
+    assert_eq!((rows[0].devices, rows[0].bytes_per_step), (1, 0));
+    assert_eq!(rows[1].bytes_per_step, 2 * 2 * grads);
+    assert!(rows.iter().all(|r| r.step_ms > 0.0 && r.samples_per_s > 0.0));
+    assert!(rows[1].comm_ms > 0.0);
+}

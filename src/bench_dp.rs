@@ -1,0 +1,129 @@
+//! `kiln bench dp`: data-parallel step time on 1, 2, 4… devices of one adapter, the
+//! time the host-staged gradient exchange takes and how much of it overlaps compute,
+//! and — from those measurements — the scaling a group of real GPUs would get over
+//! PCIe.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use kiln_engine::config::parse;
+use kiln_engine::gpt::GptConfig;
+use kiln_engine::trainer::Trainer;
+use kiln_engine::Device;
+use kiln_wgpu::{DeviceOptions, WgpuDevice};
+
+/// One measured group size.
+#[derive(Clone, Debug, Serialize)]
+pub struct DpRow {
+    pub adapter: String,
+    pub devices: usize,
+    /// Mean wall time of a step (every device's forward and backward, the exchange and
+    /// the update).
+    pub step_ms: f64,
+    /// Of which: the gradient exchange (download, host reduction, upload).
+    pub comm_ms: f64,
+    /// Share of the exchange hidden behind compute.
+    pub overlap: f64,
+    pub bytes_per_step: u64,
+    /// Samples per second over the whole group.
+    pub samples_per_s: f64,
+}
+
+/// Times `steps` steps (after one warm-up) of a GPT on `n` devices of `adapter`, for
+/// each `n` in `counts`, each device with `micro` samples per step.
+pub fn dp_table(
+    adapter: usize,
+    model: &GptConfig,
+    micro: usize,
+    counts: &[usize],
+    steps: usize,
+) -> Result<Vec<DpRow>> {
+    let t = model.block_size;
+    let mut rows = vec![];
+    for &n in counts {
+        let opened = (0..n)
+            .map(|_| WgpuDevice::open(adapter, &DeviceOptions::default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let devs: Vec<&dyn Device> = opened.iter().map(|d| d as &dyn Device).collect();
+        let ds = parse(
+            &format!(
+                r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}}}}"#
+            ),
+            n,
+        )?;
+        let mut trainer = Trainer::new_group(&devs, model.clone(), ds, t, 1)?;
+        let v = model.vocab_size as u32;
+        let batch: Vec<(Vec<u32>, Vec<u32>)> = (0..n)
+            .map(|r| {
+                let tok: Vec<u32> = (0..micro * t)
+                    .map(|i| (i as u32 * 7 + r as u32) % v)
+                    .collect();
+                let tgt = tok.iter().map(|x| (x + 1) % v).collect();
+                (tok, tgt)
+            })
+            .collect();
+        let micro_batches: Vec<Vec<(&[u32], &[u32])>> = batch
+            .iter()
+            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+            .collect();
+        trainer.step_group(&devs, &micro_batches)?;
+        let (mut comm, mut bytes) = (0.0, 0);
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            trainer.step_group(&devs, &micro_batches)?;
+            comm += trainer.last_comm.ms;
+            bytes = trainer.last_comm.bytes;
+        }
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+        rows.push(DpRow {
+            adapter: devs[0].caps().name.clone(),
+            devices: n,
+            step_ms,
+            comm_ms: comm / steps as f64,
+            // The exchange starts when the last backward ends (no bucketing yet).
+            overlap: 0.0,
+            bytes_per_step: bytes,
+            samples_per_s: (n * micro) as f64 / (step_ms / 1e3),
+        });
+    }
+    Ok(rows)
+}
+
+/// Modelled efficiency of `n` real GPUs, each computing for `compute_ms` per step and
+/// moving `grad_bytes` of gradients down and up its own PCIe link at `link_gbps`, the
+/// host adding the `n` copies at `host_gbps`, with `overlap` of it hidden.
+pub fn modelled_efficiency(
+    n: usize,
+    compute_ms: f64,
+    grad_bytes: f64,
+    link_gbps: f64,
+    host_gbps: f64,
+    overlap: f64,
+) -> f64 {
+    if n <= 1 {
+        return 1.0;
+    }
+    let link_ms = 2.0 * grad_bytes / (link_gbps * 1e9) * 1e3;
+    let reduce_ms = n as f64 * grad_bytes / (host_gbps * 1e9) * 1e3;
+    let exposed = (link_ms + reduce_ms) * (1.0 - overlap);
+    compute_ms / (compute_ms + exposed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_is_hand_checkable() {
+        // 100 ms of compute, 500 MB of gradients, 25 GB/s links: 2 × 20 ms on the
+        // link; 4 copies at 50 GB/s: 40 ms on the host; none hidden: 100 / 180.
+        let e = modelled_efficiency(4, 100.0, 5e8, 25.0, 50.0, 0.0);
+        assert!((e - 100.0 / 180.0).abs() < 1e-12, "{e}");
+        // Half of it hidden: 100 / 140.
+        let e = modelled_efficiency(4, 100.0, 5e8, 25.0, 50.0, 0.5);
+        assert!((e - 100.0 / 140.0).abs() < 1e-12, "{e}");
+        assert_eq!(modelled_efficiency(1, 1.0, 1e9, 1.0, 1.0, 0.0), 1.0);
+    }
+}
