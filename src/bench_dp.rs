@@ -22,9 +22,10 @@ pub struct DpRow {
     /// Mean wall time of a step (every device's forward and backward, the exchange and
     /// the update).
     pub step_ms: f64,
-    /// Of which: the gradient exchange (download, host reduction, upload).
+    /// The gradient exchange (download, host reduction, upload), from the moment
+    /// it begins; overlapped, it runs during backward, so it is not all added to the step.
     pub comm_ms: f64,
-    /// Share of the exchange hidden behind compute.
+    /// Share of the exchanged bytes fetched while backward was still running.
     pub overlap: f64,
     pub bytes_per_step: u64,
     /// Samples per second over the whole group.
@@ -32,13 +33,15 @@ pub struct DpRow {
 }
 
 /// Times `steps` steps (after one warm-up) of a GPT on `n` devices of `adapter`, for
-/// each `n` in `counts`, each device with `micro` samples per step.
+/// each `n` in `counts`, each device with `micro` samples per step, the exchange
+/// overlapped with backward or not (`overlap_comm`).
 pub fn dp_table(
     adapter: usize,
     model: &GptConfig,
     micro: usize,
     counts: &[usize],
     steps: usize,
+    overlap: bool,
 ) -> Result<Vec<DpRow>> {
     let t = model.block_size;
     let mut rows = vec![];
@@ -49,7 +52,8 @@ pub fn dp_table(
         let devs: Vec<&dyn Device> = opened.iter().map(|d| d as &dyn Device).collect();
         let ds = parse(
             &format!(
-                r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}}}}"#
+                r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
+                     "zero_optimization": {{"overlap_comm": {overlap}}}}}"#
             ),
             n,
         )?;
@@ -69,12 +73,13 @@ pub fn dp_table(
             .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
             .collect();
         trainer.step_group(&devs, &micro_batches)?;
-        let (mut comm, mut bytes) = (0.0, 0);
+        let (mut comm, mut bytes, mut hidden) = (0.0, 0, 0.0);
         let t0 = Instant::now();
         for _ in 0..steps {
             trainer.step_group(&devs, &micro_batches)?;
             comm += trainer.last_comm.ms;
             bytes = trainer.last_comm.bytes;
+            hidden += trainer.last_comm.overlap;
         }
         let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
         rows.push(DpRow {
@@ -82,8 +87,7 @@ pub fn dp_table(
             devices: n,
             step_ms,
             comm_ms: comm / steps as f64,
-            // The exchange starts when the last backward ends (no bucketing yet).
-            overlap: 0.0,
+            overlap: hidden / steps as f64,
             bytes_per_step: bytes,
             samples_per_s: (n * micro) as f64 / (step_ms / 1e3),
         });

@@ -167,6 +167,9 @@ struct DpArgs {
     /// Host memory bandwidth for adding gradients, GB/s.
     #[arg(long, default_value_t = 20.0)]
     host_gbps: f64,
+    /// Exchange after backward instead of overlapping it (`overlap_comm: false`).
+    #[arg(long)]
+    no_overlap: bool,
 }
 
 #[derive(clap::Args)]
@@ -489,7 +492,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     let adapter = spec
         .adapter_index()?
         .ok_or_else(|| anyhow::anyhow!("bench dp groups devices of a GPU adapter, not `cpu`"))?;
-    let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps)?;
+    let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps, !a.no_overlap)?;
     println!(
         "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per device",
         model.n_layer,
@@ -523,6 +526,11 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         .iter()
         .find(|r| r.devices == 1)
         .map_or(rows[0].step_ms - rows[0].comm_ms, |r| r.step_ms);
+    let overlap = rows
+        .iter()
+        .filter(|r| r.devices > 1)
+        .map(|r| r.overlap)
+        .fold(0.0, f64::max);
     let grads = GptMemory::of(
         &model,
         a.micro,
@@ -532,15 +540,17 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     .gradients as f64;
     println!(
         "modelled for separate GPUs: compute {compute_ms:.1} ms/step (measured, 1 device), \
-         {:.2} MB of gradients per GPU, PCIe {} GB/s each way, host adds at {} GB/s, overlap 0%",
+         {:.2} MB of gradients per GPU, PCIe {} GB/s each way, host adds at {} GB/s, \
+         overlap {:.0}% (measured)",
         grads / 1e6,
         a.pcie_gbps,
-        a.host_gbps
+        a.host_gbps,
+        overlap * 100.0
     );
     for n in [2, 4, 8] {
         println!(
             "  {n} GPUs: scaling efficiency {:.1}%",
-            100.0 * modelled_efficiency(n, compute_ms, grads, a.pcie_gbps, a.host_gbps, 0.0)
+            100.0 * modelled_efficiency(n, compute_ms, grads, a.pcie_gbps, a.host_gbps, overlap)
         );
     }
     Ok(())

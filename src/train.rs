@@ -379,8 +379,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             // Per device (the largest): what has to fit on each adapter.
             device_memory_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
             comm_ms: comm.ms,
-            // The exchange starts once every device's backward is done: no overlap yet.
-            comm_overlap: 0.0,
+            comm_overlap: comm.overlap,
             comm_bytes: comm.bytes,
             ..Default::default()
         };
@@ -418,9 +417,11 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     stall,
                     if world > 1 {
                         format!(
-                            ", gradient exchange {:.1} ms ({:.1} MB, 0% overlapped)",
+                            ", gradient exchange {:.1} ms ({:.1} MB, {:.0}% overlapped with \
+                             backward)",
                             comm.ms,
-                            comm.bytes as f64 / 1e6
+                            comm.bytes as f64 / 1e6,
+                            comm.overlap * 100.0
                         )
                     } else {
                         String::new()

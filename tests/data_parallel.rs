@@ -308,10 +308,61 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
     use kiln::engine::gpt::GptMemory;
     use kiln::engine::mlp::Precision;
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
-    let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1).unwrap();
+    let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
     let grads = GptMemory::of(&model(), B, T, Precision::F16).gradients;
     assert_eq!((rows[0].devices, rows[0].bytes_per_step), (1, 0));
     assert_eq!(rows[1].bytes_per_step, 2 * 2 * grads);
-    assert!(rows.iter().all(|r| r.step_ms > 0.0 && r.samples_per_s > 0.0));
+    assert!(rows
+        .iter()
+        .all(|r| r.step_ms > 0.0 && r.samples_per_s > 0.0));
     assert!(rows[1].comm_ms > 0.0);
+}
+
+/// `overlap_comm`: gradients go down while later layers are still in backward (their
+/// copies queued right behind each block), in buckets of `reduce_bucket_size`, and are
+/// averaged in the same rank order, so the result is bit-identical to exchanging after
+/// backward, at stage 0 and stage 1 alike.
+#[test]
+fn overlapping_the_exchange_with_backward_changes_no_bits() {
+    let devs: Vec<Box<dyn Device>> = (0..4).map(|_| gpu("vulkan", false)).collect();
+    let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+    for (stage, precision) in [
+        (0, ""),
+        (
+            0,
+            r#""fp16": {"enabled": true, "initial_scale_power": 10},"#,
+        ),
+        (1, ""),
+    ] {
+        let make = |overlap: bool, refs: &[&dyn Device]| {
+            let mut c = config(precision, B, 1, 2);
+            c.zero.stage = stage;
+            c.zero.overlap_comm = overlap;
+            c.zero.reduce_bucket_size = 3000;
+            Trainer::new_group(refs, model(), c, T, 3).unwrap()
+        };
+        let (after, during) = (&refs[..2], &refs[2..]);
+        let mut plain = make(false, after);
+        let mut overlapped = make(true, during);
+        let mut overlap = 0.0;
+        for step in &batches(2) {
+            let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+                .iter()
+                .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                .collect();
+            let a = plain.step_group(after, &per_rank).unwrap();
+            let b = overlapped.step_group(during, &per_rank).unwrap();
+            assert_eq!(a, b, "stage {stage} {precision}");
+            assert_eq!(plain.last_comm.overlap, 0.0);
+            overlap += overlapped.last_comm.overlap;
+        }
+        assert_eq!(
+            plain.param_states(after).unwrap(),
+            overlapped.param_states(during).unwrap()
+        );
+        eprintln!(
+            "stage {stage} {precision}: mean overlap {:.2}",
+            overlap / STEPS as f64
+        );
+    }
 }

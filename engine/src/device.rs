@@ -44,6 +44,15 @@ pub struct Capabilities {
     pub memory_budget: Option<u64>,
 }
 
+/// A download whose copy is queued on a device; redeem it with
+/// [`Device::finish_download`] on that device.
+#[derive(Debug)]
+pub struct PendingDownload {
+    /// The device's ticket for the staged copy.
+    pub ticket: u64,
+    pub buffer: Buffer,
+}
+
 /// One compute device. Launches are recorded into the device's stream in program
 /// order and run when submitted; uploads and downloads keep that order too.
 pub trait Device: Send + Sync {
@@ -60,7 +69,20 @@ pub trait Device: Send + Sync {
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()>;
 
     /// Copies a buffer to the host, after everything recorded before it has run.
-    fn download(&self, buf: Buffer) -> Result<HostData>;
+    fn download(&self, buf: Buffer) -> Result<HostData> {
+        let pending = self.begin_download(buf)?;
+        self.finish_download(pending)
+    }
+
+    /// Queues a copy of `buf` to host-visible staging memory behind everything
+    /// recorded so far and submits it, without waiting: work recorded afterwards runs
+    /// while the host fetches the copy with [`Device::finish_download`] (a data-parallel
+    /// group overlaps its gradient exchange with backward this way).
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload>;
+
+    /// Waits for the copy [`Device::begin_download`] queued (not for later work) and
+    /// returns the data.
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData>;
 
     /// Records a kernel launch into the stream. Nothing runs until [`Device::submit`].
     fn launch(&self, kernel: &Kernel) -> Result<()>;

@@ -241,6 +241,9 @@ pub struct ParamState {
 /// A parameter's name and its Adam first and second moments.
 pub type Moments = (String, Vec<f32>, Vec<f32>);
 
+/// Called with parameter indices whose gradients just became final.
+pub type Ready<'a> = &'a mut dyn FnMut(&[usize]) -> Result<()>;
+
 /// One training step's numbers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GptStep {
@@ -671,6 +674,14 @@ impl Gpt {
     /// Records the backward pass of the mean loss times `scale`, leaving every
     /// parameter's gradient in its `grad` buffer.
     fn backward(&self, dev: &dyn Device, scale: f32) -> Result<()> {
+        self.backward_with(dev, scale, &mut |_| Ok(()))
+    }
+
+    /// Backward, calling `ready(params)` as soon as those parameters' gradients are
+    /// final and their work submitted: after each block (top block first), then for
+    /// the embeddings and final norm. A data-parallel group starts exchanging them
+    /// while the rest of backward runs.
+    fn backward_with(&self, dev: &dyn Device, scale: f32, ready: Ready<'_>) -> Result<()> {
         let (b, t) = (self.training.batch, self.training.seq);
         let (c, h, v) = (
             self.config.n_embd,
@@ -840,6 +851,11 @@ impl Gpt {
                 x: self.dtmp,
                 y: self.dres,
             })?;
+            dev.submit()?;
+            ready(&[
+                blk.ln1_w, blk.ln1_b, blk.qkv_w, blk.qkv_b, blk.proj_w, blk.proj_b, blk.ln2_w,
+                blk.ln2_b, blk.fc_w, blk.fc_b, blk.fcp_w, blk.fcp_b,
+            ])?;
         }
         // Embeddings: dwte (already holding the LM head's part) and dwpe += dres rows.
         dev.launch(&Kernel::EmbeddingBackward {
@@ -853,7 +869,9 @@ impl Gpt {
             dout: self.dres,
             dtable: self.grad(self.wpe),
             dim: c,
-        })
+        })?;
+        dev.submit()?;
+        ready(&[self.wte, self.wpe, self.lnf_w, self.lnf_b])
     }
 
     fn upload(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
@@ -1009,6 +1027,17 @@ impl Gpt {
     /// buffers end up holding the scaled gradient of the step's mean loss. Recorded and
     /// submitted, not waited for: several devices can compute at once.
     pub fn accumulate(&self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<()> {
+        self.accumulate_with(dev, micro, &mut |_| Ok(()))
+    }
+
+    /// [`Gpt::accumulate`], calling `ready(params)` during the last micro-batch's
+    /// backward as soon as those parameters' gradients are final (see `backward_with`).
+    pub fn accumulate_with(
+        &self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        ready: Ready<'_>,
+    ) -> Result<()> {
         if micro.is_empty() {
             return Err(Error::InvalidArgument(
                 "gpt: a step needs at least one micro-batch".into(),
@@ -1023,18 +1052,47 @@ impl Gpt {
         for (i, (tokens, targets)) in micro.iter().enumerate() {
             self.upload(dev, tokens, targets)?;
             self.forward(dev)?;
-            // loss_sum collects each micro-batch's mean, spread over its positions.
             dev.launch(&Kernel::Axpy {
                 alpha: self.per_target(),
                 x: self.losses,
                 y: self.loss_sum,
             })?;
             self.grad_beta.set(if i == 0 { 0.0 } else { 1.0 });
-            // Each micro-batch's mean loss counts 1/n of the step's.
-            self.backward(dev, scale / n)?;
+            if i + 1 == micro.len() {
+                self.backward_with(dev, scale / n, ready)?;
+            } else {
+                self.backward(dev, scale / n)?;
+            }
         }
         self.grad_beta.set(0.0);
         dev.submit()
+    }
+
+    /// Parameter `index`'s gradient as f32 (waits for the work that writes it).
+    pub fn gradient(&self, dev: &dyn Device, index: usize) -> Result<Vec<f32>> {
+        Ok(dev.download(self.params[index].grad)?.to_f32())
+    }
+
+    /// Overwrites parameter `index`'s gradient (rounded to its dtype).
+    pub fn set_gradient(&self, dev: &dyn Device, index: usize, grad: &[f32]) -> Result<()> {
+        let g = self.params[index].grad;
+        dev.upload(g, &HostData::from_f32(g.dtype, grad))
+    }
+
+    /// Parameter `index`'s gradient buffer (a data-parallel group downloads it from
+    /// another thread while this model records the rest of backward).
+    pub fn gradient_buffer(&self, index: usize) -> Buffer {
+        self.params[index].grad
+    }
+
+    /// Elements of parameter `index`.
+    pub fn parameter_len(&self, index: usize) -> usize {
+        self.params[index].shape.iter().product()
+    }
+
+    /// Number of parameter tensors.
+    pub fn parameter_tensors(&self) -> usize {
+        self.params.len()
     }
 
     /// Mean loss of the `n` micro-batches [`Gpt::accumulate`] ran (waits for them).

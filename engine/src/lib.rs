@@ -23,7 +23,7 @@ pub mod trainer;
 pub mod zero;
 
 pub use config::{ConfigError, TrainConfig};
-pub use device::{Buffer, Capabilities, Device};
+pub use device::{Buffer, Capabilities, Device, PendingDownload};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use host::HostData;

@@ -16,7 +16,7 @@ use crate::loss_scaler::LossScaler;
 use crate::mlp::Precision;
 use crate::optim::ParamBuffers;
 use crate::zero::{segments, Segment};
-use crate::{Buffer, DType, Device, Error, HostData, Result};
+use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result};
 
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -47,10 +47,69 @@ pub struct TrainerState {
 /// What a data-parallel step spent exchanging gradients through the host.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct CommStats {
-    /// Waiting for the devices' gradients, reducing them and uploading the result.
+    /// Exchange time the step paid: downloading, reducing and uploading gradients,
+    /// counted from the end of the last device's backward (earlier work overlapped it).
     pub ms: f64,
     /// Bytes copied between devices and host (both directions, all devices).
     pub bytes: u64,
+    /// Share of the exchanged bytes reduced while some device was still in backward.
+    pub overlap: f64,
+}
+
+/// The gradients a step's exchange produced.
+struct Exchanged {
+    /// Mean loss over ranks.
+    loss: f32,
+    /// The average gradient per tensor.
+    avg: Vec<Vec<f32>>,
+    overflow: bool,
+    sum_squares: f64,
+    bytes: u64,
+    /// When the exchange began (comm time is measured from here).
+    started: std::time::Instant,
+    overlap: f64,
+    /// The average is already in every rank's gradient buffers.
+    uploaded: bool,
+}
+
+/// The mean of the ranks' copies of one tensor, summed in rank order (so any schedule
+/// gives the same bits); split across threads when large.
+fn average(parts: &[Vec<f32>]) -> Vec<f32> {
+    let inv = 1.0 / parts.len() as f32;
+    let n = parts[0].len();
+    let mut out = vec![0f32; n];
+    let fold = |range: std::ops::Range<usize>, out: &mut [f32]| {
+        out.copy_from_slice(&parts[0][range.clone()]);
+        for p in &parts[1..] {
+            for (a, b) in out.iter_mut().zip(&p[range.clone()]) {
+                *a += b;
+            }
+        }
+        for a in out.iter_mut() {
+            *a *= inv;
+        }
+    };
+    const CHUNK: usize = 1 << 18;
+    if n <= CHUNK {
+        fold(0..n, &mut out);
+    } else {
+        std::thread::scope(|s| {
+            for (i, chunk) in out.chunks_mut(CHUNK).enumerate() {
+                let lo = i * CHUNK;
+                let fold = &fold;
+                s.spawn(move || fold(lo..lo + chunk.len(), chunk));
+            }
+        });
+    }
+    out
+}
+
+/// Adds a tensor's overflow and squared norm to the step's.
+fn inspect(avg: &[f32], overflow: &mut bool, sum_squares: &mut f64) {
+    for &a in avg {
+        *overflow |= !a.is_finite();
+        *sum_squares += (a as f64) * (a as f64);
+    }
 }
 
 pub struct Trainer {
@@ -241,43 +300,14 @@ impl Trainer {
         let lr = self.config.schedule.lr_at(applied);
         let loss_scale = self.model.scaler.scale();
         let clip = self.config.gradient_clipping;
-        // Every device computes at once: accumulate submits without waiting.
-        for (r, (m, dev)) in self.models().zip(devs).enumerate() {
-            m.accumulate(*dev, &micro[r])?;
-        }
-        // The exchange is timed from when every device has finished its backward.
-        for dev in devs {
-            dev.wait()?;
-        }
-        let t0 = std::time::Instant::now();
-        let mut loss = 0.0;
-        let mut sum: Vec<Vec<f32>> = vec![];
-        let mut bytes = 0u64;
-        for (m, dev) in self.models().zip(devs) {
-            loss += m.accumulated_loss(*dev, want)? as f64;
-            let g = m.gradient_values(*dev)?;
-            bytes += m.gradient_bytes();
-            if sum.is_empty() {
-                sum = g;
-            } else {
-                for (s, t) in sum.iter_mut().zip(&g) {
-                    for (a, b) in s.iter_mut().zip(t) {
-                        *a += b;
-                    }
-                }
-            }
-        }
-        let inv = 1.0 / world as f32;
-        let mut overflow = false;
-        let mut sum_squares = 0f64;
-        for t in &mut sum {
-            for a in t.iter_mut() {
-                *a *= inv;
-                overflow |= !a.is_finite();
-                sum_squares += (*a as f64) * (*a as f64);
-            }
-        }
-        let loss = (loss / world as f64) as f32;
+        let overlapped = self.config.zero.overlap_comm;
+        let ex = if overlapped {
+            self.exchange_overlapped(devs, micro)?
+        } else {
+            self.exchange(devs, micro)?
+        };
+        let (loss, sum, overflow, sum_squares) = (ex.loss, ex.avg, ex.overflow, ex.sum_squares);
+        let (t0, mut bytes) = (ex.started, ex.bytes);
         let decision = self.model.scaler.update(overflow)?;
         let scaler = self.model.scaler.clone();
         for r in &mut self.replicas {
@@ -288,6 +318,7 @@ impl Trainer {
             self.last_comm = CommStats {
                 ms: t0.elapsed().as_secs_f64() * 1e3,
                 bytes,
+                overlap: ex.overlap,
             };
             return Ok(StepStats {
                 loss,
@@ -307,8 +338,10 @@ impl Trainer {
                 .chain(self.replicas.iter_mut())
                 .zip(devs)
             {
-                m.set_gradients(*dev, &sum)?;
-                bytes += m.gradient_bytes();
+                if !ex.uploaded {
+                    m.set_gradients(*dev, &sum)?;
+                    bytes += m.gradient_bytes();
+                }
                 m.apply(*dev, lr, grad_scale)?;
             }
         } else {
@@ -317,6 +350,7 @@ impl Trainer {
         self.last_comm = CommStats {
             ms: t0.elapsed().as_secs_f64() * 1e3,
             bytes,
+            overlap: ex.overlap,
         };
         Ok(StepStats {
             loss,
@@ -324,6 +358,218 @@ impl Trainer {
             loss_scale,
             skipped: false,
             applied: applied + 1,
+        })
+    }
+
+    /// The exchange after backward (`overlap_comm` off): every device finishes, then
+    /// each one's gradients come down and the average is formed.
+    fn exchange(
+        &mut self,
+        devs: &[&dyn Device],
+        micro: &[Vec<(&[u32], &[u32])>],
+    ) -> Result<Exchanged> {
+        let world = self.world();
+        let want = self.config.batch.grad_accum;
+        // Every device computes at once: accumulate submits without waiting.
+        for (r, (m, dev)) in self.models().zip(devs).enumerate() {
+            m.accumulate(*dev, &micro[r])?;
+        }
+        // The exchange is timed from when every device has finished its backward.
+        for dev in devs {
+            dev.wait()?;
+        }
+        let started = std::time::Instant::now();
+        let mut loss = 0.0;
+        let mut per_rank = vec![];
+        let mut bytes = 0u64;
+        for (m, dev) in self.models().zip(devs) {
+            loss += m.accumulated_loss(*dev, want)? as f64;
+            per_rank.push(m.gradient_values(*dev)?);
+            bytes += m.gradient_bytes();
+        }
+        let (mut overflow, mut sum_squares) = (false, 0f64);
+        let avg: Vec<Vec<f32>> = (0..per_rank[0].len())
+            .map(|p| {
+                let parts: Vec<Vec<f32>> = per_rank
+                    .iter_mut()
+                    .map(|g| std::mem::take(&mut g[p]))
+                    .collect();
+                let a = average(&parts);
+                inspect(&a, &mut overflow, &mut sum_squares);
+                a
+            })
+            .collect();
+        Ok(Exchanged {
+            loss: (loss / world as f64) as f32,
+            avg,
+            overflow,
+            sum_squares,
+            bytes,
+            started,
+            overlap: 0.0,
+            uploaded: false,
+        })
+    }
+
+    /// The exchange overlapped with backward (`overlap_comm` on): each device records
+    /// its backward on its own thread, handing over parameters as their gradients
+    /// become final; a downloader thread per device copies them to the host in buckets
+    /// of up to `reduce_bucket_size` elements; this thread averages each tensor once
+    /// every device's copy is in and (stage 0) uploads the average back at once, while
+    /// later layers are still in backward.
+    fn exchange_overlapped(
+        &mut self,
+        devs: &[&dyn Device],
+        micro: &[Vec<(&[u32], &[u32])>],
+    ) -> Result<Exchanged> {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::mpsc;
+        let world = self.world();
+        let want = self.config.batch.grad_accum;
+        let bucket = self.config.zero.reduce_bucket_size.max(1) as usize;
+        let n_params = self.model.parameter_tensors();
+        let upload = self.shards.is_empty();
+        let started = std::time::Instant::now();
+        let grads: Vec<Vec<Buffer>> = self
+            .models()
+            .map(|m| (0..n_params).map(|i| m.gradient_buffer(i)).collect())
+            .collect();
+        let lens: Vec<usize> = (0..n_params).map(|i| self.model.parameter_len(i)).collect();
+        let in_backward = AtomicUsize::new(world);
+        // When the last device finished backward: exchange time after it is exposed.
+        let backward_done = std::sync::Mutex::new(None::<std::time::Instant>);
+        type Bucket = Vec<(usize, Vec<f32>)>;
+        let (to_reducer, from_ranks) = mpsc::channel::<Result<(usize, Bucket, bool)>>();
+        let mut models: Vec<&mut Gpt> = std::iter::once(&mut self.model)
+            .chain(self.replicas.iter_mut())
+            .collect();
+        let mut slots: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; world]; n_params];
+        let mut avg: Vec<Vec<f32>> = vec![vec![]; n_params];
+        let (mut overflow, mut sum_squares) = (false, 0f64);
+        let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
+        std::thread::scope(|s| -> Result<()> {
+            for (r, m) in models.iter_mut().enumerate() {
+                let dev = devs[r];
+                let (to_downloader, ready) = mpsc::channel::<Vec<(usize, PendingDownload)>>();
+                let to_reducer_dl = to_reducer.clone();
+                let grads = &grads[r];
+                let lens = &lens;
+                let in_backward = &in_backward;
+                let backward_done = &backward_done;
+                // The downloader: fetches each ready set's staged copies, in buckets.
+                s.spawn(move || {
+                    for staged in ready {
+                        let mut out = vec![];
+                        let mut elems = 0;
+                        let n = staged.len();
+                        for (k, (p, pending)) in staged.into_iter().enumerate() {
+                            let g = match dev.finish_download(pending) {
+                                Ok(g) => g.to_f32(),
+                                Err(e) => {
+                                    let _ = to_reducer_dl.send(Err(e));
+                                    return;
+                                }
+                            };
+                            elems += lens[p];
+                            out.push((p, g));
+                            if elems >= bucket || k + 1 == n {
+                                let during = in_backward.load(Ordering::SeqCst) > 0;
+                                let _ =
+                                    to_reducer_dl.send(Ok((r, std::mem::take(&mut out), during)));
+                                elems = 0;
+                            }
+                        }
+                    }
+                });
+                // The recorder: this rank's forward and backward; as each set of
+                // gradients is final, their copies to staging memory are queued right
+                // behind it, ahead of the rest of backward.
+                let micro = &micro[r];
+                let model: &mut Gpt = m;
+                let errors = to_reducer.clone();
+                s.spawn(move || {
+                    let result = model
+                        .accumulate_with(dev, micro, &mut |params| {
+                            let staged = params
+                                .iter()
+                                .map(|&p| Ok((p, dev.begin_download(grads[p])?)))
+                                .collect::<Result<Vec<_>>>()?;
+                            to_downloader.send(staged).map_err(|_| {
+                                Error::InvalidArgument("gradient downloader stopped".into())
+                            })
+                        })
+                        .and_then(|()| dev.wait());
+                    if in_backward.fetch_sub(1, Ordering::SeqCst) == 1 {
+                        *backward_done.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(std::time::Instant::now());
+                    }
+                    if let Err(e) = result {
+                        let _ = errors.send(Err(e));
+                    }
+                });
+            }
+            drop(to_reducer);
+            let mut done = 0;
+            while done < n_params {
+                let (r, bucket, during) = match from_ranks.recv() {
+                    Ok(msg) => msg?,
+                    Err(_) => {
+                        return Err(Error::InvalidArgument(
+                            "a device stopped before handing over all its gradients".into(),
+                        ))
+                    }
+                };
+                for (p, g) in bucket {
+                    let b = grads[r][p].bytes();
+                    bytes += b;
+                    total_bytes += b;
+                    if during {
+                        overlapped_bytes += b;
+                    }
+                    slots[p][r] = Some(g);
+                    if slots[p].iter().all(Option::is_some) {
+                        let parts: Vec<Vec<f32>> = slots[p]
+                            .iter_mut()
+                            .map(|x| x.take().unwrap_or_default())
+                            .collect();
+                        let a = average(&parts);
+                        inspect(&a, &mut overflow, &mut sum_squares);
+                        if upload {
+                            for (rank, dev) in devs.iter().enumerate() {
+                                let buf = grads[rank][p];
+                                dev.upload(buf, &HostData::from_f32(buf.dtype, &a))?;
+                                bytes += buf.bytes();
+                            }
+                        }
+                        avg[p] = a;
+                        done += 1;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let mut loss = 0.0;
+        for (m, dev) in self.models().zip(devs) {
+            loss += m.accumulated_loss(*dev, want)? as f64;
+        }
+        // Comm time counts from the end of backward: what the overlap did not hide.
+        let started = backward_done
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or(started);
+        Ok(Exchanged {
+            loss: (loss / world as f64) as f32,
+            avg,
+            overflow,
+            sum_squares,
+            bytes,
+            started,
+            overlap: if total_bytes == 0 {
+                0.0
+            } else {
+                overlapped_bytes as f64 / total_bytes as f64
+            },
+            uploaded: upload,
         })
     }
 

@@ -13,13 +13,15 @@ use half::{bf16, f16};
 use kiln_engine::device::check_upload;
 use kiln_engine::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::{
-    AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Matmul,
-    ReduceOp, Result, SgdStep, IGNORE_TARGET,
+    device::PendingDownload, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error,
+    HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
 };
 
 pub struct CpuDevice {
     caps: Capabilities,
     state: Mutex<State>,
+    /// Begun downloads: next ticket, and each ticket's data.
+    staged: Mutex<(u64, HashMap<u64, HostData>)>,
 }
 
 #[derive(Default)]
@@ -50,6 +52,7 @@ impl CpuDevice {
                 max_buffer: isize::MAX as u64,
                 memory_budget: None,
             },
+            staged: Mutex::new((0, HashMap::new())),
             state: Mutex::new(State {
                 next_id: 1,
                 ..State::default()
@@ -117,8 +120,28 @@ impl Device for CpuDevice {
         self.lock().put(buf, data.clone(), &self.caps.name)
     }
 
-    fn download(&self, buf: Buffer) -> Result<HostData> {
-        self.lock().get(buf, &self.caps.name).cloned()
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        // Launches run as they are recorded here, so the copy is the data as of now.
+        let data = self.lock().get(buf, &self.caps.name)?.clone();
+        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let ticket = staged.0;
+        staged.0 += 1;
+        staged.1.insert(ticket, data);
+        Ok(PendingDownload {
+            ticket,
+            buffer: buf,
+        })
+    }
+
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        staged.1.remove(&pending.ticket).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "download ticket {} is not pending on `{}` (already finished, or begun on \
+                 another device)",
+                pending.ticket, self.caps.name
+            ))
+        })
     }
 
     fn launch(&self, kernel: &Kernel) -> Result<()> {

@@ -14,7 +14,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_engine::device::check_upload;
-use kiln_engine::{Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Result};
+use kiln_engine::{
+    Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
+};
 
 use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
 use crate::shader::{self, Access, KernelSource, Repr};
@@ -83,6 +85,8 @@ pub(crate) struct State {
     params: Vec<u8>,
     /// f32 split-K partials of GEMMs (grown on demand, kept for reuse).
     pub(crate) partials: Option<wgpu::Buffer>,
+    /// Begun downloads: the staging buffer and the submission that fills it.
+    staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
 }
 
 /// One dispatch, before it is recorded.
@@ -244,16 +248,17 @@ impl WgpuDevice {
     }
 
     /// Submits the open stream, if any, with its parameters.
-    fn flush(&self, s: &mut State) -> Result<()> {
+    fn flush(&self, s: &mut State) -> Result<Option<wgpu::SubmissionIndex>> {
         let Some(encoder) = s.encoder.take() else {
-            return Ok(());
+            return Ok(None);
         };
         if !s.params.is_empty() {
             self.queue.write_buffer(&self.arena, 0, &s.params);
             s.params.clear();
         }
-        self.queue.submit([encoder.finish()]);
-        self.check_errors()
+        let index = self.queue.submit([encoder.finish()]);
+        self.check_errors()?;
+        Ok(Some(index))
     }
 
     fn layout<'s>(
@@ -599,7 +604,7 @@ impl Device for WgpuDevice {
         Ok(())
     }
 
-    fn download(&self, buf: Buffer) -> Result<HostData> {
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
         let mut s = self.lock();
         let src = s
             .buffers
@@ -616,15 +621,36 @@ impl Device for WgpuDevice {
         });
         self.encoder(&mut s)
             .copy_buffer_to_buffer(&src, 0, &readback, 0, padded);
-        self.flush(&mut s)?;
-        drop(s);
+        let index = self.flush(&mut s)?;
+        let ticket = s.next_id;
+        s.next_id += 1;
+        s.staged.insert(ticket, (readback, index));
+        Ok(PendingDownload {
+            ticket,
+            buffer: buf,
+        })
+    }
+
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        let (readback, index) = self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "download ticket {} is not pending on `{}` (already finished, or begun on \
+                 another device)",
+                pending.ticket, self.caps.name
+            ))
+        })?;
+        let buf = pending.buffer;
         let slice = readback.slice(..);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
+        // Wait for the copy's own submission, not for work queued after it.
         self.device
-            .poll(wgpu::PollType::wait_indefinitely())
+            .poll(wgpu::PollType::Wait {
+                submission_index: index,
+                timeout: None,
+            })
             .map_err(|e| self.backend_error(format!("waiting for a download: {e}")))?;
         rx.recv()
             .map_err(|_| self.backend_error("download was cancelled"))?
@@ -667,7 +693,7 @@ impl Device for WgpuDevice {
 
     fn submit(&self) -> Result<()> {
         let mut s = self.lock();
-        self.flush(&mut s)
+        self.flush(&mut s).map(drop)
     }
 
     fn wait(&self) -> Result<()> {
