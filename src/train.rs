@@ -363,7 +363,17 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     .collect()
             })
             .collect();
-        let s = trainer.step_group(&devs, &micro)?;
+        let s = trainer.step_group(&devs, &micro).with_context(|| {
+            let resume = match checkpoint::list(&dir).ok().and_then(|l| l.last().cloned()) {
+                Some((at, _)) => format!(
+                    "the checkpoint of step {at} is intact: once the device works again, \
+                     continue with `kiln train --resume --out {}` (on any number of devices)",
+                    dir.display()
+                ),
+                None => "no checkpoint was written yet".to_string(),
+            };
+            format!("step {} failed; {resume}", step + 1)
+        })?;
         step += 1;
         let step_ms = t0.elapsed().as_secs_f64() * 1e3;
         let comm = trainer.last_comm;

@@ -366,3 +366,109 @@ fn overlapping_the_exchange_with_backward_changes_no_bits() {
         );
     }
 }
+
+/// A device that is lost after a number of launches: every call then fails.
+struct Flaky {
+    inner: Box<dyn Device>,
+    launches_left: std::sync::atomic::AtomicI64,
+}
+
+impl Flaky {
+    fn lost(&self) -> kiln::engine::Error {
+        kiln::engine::Error::Backend {
+            device: self.inner.caps().name.clone(),
+            detail: "device lost (simulated)".into(),
+        }
+    }
+    fn check(&self) -> kiln::engine::Result<()> {
+        if self.launches_left.load(std::sync::atomic::Ordering::SeqCst) < 0 {
+            return Err(self.lost());
+        }
+        Ok(())
+    }
+}
+
+impl Device for Flaky {
+    fn caps(&self) -> &kiln::engine::Capabilities {
+        self.inner.caps()
+    }
+    fn alloc(&self, d: DType, n: usize) -> kiln::engine::Result<kiln::engine::Buffer> {
+        self.check()?;
+        self.inner.alloc(d, n)
+    }
+    fn free(&self, b: kiln::engine::Buffer) -> kiln::engine::Result<()> {
+        self.inner.free(b)
+    }
+    fn upload(
+        &self,
+        b: kiln::engine::Buffer,
+        d: &kiln::engine::HostData,
+    ) -> kiln::engine::Result<()> {
+        self.check()?;
+        self.inner.upload(b, d)
+    }
+    fn begin_download(
+        &self,
+        b: kiln::engine::Buffer,
+    ) -> kiln::engine::Result<kiln::engine::PendingDownload> {
+        self.check()?;
+        self.inner.begin_download(b)
+    }
+    fn finish_download(
+        &self,
+        p: kiln::engine::PendingDownload,
+    ) -> kiln::engine::Result<kiln::engine::HostData> {
+        self.check()?;
+        self.inner.finish_download(p)
+    }
+    fn launch(&self, k: &kiln::engine::Kernel) -> kiln::engine::Result<()> {
+        if self
+            .launches_left
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            <= 0
+        {
+            return Err(self.lost());
+        }
+        self.inner.launch(k)
+    }
+    fn submit(&self) -> kiln::engine::Result<()> {
+        self.check()?;
+        self.inner.submit()
+    }
+    fn wait(&self) -> kiln::engine::Result<()> {
+        self.check()?;
+        self.inner.wait()
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.inner.allocated_bytes()
+    }
+}
+
+/// A device lost in the middle of a step, with and without the threaded overlapped
+/// exchange: the step returns the device's error (no panic, no hang).
+#[test]
+fn a_device_lost_mid_step_is_an_error_not_a_hang() {
+    for overlap in [false, true] {
+        let good = gpu("vulkan", false);
+        let flaky = Flaky {
+            inner: gpu("vulkan", false),
+            launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+        };
+        let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
+        let mut c = config("", B, 1, 2);
+        c.zero.overlap_comm = overlap;
+        let mut group = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+        let data = batches(2);
+        let per_rank: Vec<Vec<(&[u32], &[u32])>> = data[0]
+            .iter()
+            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+            .collect();
+        group.step_group(&refs, &per_rank).unwrap();
+        // Lost part-way through the next step's backward.
+        flaky
+            .launches_left
+            .store(40, std::sync::atomic::Ordering::SeqCst);
+        let e = group.step_group(&refs, &per_rank).unwrap_err().to_string();
+        assert!(e.contains("device lost"), "overlap {overlap}: {e}");
+    }
+}
