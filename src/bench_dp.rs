@@ -22,8 +22,8 @@ pub struct DpRow {
     /// Mean wall time of a step (every device's forward and backward, the exchange and
     /// the update).
     pub step_ms: f64,
-    /// The gradient exchange (download, host reduction, upload), from the moment
-    /// it begins; overlapped, it runs during backward, so it is not all added to the step.
+    /// The gradient exchange time the step paid (download, host reduction, upload),
+    /// counted from the end of the last device's backward: overlapped work is hidden.
     pub comm_ms: f64,
     /// Share of the exchanged bytes fetched while backward was still running.
     pub overlap: f64,
@@ -43,6 +43,9 @@ pub fn dp_table(
     steps: usize,
     overlap: bool,
 ) -> Result<Vec<DpRow>> {
+    if steps == 0 || counts.contains(&0) {
+        anyhow::bail!("bench dp needs at least one timed step and one device per group");
+    }
     let t = model.block_size;
     let mut rows = vec![];
     for &n in counts {
@@ -78,7 +81,7 @@ pub fn dp_table(
         for _ in 0..steps {
             trainer.step_group(&devs, &micro_batches)?;
             comm += trainer.last_comm.ms;
-            bytes = trainer.last_comm.bytes;
+            bytes += trainer.last_comm.bytes;
             hidden += trainer.last_comm.overlap;
         }
         let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
@@ -88,7 +91,7 @@ pub fn dp_table(
             step_ms,
             comm_ms: comm / steps as f64,
             overlap: hidden / steps as f64,
-            bytes_per_step: bytes,
+            bytes_per_step: bytes / steps as u64,
             samples_per_s: (n * micro) as f64 / (step_ms / 1e3),
         });
     }

@@ -116,6 +116,12 @@ pub fn parse_devices(items: &[String]) -> Result<Vec<DeviceSpec>> {
     let mut out = vec![];
     for item in items {
         let item = item.trim();
+        if item.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "an empty device name in `{}`: remove the stray comma",
+                items.join(",")
+            )));
+        }
         // The whole item first, so that names holding an `x` (`dx12`) stay names.
         let (specs, copies) = match resolve(item) {
             Ok(specs) => (specs, 1),

@@ -120,10 +120,11 @@ pub fn report(
             }
         )?;
     }
-    let biggest = (model.vocab_size * model.n_embd)
-        .max(micro_batch * seq * model.vocab_size)
-        .max(micro_batch * model.n_head * seq * seq) as u64
-        * precision.dtype().size() as u64;
+    // The token embedding's master, moments and gradient are f32 in every precision.
+    let biggest = ((model.vocab_size * model.n_embd * 4) as u64).max(
+        (micro_batch * seq * model.vocab_size).max(micro_batch * model.n_head * seq * seq) as u64
+            * precision.dtype().size() as u64,
+    );
     for (name, max_binding) in adapters {
         writeln!(
             out,

@@ -24,7 +24,7 @@ use kiln_engine::data::{
 use kiln_engine::gpt::{GptConfig, ParamState};
 use kiln_engine::runs::{self, MetricsWriter, StepRecord, Summary};
 use kiln_engine::trainer::{Trainer, TrainerState};
-use kiln_engine::{DType, Device, HostData};
+use kiln_engine::{DType, Device, HostData, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 
 use crate::devices::{default_device, open_device, parse_devices};
@@ -155,8 +155,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 if !model_from_file {
                     model.vocab_size = Addition::vocab_size();
                 }
-                let rows = EVAL_ROWS.div_ceil(b) * b;
-                let mut eval = add.eval_rows(t, rows)?;
+                // A fixed number of rows, whatever the micro-batch, so a run resumed with
+                // another split of its global batch evaluates on the same problems.
+                let mut eval = add.eval_rows(t, EVAL_ROWS)?;
                 Addition::mask_prompts(&eval.tokens, &mut eval.targets, t);
                 let src = add.train_source(ADDITION_LINES);
                 let len = src.len();
@@ -176,10 +177,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 }
                 data::check_source(src.as_ref(), t, model.vocab_size)?;
                 let len = src.len();
+                // Independent of the micro-batch, so a resume with another split of the
+                // global batch keeps the same training windows and held-out rows.
                 let hold = ((len as f64 * HOLDOUT_FRACTION) as u64 / (t as u64 + 1))
-                    .min((EVAL_ROWS.div_ceil(b) * b) as u64) as usize
-                    / b
-                    * b;
+                    .min(EVAL_ROWS as u64) as usize;
                 let train_len = len - (hold * (t + 1)) as u64;
                 let eval = if hold == 0 {
                     None
@@ -367,7 +368,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             let resume = match checkpoint::list(&dir).ok().and_then(|l| l.last().cloned()) {
                 Some((at, _)) => format!(
                     "the checkpoint of step {at} is intact: once the device works again, \
-                     continue with `kiln train --resume --out {}` (on any number of devices)",
+                     continue with `kiln train --resume --out {}` (on other devices too, with \
+                     the same global batch)",
                     dir.display()
                 ),
                 None => "no checkpoint was written yet".to_string(),
@@ -720,16 +722,25 @@ fn evaluate(
         Dataset::File { eval: Some((a, b)) } => (a, b),
         Dataset::File { eval: None } => return Ok((f32::NAN, None)),
     };
-    // Rows are whole micro-batches (the model's shapes are fixed at build time).
-    let mut loss = 0.0;
+    // The model runs whole micro-batches (its shapes are fixed at build time): a last,
+    // partial one is padded with copies of its first row that are not scored
+    // (IGNORE_TARGET), and each chunk's mean loss is weighted by its scored positions.
+    let (mut loss, mut scored) = (0.0, 0usize);
     let mut predictions = Vec::with_capacity(tokens.len());
-    let chunks = tokens.len() / (b * t);
-    for (tok, tgt) in tokens.chunks_exact(b * t).zip(targets.chunks_exact(b * t)) {
-        let (l, p) = trainer.model.predict(dev, tok, tgt)?;
-        loss += l;
-        predictions.extend(p);
+    for (tok, tgt) in tokens.chunks(b * t).zip(targets.chunks(b * t)) {
+        let rows = tok.len() / t;
+        let (mut tok, mut tgt) = (tok.to_vec(), tgt.to_vec());
+        for _ in rows..b {
+            tok.extend_from_within(..t);
+            tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
+        }
+        let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
+        let (l, p) = trainer.model.predict(dev, &tok, &tgt)?;
+        loss += l * n as f64;
+        scored += n;
+        predictions.extend_from_slice(&p[..rows * t]);
     }
-    let loss = (loss / chunks as f64) as f32;
+    let loss = (loss / scored.max(1) as f64) as f32;
     Ok(match dataset {
         Dataset::Addition { eval } => {
             let (right, all) = data::accuracy(&predictions, eval);

@@ -104,12 +104,20 @@ fn average(parts: &[Vec<f32>]) -> Vec<f32> {
     out
 }
 
-/// Adds a tensor's overflow and squared norm to the step's.
-fn inspect(avg: &[f32], overflow: &mut bool, sum_squares: &mut f64) {
-    for &a in avg {
-        *overflow |= !a.is_finite();
-        *sum_squares += (a as f64) * (a as f64);
-    }
+/// A tensor's overflow flag and squared norm. Both exchange paths add the tensors'
+/// squares in index order afterwards, so the norm has the same bits whatever order the
+/// tensors arrived in.
+fn inspect(avg: &[f32]) -> (bool, f64) {
+    avg.iter().fold((false, 0.0), |(o, s), &a| {
+        (o | !a.is_finite(), s + (a as f64) * (a as f64))
+    })
+}
+
+/// The step's overflow flag and squared norm from the tensors', in index order.
+fn combine(parts: &[(bool, f64)]) -> (bool, f64) {
+    parts
+        .iter()
+        .fold((false, 0.0), |(o, s), &(a, b)| (o | a, s + b))
 }
 
 pub struct Trainer {
@@ -387,18 +395,16 @@ impl Trainer {
             per_rank.push(m.gradient_values(*dev)?);
             bytes += m.gradient_bytes();
         }
-        let (mut overflow, mut sum_squares) = (false, 0f64);
         let avg: Vec<Vec<f32>> = (0..per_rank[0].len())
             .map(|p| {
                 let parts: Vec<Vec<f32>> = per_rank
                     .iter_mut()
                     .map(|g| std::mem::take(&mut g[p]))
                     .collect();
-                let a = average(&parts);
-                inspect(&a, &mut overflow, &mut sum_squares);
-                a
+                average(&parts)
             })
             .collect();
+        let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
         Ok(Exchanged {
             loss: (loss / world as f64) as f32,
             avg,
@@ -445,7 +451,7 @@ impl Trainer {
             .collect();
         let mut slots: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; world]; n_params];
         let mut avg: Vec<Vec<f32>> = vec![vec![]; n_params];
-        let (mut overflow, mut sum_squares) = (false, 0f64);
+        let mut inspected = vec![(false, 0f64); n_params];
         let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
         std::thread::scope(|s| -> Result<()> {
             for (r, m) in models.iter_mut().enumerate() {
@@ -458,16 +464,24 @@ impl Trainer {
                 let backward_done = &backward_done;
                 // The downloader: fetches each ready set's staged copies, in buckets.
                 s.spawn(move || {
+                    let mut failed = false;
                     for staged in ready {
                         let mut out = vec![];
                         let mut elems = 0;
                         let n = staged.len();
                         for (k, (p, pending)) in staged.into_iter().enumerate() {
-                            let g = match dev.finish_download(pending) {
+                            // After a failure every staged copy is still finished (and
+                            // dropped), so none stays held on the device.
+                            let fetched = dev.finish_download(pending);
+                            if failed {
+                                continue;
+                            }
+                            let g = match fetched {
                                 Ok(g) => g.to_f32(),
                                 Err(e) => {
+                                    failed = true;
                                     let _ = to_reducer_dl.send(Err(e));
-                                    return;
+                                    continue;
                                 }
                             };
                             elems += lens[p];
@@ -490,10 +504,19 @@ impl Trainer {
                 s.spawn(move || {
                     let result = model
                         .accumulate_with(dev, micro, &mut |params| {
-                            let staged = params
-                                .iter()
-                                .map(|&p| Ok((p, dev.begin_download(grads[p])?)))
-                                .collect::<Result<Vec<_>>>()?;
+                            let mut staged = vec![];
+                            for &p in params {
+                                match dev.begin_download(grads[p]) {
+                                    Ok(pending) => staged.push((p, pending)),
+                                    Err(e) => {
+                                        // Release the copies already staged.
+                                        for (_, pending) in staged {
+                                            let _ = dev.finish_download(pending);
+                                        }
+                                        return Err(e);
+                                    }
+                                }
+                            }
                             to_downloader.send(staged).map_err(|_| {
                                 Error::InvalidArgument("gradient downloader stopped".into())
                             })
@@ -533,7 +556,7 @@ impl Trainer {
                             .map(|x| x.take().unwrap_or_default())
                             .collect();
                         let a = average(&parts);
-                        inspect(&a, &mut overflow, &mut sum_squares);
+                        inspected[p] = inspect(&a);
                         if upload {
                             for (rank, dev) in devs.iter().enumerate() {
                                 let buf = grads[rank][p];
@@ -548,6 +571,7 @@ impl Trainer {
             }
             Ok(())
         })?;
+        let (overflow, sum_squares) = combine(&inspected);
         let mut loss = 0.0;
         for (m, dev) in self.models().zip(devs) {
             loss += m.accumulated_loss(*dev, want)? as f64;
@@ -632,6 +656,7 @@ impl Trainer {
     /// Every parameter's full training state (gathered from the ZeRO shards when the
     /// optimizer state is partitioned): what a checkpoint holds, whatever the group.
     pub fn param_states(&self, devs: &[&dyn Device]) -> Result<Vec<ParamState>> {
+        self.check_devices(devs)?;
         let mut states = self.model.param_states(devs[0])?;
         if self.shards.is_empty() {
             return Ok(states);
@@ -673,7 +698,23 @@ impl Trainer {
         }
         // Whole-model checks (names, shapes, dtypes) are the unsharded loader's; the
         // states must be listed in model order here.
+        self.check_devices(devs)?;
         for (st, (name, shape, dtype, _)) in states.iter().zip(&layout) {
+            let n: usize = shape.iter().product();
+            for (what, len) in [
+                ("value", st.value.len()),
+                ("master", st.master.len()),
+                ("exp_avg", st.m.len()),
+                ("exp_avg_sq", st.v.len()),
+            ] {
+                if len != n {
+                    return Err(Error::LenMismatch {
+                        what: format!("checkpoint {what} of `{name}`"),
+                        expected: n,
+                        found: len,
+                    });
+                }
+            }
             if &st.name != name || &st.shape != shape || st.value.dtype() != *dtype {
                 return Err(Error::InvalidArgument(format!(
                     "checkpoint parameter `{}` {:?} {} does not match this model's `{name}` \
@@ -715,6 +756,17 @@ impl Trainer {
                 .map(|l| l.1.iter().product::<usize>())
                 .sum(),
         }
+    }
+
+    fn check_devices(&self, devs: &[&dyn Device]) -> Result<()> {
+        if devs.len() != self.world() {
+            return Err(Error::InvalidArgument(format!(
+                "this group has {} devices but {} were given",
+                self.world(),
+                devs.len()
+            )));
+        }
+        Ok(())
     }
 
     /// Every rank's model, rank 0 first.
