@@ -23,6 +23,9 @@ fn record(step: u64, loss: f32) -> StepRecord {
         step_ms: 20.0,
         input_stall_ms: 0.5,
         device_memory_bytes: 1 << 20,
+        comm_ms: 0.0,
+        comm_overlap: 0.0,
+        comm_bytes: 0,
         eval_loss: None,
         eval_accuracy: None,
     }
