@@ -1,5 +1,5 @@
 // Fused softmax + cross-entropy, backward: dlogits = (exp(l - lse[row]) - [j == target])
-// * scale (P.alpha), two elements per step over the flat buffer (any vocabulary size,
+// * scale (P.alpha), 0 for rows whose target is IGNORE_TARGET (0xffffffff), two elements per step over the flat buffer (any vocabulary size,
 // any storage type). P.n = elements, P.words = pairs, P.u0 = vocab.
 // Slots: logits (read), dlogits (write). targets (u32), lse (f32) per row.
 @group(0) @binding(3) var<storage, read> targets: array<u32>;
@@ -8,8 +8,9 @@
 fn one(e: u32, l: f32) -> f32 {
     let row = e / P.u0;
     let j = e % P.u0;
-    let hot = select(0.0, 1.0, targets[row] == j);
-    return (exp(l - lse[row]) - hot) * P.alpha;
+    let t = targets[row];
+    let hot = select(0.0, 1.0, t == j);
+    return select((exp(l - lse[row]) - hot) * P.alpha, 0.0, t == 0xffffffffu);
 }
 
 @compute @workgroup_size(256)

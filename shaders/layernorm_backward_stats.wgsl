@@ -12,24 +12,23 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let lid = lid3.x;
-    let row = wg.x + wg.y * nwg.x;
-    if (row >= P.n) {
-        return;
-    }
+    let slot = row_slot(lid, wg, nwg, P.n);
+    let row = slot.row;
     let cols = P.u0;
+    let len = row_len(slot, cols);
     let base = row * cols;
-    let m = mean[row];
-    let r = rstd[row];
+    let m = mean[min(row, P.n - 1u)];
+    let r = rstd[min(row, P.n - 1u)];
     var a = 0.0;
     var b = 0.0;
-    for (var c = lid; c < cols; c += 256u) {
+    for (var c = slot.lane; c < len; c += ROW_LANES) {
         let dyw = dout_at(base + c) * weight_at(c);
         a += dyw;
         b += dyw * (x_at(base + c) - m) * r;
     }
     a = row_sum(lid, a);
     b = row_sum(lid, b);
-    if (lid == 0u) {
+    if (row_writer(slot)) {
         stats[2u * row] = a / f32(cols);
         stats[2u * row + 1u] = b / f32(cols);
     }

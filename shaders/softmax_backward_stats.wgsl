@@ -9,17 +9,16 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let lid = lid3.x;
-    let row = wg.x + wg.y * nwg.x;
-    if (row >= P.n) {
-        return;
-    }
+    let slot = row_slot(lid, wg, nwg, P.n);
+    let row = slot.row;
+    let len = row_len(slot, P.u0);
     let base = row * P.u0;
     var acc = 0.0;
-    for (var j = lid; j < P.u0; j += 256u) {
+    for (var j = slot.lane; j < len; j += ROW_LANES) {
         acc += p_at(base + j) * dout_at(base + j);
     }
     acc = row_sum(lid, acc);
-    if (lid == 0u) {
+    if (row_writer(slot)) {
         stats[2u * row] = acc;
     }
 }

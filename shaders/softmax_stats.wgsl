@@ -13,24 +13,22 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
 ) {
     let lid = lid3.x;
-    let row = wg.x + wg.y * nwg.x;
-    if (row >= P.n) {
-        return;
-    }
+    let slot = row_slot(lid, wg, nwg, P.n);
+    let row = slot.row;
     let cols = P.u0;
-    let seen = select(cols, row % cols + 1u, CAUSAL);
+    let seen = row_len(slot, select(cols, row % cols + 1u, CAUSAL));
     let base = row * cols;
     var m = -3.4028235e38;
-    for (var j = lid; j < seen; j += 256u) {
+    for (var j = slot.lane; j < seen; j += ROW_LANES) {
         m = max(m, P.alpha * x_at(base + j));
     }
     m = row_max(lid, m);
     var z = 0.0;
-    for (var j = lid; j < seen; j += 256u) {
+    for (var j = slot.lane; j < seen; j += ROW_LANES) {
         z += exp(P.alpha * x_at(base + j) - m);
     }
     z = row_sum(lid, z);
-    if (lid == 0u) {
+    if (row_writer(slot)) {
         stats[2u * row] = m;
         stats[2u * row + 1u] = z;
     }
