@@ -7,8 +7,6 @@
 // Every output row has one owner: no atomics, and the sums run in a fixed order.
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, dout (read), dk, dv
 // (typed); lse, delta (f32, read; delta from attention_backward_dq.wgsl).
-override CAUSAL: bool = true;
-
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
 @group(0) @binding(8) var<storage, read> delta: array<f32>;
 
@@ -133,7 +131,7 @@ fn block(base: u32, i0: u32, mine: u32, lane: u32) {
         let i = i0 + {t}u;
         //@unroll r R {
         {
-            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, i < T && (!CAUSAL || mine + {r}u <= i));
+            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, i < T && (!causal() || mine + {r}u <= i));
             let pr = exp2(sc - lt);
             p[{r}u * SG + {t}u] = pr;
             ds[{r}u * SG + {t}u] = pr * (e{r}.x + e{r}.y + e{r}.z + e{r}.w - dt);
@@ -201,7 +199,7 @@ fn main(
     }
     //@}
     // Causal: query rows before the block's first key see none of its keys.
-    let qstart = select(0u, at.first, CAUSAL);
+    let qstart = select(0u, at.first, causal());
     for (var i0 = qstart; i0 < T; i0 += SG) {
         block(base, i0, mine, lid.x);
     }

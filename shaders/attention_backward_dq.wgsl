@@ -7,8 +7,6 @@
 // (f32 per row, the device's scratch) for attention_backward_dkv.wgsl.
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, out, dout (read), dq
 // (typed); lse (f32, read), delta (f32, written).
-override CAUSAL: bool = true;
-
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
 @group(0) @binding(8) var<storage, read_write> delta: array<f32>;
 
@@ -119,7 +117,7 @@ fn block(base: u32, j0: u32, mine: u32, lane: u32) {
         let j = j0 + {t}u;
         //@unroll r R {
         {
-            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!CAUSAL || j <= mine + {r}u));
+            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u));
             let p = exp2(sc - lrow[{r}u]);
             s[{r}u * SG + {t}u] = p * (e{r}.x + e{r}.y + e{r}.z + e{r}.w - drow[{r}u]);
         }
@@ -183,7 +181,7 @@ fn main(
         }
     }
     //@}
-    let kend = select(T, min(T, at.first + WG * R), CAUSAL);
+    let kend = select(T, min(T, at.first + WG * R), causal());
     for (var j0 = 0u; j0 < kend; j0 += SG) {
         block(base, j0, mine, lid.x);
     }

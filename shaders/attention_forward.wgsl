@@ -13,8 +13,6 @@
 // first block makes its max finite and masked keys (score NEG) weigh exp2(NEG - m) = 0.
 // Assembly constants: SG, WG, R, DIM, D4 = ceil(DIM / 4), VEC = (DIM % 4 == 0).
 // Slots: q, k, v (read), out (typed); lse (f32, one per row).
-override CAUSAL: bool = true;
-
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;
 
 var<private> qr: array<vec4<f32>, R * D4>;
@@ -98,7 +96,7 @@ fn block(base: u32, j0: u32, mine: u32, lane: u32) {
         //@}
         let j = j0 + {t}u;
         //@unroll r R
-        s[{r}u * SG + {t}u] = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!CAUSAL || j <= mine + {r}u));
+        s[{r}u * SG + {t}u] = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u));
     }
     //@}
     // Online softmax: new max, rescale factor, probabilities, running sum.
@@ -169,7 +167,7 @@ fn main(
         lrow[{r}u] = 0.0;
     }
     //@}
-    let kend = select(T, min(T, at.first + WG * R), CAUSAL);
+    let kend = select(T, min(T, at.first + WG * R), causal());
     for (var j0 = 0u; j0 < kend; j0 += SG) {
         block(base, j0, mine, lid.x);
     }

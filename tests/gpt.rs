@@ -16,6 +16,7 @@ fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
         precision,
         optimizer: Optimizer::adamw(1e-2, 0.0),
         seed: 5,
+        attention: Default::default(),
     }
 }
 

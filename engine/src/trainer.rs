@@ -82,6 +82,7 @@ impl Trainer {
             precision,
             optimizer: config.optimizer.clone(),
             seed,
+            attention: Default::default(),
         };
         let mut model = Gpt::new(dev, model, training)?;
         model.scaler = scaler;

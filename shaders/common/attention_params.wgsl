@@ -5,7 +5,9 @@ struct Params {
     heads: u32,
     seq: u32,
     block_base: u32,
-    pad0: u32,
+    // 1: query row i sees keys j <= i only (a launch parameter, not a pipeline
+    // constant: the unrolled kernels take seconds to compile on lavapipe).
+    causal: u32,
     // The softmax scale, and the same times log2(e): scores are kept in base 2.
     scale: f32,
     scale2: f32,
@@ -15,6 +17,10 @@ struct Params {
 @group(0) @binding(0) var<uniform> P: Params;
 
 // Lower than any score, yet finite: `NEG - m` and `exp2` of it stay well defined.
+fn causal() -> bool {
+    return P.causal != 0u;
+}
+
 const NEG: f32 = -3.4028235e38;
 const LN2: f32 = 0.6931471805599453;
 const LOG2E: f32 = 1.4426950408889634;
