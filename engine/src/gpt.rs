@@ -53,6 +53,24 @@ pub enum Attention {
     Straightforward,
 }
 
+impl Attention {
+    /// Whether the fused kernels take heads of `head_dim` in `precision` (at most
+    /// [`crate::ATTENTION_MAX_DIM`], and even when activations are 16-bit).
+    pub fn fused_takes(head_dim: usize, precision: Precision) -> bool {
+        head_dim <= crate::ATTENTION_MAX_DIM
+            && (precision.dtype().size() == 4 || head_dim.is_multiple_of(2))
+    }
+
+    /// Fused where the kernels take the heads, else straightforward.
+    pub fn best(head_dim: usize, precision: Precision) -> Attention {
+        if Attention::fused_takes(head_dim, precision) {
+            Attention::Fused
+        } else {
+            Attention::Straightforward
+        }
+    }
+}
+
 /// A named parameter: its buffers (model copy, master, gradient, moments) and whether
 /// weight decay applies (matrices) or not (biases, norms, embeddings).
 struct Param {
@@ -196,16 +214,14 @@ impl Gpt {
         let act = training.precision.dtype();
         let bt = b * t;
         let fused = training.attention == Attention::Fused;
-        if fused {
+        if fused && !Attention::fused_takes(c / h, training.precision) {
             // The kernels' own checks, stated in the model's terms before allocating.
-            let (d, sixteen) = (c / h, act.size() == 2);
-            if d > crate::ATTENTION_MAX_DIM || (sixteen && !d.is_multiple_of(2)) {
-                return Err(Error::InvalidArgument(format!(
-                    "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
-                     n_embd / n_head = {d}; use Attention::Straightforward",
-                    crate::ATTENTION_MAX_DIM
-                )));
-            }
+            return Err(Error::InvalidArgument(format!(
+                "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
+                 n_embd / n_head = {}; use Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM,
+                c / h
+            )));
         }
         let mut rng = SplitMix(training.seed);
         let mut params: Vec<Param> = vec![];

@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision as ConfigPrecision, TrainConfig};
-use crate::gpt::{Gpt, GptConfig, GptTraining};
+use crate::gpt::{Attention, Gpt, GptConfig, GptTraining};
 use crate::loss_scaler::LossScaler;
 use crate::mlp::Precision;
 use crate::{Device, Error, Result};
@@ -82,7 +82,7 @@ impl Trainer {
             precision,
             optimizer: config.optimizer.clone(),
             seed,
-            attention: Default::default(),
+            attention: Attention::best(model.n_embd / model.n_head.max(1), precision),
         };
         let mut model = Gpt::new(dev, model, training)?;
         model.scaler = scaler;

@@ -101,8 +101,8 @@ impl WgpuDevice {
                 scale,
                 causal,
                 ..
-            } => (batch_heads, seq, dim, scale, causal),
-            Kernel::AttentionBackward {
+            }
+            | Kernel::AttentionBackward {
                 batch_heads,
                 seq,
                 dim,
