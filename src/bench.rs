@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::engine::{DType, Device, HostData, Matmul};
+use crate::engine::{Buffer, DType, Device, HostData, Kernel, Matmul};
 use crate::wgpu::{MatmulVariant, WgpuDevice};
 
 /// One GEMM shape: `C(m×n) = op(A)·op(B)` with op given by the transposes.
@@ -265,6 +265,287 @@ pub fn format_table(rows: &[Row]) -> String {
             format!("{:.2}", r.gflops),
             format!("{:.1}", r.cpu_gflops),
             format!("{:.3}", r.ratio),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    table
+        .iter()
+        .map(|row| {
+            row.iter()
+                .zip(&widths)
+                .map(|(c, w)| format!("{c:<w$}"))
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// One row of `kiln bench attention`: causal attention forward + backward, fused
+/// kernels against the straightforward version (GEMMs through a T x T score matrix).
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionRow {
+    pub adapter: String,
+    pub backend: String,
+    pub dtype: String,
+    /// B * H.
+    pub heads: usize,
+    pub seq: usize,
+    pub dim: usize,
+    pub fused_ms: f64,
+    pub straight_ms: f64,
+    /// straight_ms / fused_ms: above 1, the fused version is faster.
+    pub speedup: f64,
+    /// Device bytes each version allocates beyond the shared q, k, v and dout
+    /// (`allocated_bytes()` before and after; the fused backward's per-row f32 scratch,
+    /// 4 bytes a row, lives in the device's reusable scratch and is not counted).
+    pub fused_bytes: u64,
+    pub straight_bytes: u64,
+}
+
+/// The buffers of one attention version and how to launch its forward and backward.
+struct AttnRun {
+    bufs: Vec<Buffer>,
+    launches: Vec<Kernel>,
+}
+
+/// Fused: out, lse, dq, dk, dv.
+fn fused_attention(
+    dev: &WgpuDevice,
+    [q, k, v, dout]: [Buffer; 4],
+    (heads, seq, dim): (usize, usize, usize),
+    dtype: DType,
+) -> Result<AttnRun> {
+    let n = heads * seq * dim;
+    let out = dev.alloc(dtype, n)?;
+    let lse = dev.alloc(DType::F32, heads * seq)?;
+    let [dq, dk, dv] = [
+        dev.alloc(dtype, n)?,
+        dev.alloc(dtype, n)?,
+        dev.alloc(dtype, n)?,
+    ];
+    let scale = 1.0 / (dim as f32).sqrt();
+    Ok(AttnRun {
+        bufs: vec![out, lse, dq, dk, dv],
+        launches: vec![
+            Kernel::Attention {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                batch_heads: heads,
+                seq,
+                dim,
+                scale,
+                causal: true,
+            },
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                batch_heads: heads,
+                seq,
+                dim,
+                scale,
+                causal: true,
+            },
+        ],
+    })
+}
+
+/// Straightforward, as the GPT did before fusing: scores = q k^T * scale (GEMM), causal
+/// softmax, out = att v; backward datt = dout v^T, dv = att^T dout, softmax backward,
+/// dq = dscores k, dk = dscores^T q.
+fn straight_attention(
+    dev: &WgpuDevice,
+    [q, k, v, dout]: [Buffer; 4],
+    (heads, seq, dim): (usize, usize, usize),
+    dtype: DType,
+) -> Result<AttnRun> {
+    let (n, tt, t, d) = (heads * seq * dim, heads * seq * seq, seq, dim);
+    let scores = dev.alloc(dtype, tt)?;
+    let att = dev.alloc(dtype, tt)?;
+    let datt = dev.alloc(dtype, tt)?;
+    let stats = dev.alloc(DType::F32, 2 * heads * seq)?;
+    let out = dev.alloc(dtype, n)?;
+    let [dq, dk, dv] = [
+        dev.alloc(dtype, n)?,
+        dev.alloc(dtype, n)?,
+        dev.alloc(dtype, n)?,
+    ];
+    let scale = 1.0 / (dim as f32).sqrt();
+    let launches = vec![
+        Kernel::Matmul(
+            Matmul::new(q, k, scores, t, t, d)
+                .transpose(false, true)
+                .batched(heads, t * d, t * d, t * t)
+                .scaled(scale, 0.0),
+        ),
+        Kernel::Softmax {
+            x: scores,
+            out: att,
+            stats,
+            cols: t,
+            scale: 1.0,
+            causal: true,
+        },
+        Kernel::Matmul(Matmul::new(att, v, out, t, d, t).batched(heads, t * t, t * d, t * d)),
+        Kernel::Matmul(
+            Matmul::new(dout, v, datt, t, t, d)
+                .transpose(false, true)
+                .batched(heads, t * d, t * d, t * t),
+        ),
+        Kernel::Matmul(
+            Matmul::new(att, dout, dv, t, d, t)
+                .transpose(true, false)
+                .batched(heads, t * t, t * d, t * d),
+        ),
+        Kernel::SoftmaxBackward {
+            p: att,
+            dout: datt,
+            dx: scores,
+            stats,
+            cols: t,
+            scale,
+        },
+        Kernel::Matmul(Matmul::new(scores, k, dq, t, d, t).batched(heads, t * t, t * d, t * d)),
+        Kernel::Matmul(
+            Matmul::new(scores, q, dk, t, d, t)
+                .transpose(true, false)
+                .batched(heads, t * t, t * d, t * d),
+        ),
+    ];
+    Ok(AttnRun {
+        bufs: vec![scores, att, datt, stats, out, dq, dk, dv],
+        launches,
+    })
+}
+
+type AttnBuilder = fn(&WgpuDevice, [Buffer; 4], (usize, usize, usize), DType) -> Result<AttnRun>;
+
+/// Times forward + backward of one version (record, submit, wait), with the device
+/// memory its buffers took; frees them after.
+fn time_attention(
+    dev: &WgpuDevice,
+    inputs: [Buffer; 4],
+    shape: (usize, usize, usize),
+    dtype: DType,
+    build: AttnBuilder,
+    budget: Duration,
+) -> Result<(f64, u64)> {
+    let before = dev.allocated_bytes();
+    let run = build(dev, inputs, shape, dtype)?;
+    let bytes = dev.allocated_bytes() - before;
+    let secs = time_it(budget, 2, || {
+        for k in &run.launches {
+            dev.launch(k)?;
+        }
+        dev.submit()?;
+        dev.wait()?;
+        Ok(())
+    });
+    for b in run.bufs {
+        dev.free(b)?;
+    }
+    Ok((secs? * 1e3, bytes))
+}
+
+/// Fused against straightforward attention on `dev` for each sequence length.
+pub fn attention_table(
+    dev: &WgpuDevice,
+    dtype: DType,
+    heads: usize,
+    dim: usize,
+    seqs: &[usize],
+    budget: Duration,
+    mut progress: impl FnMut(&AttentionRow),
+) -> Result<Vec<AttentionRow>> {
+    let caps = dev.caps().clone();
+    let mut rows = vec![];
+    for &seq in seqs {
+        let n = heads * seq * dim;
+        let fill = |salt: usize| {
+            let v: Vec<f32> = (0..n)
+                .map(|i| (((i * 7 + salt) % 23) as f32 - 11.0) / 16.0)
+                .collect();
+            HostData::from_f32(dtype, &v)
+        };
+        let mut inputs = vec![];
+        for salt in 0..4 {
+            let b = dev.alloc(dtype, n)?;
+            dev.upload(b, &fill(salt))?;
+            inputs.push(b);
+        }
+        let inputs: [Buffer; 4] = inputs.try_into().expect("four inputs");
+        let shape = (heads, seq, dim);
+        let what = || format!("{} attention T={seq} d={dim}", caps.name);
+        let (fused_ms, fused_bytes) =
+            time_attention(dev, inputs, shape, dtype, fused_attention, budget)
+                .with_context(|| format!("{}: fused", what()))?;
+        let (straight_ms, straight_bytes) =
+            time_attention(dev, inputs, shape, dtype, straight_attention, budget)
+                .with_context(|| format!("{}: straightforward", what()))?;
+        for b in inputs {
+            dev.free(b)?;
+        }
+        let row = AttentionRow {
+            adapter: caps.name.clone(),
+            backend: caps.backend.clone(),
+            dtype: dtype.to_string(),
+            heads,
+            seq,
+            dim,
+            fused_ms,
+            straight_ms,
+            speedup: straight_ms / fused_ms,
+            fused_bytes,
+            straight_bytes,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// Formats attention rows as an aligned text table.
+pub fn format_attention(rows: &[AttentionRow]) -> String {
+    let header = [
+        "adapter",
+        "dtype",
+        "B*H",
+        "T",
+        "d",
+        "fused ms",
+        "straight ms",
+        "speedup",
+        "fused MiB",
+        "straight MiB",
+    ];
+    let mib = |b: u64| format!("{:.2}", b as f64 / (1u64 << 20) as f64);
+    let mut table: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for r in rows {
+        table.push(vec![
+            format!("{} ({})", r.adapter, r.backend),
+            r.dtype.clone(),
+            r.heads.to_string(),
+            r.seq.to_string(),
+            r.dim.to_string(),
+            format!("{:.2}", r.fused_ms),
+            format!("{:.2}", r.straight_ms),
+            format!("{:.2}x", r.speedup),
+            mib(r.fused_bytes),
+            mib(r.straight_bytes),
         ]);
     }
     let widths: Vec<usize> = (0..header.len())

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
-use kiln_engine::gpt::{GptConfig, GptMemory};
+use kiln_engine::gpt::{Attention, GptConfig, GptMemory};
 use kiln_engine::mlp::Precision;
 
 /// One ZeRO stage's per-device bytes.
@@ -37,7 +37,14 @@ pub fn stages(
     precision: Precision,
     world: usize,
 ) -> Vec<StageMemory> {
-    let m = GptMemory::of(model, micro_batch, seq, precision);
+    let head_dim = model.n_embd / model.n_head.max(1);
+    let m = GptMemory::of(
+        model,
+        micro_batch,
+        seq,
+        precision,
+        Attention::best(head_dim, precision),
+    );
     let n = world.max(1) as u64;
     let psi = model.parameter_count() as u64;
     // A stage-1 rank also holds its slice's f32 gradient and model copy (zero.rs).

@@ -142,6 +142,9 @@ enum BenchWhat {
     /// Data-parallel step time and gradient exchange on 1, 2, 4… devices of one
     /// adapter, and the scaling that gives N real GPUs over PCIe.
     Dp(DpArgs),
+    /// Causal attention forward + backward: fused kernels against the straightforward
+    /// version (GEMMs through a T x T score matrix), time and device memory.
+    Attention(AttentionArgs),
 }
 
 #[derive(clap::Args)]
@@ -170,6 +173,39 @@ struct DpArgs {
     /// Exchange after backward instead of overlapping it (`overlap_comm: false`).
     #[arg(long)]
     no_overlap: bool,
+}
+
+#[derive(clap::Args)]
+struct AttentionArgs {
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Sequence lengths T.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "128,256,512,1024,2048,4096"
+    )]
+    seqs: Vec<usize>,
+    /// Head dim d.
+    #[arg(long, default_value_t = 64)]
+    dim: usize,
+    /// Independent heads, B * H.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Storage dtype of q, k, v and the results.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Measure each version for about this many milliseconds (at least 2 runs after a
+    /// warm-up run).
+    #[arg(long, default_value_t = 1000)]
+    budget_ms: u64,
+    /// Turn native f16 off on every device (measures the packed path).
+    #[arg(long)]
+    no_f16: bool,
+    /// Write the rows as JSON to this file (`-` for stdout) as well.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -243,6 +279,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Dp(args),
         } => bench_dp(args),
+        Command::Bench {
+            what: BenchWhat::Attention(args),
+        } => bench_attention(args),
     }
 }
 
@@ -536,6 +575,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         a.micro,
         model.block_size,
         kiln::engine::mlp::Precision::F16,
+        Default::default(),
     )
     .gradients as f64;
     println!(
@@ -552,6 +592,85 @@ fn bench_dp(a: DpArgs) -> Result<()> {
             "  {n} GPUs: scaling efficiency {:.1}%",
             100.0 * modelled_efficiency(n, compute_ms, grads, a.pcie_gbps, a.host_gbps, overlap)
         );
+    }
+    Ok(())
+}
+
+/// The adapters `--devices` names (default: all), opened.
+fn bench_devices(
+    devices: &[String],
+    options: &kiln::wgpu::DeviceOptions,
+) -> Result<Vec<kiln::wgpu::WgpuDevice>> {
+    let indices: Vec<usize> = if devices.is_empty() {
+        kiln::wgpu::adapters().iter().map(|a| a.index).collect()
+    } else {
+        devices
+            .iter()
+            .map(|d| {
+                let spec: kiln::DeviceSpec = d.parse()?;
+                spec.adapter_index()?.ok_or_else(|| {
+                    anyhow::anyhow!("`cpu` is the reference backend, not a benchmarked device")
+                })
+            })
+            .collect::<Result<_>>()?
+    };
+    if indices.is_empty() {
+        anyhow::bail!("no GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
+    }
+    Ok(indices
+        .iter()
+        .map(|&i| kiln::wgpu::WgpuDevice::open(i, options))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
+fn bench_attention(args: AttentionArgs) -> Result<()> {
+    use kiln::bench::{attention_table, format_attention};
+    let dtype: kiln::engine::DType = args.dtype.parse()?;
+    if !dtype.is_float() {
+        anyhow::bail!("attention takes f32, f16 or bf16, not {dtype}");
+    }
+    let options = kiln::wgpu::DeviceOptions {
+        disable_f16: args.no_f16,
+    };
+    let devs = bench_devices(&args.devices, &options)?;
+    eprintln!(
+        "kiln bench attention: {} device(s), causal, B*H = {}, d = {}, {dtype}, T = {:?}",
+        devs.len(),
+        args.heads,
+        args.dim,
+        args.seqs
+    );
+    let mut rows = vec![];
+    for dev in &devs {
+        rows.extend(attention_table(
+            dev,
+            dtype,
+            args.heads,
+            args.dim,
+            &args.seqs,
+            std::time::Duration::from_millis(args.budget_ms),
+            |r| {
+                eprintln!(
+                    "  {} T={}: fused {:.2} ms, straightforward {:.2} ms ({:.2}x); {} vs {} bytes",
+                    r.adapter,
+                    r.seq,
+                    r.fused_ms,
+                    r.straight_ms,
+                    r.speedup,
+                    r.fused_bytes,
+                    r.straight_bytes
+                )
+            },
+        )?);
+    }
+    println!("{}", format_attention(&rows));
+    if let Some(path) = args.json {
+        let text = serde_json::to_string_pretty(&rows)?;
+        if path == "-" {
+            println!("{text}");
+        } else {
+            std::fs::write(&path, text).with_context(|| format!("writing {path}"))?;
+        }
     }
     Ok(())
 }

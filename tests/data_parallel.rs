@@ -309,7 +309,7 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
     use kiln::engine::mlp::Precision;
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
     let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
-    let grads = GptMemory::of(&model(), B, T, Precision::F16).gradients;
+    let grads = GptMemory::of(&model(), B, T, Precision::F16, Default::default()).gradients;
     assert_eq!((rows[0].devices, rows[0].bytes_per_step), (1, 0));
     assert_eq!(rows[1].bytes_per_step, 2 * 2 * grads);
     assert!(rows

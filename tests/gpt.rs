@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::gpt::{Gpt, GptConfig, GptTraining};
+use kiln::engine::gpt::{Attention, Gpt, GptConfig, GptTraining};
 use kiln::engine::mlp::Precision;
 use kiln::engine::{Device, Optimizer, IGNORE_TARGET};
 
@@ -16,6 +16,7 @@ fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
         precision,
         optimizer: Optimizer::adamw(1e-2, 0.0),
         seed: 5,
+        attention: Default::default(),
     }
 }
 
@@ -511,7 +512,7 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
             GptConfig {
                 n_layer: 3,
                 n_head: 4,
-                n_embd: 36,
+                n_embd: 40,
                 block_size: 16,
                 vocab_size: 97,
             },
@@ -519,11 +520,25 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
             16,
         ),
     ] {
-        for p in [Precision::F32, Precision::F16, Precision::BF16] {
+        for (p, attention) in [
+            (Precision::F32, Attention::Fused),
+            (Precision::F16, Attention::Fused),
+            (Precision::BF16, Attention::Fused),
+            (Precision::F32, Attention::Straightforward),
+            (Precision::F16, Attention::Straightforward),
+        ] {
             let dev = CpuDevice::new();
-            let _gpt = Gpt::new(&dev, cfg.clone(), training(b, t, p)).unwrap();
-            let m = GptMemory::of(&cfg, b, t, p);
-            assert_eq!(m.total(), dev.allocated_bytes(), "{cfg:?} {p:?}: {m:?}");
+            let tr = GptTraining {
+                attention,
+                ..training(b, t, p)
+            };
+            let _gpt = Gpt::new(&dev, cfg.clone(), tr).unwrap();
+            let m = GptMemory::of(&cfg, b, t, p, attention);
+            assert_eq!(
+                m.total(),
+                dev.allocated_bytes(),
+                "{cfg:?} {p:?} {attention:?}: {m:?}"
+            );
             // Master + two moments: 12 bytes per parameter.
             assert_eq!(m.optimizer / 12, cfg.parameter_count() as u64);
         }

@@ -1,7 +1,7 @@
 //! A GPT-2 style model trained on a device, every layer's forward and backward written
 //! out side by side in the manner of llm.c (autodiff is still to come: see the issue
 //! notes). Token + learned position embeddings, pre-LN blocks with causal self-attention
-//! (built from batched GEMMs and a causal softmax: the straightforward version) and a
+//! (fused attention kernels, or batched GEMMs and a causal softmax: see [`Attention`]) and a
 //! GELU MLP, a final layer norm and an LM head tied to the token embedding. Parameter
 //! names follow GPT-2's (`transformer.h.0.attn.c_attn.weight`, …), weights stored
 //! (in, out) as GPT-2's Conv1D does.
@@ -53,9 +53,15 @@ impl GptMemory {
         self.weights + self.gradients + self.optimizer + self.activations
     }
 
-    /// What [`Gpt::new`] allocates for `config` at `batch` × `seq` in `precision`,
-    /// computed without a device (tested equal to a device's allocator).
-    pub fn of(config: &GptConfig, batch: usize, seq: usize, precision: Precision) -> GptMemory {
+    /// What [`Gpt::new`] allocates for `config` at `batch` × `seq` in `precision` with
+    /// `attention`, computed without a device (tested equal to a device's allocator).
+    pub fn of(
+        config: &GptConfig,
+        batch: usize,
+        seq: usize,
+        precision: Precision,
+        attention: Attention,
+    ) -> GptMemory {
         let act = precision.dtype();
         let f = |n: usize| DType::F32.padded_bytes(n);
         let a = |n: usize| act.padded_bytes(n);
@@ -92,7 +98,10 @@ impl GptMemory {
             m.gradients += if f32_grad { f(n) } else { a(n) };
             m.optimizer += 3 * f(n);
         }
-        let block = 9 * a(bt * c) + a(bt * 3 * c) + a(bhtt) + 2 * a(bt * 4 * c) + 4 * f(bt);
+        let fused = attention == Attention::Fused;
+        // Saved per block: probabilities (T x T) or, fused, one f32 log-sum-exp per row.
+        let att = if fused { f(batch * h * seq) } else { a(bhtt) };
+        let block = 9 * a(bt * c) + a(bt * 3 * c) + att + 2 * a(bt * 4 * c) + 4 * f(bt);
         m.activations = l as u64 * block
             + 3 * u(bt)
             + a(bt)
@@ -102,8 +111,11 @@ impl GptMemory {
             + 9 * a(bt * c)
             + 2 * a(bt * 4 * c)
             + a(bt * 3 * c)
-            + 2 * a(bhtt)
-            + f(2 * batch * h * seq)
+            + if fused {
+                0
+            } else {
+                2 * a(bhtt) + f(2 * batch * h * seq)
+            }
             + u(1)
             + 2 * f(1)
             + f(bt)
@@ -121,6 +133,39 @@ pub struct GptTraining {
     /// [`Gpt::step`]); weight decay applies to matrices only.
     pub optimizer: Optimizer,
     pub seed: u64,
+    /// How self-attention is computed (default: fused kernels).
+    pub attention: Attention,
+}
+
+/// How the blocks compute causal self-attention. Both give the same results up to f32
+/// rounding (tests/attention.rs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// [`Kernel::Attention`] and [`Kernel::AttentionBackward`]: tile by tile, memory
+    /// linear in T (saves one f32 log-sum-exp per row).
+    #[default]
+    Fused,
+    /// Batched GEMMs through a (B*H, T, T) score matrix and a causal softmax; memory
+    /// quadratic in T. Head dims over [`crate::ATTENTION_MAX_DIM`] need it.
+    Straightforward,
+}
+
+impl Attention {
+    /// Whether the fused kernels take heads of `head_dim` in `precision` (at most
+    /// [`crate::ATTENTION_MAX_DIM`], and even when activations are 16-bit).
+    pub fn fused_takes(head_dim: usize, precision: Precision) -> bool {
+        head_dim <= crate::ATTENTION_MAX_DIM
+            && (precision.dtype().size() == 4 || head_dim.is_multiple_of(2))
+    }
+
+    /// Fused where the kernels take the heads, else straightforward.
+    pub fn best(head_dim: usize, precision: Precision) -> Attention {
+        if Attention::fused_takes(head_dim, precision) {
+            Attention::Fused
+        } else {
+            Attention::Straightforward
+        }
+    }
 }
 
 /// A named parameter: its buffers (model copy, master, gradient, moments) and whether
@@ -161,7 +206,7 @@ struct Block {
     q: Buffer,   // (B, H, T, D)
     k: Buffer,
     v: Buffer,
-    att: Buffer,   // (B, H, T, T) probabilities
+    att: Buffer,   // (B, H, T, T) probabilities; fused: (B, H, T) f32 log-sum-exp
     yh: Buffer,    // (B, H, T, D)
     y: Buffer,     // (BT, C)
     x_mid: Buffer, // (BT, C) after the attention residual
@@ -204,9 +249,8 @@ pub struct Gpt {
     dq: Buffer,
     dk: Buffer,
     dv: Buffer,
-    datt: Buffer,
-    dscores: Buffer,
-    stats: Buffer,
+    /// Straightforward attention's (B*H, T, T) scratch; `None` when fused.
+    unfused: Option<Unfused>,
     tmp: Buffer, // (BT, C) block outputs before the residual add
     ones: Buffer,
     flag: Buffer,
@@ -269,6 +313,16 @@ impl Gpt {
         }
         let act = training.precision.dtype();
         let bt = b * t;
+        let fused = training.attention == Attention::Fused;
+        if fused && !Attention::fused_takes(c / h, training.precision) {
+            // The kernels' own checks, stated in the model's terms before allocating.
+            return Err(Error::InvalidArgument(format!(
+                "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
+                 n_embd / n_head = {}; use Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM,
+                c / h
+            )));
+        }
         let mut rng = SplitMix(training.seed);
         let mut params: Vec<Param> = vec![];
         // (name, shape, init std or value, grad dtype, decay)
@@ -412,7 +466,11 @@ impl Gpt {
                 q: a(act, bt * c)?,
                 k: a(act, bt * c)?,
                 v: a(act, bt * c)?,
-                att: a(act, b * h * t * t)?,
+                att: if fused {
+                    a(DType::F32, b * h * t)?
+                } else {
+                    a(act, b * h * t * t)?
+                },
                 yh: a(act, bt * c)?,
                 y: a(act, bt * c)?,
                 x_mid: a(act, bt * c)?,
@@ -457,9 +515,15 @@ impl Gpt {
             dq: a(act, bt * c)?,
             dk: a(act, bt * c)?,
             dv: a(act, bt * c)?,
-            datt: a(act, b * h * t * t)?,
-            dscores: a(act, b * h * t * t)?,
-            stats: a(DType::F32, 2 * b * h * t)?,
+            unfused: if fused {
+                None
+            } else {
+                Some(Unfused {
+                    datt: a(act, b * h * t * t)?,
+                    dscores: a(act, b * h * t * t)?,
+                    stats: a(DType::F32, 2 * b * h * t)?,
+                })
+            },
             tmp: a(act, bt * c)?,
             ones,
             flag: a(DType::U32, 1)?,
@@ -585,26 +649,46 @@ impl Gpt {
                     offset: i * c,
                 })?;
             }
-            // scores (B*H, T, T) = q k^T / sqrt(D), scaled inside the GEMM (in f32) so that
-            // a large raw dot product cannot overflow an f16 scores buffer; then the
-            // causal softmax into `att`.
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(blk.q, blk.k, self.dscores, t, t, d)
-                    .transpose(false, true)
-                    .batched(b * h, t * d, t * d, t * t)
-                    .scaled(1.0 / (d as f32).sqrt(), 0.0),
-            ))?;
-            dev.launch(&Kernel::Softmax {
-                x: self.dscores,
-                out: blk.att,
-                stats: self.stats,
-                cols: t,
-                scale: 1.0,
-                causal: true,
-            })?;
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(blk.att, blk.v, blk.yh, t, d, t).batched(b * h, t * t, t * d, t * d),
-            ))?;
+            if let Some(u) = &self.unfused {
+                // scores (B*H, T, T) = q k^T / sqrt(D), scaled inside the GEMM (in f32) so
+                // that a large raw dot product cannot overflow an f16 scores buffer; then
+                // the causal softmax into `att`.
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(blk.q, blk.k, u.dscores, t, t, d)
+                        .transpose(false, true)
+                        .batched(b * h, t * d, t * d, t * t)
+                        .scaled(1.0 / (d as f32).sqrt(), 0.0),
+                ))?;
+                dev.launch(&Kernel::Softmax {
+                    x: u.dscores,
+                    out: blk.att,
+                    stats: u.stats,
+                    cols: t,
+                    scale: 1.0,
+                    causal: true,
+                })?;
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(blk.att, blk.v, blk.yh, t, d, t).batched(
+                        b * h,
+                        t * t,
+                        t * d,
+                        t * d,
+                    ),
+                ))?;
+            } else {
+                dev.launch(&Kernel::Attention {
+                    q: blk.q,
+                    k: blk.k,
+                    v: blk.v,
+                    out: blk.yh,
+                    lse: blk.att,
+                    batch_heads: b * h,
+                    seq: t,
+                    dim: d,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    causal: true,
+                })?;
+            }
             dev.launch(&Kernel::MergeHeads {
                 src: blk.yh,
                 dst: blk.y,
@@ -789,34 +873,58 @@ impl Gpt {
                 offset: 0,
             })?;
             let bh = b * h;
-            // datt = dyh v^T; dv = att^T dyh.
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(self.dyh, blk.v, self.datt, t, t, d)
-                    .transpose(false, true)
-                    .batched(bh, t * d, t * d, t * t),
-            ))?;
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(blk.att, self.dyh, self.dv, t, d, t)
-                    .transpose(true, false)
-                    .batched(bh, t * t, t * d, t * d),
-            ))?;
-            dev.launch(&Kernel::SoftmaxBackward {
-                p: blk.att,
-                dout: self.datt,
-                dx: self.dscores,
-                stats: self.stats,
-                cols: t,
-                scale: 1.0 / (d as f32).sqrt(),
-            })?;
-            // dq = dscores k; dk = dscores^T q.
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(self.dscores, blk.k, self.dq, t, d, t).batched(bh, t * t, t * d, t * d),
-            ))?;
-            dev.launch(&Kernel::Matmul(
-                Matmul::new(self.dscores, blk.q, self.dk, t, d, t)
-                    .transpose(true, false)
-                    .batched(bh, t * t, t * d, t * d),
-            ))?;
+            if let Some(u) = &self.unfused {
+                // datt = dyh v^T; dv = att^T dyh.
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(self.dyh, blk.v, u.datt, t, t, d)
+                        .transpose(false, true)
+                        .batched(bh, t * d, t * d, t * t),
+                ))?;
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(blk.att, self.dyh, self.dv, t, d, t)
+                        .transpose(true, false)
+                        .batched(bh, t * t, t * d, t * d),
+                ))?;
+                dev.launch(&Kernel::SoftmaxBackward {
+                    p: blk.att,
+                    dout: u.datt,
+                    dx: u.dscores,
+                    stats: u.stats,
+                    cols: t,
+                    scale: 1.0 / (d as f32).sqrt(),
+                })?;
+                // dq = dscores k; dk = dscores^T q.
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(u.dscores, blk.k, self.dq, t, d, t).batched(
+                        bh,
+                        t * t,
+                        t * d,
+                        t * d,
+                    ),
+                ))?;
+                dev.launch(&Kernel::Matmul(
+                    Matmul::new(u.dscores, blk.q, self.dk, t, d, t)
+                        .transpose(true, false)
+                        .batched(bh, t * t, t * d, t * d),
+                ))?;
+            } else {
+                dev.launch(&Kernel::AttentionBackward {
+                    q: blk.q,
+                    k: blk.k,
+                    v: blk.v,
+                    out: blk.yh,
+                    dout: self.dyh,
+                    lse: blk.att,
+                    dq: self.dq,
+                    dk: self.dk,
+                    dv: self.dv,
+                    batch_heads: bh,
+                    seq: t,
+                    dim: d,
+                    scale: 1.0 / (d as f32).sqrt(),
+                    causal: true,
+                })?;
+            }
             for (i, src) in [self.dq, self.dk, self.dv].into_iter().enumerate() {
                 dev.launch(&Kernel::MergeHeads {
                     src,
@@ -1376,6 +1484,13 @@ impl Gpt {
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;
     }
+}
+
+/// Straightforward attention's scratch: d att, scores then d scores, softmax stats.
+struct Unfused {
+    datt: Buffer,
+    dscores: Buffer,
+    stats: Buffer,
 }
 
 enum Init {

@@ -108,6 +108,46 @@ pub enum Kernel {
         cols: usize,
         scale: f32,
     },
+    /// Fused scaled-dot-product attention over `batch_heads` independent heads:
+    /// `out = softmax(q k^T * scale [+ causal mask]) v` row by row, q, k, v and out each
+    /// `(batch_heads, seq, dim)` in any float dtype. Computed tile by tile with the
+    /// online-softmax recurrence (running max and sum in f32): no `seq x seq` buffer.
+    /// With `causal`, query row `i` sees keys `j <= i`. Saves `lse` (f32, one per
+    /// `(head, row)`): the natural log of the row's softmax denominator, including the
+    /// max, which [`Kernel::AttentionBackward`] recomputes the probabilities from.
+    /// `dim` is 1..=128, and even when `out` is 16-bit.
+    Attention {
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        out: Buffer,
+        lse: Buffer,
+        batch_heads: usize,
+        seq: usize,
+        dim: usize,
+        scale: f32,
+        causal: bool,
+    },
+    /// Gradients of [`Kernel::Attention`]: `dq`, `dk`, `dv` (overwritten) from `dout`, the
+    /// forward's `out` and `lse`, recomputing the probabilities from q and k; no
+    /// `seq x seq` buffer. Uses `rowsum(dout * out)` per row (f32, kept in the device's
+    /// scratch). `dim` must be even when a gradient is 16-bit.
+    AttentionBackward {
+        q: Buffer,
+        k: Buffer,
+        v: Buffer,
+        out: Buffer,
+        dout: Buffer,
+        lse: Buffer,
+        dq: Buffer,
+        dk: Buffer,
+        dv: Buffer,
+        batch_heads: usize,
+        seq: usize,
+        dim: usize,
+        scale: f32,
+        causal: bool,
+    },
     /// Attention heads out of rows: `src` holds `rows = batch * seq` rows of `width`
     /// elements; columns `offset + h * dim + i` of row `(b, t)` go to `dst[b][h][t][i]`
     /// (`dst` is `batch * heads * seq * dim`, `dim = dst.len / (rows * heads)`).
@@ -290,6 +330,8 @@ impl Kernel {
             Kernel::MergeHeads { .. } => "merge_heads",
             Kernel::Softmax { .. } => "softmax",
             Kernel::SoftmaxBackward { .. } => "softmax_backward",
+            Kernel::Attention { .. } => "attention",
+            Kernel::AttentionBackward { .. } => "attention_backward",
             Kernel::CrossEntropy { .. } => "cross_entropy",
             Kernel::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Kernel::Embedding { .. } => "embedding",
@@ -346,6 +388,21 @@ impl Kernel {
             Kernel::SoftmaxBackward {
                 p, dout, dx, stats, ..
             } => vec![*p, *dout, *dx, *stats],
+            Kernel::Attention {
+                q, k, v, out, lse, ..
+            } => vec![*q, *k, *v, *out, *lse],
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                ..
+            } => vec![*q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv],
             Kernel::CrossEntropy {
                 logits,
                 targets,
@@ -404,6 +461,8 @@ impl Kernel {
             Kernel::SplitHeads { dst, .. } | Kernel::MergeHeads { dst, .. } => vec![*dst],
             Kernel::Softmax { out, stats, .. } => vec![*out, *stats],
             Kernel::SoftmaxBackward { dx, stats, .. } => vec![*dx, *stats],
+            Kernel::Attention { out, lse, .. } => vec![*out, *lse],
+            Kernel::AttentionBackward { dq, dk, dv, .. } => vec![*dq, *dk, *dv],
             Kernel::CrossEntropy { losses, lse, .. } => vec![*losses, *lse],
             Kernel::CrossEntropyBackward { dlogits, .. } => vec![*dlogits],
             Kernel::Embedding { out, .. } => vec![*out],
@@ -631,6 +690,46 @@ impl Kernel {
                 }
                 Ok(())
             }
+            Kernel::Attention {
+                q,
+                k: key,
+                v,
+                out,
+                lse,
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                ..
+            } => attention_args(
+                k,
+                &[("q", q), ("k", key), ("v", v)],
+                &[("out", out)],
+                lse,
+                (*batch_heads, *seq, *dim, *scale),
+            ),
+            Kernel::AttentionBackward {
+                q,
+                k: key,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                ..
+            } => attention_args(
+                k,
+                &[("q", q), ("k", key), ("v", v), ("out", out), ("dout", dout)],
+                &[("dq", dq), ("dk", dk), ("dv", dv)],
+                lse,
+                (*batch_heads, *seq, *dim, *scale),
+            ),
             Kernel::CrossEntropy {
                 logits,
                 targets,
@@ -725,6 +824,57 @@ impl Kernel {
             }
         }
     }
+}
+
+/// The largest head dim the fused attention kernels take (their rows live in registers).
+pub const ATTENTION_MAX_DIM: usize = 128;
+
+/// Checks of [`Kernel::Attention`] and [`Kernel::AttentionBackward`]: every tensor is
+/// `(batch_heads, seq, dim)` of floats, `lse` one f32 per row.
+fn attention_args(
+    kernel: &str,
+    inputs: &[(&str, &Buffer)],
+    outputs: &[(&str, &Buffer)],
+    lse: &Buffer,
+    (batch_heads, seq, dim, scale): (usize, usize, usize, f32),
+) -> Result<()> {
+    if dim == 0 || dim > ATTENTION_MAX_DIM {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: head dim {dim} is outside 1..={ATTENTION_MAX_DIM}; use the unfused \
+             attention (GEMMs and a softmax) for wider heads"
+        )));
+    }
+    let rows = batch_heads.checked_mul(seq).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{kernel}: batch_heads {batch_heads} x seq {seq} overflows"
+        ))
+    })?;
+    if rows > u32::MAX as usize / dim {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: {rows} rows of {dim} elements do not fit 32-bit indices; split the batch"
+        )));
+    }
+    for &(name, b) in inputs.iter().chain(outputs) {
+        float(kernel, name, b)?;
+        same_len(kernel, name, b, rows * dim)?;
+    }
+    for &(name, b) in outputs {
+        if b.dtype.size() == 2 && !dim.is_multiple_of(2) {
+            return Err(Error::InvalidArgument(format!(
+                "{kernel}: `{name}` (buffer #{}) is {} but the head dim {dim} is odd; 16-bit \
+                 outputs need an even head dim (rows that share no 32-bit word)",
+                b.id, b.dtype
+            )));
+        }
+    }
+    same_dtype(kernel, "lse", lse, DType::F32)?;
+    same_len(kernel, "lse", lse, rows)?;
+    if !scale.is_finite() {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: scale is {scale}"
+        )));
+    }
+    Ok(())
 }
 
 /// Rows of a row-major matrix with `cols` columns held in `x`.

@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision as ConfigPrecision, TrainConfig};
-use crate::gpt::{Gpt, GptConfig, GptTraining, ParamState};
+use crate::gpt::{Attention, Gpt, GptConfig, GptTraining, ParamState};
 use crate::loss_scaler::LossScaler;
 use crate::mlp::Precision;
 use crate::optim::ParamBuffers;
@@ -200,6 +200,7 @@ impl Trainer {
             precision,
             optimizer: config.optimizer.clone(),
             seed,
+            attention: Attention::best(model.n_embd / model.n_head.max(1), precision),
         };
         let mut models = devs
             .iter()

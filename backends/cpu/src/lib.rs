@@ -337,6 +337,62 @@ impl Device for CpuDevice {
                 s.put(*dx, HostData::from_f32(dx.dtype, &d), name)?;
                 s.put(*stats, HostData::F32(st), name)
             }
+            Kernel::Attention {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                causal,
+            } => {
+                let shape = AttnShape {
+                    heads: *batch_heads,
+                    seq: *seq,
+                    dim: *dim,
+                    scale: *scale as f64,
+                    causal: *causal,
+                };
+                let (qs, ks, vs) = (s.f32s(*q, name)?, s.f32s(*k, name)?, s.f32s(*v, name)?);
+                let (o, z) = attention(&shape, &qs, &ks, &vs);
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
+                s.put(*lse, HostData::F32(z), name)
+            }
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                causal,
+            } => {
+                let shape = AttnShape {
+                    heads: *batch_heads,
+                    seq: *seq,
+                    dim: *dim,
+                    scale: *scale as f64,
+                    causal: *causal,
+                };
+                let ins = [*q, *k, *v, *out, *dout, *lse]
+                    .iter()
+                    .map(|b| s.f32s(*b, name))
+                    .collect::<Result<Vec<_>>>()?;
+                let [g_q, g_k, g_v] = attention_backward(&shape, &ins);
+                s.put(*dq, HostData::from_f32(dq.dtype, &g_q), name)?;
+                s.put(*dk, HostData::from_f32(dk.dtype, &g_k), name)?;
+                s.put(*dv, HostData::from_f32(dv.dtype, &g_v), name)
+            }
             Kernel::CrossEntropy {
                 logits,
                 targets,
@@ -519,6 +575,92 @@ fn matmul(s: &mut State, mm: &Matmul, name: &str) -> Result<()> {
         s.put(cf, HostData::F32(c32), name)?;
     }
     Ok(())
+}
+
+/// Geometry of an attention launch.
+struct AttnShape {
+    heads: usize,
+    seq: usize,
+    dim: usize,
+    scale: f64,
+    causal: bool,
+}
+
+impl AttnShape {
+    /// Keys query row `i` sees.
+    fn keys(&self, i: usize) -> usize {
+        if self.causal {
+            i + 1
+        } else {
+            self.seq
+        }
+    }
+
+    /// `scale * q_i . k_j` of head `h`, in f64.
+    fn score(&self, q: &[f32], k: &[f32], h: usize, i: usize, j: usize) -> f64 {
+        let (d, t) = (self.dim, self.seq);
+        let (qi, kj) = ((h * t + i) * d, (h * t + j) * d);
+        self.scale
+            * (0..d)
+                .map(|c| q[qi + c] as f64 * k[kj + c] as f64)
+                .sum::<f64>()
+    }
+}
+
+/// Reference attention in f64, one row at a time: (out, lse).
+fn attention(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (d, t) = (a.dim, a.seq);
+    let mut out = vec![0f32; a.heads * t * d];
+    let mut lse = vec![0f32; a.heads * t];
+    for h in 0..a.heads {
+        for i in 0..t {
+            let s: Vec<f64> = (0..a.keys(i)).map(|j| a.score(q, k, h, i, j)).collect();
+            let m = s.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+            let z: f64 = s.iter().map(|&x| (x - m).exp()).sum();
+            for c in 0..d {
+                let o: f64 = s
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &x)| (x - m).exp() * v[(h * t + j) * d + c] as f64)
+                    .sum();
+                out[(h * t + i) * d + c] = (o / z) as f32;
+            }
+            lse[h * t + i] = (m + z.ln()) as f32;
+        }
+    }
+    (out, lse)
+}
+
+/// Reference attention backward in f64 from the saved `lse` (as the kernels do):
+/// p = exp(s - lse), ds = p (dout . v_j - rowsum(dout * out)), dq = scale ds k,
+/// dk = scale ds^T q, dv = p^T dout. `ins` is q, k, v, out, dout, lse.
+fn attention_backward(a: &AttnShape, ins: &[Vec<f32>]) -> [Vec<f32>; 3] {
+    let [q, k, v, out, dout, lse] = [0, 1, 2, 3, 4, 5].map(|i| ins[i].as_slice());
+    let (d, t) = (a.dim, a.seq);
+    let n = a.heads * t * d;
+    let (mut dq, mut dk, mut dv) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+    let dot = |x: &[f32], y: &[f32], r1: usize, r2: usize| -> f64 {
+        (0..d)
+            .map(|c| x[r1 * d + c] as f64 * y[r2 * d + c] as f64)
+            .sum()
+    };
+    for h in 0..a.heads {
+        for i in 0..t {
+            let row = h * t + i;
+            let delta = dot(dout, out, row, row);
+            for j in 0..a.keys(i) {
+                let col = h * t + j;
+                let p = (a.score(q, k, h, i, j) - lse[row] as f64).exp();
+                let ds = p * (dot(dout, v, row, col) - delta);
+                for c in 0..d {
+                    dq[row * d + c] += a.scale * ds * k[col * d + c] as f64;
+                    dk[col * d + c] += a.scale * ds * q[row * d + c] as f64;
+                    dv[col * d + c] += p * dout[row * d + c] as f64;
+                }
+            }
+        }
+    }
+    [dq, dk, dv].map(|g| g.iter().map(|&x| x as f32).collect())
 }
 
 /// Adam/AdamW in f32, in the order the kernel computes it.

@@ -319,6 +319,9 @@ impl WgpuDevice {
                     ),
                 )?;
             }
+            Kernel::Attention { .. } | Kernel::AttentionBackward { .. } => {
+                self.attention(s, kernel, handles)?
+            }
             Kernel::CrossEntropy {
                 logits,
                 targets,

@@ -2,11 +2,13 @@
 //! running the hand-written WGSL kernels in `shaders/`.
 
 mod adapter;
+mod attention;
 mod device;
 mod launch;
 mod matmul;
 pub mod shader;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
+pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
 pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};

@@ -27,6 +27,9 @@ const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
 const GELU: &str = shader!("common/gelu.wgsl");
 const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
 const HEADS_PARAMS: &str = shader!("common/heads_params.wgsl");
+const ATTENTION_PARAMS: &str = shader!("common/attention_params.wgsl");
+const ATTENTION_SHARE_SUBGROUP: &str = shader!("common/attention_share_subgroup.wgsl");
+const ATTENTION_SHARE_NONE: &str = shader!("common/attention_share_none.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -304,6 +307,102 @@ pub const GEMV: KernelSource = gemm!("gemv", "gemv.wgsl", [], subgroups: false, 
 pub const MATMUL_FINISH: KernelSource =
     gemm!("matmul_finish", "matmul_finish.wgsl", [], subgroups: false, trusted: false);
 
+/// A fused attention kernel (32-byte parameter block); `$sg`: keys shared by subgroup
+/// broadcasts, or loaded by every lane.
+macro_rules! attention {
+    ($name:literal, $file:literal, $slots:expr, subgroups: $sg:literal) => {
+        KernelSource {
+            name: $name,
+            file: $file,
+            body: shader!($file),
+            slots: $slots,
+            prelude: &[
+                ATTENTION_PARAMS,
+                if $sg {
+                    ATTENTION_SHARE_SUBGROUP
+                } else {
+                    ATTENTION_SHARE_NONE
+                },
+            ],
+            params_size: ATTENTION_PARAMS_SIZE,
+            subgroups: $sg,
+            trusted: true,
+        }
+    };
+}
+
+const ATTENTION_SLOTS: &[Slot] = &[
+    typed("q", Read),
+    typed("k", Read),
+    typed("v", Read),
+    typed("out", ReadWrite),
+    own("lse", ReadWrite),
+];
+const ATTENTION_DQ_SLOTS: &[Slot] = &[
+    typed("q", Read),
+    typed("k", Read),
+    typed("v", Read),
+    typed("out", Read),
+    typed("dout", Read),
+    typed("dq", ReadWrite),
+    own("lse", Read),
+    own("delta", ReadWrite),
+];
+const ATTENTION_DKV_SLOTS: &[Slot] = &[
+    typed("q", Read),
+    typed("k", Read),
+    typed("v", Read),
+    typed("dout", Read),
+    typed("dk", ReadWrite),
+    typed("dv", ReadWrite),
+    own("lse", Read),
+    own("delta", Read),
+];
+
+/// Fused attention forward (out and lse), keys shared by subgroup broadcasts.
+pub const ATTENTION: KernelSource = attention!(
+    "attention",
+    "attention_forward.wgsl",
+    ATTENTION_SLOTS,
+    subgroups: true
+);
+/// The same without subgroups: every lane loads every key.
+pub const ATTENTION_NOSG: KernelSource = attention!(
+    "attention_nosg",
+    "attention_forward.wgsl",
+    ATTENTION_SLOTS,
+    subgroups: false
+);
+/// Attention backward, pass 1: dq and rowsum(dout * out).
+pub const ATTENTION_DQ: KernelSource = attention!(
+    "attention_dq",
+    "attention_backward_dq.wgsl",
+    ATTENTION_DQ_SLOTS,
+    subgroups: true
+);
+pub const ATTENTION_DQ_NOSG: KernelSource = attention!(
+    "attention_dq_nosg",
+    "attention_backward_dq.wgsl",
+    ATTENTION_DQ_SLOTS,
+    subgroups: false
+);
+/// Attention backward, pass 2: dk and dv.
+pub const ATTENTION_DKV: KernelSource = attention!(
+    "attention_dkv",
+    "attention_backward_dkv.wgsl",
+    ATTENTION_DKV_SLOTS,
+    subgroups: true
+);
+pub const ATTENTION_DKV_NOSG: KernelSource = attention!(
+    "attention_dkv_nosg",
+    "attention_backward_dkv.wgsl",
+    ATTENTION_DKV_SLOTS,
+    subgroups: false
+);
+
+/// Bytes of `shaders/common/attention_params.wgsl`.
+pub const ATTENTION_PARAMS_SIZE: u64 = 32;
+
 /// An optimizer step over flat buffers (48-byte parameter block).
 macro_rules! optimizer {
     ($name:literal, $slots:expr) => {
@@ -388,6 +487,12 @@ pub const ALL: &[&KernelSource] = &[
     &MATMUL_TILED,
     &GEMV,
     &MATMUL_FINISH,
+    &ATTENTION,
+    &ATTENTION_NOSG,
+    &ATTENTION_DQ,
+    &ATTENTION_DQ_NOSG,
+    &ATTENTION_DKV,
+    &ATTENTION_DKV_NOSG,
 ];
 
 /// How a typed slot's elements are stored in WGSL.

@@ -5,6 +5,28 @@
 use kiln_wgpu::shader::{self, Repr};
 use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 
+/// Dtype mixes of the attention kernels (five or six typed slots, too many to try every
+/// mix of): each repr for all slots, then each repr for the inputs with each other for
+/// the outputs (the slots after the first three written ones are outputs).
+fn attention_mixes(kernel: &shader::KernelSource, reprs: &[Repr]) -> Vec<Vec<Repr>> {
+    let slots: Vec<_> = kernel.slots.iter().filter(|s| s.typed).collect();
+    let mut out = vec![];
+    for &a in reprs {
+        for &b in reprs {
+            out.push(
+                slots
+                    .iter()
+                    .map(|s| match s.access {
+                        shader::Access::Read => a,
+                        shader::Access::ReadWrite => b,
+                    })
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
 /// All ways to give `n` typed slots a representation from `reprs`.
 fn combos(n: usize, reprs: &[Repr]) -> Vec<Vec<Repr>> {
     let mut out = vec![vec![]];
@@ -30,7 +52,28 @@ const BASE: Capabilities = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
 /// Assembly constants each kernel is built with: the tile shapes the planner uses,
 /// aligned and unaligned.
 fn const_sets(kernel: &shader::KernelSource) -> Vec<Vec<(&'static str, u32)>> {
-    if kernel.body.contains("//@unroll r TM") {
+    if kernel.name.starts_with("attention") {
+        // Head dims 64 (whole vec4 groups) and 6 (scalar loads, a partial group), with
+        // the register blocks the planner uses.
+        vec![
+            vec![
+                ("SG", 8),
+                ("WG", 8),
+                ("R", 4),
+                ("DIM", 64),
+                ("D4", 16),
+                ("VEC", 1),
+            ],
+            vec![
+                ("SG", 8),
+                ("WG", 64),
+                ("R", 1),
+                ("DIM", 6),
+                ("D4", 2),
+                ("VEC", 0),
+            ],
+        ]
+    } else if kernel.body.contains("//@unroll r TM") {
         vec![
             vec![("SG", 8), ("TM", 16), ("NV", 2), ("VEC_B", 1), ("VEC_C", 1)],
             vec![("SG", 8), ("TM", 4), ("NV", 1), ("VEC_B", 0), ("VEC_C", 0)],
@@ -64,7 +107,9 @@ fn validate(native_f16: bool) -> usize {
         let n = kernel.slots.iter().filter(|s| s.typed).count();
         // Five typed slots (GEMM, Adam): every mix of the first three; the fourth as f32
         // or bf16; the fifth f32.
-        let mixes = if n == 5 {
+        let mixes = if kernel.name.starts_with("attention") {
+            attention_mixes(kernel, Repr::all(native_f16))
+        } else if n == 5 {
             combos(3, Repr::all(native_f16))
                 .into_iter()
                 .flat_map(|abc| {
@@ -109,7 +154,9 @@ fn validate(native_f16: bool) -> usize {
 /// Modules per kernel: one per dtype mix and constant set.
 fn expected(kernel: &shader::KernelSource, reprs: usize) -> usize {
     let n = kernel.slots.iter().filter(|s| s.typed).count();
-    let mixes = if n == 5 {
+    let mixes = if kernel.name.starts_with("attention") {
+        reprs * reprs
+    } else if n == 5 {
         reprs.pow(3) * 2
     } else {
         reprs.pow(n as u32)

@@ -1,0 +1,233 @@
+//! Fused attention launches: kernel choice, register-block shape and dispatch bands.
+//!
+//! Every kernel gives a lane R rows (query rows forward and for dq, key rows for dk/dv)
+//! and walks the other side in blocks of SG rows; see `shaders/attention_*.wgsl`.
+
+use std::collections::HashMap;
+
+use kiln_engine::{Buffer, Capabilities, Error, Kernel, Result};
+
+use crate::device::{Dispatch, State, WgpuDevice, PARTIALS_ID};
+use crate::shader::{self, KernelSource};
+
+/// Work per dispatch, in multiply-adds: ~0.1 s on lavapipe, so that no dispatch runs
+/// long enough for a watchdog, and a GPU's are far shorter.
+const FMAS_PER_DISPATCH: f64 = 2e9;
+
+/// The launch shape of the attention kernels on one adapter and head dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// Rows of the other side per block (the subgroup size when shared).
+    pub sg: u32,
+    /// Invocations per workgroup.
+    pub wg: u32,
+    /// Rows each invocation owns.
+    pub rows: u32,
+    /// Block rows are shared by subgroup broadcasts.
+    pub shared: bool,
+}
+
+impl AttentionPlan {
+    /// Rows one workgroup owns.
+    pub fn rows_per_group(&self) -> u32 {
+        self.wg * self.rows
+    }
+}
+
+/// Measured on lavapipe (`kiln bench attention`): see benches/RESULTS.md.
+pub fn plan(caps: &Capabilities, dim: usize) -> AttentionPlan {
+    let cpu = caps.device_type == "cpu";
+    let fixed = match caps.subgroup_sizes {
+        Some((lo, hi)) if lo == hi && (4..=64).contains(&lo) => Some(lo),
+        _ => None,
+    };
+    match (cpu, fixed) {
+        // One subgroup per workgroup, block rows broadcast. Rows per lane measured with
+        // `kiln bench attention` (T = 512, 1024): d = 32 fastest at 8 (13 vs 16 ms at 4),
+        // d = 64 at 4 (24 ms; 34 at 2, 24-75 at 8), d = 128 at 4 (79 vs 97 ms at 2).
+        (true, Some(sg)) => AttentionPlan {
+            sg,
+            wg: sg,
+            rows: if dim <= 32 { 8 } else { 4 },
+            shared: true,
+        },
+        // CPU adapters without subgroups (llvmpipe through GL): a SIMD vector of lanes.
+        (true, None) => AttentionPlan {
+            sg: 8,
+            wg: 8,
+            rows: 2,
+            shared: false,
+        },
+        // GPUs: a warp-sized group; every lane reads each block row itself (the same
+        // address across the group, which caches serve).
+        (false, _) => AttentionPlan {
+            sg: 8,
+            wg: 64,
+            rows: 1,
+            shared: false,
+        },
+    }
+}
+
+fn kernels(shared: bool) -> [&'static KernelSource; 3] {
+    if shared {
+        [
+            &shader::ATTENTION,
+            &shader::ATTENTION_DQ,
+            &shader::ATTENTION_DKV,
+        ]
+    } else {
+        [
+            &shader::ATTENTION_NOSG,
+            &shader::ATTENTION_DQ_NOSG,
+            &shader::ATTENTION_DKV_NOSG,
+        ]
+    }
+}
+
+impl WgpuDevice {
+    /// Records a validated `Kernel::Attention` or `Kernel::AttentionBackward`.
+    pub(crate) fn attention(
+        &self,
+        s: &mut State,
+        kernel: &Kernel,
+        handles: &HashMap<u64, wgpu::Buffer>,
+    ) -> Result<()> {
+        let (heads, seq, dim, scale, causal) = match *kernel {
+            Kernel::Attention {
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                causal,
+                ..
+            }
+            | Kernel::AttentionBackward {
+                batch_heads,
+                seq,
+                dim,
+                scale,
+                causal,
+                ..
+            } => (batch_heads, seq, dim, scale, causal),
+            _ => unreachable!("not an attention kernel"),
+        };
+        if heads == 0 || seq == 0 {
+            return Ok(());
+        }
+        let limit = self.caps.max_storage_binding;
+        if let Some(b) = kernel.buffers().iter().find(|b| b.bytes() > limit) {
+            return Err(Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: format!(
+                    "{}: buffer #{} of {} bytes, over the {limit}-byte binding limit; split the heads",
+                    kernel.name(),
+                    b.id,
+                    b.bytes()
+                ),
+            });
+        }
+        let plan = plan(&self.caps, dim);
+        let [fwd, dq, dkv] = kernels(plan.shared);
+        let consts = vec![
+            ("SG", plan.sg),
+            ("WG", plan.wg),
+            ("R", plan.rows),
+            ("DIM", dim as u32),
+            ("D4", dim.div_ceil(4) as u32),
+            ("VEC", dim.is_multiple_of(4) as u32),
+        ];
+        let h = |b: &Buffer| (b.id, &handles[&b.id]);
+        let rows = heads * seq;
+        // Causal rows see half the keys on average; the band size is a bound, not exact.
+        let fmas_per_block =
+            plan.rows_per_group() as f64 * seq as f64 * dim as f64 * heads as f64 * 2.0;
+        let band = |passes: f64| -> u32 {
+            ((FMAS_PER_DISPATCH / (fmas_per_block * passes)) as u32).clamp(1, 65535)
+        };
+        let blocks = (seq as u32).div_ceil(plan.rows_per_group());
+        let heads_y = (heads as u32).min(65535);
+        let heads_z = (heads as u32).div_ceil(heads_y);
+        let params = |base: u32| -> Vec<u32> {
+            vec![
+                heads as u32,
+                seq as u32,
+                base,
+                causal as u32,
+                scale.to_bits(),
+                (scale * std::f32::consts::LOG2_E).to_bits(),
+                0,
+                0,
+            ]
+        };
+        let run = |s: &mut State,
+                   k: &'static KernelSource,
+                   buffers: Vec<(u64, &wgpu::Buffer)>,
+                   reprs: Vec<Buffer>,
+                   per: u32|
+         -> Result<()> {
+            let mut base = 0;
+            while base < blocks {
+                let n = per.min(blocks - base);
+                self.dispatch(
+                    s,
+                    Dispatch {
+                        kernel: k,
+                        reprs: reprs.iter().map(|b| self.repr(b.dtype)).collect(),
+                        consts: consts.clone(),
+                        overrides: vec![],
+                        buffers: buffers.clone(),
+                        ranges: vec![],
+                        params: params(base),
+                        groups: (n, heads_y, heads_z),
+                    },
+                )?;
+                base += n;
+            }
+            Ok(())
+        };
+        match *kernel {
+            Kernel::Attention {
+                q, k, v, out, lse, ..
+            } => run(
+                s,
+                fwd,
+                vec![h(&q), h(&k), h(&v), h(&out), h(&lse)],
+                vec![q, k, v, out],
+                band(2.0),
+            ),
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq: gq,
+                dk,
+                dv,
+                ..
+            } => {
+                // rowsum(dout * out), one f32 per row, lives in the device's reusable
+                // scratch (`partials`) between the two passes.
+                let delta = self.partials(s, rows as u64 * 4);
+                let d = (PARTIALS_ID, &delta);
+                run(
+                    s,
+                    dq,
+                    vec![h(&q), h(&k), h(&v), h(&out), h(&dout), h(&gq), h(&lse), d],
+                    vec![q, k, v, out, dout, gq],
+                    band(3.0),
+                )?;
+                run(
+                    s,
+                    dkv,
+                    vec![h(&q), h(&k), h(&v), h(&dout), h(&dk), h(&dv), h(&lse), d],
+                    vec![q, k, v, dout, dk, dv],
+                    band(4.0),
+                )
+            }
+            _ => unreachable!("matched above"),
+        }
+    }
+}
