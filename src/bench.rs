@@ -267,22 +267,7 @@ pub fn format_table(rows: &[Row]) -> String {
             format!("{:.3}", r.ratio),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
-    table
-        .iter()
-        .map(|row| {
-            row.iter()
-                .zip(&widths)
-                .map(|(c, w)| format!("{c:<w$}"))
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    align(&table)
 }
 
 /// One row of `kiln bench attention`: causal attention forward + backward, fused
@@ -548,7 +533,13 @@ pub fn format_attention(rows: &[AttentionRow]) -> String {
             mib(r.straight_bytes),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
+    align(&table)
+}
+
+/// Rows of cells as text columns, each as wide as its widest cell.
+pub fn align(table: &[Vec<String>]) -> String {
+    let columns = table.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
         .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
         .collect();
     table
@@ -564,4 +555,15 @@ pub fn format_attention(rows: &[AttentionRow]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// Writes rows as pretty JSON to `path` (`-`: stdout), for `--json`.
+pub fn write_json<T: Serialize>(rows: &[T], path: &str) -> Result<()> {
+    let text = serde_json::to_string_pretty(rows)?;
+    if path == "-" {
+        println!("{text}");
+    } else {
+        std::fs::write(path, text).with_context(|| format!("writing {path}"))?;
+    }
+    Ok(())
 }

@@ -497,17 +497,7 @@ fn devices(json: bool) -> Result<()> {
             },
         ]);
     }
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| table.iter().map(|r| r[i].len()).max().unwrap_or(0))
-        .collect();
-    for row in table {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect();
-        println!("{}", line.join("  ").trim_end());
-    }
+    println!("{}", kiln::bench::align(&table));
     Ok(())
 }
 
@@ -665,12 +655,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
     }
     println!("{}", format_attention(&rows));
     if let Some(path) = args.json {
-        let text = serde_json::to_string_pretty(&rows)?;
-        if path == "-" {
-            println!("{text}");
-        } else {
-            std::fs::write(&path, text).with_context(|| format!("writing {path}"))?;
-        }
+        kiln::bench::write_json(&rows, &path)?;
     }
     Ok(())
 }
@@ -751,12 +736,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
     )?;
     println!("{}", format_table(&rows));
     if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&rows)?;
-        if path == "-" {
-            println!("{text}");
-        } else {
-            std::fs::write(&path, text).with_context(|| format!("writing {path}"))?;
-        }
+        kiln::bench::write_json(&rows, &path)?;
     }
     Ok(())
 }
