@@ -1244,6 +1244,11 @@ impl Gpt {
     /// factor)) at learning rate `lr`.
     pub fn apply(&mut self, dev: &dyn Device, lr: f32, grad_scale: f32) -> Result<()> {
         dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
+        self.update(dev, lr)
+    }
+
+    /// The optimizer step over every parameter, reading the factor in `grad_scale`.
+    fn update(&mut self, dev: &dyn Device, lr: f32) -> Result<()> {
         self.step += 1;
         let optimizer = &self.training.optimizer;
         for p in &self.params {
@@ -1314,17 +1319,7 @@ impl Gpt {
                 scale,
             });
         }
-        self.step += 1;
-        let optimizer = &self.training.optimizer;
-        for p in &self.params {
-            let decay = if p.decay {
-                optimizer.weight_decay()
-            } else {
-                0.0
-            };
-            dev.launch(&p.step(optimizer, self.grad_scale, lr, decay, self.step))?;
-        }
-        dev.submit()?;
+        self.update(dev, lr)?;
         Ok(GptStep {
             loss,
             skipped: false,
