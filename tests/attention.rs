@@ -186,7 +186,7 @@ const SEQS: [usize; 4] = [1, 7, 64, 129];
 /// head dims that are not a multiple of 4 (5 in f32, 6 in f16: scalar loads and stores).
 #[test]
 fn vulkan_native_f16_matches_cpu() {
-    let path = gpu_paths().swap_remove(0);
+    let path = gpu_path(0);
     sweep(&path, DType::F32, &[32, 64, 128], &SEQS);
     sweep(&path, DType::F32, &[64], &[512]);
     sweep(&path, DType::F16, &[64], &SEQS);
@@ -198,7 +198,7 @@ fn vulkan_native_f16_matches_cpu() {
 /// The packed-f16 representation (no SHADER_F16) on the subgroup kernels.
 #[test]
 fn vulkan_packed_f16_matches_cpu() {
-    let path = gpu_paths().swap_remove(1);
+    let path = gpu_path(1);
     sweep(&path, DType::F16, &[32, 64], &SEQS);
     sweep(&path, DType::F16, &[32], &[512]);
     sweep(&path, DType::BF16, &[32], &[7, 129]);
@@ -209,7 +209,7 @@ fn vulkan_packed_f16_matches_cpu() {
 /// (Slow to build and run on two cores: T = 512 is covered on the Vulkan paths.)
 #[test]
 fn gl_matches_cpu() {
-    let path = gpu_paths().swap_remove(2);
+    let path = gpu_path(2);
     sweep(&path, DType::F32, &[32], &SEQS);
     sweep(&path, DType::F16, &[64], &[7, 129]);
     sweep(&path, DType::BF16, &[128], &[7]);

@@ -25,30 +25,44 @@ pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
 /// Both f16 paths: Vulkan with native f16, the same adapter with f16 forced off, and
 /// the GL adapter, which has no SHADER_F16 at all.
 pub fn gpu_paths() -> Vec<Path> {
-    let vk = gpu("vulkan", false);
-    assert!(
-        vk.caps().f16_arithmetic,
-        "the Vulkan adapter `{}` has no native f16; lavapipe should (it needs F16C)",
-        vk.caps().name
-    );
-    let packed = gpu("vulkan", true);
-    assert!(!packed.caps().f16_arithmetic);
-    let gl = gpu("gl", false);
-    assert!(!gl.caps().f16_arithmetic);
-    vec![
-        Path {
-            name: "vulkan (native f16)",
-            dev: vk,
-        },
-        Path {
-            name: "vulkan (packed f16)",
-            dev: packed,
-        },
-        Path {
-            name: "gl (packed f16)",
-            dev: gl,
-        },
-    ]
+    (0..3).map(gpu_path).collect()
+}
+
+/// One of [`gpu_paths`], opened alone. A test that runs long GL work should open only
+/// what it uses: every GL device of the adapter shares one context, and opening one
+/// while another test's compile holds that context for over a second panics inside
+/// wgpu ("Could not lock adapter context").
+pub fn gpu_path(index: usize) -> Path {
+    match index {
+        0 => {
+            let dev = gpu("vulkan", false);
+            assert!(
+                dev.caps().f16_arithmetic,
+                "the Vulkan adapter `{}` has no native f16; lavapipe should (it needs F16C)",
+                dev.caps().name
+            );
+            Path {
+                name: "vulkan (native f16)",
+                dev,
+            }
+        }
+        1 => {
+            let dev = gpu("vulkan", true);
+            assert!(!dev.caps().f16_arithmetic);
+            Path {
+                name: "vulkan (packed f16)",
+                dev,
+            }
+        }
+        _ => {
+            let dev = gpu("gl", false);
+            assert!(!dev.caps().f16_arithmetic);
+            Path {
+                name: "gl (packed f16)",
+                dev,
+            }
+        }
+    }
 }
 
 /// Small deterministic generator (xorshift64*), so failures reproduce.

@@ -28,6 +28,7 @@ const GELU: &str = shader!("common/gelu.wgsl");
 const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
 const HEADS_PARAMS: &str = shader!("common/heads_params.wgsl");
 const ATTENTION_PARAMS: &str = shader!("common/attention_params.wgsl");
+const ATTENTION_LOAD: &str = shader!("common/attention_load.wgsl");
 const ATTENTION_SHARE_SUBGROUP: &str = shader!("common/attention_share_subgroup.wgsl");
 const ATTENTION_SHARE_NONE: &str = shader!("common/attention_share_none.wgsl");
 
@@ -318,6 +319,7 @@ macro_rules! attention {
             slots: $slots,
             prelude: &[
                 ATTENTION_PARAMS,
+                ATTENTION_LOAD,
                 if $sg {
                     ATTENTION_SHARE_SUBGROUP
                 } else {
