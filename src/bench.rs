@@ -282,14 +282,16 @@ pub struct AttentionRow {
     pub seq: usize,
     pub dim: usize,
     pub fused_ms: f64,
-    pub straight_ms: f64,
+    /// `None` where the straightforward version's T x T scores exceed the adapter's
+    /// per-binding limit, so it cannot run at all.
+    pub straight_ms: Option<f64>,
     /// straight_ms / fused_ms: above 1, the fused version is faster.
-    pub speedup: f64,
+    pub speedup: Option<f64>,
     /// Device bytes each version allocates beyond the shared q, k, v and dout
     /// (`allocated_bytes()` before and after; the fused backward's per-row f32 scratch,
     /// 4 bytes a row, lives in the device's reusable scratch and is not counted).
     pub fused_bytes: u64,
-    pub straight_bytes: u64,
+    pub straight_bytes: Option<u64>,
 }
 
 /// The buffers of one attention version and how to launch its forward and backward.
@@ -478,9 +480,17 @@ pub fn attention_table(
         let (fused_ms, fused_bytes) =
             time_attention(dev, inputs, shape, dtype, fused_attention, budget)
                 .with_context(|| format!("{}: fused", what()))?;
-        let (straight_ms, straight_bytes) =
-            time_attention(dev, inputs, shape, dtype, straight_attention, budget)
-                .with_context(|| format!("{}: straightforward", what()))?;
+        // The straightforward version's T x T scores must fit one binding; past that
+        // only the fused version runs (and the row says so).
+        let scores = dtype.padded_bytes(heads * seq * seq);
+        let straight = if scores > caps.max_storage_binding {
+            None
+        } else {
+            Some(
+                time_attention(dev, inputs, shape, dtype, straight_attention, budget)
+                    .with_context(|| format!("{}: straightforward", what()))?,
+            )
+        };
         for b in inputs {
             dev.free(b)?;
         }
@@ -492,10 +502,10 @@ pub fn attention_table(
             seq,
             dim,
             fused_ms,
-            straight_ms,
-            speedup: straight_ms / fused_ms,
+            straight_ms: straight.map(|s| s.0),
+            speedup: straight.map(|s| s.0 / fused_ms),
             fused_bytes,
-            straight_bytes,
+            straight_bytes: straight.map(|s| s.1),
         };
         progress(&row);
         rows.push(row);
@@ -527,10 +537,11 @@ pub fn format_attention(rows: &[AttentionRow]) -> String {
             r.seq.to_string(),
             r.dim.to_string(),
             format!("{:.2}", r.fused_ms),
-            format!("{:.2}", r.straight_ms),
-            format!("{:.2}x", r.speedup),
+            r.straight_ms
+                .map_or("over binding limit".into(), |m| format!("{m:.2}")),
+            r.speedup.map_or("-".into(), |x| format!("{x:.2}x")),
             mib(r.fused_bytes),
-            mib(r.straight_bytes),
+            r.straight_bytes.map_or("-".into(), mib),
         ]);
     }
     align(&table)

@@ -285,3 +285,31 @@ fn uploads_are_staged_behind_running_work_without_waiting_for_it() {
     assert_eq!(dev.download(small).unwrap().to_f32(), vec![7.0; 256]);
     assert_eq!(dev.download(c).unwrap().to_f32()[n * n - 1], n as f32);
 }
+
+/// A kernel that would bind a whole buffer past the adapter's per-binding limit is a
+/// clear error at launch (GEMMs split such operands; row kernels cannot).
+#[test]
+fn a_buffer_over_the_binding_limit_is_a_clear_error() {
+    let dev = gpu("vulkan", false);
+    let limit = dev.caps().max_storage_binding;
+    let cols = 1024;
+    let rows = (limit / 4) as usize / cols + 1;
+    let x = dev.alloc(DType::F32, rows * cols).unwrap();
+    let out = dev.alloc(DType::F32, rows * cols).unwrap();
+    let stats = dev.alloc(DType::F32, 2 * rows).unwrap();
+    let e = dev
+        .launch(&Kernel::Softmax {
+            x,
+            out,
+            stats,
+            cols,
+            scale: 1.0,
+            causal: true,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("per-binding limit") && e.contains("softmax"), "{e}");
+    // The device is still usable.
+    let small = put(dev.as_ref(), &HostData::F32(vec![1.0; 8]));
+    assert_eq!(dev.download(small).unwrap().to_f32(), vec![1.0; 8]);
+}

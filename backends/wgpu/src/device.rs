@@ -367,6 +367,25 @@ impl WgpuDevice {
 
     /// Records one compute dispatch into the stream.
     pub(crate) fn dispatch(&self, s: &mut State, d: Dispatch<'_>) -> Result<()> {
+        // A whole buffer bound past the adapter's per-binding limit would be a wgpu
+        // validation error at submit; say which kernel and what to do instead.
+        let limit = self.caps.max_storage_binding;
+        for (slot, (_, buffer)) in d.buffers.iter().enumerate() {
+            let ranged = d.ranges.iter().any(|r| r.0 == slot);
+            if !ranged && buffer.size() > limit {
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "`{}` on a {}-byte buffer: over the adapter's per-binding limit of \
+                         {limit} bytes (GEMMs split such operands themselves; this kernel \
+                         cannot). Use smaller tensors, e.g. a smaller batch or sequence, or \
+                         fused attention instead of a T x T score matrix",
+                        d.kernel.name,
+                        buffer.size()
+                    ),
+                });
+            }
+        }
         let key = PipelineKey {
             name: d.kernel.name,
             reprs: d.reprs,
