@@ -308,7 +308,10 @@ fn a_buffer_over_the_binding_limit_is_a_clear_error() {
         })
         .unwrap_err()
         .to_string();
-    assert!(e.contains("per-binding limit") && e.contains("softmax"), "{e}");
+    assert!(
+        e.contains("per-binding limit") && e.contains("softmax"),
+        "{e}"
+    );
     // The device is still usable.
     let small = put(dev.as_ref(), &HostData::F32(vec![1.0; 8]));
     assert_eq!(dev.download(small).unwrap().to_f32(), vec![1.0; 8]);
