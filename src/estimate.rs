@@ -43,7 +43,7 @@ pub fn stages(
         micro_batch,
         seq,
         precision,
-        Attention::best(head_dim, precision),
+        Attention::best(head_dim, precision, seq),
     );
     let n = world.max(1) as u64;
     let psi = model.parameter_count() as u64;

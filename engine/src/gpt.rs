@@ -137,6 +137,9 @@ pub struct GptTraining {
     pub attention: Attention,
 }
 
+/// Sequences shorter than this use the straightforward attention by default.
+pub const SHORTEST_FUSED: usize = 32;
+
 /// How the blocks compute causal self-attention. Both give the same results up to f32
 /// rounding (tests/attention.rs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -158,9 +161,13 @@ impl Attention {
             && (precision.dtype().size() == 4 || head_dim.is_multiple_of(2))
     }
 
-    /// Fused where the kernels take the heads, else straightforward.
-    pub fn best(head_dim: usize, precision: Precision) -> Attention {
-        if Attention::fused_takes(head_dim, precision) {
+    /// Fused where the kernels take the heads and the sequence is long enough for
+    /// tiles to pay, else straightforward: at T = 9 (the demo) the T×T scores are a few
+    /// hundred bytes a head and the batched GEMMs beat the fused kernels (measured:
+    /// the 600-step demo took 68 s fused, 59 s straightforward); from T = 128 up the
+    /// fused version is 2-4x faster (`kiln bench attention`).
+    pub fn best(head_dim: usize, precision: Precision, seq: usize) -> Attention {
+        if seq >= SHORTEST_FUSED && Attention::fused_takes(head_dim, precision) {
             Attention::Fused
         } else {
             Attention::Straightforward
@@ -758,14 +765,19 @@ impl Gpt {
     /// Records the backward pass of the mean loss times `scale`, leaving every
     /// parameter's gradient in its `grad` buffer.
     fn backward(&self, dev: &dyn Device, scale: f32) -> Result<()> {
-        self.backward_with(dev, scale, &mut |_| Ok(()))
+        self.backward_with(dev, scale, None)
     }
 
     /// Backward, calling `ready(params)` as soon as those parameters' gradients are
     /// final and their work submitted: after each block (top block first), then for
     /// the embeddings and final norm. A data-parallel group starts exchanging them
     /// while the rest of backward runs.
-    fn backward_with(&self, dev: &dyn Device, scale: f32, ready: Ready<'_>) -> Result<()> {
+    fn backward_with(
+        &self,
+        dev: &dyn Device,
+        scale: f32,
+        mut ready: Option<Ready<'_>>,
+    ) -> Result<()> {
         let (b, t) = (self.training.batch, self.training.seq);
         let (c, h, v) = (
             self.config.n_embd,
@@ -959,11 +971,15 @@ impl Gpt {
                 x: self.dtmp,
                 y: self.dres,
             })?;
-            dev.submit()?;
-            ready(&[
-                blk.ln1_w, blk.ln1_b, blk.qkv_w, blk.qkv_b, blk.proj_w, blk.proj_b, blk.ln2_w,
-                blk.ln2_b, blk.fc_w, blk.fc_b, blk.fcp_w, blk.fcp_b,
-            ])?;
+            // Submitting here lets a waiting exchange start; alone, one submit a step
+            // is cheaper (lavapipe pays per submission).
+            if let Some(ready) = &mut ready {
+                dev.submit()?;
+                ready(&[
+                    blk.ln1_w, blk.ln1_b, blk.qkv_w, blk.qkv_b, blk.proj_w, blk.proj_b, blk.ln2_w,
+                    blk.ln2_b, blk.fc_w, blk.fc_b, blk.fcp_w, blk.fcp_b,
+                ])?;
+            }
         }
         // Embeddings: dwte (already holding the LM head's part) and dwpe += dres rows.
         dev.launch(&Kernel::EmbeddingBackward {
@@ -978,8 +994,13 @@ impl Gpt {
             dtable: self.grad(self.wpe),
             dim: c,
         })?;
-        dev.submit()?;
-        ready(&[self.wte, self.wpe, self.lnf_w, self.lnf_b])
+        match ready {
+            Some(ready) => {
+                dev.submit()?;
+                ready(&[self.wte, self.wpe, self.lnf_w, self.lnf_b])
+            }
+            None => Ok(()),
+        }
     }
 
     fn upload(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
@@ -1135,7 +1156,7 @@ impl Gpt {
     /// buffers end up holding the scaled gradient of the step's mean loss. Recorded and
     /// submitted, not waited for: several devices can compute at once.
     pub fn accumulate(&self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<()> {
-        self.accumulate_with(dev, micro, &mut |_| Ok(()))
+        self.accumulate_hooked(dev, micro, None)
     }
 
     /// [`Gpt::accumulate`], calling `ready(params)` during the last micro-batch's
@@ -1145,6 +1166,15 @@ impl Gpt {
         dev: &dyn Device,
         micro: &[(&[u32], &[u32])],
         ready: Ready<'_>,
+    ) -> Result<()> {
+        self.accumulate_hooked(dev, micro, Some(ready))
+    }
+
+    fn accumulate_hooked(
+        &self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        mut ready: Option<Ready<'_>>,
     ) -> Result<()> {
         if micro.is_empty() {
             return Err(Error::InvalidArgument(
@@ -1167,7 +1197,7 @@ impl Gpt {
             })?;
             self.grad_beta.set(if i == 0 { 0.0 } else { 1.0 });
             if i + 1 == micro.len() {
-                self.backward_with(dev, scale / n, ready)?;
+                self.backward_with(dev, scale / n, ready.take())?;
             } else {
                 self.backward(dev, scale / n)?;
             }

@@ -200,7 +200,7 @@ impl Trainer {
             precision,
             optimizer: config.optimizer.clone(),
             seed,
-            attention: Attention::best(model.n_embd / model.n_head.max(1), precision),
+            attention: Attention::best(model.n_embd / model.n_head.max(1), precision, seq),
         };
         let mut models = devs
             .iter()
