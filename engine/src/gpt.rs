@@ -35,6 +35,130 @@ impl GptConfig {
     }
 }
 
+/// One parameter as [`Gpt::new`] creates it: the single list that the model, its
+/// memory estimate and every consumer of the layout read.
+struct ParamSpec {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+    /// Embeddings and norms keep f32 gradients (their kernels accumulate in f32); the
+    /// rest use the storage dtype.
+    f32_grad: bool,
+    /// Weight decay applies (matrices only).
+    decay: bool,
+}
+
+/// Every parameter, in model order: wte, wpe, 12 per block, ln_f weight and bias.
+fn param_specs(config: &GptConfig) -> Vec<ParamSpec> {
+    let (c, v) = (config.n_embd, config.vocab_size);
+    let proj_std = 0.02 / (2.0 * config.n_layer as f32).sqrt();
+    let spec = |name: String, shape: Vec<usize>, init, f32_grad, decay| ParamSpec {
+        name,
+        shape,
+        init,
+        f32_grad,
+        decay,
+    };
+    let mut out = vec![
+        spec(
+            "transformer.wte.weight".into(),
+            vec![v, c],
+            Init::Std(0.02),
+            true,
+            false,
+        ),
+        spec(
+            "transformer.wpe.weight".into(),
+            vec![config.block_size, c],
+            Init::Std(0.01),
+            true,
+            false,
+        ),
+    ];
+    for l in 0..config.n_layer {
+        let p = |s: &str| format!("transformer.h.{l}.{s}");
+        out.extend([
+            spec(p("ln_1.weight"), vec![c], Init::Const(1.0), true, false),
+            spec(p("ln_1.bias"), vec![c], Init::Const(0.0), true, false),
+            spec(
+                p("attn.c_attn.weight"),
+                vec![c, 3 * c],
+                Init::Std(0.02),
+                false,
+                true,
+            ),
+            spec(
+                p("attn.c_attn.bias"),
+                vec![3 * c],
+                Init::Const(0.0),
+                false,
+                false,
+            ),
+            spec(
+                p("attn.c_proj.weight"),
+                vec![c, c],
+                Init::Std(proj_std),
+                false,
+                true,
+            ),
+            spec(
+                p("attn.c_proj.bias"),
+                vec![c],
+                Init::Const(0.0),
+                false,
+                false,
+            ),
+            spec(p("ln_2.weight"), vec![c], Init::Const(1.0), true, false),
+            spec(p("ln_2.bias"), vec![c], Init::Const(0.0), true, false),
+            spec(
+                p("mlp.c_fc.weight"),
+                vec![c, 4 * c],
+                Init::Std(0.02),
+                false,
+                true,
+            ),
+            spec(
+                p("mlp.c_fc.bias"),
+                vec![4 * c],
+                Init::Const(0.0),
+                false,
+                false,
+            ),
+            spec(
+                p("mlp.c_proj.weight"),
+                vec![4 * c, c],
+                Init::Std(proj_std),
+                false,
+                true,
+            ),
+            spec(
+                p("mlp.c_proj.bias"),
+                vec![c],
+                Init::Const(0.0),
+                false,
+                false,
+            ),
+        ]);
+    }
+    out.extend([
+        spec(
+            "transformer.ln_f.weight".into(),
+            vec![c],
+            Init::Const(1.0),
+            true,
+            false,
+        ),
+        spec(
+            "transformer.ln_f.bias".into(),
+            vec![c],
+            Init::Const(0.0),
+            true,
+            false,
+        ),
+    ]);
+    out
+}
+
 /// Device bytes a [`Gpt`] allocates, by what they hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GptMemory {
@@ -74,25 +198,10 @@ impl GptMemory {
         );
         let (bt, bhtt) = (batch * seq, batch * h * seq * seq);
         let mut m = GptMemory::default();
-        // (elements, gradient in f32) per tensor, in Gpt::new's order.
-        let mut tensors = vec![(v * c, true), (config.block_size * c, true)];
-        for _ in 0..l {
-            tensors.extend([
-                (c, true),
-                (c, true),
-                (c * 3 * c, false),
-                (3 * c, false),
-                (c * c, false),
-                (c, false),
-                (c, true),
-                (c, true),
-                (c * 4 * c, false),
-                (4 * c, false),
-                (4 * c * c, false),
-                (c, false),
-            ]);
-        }
-        tensors.extend([(c, true), (c, true)]);
+        let tensors: Vec<(usize, bool)> = param_specs(config)
+            .iter()
+            .map(|p| (p.shape.iter().product(), p.f32_grad))
+            .collect();
         for &(n, f32_grad) in &tensors {
             m.weights += a(n);
             m.gradients += if f32_grad { f(n) } else { a(n) };
@@ -332,123 +441,28 @@ impl Gpt {
         }
         let mut rng = SplitMix(training.seed);
         let mut params: Vec<Param> = vec![];
-        // (name, shape, init std or value, grad dtype, decay)
-        let mut add = |name: String,
-                       shape: Vec<usize>,
-                       init: Init,
-                       grad: DType,
-                       decay: bool|
-         -> Result<usize> {
-            let n: usize = shape.iter().product();
-            let values: Vec<f32> = match init {
+        for spec in param_specs(&config) {
+            let n: usize = spec.shape.iter().product();
+            let values: Vec<f32> = match spec.init {
                 Init::Const(x) => vec![x; n],
                 // Uniform with the given standard deviation (GPT-2 uses normal 0.02).
                 Init::Std(s) => (0..n).map(|_| rng.symmetric() * s * 3f32.sqrt()).collect(),
             };
+            let grad = if spec.f32_grad { DType::F32 } else { act };
             params.push(Param {
-                name,
-                shape,
                 buffers: ParamBuffers::new(dev, &values, act, grad)?,
-                decay,
+                name: spec.name,
+                shape: spec.shape,
+                decay: spec.decay,
             });
-            Ok(params.len() - 1)
-        };
-        let proj_std = 0.02 / (2.0 * config.n_layer as f32).sqrt();
-        // Embeddings and norms keep f32 gradients (their kernels accumulate in f32).
-        let wte = add(
-            "transformer.wte.weight".into(),
-            vec![v, c],
-            Init::Std(0.02),
-            DType::F32,
-            false,
-        )?;
-        let wpe = add(
-            "transformer.wpe.weight".into(),
-            vec![config.block_size, c],
-            Init::Std(0.01),
-            DType::F32,
-            false,
-        )?;
-        let mut layer_params = vec![];
-        for l in 0..config.n_layer {
-            let p = |s: &str| format!("transformer.h.{l}.{s}");
-            layer_params.push([
-                add(
-                    p("ln_1.weight"),
-                    vec![c],
-                    Init::Const(1.0),
-                    DType::F32,
-                    false,
-                )?,
-                add(p("ln_1.bias"), vec![c], Init::Const(0.0), DType::F32, false)?,
-                add(
-                    p("attn.c_attn.weight"),
-                    vec![c, 3 * c],
-                    Init::Std(0.02),
-                    act,
-                    true,
-                )?,
-                add(
-                    p("attn.c_attn.bias"),
-                    vec![3 * c],
-                    Init::Const(0.0),
-                    act,
-                    false,
-                )?,
-                add(
-                    p("attn.c_proj.weight"),
-                    vec![c, c],
-                    Init::Std(proj_std),
-                    act,
-                    true,
-                )?,
-                add(p("attn.c_proj.bias"), vec![c], Init::Const(0.0), act, false)?,
-                add(
-                    p("ln_2.weight"),
-                    vec![c],
-                    Init::Const(1.0),
-                    DType::F32,
-                    false,
-                )?,
-                add(p("ln_2.bias"), vec![c], Init::Const(0.0), DType::F32, false)?,
-                add(
-                    p("mlp.c_fc.weight"),
-                    vec![c, 4 * c],
-                    Init::Std(0.02),
-                    act,
-                    true,
-                )?,
-                add(
-                    p("mlp.c_fc.bias"),
-                    vec![4 * c],
-                    Init::Const(0.0),
-                    act,
-                    false,
-                )?,
-                add(
-                    p("mlp.c_proj.weight"),
-                    vec![4 * c, c],
-                    Init::Std(proj_std),
-                    act,
-                    true,
-                )?,
-                add(p("mlp.c_proj.bias"), vec![c], Init::Const(0.0), act, false)?,
-            ]);
         }
-        let lnf_w = add(
-            "transformer.ln_f.weight".into(),
-            vec![c],
-            Init::Const(1.0),
-            DType::F32,
-            false,
-        )?;
-        let lnf_b = add(
-            "transformer.ln_f.bias".into(),
-            vec![c],
-            Init::Const(0.0),
-            DType::F32,
-            false,
-        )?;
+        // param_specs' order: wte, wpe, 12 per block, ln_f weight and bias.
+        let (wte, wpe) = (0, 1);
+        let (lnf_w, lnf_b) = (params.len() - 2, params.len() - 1);
+        let layer_params = (0..config.n_layer).map(|l| {
+            let first = 2 + 12 * l;
+            std::array::from_fn::<usize, 12, _>(|i| first + i)
+        });
         let a = |dtype: DType, n: usize| dev.alloc(dtype, n);
         let mut blocks = vec![];
         for lp in layer_params {
