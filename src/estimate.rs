@@ -3,7 +3,10 @@
 //! Model states come from the same layout `Gpt::new` allocates (`GptMemory::of`, tested
 //! equal to a device's allocator); stages 1–3 divide the parts each partitions by the
 //! device count, as ZeRO's formulas do: stage 0 (2+2+12)Ψ, stage 1 2Ψ+2Ψ+12Ψ/N,
-//! stage 2 2Ψ+(2+12)Ψ/N, stage 3 (2+2+12)Ψ/N for fp16 with Adam.
+//! stage 2 2Ψ+(2+12)Ψ/N, stage 3 (2+2+12)Ψ/N for fp16 with Adam. Stages 1 and 2 are
+//! what Kiln allocates: a rank's slice also has an f32 reduced gradient and a model
+//! copy, and stage 2's full-size gradients are one block's (shared by all blocks) plus
+//! the embeddings' and final norm's, not 2Ψ/N.
 
 use std::fmt::Write as _;
 
@@ -66,13 +69,19 @@ pub fn stages(
             m.optimizer.div_ceil(n) + if n > 1 { slice_extra } else { 0 },
             true,
         ),
-        one(
-            2,
-            m.weights,
-            m.gradients.div_ceil(n),
-            m.optimizer.div_ceil(n),
-            false,
-        ),
+        // Stage 2 holds one block's gradients at a time (the blocks share them) next
+        // to the embeddings' and final norm's, and its slice's f32 reduced gradient.
+        if n > 1 {
+            one(
+                2,
+                m.weights,
+                m.gradients - (model.n_layer as u64 - 1) * m.block_gradients + 4 * psi.div_ceil(n),
+                m.optimizer.div_ceil(n) + precision.dtype().size() as u64 * psi.div_ceil(n),
+                true,
+            )
+        } else {
+            one(2, m.weights, m.gradients, m.optimizer, true)
+        },
         one(
             3,
             m.weights.div_ceil(n),
@@ -172,6 +181,19 @@ mod tests {
         assert!(r[0].gradients >= 2 * psi && r[0].gradients <= 4 * psi);
         assert_eq!(r[1].optimizer, (12 * psi).div_ceil(4) + 6 * psi.div_ceil(4));
         assert_eq!(r[3].weights, (2 * psi).div_ceil(4));
+        // Stage 2 keeps one of the 12 blocks' gradients and an f32 slice of all.
+        let m = GptMemory::of(
+            &cfg,
+            1,
+            1024,
+            Precision::F16,
+            Attention::best(64, Precision::F16, 1024),
+        );
+        assert_eq!(
+            r[2].gradients,
+            m.gradients - 11 * m.block_gradients + 4 * psi.div_ceil(4)
+        );
+        assert!(r.iter().take(3).all(|s| s.implemented) && !r[3].implemented);
         assert!(state(&r[0]) > state(&r[1]) && state(&r[1]) > state(&r[2]));
         assert!(state(&r[2]) > state(&r[3]));
         assert!(r.iter().all(|s| s.activations == r[0].activations));

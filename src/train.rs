@@ -240,6 +240,21 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     prepare_run_dir(&dir, &record, opts.resume)?;
 
     let mut trainer = Trainer::new_group(&devs, model.clone(), ds.clone(), t, seed)?;
+    let model_states: Vec<_> = (0..world).map(|r| trainer.model_state_bytes(r)).collect();
+    if opts.progress {
+        for (r, m) in model_states.iter().enumerate() {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            eprintln!(
+                "device {r}: model states {:.2} MiB (weights {:.2}, gradients {:.2}, \
+                 master+optimizer {:.2}; ZeRO stage {})",
+                mib(m.total()),
+                mib(m.weights),
+                mib(m.gradients),
+                mib(m.optimizer),
+                ds.zero.stage
+            );
+        }
+    }
     let total = opts.steps.or(k.steps).unwrap_or(match ds.schedule {
         Schedule::WarmupDecayLr { total_steps, .. }
         | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
@@ -474,6 +489,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let mut summary = Summary::from_records(&records, runs::DEFAULT_WARMUP_STEPS);
     summary.total_time_s = started.elapsed().as_secs_f64();
     summary.devices = device_names;
+    summary.model_states = model_states;
     summary.write(&dir)?;
     runs::write_chart(&dir)?;
     if interrupted {

@@ -318,22 +318,23 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// Data parallelism through `kiln train`: `vulkan:0x2` is two devices on one adapter;
 /// a 12-sample global batch is split 1 × 6, 2 × 3 or 3 × 2 (devices × accumulation),
-/// so a checkpoint of the 2-device ZeRO-1 run (optimizer state sharded 2 ways, saved
-/// whole) continues on 1 or 3 devices (re-sharded) with the same next losses as on 2.
+/// so a checkpoint of the 2-device ZeRO-2 run (gradients and optimizer state sharded 2
+/// ways, saved whole) continues on 1 or 3 devices (re-sharded) with the same next
+/// losses as on 2.
 #[test]
 fn a_two_device_zero_run_resumes_on_one_and_on_three_devices() {
     let dir = scratch("dp");
     let model = dir.join("model.json");
     std::fs::write(
         &model,
-        r#"{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 9, "vocab_size": 13}"#,
+        r#"{"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 9, "vocab_size": 13}"#,
     )
     .unwrap();
     let config = dir.join("ds.json");
     std::fs::write(
         &config,
         r#"{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+            "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
     )
     .unwrap();
@@ -353,24 +354,42 @@ fn a_two_device_zero_run_resumes_on_one_and_on_three_devices() {
     assert!(recs.iter().all(|r| r.comm_bytes > 0 && r.comm_ms > 0.0));
     copy_dir(&dir.join("two"), &dir.join("one"));
     copy_dir(&dir.join("two"), &dir.join("three"));
-    let next = |out: &str, devices: &str| -> Vec<f32> {
+    let next = |out: &str, devices: &str| {
         let r = train(&TrainOptions {
             resume: true,
             ..opts(out, devices, 6)
         })
         .unwrap();
-        runs::read_metrics(&r.dir).unwrap()[4..]
+        let losses: Vec<f32> = runs::read_metrics(&r.dir).unwrap()[4..]
             .iter()
             .map(|r| r.loss)
-            .collect()
+            .collect();
+        (losses, r.summary.model_states)
     };
-    let two = next("two", "vulkan:0x2");
-    let one = next("one", "vulkan");
-    let three = next("three", "vulkan:0x3");
+    let (two, states2) = next("two", "vulkan:0x2");
+    let (one, states1) = next("one", "vulkan");
+    let (three, states3) = next("three", "vulkan:0x3");
     // Same samples, same weights; only where the gradient sums happen differs (f32).
     for other in [&one, &three] {
         for (a, b) in two.iter().zip(other.iter()) {
             assert!((a - b).abs() < 1e-4 * a.abs(), "{two:?} vs {other:?}");
+        }
+    }
+    // The summary reports each device's model states: the optimizer's shrink with the
+    // device count (a slice's f32 master and moments also update the slice's f32 model
+    // copy: 16 bytes per element where a whole state takes 12, hence 4 / 3N), and the
+    // gradients a device holds are one of the 4 blocks' and its f32 slice of all.
+    assert_eq!((states1.len(), states2.len(), states3.len()), (1, 2, 3));
+    for states in [&states2, &states3] {
+        let n = states.len() as f64;
+        for s in states.iter() {
+            let ratio = s.optimizer as f64 / states1[0].optimizer as f64;
+            assert!(
+                (ratio - 4.0 / (3.0 * n)).abs() < 0.02,
+                "{ratio} on {n} devices"
+            );
+            assert!(s.gradients < states1[0].gradients);
+            assert_eq!(s.weights, states1[0].weights);
         }
     }
     std::fs::remove_dir_all(&dir).ok();

@@ -166,6 +166,9 @@ pub struct GptMemory {
     pub weights: u64,
     /// Gradients (storage dtype; f32 for embeddings and norms).
     pub gradients: u64,
+    /// One transformer block's share of `gradients` (ZeRO stage 2 keeps one block's
+    /// gradients at a time, see [`Gpt::share_block_gradients`]).
+    pub block_gradients: u64,
     /// f32 master weights and the optimizer's two moments.
     pub optimizer: u64,
     /// Activations saved for backward, backward scratch, inputs and small buffers.
@@ -198,13 +201,20 @@ impl GptMemory {
         );
         let (bt, bhtt) = (batch * seq, batch * h * seq * seq);
         let mut m = GptMemory::default();
-        let tensors: Vec<(usize, bool)> = param_specs(config)
+        let tensors: Vec<(usize, bool, bool)> = param_specs(config)
             .iter()
-            .map(|p| (p.shape.iter().product(), p.f32_grad))
+            .map(|p| {
+                let first_block = p.name.starts_with("transformer.h.0.");
+                (p.shape.iter().product(), p.f32_grad, first_block)
+            })
             .collect();
-        for &(n, f32_grad) in &tensors {
+        for &(n, f32_grad, first_block) in &tensors {
+            let grad = if f32_grad { f(n) } else { a(n) };
             m.weights += a(n);
-            m.gradients += if f32_grad { f(n) } else { a(n) };
+            m.gradients += grad;
+            if first_block {
+                m.block_gradients += grad;
+            }
             m.optimizer += 3 * f(n);
         }
         let fused = attention == Attention::Fused;
@@ -377,6 +387,9 @@ pub struct Gpt {
     /// 0 for the first micro-batch of a step (gradients are overwritten), 1 after
     /// (gradients accumulate).
     grad_beta: std::cell::Cell<f32>,
+    /// Every block writes its gradients into block 0's buffers (ZeRO stage 2): each
+    /// micro-batch's block gradients must be handed over before the next block runs.
+    shared_block_grads: bool,
     /// Targets of the uploaded batch that are trained on (not IGNORE_TARGET).
     trained: std::cell::Cell<usize>,
     /// Per-token losses summed over a step's micro-batches.
@@ -384,6 +397,21 @@ pub struct Gpt {
     /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per tensor).
     norm_parts: Vec<Buffer>,
     norm_acc: [Buffer; 2],
+}
+
+/// A device's bytes of model states, by what they hold (ZeRO's accounting).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelStateBytes {
+    pub weights: u64,
+    pub gradients: u64,
+    /// f32 master weights, optimizer moments and what updates them.
+    pub optimizer: u64,
+}
+
+impl ModelStateBytes {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer
+    }
 }
 
 /// One parameter's training state on the host: model copy (storage dtype, bit-exact),
@@ -558,6 +586,7 @@ impl Gpt {
             scaler,
             step: 0,
             grad_beta: std::cell::Cell::new(0.0),
+            shared_block_grads: false,
             trained: std::cell::Cell::new(0),
             loss_sum: a(DType::F32, bt)?,
             norm_parts: (0..params.len())
@@ -843,6 +872,16 @@ impl Gpt {
             cols: c,
         })?;
         for blk in self.blocks.iter().rev() {
+            if self.shared_block_grads {
+                // The norms' gradients accumulate (+=), and the block above left its own
+                // in these shared buffers.
+                for p in [blk.ln1_w, blk.ln1_b, blk.ln2_w, blk.ln2_b] {
+                    dev.launch(&Kernel::Fill {
+                        dst: self.grad(p),
+                        value: 0.0,
+                    })?;
+                }
+            }
             // dres: gradient of the block output = x_mid + mlp(x_mid).
             self.linear_backward(
                 dev,
@@ -1175,6 +1214,8 @@ impl Gpt {
 
     /// [`Gpt::accumulate`], calling `ready(params)` during the last micro-batch's
     /// backward as soon as those parameters' gradients are final (see `backward_with`).
+    /// With [`Gpt::share_block_gradients`] every micro-batch's gradients are written
+    /// afresh and handed over: the caller sums them.
     pub fn accumulate_with(
         &self,
         dev: &dyn Device,
@@ -1195,6 +1236,13 @@ impl Gpt {
                 "gpt: a step needs at least one micro-batch".into(),
             ));
         }
+        if self.shared_block_grads && ready.is_none() {
+            return Err(Error::InvalidArgument(
+                "gpt: the blocks share one set of gradient buffers (ZeRO stage 2), so each \
+                 block's gradients must be handed over as they are made: use accumulate_with"
+                    .into(),
+            ));
+        }
         let scale = self.scaler.scale();
         let n = micro.len() as f32;
         dev.launch(&Kernel::Fill {
@@ -1209,6 +1257,15 @@ impl Gpt {
                 x: self.losses,
                 y: self.loss_sum,
             })?;
+            if self.shared_block_grads {
+                self.grad_beta.set(0.0);
+                let hook: Option<Ready<'_>> = match &mut ready {
+                    Some(r) => Some(&mut **r),
+                    None => None,
+                };
+                self.backward_with(dev, scale / n, hook)?;
+                continue;
+            }
             self.grad_beta.set(if i == 0 { 0.0 } else { 1.0 });
             if i + 1 == micro.len() {
                 self.backward_with(dev, scale / n, ready.take())?;
@@ -1222,13 +1279,51 @@ impl Gpt {
 
     /// Parameter `index`'s gradient as f32 (waits for the work that writes it).
     pub fn gradient(&self, dev: &dyn Device, index: usize) -> Result<Vec<f32>> {
+        self.check_own_gradients()?;
         Ok(dev.download(self.params[index].grad)?.to_f32())
     }
 
     /// Overwrites parameter `index`'s gradient (rounded to its dtype).
     pub fn set_gradient(&self, dev: &dyn Device, index: usize, grad: &[f32]) -> Result<()> {
+        self.check_own_gradients()?;
         let g = self.params[index].grad;
         dev.upload(g, &HostData::from_f32(g.dtype, grad))
+    }
+
+    /// Shared block gradients hold whichever block ran last: reading them as one
+    /// parameter's gradient would be wrong without saying so.
+    fn check_own_gradients(&self) -> Result<()> {
+        if self.shared_block_grads {
+            return Err(Error::InvalidArgument(
+                "gpt: the blocks share one set of gradient buffers (ZeRO stage 2); a block's \
+                 gradients exist only while accumulate_with hands them over"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// ZeRO stage 2's gradient partitioning on this replica: every transformer block
+    /// writes its gradients into block 0's buffers, and the other blocks' are freed, so
+    /// a device holds one block's gradients (plus the embeddings' and final norm's)
+    /// instead of all of them. [`Gpt::accumulate_with`] then hands over each block's
+    /// gradients of every micro-batch before the next block overwrites them (the copy
+    /// to staging memory is queued in-stream ahead of that block's backward), and the
+    /// group keeps only each rank's reduced shard.
+    pub fn share_block_gradients(&mut self, dev: &dyn Device) -> Result<()> {
+        if self.shared_block_grads {
+            return Ok(());
+        }
+        let per_block = 12;
+        for l in 1..self.blocks.len() {
+            for i in 0..per_block {
+                let (shared, own) = (2 + i, 2 + per_block * l + i);
+                dev.free(self.params[own].buffers.grad)?;
+                self.params[own].buffers.grad = self.params[shared].buffers.grad;
+            }
+        }
+        self.shared_block_grads = true;
+        Ok(())
     }
 
     /// Parameter `index`'s gradient buffer (a data-parallel group downloads it from
@@ -1253,13 +1348,35 @@ impl Gpt {
         Ok((sums.iter().map(|&x| x as f64).sum::<f64>() / n.max(1) as f64) as f32)
     }
 
-    /// Bytes of all gradient buffers as stored on the device.
+    /// Device bytes of this replica's model states as allocated: model copy,
+    /// gradients (shared ones once) and f32 master + moments (empty after
+    /// [`Gpt::release_optimizer_state`]).
+    pub fn model_state_bytes(&self) -> ModelStateBytes {
+        let f = |b: Buffer| b.bytes();
+        ModelStateBytes {
+            weights: self.params.iter().map(|p| f(p.value)).sum(),
+            gradients: self.gradient_bytes(),
+            optimizer: self
+                .params
+                .iter()
+                .map(|p| f(p.master) + f(p.m) + f(p.v))
+                .sum(),
+        }
+    }
+
+    /// Bytes of all gradient buffers as stored on the device (shared ones once).
     pub fn gradient_bytes(&self) -> u64 {
-        self.params.iter().map(|p| p.grad.bytes()).sum()
+        let mut seen = std::collections::HashSet::new();
+        self.params
+            .iter()
+            .filter(|p| seen.insert(p.grad.id))
+            .map(|p| p.grad.bytes())
+            .sum()
     }
 
     /// Every parameter's gradient as f32, in parameter order (waits for the device).
     pub fn gradient_values(&self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        self.check_own_gradients()?;
         self.params
             .iter()
             .map(|p| Ok(dev.download(p.grad)?.to_f32()))
@@ -1276,6 +1393,7 @@ impl Gpt {
                 self.params.len()
             )));
         }
+        self.check_own_gradients()?;
         for (p, g) in self.params.iter().zip(grads) {
             dev.upload(p.grad, &HostData::from_f32(p.grad.dtype, g))?;
         }

@@ -363,6 +363,9 @@ pub struct Summary {
     pub peak_device_memory_bytes: u64,
     /// Filled in by the caller.
     pub devices: Vec<String>,
+    /// Per device, the model states' bytes as allocated (filled in by the caller).
+    #[serde(default)]
+    pub model_states: Vec<crate::gpt::ModelStateBytes>,
 }
 
 fn finite<T: Into<f64> + Copy>(v: T) -> Option<T> {

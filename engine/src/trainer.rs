@@ -11,7 +11,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision as ConfigPrecision, TrainConfig};
-use crate::gpt::{Attention, Gpt, GptConfig, GptTraining, ParamState};
+use crate::gpt::{Attention, Gpt, GptConfig, GptTraining, ModelStateBytes, ParamState};
 use crate::loss_scaler::LossScaler;
 use crate::mlp::Precision;
 use crate::optim::ParamBuffers;
@@ -67,41 +67,58 @@ struct Exchanged {
     bytes: u64,
     /// When the exchange began (comm time is measured from here).
     started: std::time::Instant,
+    /// Exchange time spent inside backward before `started` (stage 2 without overlap).
+    blocked_ms: f64,
     overlap: f64,
     /// The average is already in every rank's gradient buffers.
     uploaded: bool,
 }
 
-/// The mean of the ranks' copies of one tensor, summed in rank order (so any schedule
-/// gives the same bits); split across threads when large.
-fn average(parts: &[Vec<f32>]) -> Vec<f32> {
-    let inv = 1.0 / parts.len() as f32;
-    let n = parts[0].len();
-    let mut out = vec![0f32; n];
+/// Adds the ranks' copies of one tensor into `acc` in rank order (an empty `acc` starts
+/// as the first copy), then multiplies by `scale` when given (the last round): so any
+/// schedule gives the same bits. Split across threads when large.
+fn fold(acc: &mut Vec<f32>, parts: &[Vec<f32>], scale: Option<f32>) {
+    let (first, rest) = if acc.is_empty() {
+        *acc = vec![0f32; parts[0].len()];
+        (Some(&parts[0]), &parts[1..])
+    } else {
+        (None, parts)
+    };
+    let n = acc.len();
     let fold = |range: std::ops::Range<usize>, out: &mut [f32]| {
-        out.copy_from_slice(&parts[0][range.clone()]);
-        for p in &parts[1..] {
+        if let Some(first) = first {
+            out.copy_from_slice(&first[range.clone()]);
+        }
+        for p in rest {
             for (a, b) in out.iter_mut().zip(&p[range.clone()]) {
                 *a += b;
             }
         }
-        for a in out.iter_mut() {
-            *a *= inv;
+        if let Some(scale) = scale {
+            for a in out.iter_mut() {
+                *a *= scale;
+            }
         }
     };
     const CHUNK: usize = 1 << 18;
     if n <= CHUNK {
-        fold(0..n, &mut out);
+        fold(0..n, acc);
     } else {
         std::thread::scope(|s| {
-            for (i, chunk) in out.chunks_mut(CHUNK).enumerate() {
+            for (i, chunk) in acc.chunks_mut(CHUNK).enumerate() {
                 let lo = i * CHUNK;
                 let fold = &fold;
                 s.spawn(move || fold(lo..lo + chunk.len(), chunk));
             }
         });
     }
-    out
+}
+
+/// The mean of the ranks' copies of one tensor.
+fn average(parts: &[Vec<f32>]) -> Vec<f32> {
+    let mut acc = vec![];
+    fold(&mut acc, parts, Some(1.0 / parts.len() as f32));
+    acc
 }
 
 /// A tensor's overflow flag and squared norm. Both exchange paths add the tensors'
@@ -129,10 +146,15 @@ pub struct Trainer {
     steps: u64,
     /// The last data-parallel step's exchange.
     pub last_comm: CommStats,
-    /// ZeRO stage 1: per rank, the optimizer-state segments it owns (empty at stage 0).
+    /// ZeRO stages 1 and 2: per rank, the optimizer-state segments it owns (empty at
+    /// stage 0).
     shards: Vec<Vec<ShardSegment>>,
     /// ZeRO: per rank, the f32[1] gradient factor its shard's update reads.
     shard_scale: Vec<Buffer>,
+    /// ZeRO stage 2: the replicas' blocks share one set of gradient buffers, each
+    /// micro-batch's gradients are reduced during backward, and a rank keeps only its
+    /// shard of the result (in its segments' gradient buffers).
+    partitioned: bool,
 }
 
 /// One segment of a rank's ZeRO shard on its device: the f32 master, moments and
@@ -172,13 +194,12 @@ impl Trainer {
                 devs.len()
             )));
         }
-        if config.zero.stage >= 2 {
+        if config.zero.stage > 2 {
             return Err(Error::Unsupported {
                 device: devs[0].caps().name.clone(),
                 what: format!(
-                    "zero_optimization.stage {}: gradient partitioning is not implemented yet \
-                     (backward still holds every gradient on every device); stage 1 shards \
-                     the master weights and optimizer moments",
+                    "zero_optimization.stage {}: parameter partitioning (stage 3) is not \
+                     implemented; stage 2 shards gradients and optimizer state",
                     config.zero.stage
                 ),
             });
@@ -212,7 +233,8 @@ impl Trainer {
             .collect::<Result<Vec<_>>>()?;
         let (mut shards, mut shard_scale) = (vec![], vec![]);
         // On one device the single shard is the whole state: stage 0's layout.
-        if config.zero.stage == 1 && devs.len() > 1 {
+        let partitioned = config.zero.stage == 2 && devs.len() > 1;
+        if config.zero.stage >= 1 && devs.len() > 1 {
             let layout = models[0].parameter_layout();
             let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
             for (rank, (m, &dev)) in models.iter_mut().zip(devs).enumerate() {
@@ -226,6 +248,9 @@ impl Trainer {
                 }
                 shards.push(segs);
                 shard_scale.push(dev.alloc(DType::F32, 1)?);
+                if partitioned {
+                    m.share_block_gradients(dev)?;
+                }
             }
         }
         let model = models.remove(0);
@@ -237,6 +262,7 @@ impl Trainer {
             last_comm: CommStats::default(),
             shards,
             shard_scale,
+            partitioned,
         })
     }
 
@@ -310,8 +336,8 @@ impl Trainer {
         let loss_scale = self.model.scaler.scale();
         let clip = self.config.gradient_clipping;
         let overlapped = self.config.zero.overlap_comm;
-        let ex = if overlapped {
-            self.exchange_overlapped(devs, micro)?
+        let ex = if overlapped || self.partitioned {
+            self.exchange_during_backward(devs, micro)?
         } else {
             self.exchange(devs, micro)?
         };
@@ -325,7 +351,7 @@ impl Trainer {
         self.steps += 1;
         if decision == crate::StepDecision::Skip {
             self.last_comm = CommStats {
-                ms: t0.elapsed().as_secs_f64() * 1e3,
+                ms: t0.elapsed().as_secs_f64() * 1e3 + ex.blocked_ms,
                 bytes,
                 overlap: ex.overlap,
             };
@@ -357,7 +383,7 @@ impl Trainer {
             bytes += self.apply_shards(devs, &sum, lr, grad_scale, applied + 1)?;
         }
         self.last_comm = CommStats {
-            ms: t0.elapsed().as_secs_f64() * 1e3,
+            ms: t0.elapsed().as_secs_f64() * 1e3 + ex.blocked_ms,
             bytes,
             overlap: ex.overlap,
         };
@@ -413,29 +439,39 @@ impl Trainer {
             sum_squares,
             bytes,
             started,
+            blocked_ms: 0.0,
             overlap: 0.0,
             uploaded: false,
         })
     }
 
-    /// The exchange overlapped with backward (`overlap_comm` on): each device records
-    /// its backward on its own thread, handing over parameters as their gradients
-    /// become final; a downloader thread per device copies them to the host in buckets
-    /// of up to `reduce_bucket_size` elements; this thread averages each tensor once
-    /// every device's copy is in and (stage 0) uploads the average back at once, while
-    /// later layers are still in backward.
-    fn exchange_overlapped(
+    /// The exchange during backward: each device records its backward on its own
+    /// thread, handing over parameters as their gradients become final; a downloader
+    /// thread per device copies them to the host in buckets of up to
+    /// `reduce_bucket_size` elements; this thread sums each tensor once every device's
+    /// copy is in and (stage 0) uploads the average back at once, while later layers
+    /// are still in backward (`overlap_comm` on).
+    ///
+    /// ZeRO stage 2 (`partitioned`) hands over every micro-batch's gradients, block by
+    /// block, since the blocks share one set of gradient buffers; the host sums the
+    /// micro-batches too and each rank later receives only its shard. Without
+    /// `overlap_comm` its recorder fetches each block's copies itself before recording
+    /// the next block: nothing overlaps, and that time is exchange time.
+    fn exchange_during_backward(
         &mut self,
         devs: &[&dyn Device],
         micro: &[Vec<(&[u32], &[u32])>],
     ) -> Result<Exchanged> {
-        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
         use std::sync::mpsc;
         let world = self.world();
         let want = self.config.batch.grad_accum;
         let bucket = self.config.zero.reduce_bucket_size.max(1) as usize;
         let n_params = self.model.parameter_tensors();
         let upload = self.shards.is_empty();
+        // How many times each tensor comes over from each rank.
+        let rounds = if self.partitioned { want } else { 1 };
+        let blocking = !self.config.zero.overlap_comm;
         let started = std::time::Instant::now();
         let grads: Vec<Vec<Buffer>> = self
             .models()
@@ -445,13 +481,19 @@ impl Trainer {
         let in_backward = AtomicUsize::new(world);
         // When the last device finished backward: exchange time after it is exposed.
         let backward_done = std::sync::Mutex::new(None::<std::time::Instant>);
+        // Per rank, nanoseconds its recorder spent fetching (blocking only).
+        let blocked: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
         type Bucket = Vec<(usize, Vec<f32>)>;
         let (to_reducer, from_ranks) = mpsc::channel::<Result<(usize, Bucket, bool)>>();
         let mut models: Vec<&mut Gpt> = std::iter::once(&mut self.model)
             .chain(self.replicas.iter_mut())
             .collect();
-        let mut slots: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; world]; n_params];
-        let mut avg: Vec<Vec<f32>> = vec![vec![]; n_params];
+        // slots[p][round][rank]; a round is folded into sums[p] once complete.
+        let mut slots: Vec<Vec<Vec<Option<Vec<f32>>>>> =
+            vec![vec![vec![None; world]; rounds]; n_params];
+        let mut arrived = vec![vec![0usize; world]; n_params];
+        let mut folded = vec![0usize; n_params];
+        let mut sums: Vec<Vec<f32>> = vec![vec![]; n_params];
         let mut inspected = vec![(false, 0f64); n_params];
         let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
         std::thread::scope(|s| -> Result<()> {
@@ -502,9 +544,24 @@ impl Trainer {
                 let micro = &micro[r];
                 let model: &mut Gpt = m;
                 let errors = to_reducer.clone();
+                let to_reducer_direct = to_reducer.clone();
+                let blocked = &blocked[r];
                 s.spawn(move || {
                     let result = model
                         .accumulate_with(dev, micro, &mut |params| {
+                            if blocking {
+                                // Compute first, so only the copies count as exchange.
+                                dev.wait()?;
+                                let t = std::time::Instant::now();
+                                let mut out = vec![];
+                                for &p in params {
+                                    out.push((p, dev.download(grads[p])?.to_f32()));
+                                }
+                                blocked.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
+                                return to_reducer_direct.send(Ok((r, out, false))).map_err(|_| {
+                                    Error::InvalidArgument("gradient reducer stopped".into())
+                                });
+                            }
                             let mut staged = vec![];
                             for &p in params {
                                 match dev.begin_download(grads[p]) {
@@ -550,22 +607,35 @@ impl Trainer {
                     if during {
                         overlapped_bytes += b;
                     }
-                    slots[p][r] = Some(g);
-                    if slots[p].iter().all(Option::is_some) {
-                        let parts: Vec<Vec<f32>> = slots[p]
+                    // A rank hands tensor p over once per round, in order.
+                    let round = arrived[p][r];
+                    if round >= rounds {
+                        return Err(Error::InvalidArgument(format!(
+                            "rank {r} handed over gradient {p} more than {rounds} times in a step"
+                        )));
+                    }
+                    arrived[p][r] += 1;
+                    slots[p][round][r] = Some(g);
+                    while folded[p] < rounds && slots[p][folded[p]].iter().all(Option::is_some) {
+                        let parts: Vec<Vec<f32>> = slots[p][folded[p]]
                             .iter_mut()
                             .map(|x| x.take().unwrap_or_default())
                             .collect();
-                        let a = average(&parts);
-                        inspected[p] = inspect(&a);
+                        folded[p] += 1;
+                        let last = folded[p] == rounds;
+                        fold(&mut sums[p], &parts, last.then_some(1.0 / world as f32));
+                        if !last {
+                            continue;
+                        }
+                        let a = &sums[p];
+                        inspected[p] = inspect(a);
                         if upload {
                             for (rank, dev) in devs.iter().enumerate() {
                                 let buf = grads[rank][p];
-                                dev.upload(buf, &HostData::from_f32(buf.dtype, &a))?;
+                                dev.upload(buf, &HostData::from_f32(buf.dtype, a))?;
                                 bytes += buf.bytes();
                             }
                         }
-                        avg[p] = a;
                         done += 1;
                     }
                 }
@@ -577,18 +647,26 @@ impl Trainer {
         for (m, dev) in self.models().zip(devs) {
             loss += m.accumulated_loss(*dev, want)? as f64;
         }
-        // Comm time counts from the end of backward: what the overlap did not hide.
+        // Comm time counts from the end of backward: what the overlap did not hide,
+        // plus what a blocking recorder spent fetching (the slowest rank's).
         let started = backward_done
             .into_inner()
             .unwrap_or_else(|e| e.into_inner())
             .unwrap_or(started);
+        let blocked_ms = blocked
+            .iter()
+            .map(|b| b.load(Ordering::SeqCst))
+            .max()
+            .unwrap_or(0) as f64
+            / 1e6;
         Ok(Exchanged {
             loss: (loss / world as f64) as f32,
-            avg,
+            avg: sums,
             overflow,
             sum_squares,
             bytes,
             started,
+            blocked_ms,
             overlap: if total_bytes == 0 {
                 0.0
             } else {
@@ -744,6 +822,25 @@ impl Trainer {
             }
         }
         Ok(())
+    }
+
+    /// Rank `rank`'s model states on its device as allocated: its replica's model
+    /// copy and gradients, and its optimizer state (whole, or its ZeRO slices: master,
+    /// moments, reduced gradient, updated model copy and the step's gradient factor).
+    pub fn model_state_bytes(&self, rank: usize) -> ModelStateBytes {
+        let Some(m) = self.models().nth(rank) else {
+            return ModelStateBytes::default();
+        };
+        let mut bytes = m.model_state_bytes();
+        if let Some(segs) = self.shards.get(rank) {
+            for s in segs {
+                let b = &s.buffers;
+                bytes.gradients += b.grad.bytes();
+                bytes.optimizer += b.master.bytes() + b.m.bytes() + b.v.bytes() + b.value.bytes();
+            }
+            bytes.optimizer += self.shard_scale[rank].bytes();
+        }
+        bytes
     }
 
     /// Elements of the optimizer state rank `rank` holds (master + moments count once).
