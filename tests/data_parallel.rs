@@ -593,6 +593,15 @@ impl Device for Flaky {
     fn free(&self, b: kiln::engine::Buffer) -> kiln::engine::Result<()> {
         self.inner.free(b)
     }
+    fn view(
+        &self,
+        b: kiln::engine::Buffer,
+        offset: usize,
+        len: usize,
+    ) -> kiln::engine::Result<kiln::engine::Buffer> {
+        self.check()?;
+        self.inner.view(b, offset, len)
+    }
     fn upload(
         &self,
         b: kiln::engine::Buffer,

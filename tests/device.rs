@@ -316,3 +316,98 @@ fn a_buffer_over_the_binding_limit_is_a_clear_error() {
     let small = put(dev.as_ref(), &HostData::F32(vec![1.0; 8]));
     assert_eq!(dev.download(small).unwrap().to_f32(), vec![1.0; 8]);
 }
+
+/// Views: a model keeps its tensors in a few flat buffers and binds each tensor as a
+/// view. Uploads, downloads, copies and kernels on a view touch exactly its range, at
+/// any 256-byte-aligned offset, in f32 and f16, on every path; the allocator counts the
+/// buffer once; bad views are errors naming the fix.
+#[test]
+fn views_touch_exactly_their_range() {
+    for (name, dev) in all_devices() {
+        for dtype in [DType::F32, DType::F16] {
+            let per = (256 / dtype.size()) as usize;
+            let n = 3 * per + 10;
+            let parent = dev.alloc(dtype, n).unwrap();
+            let before = dev.allocated_bytes();
+            let base: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            dev.upload(parent, &HostData::from_f32(dtype, &base))
+                .unwrap();
+            // Two views, the second ending at the parent's end with an odd length.
+            let a = dev.view(parent, per, 6).unwrap();
+            let b = dev.view(parent, 2 * per, per + 10).unwrap();
+            assert_eq!(
+                dev.allocated_bytes(),
+                before,
+                "{name}: views allocate nothing"
+            );
+            assert_eq!(
+                dev.download(a).unwrap().to_f32(),
+                base[per..per + 6].to_vec(),
+                "{name} {dtype}"
+            );
+            // Upload into a view, a kernel writing a view, a copy between views.
+            dev.upload(a, &HostData::from_f32(dtype, &[-1.0; 6]))
+                .unwrap();
+            let other = dev.alloc(dtype, per + 10).unwrap();
+            dev.upload(other, &HostData::from_f32(dtype, &vec![0.5; per + 10]))
+                .unwrap();
+            dev.launch(&Kernel::Axpy {
+                alpha: 2.0,
+                x: other,
+                y: b,
+            })
+            .unwrap();
+            let c = dev.view(parent, 0, 6).unwrap();
+            dev.launch(&Kernel::Copy { src: a, dst: c }).unwrap();
+            dev.submit().unwrap();
+            let mut want = base.clone();
+            want[per..per + 6].fill(-1.0);
+            want[..6].fill(-1.0);
+            for w in &mut want[2 * per..] {
+                *w += 1.0;
+            }
+            // Integers up to 3·128+10 and their halves are exact in f16.
+            assert_eq!(
+                dev.download(parent).unwrap().to_f32(),
+                want,
+                "{name} {dtype}"
+            );
+            // Bad views.
+            let e = dev.view(parent, 1, 2).unwrap_err().to_string();
+            assert!(e.contains("256-byte boundary"), "{name}: {e}");
+            assert!(dev.view(parent, 2 * per, per + 11).is_err(), "{name}");
+            assert!(dev.view(parent, 0, 0).is_err(), "{name}");
+            let e = dev.view(a, 0, 2).unwrap_err().to_string();
+            assert!(e.contains("itself a view"), "{name}: {e}");
+            let e = dev.free(parent).unwrap_err().to_string();
+            assert!(e.contains("still has views"), "{name}: {e}");
+            for v in [a, b, c] {
+                dev.free(v).unwrap();
+            }
+            assert_eq!(dev.allocated_bytes(), before + other.bytes(), "{name}");
+            dev.free(parent).unwrap();
+            dev.free(other).unwrap();
+        }
+    }
+}
+
+/// WebGPU forbids one buffer bound writable and read-only in one dispatch, even as
+/// disjoint views: an error naming the kernel, not a failed submit.
+#[test]
+fn a_view_read_and_its_buffer_written_in_one_launch_is_an_error() {
+    for p in gpu_paths() {
+        let dev = p.dev;
+        let parent = dev.alloc(DType::F32, 128).unwrap();
+        let (x, y) = (
+            dev.view(parent, 0, 64).unwrap(),
+            dev.view(parent, 64, 64).unwrap(),
+        );
+        let e = dev
+            .launch(&Kernel::Axpy { alpha: 1.0, x, y })
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("views of one buffer"), "{}: {e}", p.name);
+        dev.submit().unwrap();
+        dev.wait().unwrap();
+    }
+}

@@ -16,6 +16,33 @@ pub struct Buffer {
     pub len: usize,
 }
 
+/// Byte alignment of a view's start in its parent: WebGPU guarantees storage bindings
+/// at multiples of 256 bytes on every adapter.
+pub const VIEW_ALIGN: u64 = 256;
+
+/// Checks a view request against its parent (shared by the backends).
+pub fn check_view(parent: Buffer, offset: usize, len: usize) -> Result<()> {
+    let size = parent.dtype.size() as u64;
+    let start = offset as u64 * size;
+    if start % VIEW_ALIGN != 0 {
+        return Err(crate::Error::InvalidArgument(format!(
+            "a view of buffer #{} starts at element {offset} ({start} bytes), not on a \
+             {VIEW_ALIGN}-byte boundary: place views at multiples of {} elements",
+            parent.id,
+            VIEW_ALIGN / size
+        )));
+    }
+    let end = start + parent.dtype.padded_bytes(len);
+    if len == 0 || end > parent.bytes() {
+        return Err(crate::Error::InvalidArgument(format!(
+            "a view of {len} elements at element {offset} of buffer #{} ({} elements): \
+             views must be non-empty and lie inside their buffer",
+            parent.id, parent.len
+        )));
+    }
+    Ok(())
+}
+
 /// What a device is and what it can do.
 #[derive(Clone, Debug, Serialize)]
 pub struct Capabilities {
@@ -63,7 +90,16 @@ pub trait Device: Send + Sync {
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer>;
 
     /// Releases a buffer. Launches already recorded that use it still complete.
+    /// Freeing a view releases the view only; freeing a buffer that still has live
+    /// views is an error.
     fn free(&self, buf: Buffer) -> Result<()>;
+
+    /// A buffer naming elements `offset .. offset + len` of `parent` (same dtype):
+    /// kernels, uploads and downloads on it touch only that range. How a model keeps
+    /// its tensors in a few flat buffers that one launch can update together. The
+    /// offset must fall on [`VIEW_ALIGN`] bytes and the range inside the parent, whose
+    /// padded size covers the view's; a view of a view is an error.
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer>;
 
     /// Copies host data into a buffer; dtype and length must match exactly.
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()>;

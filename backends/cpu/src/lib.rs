@@ -6,11 +6,12 @@
 //! f32, compute in f32, round to nearest-even on store — while reductions accumulate
 //! in f64 so that they are a tighter reference than any kernel.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use half::{bf16, f16};
-use kiln_engine::device::check_upload;
+use kiln_engine::device::{check_upload, check_view};
 use kiln_engine::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::{
     device::PendingDownload, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error,
@@ -28,6 +29,8 @@ pub struct CpuDevice {
 struct State {
     next_id: u64,
     buffers: HashMap<u64, HostData>,
+    /// Views: id -> (parent id, first element).
+    views: HashMap<u64, (u64, usize)>,
 }
 
 impl Default for CpuDevice {
@@ -67,11 +70,22 @@ impl CpuDevice {
 }
 
 impl State {
-    fn get(&self, b: Buffer, device: &str) -> Result<&HostData> {
-        self.buffers.get(&b.id).ok_or_else(|| Error::UnknownBuffer {
+    /// A buffer's contents; a view's are copied out of its parent.
+    fn get(&self, b: Buffer, device: &str) -> Result<Cow<'_, HostData>> {
+        let unknown = || Error::UnknownBuffer {
             id: b.id,
             device: device.into(),
-        })
+        };
+        if let Some(&(parent, offset)) = self.views.get(&b.id) {
+            let whole = self.buffers.get(&parent).ok_or_else(unknown)?;
+            let size = b.dtype.size();
+            let bytes = &whole.as_bytes()[offset * size..(offset + b.len) * size];
+            return Ok(Cow::Owned(HostData::from_bytes(b.dtype, b.len, bytes)));
+        }
+        self.buffers
+            .get(&b.id)
+            .map(Cow::Borrowed)
+            .ok_or_else(unknown)
     }
 
     fn f32s(&self, b: Buffer, device: &str) -> Result<Vec<f32>> {
@@ -79,6 +93,20 @@ impl State {
     }
 
     fn put(&mut self, b: Buffer, values: HostData, device: &str) -> Result<()> {
+        if let Some(&(parent, offset)) = self.views.get(&b.id) {
+            let whole = self
+                .buffers
+                .get_mut(&parent)
+                .ok_or_else(|| Error::UnknownBuffer {
+                    id: b.id,
+                    device: device.into(),
+                })?;
+            let size = b.dtype.size();
+            let mut bytes = whole.as_bytes().to_vec();
+            bytes[offset * size..(offset + b.len) * size].copy_from_slice(values.as_bytes());
+            *whole = HostData::from_bytes(whole.dtype(), whole.len(), &bytes);
+            return Ok(());
+        }
         let slot = self
             .buffers
             .get_mut(&b.id)
@@ -105,14 +133,49 @@ impl Device for CpuDevice {
     }
 
     fn free(&self, buf: Buffer) -> Result<()> {
-        self.lock()
-            .buffers
+        let mut s = self.lock();
+        if s.views.remove(&buf.id).is_some() {
+            return Ok(());
+        }
+        if s.views.values().any(|&(parent, _)| parent == buf.id) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} still has views on `{}`: free them first",
+                buf.id, self.caps.name
+            )));
+        }
+        s.buffers
             .remove(&buf.id)
             .map(|_| ())
             .ok_or_else(|| Error::UnknownBuffer {
                 id: buf.id,
                 device: self.caps.name.clone(),
             })
+    }
+
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        check_view(parent, offset, len)?;
+        let mut s = self.lock();
+        if s.views.contains_key(&parent.id) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} is itself a view: take views of the buffer it views",
+                parent.id
+            )));
+        }
+        let whole = s.get(parent, &self.caps.name)?;
+        if whole.dtype() != parent.dtype || whole.len() != parent.len {
+            return Err(Error::InvalidArgument(format!(
+                "handle for buffer #{} does not describe it (a handle from another device?)",
+                parent.id
+            )));
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        s.views.insert(id, (parent.id, offset));
+        Ok(Buffer {
+            id,
+            dtype: parent.dtype,
+            len,
+        })
     }
 
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
@@ -122,7 +185,7 @@ impl Device for CpuDevice {
 
     fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
         // Launches run as they are recorded here, so the copy is the data as of now.
-        let data = self.lock().get(buf, &self.caps.name)?.clone();
+        let data = self.lock().get(buf, &self.caps.name)?.into_owned();
         let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let ticket = staged.0;
         staged.0 += 1;
@@ -161,7 +224,7 @@ impl Device for CpuDevice {
                 s.put(*dst, v, name)
             }
             Kernel::Copy { src, dst } => {
-                let v = s.get(*src, name)?.clone();
+                let v = s.get(*src, name)?.into_owned();
                 s.put(*dst, v, name)
             }
             Kernel::Cast { src, dst } => {

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kiln_engine::device::check_upload;
+use kiln_engine::device::{check_upload, check_view};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
@@ -32,7 +32,7 @@ pub(crate) const DUMMY_ID: u64 = u64::MAX - 2;
 
 pub struct WgpuDevice {
     pub(crate) caps: Capabilities,
-    device: wgpu::Device,
+    pub(crate) device: wgpu::Device,
     queue: wgpu::Queue,
     /// Alignment of dynamic uniform offsets.
     arena_stride: u64,
@@ -55,6 +55,8 @@ pub struct WgpuDevice {
 struct Slot {
     buffer: wgpu::Buffer,
     meta: Buffer,
+    /// A view: the buffer it views (whose wgpu buffer `buffer` is) and its first byte.
+    view_of: Option<(u64, u64)>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -87,6 +89,16 @@ pub(crate) struct State {
     pub(crate) partials: Option<wgpu::Buffer>,
     /// Begun downloads: the staging buffer and the submission that fills it.
     staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
+}
+
+impl State {
+    /// Byte offset of a buffer in the wgpu buffer behind it (a view's start; 0 else).
+    pub(crate) fn base(&self, id: u64) -> u64 {
+        self.buffers
+            .get(&id)
+            .and_then(|slot| slot.view_of)
+            .map_or(0, |(_, base)| base)
+    }
 }
 
 /// One dispatch, before it is recorded.
@@ -366,13 +378,49 @@ impl WgpuDevice {
     }
 
     /// Records one compute dispatch into the stream.
-    pub(crate) fn dispatch(&self, s: &mut State, d: Dispatch<'_>) -> Result<()> {
+    pub(crate) fn dispatch(&self, s: &mut State, mut d: Dispatch<'_>) -> Result<()> {
+        // A view binds its range of the buffer it views; a range asked of a view is
+        // relative to the view's start.
+        for (i, (id, _)) in d.buffers.iter().enumerate() {
+            let Some(slot) = s.buffers.get(id) else {
+                continue;
+            };
+            if let Some((_, base)) = slot.view_of {
+                match d.ranges.iter_mut().find(|r| r.0 == i) {
+                    Some(r) => r.1 += base,
+                    None => d.ranges.push((i, base, slot.meta.bytes())),
+                }
+            }
+        }
+        // WebGPU forbids one buffer bound both writable and read-only in a dispatch,
+        // even through disjoint views: name the kernel rather than fail at submit.
+        let under = |id: &u64| {
+            s.buffers
+                .get(id)
+                .and_then(|slot| slot.view_of)
+                .map_or(*id, |(parent, _)| parent)
+        };
+        for (i, (a, _)) in d.buffers.iter().enumerate() {
+            for (j, (b, _)) in d.buffers.iter().enumerate().skip(i + 1) {
+                let access = |k: usize| d.kernel.slots.get(k).map(|slot| slot.access);
+                if under(a) == under(b) && access(i) != access(j) {
+                    return Err(Error::InvalidArgument(format!(
+                        "`{}` binds buffer #{a} and buffer #{b}, views of one buffer, once \
+                         writable and once read-only: WebGPU forbids that; use separate buffers",
+                        d.kernel.name
+                    )));
+                }
+            }
+        }
         // A whole buffer bound past the adapter's per-binding limit would be a wgpu
         // validation error at submit; say which kernel and what to do instead.
         let limit = self.caps.max_storage_binding;
         for (slot, (_, buffer)) in d.buffers.iter().enumerate() {
-            let ranged = d.ranges.iter().any(|r| r.0 == slot);
-            if !ranged && buffer.size() > limit {
+            let size = match d.ranges.iter().find(|r| r.0 == slot) {
+                Some(r) => r.2,
+                None => buffer.size(),
+            };
+            if size > limit {
                 return Err(Error::Unsupported {
                     device: self.caps.name.clone(),
                     what: format!(
@@ -380,8 +428,7 @@ impl WgpuDevice {
                          {limit} bytes (GEMMs split such operands themselves; this kernel \
                          cannot). Use smaller tensors, e.g. a smaller batch or sequence, or \
                          fused attention instead of a T x T score matrix",
-                        d.kernel.name,
-                        buffer.size()
+                        d.kernel.name, size
                     ),
                 });
             }
@@ -558,27 +605,86 @@ impl Device for WgpuDevice {
         let id = s.next_id;
         s.next_id += 1;
         let meta = Buffer { id, dtype, len };
-        s.buffers.insert(id, Slot { buffer, meta });
+        s.buffers.insert(
+            id,
+            Slot {
+                buffer,
+                meta,
+                view_of: None,
+            },
+        );
         s.allocated += bytes;
         Ok(meta)
     }
 
     fn free(&self, buf: Buffer) -> Result<()> {
         let mut s = self.lock();
+        if s.buffers
+            .values()
+            .any(|v| v.view_of.is_some_and(|(parent, _)| parent == buf.id))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} still has views on `{}`: free them first",
+                buf.id, self.caps.name
+            )));
+        }
         let slot = s
             .buffers
             .remove(&buf.id)
             .ok_or_else(|| self.unknown(buf.id))?;
-        s.allocated -= slot.meta.bytes();
+        if slot.view_of.is_none() {
+            s.allocated -= slot.meta.bytes();
+        }
         s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
         // Launches already recorded keep their own reference; wgpu frees it after them.
         drop(slot);
         Ok(())
     }
 
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        check_view(parent, offset, len)?;
+        let mut s = self.lock();
+        let slot = s
+            .buffers
+            .get(&parent.id)
+            .ok_or_else(|| self.unknown(parent.id))?;
+        if slot.view_of.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} is itself a view: take views of the buffer it views",
+                parent.id
+            )));
+        }
+        if slot.meta != parent {
+            return Err(Error::InvalidArgument(format!(
+                "handle for buffer #{} says {} x {} but it holds {} x {} (a handle from \
+                 another device?)",
+                parent.id, parent.len, parent.dtype, slot.meta.len, slot.meta.dtype
+            )));
+        }
+        let buffer = slot.buffer.clone();
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer {
+            id,
+            dtype: parent.dtype,
+            len,
+        };
+        let base = (offset * parent.dtype.size()) as u64;
+        s.buffers.insert(
+            id,
+            Slot {
+                buffer,
+                meta,
+                view_of: Some((parent.id, base)),
+            },
+        );
+        Ok(meta)
+    }
+
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
         check_upload(buf, data)?;
         let mut s = self.lock();
+        let base = s.base(buf.id);
         let target = &s
             .buffers
             .get(&buf.id)
@@ -596,7 +702,7 @@ impl Device for WgpuDevice {
                 .queue
                 .write_buffer_with(
                     target,
-                    0,
+                    base,
                     wgpu::BufferSize::new(padded).expect("padded > 0"),
                 )
                 .ok_or_else(|| self.backend_error("could not stage an upload"))?;
@@ -618,13 +724,14 @@ impl Device for WgpuDevice {
             staging.unmap();
             let target = target.clone();
             self.encoder(&mut s)
-                .copy_buffer_to_buffer(&staging, 0, &target, 0, padded);
+                .copy_buffer_to_buffer(&staging, 0, &target, base, padded);
         }
         Ok(())
     }
 
     fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
         let mut s = self.lock();
+        let base = s.base(buf.id);
         let src = s
             .buffers
             .get(&buf.id)
@@ -639,7 +746,7 @@ impl Device for WgpuDevice {
             mapped_at_creation: false,
         });
         self.encoder(&mut s)
-            .copy_buffer_to_buffer(&src, 0, &readback, 0, padded);
+            .copy_buffer_to_buffer(&src, base, &readback, 0, padded);
         let index = self.flush(&mut s)?;
         let ticket = s.next_id;
         s.next_id += 1;

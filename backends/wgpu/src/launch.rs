@@ -38,8 +38,22 @@ impl WgpuDevice {
             }
             Kernel::Copy { src, dst } => {
                 let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
-                self.encoder(s)
-                    .copy_buffer_to_buffer(&a, 0, &b, 0, src.bytes());
+                let (from, to) = (s.base(src.id), s.base(dst.id));
+                if a == b {
+                    // Views of one buffer: WebGPU copies only between distinct buffers.
+                    let tmp = self.device.create_buffer(&wgpu::BufferDescriptor {
+                        label: Some("kiln copy"),
+                        size: src.bytes(),
+                        usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                        mapped_at_creation: false,
+                    });
+                    let e = self.encoder(s);
+                    e.copy_buffer_to_buffer(&a, from, &tmp, 0, src.bytes());
+                    e.copy_buffer_to_buffer(&tmp, 0, &b, to, src.bytes());
+                } else {
+                    self.encoder(s)
+                        .copy_buffer_to_buffer(&a, from, &b, to, src.bytes());
+                }
             }
             Kernel::Cast { src, dst } => self.elementwise(
                 s,
@@ -483,7 +497,8 @@ impl WgpuDevice {
             }
             Kernel::NonFinite { srcs, flag } => {
                 let f = handles[&flag.id].clone();
-                self.encoder(s).clear_buffer(&f, 0, None);
+                let base = s.base(flag.id);
+                self.encoder(s).clear_buffer(&f, base, Some(flag.bytes()));
                 for src in srcs {
                     let (kind, words) = match src.dtype {
                         DType::F32 => (0, (src.bytes() / 4) as u32),
