@@ -24,7 +24,7 @@ pub const VIEW_ALIGN: u64 = 256;
 pub fn check_view(parent: Buffer, offset: usize, len: usize) -> Result<()> {
     let size = parent.dtype.size() as u64;
     let start = offset as u64 * size;
-    if start % VIEW_ALIGN != 0 {
+    if !start.is_multiple_of(VIEW_ALIGN) {
         return Err(crate::Error::InvalidArgument(format!(
             "a view of buffer #{} starts at element {offset} ({start} bytes), not on a \
              {VIEW_ALIGN}-byte boundary: place views at multiples of {} elements",
