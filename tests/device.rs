@@ -325,7 +325,7 @@ fn a_buffer_over_the_binding_limit_is_a_clear_error() {
 fn views_touch_exactly_their_range() {
     for (name, dev) in all_devices() {
         for dtype in [DType::F32, DType::F16] {
-            let per = (256 / dtype.size()) as usize;
+            let per = 256 / dtype.size();
             let n = 3 * per + 10;
             let parent = dev.alloc(dtype, n).unwrap();
             let before = dev.allocated_bytes();
