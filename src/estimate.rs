@@ -50,8 +50,10 @@ pub fn stages(
     );
     let n = world.max(1) as u64;
     let psi = model.parameter_count() as u64;
-    // A stage-1 rank also holds its slice's f32 gradient and model copy (zero.rs).
-    let slice_extra = (4 + precision.dtype().size() as u64) * psi.div_ceil(n);
+    // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
+    // slice's updated model copy (zero.rs); whole tensors keep their arenas' gaps.
+    let slice = psi.div_ceil(n);
+    let sharded = (12 + precision.dtype().size() as u64) * slice;
     let one = |stage, weights, gradients, optimizer, implemented| StageMemory {
         stage,
         weights,
@@ -62,23 +64,16 @@ pub fn stages(
     };
     vec![
         one(0, m.weights, m.gradients, m.optimizer, true),
-        one(
-            1,
-            m.weights,
-            m.gradients,
-            m.optimizer.div_ceil(n) + if n > 1 { slice_extra } else { 0 },
-            true,
-        ),
-        // Stage 2 holds one block's gradients at a time (the blocks share them) next
-        // to the embeddings' and final norm's, and its slice's f32 reduced gradient.
+        // One device: the single shard is the whole state, stage 0's layout.
         if n > 1 {
-            one(
-                2,
-                m.weights,
-                m.gradients - (model.n_layer as u64 - 1) * m.block_gradients + 4 * psi.div_ceil(n),
-                m.optimizer.div_ceil(n) + precision.dtype().size() as u64 * psi.div_ceil(n),
-                true,
-            )
+            one(1, m.weights, m.gradients + 4 * slice, sharded, true)
+        } else {
+            one(1, m.weights, m.gradients, m.optimizer, true)
+        },
+        // Stage 2 holds one block's gradients at a time (the blocks share them) next
+        // to the embeddings' and final norm's.
+        if n > 1 {
+            one(2, m.weights, m.shared_gradients + 4 * slice, sharded, true)
         } else {
             one(2, m.weights, m.gradients, m.optimizer, true)
         },
@@ -179,7 +174,8 @@ mod tests {
         assert_eq!(r[0].weights, 2 * psi);
         assert_eq!(r[0].optimizer, 12 * psi);
         assert!(r[0].gradients >= 2 * psi && r[0].gradients <= 4 * psi);
-        assert_eq!(r[1].optimizer, (12 * psi).div_ceil(4) + 6 * psi.div_ceil(4));
+        assert_eq!(r[1].optimizer, 14 * psi.div_ceil(4));
+        assert_eq!(r[1].gradients, r[0].gradients + 4 * psi.div_ceil(4));
         assert_eq!(r[3].weights, (2 * psi).div_ceil(4));
         // Stage 2 keeps one of the 12 blocks' gradients and an f32 slice of all.
         let m = GptMemory::of(
@@ -189,10 +185,7 @@ mod tests {
             Precision::F16,
             Attention::best(64, Precision::F16, 1024),
         );
-        assert_eq!(
-            r[2].gradients,
-            m.gradients - 11 * m.block_gradients + 4 * psi.div_ceil(4)
-        );
+        assert_eq!(r[2].gradients, m.shared_gradients + 4 * psi.div_ceil(4));
         assert!(r.iter().take(3).all(|s| s.implemented) && !r[3].implemented);
         assert!(state(&r[0]) > state(&r[1]) && state(&r[1]) > state(&r[2]));
         assert!(state(&r[2]) > state(&r[3]));

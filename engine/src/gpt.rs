@@ -159,6 +159,47 @@ fn param_specs(config: &GptConfig) -> Vec<ParamSpec> {
     out
 }
 
+/// Tensors in a flat buffer start on multiples of this many elements: a 256-byte
+/// boundary ([`crate::device::VIEW_ALIGN`]) for 2- and 4-byte dtypes alike.
+const ARENA_ALIGN: usize = 128;
+/// Elements of one flat buffer at most: 128 MiB of f32, the per-binding size every
+/// WebGPU adapter allows, so one launch can update a whole buffer anywhere.
+const ARENA_ELEMS: usize = (128 << 20) / 4;
+
+/// Where the parameters live: optimizer groups (same gradient dtype, same weight
+/// decay) packed into flat buffers ("arenas"), each tensor a view at an aligned offset,
+/// so one launch per arena updates, checks or measures every tensor in it.
+struct ArenaLayout {
+    /// Per arena: (f32 gradients, weight decay, elements).
+    arenas: Vec<(bool, bool, usize)>,
+    /// Per parameter: (arena, first element).
+    places: Vec<(usize, usize)>,
+}
+
+fn arena_layout(specs: &[ParamSpec]) -> ArenaLayout {
+    let mut arenas: Vec<(bool, bool, usize)> = vec![];
+    let mut places = vec![];
+    for spec in specs {
+        let n: usize = spec.shape.iter().product();
+        let key = (spec.f32_grad, spec.decay);
+        let open = arenas.iter().rposition(|a| (a.0, a.1) == key);
+        let place = match open {
+            Some(i) if arenas[i].2.next_multiple_of(ARENA_ALIGN) + n <= ARENA_ELEMS => {
+                (i, arenas[i].2.next_multiple_of(ARENA_ALIGN))
+            }
+            // A new group, or the open arena is full (a tensor larger than a whole
+            // arena gets one of its own).
+            _ => {
+                arenas.push((key.0, key.1, 0));
+                (arenas.len() - 1, 0)
+            }
+        };
+        arenas[place.0].2 = place.1 + n;
+        places.push(place);
+    }
+    ArenaLayout { arenas, places }
+}
+
 /// Device bytes a [`Gpt`] allocates, by what they hold.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GptMemory {
@@ -166,9 +207,13 @@ pub struct GptMemory {
     pub weights: u64,
     /// Gradients (storage dtype; f32 for embeddings and norms).
     pub gradients: u64,
-    /// One transformer block's share of `gradients` (ZeRO stage 2 keeps one block's
-    /// gradients at a time, see [`Gpt::share_block_gradients`]).
-    pub block_gradients: u64,
+    /// The gradients' bytes once the blocks share one set (ZeRO stage 2, see
+    /// [`Gpt::share_block_gradients`]): the embeddings', the final norm's and one
+    /// block's, each in a buffer of its own.
+    pub shared_gradients: u64,
+    /// The gradient tensors' own bytes (without the arenas' alignment gaps): what a
+    /// data-parallel exchange moves per copy.
+    pub gradient_tensors: u64,
     /// f32 master weights and the optimizer's two moments.
     pub optimizer: u64,
     /// Activations saved for backward, backward scratch, inputs and small buffers.
@@ -201,21 +246,20 @@ impl GptMemory {
         );
         let (bt, bhtt) = (batch * seq, batch * h * seq * seq);
         let mut m = GptMemory::default();
-        let tensors: Vec<(usize, bool, bool)> = param_specs(config)
-            .iter()
-            .map(|p| {
-                let first_block = p.name.starts_with("transformer.h.0.");
-                (p.shape.iter().product(), p.f32_grad, first_block)
-            })
-            .collect();
-        for &(n, f32_grad, first_block) in &tensors {
-            let grad = if f32_grad { f(n) } else { a(n) };
+        let specs = param_specs(config);
+        let layout = arena_layout(&specs);
+        for &(f32_grad, _, n) in &layout.arenas {
             m.weights += a(n);
-            m.gradients += grad;
-            if first_block {
-                m.block_gradients += grad;
-            }
+            m.gradients += if f32_grad { f(n) } else { a(n) };
             m.optimizer += 3 * f(n);
+        }
+        for p in &specs {
+            let n: usize = p.shape.iter().product();
+            let grad = if p.f32_grad { f(n) } else { a(n) };
+            m.gradient_tensors += grad;
+            if !p.name.starts_with("transformer.h.") || p.name.starts_with("transformer.h.0.") {
+                m.shared_gradients += grad;
+            }
         }
         let fused = attention == Attention::Fused;
         // Saved per block: probabilities (T x T) or, fused, one f32 log-sum-exp per row.
@@ -238,7 +282,7 @@ impl GptMemory {
             + u(1)
             + 2 * f(1)
             + f(bt)
-            + (tensors.len() as u64 + 2) * f(1);
+            + (layout.arenas.len() as u64 + 2) * f(1);
         m
     }
 }
@@ -308,6 +352,12 @@ impl std::ops::Deref for Param {
     fn deref(&self) -> &ParamBuffers {
         &self.buffers
     }
+}
+
+/// One optimizer group's flat buffers: one launch over them updates every tensor.
+struct Arena {
+    buffers: ParamBuffers,
+    decay: bool,
 }
 
 /// Indices into `Gpt::params` and the saved activations of one block.
@@ -394,8 +444,16 @@ pub struct Gpt {
     trained: std::cell::Cell<usize>,
     /// Per-token losses summed over a step's micro-batches.
     loss_sum: Buffer,
-    /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per tensor).
+    /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per arena).
     norm_parts: Vec<Buffer>,
+    /// The flat buffers every parameter's buffers are views of.
+    arenas: Vec<Arena>,
+    /// Once the blocks share gradients: the gradient buffers that remain (the arenas'
+    /// are freed).
+    own_grads: Vec<Buffer>,
+    /// Once the optimizer state is released: the empty buffer every master and moment
+    /// names.
+    released: Option<Buffer>,
     norm_acc: [Buffer; 2],
 }
 
@@ -468,17 +526,43 @@ impl Gpt {
             )));
         }
         let mut rng = SplitMix(training.seed);
-        let mut params: Vec<Param> = vec![];
-        for spec in param_specs(&config) {
+        let specs = param_specs(&config);
+        let layout = arena_layout(&specs);
+        // Initial values in model order (the draws do not depend on the layout), each
+        // written at its place in its arena; the gaps stay zero for good.
+        let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
+        for (spec, &(arena, at)) in specs.iter().zip(&layout.places) {
             let n: usize = spec.shape.iter().product();
-            let values: Vec<f32> = match spec.init {
-                Init::Const(x) => vec![x; n],
+            let place = &mut inits[arena][at..at + n];
+            match spec.init {
+                Init::Const(x) => place.fill(x),
                 // Uniform with the given standard deviation (GPT-2 uses normal 0.02).
-                Init::Std(s) => (0..n).map(|_| rng.symmetric() * s * 3f32.sqrt()).collect(),
-            };
-            let grad = if spec.f32_grad { DType::F32 } else { act };
+                Init::Std(s) => place
+                    .iter_mut()
+                    .for_each(|x| *x = rng.symmetric() * s * 3f32.sqrt()),
+            }
+        }
+        let mut arenas = vec![];
+        for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
+            let grad = if f32_grad { DType::F32 } else { act };
+            arenas.push(Arena {
+                buffers: ParamBuffers::new(dev, init, act, grad)?,
+                decay,
+            });
+        }
+        let mut params: Vec<Param> = vec![];
+        for (spec, &(arena, at)) in specs.into_iter().zip(&layout.places) {
+            let n: usize = spec.shape.iter().product();
+            let whole = &arenas[arena].buffers;
+            let view = |b: Buffer| dev.view(b, at, n);
             params.push(Param {
-                buffers: ParamBuffers::new(dev, &values, act, grad)?,
+                buffers: ParamBuffers {
+                    value: view(whole.value)?,
+                    master: view(whole.master)?,
+                    grad: view(whole.grad)?,
+                    m: view(whole.m)?,
+                    v: view(whole.v)?,
+                },
                 name: spec.name,
                 shape: spec.shape,
                 decay: spec.decay,
@@ -589,9 +673,12 @@ impl Gpt {
             shared_block_grads: false,
             trained: std::cell::Cell::new(0),
             loss_sum: a(DType::F32, bt)?,
-            norm_parts: (0..params.len())
+            norm_parts: (0..arenas.len())
                 .map(|_| a(DType::F32, 1))
                 .collect::<Result<_>>()?,
+            arenas,
+            own_grads: vec![],
+            released: None,
             norm_acc: [a(DType::F32, 1)?, a(DType::F32, 1)?],
             params,
             config,
@@ -1314,14 +1401,32 @@ impl Gpt {
         if self.shared_block_grads {
             return Ok(());
         }
+        // Buffers of their own for the embeddings', final norm's and block 0's
+        // gradients; the other blocks name block 0's; the arenas' gradients go.
         let per_block = 12;
-        for l in 1..self.blocks.len() {
-            for i in 0..per_block {
-                let (shared, own) = (2 + i, 2 + per_block * l + i);
-                dev.free(self.params[own].buffers.grad)?;
-                self.params[own].buffers.grad = self.params[shared].buffers.grad;
-            }
+        let in_later_block = |i: usize| i >= 2 + per_block && i < 2 + per_block * self.blocks.len();
+        let mut grads = vec![];
+        for (i, p) in self.params.iter().enumerate() {
+            grads.push(if in_later_block(i) {
+                None
+            } else {
+                Some(dev.alloc(p.grad.dtype, p.grad.len)?)
+            });
         }
+        for p in &self.params {
+            dev.free(p.grad)?;
+        }
+        for a in &self.arenas {
+            dev.free(a.buffers.grad)?;
+        }
+        for i in 0..self.params.len() {
+            let g = match grads[i] {
+                Some(g) => g,
+                None => grads[2 + (i - 2) % per_block].expect("block 0 has its own"),
+            };
+            self.params[i].buffers.grad = g;
+        }
+        self.own_grads = grads.into_iter().flatten().collect();
         self.shared_block_grads = true;
         Ok(())
     }
@@ -1352,15 +1457,20 @@ impl Gpt {
     /// gradients (shared ones once) and f32 master + moments (empty after
     /// [`Gpt::release_optimizer_state`]).
     pub fn model_state_bytes(&self) -> ModelStateBytes {
-        let f = |b: Buffer| b.bytes();
+        let whole = |f: fn(&ParamBuffers) -> u64| -> u64 {
+            self.arenas.iter().map(|a| f(&a.buffers)).sum()
+        };
         ModelStateBytes {
-            weights: self.params.iter().map(|p| f(p.value)).sum(),
-            gradients: self.gradient_bytes(),
-            optimizer: self
-                .params
-                .iter()
-                .map(|p| f(p.master) + f(p.m) + f(p.v))
-                .sum(),
+            weights: whole(|b| b.value.bytes()),
+            gradients: if self.own_grads.is_empty() {
+                whole(|b| b.grad.bytes())
+            } else {
+                self.own_grads.iter().map(|g| g.bytes()).sum()
+            },
+            optimizer: match self.released {
+                Some(empty) => empty.bytes(),
+                None => whole(|b| b.master.bytes() + b.m.bytes() + b.v.bytes()),
+            },
         }
     }
 
@@ -1413,13 +1523,17 @@ impl Gpt {
     fn update(&mut self, dev: &dyn Device, lr: f32) -> Result<()> {
         self.step += 1;
         let optimizer = &self.training.optimizer;
-        for p in &self.params {
-            let decay = if p.decay {
+        // The multi-tensor step: one launch per arena (each holds one group's tensors).
+        for a in &self.arenas {
+            let decay = if a.decay {
                 optimizer.weight_decay()
             } else {
                 0.0
             };
-            dev.launch(&p.step(optimizer, self.grad_scale, lr, decay, self.step))?;
+            dev.launch(
+                &a.buffers
+                    .step(optimizer, self.grad_scale, lr, decay, self.step),
+            )?;
         }
         dev.submit()
     }
@@ -1438,17 +1552,19 @@ impl Gpt {
     ) -> Result<GptStep> {
         let scale = self.scaler.scale();
         self.accumulate(dev, micro)?;
+        // Whole arenas: the gaps between tensors are zero, adding nothing.
+        let grads: Vec<Buffer> = self.arenas.iter().map(|a| a.buffers.grad).collect();
         dev.launch(&Kernel::NonFinite {
-            srcs: self.params.iter().map(|p| p.grad).collect(),
+            srcs: grads.clone(),
             flag: self.flag,
         })?;
-        // Global norm of the (scaled) gradients: per-tensor sums of squares, added up.
+        // Global norm of the (scaled) gradients: per-arena sums of squares, added up.
         let mut sum_squares = self.zero;
         if clip > 0.0 {
-            for (p, part) in self.params.iter().zip(&self.norm_parts) {
+            for (&g, part) in grads.iter().zip(&self.norm_parts) {
                 dev.launch(&Kernel::Reduce {
                     op: crate::ReduceOp::SumSquares,
-                    src: p.grad,
+                    src: g,
                     dst: *part,
                 })?;
             }
@@ -1601,20 +1717,31 @@ impl Gpt {
     }
 
     /// Frees every parameter's f32 master and moments, for a ZeRO group whose ranks
-    /// each keep only their shard of them (see `zero.rs`); the buffers left in their
-    /// place are empty, so an optimizer launch on them is a length error, never a
-    /// silent no-op. Returns the master weights as they were (the shards' start).
+    /// each keep only their shard of them (see `zero.rs`); one empty buffer is left in
+    /// their place, so an optimizer launch on them is a length error, never a silent
+    /// no-op. Returns the master weights as they were (the shards' start).
     pub fn release_optimizer_state(&mut self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        if self.released.is_some() {
+            return Err(Error::InvalidArgument(
+                "gpt: the optimizer state was already released".into(),
+            ));
+        }
         let mut masters = vec![];
+        let empty = dev.alloc(DType::F32, 0)?;
         for p in &mut self.params {
             masters.push(dev.download(p.buffers.master)?.to_f32());
             for b in [p.buffers.master, p.buffers.m, p.buffers.v] {
                 dev.free(b)?;
             }
-            p.buffers.master = dev.alloc(DType::F32, 0)?;
-            p.buffers.m = dev.alloc(DType::F32, 0)?;
-            p.buffers.v = dev.alloc(DType::F32, 0)?;
+            (p.buffers.master, p.buffers.m, p.buffers.v) = (empty, empty, empty);
         }
+        for a in &mut self.arenas {
+            for b in [a.buffers.master, a.buffers.m, a.buffers.v] {
+                dev.free(b)?;
+            }
+            (a.buffers.master, a.buffers.m, a.buffers.v) = (empty, empty, empty);
+        }
+        self.released = Some(empty);
         Ok(masters)
     }
 
