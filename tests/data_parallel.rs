@@ -101,6 +101,19 @@ fn run(devs: &[&dyn Device], precision: &str) -> (Curve, Curve) {
     ((lg, w0), (ls, single.model.parameters(devs[0]).unwrap()))
 }
 
+/// One data-parallel step in which rank r takes `step[r]` as its one micro-batch.
+fn one_step(
+    group: &mut Trainer,
+    devs: &[&dyn Device],
+    step: &[(Vec<u32>, Vec<u32>)],
+) -> kiln::engine::trainer::StepStats {
+    let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+        .iter()
+        .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+        .collect();
+    group.step_group(devs, &per_rank).unwrap()
+}
+
 fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert!(
@@ -182,13 +195,7 @@ fn an_overflow_on_one_device_makes_every_device_skip() {
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 1},"#;
     let mut group = Trainer::new_group(&refs, model(), config(fp16, B, 1, 2), T, 3).unwrap();
     let data = batches(2);
-    let step = |group: &mut Trainer, i: usize| {
-        let per_rank: Vec<Vec<(&[u32], &[u32])>> = data[i]
-            .iter()
-            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
-            .collect();
-        group.step_group(&refs, &per_rank).unwrap()
-    };
+    let step = |group: &mut Trainer, i: usize| one_step(group, &refs, &data[i]);
     assert!(!step(&mut group, 0).skipped);
     let before_rank0 = group.model.parameters(refs[0]).unwrap();
     // Rank 1's token embedding is infinite in fp16: only its gradients overflow.
@@ -232,13 +239,7 @@ fn an_overflow_on_one_device_makes_every_zero_2_rank_skip() {
     c.zero.overlap_comm = true;
     let mut group = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
     let data = batches(2);
-    let step = |group: &mut Trainer, i: usize| {
-        let per_rank: Vec<Vec<(&[u32], &[u32])>> = data[i]
-            .iter()
-            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
-            .collect();
-        group.step_group(&refs, &per_rank).unwrap()
-    };
+    let step = |group: &mut Trainer, i: usize| one_step(group, &refs, &data[i]);
     assert!(!step(&mut group, 0).skipped);
     let before = group.param_states(&refs).unwrap();
     let wte = group.replicas[0].value(refs[1], 0).unwrap();
