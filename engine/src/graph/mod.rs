@@ -406,7 +406,7 @@ impl Graph {
         }
         let (c, dim) = (qi.cols() / 3, qi.cols() / 3 / heads);
         let precision_16 = qi.dtype.size() == 2;
-        if !(c % 2 == 0 || !precision_16) {
+        if precision_16 && !c.is_multiple_of(2) {
             return Err(Error::InvalidArgument(format!(
                 "graph: causal_attention: C = {c} must be even for 16-bit activations (heads \
                  are merged a 32-bit word at a time)"
