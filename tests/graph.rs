@@ -84,7 +84,7 @@ fn loss(dev: &dyn Device, plan: &Plan, weight: f32) -> f64 {
 /// Every gradient element of every parameter against central differences of the loss.
 fn check_gradients(dev: &CpuDevice, m: &Model) {
     let mut plan = m.compile(dev);
-    plan.accumulate(dev, 1.0, m.weight).unwrap();
+    plan.accumulate(dev, 1.0, m.weight, 0).unwrap();
     let grads: Vec<Vec<f32>> = m
         .params
         .iter()
@@ -321,7 +321,8 @@ fn train(dev: &dyn Device, m: &Model, plan: &mut Plan, steps: u32, poison: bool)
                 .unwrap();
             }
         }
-        plan.accumulate(dev, 1.0, m.weight).unwrap();
+        plan.accumulate(dev, 1.0, m.weight, 0).unwrap();
+        plan.check(dev).unwrap();
         assert!(!plan.overflowed(dev).unwrap(), "step {s} overflowed");
         out.push(vec![plan.loss_sum(dev).unwrap() as f32]);
         plan.update(dev, 1e-2, s).unwrap();
@@ -341,7 +342,8 @@ fn shared_buffers_hold_nothing_a_step_reads_and_replay_equals_recompiling() {
     let mut reference = vec![];
     for s in 1..=steps {
         let mut plan = fresh.compile(&dev);
-        plan.accumulate(&dev, 1.0, fresh.weight).unwrap();
+        plan.accumulate(&dev, 1.0, fresh.weight, 0).unwrap();
+        plan.check(&dev).unwrap();
         reference.push(vec![plan.loss_sum(&dev).unwrap() as f32]);
         plan.update(&dev, 1e-2, s).unwrap();
         plan.free(&dev).unwrap();

@@ -154,6 +154,48 @@ fn cpu_training_steps_equal_the_hand_written_gpt() {
 }
 
 #[test]
+fn micro_batches_and_clipping_equal_the_hand_written_gpt() {
+    // Two micro-batches per step accumulate into the parameter gradients (GEMMs with
+    // beta 1, zero fills skipped after the first), and the global norm clips them.
+    let dev = CpuDevice::new();
+    let cfg = small();
+    let tr = training(2, 5, Precision::F32, Attention::Straightforward);
+    let clip = 0.5;
+    let mut gpt = Gpt::new(&dev, cfg.clone(), tr.clone()).unwrap();
+    let mut graph = GptGraph::with_clip(&dev, cfg.clone(), tr, clip).unwrap();
+    let mut rng = Rng::new(9);
+    for s in 0..3 {
+        let (a, b) = (batch(&mut rng, 10, 11), batch(&mut rng, 10, 11));
+        let micro: [(&[u32], &[u32]); 2] = [(&a.0, &a.1), (&b.0, &b.1)];
+        let x = gpt.step(&dev, &micro, 1e-2, clip).unwrap();
+        let y = graph.step(&dev, &micro, 1e-2).unwrap();
+        assert_eq!(x, y, "step {s}");
+        let (gs, ps) = (
+            gpt.last_grad_scale(&dev).unwrap(),
+            graph.last_grad_scale(&dev).unwrap(),
+        );
+        assert_eq!(gs, ps, "step {s}: gradient factor");
+        assert!(
+            gs < 1.0,
+            "step {s}: the norm should exceed {clip} and clip ({gs})"
+        );
+    }
+    for ((name, a), (_, b)) in gpt
+        .parameters(&dev)
+        .unwrap()
+        .iter()
+        .zip(graph.parameters(&dev).unwrap())
+    {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(a),
+            bits(&b),
+            "{name} after 3 clipped steps of 2 micro-batches"
+        );
+    }
+}
+
+#[test]
 fn the_gpt_plan_shares_buffers_and_needs_less_than_the_hand_written_model() {
     let dev = CpuDevice::new();
     let cfg = reference();

@@ -181,7 +181,7 @@ impl Mlp {
             self.step += 1;
         }
         Ok(StepStats {
-            loss: (st.loss_sum.unwrap_or(f64::NAN) / b as f64) as f32,
+            loss: st.loss.unwrap_or(f64::NAN) as f32,
             skipped: st.skipped,
             scale: st.scale,
         })

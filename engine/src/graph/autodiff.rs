@@ -8,6 +8,12 @@
 //! kernels as they are, scratch plus an axpy for kernels that overwrite). Parameter
 //! gradients are the caller's buffers; every other gradient is a placeholder made on
 //! its first contribution, in the tensor's dtype.
+//!
+//! Micro-batches: a step may run backward several times and sum the gradients. The
+//! first write of each parameter gradient is therefore one of two patchable forms,
+//! which the plan flips after the first micro-batch: a GEMM whose beta becomes 1, or
+//! a zero fill that is skipped (kernels that can only overwrite write a parameter's
+//! gradient through scratch and an axpy after such a fill).
 
 use std::collections::HashMap;
 
@@ -69,12 +75,26 @@ impl Grads {
         b
     }
 
-    /// For a GEMM: the destination and its beta (0 writes, 1 adds).
+    /// For a GEMM, which must be the caller's next launch: the destination and its
+    /// beta (0 writes, 1 adds).
     pub fn gemm(&mut self, e: &mut Emitter, t: Tensor) -> (Buffer, f32) {
         let b = self.buffer(e, t);
-        let beta = if self.written[t.0] { 1.0 } else { 0.0 };
+        let first = !self.written[t.0];
+        if first && self.external[t.0] {
+            e.first_betas.push(e.launches.len());
+        }
         self.written[t.0] = true;
-        (b, beta)
+        (b, if first { 0.0 } else { 1.0 })
+    }
+
+    /// A zero fill as the first write of `t`'s gradient (skipped after a step's first
+    /// micro-batch when `t` is a parameter).
+    fn zero(&mut self, e: &mut Emitter, t: Tensor, b: Buffer) -> Result<()> {
+        if self.external[t.0] {
+            e.first_only.push(e.launches.len());
+        }
+        self.written[t.0] = true;
+        e.launch(Kernel::Fill { dst: b, value: 0.0 })
     }
 
     /// For a kernel that only adds into its destination (f32): zeroed first if this
@@ -89,35 +109,39 @@ impl Grads {
             )));
         }
         if !self.written[t.0] {
-            e.launch(Kernel::Fill { dst: b, value: 0.0 })?;
-            self.written[t.0] = true;
+            self.zero(e, t, b)?;
         }
         Ok(b)
     }
 
     /// For a kernel that overwrites its destination: the gradient itself on the first
-    /// contribution, else scratch to be added by [`Grads::finish`]. A tensor that
-    /// needs no gradient gets scratch nobody reads (the kernel writes it anyway).
-    pub fn overwriting(&mut self, e: &mut Emitter, t: Tensor) -> Dst {
+    /// contribution to an intermediate, else scratch to be added by [`Grads::finish`]
+    /// (a parameter's gradient is zeroed first). A tensor that needs no gradient gets
+    /// scratch nobody reads (the kernel writes it anyway).
+    pub fn overwriting(&mut self, e: &mut Emitter, t: Tensor) -> Result<Dst> {
         let i = e.g.t(t);
+        let scratch = e.scratch(i.dtype, i.len());
         if !self.needs[t.0] {
-            return Dst {
-                buf: e.scratch(i.dtype, i.len()),
+            return Ok(Dst {
+                buf: scratch,
                 add_to: None,
-            };
+            });
         }
         let g = self.buffer(e, t);
         if !self.written[t.0] {
-            self.written[t.0] = true;
-            return Dst {
-                buf: g,
-                add_to: None,
-            };
+            if !self.external[t.0] {
+                self.written[t.0] = true;
+                return Ok(Dst {
+                    buf: g,
+                    add_to: None,
+                });
+            }
+            self.zero(e, t, g)?;
         }
-        Dst {
-            buf: e.scratch(i.dtype, i.len()),
+        Ok(Dst {
+            buf: scratch,
             add_to: Some(g),
-        }
+        })
     }
 
     pub fn finish(&mut self, e: &mut Emitter, d: Dst) -> Result<()> {
@@ -132,7 +156,7 @@ impl Grads {
     }
 
     /// Adds `src` (same length) to the gradient of `t`. With `donate`, `src` is read by
-    /// nothing afterwards, so a first contribution to a non-parameter of its dtype
+    /// nothing afterwards, so a first contribution to an intermediate of its dtype
     /// takes the buffer over instead of copying it; returns whether it did.
     pub fn add_from(
         &mut self,
@@ -141,21 +165,24 @@ impl Grads {
         src: Buffer,
         donate: bool,
     ) -> Result<bool> {
-        let first = !self.written[t.0];
-        if first && donate && !self.external[t.0] && src.dtype == e.g.t(t).dtype {
-            self.buf[t.0] = Some(src);
-            self.written[t.0] = true;
-            return Ok(true);
-        }
         let g = self.buffer(e, t);
-        self.written[t.0] = true;
-        e.launch(if !first {
-            Kernel::Axpy {
+        if self.written[t.0] || self.external[t.0] {
+            if !self.written[t.0] {
+                self.zero(e, t, g)?;
+            }
+            e.launch(Kernel::Axpy {
                 alpha: 1.0,
                 x: src,
                 y: g,
-            }
-        } else if g.dtype == src.dtype {
+            })?;
+            return Ok(false);
+        }
+        self.written[t.0] = true;
+        if donate && src.dtype == g.dtype {
+            self.buf[t.0] = Some(src);
+            return Ok(true);
+        }
+        e.launch(if g.dtype == src.dtype {
             Kernel::Copy { src, dst: g }
         } else {
             Kernel::Cast { src, dst: g }
@@ -216,10 +243,7 @@ pub(super) fn backward(
     }
     for p in &g.params {
         if !gr.written[p.tensor.0] {
-            e.launch(Kernel::Fill {
-                dst: param_grads[&p.tensor],
-                value: 0.0,
-            })?;
+            gr.zero(e, p.tensor, param_grads[&p.tensor])?;
         }
     }
     Ok(())

@@ -151,6 +151,17 @@ pub struct GptGraph {
 
 impl GptGraph {
     pub fn new(dev: &dyn Device, config: GptConfig, training: GptTraining) -> Result<GptGraph> {
+        GptGraph::with_clip(dev, config, training, 0.0)
+    }
+
+    /// A model whose steps clip the unscaled gradients to global L2 norm `clip` (0: no
+    /// clipping), DeepSpeed's way, as [`crate::gpt::Gpt::step`] does.
+    pub fn with_clip(
+        dev: &dyn Device,
+        config: GptConfig,
+        training: GptTraining,
+        clip: f32,
+    ) -> Result<GptGraph> {
         let (c, h, v) = (config.n_embd, config.n_head, config.vocab_size);
         let (b, t) = (training.batch, training.seq);
         if h == 0 || c % h != 0 || c % 2 != 0 {
@@ -199,7 +210,7 @@ impl GptGraph {
             &bindings,
             &Training {
                 optimizer: training.optimizer.clone(),
-                clip: 0.0,
+                clip,
             },
         )?;
         let scaler = match training.precision {
@@ -277,31 +288,58 @@ impl GptGraph {
     ) -> Result<f64> {
         self.upload(dev, tokens, targets)?;
         let w = self.per_target();
-        self.plan.accumulate(dev, 1.0, w)?;
+        self.plan.accumulate(dev, 1.0, w, 0)?;
         self.mean_loss(dev)
     }
 
     /// One optimizer step on a batch at the optimizer's base learning rate; the
-    /// overflow flag and the losses are the only readback.
+    /// overflow flag and the loss are the only readback.
     pub fn train_step(
         &mut self,
         dev: &dyn Device,
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<GptStep> {
-        self.upload(dev, tokens, targets)?;
-        let (w, lr) = (self.per_target(), self.training.optimizer.lr());
+        let lr = self.training.optimizer.lr();
+        self.step(dev, &[(tokens, targets)], lr)
+    }
+
+    /// One optimizer step at learning rate `lr` over several micro-batches: their
+    /// gradients accumulate in the plan, each micro-batch's mean loss weighing 1/n;
+    /// then the overflow check, the scaler's decision and (unless it skips) the update.
+    pub fn step(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        lr: f32,
+    ) -> Result<GptStep> {
+        if micro.is_empty() {
+            return Err(Error::InvalidArgument(
+                "gpt graph: a step needs at least one micro-batch".into(),
+            ));
+        }
+        let (scale, n) = (self.scaler.scale(), micro.len() as f32);
+        for (i, (tokens, targets)) in micro.iter().enumerate() {
+            self.upload(dev, tokens, targets)?;
+            let w = self.per_target() / n;
+            self.plan.accumulate(dev, scale, w, i)?;
+        }
         let st = self
             .plan
-            .step(dev, &mut self.scaler, w, lr, self.step + 1, true)?;
+            .finish_step(dev, &mut self.scaler, lr, self.step + 1, true)?;
         if !st.skipped {
             self.step += 1;
         }
         Ok(GptStep {
-            loss: (st.loss_sum.unwrap_or(f64::NAN) / self.trained.max(1) as f64) as f32,
+            loss: st.loss.unwrap_or(f64::NAN) as f32,
             skipped: st.skipped,
             scale: st.scale,
         })
+    }
+
+    /// The factor the last step multiplied gradients by (1 / (loss scale x clip factor)).
+    pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
+        self.plan.grad_scale(dev)
     }
 
     /// (name, gradient) of every parameter, as f32.

@@ -288,7 +288,7 @@ pub(super) fn backward(
             // dx (M, C) overwritten; dweight, dbias (C) f32 accumulated.
             let dweight = gr.accumulating(e, weight)?;
             let dbias = gr.accumulating(e, bias)?;
-            let dx = gr.overwriting(e, x);
+            let dx = gr.overwriting(e, x)?;
             e.launch(Kernel::LayerNormBackward {
                 x: e.val(x),
                 weight: e.val(weight),
@@ -307,7 +307,7 @@ pub(super) fn backward(
             if !gr.needs(x) {
                 return Ok(());
             }
-            let dx = gr.overwriting(e, x);
+            let dx = gr.overwriting(e, x)?;
             e.launch(Kernel::GeluBackward {
                 x: e.val(x),
                 dout: dout(),
@@ -426,7 +426,7 @@ pub(super) fn backward(
             }
             // dqkv (B, T, 3C) <- dq, dk, dv (B, H, T, D): the three merges write every
             // column, so together they overwrite.
-            let dqkv = gr.overwriting(e, qkv);
+            let dqkv = gr.overwriting(e, qkv)?;
             for (i, src) in [dq, dk, dv].into_iter().enumerate() {
                 e.launch(Kernel::MergeHeads {
                     src,
@@ -450,7 +450,7 @@ pub(super) fn backward(
             if !gr.needs(logits) {
                 return Ok(());
             }
-            let dlogits = gr.overwriting(e, logits);
+            let dlogits = gr.overwriting(e, logits)?;
             e.seeds.push(e.launches.len());
             e.launch(Kernel::CrossEntropyBackward {
                 logits: e.val(logits),

@@ -7,9 +7,14 @@
 //! last launch that touches it, and placeholders of one dtype and length whose ranges
 //! do not overlap share one device buffer. Then every launch is rewritten to real
 //! buffers, checked, and kept. A step replays the list: no allocation, no pipeline
-//! or buffer creation above the device, and one submit for forward + backward + the
-//! overflow check, one for the update; the only readbacks are the overflow flag and,
-//! when asked, the losses.
+//! or buffer creation above the device; one submit per micro-batch's forward +
+//! backward, one for the overflow check and one for the update; the only readbacks
+//! are the overflow flag and, when asked, the loss.
+//!
+//! Segments of the list: forward | loss accumulation + backward | overflow check and
+//! gradient factor | update. A step of several micro-batches runs the first two once
+//! per micro-batch (the first micro-batch writes the parameter gradients, later ones
+//! add to them: see autodiff.rs), then the last two once.
 //!
 //! Every placeholder's first launch writes all of it (never reads it), which is what
 //! makes sharing safe: a buffer's old contents are never seen. The tests poison the
@@ -73,8 +78,8 @@ impl PlanMemory {
 /// What one replayed step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PlanStep {
-    /// Sum of the per-row losses (f64 from the f32 values); `None` unless asked for.
-    pub loss_sum: Option<f64>,
+    /// The step's loss (see [`Plan::step_loss`]); `None` unless asked for.
+    pub loss: Option<f64>,
     /// The gradients overflowed: nothing was updated.
     pub skipped: bool,
     /// The loss scale the step ran at.
@@ -92,6 +97,11 @@ pub(super) struct Emitter<'g> {
     pub constants: Vec<(Buffer, HostData)>,
     /// Cross-entropy backward launches: their scale is the loss seed, set per step.
     pub seeds: Vec<usize>,
+    /// Launches run on a step's first micro-batch only (zeroing accumulators).
+    pub first_only: Vec<usize>,
+    /// GEMMs that write a parameter gradient with beta 0 on the first micro-batch and
+    /// add to it with beta 1 on later ones.
+    pub first_betas: Vec<usize>,
     ones: HashMap<(DType, usize), Buffer>,
     next: u64,
 }
@@ -105,6 +115,8 @@ impl<'g> Emitter<'g> {
             pinned: vec![],
             constants: vec![],
             seeds: vec![],
+            first_only: vec![],
+            first_betas: vec![],
             ones: HashMap::new(),
             next: PLACEHOLDER,
         }
@@ -168,11 +180,20 @@ impl<'g> Emitter<'g> {
 /// A compiled training step: launches over device buffers, replayed every step.
 pub struct Plan {
     launches: Vec<Kernel>,
-    /// Ends of forward, of backward + overflow check + gradient factor; the update
-    /// runs to the end.
+    /// Ends of forward, of loss accumulation + backward, of the overflow check and
+    /// gradient factor; the update runs to the end.
     forward_end: usize,
+    backward_end: usize,
     check_end: usize,
     seeds: Vec<usize>,
+    /// Per launch: runs on a step's first micro-batch only.
+    first_only: Vec<bool>,
+    first_betas: Vec<usize>,
+    /// `loss_acc += loss_weight * losses`, and the accumulator (f32, one per row).
+    loss_axpy: usize,
+    loss_acc: Buffer,
+    /// The loss scale of the step being accumulated (the gradient factor divides by it).
+    loss_scale: f32,
     grad_scale_launch: usize,
     updates: Vec<usize>,
     /// Every buffer the plan allocated (shared slots and pinned).
@@ -208,8 +229,23 @@ impl Graph {
             saved.push(ops::forward(op, &mut e)?);
         }
         let forward_end = e.launches.len();
+        // The step's loss, summed on the device over micro-batches, each row weighted.
+        let losses = e.val(loss);
+        let loss_acc = e.pinned(DType::F32, losses.len);
+        e.first_only.push(e.launches.len());
+        e.launch(Kernel::Fill {
+            dst: loss_acc,
+            value: 0.0,
+        })?;
+        let loss_axpy = e.launches.len();
+        e.launch(Kernel::Axpy {
+            alpha: 1.0,
+            x: losses,
+            y: loss_acc,
+        })?;
         // Backward, derived.
         autodiff::backward(self, &mut e, &saved, &param_grads)?;
+        let backward_end = e.launches.len();
         // Overflow check over every gradient, then the factor the optimizer multiplies
         // them by: 1 / (loss scale x clip factor), from the global norm when clipping.
         let flag = e.pinned(DType::U32, 1);
@@ -272,15 +308,20 @@ impl Graph {
                 1,
             ))?;
         }
-        let losses = e.val(loss);
         let outputs: Vec<(Tensor, Buffer)> = self.outputs.iter().map(|&t| (t, e.val(t))).collect();
         let Emitter {
             launches,
             pinned,
             constants,
             seeds,
+            first_only,
+            first_betas,
             ..
         } = e;
+        let mut only = vec![false; launches.len()];
+        for i in first_only {
+            only[i] = true;
+        }
         allocate(
             dev,
             launches,
@@ -289,8 +330,14 @@ impl Graph {
             Plan {
                 launches: vec![],
                 forward_end,
+                backward_end,
                 check_end,
                 seeds,
+                first_only: only,
+                first_betas,
+                loss_axpy,
+                loss_acc,
+                loss_scale: 1.0,
                 grad_scale_launch,
                 updates,
                 owned: vec![],
@@ -456,6 +503,7 @@ fn allocate(
     }
     plan.launches = launches;
     plan.losses = map(plan.losses);
+    plan.loss_acc = map(plan.loss_acc);
     plan.flag = map(plan.flag);
     plan.grad_scale = map(plan.grad_scale);
     for b in plan.outputs.values_mut() {
@@ -492,26 +540,36 @@ impl Plan {
         self.launches.len()
     }
 
-    fn run(&self, dev: &dyn Device, from: usize, to: usize) -> Result<()> {
-        for k in &self.launches[from..to] {
-            dev.launch(k)?;
+    /// Records launches `from..to` and submits them; `later_micro` skips what only a
+    /// step's first micro-batch runs.
+    fn run(&self, dev: &dyn Device, from: usize, to: usize, later_micro: bool) -> Result<()> {
+        for (k, &only) in self.launches[from..to]
+            .iter()
+            .zip(&self.first_only[from..to])
+        {
+            if !(only && later_micro) {
+                dev.launch(k)?;
+            }
         }
         dev.submit()
     }
 
     /// Records and submits the forward pass alone (evaluation).
     pub fn forward(&self, dev: &dyn Device) -> Result<()> {
-        self.run(dev, 0, self.forward_end)
+        self.run(dev, 0, self.forward_end, false)
     }
 
-    /// Forward, backward, the overflow check and the gradient factor, in one submit.
+    /// Forward and backward of micro-batch `micro` (0-based) of a step, one submit.
+    /// Micro-batch 0 writes the parameter gradients, later ones add to them.
     /// `loss_weight` is d loss / d loss_r for each row (1 / the rows trained on, for a
-    /// mean); the gradients come out multiplied by `loss_scale`.
+    /// mean; divided by the micro-batches when they are averaged); the gradients come
+    /// out multiplied by `loss_scale`, which must be the same for a step's micro-batches.
     pub fn accumulate(
         &mut self,
         dev: &dyn Device,
         loss_scale: f32,
         loss_weight: f32,
+        micro: usize,
     ) -> Result<()> {
         let seed = loss_scale * loss_weight;
         if !(seed.is_finite() && loss_scale > 0.0) {
@@ -520,19 +578,42 @@ impl Plan {
                  the scale positive"
             )));
         }
+        if micro > 0 && loss_scale != self.loss_scale {
+            return Err(Error::InvalidArgument(format!(
+                "plan: micro-batch {micro} runs at loss scale {loss_scale} but the step began \
+                 at {}; a step's gradients must share one scale",
+                self.loss_scale
+            )));
+        }
+        self.loss_scale = loss_scale;
         for &i in &self.seeds {
             if let Kernel::CrossEntropyBackward { scale, .. } = &mut self.launches[i] {
                 *scale = seed;
             }
         }
-        if let Kernel::GradScale { loss_scale: ls, .. } = &mut self.launches[self.grad_scale_launch]
-        {
-            *ls = loss_scale;
+        if let Kernel::Axpy { alpha, .. } = &mut self.launches[self.loss_axpy] {
+            *alpha = loss_weight;
         }
-        self.run(dev, 0, self.check_end)
+        let beta = if micro == 0 { 0.0 } else { 1.0 };
+        for &i in &self.first_betas {
+            if let Kernel::Matmul(mm) = &mut self.launches[i] {
+                mm.beta = beta;
+            }
+        }
+        self.run(dev, 0, self.backward_end, micro > 0)
     }
 
-    /// Whether the gradients of the last [`Plan::accumulate`] hold an inf or NaN
+    /// After a step's micro-batches: the overflow check over every gradient and the
+    /// factor the update multiplies them by (unscaling, and clipping when compiled
+    /// with it). One submit.
+    pub fn check(&mut self, dev: &dyn Device) -> Result<()> {
+        if let Kernel::GradScale { loss_scale, .. } = &mut self.launches[self.grad_scale_launch] {
+            *loss_scale = self.loss_scale;
+        }
+        self.run(dev, self.backward_end, self.check_end, false)
+    }
+
+    /// Whether the gradients checked by the last [`Plan::check`] hold an inf or NaN
     /// (the one readback a step needs; it waits for the device).
     pub fn overflowed(&self, dev: &dyn Device) -> Result<bool> {
         Ok(dev.download(self.flag)?.bits()[0] != 0)
@@ -542,6 +623,18 @@ impl Plan {
     pub fn loss_sum(&self, dev: &dyn Device) -> Result<f64> {
         let l = dev.download(self.losses)?.to_f32();
         Ok(l.iter().map(|&x| x as f64).sum())
+    }
+
+    /// The step's loss: each accumulated micro-batch's rows weighted by its
+    /// `loss_weight`, summed (in f64 over the f32 accumulator).
+    pub fn step_loss(&self, dev: &dyn Device) -> Result<f64> {
+        let l = dev.download(self.loss_acc)?.to_f32();
+        Ok(l.iter().map(|&x| x as f64).sum())
+    }
+
+    /// The factor the last [`Plan::check`] computed (1 / (loss scale x clip factor)).
+    pub fn grad_scale(&self, dev: &dyn Device) -> Result<f32> {
+        Ok(dev.download(self.grad_scale)?.to_f32()[0])
     }
 
     /// The optimizer step at learning rate `lr`; `step` is 1-based (Adam's bias
@@ -557,12 +650,13 @@ impl Plan {
                 _ => unreachable!("update launches are optimizer steps"),
             }
         }
-        self.run(dev, self.check_end, self.launches.len())
+        self.run(dev, self.check_end, self.launches.len(), false)
     }
 
-    /// One training step with `scaler`'s loss scale: accumulate, read the overflow
-    /// flag (and the losses when `want_loss`), let the scaler decide, update unless
-    /// it skips. `step` is the 1-based count of applied updates this one would be.
+    /// One training step of one micro-batch with `scaler`'s loss scale: accumulate,
+    /// check, read the overflow flag (and the loss when `want_loss`), let the scaler
+    /// decide, update unless it skips. `step` is the 1-based count of applied updates
+    /// this one would be.
     pub fn step(
         &mut self,
         dev: &dyn Device,
@@ -573,10 +667,25 @@ impl Plan {
         want_loss: bool,
     ) -> Result<PlanStep> {
         let scale = scaler.scale();
-        self.accumulate(dev, scale, loss_weight)?;
+        self.accumulate(dev, scale, loss_weight, 0)?;
+        self.finish_step(dev, scaler, lr, step, want_loss)
+    }
+
+    /// The end of a step whose micro-batches were accumulated: check, read the flag
+    /// (and the loss), let `scaler` decide, update unless it skips.
+    pub fn finish_step(
+        &mut self,
+        dev: &dyn Device,
+        scaler: &mut LossScaler,
+        lr: f32,
+        step: u32,
+        want_loss: bool,
+    ) -> Result<PlanStep> {
+        let scale = self.loss_scale;
+        self.check(dev)?;
         let overflow = self.overflowed(dev)?;
-        let loss_sum = if want_loss {
-            Some(self.loss_sum(dev)?)
+        let loss = if want_loss {
+            Some(self.step_loss(dev)?)
         } else {
             None
         };
@@ -585,7 +694,7 @@ impl Plan {
             self.update(dev, lr, step)?;
         }
         Ok(PlanStep {
-            loss_sum,
+            loss,
             skipped,
             scale,
         })
