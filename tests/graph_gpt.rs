@@ -196,6 +196,46 @@ fn micro_batches_and_clipping_equal_the_hand_written_gpt() {
 }
 
 #[test]
+fn an_overflowing_fp16_step_is_skipped_as_the_hand_written_gpt_skips_it() {
+    let dev = CpuDevice::new();
+    let cfg = small();
+    let tr = training(2, 5, Precision::F16, Attention::Fused);
+    let (mut gpt, mut graph) = pair(&dev, &cfg, &tr);
+    let mut rng = Rng::new(10);
+    let (tok, tgt) = batch(&mut rng, 10, cfg.vocab_size);
+    assert_eq!(
+        gpt.train_step(&dev, &tok, &tgt).unwrap(),
+        graph.train_step(&dev, &tok, &tgt).unwrap()
+    );
+    // Poison one embedding row with f16's largest value in both: the forward
+    // overflows, the flag is set, the scaler skips (twice: hysteresis 2) and halves.
+    let (name, wte) = gpt.parameters(&dev).unwrap()[0].clone();
+    assert_eq!(name, "transformer.wte.weight");
+    let mut poisoned = wte;
+    poisoned[tok[0] as usize * cfg.n_embd] = 65504.0;
+    gpt.set_parameter(&dev, 0, &poisoned).unwrap();
+    graph
+        .set_parameter(&dev, 0, &gpt.value(&dev, 0).unwrap(), &poisoned)
+        .unwrap();
+    let before = graph.parameters(&dev).unwrap();
+    for s in 0..2 {
+        let x = gpt.train_step(&dev, &tok, &tgt).unwrap();
+        let y = graph.train_step(&dev, &tok, &tgt).unwrap();
+        // The loss is NaN in both (the overflow reached it), so fields one by one.
+        assert!(y.skipped && x.skipped, "step {s}: {x:?} {y:?}");
+        assert!(y.loss.is_nan() && x.loss.is_nan(), "step {s}: {x:?} {y:?}");
+        assert_eq!(x.scale, y.scale, "step {s}");
+    }
+    assert_eq!(
+        graph.parameters(&dev).unwrap(),
+        before,
+        "a skipped step moved weights"
+    );
+    assert_eq!(graph.steps_applied(), 1);
+    assert_eq!(graph.scaler.scale(), gpt.scaler.scale());
+}
+
+#[test]
 fn the_gpt_plan_shares_buffers_and_needs_less_than_the_hand_written_model() {
     let dev = CpuDevice::new();
     let cfg = reference();

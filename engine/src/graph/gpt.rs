@@ -337,6 +337,11 @@ impl GptGraph {
         })
     }
 
+    /// Optimizer steps applied so far (skipped steps do not count).
+    pub fn steps_applied(&self) -> u32 {
+        self.step
+    }
+
     /// The factor the last step multiplied gradients by (1 / (loss scale x clip factor)).
     pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
         self.plan.grad_scale(dev)

@@ -406,10 +406,10 @@ impl Graph {
         }
         let (c, dim) = (qi.cols() / 3, qi.cols() / 3 / heads);
         let precision_16 = qi.dtype.size() == 2;
-        if precision_16 && !c.is_multiple_of(2) {
+        if !c.is_multiple_of(2) {
             return Err(Error::InvalidArgument(format!(
-                "graph: causal_attention: C = {c} must be even for 16-bit activations (heads \
-                 are merged a 32-bit word at a time)"
+                "graph: causal_attention: C = {c} must be even (heads are merged back into \
+                 rows a 32-bit word at a time)"
             )));
         }
         if mode == Attention::Fused
