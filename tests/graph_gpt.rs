@@ -236,6 +236,63 @@ fn an_overflowing_fp16_step_is_skipped_as_the_hand_written_gpt_skips_it() {
 }
 
 #[test]
+fn ready_groups_arrive_final_in_the_hand_written_order_and_apply_equals_it() {
+    // The data-parallel path: `ready(params)` fires mid-backward once those gradients
+    // are final. Each group's gradients, read inside the callback, must already equal
+    // the finished backward's; the order must be the hand-written model's; and the
+    // host-decided update (`apply`) must move the weights the same way.
+    let dev = CpuDevice::new();
+    let cfg = small();
+    let tr = training(2, 5, Precision::F32, Attention::Fused);
+    let (mut gpt, mut graph) = pair(&dev, &cfg, &tr);
+    let mut rng = Rng::new(11);
+    let (a, b) = (batch(&mut rng, 10, 11), batch(&mut rng, 10, 11));
+    let micro: [(&[u32], &[u32]); 2] = [(&a.0, &a.1), (&b.0, &b.1)];
+    let mut order_hand = vec![];
+    gpt.accumulate_with(&dev, &micro, &mut |g: &[usize]| {
+        order_hand.push(g.to_vec());
+        Ok(())
+    })
+    .unwrap();
+    let mut seen: Vec<(usize, Vec<f32>)> = vec![];
+    let mut order = vec![];
+    let bufs: Vec<_> = (0..gpt.parameter_tensors())
+        .map(|i| graph.gradient_buffer(i))
+        .collect();
+    graph
+        .accumulate_with(&dev, &micro, &mut |g: &[usize]| {
+            order.push(g.to_vec());
+            for &p in g {
+                seen.push((p, dev.download(bufs[p])?.to_f32()));
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(order, order_hand);
+    assert_eq!(seen.len(), gpt.parameter_tensors());
+    let final_grads = graph.gradients(&dev).unwrap();
+    let hand = gpt.gradient_values(&dev).unwrap();
+    for (p, g) in &seen {
+        assert_eq!(
+            g, &final_grads[*p].1,
+            "{}: changed after ready",
+            final_grads[*p].0
+        );
+        assert_eq!(
+            g, &hand[*p],
+            "{}: differs from the hand-written",
+            final_grads[*p].0
+        );
+    }
+    gpt.apply(&dev, 1e-2, 0.5).unwrap();
+    graph.apply(&dev, 1e-2, 0.5).unwrap();
+    assert_eq!(
+        gpt.parameters(&dev).unwrap(),
+        graph.parameters(&dev).unwrap()
+    );
+}
+
+#[test]
 fn the_gpt_plan_shares_buffers_and_needs_less_than_the_hand_written_model() {
     let dev = CpuDevice::new();
     let cfg = reference();

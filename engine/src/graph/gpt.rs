@@ -9,7 +9,7 @@
 //!
 //! Shapes: B batch, T sequence, C = n_embd, V vocabulary.
 
-use crate::gpt::{Attention, GptConfig, GptStep, GptTraining};
+use crate::gpt::{Attention, GptConfig, GptStep, GptTraining, Ready};
 use crate::graph::{Bindings, Graph, Plan, PlanMemory, Tensor, Training};
 use crate::loss_scaler::{DynamicScaling, LossScaler};
 use crate::mlp::{Precision, SplitMix};
@@ -340,6 +340,54 @@ impl GptGraph {
     /// Optimizer steps applied so far (skipped steps do not count).
     pub fn steps_applied(&self) -> u32 {
         self.step
+    }
+
+    /// A step's first phase for a data-parallel group, as
+    /// [`crate::gpt::Gpt::accumulate_with`]: forward and backward over the
+    /// micro-batches at the scaler's scale, calling `ready(params)` during the last
+    /// micro-batch's backward as soon as those parameters' gradients are final and
+    /// submitted: each block's twelve (top block first), then the embeddings and the
+    /// final norm.
+    pub fn accumulate_with(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[(&[u32], &[u32])],
+        ready: Ready<'_>,
+    ) -> Result<()> {
+        if micro.is_empty() {
+            return Err(Error::InvalidArgument(
+                "gpt graph: a step needs at least one micro-batch".into(),
+            ));
+        }
+        let n = self.params.len();
+        let mut groups: Vec<Vec<usize>> = (0..self.config.n_layer)
+            .map(|l| (2 + 12 * l..2 + 12 * (l + 1)).collect())
+            .collect();
+        groups.push(vec![0, 1, n - 2, n - 1]);
+        let (scale, count) = (self.scaler.scale(), micro.len());
+        for (i, (tokens, targets)) in micro.iter().enumerate() {
+            self.upload(dev, tokens, targets)?;
+            let w = self.per_target() / count as f32;
+            if i + 1 == count {
+                self.plan
+                    .accumulate_with(dev, (scale, w, i), &groups, &mut *ready)?;
+            } else {
+                self.plan.accumulate(dev, scale, w, i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A step's last phase when the host has decided it, as [`crate::gpt::Gpt::apply`]:
+    /// the update with every gradient multiplied by `grad_scale` at learning rate `lr`.
+    pub fn apply(&mut self, dev: &dyn Device, lr: f32, grad_scale: f32) -> Result<()> {
+        self.step += 1;
+        self.plan.apply(dev, lr, self.step, grad_scale)
+    }
+
+    /// Parameter `index`'s gradient buffer.
+    pub fn gradient_buffer(&self, index: usize) -> Buffer {
+        self.params[index].grad
     }
 
     /// The factor the last step multiplied gradients by (1 / (loss scale x clip factor)).

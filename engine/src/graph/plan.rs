@@ -196,6 +196,9 @@ pub struct Plan {
     loss_scale: f32,
     grad_scale_launch: usize,
     updates: Vec<usize>,
+    /// Per parameter: the launch after which its gradient is final (one past the last
+    /// backward launch that writes it).
+    grad_final: Vec<usize>,
     /// Every buffer the plan allocated (shared slots and pinned).
     owned: Vec<Buffer>,
     slots: Vec<Buffer>,
@@ -246,6 +249,16 @@ impl Graph {
         // Backward, derived.
         autodiff::backward(self, &mut e, &saved, &param_grads)?;
         let backward_end = e.launches.len();
+        let grad_final = bindings
+            .params
+            .iter()
+            .map(|p| {
+                (forward_end..backward_end)
+                    .rev()
+                    .find(|&i| e.launches[i].written().iter().any(|w| w.id == p.grad.id))
+                    .map_or(backward_end, |i| i + 1)
+            })
+            .collect();
         // Overflow check over every gradient, then the factor the optimizer multiplies
         // them by: 1 / (loss scale x clip factor), from the global norm when clipping.
         let flag = e.pinned(DType::U32, 1);
@@ -340,6 +353,7 @@ impl Graph {
                 loss_scale: 1.0,
                 grad_scale_launch,
                 updates,
+                grad_final,
                 owned: vec![],
                 slots: vec![],
                 outputs: outputs.into_iter().collect(),
@@ -468,6 +482,13 @@ fn allocate(
     let mut free: HashMap<(DType, usize), Vec<Buffer>> = HashMap::new();
     let mut busy: Vec<(usize, Buffer)> = vec![];
     for (first, last, p) in shared {
+        if reads_old_contents(&launches[first], p) {
+            return Err(Error::InvalidArgument(format!(
+                "plan: launch {first} ({}) reads an intermediate buffer before anything writes \
+                 it; the graph's emission is wrong (a bug in kiln, please report it)",
+                launches[first].name()
+            )));
+        }
         busy.retain(|&(until, slot)| {
             let done = until < first;
             if done {
@@ -511,6 +532,22 @@ fn allocate(
     }
     plan.memory = memory;
     Ok(plan)
+}
+
+/// Whether launch `k` reads what `b` held before it: `b` is an operand it does not
+/// write, or one it adds into. (A head merge writes only some columns of its
+/// destination; the merges of one op together write all of them.)
+fn reads_old_contents(k: &Kernel, b: Buffer) -> bool {
+    if !k.written().iter().any(|w| w.id == b.id) {
+        return true;
+    }
+    match k {
+        Kernel::Axpy { y, .. } => y.id == b.id,
+        Kernel::Matmul(mm) => mm.c.id == b.id && mm.beta != 0.0,
+        Kernel::LayerNormBackward { dweight, dbias, .. } => dweight.id == b.id || dbias.id == b.id,
+        Kernel::EmbeddingBackward { .. } | Kernel::Adam(_) | Kernel::Sgd(_) => true,
+        _ => false,
+    }
 }
 
 impl Plan {
@@ -571,6 +608,47 @@ impl Plan {
         loss_weight: f32,
         micro: usize,
     ) -> Result<()> {
+        self.prepare(loss_scale, loss_weight, micro)?;
+        self.run(dev, 0, self.backward_end, micro > 0)
+    }
+
+    /// [`Plan::accumulate`], submitting and calling `ready(group)` as soon as every
+    /// gradient of a group of parameter indices is final, in the order backward
+    /// finishes them (a data-parallel group starts exchanging those gradients while
+    /// the rest of backward runs). Groups are the caller's (e.g. one per block).
+    pub fn accumulate_with(
+        &mut self,
+        dev: &dyn Device,
+        (loss_scale, loss_weight, micro): (f32, f32, usize),
+        groups: &[Vec<usize>],
+        ready: &mut dyn FnMut(&[usize]) -> Result<()>,
+    ) -> Result<()> {
+        let n = self.grad_final.len();
+        let mut cuts = vec![];
+        for g in groups {
+            if let Some(&p) = g.iter().find(|&&p| p >= n) {
+                return Err(Error::InvalidArgument(format!(
+                    "plan: parameter index {p} in a ready group; the graph has {n} parameters"
+                )));
+            }
+            let end = g.iter().map(|&p| self.grad_final[p]).max().unwrap_or(0);
+            cuts.push((end.max(self.forward_end), g));
+        }
+        cuts.sort_by_key(|&(end, _)| end);
+        self.prepare(loss_scale, loss_weight, micro)?;
+        let mut from = 0;
+        for (end, g) in cuts {
+            if end > from {
+                self.run(dev, from, end, micro > 0)?;
+                from = end;
+            }
+            ready(g)?;
+        }
+        self.run(dev, from, self.backward_end, micro > 0)
+    }
+
+    /// Sets a micro-batch's scalars: the loss seed, the loss weight, the GEMM betas.
+    fn prepare(&mut self, loss_scale: f32, loss_weight: f32, micro: usize) -> Result<()> {
         let seed = loss_scale * loss_weight;
         if !(seed.is_finite() && loss_scale > 0.0) {
             return Err(Error::InvalidArgument(format!(
@@ -600,7 +678,7 @@ impl Plan {
                 mm.beta = beta;
             }
         }
-        self.run(dev, 0, self.backward_end, micro > 0)
+        Ok(())
     }
 
     /// After a step's micro-batches: the overflow check over every gradient and the
@@ -651,6 +729,14 @@ impl Plan {
             }
         }
         self.run(dev, self.check_end, self.launches.len(), false)
+    }
+
+    /// The update when the host has decided the step (a data-parallel group checked
+    /// the reduced gradients): every gradient multiplied by `grad_scale` (1 / (loss
+    /// scale x clip factor)), learning rate `lr`, 1-based `step`.
+    pub fn apply(&mut self, dev: &dyn Device, lr: f32, step: u32, grad_scale: f32) -> Result<()> {
+        dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
+        self.update(dev, lr, step)
     }
 
     /// One training step of one micro-batch with `scaler`'s loss scale: accumulate,
