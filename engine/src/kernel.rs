@@ -429,6 +429,105 @@ impl Kernel {
         }
     }
 
+    /// Every buffer field of the launch, mutably, in the order of [`Kernel::buffers`]: a
+    /// plan records launches over placeholders and rewrites them to device buffers.
+    pub fn buffers_mut(&mut self) -> Vec<&mut Buffer> {
+        match self {
+            Kernel::Fill { dst, .. } => vec![dst],
+            Kernel::Copy { src, dst } | Kernel::Cast { src, dst } => vec![src, dst],
+            Kernel::Binary { a, b, out, .. } => vec![a, b, out],
+            Kernel::Scale { x, out, .. } => vec![x, out],
+            Kernel::Axpy { x, y, .. } => vec![x, y],
+            Kernel::Reduce { src, dst, .. } => vec![src, dst],
+            Kernel::NonFinite { srcs, flag } => srcs.iter_mut().chain([flag]).collect(),
+            Kernel::Matmul(mm) => [&mut mm.a, &mut mm.b, &mut mm.c]
+                .into_iter()
+                .chain(mm.bias.as_mut())
+                .chain(mm.c_f32.as_mut())
+                .collect(),
+            Kernel::GradScale {
+                sum_squares, out, ..
+            } => vec![sum_squares, out],
+            Kernel::Adam(a) => [&mut a.master, &mut a.grads, &mut a.m, &mut a.v]
+                .into_iter()
+                .chain([&mut a.grad_scale])
+                .chain(a.params.as_mut())
+                .collect(),
+            Kernel::Sgd(s) => [&mut s.master, &mut s.grads, &mut s.momentum_buf]
+                .into_iter()
+                .chain([&mut s.grad_scale])
+                .chain(s.params.as_mut())
+                .collect(),
+            Kernel::Gelu { x, out } => vec![x, out],
+            Kernel::GeluBackward { x, dout, dx } => vec![x, dout, dx],
+            Kernel::LayerNorm {
+                x,
+                weight,
+                bias,
+                out,
+                mean,
+                rstd,
+                ..
+            } => vec![x, weight, bias, out, mean, rstd],
+            Kernel::LayerNormBackward {
+                x,
+                weight,
+                mean,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                dbias,
+                ..
+            } => vec![x, weight, mean, rstd, dout, dx, dweight, dbias],
+            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+                vec![src, dst]
+            }
+            Kernel::Softmax { x, out, stats, .. } => vec![x, out, stats],
+            Kernel::SoftmaxBackward {
+                p, dout, dx, stats, ..
+            } => vec![p, dout, dx, stats],
+            Kernel::Attention {
+                q, k, v, out, lse, ..
+            } => vec![q, k, v, out, lse],
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                ..
+            } => vec![q, k, v, out, dout, lse, dq, dk, dv],
+            Kernel::CrossEntropy {
+                logits,
+                targets,
+                losses,
+                lse,
+                ..
+            } => vec![logits, targets, losses, lse],
+            Kernel::CrossEntropyBackward {
+                logits,
+                targets,
+                lse,
+                dlogits,
+                ..
+            } => vec![logits, targets, lse, dlogits],
+            Kernel::Embedding {
+                tokens, table, out, ..
+            } => vec![tokens, table, out],
+            Kernel::EmbeddingBackward {
+                tokens,
+                dout,
+                dtable,
+                ..
+            } => vec![tokens, dout, dtable],
+        }
+    }
+
     /// Buffers the launch writes.
     pub fn written(&self) -> Vec<Buffer> {
         match self {

@@ -11,6 +11,7 @@ pub mod dtype;
 pub mod error;
 mod fsutil;
 pub mod gpt;
+pub mod graph;
 pub mod host;
 pub mod kernel;
 pub mod loss_scaler;

@@ -1,14 +1,16 @@
-//! A two-layer MLP classifier trained end to end on a device, forward and backward
-//! written out side by side (no autodiff yet): the smallest model that exercises every
-//! training kernel — GEMM with bias, GELU, fused softmax-cross-entropy, mixed precision
-//! with a dynamic loss scaler, the overflow check and AdamW.
+//! A two-layer MLP classifier trained end to end on a device: the smallest model that
+//! exercises every training kernel — GEMM with bias, GELU, fused softmax-cross-entropy,
+//! mixed precision with a dynamic loss scaler, the overflow check and AdamW. Its
+//! forward pass is written once on the graph; the backward is derived and the whole
+//! step compiled into a plan (see `graph`).
 //!
-//! Shapes (B = batch, I = inputs, H = hidden, C = classes), activations in `act`:
+//! Shapes (B = batch, I = inputs, H = hidden, C = classes):
 //!   x  (B, I)  --W1 (I, H), b1 (H)-->  a1 (B, H)  --gelu-->  h (B, H)
 //!   h  (B, H)  --W2 (H, C), b2 (C)-->  logits (B, C)  --cross-entropy(y)-->  loss (B)
 
-use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
-use crate::{Buffer, DType, Device, HostData, Kernel, Matmul, Result};
+use crate::graph::{Bindings, Graph, Plan, Tensor, Training};
+use crate::loss_scaler::{DynamicScaling, LossScaler};
+use crate::{Buffer, DType, Device, HostData, Optimizer, Result};
 
 /// Storage precision of weights, activations and gradients (masters are always f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,21 +52,12 @@ pub struct Mlp {
     b1: Param,
     w2: Param,
     b2: Param,
-    // Activations and their gradients, allocated once for the batch size.
+    // The batch, uploaded before each step.
     x: Buffer,
     y: Buffer,
-    a1: Buffer,
-    h: Buffer,
-    logits: Buffer,
-    losses: Buffer,
-    lse: Buffer,
-    dlogits: Buffer,
-    dh: Buffer,
-    da1: Buffer,
-    ones: Buffer,
-    flag: Buffer,
-    zero: Buffer,
-    grad_scale: Buffer,
+    logits: Tensor,
+    /// Forward, derived backward, overflow check and AdamW, compiled once.
+    plan: Plan,
     pub scaler: LossScaler,
     step: u32,
 }
@@ -114,27 +107,44 @@ impl Mlp {
             param(h * c, h)?,
             param(c, h)?,
         );
-        let ones = dev.alloc(act, b)?;
-        dev.upload(ones, &HostData::from_f32(act, &vec![1.0; b]))?;
+        // The model, written once. Every tensor is decayed (this classifier's choice).
+        let mut g = Graph::new();
+        let x = g.input("x", &[b, i], act);
+        let y = g.input("y", &[b], DType::U32);
+        let fc1_w = g.param("fc1.weight", &[i, h], act, act, true)?;
+        let fc1_b = g.param("fc1.bias", &[h], act, act, true)?;
+        let fc2_w = g.param("fc2.weight", &[h, c], act, act, true)?;
+        let fc2_b = g.param("fc2.bias", &[c], act, act, true)?;
+        let a1 = g.linear(x, fc1_w, Some(fc1_b))?;
+        let hidden = g.gelu(a1)?;
+        let logits = g.linear(hidden, fc2_w, Some(fc2_b))?;
+        g.cross_entropy(logits, y)?;
+        g.output(logits)?;
+        let (xb, yb) = (dev.alloc(act, b * i)?, dev.alloc(DType::U32, b)?);
+        let training = Training {
+            optimizer: Optimizer::Adam {
+                lr: config.lr,
+                betas: [0.9, 0.999],
+                eps: 1e-8,
+                weight_decay: config.weight_decay,
+                decoupled: true,
+            },
+            clip: 0.0,
+        };
+        let bindings = Bindings {
+            params: vec![w1, b1, w2, b2],
+            inputs: vec![(x, xb), (y, yb)],
+        };
+        let plan = g.compile(dev, &bindings, &training)?;
         let scaler = match config.precision {
             Precision::F16 => LossScaler::dynamic(DynamicScaling::default())?,
             _ => LossScaler::fixed(1.0)?,
         };
         Ok(Mlp {
-            x: dev.alloc(act, b * i)?,
-            y: dev.alloc(DType::U32, b)?,
-            a1: dev.alloc(act, b * h)?,
-            h: dev.alloc(act, b * h)?,
-            logits: dev.alloc(act, b * c)?,
-            losses: dev.alloc(DType::F32, b)?,
-            lse: dev.alloc(DType::F32, b)?,
-            dlogits: dev.alloc(act, b * c)?,
-            dh: dev.alloc(act, b * h)?,
-            da1: dev.alloc(act, b * h)?,
-            ones,
-            flag: dev.alloc(DType::U32, 1)?,
-            zero: dev.alloc(DType::F32, 1)?,
-            grad_scale: dev.alloc(DType::F32, 1)?,
+            x: xb,
+            y: yb,
+            logits,
+            plan,
             w1,
             b1,
             w2,
@@ -142,35 +152,6 @@ impl Mlp {
             scaler,
             step: 0,
             config,
-        })
-    }
-
-    /// Records the forward pass for the batch already in `x`.
-    fn forward(&self, dev: &dyn Device) -> Result<()> {
-        let (b, i, h, c) = (
-            self.config.batch,
-            self.config.inputs,
-            self.config.hidden,
-            self.config.classes,
-        );
-        // a1 = x W1 + b1; h = gelu(a1) (a1 is kept: the backward needs it).
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.x, self.w1.value, self.a1, b, h, i).with_bias(self.b1.value),
-        ))?;
-        dev.launch(&Kernel::Gelu {
-            x: self.a1,
-            out: self.h,
-        })?;
-        // logits = h W2 + b2; loss = cross-entropy(logits, y).
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.h, self.w2.value, self.logits, b, c, h).with_bias(self.b2.value),
-        ))?;
-        dev.launch(&Kernel::CrossEntropy {
-            logits: self.logits,
-            targets: self.y,
-            losses: self.losses,
-            lse: self.lse,
-            vocab: c,
         })
     }
 
@@ -182,108 +163,40 @@ impl Mlp {
         dev.upload(self.y, &HostData::U32(y.to_vec()))
     }
 
-    /// One optimizer step on a batch (`x`: B×I row-major, `y`: B class indices).
+    /// One optimizer step on a batch (`x`: B×I row-major, `y`: B class indices). One
+    /// readback: the overflow flag and the losses.
     pub fn train_step(&mut self, dev: &dyn Device, x: &[f32], y: &[u32]) -> Result<StepStats> {
-        let (b, i, h, c) = (
-            self.config.batch,
-            self.config.inputs,
-            self.config.hidden,
-            self.config.classes,
-        );
-        let scale = self.scaler.scale();
+        let b = self.config.batch;
         self.upload_batch(dev, x, y)?;
-        self.forward(dev)?;
-        // dlogits = (softmax - onehot) * scale / B: the gradient of the scaled mean loss.
-        dev.launch(&Kernel::CrossEntropyBackward {
-            logits: self.logits,
-            targets: self.y,
-            lse: self.lse,
-            dlogits: self.dlogits,
-            vocab: c,
-            scale: scale / b as f32,
-        })?;
-        // dW2 = h^T dlogits (H×C); db2 = 1^T dlogits; dh = dlogits W2^T (B×H).
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.h, self.dlogits, self.w2.grad, h, c, b).transpose(true, false),
-        ))?;
-        dev.launch(&Kernel::Matmul(Matmul::new(
-            self.ones,
-            self.dlogits,
-            self.b2.grad,
-            1,
-            c,
-            b,
-        )))?;
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.dlogits, self.w2.value, self.dh, b, h, c).transpose(false, true),
-        ))?;
-        // da1 = dh * gelu'(a1); dW1 = x^T da1 (I×H); db1 = 1^T da1.
-        dev.launch(&Kernel::GeluBackward {
-            x: self.a1,
-            dout: self.dh,
-            dx: self.da1,
-        })?;
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.x, self.da1, self.w1.grad, i, h, b).transpose(true, false),
-        ))?;
-        dev.launch(&Kernel::Matmul(Matmul::new(
-            self.ones,
-            self.da1,
-            self.b1.grad,
-            1,
-            h,
-            b,
-        )))?;
-        // One readback per step: the overflow flag and the losses.
-        let params = [&self.w1, &self.b1, &self.w2, &self.b2];
-        dev.launch(&Kernel::NonFinite {
-            srcs: params.iter().map(|p| p.grad).collect(),
-            flag: self.flag,
-        })?;
-        dev.submit()?;
-        let overflow = dev.download(self.flag)?.bits()[0] != 0;
-        let losses = dev.download(self.losses)?.to_f32();
-        let loss = losses.iter().map(|&v| v as f64).sum::<f64>() / b as f64;
-        let decision = self.scaler.update(overflow)?;
-        if decision == StepDecision::Skip {
-            return Ok(StepStats {
-                loss: loss as f32,
-                skipped: true,
-                scale,
-            });
+        // The loss is the batch mean: each row's loss weighs 1/B.
+        let st = self.plan.step(
+            dev,
+            &mut self.scaler,
+            1.0 / b as f32,
+            self.config.lr,
+            self.step + 1,
+            true,
+        )?;
+        if !st.skipped {
+            self.step += 1;
         }
-        self.step += 1;
-        // Unscale on the device: grad_scale = 1 / loss scale (no clipping here).
-        dev.launch(&Kernel::GradScale {
-            sum_squares: self.zero,
-            out: self.grad_scale,
-            loss_scale: scale,
-            clip: 0.0,
-        })?;
-        for p in params {
-            dev.launch(&p.adamw(
-                self.grad_scale,
-                self.config.lr,
-                0.999,
-                self.config.weight_decay,
-                self.step,
-            ))?;
-        }
-        dev.submit()?;
         Ok(StepStats {
-            loss: loss as f32,
-            skipped: false,
-            scale,
+            loss: st.loss.unwrap_or(f64::NAN) as f32,
+            skipped: st.skipped,
+            scale: st.scale,
         })
     }
 
     /// Mean loss and accuracy on a batch, without training.
     pub fn evaluate(&self, dev: &dyn Device, x: &[f32], y: &[u32]) -> Result<(f32, f32)> {
         self.upload_batch(dev, x, y)?;
-        self.forward(dev)?;
-        dev.submit()?;
-        let losses = dev.download(self.losses)?.to_f32();
-        let logits = dev.download(self.logits)?.to_f32();
+        self.plan.forward(dev)?;
+        let loss = self.plan.loss_sum(dev)? / y.len() as f64;
+        let logits = self
+            .plan
+            .buffer(self.logits)
+            .expect("the logits are a graph output");
+        let logits = dev.download(logits)?.to_f32();
         let c = self.config.classes;
         let correct = y
             .iter()
@@ -296,7 +209,6 @@ impl Mlp {
                 best == t as usize
             })
             .count();
-        let loss = losses.iter().map(|&v| v as f64).sum::<f64>() / y.len() as f64;
         Ok((loss as f32, correct as f32 / y.len() as f32))
     }
 

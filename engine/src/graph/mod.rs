@@ -1,0 +1,470 @@
+//! Graph and autodiff: a model is written once, as a forward pass over [`Tensor`]s;
+//! the engine derives the backward pass and compiles forward + backward + optimizer
+//! step into a [`Plan`] of kernel launches that is replayed every step.
+//!
+//! - this file: the recorder. Tensors are ids with a shape and a dtype. Parameters
+//!   and inputs are external: the caller binds device buffers to them at compile time.
+//!   Every op checks its operands here, when it is recorded, so a bad model is an
+//!   error naming the op and the shapes, never a kernel failure mid-step.
+//! - `ops.rs`: each op's forward launches and its backward rule, side by side.
+//! - `autodiff.rs`: the reverse sweep and how a gradient with several contributions
+//!   (a tensor used twice, the tied GPT embedding) is accumulated.
+//! - `plan.rs`: compilation into a flat launch list over placeholders, liveness-based
+//!   sharing of intermediate buffers, and replay.
+//! - `gpt.rs`: GPT-2 written on the graph.
+//!
+//! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
+
+mod autodiff;
+pub mod gpt;
+mod ops;
+mod plan;
+
+pub use plan::{Bindings, Plan, PlanMemory, PlanStep, Training};
+
+use crate::gpt::Attention;
+use crate::{DType, Error, Result};
+
+/// A tensor of a [`Graph`]: an id, meaningful only in the graph that made it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tensor(pub(crate) usize);
+
+/// Where a tensor's values come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// A trainable parameter: index into [`Graph::params`].
+    Param(usize),
+    /// Data the caller uploads (tokens, targets, features): no gradient.
+    Input,
+    /// An op's output.
+    Op,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct TensorInfo {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub source: Source,
+}
+
+impl TensorInfo {
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The feature (last) dim.
+    pub fn cols(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    /// Elements over the feature dim: the leading dims flattened.
+    pub fn rows(&self) -> usize {
+        self.len() / self.cols().max(1)
+    }
+}
+
+/// A trainable parameter as declared.
+#[derive(Clone, Debug)]
+pub struct ParamDecl {
+    pub tensor: Tensor,
+    pub name: String,
+    pub shape: Vec<usize>,
+    /// Gradient dtype (f32 for embedding tables and norm weights: their kernels
+    /// accumulate in f32).
+    pub grad: DType,
+    /// Weight decay applies (matrices, not biases and norms, by GPT-2's convention).
+    pub decay: bool,
+}
+
+/// One recorded op. Operands and results are tensor ids; what the backward needs
+/// beyond them (norm statistics, attention heads) is saved when the op is emitted.
+#[derive(Clone, Debug)]
+pub(crate) enum Op {
+    /// `out[r] = table[tokens[r]]`.
+    Embedding {
+        tokens: Tensor,
+        table: Tensor,
+        out: Tensor,
+    },
+    /// `out = x w + b`, `w` stored (K, N); with `trans_w`, `out = x w^T + b`, `w`
+    /// stored (N, K) (a tied LM head reads the embedding table this way).
+    Linear {
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+        out: Tensor,
+        trans_w: bool,
+    },
+    LayerNorm {
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        out: Tensor,
+        eps: f32,
+    },
+    Gelu {
+        x: Tensor,
+        out: Tensor,
+    },
+    Add {
+        a: Tensor,
+        b: Tensor,
+        out: Tensor,
+    },
+    /// `qkv` (B, T, 3C) holding q, k, v side by side -> `out` (B, T, C), causal,
+    /// scaled by 1/sqrt(C / heads).
+    CausalAttention {
+        qkv: Tensor,
+        out: Tensor,
+        heads: usize,
+        mode: Attention,
+    },
+    /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET.
+    CrossEntropy {
+        logits: Tensor,
+        targets: Tensor,
+        losses: Tensor,
+    },
+}
+
+/// The recorder: declare parameters and inputs, then call ops in forward order.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub(crate) tensors: Vec<TensorInfo>,
+    pub(crate) ops: Vec<Op>,
+    pub(crate) params: Vec<ParamDecl>,
+    /// The per-row losses of the one cross-entropy: what backward differentiates.
+    pub(crate) loss: Option<Tensor>,
+    /// Tensors kept readable after a step (their buffers are never shared).
+    pub(crate) outputs: Vec<Tensor>,
+}
+
+impl Graph {
+    pub fn new() -> Graph {
+        Graph::default()
+    }
+
+    fn info(&self, t: Tensor) -> Result<&TensorInfo> {
+        self.tensors.get(t.0).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "graph: tensor #{} does not belong to this graph (it has {} tensors)",
+                t.0,
+                self.tensors.len()
+            ))
+        })
+    }
+
+    pub(crate) fn t(&self, t: Tensor) -> &TensorInfo {
+        &self.tensors[t.0]
+    }
+
+    fn push(&mut self, name: String, shape: Vec<usize>, dtype: DType, source: Source) -> Tensor {
+        self.tensors.push(TensorInfo {
+            name,
+            shape,
+            dtype,
+            source,
+        });
+        Tensor(self.tensors.len() - 1)
+    }
+
+    /// The parameters in declaration order: the order [`Bindings::params`] binds them.
+    pub fn params(&self) -> &[ParamDecl] {
+        &self.params
+    }
+
+    /// Shape of a tensor.
+    pub fn shape(&self, t: Tensor) -> &[usize] {
+        &self.t(t).shape
+    }
+
+    /// Declares a trainable parameter stored as `dtype` with gradients in `grad`.
+    pub fn param(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        grad: DType,
+        decay: bool,
+    ) -> Result<Tensor> {
+        if !dtype.is_float() || !grad.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: parameter `{name}` must be stored and differentiated in a float dtype, \
+                 not {dtype} / {grad}"
+            )));
+        }
+        let t = self.push(
+            name.into(),
+            shape.to_vec(),
+            dtype,
+            Source::Param(self.params.len()),
+        );
+        self.params.push(ParamDecl {
+            tensor: t,
+            name: name.into(),
+            shape: shape.to_vec(),
+            grad,
+            decay,
+        });
+        Ok(t)
+    }
+
+    /// Declares data the caller uploads before each step (no gradient).
+    pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Tensor {
+        self.push(name.into(), shape.to_vec(), dtype, Source::Input)
+    }
+
+    /// Keeps `t` readable after a step ([`Plan::buffer`]): its buffer is not shared.
+    pub fn output(&mut self, t: Tensor) -> Result<()> {
+        self.info(t)?;
+        if !self.outputs.contains(&t) {
+            self.outputs.push(t);
+        }
+        Ok(())
+    }
+
+    fn op_out(&mut self, what: &str, shape: Vec<usize>, dtype: DType) -> Tensor {
+        let name = format!("{what}#{}", self.ops.len());
+        self.push(name, shape, dtype, Source::Op)
+    }
+
+    fn float(&self, op: &str, t: Tensor) -> Result<&TensorInfo> {
+        let i = self.info(t)?;
+        if !i.dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: {op}: `{}` is {}, but this op takes f32, f16 or bf16",
+                i.name, i.dtype
+            )));
+        }
+        Ok(i)
+    }
+
+    /// A parameter whose gradient is f32: the norm and embedding kernels accumulate
+    /// their weight gradients in f32.
+    fn f32_grad_param(&self, op: &str, t: Tensor) -> Result<()> {
+        let i = self.info(t)?;
+        match i.source {
+            Source::Param(p) if self.params[p].grad == DType::F32 => Ok(()),
+            Source::Param(_) => Err(Error::InvalidArgument(format!(
+                "graph: {op}: parameter `{}` needs an f32 gradient (its kernel accumulates in \
+                 f32); declare it with grad DType::F32",
+                i.name
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "graph: {op}: `{}` must be a parameter (declare it with Graph::param)",
+                i.name
+            ))),
+        }
+    }
+
+    /// `out[..., :] = table[tokens[...], :]`: tokens (...) u32, table (V, C) -> (..., C).
+    pub fn embedding(&mut self, tokens: Tensor, table: Tensor) -> Result<Tensor> {
+        let ti = self.info(tokens)?.clone();
+        let tab = self.float("embedding", table)?.clone();
+        if ti.dtype != DType::U32 || tab.shape.len() != 2 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: embedding: tokens `{}` must be u32 (is {}) and the table `{}` (V, C) \
+                 (is {:?})",
+                ti.name, ti.dtype, tab.name, tab.shape
+            )));
+        }
+        self.f32_grad_param("embedding", table)?;
+        let mut shape = ti.shape.clone();
+        shape.push(tab.shape[1]);
+        let out = self.op_out("embedding", shape, tab.dtype);
+        self.ops.push(Op::Embedding { tokens, table, out });
+        Ok(out)
+    }
+
+    /// `x (..., K) w (K, N) + b (N) -> (..., N)`.
+    pub fn linear(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+        self.linear_op(x, w, b, false)
+    }
+
+    /// `x (..., K) w^T + b -> (..., N)` with `w` stored (N, K): a tied LM head.
+    pub fn linear_transposed(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
+        self.linear_op(x, w, b, true)
+    }
+
+    fn linear_op(
+        &mut self,
+        x: Tensor,
+        w: Tensor,
+        b: Option<Tensor>,
+        trans_w: bool,
+    ) -> Result<Tensor> {
+        let xi = self.float("linear", x)?.clone();
+        let wi = self.float("linear", w)?.clone();
+        let k = xi.cols();
+        let (wk, n) = match (wi.shape.as_slice(), trans_w) {
+            (&[r, c], false) => (r, c),
+            (&[r, c], true) => (c, r),
+            _ => (0, 0),
+        };
+        if wk != k || n == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: linear: `{}` {:?} has {k} features but the weight `{}` is {:?}{}; it \
+                 must be ({k}, N){}",
+                xi.name,
+                xi.shape,
+                wi.name,
+                wi.shape,
+                if trans_w { " (read transposed)" } else { "" },
+                if trans_w { " transposed: (N, K)" } else { "" }
+            )));
+        }
+        if let Some(b) = b {
+            let bi = self.float("linear", b)?;
+            if bi.len() != n {
+                return Err(Error::InvalidArgument(format!(
+                    "graph: linear: bias `{}` has {} elements; it needs one per output ({n})",
+                    bi.name,
+                    bi.len()
+                )));
+            }
+        }
+        let mut shape = xi.shape.clone();
+        *shape.last_mut().expect("a float tensor has a feature dim") = n;
+        let out = self.op_out("linear", shape, xi.dtype);
+        self.ops.push(Op::Linear {
+            x,
+            w,
+            b,
+            out,
+            trans_w,
+        });
+        Ok(out)
+    }
+
+    /// Layer norm over the feature dim with parameters `weight` and `bias` (C each).
+    pub fn layernorm(&mut self, x: Tensor, weight: Tensor, bias: Tensor) -> Result<Tensor> {
+        let xi = self.float("layernorm", x)?.clone();
+        for p in [weight, bias] {
+            self.f32_grad_param("layernorm", p)?;
+            let pi = self.info(p)?;
+            if pi.len() != xi.cols() {
+                return Err(Error::InvalidArgument(format!(
+                    "graph: layernorm: `{}` has {} elements but `{}` has {} features",
+                    pi.name,
+                    pi.len(),
+                    xi.name,
+                    xi.cols()
+                )));
+            }
+        }
+        let out = self.op_out("layernorm", xi.shape.clone(), xi.dtype);
+        self.ops.push(Op::LayerNorm {
+            x,
+            weight,
+            bias,
+            out,
+            eps: 1e-5,
+        });
+        Ok(out)
+    }
+
+    /// GELU, tanh form, elementwise.
+    pub fn gelu(&mut self, x: Tensor) -> Result<Tensor> {
+        let xi = self.float("gelu", x)?.clone();
+        let out = self.op_out("gelu", xi.shape, xi.dtype);
+        self.ops.push(Op::Gelu { x, out });
+        Ok(out)
+    }
+
+    /// `a + b`, same shape (a residual connection).
+    pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
+        let ai = self.float("add", a)?.clone();
+        let bi = self.float("add", b)?.clone();
+        if ai.shape != bi.shape {
+            return Err(Error::InvalidArgument(format!(
+                "graph: add: `{}` is {:?} but `{}` is {:?}; they must match",
+                ai.name, ai.shape, bi.name, bi.shape
+            )));
+        }
+        let out = self.op_out("add", ai.shape, ai.dtype);
+        self.ops.push(Op::Add { a, b, out });
+        Ok(out)
+    }
+
+    /// Causal self-attention: `qkv` (B, T, 3C), q, k and v side by side as GPT-2's
+    /// c_attn produces them, split into `heads` heads of C / heads -> (B, T, C).
+    pub fn causal_attention(
+        &mut self,
+        qkv: Tensor,
+        heads: usize,
+        mode: Attention,
+    ) -> Result<Tensor> {
+        let qi = self.float("causal_attention", qkv)?.clone();
+        let ok = qi.shape.len() == 3 && heads > 0 && qi.cols() % (3 * heads) == 0;
+        if !ok {
+            return Err(Error::InvalidArgument(format!(
+                "graph: causal_attention: `{}` is {:?}; it must be (B, T, 3C) with C divisible \
+                 by the {heads} heads",
+                qi.name, qi.shape
+            )));
+        }
+        let (c, dim) = (qi.cols() / 3, qi.cols() / 3 / heads);
+        let precision_16 = qi.dtype.size() == 2;
+        if !c.is_multiple_of(2) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: causal_attention: C = {c} must be even (heads are merged back into \
+                 rows a 32-bit word at a time)"
+            )));
+        }
+        if mode == Attention::Fused
+            && (dim > crate::ATTENTION_MAX_DIM || (precision_16 && dim % 2 != 0))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "graph: causal_attention: fused attention takes head dims up to {} (even for \
+                 16-bit activations), not {dim}; use Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM
+            )));
+        }
+        let shape = vec![qi.shape[0], qi.shape[1], c];
+        let out = self.op_out("attention", shape, qi.dtype);
+        self.ops.push(Op::CausalAttention {
+            qkv,
+            out,
+            heads,
+            mode,
+        });
+        Ok(out)
+    }
+
+    /// Fused softmax + cross-entropy over the last dim of `logits` (..., V) against
+    /// `targets` (...) u32 -> per-row losses (...) f32. The graph's loss is their mean
+    /// over the rows whose target is not IGNORE_TARGET; one per graph.
+    pub fn cross_entropy(&mut self, logits: Tensor, targets: Tensor) -> Result<Tensor> {
+        let li = self.float("cross_entropy", logits)?.clone();
+        let ti = self.info(targets)?.clone();
+        if ti.dtype != DType::U32 || ti.len() != li.rows() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: cross_entropy: targets `{}` must be {} u32 ids, one per row of `{}` \
+                 {:?}; they are {:?} {}",
+                ti.name,
+                li.rows(),
+                li.name,
+                li.shape,
+                ti.shape,
+                ti.dtype
+            )));
+        }
+        if self.loss.is_some() {
+            return Err(Error::InvalidArgument(
+                "graph: cross_entropy: the graph already has a loss; a graph differentiates \
+                 one cross-entropy (add the logits first to combine heads)"
+                    .into(),
+            ));
+        }
+        let losses = self.op_out("losses", ti.shape, DType::F32);
+        self.ops.push(Op::CrossEntropy {
+            logits,
+            targets,
+            losses,
+        });
+        self.loss = Some(losses);
+        self.outputs.push(losses);
+        Ok(losses)
+    }
+}
