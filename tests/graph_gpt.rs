@@ -174,7 +174,12 @@ fn micro_batches_and_clipping_equal_the_hand_written_gpt() {
             gpt.last_grad_scale(&dev).unwrap(),
             graph.last_grad_scale(&dev).unwrap(),
         );
-        assert_eq!(gs, ps, "step {s}: gradient factor");
+        // Gpt sums the norm's squares per flat buffer, the plan per tensor: the same
+        // f32 terms in another order, within a few ulps.
+        assert!(
+            (gs - ps).abs() <= 4.0 * f32::EPSILON * gs,
+            "step {s}: gradient factor {gs} vs {ps}"
+        );
         assert!(
             gs < 1.0,
             "step {s}: the norm should exceed {clip} and clip ({gs})"
@@ -186,12 +191,14 @@ fn micro_batches_and_clipping_equal_the_hand_written_gpt() {
         .iter()
         .zip(graph.parameters(&dev).unwrap())
     {
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(a),
-            bits(&b),
-            "{name} after 3 clipped steps of 2 micro-batches"
-        );
+        // Adam divides by the root of the second moment, so an ulp in the factor can
+        // move a weight by a few ulps of lr: 1e-6 absolute at lr 1e-2.
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x - y).abs() <= 1e-6,
+                "{name} after 3 clipped steps of 2 micro-batches: {x} vs {y}"
+            );
+        }
     }
 }
 
