@@ -226,7 +226,11 @@ fn every_variant_matches_cpu() {
     let dev = &wgpu_paths()[0].1;
     let variants = [
         MatmulVariant::Naive,
-        MatmulVariant::Tiled,
+        MatmulVariant::Tiled {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+        },
         MatmulVariant::Cpu { tm: 16, nv: 2 },
         MatmulVariant::Cpu { tm: 4, nv: 1 },
     ];
@@ -251,9 +255,110 @@ fn every_variant_matches_cpu() {
             &format!("gemv {dims:?}"),
             dev,
             &c,
-            Some(MatmulVariant::Gemv),
+            Some(MatmulVariant::Gemv { lanes: 64 }),
         );
     }
+}
+
+/// Tile shapes are pipeline constants of one module: shapes other than the tuned
+/// defaults (smaller, non-square, other K steps, other GEMV widths) must give the same
+/// results on both f16 paths, over shapes that are multiples of no tile, with 16-byte
+/// loads (dims multiples of 4) and without, and with K split.
+#[test]
+fn non_default_tile_shapes_match_cpu() {
+    let mut rng = Rng::new(31);
+    let tiles = [
+        MatmulVariant::Tiled {
+            bm: 32,
+            bn: 32,
+            bk: 8,
+        },
+        MatmulVariant::Tiled {
+            bm: 16,
+            bn: 48,
+            bk: 4,
+        },
+        MatmulVariant::Tiled {
+            bm: 128,
+            bn: 32,
+            bk: 12,
+        },
+    ];
+    for (name, dev) in &wgpu_paths() {
+        for v in tiles {
+            for dtypes in [[DType::F32; 3], [DType::F16; 3]] {
+                for trans in [(false, false), (true, true)] {
+                    for dims in [(1, 1, 1), (37, 53, 29), (68, 100, 44), (3, 5, 2051)] {
+                        let c = case(&mut rng, dims, trans, dtypes);
+                        check(
+                            &format!("{name}: {} {dims:?} {trans:?} {dtypes:?}", v.name()),
+                            dev,
+                            &c,
+                            Some(v),
+                        );
+                    }
+                }
+            }
+        }
+        for lanes in [16, 128] {
+            for dims in [(37, 1, 300), (5, 1, 2053)] {
+                let c = case(&mut rng, dims, (true, false), [DType::F16; 3]);
+                check(
+                    &format!("{name}: gemv{lanes} {dims:?}"),
+                    dev,
+                    &c,
+                    Some(MatmulVariant::Gemv { lanes }),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_tile_shapes_are_errors() {
+    for bad in [
+        "tiled24x64x16",
+        "tiled64x64x6",
+        "tiled128x128x16",
+        "gemv48",
+        "cpu0x8",
+    ] {
+        let e = bad.parse::<MatmulVariant>().unwrap_err().to_string();
+        assert!(e.contains(bad), "{bad}: {e}");
+    }
+    let e = "tiled128x128x16".parse::<MatmulVariant>().unwrap_err();
+    assert!(e.to_string().contains("workgroup memory"), "{e}");
+    assert_eq!(
+        "tiled32x48x8".parse::<MatmulVariant>().unwrap(),
+        MatmulVariant::Tiled {
+            bm: 32,
+            bn: 48,
+            bk: 8
+        }
+    );
+    assert_eq!(
+        "tiled64".parse::<MatmulVariant>().unwrap().name(),
+        "tiled64x64x16"
+    );
+    // A pinned shape is checked at launch too, not handed to the compiler.
+    let dev = &wgpu_paths()[0].1;
+    let (a, b, c) = (
+        dev.alloc(DType::F32, 4).unwrap(),
+        dev.alloc(DType::F32, 4).unwrap(),
+        dev.alloc(DType::F32, 4).unwrap(),
+    );
+    let mm = Matmul::new(a, b, c, 2, 2, 2);
+    let e = dev
+        .launch_matmul(
+            &mm,
+            Some(MatmulVariant::Tiled {
+                bm: 20,
+                bn: 16,
+                bk: 4,
+            }),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("multiples of 16"), "{e}");
 }
 
 #[test]

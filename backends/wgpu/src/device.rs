@@ -78,6 +78,9 @@ pub(crate) struct State {
     buffers: HashMap<u64, Slot>,
     allocated: u64,
     layouts: HashMap<(Vec<Access>, u64), (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    /// One module per (kernel, reprs, assembly constants): pipelines that differ only in
+    /// their overrides (tile shapes, epilogue flags) share it.
+    modules: HashMap<(&'static str, Vec<Repr>, Vec<(&'static str, u32)>), wgpu::ShaderModule>,
     pipelines: HashMap<PipelineKey, wgpu::ComputePipeline>,
     bind_groups: HashMap<BindKey, wgpu::BindGroup>,
     encoder: Option<wgpu::CommandEncoder>,
@@ -322,22 +325,32 @@ impl WgpuDevice {
                 what: format!("subgroup operations, which kernel {} needs", kernel.name),
             });
         }
-        let source = shader::assemble(kernel, &key.reprs, &key.consts);
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let desc = wgpu::ShaderModuleDescriptor {
-            label: Some(kernel.name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        };
-        let module = if kernel.trusted {
-            // SAFETY: `trusted` kernels clamp every buffer index into range themselves
-            // (see their sources) and their loops are bounded by launch parameters, so
-            // the checks the compiler would add can never fire.
-            unsafe {
-                self.device
-                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+        let module_key = (kernel.name, key.reprs.clone(), key.consts.clone());
+        let module = match s.modules.get(&module_key) {
+            Some(m) => m.clone(),
+            None => {
+                let source = shader::assemble(kernel, &key.reprs, &key.consts);
+                let desc = wgpu::ShaderModuleDescriptor {
+                    label: Some(kernel.name),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                };
+                let module = if kernel.trusted {
+                    // SAFETY: `trusted` kernels clamp every buffer index into range
+                    // themselves (see their sources) and their loops are bounded by launch
+                    // parameters, so the checks the compiler would add can never fire.
+                    unsafe {
+                        self.device.create_shader_module_trusted(
+                            desc,
+                            wgpu::ShaderRuntimeChecks::unchecked(),
+                        )
+                    }
+                } else {
+                    self.device.create_shader_module(desc)
+                };
+                s.modules.insert(module_key, module.clone());
+                module
             }
-        } else {
-            self.device.create_shader_module(desc)
         };
         let constants: Vec<(&str, f64)> = key
             .overrides

@@ -20,39 +20,90 @@ pub enum MatmulVariant {
     Naive,
     /// Register blocks for CPU-class adapters; `tm` rows x `nv` vec4 column groups per lane.
     Cpu { tm: u32, nv: u32 },
-    /// Shared-memory tiles for GPUs.
-    Tiled,
-    /// Matrix-vector (N = 1).
-    Gemv,
+    /// Shared-memory tiles for GPUs: `bm` x `bn` outputs per workgroup, `bk` steps of K
+    /// per tile (pipeline-overridable constants of one module).
+    Tiled { bm: u32, bn: u32, bk: u32 },
+    /// Matrix-vector (N = 1): `lanes` threads per output row (an override).
+    Gemv { lanes: u32 },
 }
+
+/// Tile shapes per adapter class. Every entry was measured (benches/RESULTS.md): the
+/// tiled kernel's 64 x 64 x 16 and the GEMV's 64 lanes are what the kernels were tuned
+/// with; the CPU-class register blocks are chosen by shape in [`plan`].
+struct Tuning {
+    tiled: MatmulVariant,
+    gemv: MatmulVariant,
+}
+
+const GPU_TUNING: Tuning = Tuning {
+    tiled: MatmulVariant::Tiled {
+        bm: 64,
+        bn: 64,
+        bk: 16,
+    },
+    gemv: MatmulVariant::Gemv { lanes: 64 },
+};
+/// CPU-class adapters only meet the tiled kernel when a caller pins it; its GEMV is the
+/// GPU's (one SIMD vector of 8 lanes walks 64 values of K per step either way).
+const CPU_TUNING: Tuning = GPU_TUNING;
+
+fn tuning(caps: &Capabilities) -> &'static Tuning {
+    if cpu_class(caps) {
+        &CPU_TUNING
+    } else {
+        &GPU_TUNING
+    }
+}
+
+/// Bytes of workgroup memory every WebGPU adapter offers (the tiled kernel's two tiles
+/// must fit it).
+const WORKGROUP_STORAGE: u32 = 16384;
 
 impl std::str::FromStr for MatmulVariant {
     type Err = Error;
-    /// Parses a name as [`MatmulVariant::name`] writes it: `naive`, `tiled64`, `gemv`,
+    /// Parses a name as [`MatmulVariant::name`] writes it: `naive`, `tiledBMxBNxBK`
+    /// (`tiled64` is the default 64x64x16), `gemvLANES` (`gemv`: 64 lanes),
     /// `cpuTMxCOLS` (COLS a multiple of 4, e.g. `cpu16x8`).
     fn from_str(s: &str) -> Result<Self> {
         let bad = || {
             Error::InvalidArgument(format!(
-                "unknown matmul variant `{s}`: use naive, tiled64, gemv or cpuTMxCOLS (e.g. cpu16x8)"
+                "unknown matmul variant `{s}`: use naive, tiled64, tiledBMxBNxBK (e.g. \
+                 tiled32x64x8), gemv, gemvLANES (e.g. gemv128) or cpuTMxCOLS (e.g. cpu16x8)"
             ))
         };
-        match s {
-            "naive" => Ok(MatmulVariant::Naive),
-            "tiled64" => Ok(MatmulVariant::Tiled),
-            "gemv" => Ok(MatmulVariant::Gemv),
+        let nums = |rest: &str| -> Result<Vec<u32>> {
+            rest.split('x')
+                .map(|v| v.parse().map_err(|_| bad()))
+                .collect()
+        };
+        let v = match s {
+            "naive" => MatmulVariant::Naive,
+            "tiled64" => GPU_TUNING.tiled,
+            "gemv" => GPU_TUNING.gemv,
             _ => {
-                let (tm, cols) = s
-                    .strip_prefix("cpu")
-                    .and_then(|r| r.split_once('x'))
-                    .ok_or_else(bad)?;
-                let tm: u32 = tm.parse().map_err(|_| bad())?;
-                let cols: u32 = cols.parse().map_err(|_| bad())?;
-                if tm == 0 || tm > 64 || cols == 0 || !cols.is_multiple_of(4) || cols > 32 {
+                if let Some(rest) = s.strip_prefix("tiled") {
+                    match nums(rest)?[..] {
+                        [bm, bn, bk] => MatmulVariant::Tiled { bm, bn, bk },
+                        _ => return Err(bad()),
+                    }
+                } else if let Some(rest) = s.strip_prefix("gemv") {
+                    MatmulVariant::Gemv {
+                        lanes: rest.parse().map_err(|_| bad())?,
+                    }
+                } else if let Some(rest) = s.strip_prefix("cpu") {
+                    match nums(rest)?[..] {
+                        [tm, cols] if cols.is_multiple_of(4) => {
+                            MatmulVariant::Cpu { tm, nv: cols / 4 }
+                        }
+                        _ => return Err(bad()),
+                    }
+                } else {
                     return Err(bad());
                 }
-                Ok(MatmulVariant::Cpu { tm, nv: cols / 4 })
             }
-        }
+        };
+        v.check()?;
+        Ok(v)
     }
 }
 
@@ -61,8 +112,41 @@ impl MatmulVariant {
         match self {
             MatmulVariant::Naive => "naive".into(),
             MatmulVariant::Cpu { tm, nv } => format!("cpu{tm}x{}", nv * 4),
-            MatmulVariant::Tiled => "tiled64".into(),
-            MatmulVariant::Gemv => "gemv".into(),
+            MatmulVariant::Tiled { bm, bn, bk } => format!("tiled{bm}x{bn}x{bk}"),
+            MatmulVariant::Gemv { lanes } => format!("gemv{lanes}"),
+        }
+    }
+
+    /// Whether the kernel can take this shape; the error names the allowed ones.
+    pub fn check(&self) -> Result<()> {
+        let problem = match *self {
+            MatmulVariant::Naive => None,
+            MatmulVariant::Cpu { tm, nv } => (tm == 0 || tm > 64 || nv == 0 || nv > 8)
+                .then(|| "cpu blocks take 1..=64 rows and 4..=32 columns (a multiple of 4)".into()),
+            MatmulVariant::Tiled { bm, bn, bk } => {
+                let side = |d: u32| (16..=128).contains(&d) && d.is_multiple_of(16);
+                let shared = 4 * bk as u64 * (bm as u64 + bn as u64 + 2);
+                if !side(bm) || !side(bn) || bk == 0 || !bk.is_multiple_of(4) || bk > 64 {
+                    Some("tiles take BM and BN multiples of 16 up to 128 and BK a multiple of 4 up to 64".into())
+                } else if shared > WORKGROUP_STORAGE as u64 {
+                    Some(format!(
+                        "its two tiles need {shared} bytes of workgroup memory, over the \
+                         {WORKGROUP_STORAGE} every adapter offers: use a smaller BK"
+                    ))
+                } else {
+                    None
+                }
+            }
+            MatmulVariant::Gemv { lanes } => (!lanes.is_power_of_two()
+                || !(4..=256).contains(&lanes))
+            .then(|| "gemv lanes are a power of two from 4 to 256".into()),
+        };
+        match problem {
+            Some(p) => Err(Error::InvalidArgument(format!(
+                "matmul variant {}: {p}",
+                self.name()
+            ))),
+            None => Ok(()),
         }
     }
 }
@@ -103,8 +187,8 @@ fn tile(variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
     match variant {
         MatmulVariant::Naive => (8, 8),
         MatmulVariant::Cpu { tm, nv } => (tm, fixed_subgroup(caps).unwrap_or(CPU_LANES) * 4 * nv),
-        MatmulVariant::Tiled => (64, 64),
-        MatmulVariant::Gemv => (1, 1),
+        MatmulVariant::Tiled { bm, bn, .. } => (bm, bn),
+        MatmulVariant::Gemv { .. } => (1, 1),
     }
 }
 
@@ -121,9 +205,12 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
             partial: false,
         });
     }
+    if let Some(v) = force {
+        v.check()?;
+    }
     let variant = force.unwrap_or_else(|| {
         if n == 1 && k >= 32 {
-            MatmulVariant::Gemv
+            tuning(caps).gemv
         } else if cpu_class(caps) {
             // 16 x 8 per lane was the best block measured on lavapipe; small matrices
             // take smaller blocks so that both worker threads get tiles.
@@ -147,11 +234,12 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
             };
             MatmulVariant::Cpu { tm, nv }
         } else {
-            MatmulVariant::Tiled
+            tuning(caps).tiled
         }
     });
     let (tm, tn) = tile(variant, caps);
-    if variant != MatmulVariant::Gemv && n.div_ceil(tn) > 65535 {
+    let gemv = matches!(variant, MatmulVariant::Gemv { .. });
+    if !gemv && n.div_ceil(tn) > 65535 {
         return Err(Error::InvalidArgument(format!(
             "matmul: n = {n} needs {} column workgroups, over the 65535 one dispatch allows; \
              compute the transposed product (swap A and B) instead",
@@ -163,8 +251,8 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     let busy = if cpu_class(caps) { 8 } else { 256 };
     let step = match variant {
         MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
-        MatmulVariant::Tiled => 16,
-        MatmulVariant::Gemv => 64,
+        MatmulVariant::Tiled { bk, .. } => bk,
+        MatmulVariant::Gemv { lanes } => lanes,
         MatmulVariant::Naive => 1,
     };
     let mut splits = 1u32;
@@ -211,8 +299,8 @@ fn kernel_for(variant: MatmulVariant, caps: &Capabilities) -> &'static KernelSou
         MatmulVariant::Naive => &shader::MATMUL_NAIVE,
         MatmulVariant::Cpu { .. } if fixed_subgroup(caps).is_some() => &shader::MATMUL_CPU,
         MatmulVariant::Cpu { .. } => &shader::MATMUL_CPU_NOSG,
-        MatmulVariant::Tiled => &shader::MATMUL_TILED,
-        MatmulVariant::Gemv => &shader::GEMV,
+        MatmulVariant::Tiled { .. } => &shader::MATMUL_TILED,
+        MatmulVariant::Gemv { .. } => &shader::GEMV,
     }
 }
 
@@ -221,7 +309,7 @@ impl WgpuDevice {
     pub fn launch_matmul(&self, mm: &Matmul, variant: Option<MatmulVariant>) -> Result<MatmulPlan> {
         let kernel = kiln_engine::Kernel::Matmul(mm.clone());
         kernel.validate()?;
-        if variant == Some(MatmulVariant::Gemv) && mm.n != 1 {
+        if matches!(variant, Some(MatmulVariant::Gemv { .. })) && mm.n != 1 {
             return Err(Error::InvalidArgument(format!(
                 "matmul: the gemv kernel computes one output column, but n = {}",
                 mm.n
@@ -510,10 +598,12 @@ impl WgpuDevice {
         };
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
+        // The tile shape: pipeline constants of one module (see tile_overrides).
+        let tiles = tile_overrides(plan.variant);
         let aligned = |dim: usize, stride: usize| {
             dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
         };
-        if plan.variant == MatmulVariant::Tiled {
+        if let MatmulVariant::Tiled { .. } = plan.variant {
             // 16-byte loads along each operand's contiguous dimension when it allows.
             let a_dim = if mm.trans_a { mm.m } else { mm.k };
             let b_dim = if mm.trans_b { mm.k } else { mm.n };
@@ -548,7 +638,7 @@ impl WgpuDevice {
                 _ => rows.div_ceil(tm),
             };
             let groups_x = match plan.variant {
-                MatmulVariant::Gemv => 1,
+                MatmulVariant::Gemv { .. } => 1,
                 _ => n.div_ceil(tn),
             };
             self.dispatch(
@@ -563,7 +653,7 @@ impl WgpuDevice {
                         Repr::F32,
                     ],
                     consts: consts.clone(),
-                    overrides: overrides(plan.partial),
+                    overrides: [overrides(plan.partial), tiles.clone()].concat(),
                     buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
                     ranges: windows.main(plan.partial),
                     params: params(row_base, rows, 0),
@@ -629,6 +719,17 @@ impl Windows {
         v.extend(self.c.map(|(o, n)| (2, o, n)));
         v.extend(self.cf.map(|(o, n)| (4, o, n)));
         v
+    }
+}
+
+/// Pipeline-overridable tile constants of `variant`'s kernel. The CPU-class kernel's
+/// block is not among them: it is unrolled at assembly (`//@unroll TM`), because
+/// llvmpipe does not unroll loops itself and its speed comes from that unrolling.
+fn tile_overrides(variant: MatmulVariant) -> Vec<(&'static str, u32)> {
+    match variant {
+        MatmulVariant::Tiled { bm, bn, bk } => vec![("BM", bm), ("BN", bn), ("BK", bk)],
+        MatmulVariant::Gemv { lanes } => vec![("LANES", lanes)],
+        _ => vec![],
     }
 }
 
