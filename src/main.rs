@@ -621,6 +621,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
     }
     let options = kiln::wgpu::DeviceOptions {
         disable_f16: args.no_f16,
+        ..Default::default()
     };
     let devs = bench_devices(&args.devices, &options)?;
     eprintln!(
@@ -675,6 +676,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
 
     let options = DeviceOptions {
         disable_f16: no_f16,
+        ..Default::default()
     };
     let indices: Vec<usize> = if devices.is_empty() {
         kiln::wgpu::adapters().iter().map(|a| a.index).collect()

@@ -65,6 +65,9 @@ struct PipelineKey {
     overrides: Vec<(&'static str, u32)>,
 }
 
+/// A kernel's module: (name, reprs, assembly constants).
+type ModuleKey = (&'static str, Vec<Repr>, Vec<(&'static str, u32)>);
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct BindKey {
     pipeline: PipelineKey,
@@ -80,7 +83,7 @@ pub(crate) struct State {
     layouts: HashMap<(Vec<Access>, u64), (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// One module per (kernel, reprs, assembly constants): pipelines that differ only in
     /// their overrides (tile shapes, epilogue flags) share it.
-    modules: HashMap<(&'static str, Vec<Repr>, Vec<(&'static str, u32)>), wgpu::ShaderModule>,
+    modules: HashMap<ModuleKey, wgpu::ShaderModule>,
     pipelines: HashMap<PipelineKey, wgpu::ComputePipeline>,
     bind_groups: HashMap<BindKey, wgpu::BindGroup>,
     encoder: Option<wgpu::CommandEncoder>,
@@ -144,7 +147,7 @@ impl WgpuDevice {
             index,
             available: adapters.len(),
         })?;
-        let caps = capabilities(adapter, options.disable_f16);
+        let caps = capabilities(adapter, options);
         let mut features = wgpu::Features::empty();
         if caps.f16_arithmetic {
             features |= wgpu::Features::SHADER_F16;
@@ -160,7 +163,10 @@ impl WgpuDevice {
             label: Some("kiln"),
             required_features: features,
             // Ask for everything the adapter offers: large buffers are the norm here.
-            required_limits: adapter.limits(),
+            required_limits: wgpu::Limits {
+                max_storage_buffer_binding_size: caps.max_storage_binding,
+                ..adapter.limits()
+            },
             ..Default::default()
         }))
         .map_err(|e| Error::Backend {
@@ -177,7 +183,7 @@ impl WgpuDevice {
         }));
 
         let arena_stride =
-            (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_MAX);
+            PARAMS_MAX.next_multiple_of(device.limits().min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln params arena"),
             size: arena_stride * ARENA_SLOTS,

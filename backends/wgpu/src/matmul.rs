@@ -333,302 +333,396 @@ impl WgpuDevice {
             return Ok(());
         }
         let limit = self.caps.max_storage_binding;
-        let partial_bytes = |mm: &Matmul, splits: u32| {
-            (mm.batch as u64 * mm.m as u64 * mm.n as u64 * splits as u64).div_ceil(2) * 8
-        };
         let partials_fit = !plan.partial || partial_bytes(mm, plan.splits) <= limit;
         if partials_fit && mm.buffers().iter().all(|b| b.bytes() <= limit) {
-            return self.record(s, mm, plan, handles, &Windows::default());
+            return self.record(s, mm, plan, handles, &View::whole(mm));
         }
-        // An operand is larger than one binding can show a kernel: run the product in
-        // bands of C's rows, each binding only its rows of A, C and the f32 copy.
-        let too_big = |what: String| Error::Unsupported {
-            device: self.caps.name.clone(),
-            what: format!(
-                "{what}; one binding holds at most {limit} bytes. Larger operands are split by \
-                 rows of C (batch 1, A not transposed) or into groups of whole matrices (batches)"
-            ),
+        // Some operand is larger than one binding can show a kernel: run the product in
+        // blocks, each binding only the part of every large buffer it reads or writes.
+        let whole = Block {
+            g0: 0,
+            gb: mm.batch,
+            i0: 0,
+            mb: mm.m,
+            j0: 0,
+            nb: mm.n,
+            k0: 0,
+            kb: mm.k,
         };
         if mm.batch > 1 {
-            return self.matmul_in_batch_groups(
-                s,
-                mm,
-                plan,
-                handles,
-                partial_bytes(mm, 8) / mm.batch as u64,
-            );
-        }
-        if mm.trans_a {
-            return Err(too_big(format!(
-                "an A-transposed matmul with an operand over the binding limit (A {} bytes, C {} bytes)",
-                mm.a.bytes(),
-                mm.c.bytes()
-            )));
-        }
-        for b in [Some(mm.b), mm.bias].into_iter().flatten() {
-            if b.bytes() > limit {
-                return Err(too_big(format!(
-                    "operand buffer #{} of {} bytes, which rows of C cannot split",
-                    b.id,
-                    b.bytes()
-                )));
+            // Groups of whole matrices, as many as fit (fitting is monotone in the size).
+            let (mut lo, mut hi) = (0, mm.batch);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if self
+                    .first_over(mm, &Block { gb: mid, ..whole }, plan)
+                    .is_none()
+                {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if lo > 0 {
+                for g0 in (0..mm.batch).step_by(lo) {
+                    let b = Block {
+                        g0,
+                        gb: lo.min(mm.batch - g0),
+                        ..whole
+                    };
+                    let (sub, view) = self.block(mm, &b);
+                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
+                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                }
+                return Ok(());
             }
         }
-        let align = self.storage_offset_alignment();
-        // Bytes per row of each banded operand; a band must start at an aligned offset
-        // in all of them.
-        let mut row_bytes = vec![
-            (mm.k * mm.a.dtype.size()) as u64,
-            (mm.n * mm.c.dtype.size()) as u64,
-        ];
-        if mm.c_f32.is_some() {
-            row_bytes.push(mm.n as u64 * 4);
-        }
-        if plan.partial {
-            // f32 partials for every split (at most 8) of a band's rows.
-            row_bytes.push(mm.n as u64 * 4 * 8);
-        }
-        let unit = row_bytes
-            .iter()
-            .map(|&r| align / gcd(r.max(1), align))
-            .fold(1, lcm);
-        let widest = *row_bytes.iter().max().expect("two entries");
-        // Two elements of slack: kernels read 16-bit and f32 values in pairs.
-        let band = ((limit - 16) / widest.max(1)) / unit * unit;
-        if band == 0 {
-            return Err(too_big(format!("{unit} rows of {widest} bytes")));
-        }
-        let mut r0 = 0u64;
-        while r0 < mm.m as u64 {
-            let rows = band.min(mm.m as u64 - r0);
-            let sub = Matmul {
-                m: rows as usize,
-                stride_a: rows as usize * mm.k,
-                stride_c: rows as usize * mm.n,
-                ..mm.clone()
-            };
-            let window = |buf: kiln_engine::Buffer, row: u64| {
-                let offset = r0 * row;
-                // Round up to whole 8-byte pairs, within the buffer's padded size.
-                let size = (rows * row).div_ceil(8) * 8;
-                (offset, size.min(buf.bytes() - offset))
-            };
-            let windows = Windows {
-                a: Some(window(mm.a, row_bytes[0])),
-                b: None,
-                c: Some(window(mm.c, row_bytes[1])),
-                cf: mm.c_f32.map(|cf| window(cf, mm.n as u64 * 4)),
-            };
-            let sub_plan = plan_for(&sub, &self.caps, plan)?;
-            self.record(s, &sub, &sub_plan, handles, &windows)?;
-            r0 += rows;
+        // One matrix alone does not fit: split each one by rows, columns and K.
+        for g0 in 0..mm.batch {
+            self.matmul_in_blocks(s, mm, plan, handles, Block { g0, gb: 1, ..whole })?;
         }
         Ok(())
     }
 
-    /// A batch with an operand over the binding limit: groups of whole matrices, each
-    /// group binding only its matrices of every strided operand (stride-0 operands are
-    /// shared and must fit as they are). `partial_per_matrix`: f32 partial bytes one
-    /// matrix needs at the most splits.
-    fn matmul_in_batch_groups(
+    /// Runs matrix `whole.g0` of `mm` in blocks of C's rows and columns and, when even
+    /// one row of an operand is over the binding limit, bands of K. K bands accumulate
+    /// raw f32 sums in the partials, and `matmul_finish` applies the epilogue (alpha,
+    /// beta, bias, GELU, rounding) once, to the complete sum.
+    fn matmul_in_blocks(
         &self,
         s: &mut State,
         mm: &Matmul,
         plan: &MatmulPlan,
         handles: &HashMap<u64, wgpu::Buffer>,
-        partial_per_matrix: u64,
+        whole: Block,
     ) -> Result<()> {
-        let limit = self.caps.max_storage_binding;
-        let align = self.storage_offset_alignment();
-        let refuse = |what: String| Error::Unsupported {
-            device: self.caps.name.clone(),
-            what: format!("{what}; one binding holds at most {limit} bytes"),
-        };
-        // (buffer, bytes between matrices, bytes of one matrix's span)
-        let mut operands = vec![
-            (
-                mm.a,
-                mm.stride_a as u64 * mm.a.dtype.size() as u64,
-                (mm.m * mm.k * mm.a.dtype.size()) as u64,
-            ),
-            (
-                mm.b,
-                mm.stride_b as u64 * mm.b.dtype.size() as u64,
-                (mm.k * mm.n * mm.b.dtype.size()) as u64,
-            ),
-            (
-                mm.c,
-                mm.stride_c as u64 * mm.c.dtype.size() as u64,
-                (mm.m * mm.n * mm.c.dtype.size()) as u64,
-            ),
-        ];
-        if let Some(cf) = mm.c_f32 {
-            operands.push((cf, mm.stride_c as u64 * 4, (mm.m * mm.n * 4) as u64));
-        }
-        let mut unit = 1;
-        for &(buf, stride, _) in &operands {
-            if stride == 0 {
-                if buf.bytes() > limit {
-                    return Err(refuse(format!(
-                        "buffer #{} ({} bytes) is shared by every matrix of the batch (stride 0)",
-                        buf.id,
-                        buf.bytes()
-                    )));
-                }
+        let mut b = whole;
+        // Halve the dimension that shrinks the first operand over the limit; each step
+        // makes every window smaller or keeps it, so this ends (1 x 1 x 1 fits).
+        while let Some(over) = self.first_over(mm, &b, plan) {
+            let halve = |x: &mut usize| *x = x.div_ceil(2);
+            let dim = match over {
+                Over::A if mm.trans_a => [&mut b.kb, &mut b.mb],
+                Over::A => [&mut b.mb, &mut b.kb],
+                Over::B if mm.trans_b => [&mut b.nb, &mut b.kb],
+                Over::B => [&mut b.kb, &mut b.nb],
+                Over::C | Over::Partials => [&mut b.mb, &mut b.nb],
+                Over::Bias => [&mut b.nb, &mut b.mb],
+            };
+            let [first, second] = dim;
+            if *first > 1 {
+                halve(first);
+            } else if *second > 1 {
+                halve(second);
             } else {
-                unit = lcm(unit, align / gcd(stride, align));
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "a matmul whose single elements do not fit one binding of {} bytes",
+                        self.caps.max_storage_binding
+                    ),
+                });
             }
         }
-        // The largest group (a multiple of `unit` matrices) whose windows all fit.
-        let fits = |g: u64| {
-            operands
-                .iter()
-                .all(|&(_, stride, span)| stride == 0 || (g - 1) * stride + span + 16 <= limit)
-                && (!plan.partial || g * partial_per_matrix <= limit)
-        };
-        let mut group = 0;
-        let mut g = unit;
-        while g <= mm.batch as u64 && fits(g) {
-            group = g;
-            g += unit;
-        }
-        if group == 0 {
-            return Err(refuse(format!(
-                "one matrix of this batch does not fit a binding (or {unit} matrices are needed \
-                 for an aligned group); split the matrices themselves"
-            )));
-        }
-        let mut g0 = 0u64;
-        while g0 < mm.batch as u64 {
-            let n = group.min(mm.batch as u64 - g0);
-            let sub = Matmul {
-                batch: n as usize,
-                ..mm.clone()
-            };
-            let window = |buf: kiln_engine::Buffer, stride: u64, span: u64| {
-                (stride > 0).then(|| {
-                    let offset = g0 * stride;
-                    let size = ((n - 1) * stride + span).div_ceil(8) * 8;
-                    (offset, size.min(buf.bytes() - offset))
-                })
-            };
-            let w = |i: usize| window(operands[i].0, operands[i].1, operands[i].2);
-            let windows = Windows {
-                a: w(0),
-                b: w(1),
-                c: w(2),
-                cf: if operands.len() > 3 { w(3) } else { None },
-            };
-            let sub_plan = plan_for(&sub, &self.caps, plan)?;
-            self.record(s, &sub, &sub_plan, handles, &windows)?;
-            g0 += n;
+        for i0 in (0..mm.m).step_by(b.mb) {
+            for j0 in (0..mm.n).step_by(b.nb) {
+                let cell = Block {
+                    i0,
+                    mb: b.mb.min(mm.m - i0),
+                    j0,
+                    nb: b.nb.min(mm.n - j0),
+                    ..b
+                };
+                if b.kb == mm.k {
+                    let (sub, view) = self.block(mm, &cell);
+                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
+                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                    continue;
+                }
+                let (sub, view) = self.block(
+                    mm,
+                    &Block {
+                        k0: 0,
+                        kb: mm.k,
+                        ..cell
+                    },
+                );
+                let partials = self.partials(s, partial_bytes(&sub, 1));
+                for k0 in (0..mm.k).step_by(b.kb) {
+                    let band = Block {
+                        k0,
+                        kb: b.kb.min(mm.k - k0),
+                        ..cell
+                    };
+                    let (sub_k, view_k) = self.block(mm, &band);
+                    let band_plan = MatmulPlan {
+                        splits: 1,
+                        k_chunk: sub_k.k as u32,
+                        partial: true,
+                        ..plan_for(&sub_k, &self.caps, plan)?
+                    };
+                    self.record_main(s, &sub_k, &band_plan, handles, &view_k, &partials, k0 > 0)?;
+                }
+                let finish_plan = MatmulPlan {
+                    splits: 1,
+                    partial: true,
+                    ..plan_for(&sub, &self.caps, plan)?
+                };
+                self.record_finish(s, &sub, &finish_plan, handles, &view, &partials)?;
+            }
         }
         Ok(())
     }
 
-    /// Records one GEMM whose operands each fit a binding (`windows` gives the byte
-    /// ranges of A, C and the f32 copy when only part of their buffer is bound).
+    /// The sub-product `b` of `mm` and where its operands lie in their buffers.
+    fn block(&self, mm: &Matmul, b: &Block) -> (Matmul, View) {
+        let (m, n, k) = (mm.m as u64, mm.n as u64, mm.k as u64);
+        let (i0, j0, k0) = (b.i0 as u64, b.j0 as u64, b.k0 as u64);
+        let (mb, nb, kb, gb) = (b.mb as u64, b.nb as u64, b.kb as u64, b.gb as u64);
+        let g0 = b.g0 as u64;
+        let stride = |s: usize| s as u64;
+        let (a_first, a_span) = if mm.trans_a {
+            (k0 * m + i0, (kb - 1) * m + mb)
+        } else {
+            (i0 * k + k0, (mb - 1) * k + kb)
+        };
+        let (b_first, b_span) = if mm.trans_b {
+            (j0 * k + k0, (nb - 1) * k + kb)
+        } else {
+            (k0 * n + j0, (kb - 1) * n + nb)
+        };
+        let (c_first, c_span) = (i0 * n + j0, (mb - 1) * n + nb);
+        let batched = |first: u64, span: u64, st: usize| {
+            (g0 * stride(st) + first, (gb - 1) * stride(st) + span)
+        };
+        let (af, asp) = batched(a_first, a_span, mm.stride_a);
+        let (bf, bsp) = batched(b_first, b_span, mm.stride_b);
+        let (cf, csp) = batched(c_first, c_span, mm.stride_c);
+        let view = View {
+            lda: if mm.trans_a { m } else { k } as u32,
+            ldb: if mm.trans_b { k } else { n } as u32,
+            ldc: n as u32,
+            a: self.bind(mm.a, af, asp),
+            b: self.bind(mm.b, bf, bsp),
+            c: self.bind(mm.c, cf, csp),
+            cf: mm.c_f32.map_or(Bind::default(), |f| self.bind(f, cf, csp)),
+            bias: mm.bias.map_or(Bind::default(), |f| self.bind(f, j0, nb)),
+        };
+        let sub = Matmul {
+            m: b.mb,
+            n: b.nb,
+            k: b.kb,
+            batch: b.gb,
+            ..mm.clone()
+        };
+        (sub, view)
+    }
+
+    /// Binds `span` elements of `buf` from element `first`: the whole buffer when it fits
+    /// one binding, else a window from the aligned offset at or before the first element.
+    fn bind(&self, buf: kiln_engine::Buffer, first: u64, span: u64) -> Bind {
+        let size = buf.dtype.size() as u64;
+        if buf.bytes() <= self.caps.max_storage_binding {
+            return Bind {
+                window: None,
+                base: first as u32,
+            };
+        }
+        let align = self.storage_offset_alignment();
+        let start = first * size;
+        let offset = start / align * align;
+        // Whole 8-byte words: kernels read 16-bit and f32 values in pairs.
+        let end = ((start + span * size).div_ceil(8) * 8).min(buf.bytes());
+        Bind {
+            window: Some((offset, end - offset)),
+            base: ((start - offset) / size) as u32,
+        }
+    }
+
+    /// The first operand of block `b` whose binding would exceed the limit (or whose
+    /// plan fails: a block too large for one dispatch's grid).
+    fn first_over(&self, mm: &Matmul, b: &Block, whole: &MatmulPlan) -> Option<Over> {
+        let limit = self.caps.max_storage_binding;
+        let (sub, view) = self.block(mm, b);
+        let over = |bind: &Bind| bind.window.is_some_and(|(_, size)| size > limit);
+        // Partials: the block's own plan, or one slab when K is banded.
+        let slabs = if b.kb < mm.k {
+            Some(1)
+        } else {
+            match plan_for(&sub, &self.caps, whole) {
+                Ok(p) if p.partial || self.needs_partials(&sub, &p, &view) => Some(p.splits),
+                Ok(_) => None,
+                Err(_) => return Some(Over::Partials),
+            }
+        };
+        if over(&view.a) {
+            Some(Over::A)
+        } else if over(&view.b) {
+            Some(Over::B)
+        } else if over(&view.c) || over(&view.cf) {
+            Some(Over::C)
+        } else if over(&view.bias) {
+            Some(Over::Bias)
+        } else if slabs.is_some_and(|n| partial_bytes(&sub, n) > limit) {
+            Some(Over::Partials)
+        } else {
+            None
+        }
+    }
+
+    /// Records one GEMM whose bindings each fit (`view`: where its operands lie), with
+    /// its `matmul_finish` when it goes through partials.
     fn record(
         &self,
         s: &mut State,
         mm: &Matmul,
         plan: &MatmulPlan,
         handles: &HashMap<u64, wgpu::Buffer>,
-        windows: &Windows,
+        view: &View,
     ) -> Result<()> {
-        let caps = &self.caps;
-        let limit = caps.max_storage_binding;
-        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
-        let total = mm.batch as u64 * mm.m as u64 * mm.n as u64;
-        let partial_bytes = (total * plan.splits as u64).div_ceil(2) * 8;
-        if plan.partial && partial_bytes > limit {
+        let plan = &MatmulPlan {
+            partial: plan.partial || self.needs_partials(mm, plan, view),
+            ..plan.clone()
+        };
+        if !plan.partial {
+            return self.record_main(s, mm, plan, handles, view, &self.dummy, false);
+        }
+        let limit = self.caps.max_storage_binding;
+        let bytes = partial_bytes(mm, plan.splits);
+        if bytes > limit {
             return Err(Error::Unsupported {
-                device: caps.name.clone(),
+                device: self.caps.name.clone(),
                 what: format!(
-                    "{partial_bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
+                    "{bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
                 ),
             });
         }
-        let partials = if plan.partial {
-            Some(self.partials(s, partial_bytes))
-        } else {
-            None
-        };
+        let partials = self.partials(s, bytes);
+        self.record_main(s, mm, plan, handles, view, &partials, false)?;
+        self.record_finish(s, mm, plan, handles, view, &partials)
+    }
+
+    /// Whether a packed 16-bit C must go through partials here: the CPU-class kernel
+    /// stores whole 4-element groups only where no two workgroups share a word.
+    fn needs_partials(&self, mm: &Matmul, plan: &MatmulPlan, view: &View) -> bool {
+        let packed_c = matches!(
+            Repr::of(mm.c.dtype, self.caps.f16_arithmetic),
+            Repr::F16Packed | Repr::BF16
+        );
+        packed_c && !(matches!(plan.variant, MatmulVariant::Cpu { .. }) && vec_c(mm, view))
+    }
+
+    fn params(
+        &self,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        view: &View,
+        row_base: u32,
+        rows: u32,
+        words: u32,
+    ) -> Vec<u32> {
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        // One matrix: its stride is its whole span, so that matmul_finish maps every
+        // element of the binding to matrix 0.
         let stride_c = if mm.batch == 1 {
-            m * n
+            m * view.ldc
         } else {
             mm.stride_c as u32
         };
+        vec![
+            m,
+            n,
+            k,
+            mm.batch as u32,
+            mm.stride_a as u32,
+            mm.stride_b as u32,
+            stride_c,
+            row_base,
+            mm.alpha.to_bits(),
+            mm.beta.to_bits(),
+            plan.splits,
+            plan.k_chunk,
+            (mm.batch * mm.m * mm.n) as u32,
+            words,
+            rows,
+            view.lda,
+            view.ldb,
+            view.ldc,
+            view.a.base,
+            view.b.base,
+            view.c.base,
+            view.cf.base,
+            view.bias.base,
+            0,
+        ]
+    }
+
+    /// The GEMM kernel's dispatches; with `plan.partial` they write (or, `accumulate`,
+    /// add to) the f32 `partials` instead of C.
+    #[allow(clippy::too_many_arguments)]
+    fn record_main(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        view: &View,
+        partials: &wgpu::Buffer,
+        accumulate: bool,
+    ) -> Result<()> {
+        let caps = &self.caps;
+        let (m, n) = (mm.m as u32, mm.n as u32);
         let kernel = kernel_for(plan.variant, caps);
         let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
         let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
         let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
-        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
-        let flag = |b: bool| b as u32;
-        let overrides = |partial: bool| {
-            vec![
-                ("TRANS_A", flag(mm.trans_a)),
-                ("TRANS_B", flag(mm.trans_b)),
-                ("USE_BETA", flag(mm.beta != 0.0)),
-                ("BIAS", flag(mm.bias.is_some())),
-                ("GELU", flag(mm.gelu)),
-                ("COPY_F32", flag(mm.c_f32.is_some())),
-                ("PARTIAL", flag(partial)),
-            ]
-        };
-        let params = |row_base: u32, rows: u32, words: u32| -> Vec<u32> {
-            vec![
-                m,
-                n,
-                k,
-                mm.batch as u32,
-                mm.stride_a as u32,
-                mm.stride_b as u32,
-                stride_c,
-                row_base,
-                mm.alpha.to_bits(),
-                mm.beta.to_bits(),
-                plan.splits,
-                plan.k_chunk,
-                total as u32,
-                words,
-                rows,
-                0,
-            ]
+        let cf = if plan.partial {
+            (PARTIALS_ID, partials)
+        } else {
+            mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h)
         };
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
-        // The tile shape: pipeline constants of one module (see tile_overrides).
-        let tiles = tile_overrides(plan.variant);
-        let aligned = |dim: usize, stride: usize| {
-            dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
+        // 16-byte loads and stores need every start of a 4-group to be a multiple of 4
+        // elements into its binding.
+        let aligned = |dim: usize, ld: u32, base: u32, stride: usize| {
+            dim.is_multiple_of(4)
+                && ld.is_multiple_of(4)
+                && base.is_multiple_of(4)
+                && (mm.batch == 1 || stride.is_multiple_of(4))
         };
         if let MatmulVariant::Tiled { .. } = plan.variant {
             // 16-byte loads along each operand's contiguous dimension when it allows.
             let a_dim = if mm.trans_a { mm.m } else { mm.k };
             let b_dim = if mm.trans_b { mm.k } else { mm.n };
             consts = vec![
-                ("VEC_A", aligned(a_dim, mm.stride_a) as u32),
-                ("VEC_B", aligned(b_dim, mm.stride_b) as u32),
+                (
+                    "VEC_A",
+                    aligned(a_dim, view.lda, view.a.base, mm.stride_a) as u32,
+                ),
+                (
+                    "VEC_B",
+                    aligned(b_dim, view.ldb, view.b.base, mm.stride_b) as u32,
+                ),
             ];
         }
         if let MatmulVariant::Cpu { tm, nv } = plan.variant {
-            let vec_b = !mm.trans_b
-                && n.is_multiple_of(4)
-                && (mm.batch == 1 || mm.stride_b.is_multiple_of(4));
-            let vec_c = n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_c.is_multiple_of(4));
+            let vec_b = !mm.trans_b && aligned(mm.n, view.ldb, view.b.base, mm.stride_b);
             consts = vec![
                 ("SG", fixed_subgroup(caps).unwrap_or(CPU_LANES)),
                 ("TM", tm),
                 ("NV", nv),
                 ("VEC_B", vec_b as u32),
-                ("VEC_C", vec_c as u32),
+                ("VEC_C", vec_c(mm, view) as u32),
             ];
         }
-        let cf = match &partials {
-            Some(p) => (PARTIALS_ID, p),
-            None => cf_user,
-        };
+        let flag = |b: bool| b as u32;
+        let overrides = [
+            epilogue_overrides(mm, plan.partial),
+            vec![("ACCUMULATE", flag(accumulate))],
+            tile_overrides(plan.variant),
+        ]
+        .concat();
         let z = mm.batch as u32 * plan.splits;
         let mut row_base = 0;
         while row_base < m {
@@ -653,71 +747,176 @@ impl WgpuDevice {
                         Repr::F32,
                     ],
                     consts: consts.clone(),
-                    overrides: [overrides(plan.partial), tiles.clone()].concat(),
+                    overrides: overrides.clone(),
                     buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
-                    ranges: windows.main(plan.partial),
-                    params: params(row_base, rows, 0),
+                    ranges: view.main(plan.partial),
+                    params: self.params(mm, plan, view, row_base, rows, 0),
                     groups: (groups_x, groups_y, z),
                 },
             )?;
             row_base += rows;
         }
-        if let Some(p) = &partials {
-            let span = (mm.batch as u64 - 1) * stride_c as u64 + total / mm.batch as u64;
-            let words = span.div_ceil(2) as u32;
-            self.dispatch(
-                s,
-                Dispatch {
-                    kernel: &shader::MATMUL_FINISH,
-                    reprs: vec![
-                        Repr::F32,
-                        repr(mm.b),
-                        repr(mm.c),
-                        repr_of_bias(self, mm),
-                        Repr::F32,
-                    ],
-                    consts: vec![],
-                    overrides: overrides(false),
-                    buffers: vec![(PARTIALS_ID, p), h(mm.b), h(mm.c), bias, cf_user],
-                    ranges: windows.finish(),
-                    params: params(0, m, words),
-                    groups: (groups(words), 1, 1),
-                },
-            )?;
-        }
         Ok(())
+    }
+
+    /// `matmul_finish`: sums the partials' slabs into C with the epilogue.
+    fn record_finish(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        view: &View,
+        partials: &wgpu::Buffer,
+    ) -> Result<()> {
+        let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
+        let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
+        let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
+        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
+        // C's words from the start of its binding to the last output.
+        let span = view.c.base as u64
+            + (mm.batch as u64 - 1) * mm.stride_c as u64
+            + (mm.m as u64 - 1) * view.ldc as u64
+            + mm.n as u64;
+        let words = span.div_ceil(2) as u32;
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel: &shader::MATMUL_FINISH,
+                reprs: vec![
+                    Repr::F32,
+                    repr(mm.b),
+                    repr(mm.c),
+                    repr_of_bias(self, mm),
+                    Repr::F32,
+                ],
+                consts: vec![],
+                overrides: epilogue_overrides(mm, false),
+                // Slot b is not read here: a stand-in keeps a large B out of the binding.
+                buffers: vec![
+                    (PARTIALS_ID, partials),
+                    (DUMMY_ID, &self.dummy),
+                    h(mm.c),
+                    bias,
+                    cf_user,
+                ],
+                ranges: view.finish(),
+                params: self.params(mm, plan, view, 0, mm.m as u32, words),
+                groups: (groups(words), 1, 1),
+            },
+        )
     }
 }
 
-/// Byte ranges of A, C and the f32 copy bound for one band of rows (none: whole buffer).
-#[derive(Default)]
-struct Windows {
-    a: Option<(u64, u64)>,
-    b: Option<(u64, u64)>,
-    c: Option<(u64, u64)>,
-    cf: Option<(u64, u64)>,
+/// The epilogue's overrides, shared by the GEMM kernels and `matmul_finish`.
+fn epilogue_overrides(mm: &Matmul, partial: bool) -> Vec<(&'static str, u32)> {
+    let flag = |b: bool| b as u32;
+    vec![
+        ("TRANS_A", flag(mm.trans_a)),
+        ("TRANS_B", flag(mm.trans_b)),
+        ("USE_BETA", flag(mm.beta != 0.0)),
+        ("BIAS", flag(mm.bias.is_some())),
+        ("GELU", flag(mm.gelu)),
+        ("COPY_F32", flag(mm.c_f32.is_some())),
+        ("PARTIAL", flag(partial)),
+    ]
 }
 
-impl Windows {
+/// Whether the CPU-class kernel may store C (and its f32 copy) in whole 4-groups: every
+/// group starts a multiple of 4 elements into its binding, and no group of one row
+/// runs into the next row's (n and the row length multiples of 4).
+fn vec_c(mm: &Matmul, view: &View) -> bool {
+    mm.n.is_multiple_of(4)
+        && view.ldc.is_multiple_of(4)
+        && view.c.base.is_multiple_of(4)
+        && view.cf.base.is_multiple_of(4)
+        && (mm.batch == 1 || mm.stride_c.is_multiple_of(4))
+}
+
+/// Bytes of f32 partials for `splits` slabs of `mm`'s outputs.
+fn partial_bytes(mm: &Matmul, splits: u32) -> u64 {
+    (mm.batch as u64 * mm.m as u64 * mm.n as u64 * splits as u64).div_ceil(2) * 8
+}
+
+/// Part of a product: matrices g0.., rows i0.., columns j0.. and K k0.. of it.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    g0: usize,
+    gb: usize,
+    i0: usize,
+    mb: usize,
+    j0: usize,
+    nb: usize,
+    k0: usize,
+    kb: usize,
+}
+
+/// Which binding of a block is over the limit.
+#[derive(Clone, Copy, Debug)]
+enum Over {
+    A,
+    B,
+    C,
+    Bias,
+    Partials,
+}
+
+/// How one slot is bound: a byte window of its buffer (none: the whole buffer) and the
+/// element offset, within the binding, of the operand's first element.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bind {
+    window: Option<(u64, u64)>,
+    base: u32,
+}
+
+/// Where one recorded product's operands lie, and their stored row lengths.
+#[derive(Clone, Copy, Debug)]
+struct View {
+    lda: u32,
+    ldb: u32,
+    ldc: u32,
+    a: Bind,
+    b: Bind,
+    c: Bind,
+    cf: Bind,
+    bias: Bind,
+}
+
+impl View {
+    /// Whole matrices, every buffer bound whole.
+    fn whole(mm: &Matmul) -> View {
+        View {
+            lda: if mm.trans_a { mm.m } else { mm.k } as u32,
+            ldb: if mm.trans_b { mm.k } else { mm.n } as u32,
+            ldc: mm.n as u32,
+            a: Bind::default(),
+            b: Bind::default(),
+            c: Bind::default(),
+            cf: Bind::default(),
+            bias: Bind::default(),
+        }
+    }
+
     /// Slot ranges for the GEMM kernel (slots a, b, c, bias, cf). With partials, cf is
-    /// the partials buffer, which is sized for the band already.
+    /// the partials buffer, which is sized for the block already.
     fn main(&self, partial: bool) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
-        v.extend(self.a.map(|(o, n)| (0, o, n)));
-        v.extend(self.b.map(|(o, n)| (1, o, n)));
-        v.extend(self.c.map(|(o, n)| (2, o, n)));
+        v.extend(self.a.window.map(|(o, n)| (0, o, n)));
+        v.extend(self.b.window.map(|(o, n)| (1, o, n)));
+        v.extend(self.c.window.map(|(o, n)| (2, o, n)));
+        v.extend(self.bias.window.map(|(o, n)| (3, o, n)));
         if !partial {
-            v.extend(self.cf.map(|(o, n)| (4, o, n)));
+            v.extend(self.cf.window.map(|(o, n)| (4, o, n)));
         }
         v
     }
 
-    /// Slot ranges for `matmul_finish` (slot a holds the partials).
+    /// Slot ranges for `matmul_finish` (slot a holds the partials, slot b a stand-in).
     fn finish(&self) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
-        v.extend(self.b.map(|(o, n)| (1, o, n)));
-        v.extend(self.c.map(|(o, n)| (2, o, n)));
-        v.extend(self.cf.map(|(o, n)| (4, o, n)));
+        v.extend(self.c.window.map(|(o, n)| (2, o, n)));
+        v.extend(self.bias.window.map(|(o, n)| (3, o, n)));
+        v.extend(self.cf.window.map(|(o, n)| (4, o, n)));
         v
     }
 }
@@ -736,18 +935,6 @@ fn tile_overrides(variant: MatmulVariant) -> Vec<(&'static str, u32)> {
 /// The plan for one band of a banded product: the caller's pinned variant, if any.
 fn plan_for(sub: &Matmul, caps: &Capabilities, whole: &MatmulPlan) -> Result<MatmulPlan> {
     plan(sub, caps, Some(whole.variant))
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
-fn lcm(a: u64, b: u64) -> u64 {
-    a / gcd(a, b) * b
 }
 
 fn repr_of_bias(dev: &WgpuDevice, mm: &Matmul) -> Repr {
