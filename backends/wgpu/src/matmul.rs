@@ -249,22 +249,11 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     let tiles = m.div_ceil(tm) as u64 * n.div_ceil(tn) as u64 * mm.batch as u64;
     // Split K when the output has too few tiles to fill the adapter and K is long.
     let busy = if cpu_class(caps) { 8 } else { 256 };
-    let step = match variant {
-        MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
-        MatmulVariant::Tiled { bk, .. } => bk,
-        MatmulVariant::Gemv { lanes } => lanes,
-        MatmulVariant::Naive => 1,
-    };
     let mut splits = 1u32;
     if variant != MatmulVariant::Naive && tiles < busy && k >= 1024 {
         splits = ((busy / tiles.max(1)) as u32).clamp(1, 8).min(k / 256);
     }
-    let k_chunk = k.div_ceil(splits.max(1)).div_ceil(step) * step;
-    let splits = if k == 0 {
-        1
-    } else {
-        k.div_ceil(k_chunk.max(1))
-    };
+    let (splits, k_chunk) = split_k(k, splits, variant, caps);
 
     let packed_c = matches!(
         Repr::of(mm.c.dtype, caps.f16_arithmetic),
@@ -292,6 +281,24 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
         rows_per_dispatch: rows.max(1),
         partial,
     })
+}
+
+/// At most `splits` chunks of K, each a whole number of the kernel's K steps (the CPU
+/// kernel's loads are zeroed past K, not past a chunk's end): (splits, chunk).
+fn split_k(k: u32, splits: u32, variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
+    let step = match variant {
+        MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
+        MatmulVariant::Tiled { bk, .. } => bk,
+        MatmulVariant::Gemv { lanes } => lanes,
+        MatmulVariant::Naive => 1,
+    };
+    let k_chunk = k.div_ceil(splits.max(1)).div_ceil(step) * step;
+    let splits = if k == 0 {
+        1
+    } else {
+        k.div_ceil(k_chunk.max(1))
+    };
+    (splits, k_chunk)
 }
 
 fn kernel_for(variant: MatmulVariant, caps: &Capabilities) -> &'static KernelSource {
@@ -544,7 +551,10 @@ impl WgpuDevice {
     fn first_over(&self, mm: &Matmul, b: &Block, whole: &MatmulPlan) -> Option<Over> {
         let limit = self.caps.max_storage_binding;
         let (sub, view) = self.block(mm, b);
-        let over = |bind: &Bind| bind.window.is_some_and(|(_, size)| size > limit);
+        // Blocks at other offsets start up to one alignment unit further past their
+        // binding's aligned start than this one.
+        let align = self.storage_offset_alignment();
+        let over = |bind: &Bind| bind.window.is_some_and(|(_, size)| size + align > limit);
         // Partials: the block's own plan, or one slab when K is banded.
         let slabs = if b.kb < mm.k {
             Some(1)
@@ -580,14 +590,21 @@ impl WgpuDevice {
         handles: &HashMap<u64, wgpu::Buffer>,
         view: &View,
     ) -> Result<()> {
-        let plan = &MatmulPlan {
-            partial: plan.partial || self.needs_partials(mm, plan, view),
-            ..plan.clone()
-        };
+        let limit = self.caps.max_storage_binding;
+        let mut plan = plan.clone();
+        if plan.partial && partial_bytes(mm, plan.splits) > limit {
+            // A small block of a split product may plan more K splits than the block
+            // the split was sized with: take as many as the binding holds.
+            let most = (limit / partial_bytes(mm, 1)).max(1) as u32;
+            (plan.splits, plan.k_chunk) =
+                split_k(mm.k as u32, most.min(plan.splits), plan.variant, &self.caps);
+            plan.partial = plan.splits > 1;
+        }
+        plan.partial |= self.needs_partials(mm, &plan, view);
+        let plan = &plan;
         if !plan.partial {
             return self.record_main(s, mm, plan, handles, view, &self.dummy, false);
         }
-        let limit = self.caps.max_storage_binding;
         let bytes = partial_bytes(mm, plan.splits);
         if bytes > limit {
             return Err(Error::Unsupported {
