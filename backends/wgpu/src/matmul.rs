@@ -431,6 +431,25 @@ impl WgpuDevice {
                 });
             }
         }
+        // Halving can leave up to half of each binding unused: grow each dimension back
+        // to the largest size that still fits (fitting is monotone in each).
+        for dim in 0..3 {
+            let get = |b: &Block| [b.mb, b.nb, b.kb][dim];
+            let set = |b: &mut Block, v: usize| *[&mut b.mb, &mut b.nb, &mut b.kb][dim] = v;
+            let most = [mm.m, mm.n, mm.k][dim];
+            let (mut lo, mut hi) = (get(&b), (2 * get(&b)).min(most));
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                let mut t = b;
+                set(&mut t, mid);
+                if self.first_over(mm, &t, plan).is_none() {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            set(&mut b, lo);
+        }
         for i0 in (0..mm.m).step_by(b.mb) {
             for j0 in (0..mm.n).step_by(b.nb) {
                 let cell = Block {
