@@ -591,13 +591,14 @@ fn strided_batch(
 /// refused: every case the old row bands could not take (B or the bias over the limit,
 /// A transposed, batch strides that allow no aligned group, one matrix over the limit,
 /// a single row over the limit so that K is split with the epilogue applied once),
-/// f32 and f16, on both f16 paths, against the CPU reference.
+/// f32, f16 and f16 in / f32 out, on both f16 paths, against the CPU reference.
 #[test]
 fn operands_over_the_binding_limit_are_split() {
     let mut rng = Rng::new(77);
     let limit = SMALL_BINDING as usize;
     for (name, dev) in &limited_paths() {
-        for dtypes in [[DType::F32; 3], [DType::F16; 3]] {
+        let mixed = [DType::F16, DType::F16, DType::F32];
+        for dtypes in [[DType::F32; 3], [DType::F16; 3], mixed] {
             let what = |case: &str| format!("{name} {dtypes:?}: {case}");
             let over = |b: kiln::engine::Buffer| b.bytes() as usize > limit;
             // (a) batch 1, B over the limit: NN (columns of B split) and NT (rows of
