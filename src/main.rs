@@ -228,7 +228,7 @@ struct MatmulArgs {
     /// Turn native f16 off on every device (measures the packed path).
     #[arg(long)]
     no_f16: bool,
-    /// Also measure these kernel variants (e.g. `cpu24x8,tiled64`) beside the planner's choice.
+    /// Also measure these kernel variants (e.g. `cpu24x8,tiled32x64x8,gemv128`) beside the planner's choice.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Write the rows as JSON to this file (`-` for stdout) as well.
