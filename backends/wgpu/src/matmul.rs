@@ -4,6 +4,10 @@
 //! The table is small on purpose and every entry was measured (benches/RESULTS.md):
 //! CPU-class adapters (lavapipe, llvmpipe) are bound by load instructions and get the
 //! subgroup-shared register-block kernel; GPUs get the shared-memory tiled kernel.
+//!
+//! Operands larger than one binding are never refused: a batch runs in groups of whole
+//! matrices, a larger matrix in blocks of rows, columns and K, each dispatch binding
+//! only its block of every large buffer (`WgpuDevice::matmul`).
 
 use std::collections::HashMap;
 
@@ -425,8 +429,11 @@ impl WgpuDevice {
                 return Err(Error::Unsupported {
                     device: self.caps.name.clone(),
                     what: format!(
-                        "a matmul whose single elements do not fit one binding of {} bytes",
-                        self.caps.max_storage_binding
+                        "a matmul whose 1 x 1 x 1 block still binds more than the \
+                         {}-byte binding limit (offsets aligned to {} bytes); open the \
+                         device with a larger `max_storage_binding`",
+                        self.caps.max_storage_binding,
+                        self.storage_offset_alignment()
                     ),
                 });
             }
