@@ -228,7 +228,7 @@ struct MatmulArgs {
     /// Turn native f16 off on every device (measures the packed path).
     #[arg(long)]
     no_f16: bool,
-    /// Also measure these kernel variants (e.g. `cpu24x8,tiled64`) beside the planner's choice.
+    /// Also measure these kernel variants (e.g. `cpu24x8,tiled32x64x8,gemv128`) beside the planner's choice.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Write the rows as JSON to this file (`-` for stdout) as well.
@@ -621,6 +621,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
     }
     let options = kiln::wgpu::DeviceOptions {
         disable_f16: args.no_f16,
+        ..Default::default()
     };
     let devs = bench_devices(&args.devices, &options)?;
     eprintln!(
@@ -675,6 +676,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
 
     let options = DeviceOptions {
         disable_f16: no_f16,
+        ..Default::default()
     };
     let indices: Vec<usize> = if devices.is_empty() {
         kiln::wgpu::adapters().iter().map(|a| a.index).collect()

@@ -20,7 +20,14 @@ use kiln::wgpu::{DeviceOptions, MatmulVariant, WgpuDevice};
 fn wgpu_paths() -> Vec<(&'static str, WgpuDevice)> {
     let open = |backend: &str, disable_f16| {
         let i = kiln::wgpu::find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
-        WgpuDevice::open(i, &DeviceOptions { disable_f16 }).unwrap()
+        WgpuDevice::open(
+            i,
+            &DeviceOptions {
+                disable_f16,
+                ..Default::default()
+            },
+        )
+        .unwrap()
     };
     vec![
         ("vulkan (native f16)", open("vulkan", false)),
@@ -226,7 +233,11 @@ fn every_variant_matches_cpu() {
     let dev = &wgpu_paths()[0].1;
     let variants = [
         MatmulVariant::Naive,
-        MatmulVariant::Tiled,
+        MatmulVariant::Tiled {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+        },
         MatmulVariant::Cpu { tm: 16, nv: 2 },
         MatmulVariant::Cpu { tm: 4, nv: 1 },
     ];
@@ -251,9 +262,110 @@ fn every_variant_matches_cpu() {
             &format!("gemv {dims:?}"),
             dev,
             &c,
-            Some(MatmulVariant::Gemv),
+            Some(MatmulVariant::Gemv { lanes: 64 }),
         );
     }
+}
+
+/// Tile shapes are pipeline constants of one module: shapes other than the tuned
+/// defaults (smaller, non-square, other K steps, other GEMV widths) must give the same
+/// results on both f16 paths, over shapes that are multiples of no tile, with 16-byte
+/// loads (dims multiples of 4) and without, and with K split.
+#[test]
+fn non_default_tile_shapes_match_cpu() {
+    let mut rng = Rng::new(31);
+    let tiles = [
+        MatmulVariant::Tiled {
+            bm: 32,
+            bn: 32,
+            bk: 8,
+        },
+        MatmulVariant::Tiled {
+            bm: 16,
+            bn: 48,
+            bk: 4,
+        },
+        MatmulVariant::Tiled {
+            bm: 128,
+            bn: 32,
+            bk: 12,
+        },
+    ];
+    for (name, dev) in &wgpu_paths() {
+        for v in tiles {
+            for dtypes in [[DType::F32; 3], [DType::F16; 3]] {
+                for trans in [(false, false), (true, true)] {
+                    for dims in [(1, 1, 1), (37, 53, 29), (68, 100, 44), (3, 5, 2051)] {
+                        let c = case(&mut rng, dims, trans, dtypes);
+                        check(
+                            &format!("{name}: {} {dims:?} {trans:?} {dtypes:?}", v.name()),
+                            dev,
+                            &c,
+                            Some(v),
+                        );
+                    }
+                }
+            }
+        }
+        for lanes in [16, 128] {
+            for dims in [(37, 1, 300), (5, 1, 2053)] {
+                let c = case(&mut rng, dims, (true, false), [DType::F16; 3]);
+                check(
+                    &format!("{name}: gemv{lanes} {dims:?}"),
+                    dev,
+                    &c,
+                    Some(MatmulVariant::Gemv { lanes }),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_tile_shapes_are_errors() {
+    for bad in [
+        "tiled24x64x16",
+        "tiled64x64x6",
+        "tiled128x128x16",
+        "gemv48",
+        "cpu0x8",
+    ] {
+        let e = bad.parse::<MatmulVariant>().unwrap_err().to_string();
+        assert!(e.contains(bad), "{bad}: {e}");
+    }
+    let e = "tiled128x128x16".parse::<MatmulVariant>().unwrap_err();
+    assert!(e.to_string().contains("workgroup memory"), "{e}");
+    assert_eq!(
+        "tiled32x48x8".parse::<MatmulVariant>().unwrap(),
+        MatmulVariant::Tiled {
+            bm: 32,
+            bn: 48,
+            bk: 8
+        }
+    );
+    assert_eq!(
+        "tiled64".parse::<MatmulVariant>().unwrap().name(),
+        "tiled64x64x16"
+    );
+    // A pinned shape is checked at launch too, not handed to the compiler.
+    let dev = &wgpu_paths()[0].1;
+    let (a, b, c) = (
+        dev.alloc(DType::F32, 4).unwrap(),
+        dev.alloc(DType::F32, 4).unwrap(),
+        dev.alloc(DType::F32, 4).unwrap(),
+    );
+    let mm = Matmul::new(a, b, c, 2, 2, 2);
+    let e = dev
+        .launch_matmul(
+            &mm,
+            Some(MatmulVariant::Tiled {
+                bm: 20,
+                bn: 16,
+                bk: 4,
+            }),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("multiples of 16"), "{e}");
 }
 
 #[test]
@@ -387,17 +499,178 @@ fn handles_from_another_device_are_refused() {
     assert!(e.to_string().contains("another device"), "{e}");
 }
 
+/// Per-binding limit of the devices the splitting tests open: far below any adapter's,
+/// so that operands over it are kilobytes, and a multiple of no tile or row length.
+const SMALL_BINDING: u64 = 20_000;
+
+/// `wgpu_paths`, opened with the per-binding limit lowered to `SMALL_BINDING`.
+fn limited_paths() -> Vec<(&'static str, WgpuDevice)> {
+    let open = |backend: &str, disable_f16| {
+        let i = kiln::wgpu::find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+        let dev = WgpuDevice::open(
+            i,
+            &DeviceOptions {
+                disable_f16,
+                max_storage_binding: Some(SMALL_BINDING),
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            kiln::engine::Device::caps(&dev).max_storage_binding,
+            SMALL_BINDING
+        );
+        dev
+    };
+    vec![
+        ("vulkan (native f16)", open("vulkan", false)),
+        ("vulkan (packed f16)", open("vulkan", true)),
+        ("gl (packed f16)", open("gl", false)),
+    ]
+}
+
+fn random(rng: &mut Rng, dtype: DType, len: usize) -> HostData {
+    HostData::from_f32(
+        dtype,
+        &(0..len).map(|_| rng.uniform(-1.0, 1.0)).collect::<Vec<_>>(),
+    )
+}
+
+fn handle(dtype: DType, len: usize) -> kiln::engine::Buffer {
+    kiln::engine::Buffer { id: 0, dtype, len }
+}
+
+/// Gives `c` alpha, beta (C read, so it starts finite), a bias, GELU and the f32 copy.
+fn with_epilogue(rng: &mut Rng, mut c: Case) -> Case {
+    let (n, len) = (c.mm.n, c.c.len());
+    c.c = random(rng, c.mm.c.dtype, len);
+    c.bias = Some(random(rng, DType::F32, n));
+    let mut mm = c.mm.clone().scaled(0.75, -0.5).with_gelu();
+    mm.bias = Some(handle(DType::F32, n));
+    mm.c_f32 = Some(handle(DType::F32, len));
+    c.mm = mm;
+    c
+}
+
+/// A batch of `batch` matrices whose operands lie `pad_*` elements further apart than
+/// their size: strides a multiple of nothing, so no group of matrices starts aligned.
+#[allow(clippy::too_many_arguments)]
+fn strided_batch(
+    rng: &mut Rng,
+    dims: (usize, usize, usize),
+    trans: (bool, bool),
+    dtypes: [DType; 3],
+    batch: usize,
+    pad_a: usize,
+    pad_b: Option<usize>,
+    pad_c: usize,
+) -> Case {
+    let (m, n, k) = dims;
+    let [da, db, dc] = dtypes;
+    let (sa, sc) = (m * k + pad_a, m * n + pad_c);
+    // pad_b None: one B shared by every matrix (stride 0).
+    let sb = pad_b.map_or(0, |p| k * n + p);
+    let (la, lb, lc) = (
+        (batch - 1) * sa + m * k,
+        (batch - 1) * sb + k * n,
+        (batch - 1) * sc + m * n,
+    );
+    let mm = Matmul::new(handle(da, la), handle(db, lb), handle(dc, lc), m, n, k)
+        .transpose(trans.0, trans.1)
+        .batched(batch, sa, sb, sc);
+    Case {
+        mm,
+        a: random(rng, da, la),
+        b: random(rng, db, lb),
+        // Not outputs between the strides: check() asserts they keep these values.
+        c: HostData::from_f32(dc, &vec![2.5; lc]),
+        bias: None,
+    }
+}
+
+/// Operands over the per-binding limit are split across dispatches and bindings, never
+/// refused: every case the old row bands could not take (B or the bias over the limit,
+/// A transposed, batch strides that allow no aligned group, one matrix over the limit,
+/// a single row over the limit so that K is split with the epilogue applied once),
+/// f32, f16 and f16 in / f32 out, on both f16 paths, against the CPU reference.
 #[test]
-fn operands_larger_than_one_binding_are_split_by_rows() {
+fn operands_over_the_binding_limit_are_split() {
+    let mut rng = Rng::new(77);
+    let limit = SMALL_BINDING as usize;
+    for (name, dev) in &limited_paths() {
+        let mixed = [DType::F16, DType::F16, DType::F32];
+        for dtypes in [[DType::F32; 3], [DType::F16; 3], mixed] {
+            let what = |case: &str| format!("{name} {dtypes:?}: {case}");
+            let over = |b: kiln::engine::Buffer| b.bytes() as usize > limit;
+            // (a) batch 1, B over the limit: NN (columns of B split) and NT (rows of
+            // the stored B); the bias (10007 elements) over it too, C's rows as well.
+            for trans in [(false, false), (false, true)] {
+                let c = case(&mut rng, (9, 211, 97), trans, dtypes);
+                assert!(over(c.mm.b) && !over(c.mm.a));
+                check(&what(&format!("B over, {trans:?}")), dev, &c, None);
+            }
+            let c = case(&mut rng, (3, 10007, 5), (false, true), dtypes);
+            let c = with_epilogue(&mut rng, c);
+            assert!(over(c.mm.bias.unwrap()) && over(c.mm.c));
+            check(&what("bias and C rows over"), dev, &c, None);
+            // (b) A transposed: A, B (f32) and C over the limit, TN and TT.
+            for trans in [(true, false), (true, true)] {
+                let c = case(&mut rng, (151, 73, 89), trans, dtypes);
+                assert!(over(c.mm.a) && over(c.mm.c));
+                check(&what(&format!("A^T and C over, {trans:?}")), dev, &c, None);
+            }
+            // One row of A (and B's K extent) over the limit: K is split into bands
+            // that accumulate in f32; alpha, beta, bias, GELU and the copy apply once.
+            let c = case(&mut rng, (5, 7, 10007), (false, false), dtypes);
+            let c = with_epilogue(&mut rng, c);
+            assert!(c.mm.k * c.mm.a.dtype.size() > limit);
+            check(&what("K split, epilogue"), dev, &c, None);
+            // The same through the GEMV kernel (n = 1), and a pinned non-default tile.
+            let c = case(&mut rng, (37, 1, 10007), (false, false), dtypes);
+            check(&what("K split, gemv"), dev, &c, None);
+            let c = case(&mut rng, (61, 83, 10007), (true, false), dtypes);
+            let tiled = MatmulVariant::Tiled {
+                bm: 32,
+                bn: 48,
+                bk: 8,
+            };
+            check(&what("A^T, K split, tiled32x48x8"), dev, &c, Some(tiled));
+            // (c) batches: strides that allow no aligned group of matrices ...
+            let c = strided_batch(
+                &mut rng,
+                (29, 31, 37),
+                (false, false),
+                dtypes,
+                13,
+                4,
+                Some(2),
+                3,
+            );
+            assert!(over(c.mm.a) && over(c.mm.b) && over(c.mm.c));
+            check(&what("batch, unaligned strides"), dev, &c, None);
+            // ... and matrices that alone exceed the limit, B shared (stride 0), A^T.
+            let c = strided_batch(
+                &mut rng,
+                (101, 103, 107),
+                (true, false),
+                dtypes,
+                3,
+                1,
+                None,
+                3,
+            );
+            assert!(over(c.mm.b) && (c.mm.m * c.mm.k * c.mm.a.dtype.size()) > limit);
+            check(&what("batch, one matrix over"), dev, &c, None);
+        }
+    }
+}
+
+/// On the adapter's real limit: A and C bigger than one binding (hundreds of MiB on
+/// lavapipe), split with no error, the result spot-checked against the CPU.
+#[test]
+fn operands_over_the_adapter_binding_limit_are_split() {
     let dev = &wgpu_paths()[0].1;
     let limit = kiln::engine::Device::caps(dev).max_storage_binding as usize;
     let mut rng = Rng::new(5);
-    // A (f32) is larger than one binding; C is small.
-    let k = 1020;
-    let m = limit / (4 * k) + 37;
-    let c = case(&mut rng, (m, 3, k), (false, false), [DType::F32; 3]);
-    assert!(c.mm.a.bytes() as usize > limit);
-    check("A over the binding limit", dev, &c, None);
     // C (f32) and its f32 copy are larger than one binding; K = 1 keeps it cheap.
     let n = 4100;
     let m = limit / (4 * n) + 5;
@@ -407,68 +680,7 @@ fn operands_larger_than_one_binding_are_split_by_rows() {
         (false, false),
         [DType::F16, DType::F16, DType::F32],
     );
-    c.mm.c_f32 = Some(kiln::engine::Buffer {
-        id: 0,
-        dtype: DType::F32,
-        len: m * n,
-    });
+    c.mm.c_f32 = Some(handle(DType::F32, m * n));
     assert!(c.mm.c.bytes() as usize > limit);
     check("C over the binding limit", dev, &c, None);
-    // A bf16 C that fits but whose f32 partials (n odd: no whole 4-groups) would not.
-    let n = 4099;
-    let m = limit / (4 * n) + 5;
-    let c = case(&mut rng, (m, n, 1), (false, false), [DType::BF16; 3]);
-    assert!((c.mm.c.bytes() as usize) < limit && m * n * 4 > limit);
-    check(
-        "bf16 C whose partials exceed the binding limit",
-        dev,
-        &c,
-        None,
-    );
-    // A batch whose A (three matrices) is over the limit: run in groups of whole matrices.
-    // Strides are multiples of 256 bytes here (m a multiple of 16, n = 16), so that each
-    // group's binding can start at its first matrix.
-    let (k, n, batch) = (1100, 16, 3);
-    let m = (limit / (4 * k * 2)).div_ceil(16) * 16;
-    let mut c = case(&mut rng, (m, n, k), (false, false), [DType::F32; 3]);
-    c.a = HostData::from_f32(
-        DType::F32,
-        &(0..batch * m * k)
-            .map(|_| rng.uniform(-1.0, 1.0))
-            .collect::<Vec<_>>(),
-    );
-    c.b = HostData::from_f32(
-        DType::F32,
-        &(0..batch * k * n)
-            .map(|_| rng.uniform(-1.0, 1.0))
-            .collect::<Vec<_>>(),
-    );
-    c.c = HostData::from_f32(DType::F32, &vec![0.0; batch * m * n]);
-    let buf = |len| kiln::engine::Buffer {
-        id: 0,
-        dtype: DType::F32,
-        len,
-    };
-    c.mm = Matmul::new(
-        buf(batch * m * k),
-        buf(batch * k * n),
-        buf(batch * m * n),
-        m,
-        n,
-        k,
-    )
-    .batched(batch, m * k, k * n, m * n);
-    assert!(c.mm.a.bytes() as usize > limit);
-    check("batched A over the binding limit", dev, &c, None);
-    // What rows of C cannot split says so: here B (stored m x n, transposed) is too big.
-    let (m, n) = (limit / (4 * 4100) + 5, 4100);
-    let big = dev.alloc(DType::F32, m * n).unwrap();
-    let x = dev.alloc(DType::F32, n).unwrap();
-    let out = dev.alloc(DType::F32, m).unwrap();
-    let e = dev
-        .launch(&Kernel::Matmul(
-            Matmul::new(x, big, out, 1, m, n).transpose(false, true),
-        ))
-        .unwrap_err();
-    assert!(e.to_string().contains("binding"), "{e}");
 }

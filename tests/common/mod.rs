@@ -17,8 +17,14 @@ pub struct Path {
 pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
     let index = find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
     Box::new(
-        WgpuDevice::open(index, &DeviceOptions { disable_f16 })
-            .unwrap_or_else(|e| panic!("opening {backend}: {e}")),
+        WgpuDevice::open(
+            index,
+            &DeviceOptions {
+                disable_f16,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("opening {backend}: {e}")),
     )
 }
 

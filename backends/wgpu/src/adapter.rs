@@ -10,6 +10,10 @@ pub struct DeviceOptions {
     /// Use the packed-f16 kernels even if the adapter computes in f16 natively
     /// (to test that path, or to work around a driver bug).
     pub disable_f16: bool,
+    /// Open the device with this per-binding limit (`max_storage_buffer_binding_size`)
+    /// instead of the adapter's, when smaller: kernels that split operands over the
+    /// limit are tested this way with megabytes instead of gigabytes.
+    pub max_storage_binding: Option<u64>,
 }
 
 /// One adapter as `kiln devices` shows it.
@@ -63,7 +67,7 @@ pub fn adapters() -> Vec<AdapterSummary> {
         .enumerate()
         .map(|(index, a)| AdapterSummary {
             index,
-            caps: capabilities(a, false),
+            caps: capabilities(a, &DeviceOptions::default()),
         })
         .collect()
 }
@@ -93,8 +97,9 @@ pub(crate) fn backend_name(b: wgpu::Backend) -> &'static str {
     }
 }
 
-/// Capabilities of an adapter as a device opened with `disable_f16` would have them.
-pub(crate) fn capabilities(a: &wgpu::Adapter, disable_f16: bool) -> Capabilities {
+/// Capabilities of an adapter as a device opened with `options` would have them.
+pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabilities {
+    let disable_f16 = options.disable_f16;
     let info = a.get_info();
     let features = a.features();
     let limits = a.limits();
@@ -124,7 +129,11 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, disable_f16: bool) -> Capabilities
         timestamp_queries: features.contains(
             wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
         ),
-        max_storage_binding: limits.max_storage_buffer_binding_size,
+        max_storage_binding: options
+            .max_storage_binding
+            .map_or(limits.max_storage_buffer_binding_size, |l| {
+                l.min(limits.max_storage_buffer_binding_size)
+            }),
         max_buffer: limits.max_buffer_size,
         memory_budget: None,
     }

@@ -67,6 +67,9 @@ struct PipelineKey {
     overrides: Vec<(&'static str, u32)>,
 }
 
+/// A kernel's module: (name, reprs, assembly constants).
+type ModuleKey = (&'static str, Vec<Repr>, Vec<(&'static str, u32)>);
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct BindKey {
     pipeline: PipelineKey,
@@ -80,6 +83,9 @@ pub(crate) struct State {
     buffers: HashMap<u64, Slot>,
     allocated: u64,
     layouts: HashMap<(Vec<Access>, u64), (wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    /// One module per (kernel, reprs, assembly constants): pipelines that differ only in
+    /// their overrides (tile shapes, epilogue flags) share it.
+    modules: HashMap<ModuleKey, wgpu::ShaderModule>,
     pipelines: HashMap<PipelineKey, wgpu::ComputePipeline>,
     bind_groups: HashMap<BindKey, wgpu::BindGroup>,
     encoder: Option<wgpu::CommandEncoder>,
@@ -153,7 +159,7 @@ impl WgpuDevice {
             index,
             available: adapters.len(),
         })?;
-        let caps = capabilities(adapter, options.disable_f16);
+        let caps = capabilities(adapter, options);
         let mut features = wgpu::Features::empty();
         if caps.f16_arithmetic {
             features |= wgpu::Features::SHADER_F16;
@@ -169,7 +175,10 @@ impl WgpuDevice {
             label: Some("kiln"),
             required_features: features,
             // Ask for everything the adapter offers: large buffers are the norm here.
-            required_limits: adapter.limits(),
+            required_limits: wgpu::Limits {
+                max_storage_buffer_binding_size: caps.max_storage_binding,
+                ..adapter.limits()
+            },
             ..Default::default()
         }))
         .map_err(|e| Error::Backend {
@@ -186,7 +195,7 @@ impl WgpuDevice {
         }));
 
         let arena_stride =
-            (device.limits().min_uniform_buffer_offset_alignment as u64).max(PARAMS_MAX);
+            PARAMS_MAX.next_multiple_of(device.limits().min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln params arena"),
             size: arena_stride * ARENA_SLOTS,
@@ -334,22 +343,32 @@ impl WgpuDevice {
                 what: format!("subgroup operations, which kernel {} needs", kernel.name),
             });
         }
-        let source = shader::assemble(kernel, &key.reprs, &key.consts);
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let desc = wgpu::ShaderModuleDescriptor {
-            label: Some(kernel.name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        };
-        let module = if kernel.trusted {
-            // SAFETY: `trusted` kernels clamp every buffer index into range themselves
-            // (see their sources) and their loops are bounded by launch parameters, so
-            // the checks the compiler would add can never fire.
-            unsafe {
-                self.device
-                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+        let module_key = (kernel.name, key.reprs.clone(), key.consts.clone());
+        let module = match s.modules.get(&module_key) {
+            Some(m) => m.clone(),
+            None => {
+                let source = shader::assemble(kernel, &key.reprs, &key.consts);
+                let desc = wgpu::ShaderModuleDescriptor {
+                    label: Some(kernel.name),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                };
+                let module = if kernel.trusted {
+                    // SAFETY: `trusted` kernels clamp every buffer index into range
+                    // themselves (see their sources) and their loops are bounded by launch
+                    // parameters, so the checks the compiler would add can never fire.
+                    unsafe {
+                        self.device.create_shader_module_trusted(
+                            desc,
+                            wgpu::ShaderRuntimeChecks::unchecked(),
+                        )
+                    }
+                } else {
+                    self.device.create_shader_module(desc)
+                };
+                s.modules.insert(module_key, module.clone());
+                module
             }
-        } else {
-            self.device.create_shader_module(desc)
         };
         let constants: Vec<(&str, f64)> = key
             .overrides

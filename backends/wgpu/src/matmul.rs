@@ -4,6 +4,10 @@
 //! The table is small on purpose and every entry was measured (benches/RESULTS.md):
 //! CPU-class adapters (lavapipe, llvmpipe) are bound by load instructions and get the
 //! subgroup-shared register-block kernel; GPUs get the shared-memory tiled kernel.
+//!
+//! Operands larger than one binding are never refused: a batch runs in groups of whole
+//! matrices, a larger matrix in blocks of rows, columns and K, each dispatch binding
+//! only its block of every large buffer (`WgpuDevice::matmul`).
 
 use std::collections::HashMap;
 
@@ -20,39 +24,90 @@ pub enum MatmulVariant {
     Naive,
     /// Register blocks for CPU-class adapters; `tm` rows x `nv` vec4 column groups per lane.
     Cpu { tm: u32, nv: u32 },
-    /// Shared-memory tiles for GPUs.
-    Tiled,
-    /// Matrix-vector (N = 1).
-    Gemv,
+    /// Shared-memory tiles for GPUs: `bm` x `bn` outputs per workgroup, `bk` steps of K
+    /// per tile (pipeline-overridable constants of one module).
+    Tiled { bm: u32, bn: u32, bk: u32 },
+    /// Matrix-vector (N = 1): `lanes` threads per output row (an override).
+    Gemv { lanes: u32 },
 }
+
+/// Tile shapes per adapter class. Every entry was measured (benches/RESULTS.md): the
+/// tiled kernel's 64 x 64 x 16 and the GEMV's 64 lanes are what the kernels were tuned
+/// with; the CPU-class register blocks are chosen by shape in [`plan`].
+struct Tuning {
+    tiled: MatmulVariant,
+    gemv: MatmulVariant,
+}
+
+const GPU_TUNING: Tuning = Tuning {
+    tiled: MatmulVariant::Tiled {
+        bm: 64,
+        bn: 64,
+        bk: 16,
+    },
+    gemv: MatmulVariant::Gemv { lanes: 64 },
+};
+/// CPU-class adapters only meet the tiled kernel when a caller pins it; its GEMV is the
+/// GPU's (one SIMD vector of 8 lanes walks 64 values of K per step either way).
+const CPU_TUNING: Tuning = GPU_TUNING;
+
+fn tuning(caps: &Capabilities) -> &'static Tuning {
+    if cpu_class(caps) {
+        &CPU_TUNING
+    } else {
+        &GPU_TUNING
+    }
+}
+
+/// Bytes of workgroup memory every WebGPU adapter offers (the tiled kernel's two tiles
+/// must fit it).
+const WORKGROUP_STORAGE: u32 = 16384;
 
 impl std::str::FromStr for MatmulVariant {
     type Err = Error;
-    /// Parses a name as [`MatmulVariant::name`] writes it: `naive`, `tiled64`, `gemv`,
+    /// Parses a name as [`MatmulVariant::name`] writes it: `naive`, `tiledBMxBNxBK`
+    /// (`tiled64` is the default 64x64x16), `gemvLANES` (`gemv`: 64 lanes),
     /// `cpuTMxCOLS` (COLS a multiple of 4, e.g. `cpu16x8`).
     fn from_str(s: &str) -> Result<Self> {
         let bad = || {
             Error::InvalidArgument(format!(
-                "unknown matmul variant `{s}`: use naive, tiled64, gemv or cpuTMxCOLS (e.g. cpu16x8)"
+                "unknown matmul variant `{s}`: use naive, tiled64, tiledBMxBNxBK (e.g. \
+                 tiled32x64x8), gemv, gemvLANES (e.g. gemv128) or cpuTMxCOLS (e.g. cpu16x8)"
             ))
         };
-        match s {
-            "naive" => Ok(MatmulVariant::Naive),
-            "tiled64" => Ok(MatmulVariant::Tiled),
-            "gemv" => Ok(MatmulVariant::Gemv),
+        let nums = |rest: &str| -> Result<Vec<u32>> {
+            rest.split('x')
+                .map(|v| v.parse().map_err(|_| bad()))
+                .collect()
+        };
+        let v = match s {
+            "naive" => MatmulVariant::Naive,
+            "tiled64" => GPU_TUNING.tiled,
+            "gemv" => GPU_TUNING.gemv,
             _ => {
-                let (tm, cols) = s
-                    .strip_prefix("cpu")
-                    .and_then(|r| r.split_once('x'))
-                    .ok_or_else(bad)?;
-                let tm: u32 = tm.parse().map_err(|_| bad())?;
-                let cols: u32 = cols.parse().map_err(|_| bad())?;
-                if tm == 0 || tm > 64 || cols == 0 || !cols.is_multiple_of(4) || cols > 32 {
+                if let Some(rest) = s.strip_prefix("tiled") {
+                    match nums(rest)?[..] {
+                        [bm, bn, bk] => MatmulVariant::Tiled { bm, bn, bk },
+                        _ => return Err(bad()),
+                    }
+                } else if let Some(rest) = s.strip_prefix("gemv") {
+                    MatmulVariant::Gemv {
+                        lanes: rest.parse().map_err(|_| bad())?,
+                    }
+                } else if let Some(rest) = s.strip_prefix("cpu") {
+                    match nums(rest)?[..] {
+                        [tm, cols] if cols.is_multiple_of(4) => {
+                            MatmulVariant::Cpu { tm, nv: cols / 4 }
+                        }
+                        _ => return Err(bad()),
+                    }
+                } else {
                     return Err(bad());
                 }
-                Ok(MatmulVariant::Cpu { tm, nv: cols / 4 })
             }
-        }
+        };
+        v.check()?;
+        Ok(v)
     }
 }
 
@@ -61,8 +116,41 @@ impl MatmulVariant {
         match self {
             MatmulVariant::Naive => "naive".into(),
             MatmulVariant::Cpu { tm, nv } => format!("cpu{tm}x{}", nv * 4),
-            MatmulVariant::Tiled => "tiled64".into(),
-            MatmulVariant::Gemv => "gemv".into(),
+            MatmulVariant::Tiled { bm, bn, bk } => format!("tiled{bm}x{bn}x{bk}"),
+            MatmulVariant::Gemv { lanes } => format!("gemv{lanes}"),
+        }
+    }
+
+    /// Whether the kernel can take this shape; the error names the allowed ones.
+    pub fn check(&self) -> Result<()> {
+        let problem = match *self {
+            MatmulVariant::Naive => None,
+            MatmulVariant::Cpu { tm, nv } => (tm == 0 || tm > 64 || nv == 0 || nv > 8)
+                .then(|| "cpu blocks take 1..=64 rows and 4..=32 columns (a multiple of 4)".into()),
+            MatmulVariant::Tiled { bm, bn, bk } => {
+                let side = |d: u32| (16..=128).contains(&d) && d.is_multiple_of(16);
+                let shared = 4 * bk as u64 * (bm as u64 + bn as u64 + 2);
+                if !side(bm) || !side(bn) || bk == 0 || !bk.is_multiple_of(4) || bk > 64 {
+                    Some("tiles take BM and BN multiples of 16 up to 128 and BK a multiple of 4 up to 64".into())
+                } else if shared > WORKGROUP_STORAGE as u64 {
+                    Some(format!(
+                        "its two tiles need {shared} bytes of workgroup memory, over the \
+                         {WORKGROUP_STORAGE} every adapter offers: use a smaller BK"
+                    ))
+                } else {
+                    None
+                }
+            }
+            MatmulVariant::Gemv { lanes } => (!lanes.is_power_of_two()
+                || !(4..=256).contains(&lanes))
+            .then(|| "gemv lanes are a power of two from 4 to 256".into()),
+        };
+        match problem {
+            Some(p) => Err(Error::InvalidArgument(format!(
+                "matmul variant {}: {p}",
+                self.name()
+            ))),
+            None => Ok(()),
         }
     }
 }
@@ -103,8 +191,8 @@ fn tile(variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
     match variant {
         MatmulVariant::Naive => (8, 8),
         MatmulVariant::Cpu { tm, nv } => (tm, fixed_subgroup(caps).unwrap_or(CPU_LANES) * 4 * nv),
-        MatmulVariant::Tiled => (64, 64),
-        MatmulVariant::Gemv => (1, 1),
+        MatmulVariant::Tiled { bm, bn, .. } => (bm, bn),
+        MatmulVariant::Gemv { .. } => (1, 1),
     }
 }
 
@@ -121,9 +209,12 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
             partial: false,
         });
     }
+    if let Some(v) = force {
+        v.check()?;
+    }
     let variant = force.unwrap_or_else(|| {
         if n == 1 && k >= 32 {
-            MatmulVariant::Gemv
+            tuning(caps).gemv
         } else if cpu_class(caps) {
             // 16 x 8 per lane was the best block measured on lavapipe; small matrices
             // take smaller blocks so that both worker threads get tiles.
@@ -147,11 +238,12 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
             };
             MatmulVariant::Cpu { tm, nv }
         } else {
-            MatmulVariant::Tiled
+            tuning(caps).tiled
         }
     });
     let (tm, tn) = tile(variant, caps);
-    if variant != MatmulVariant::Gemv && n.div_ceil(tn) > 65535 {
+    let gemv = matches!(variant, MatmulVariant::Gemv { .. });
+    if !gemv && n.div_ceil(tn) > 65535 {
         return Err(Error::InvalidArgument(format!(
             "matmul: n = {n} needs {} column workgroups, over the 65535 one dispatch allows; \
              compute the transposed product (swap A and B) instead",
@@ -161,22 +253,11 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     let tiles = m.div_ceil(tm) as u64 * n.div_ceil(tn) as u64 * mm.batch as u64;
     // Split K when the output has too few tiles to fill the adapter and K is long.
     let busy = if cpu_class(caps) { 8 } else { 256 };
-    let step = match variant {
-        MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
-        MatmulVariant::Tiled => 16,
-        MatmulVariant::Gemv => 64,
-        MatmulVariant::Naive => 1,
-    };
     let mut splits = 1u32;
     if variant != MatmulVariant::Naive && tiles < busy && k >= 1024 {
         splits = ((busy / tiles.max(1)) as u32).clamp(1, 8).min(k / 256);
     }
-    let k_chunk = k.div_ceil(splits.max(1)).div_ceil(step) * step;
-    let splits = if k == 0 {
-        1
-    } else {
-        k.div_ceil(k_chunk.max(1))
-    };
+    let (splits, k_chunk) = split_k(k, splits, variant, caps);
 
     let packed_c = matches!(
         Repr::of(mm.c.dtype, caps.f16_arithmetic),
@@ -206,13 +287,31 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     })
 }
 
+/// At most `splits` chunks of K, each a whole number of the kernel's K steps (the CPU
+/// kernel's loads are zeroed past K, not past a chunk's end): (splits, chunk).
+fn split_k(k: u32, splits: u32, variant: MatmulVariant, caps: &Capabilities) -> (u32, u32) {
+    let step = match variant {
+        MatmulVariant::Cpu { .. } => fixed_subgroup(caps).unwrap_or(CPU_LANES),
+        MatmulVariant::Tiled { bk, .. } => bk,
+        MatmulVariant::Gemv { lanes } => lanes,
+        MatmulVariant::Naive => 1,
+    };
+    let k_chunk = k.div_ceil(splits.max(1)).div_ceil(step) * step;
+    let splits = if k == 0 {
+        1
+    } else {
+        k.div_ceil(k_chunk.max(1))
+    };
+    (splits, k_chunk)
+}
+
 fn kernel_for(variant: MatmulVariant, caps: &Capabilities) -> &'static KernelSource {
     match variant {
         MatmulVariant::Naive => &shader::MATMUL_NAIVE,
         MatmulVariant::Cpu { .. } if fixed_subgroup(caps).is_some() => &shader::MATMUL_CPU,
         MatmulVariant::Cpu { .. } => &shader::MATMUL_CPU_NOSG,
-        MatmulVariant::Tiled => &shader::MATMUL_TILED,
-        MatmulVariant::Gemv => &shader::GEMV,
+        MatmulVariant::Tiled { .. } => &shader::MATMUL_TILED,
+        MatmulVariant::Gemv { .. } => &shader::GEMV,
     }
 }
 
@@ -221,7 +320,7 @@ impl WgpuDevice {
     pub fn launch_matmul(&self, mm: &Matmul, variant: Option<MatmulVariant>) -> Result<MatmulPlan> {
         let kernel = kiln_engine::Kernel::Matmul(mm.clone());
         kernel.validate()?;
-        if variant == Some(MatmulVariant::Gemv) && mm.n != 1 {
+        if matches!(variant, Some(MatmulVariant::Gemv { .. })) && mm.n != 1 {
             return Err(Error::InvalidArgument(format!(
                 "matmul: the gemv kernel computes one output column, but n = {}",
                 mm.n
@@ -245,300 +344,428 @@ impl WgpuDevice {
             return Ok(());
         }
         let limit = self.caps.max_storage_binding;
-        let partial_bytes = |mm: &Matmul, splits: u32| {
-            (mm.batch as u64 * mm.m as u64 * mm.n as u64 * splits as u64).div_ceil(2) * 8
-        };
         let partials_fit = !plan.partial || partial_bytes(mm, plan.splits) <= limit;
         if partials_fit && mm.buffers().iter().all(|b| b.bytes() <= limit) {
-            return self.record(s, mm, plan, handles, &Windows::default());
+            return self.record(s, mm, plan, handles, &View::whole(mm));
         }
-        // An operand is larger than one binding can show a kernel: run the product in
-        // bands of C's rows, each binding only its rows of A, C and the f32 copy.
-        let too_big = |what: String| Error::Unsupported {
-            device: self.caps.name.clone(),
-            what: format!(
-                "{what}; one binding holds at most {limit} bytes. Larger operands are split by \
-                 rows of C (batch 1, A not transposed) or into groups of whole matrices (batches)"
-            ),
+        // Some operand is larger than one binding can show a kernel: run the product in
+        // blocks, each binding only the part of every large buffer it reads or writes.
+        let whole = Block {
+            g0: 0,
+            gb: mm.batch,
+            i0: 0,
+            mb: mm.m,
+            j0: 0,
+            nb: mm.n,
+            k0: 0,
+            kb: mm.k,
         };
         if mm.batch > 1 {
-            return self.matmul_in_batch_groups(
-                s,
-                mm,
-                plan,
-                handles,
-                partial_bytes(mm, 8) / mm.batch as u64,
-            );
-        }
-        if mm.trans_a {
-            return Err(too_big(format!(
-                "an A-transposed matmul with an operand over the binding limit (A {} bytes, C {} bytes)",
-                mm.a.bytes(),
-                mm.c.bytes()
-            )));
-        }
-        for b in [Some(mm.b), mm.bias].into_iter().flatten() {
-            if b.bytes() > limit {
-                return Err(too_big(format!(
-                    "operand buffer #{} of {} bytes, which rows of C cannot split",
-                    b.id,
-                    b.bytes()
-                )));
+            // Groups of whole matrices, as many as fit (fitting is monotone in the size).
+            let (mut lo, mut hi) = (0, mm.batch);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if self
+                    .first_over(mm, &Block { gb: mid, ..whole }, plan)
+                    .is_none()
+                {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            if lo > 0 {
+                for g0 in (0..mm.batch).step_by(lo) {
+                    let b = Block {
+                        g0,
+                        gb: lo.min(mm.batch - g0),
+                        ..whole
+                    };
+                    let (sub, view) = self.block(mm, &b);
+                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
+                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                }
+                return Ok(());
             }
         }
-        let align = self.storage_offset_alignment();
-        // Bytes per row of each banded operand; a band must start at an aligned offset
-        // in all of them.
-        let mut row_bytes = vec![
-            (mm.k * mm.a.dtype.size()) as u64,
-            (mm.n * mm.c.dtype.size()) as u64,
-        ];
-        if mm.c_f32.is_some() {
-            row_bytes.push(mm.n as u64 * 4);
-        }
-        if plan.partial {
-            // f32 partials for every split (at most 8) of a band's rows.
-            row_bytes.push(mm.n as u64 * 4 * 8);
-        }
-        let unit = row_bytes
-            .iter()
-            .map(|&r| align / gcd(r.max(1), align))
-            .fold(1, lcm);
-        let widest = *row_bytes.iter().max().expect("two entries");
-        // Two elements of slack: kernels read 16-bit and f32 values in pairs.
-        let band = ((limit - 16) / widest.max(1)) / unit * unit;
-        if band == 0 {
-            return Err(too_big(format!("{unit} rows of {widest} bytes")));
-        }
-        let mut r0 = 0u64;
-        while r0 < mm.m as u64 {
-            let rows = band.min(mm.m as u64 - r0);
-            let sub = Matmul {
-                m: rows as usize,
-                stride_a: rows as usize * mm.k,
-                stride_c: rows as usize * mm.n,
-                ..mm.clone()
-            };
-            let window = |buf: kiln_engine::Buffer, row: u64| {
-                let offset = r0 * row;
-                // Round up to whole 8-byte pairs, within the buffer's padded size.
-                let size = (rows * row).div_ceil(8) * 8;
-                (offset, size.min(buf.bytes() - offset))
-            };
-            let windows = Windows {
-                a: Some(window(mm.a, row_bytes[0])),
-                b: None,
-                c: Some(window(mm.c, row_bytes[1])),
-                cf: mm.c_f32.map(|cf| window(cf, mm.n as u64 * 4)),
-            };
-            let sub_plan = plan_for(&sub, &self.caps, plan)?;
-            self.record(s, &sub, &sub_plan, handles, &windows)?;
-            r0 += rows;
+        // One matrix alone does not fit: split each one by rows, columns and K.
+        for g0 in 0..mm.batch {
+            self.matmul_in_blocks(s, mm, plan, handles, Block { g0, gb: 1, ..whole })?;
         }
         Ok(())
     }
 
-    /// A batch with an operand over the binding limit: groups of whole matrices, each
-    /// group binding only its matrices of every strided operand (stride-0 operands are
-    /// shared and must fit as they are). `partial_per_matrix`: f32 partial bytes one
-    /// matrix needs at the most splits.
-    fn matmul_in_batch_groups(
+    /// Runs matrix `whole.g0` of `mm` in blocks of C's rows and columns and, when even
+    /// one row of an operand is over the binding limit, bands of K. K bands accumulate
+    /// raw f32 sums in the partials, and `matmul_finish` applies the epilogue (alpha,
+    /// beta, bias, GELU, rounding) once, to the complete sum.
+    fn matmul_in_blocks(
         &self,
         s: &mut State,
         mm: &Matmul,
         plan: &MatmulPlan,
         handles: &HashMap<u64, wgpu::Buffer>,
-        partial_per_matrix: u64,
+        whole: Block,
     ) -> Result<()> {
-        let limit = self.caps.max_storage_binding;
-        let align = self.storage_offset_alignment();
-        let refuse = |what: String| Error::Unsupported {
-            device: self.caps.name.clone(),
-            what: format!("{what}; one binding holds at most {limit} bytes"),
-        };
-        // (buffer, bytes between matrices, bytes of one matrix's span)
-        let mut operands = vec![
-            (
-                mm.a,
-                mm.stride_a as u64 * mm.a.dtype.size() as u64,
-                (mm.m * mm.k * mm.a.dtype.size()) as u64,
-            ),
-            (
-                mm.b,
-                mm.stride_b as u64 * mm.b.dtype.size() as u64,
-                (mm.k * mm.n * mm.b.dtype.size()) as u64,
-            ),
-            (
-                mm.c,
-                mm.stride_c as u64 * mm.c.dtype.size() as u64,
-                (mm.m * mm.n * mm.c.dtype.size()) as u64,
-            ),
-        ];
-        if let Some(cf) = mm.c_f32 {
-            operands.push((cf, mm.stride_c as u64 * 4, (mm.m * mm.n * 4) as u64));
-        }
-        let mut unit = 1;
-        for &(buf, stride, _) in &operands {
-            if stride == 0 {
-                if buf.bytes() > limit {
-                    return Err(refuse(format!(
-                        "buffer #{} ({} bytes) is shared by every matrix of the batch (stride 0)",
-                        buf.id,
-                        buf.bytes()
-                    )));
-                }
+        let mut b = whole;
+        // Halve the dimension that shrinks the first operand over the limit; each step
+        // makes every window smaller or keeps it, so this ends (1 x 1 x 1 fits).
+        while let Some(over) = self.first_over(mm, &b, plan) {
+            let halve = |x: &mut usize| *x = x.div_ceil(2);
+            let dim = match over {
+                Over::A if mm.trans_a => [&mut b.kb, &mut b.mb],
+                Over::A => [&mut b.mb, &mut b.kb],
+                Over::B if mm.trans_b => [&mut b.nb, &mut b.kb],
+                Over::B => [&mut b.kb, &mut b.nb],
+                Over::C | Over::Partials => [&mut b.mb, &mut b.nb],
+                Over::Bias => [&mut b.nb, &mut b.mb],
+            };
+            let [first, second] = dim;
+            if *first > 1 {
+                halve(first);
+            } else if *second > 1 {
+                halve(second);
             } else {
-                unit = lcm(unit, align / gcd(stride, align));
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "a matmul whose 1 x 1 x 1 block still binds more than the \
+                         {}-byte binding limit (offsets aligned to {} bytes); open the \
+                         device with a larger `max_storage_binding`",
+                        self.caps.max_storage_binding,
+                        self.storage_offset_alignment()
+                    ),
+                });
             }
         }
-        // The largest group (a multiple of `unit` matrices) whose windows all fit.
-        let fits = |g: u64| {
-            operands
-                .iter()
-                .all(|&(_, stride, span)| stride == 0 || (g - 1) * stride + span + 16 <= limit)
-                && (!plan.partial || g * partial_per_matrix <= limit)
-        };
-        let mut group = 0;
-        let mut g = unit;
-        while g <= mm.batch as u64 && fits(g) {
-            group = g;
-            g += unit;
+        // Halving can leave up to half of each binding unused: grow each dimension back
+        // to the largest size that still fits (fitting is monotone in each).
+        for dim in 0..3 {
+            let get = |b: &Block| [b.mb, b.nb, b.kb][dim];
+            let set = |b: &mut Block, v: usize| *[&mut b.mb, &mut b.nb, &mut b.kb][dim] = v;
+            let most = [mm.m, mm.n, mm.k][dim];
+            let (mut lo, mut hi) = (get(&b), (2 * get(&b)).min(most));
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                let mut t = b;
+                set(&mut t, mid);
+                if self.first_over(mm, &t, plan).is_none() {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            set(&mut b, lo);
         }
-        if group == 0 {
-            return Err(refuse(format!(
-                "one matrix of this batch does not fit a binding (or {unit} matrices are needed \
-                 for an aligned group); split the matrices themselves"
-            )));
-        }
-        let mut g0 = 0u64;
-        while g0 < mm.batch as u64 {
-            let n = group.min(mm.batch as u64 - g0);
-            let sub = Matmul {
-                batch: n as usize,
-                ..mm.clone()
-            };
-            let window = |buf: kiln_engine::Buffer, stride: u64, span: u64| {
-                (stride > 0).then(|| {
-                    let offset = g0 * stride;
-                    let size = ((n - 1) * stride + span).div_ceil(8) * 8;
-                    (offset, size.min(buf.bytes() - offset))
-                })
-            };
-            let w = |i: usize| window(operands[i].0, operands[i].1, operands[i].2);
-            let windows = Windows {
-                a: w(0),
-                b: w(1),
-                c: w(2),
-                cf: if operands.len() > 3 { w(3) } else { None },
-            };
-            let sub_plan = plan_for(&sub, &self.caps, plan)?;
-            self.record(s, &sub, &sub_plan, handles, &windows)?;
-            g0 += n;
+        for i0 in (0..mm.m).step_by(b.mb) {
+            for j0 in (0..mm.n).step_by(b.nb) {
+                let cell = Block {
+                    i0,
+                    mb: b.mb.min(mm.m - i0),
+                    j0,
+                    nb: b.nb.min(mm.n - j0),
+                    ..b
+                };
+                if b.kb == mm.k {
+                    let (sub, view) = self.block(mm, &cell);
+                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
+                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                    continue;
+                }
+                let (sub, view) = self.block(
+                    mm,
+                    &Block {
+                        k0: 0,
+                        kb: mm.k,
+                        ..cell
+                    },
+                );
+                let partials = self.partials(s, partial_bytes(&sub, 1));
+                for k0 in (0..mm.k).step_by(b.kb) {
+                    let band = Block {
+                        k0,
+                        kb: b.kb.min(mm.k - k0),
+                        ..cell
+                    };
+                    let (sub_k, view_k) = self.block(mm, &band);
+                    let band_plan = MatmulPlan {
+                        splits: 1,
+                        k_chunk: sub_k.k as u32,
+                        partial: true,
+                        ..plan_for(&sub_k, &self.caps, plan)?
+                    };
+                    self.record_main(s, &sub_k, &band_plan, handles, &view_k, &partials, k0 > 0)?;
+                }
+                let finish_plan = MatmulPlan {
+                    splits: 1,
+                    partial: true,
+                    ..plan_for(&sub, &self.caps, plan)?
+                };
+                self.record_finish(s, &sub, &finish_plan, handles, &view, &partials)?;
+            }
         }
         Ok(())
     }
 
-    /// Records one GEMM whose operands each fit a binding (`windows` gives the byte
-    /// ranges of A, C and the f32 copy when only part of their buffer is bound).
+    /// The sub-product `b` of `mm` and where its operands lie in their buffers.
+    fn block(&self, mm: &Matmul, b: &Block) -> (Matmul, View) {
+        let (m, n, k) = (mm.m as u64, mm.n as u64, mm.k as u64);
+        let (i0, j0, k0) = (b.i0 as u64, b.j0 as u64, b.k0 as u64);
+        let (mb, nb, kb, gb) = (b.mb as u64, b.nb as u64, b.kb as u64, b.gb as u64);
+        let g0 = b.g0 as u64;
+        let stride = |s: usize| s as u64;
+        let (a_first, a_span) = if mm.trans_a {
+            (k0 * m + i0, (kb - 1) * m + mb)
+        } else {
+            (i0 * k + k0, (mb - 1) * k + kb)
+        };
+        let (b_first, b_span) = if mm.trans_b {
+            (j0 * k + k0, (nb - 1) * k + kb)
+        } else {
+            (k0 * n + j0, (kb - 1) * n + nb)
+        };
+        let (c_first, c_span) = (i0 * n + j0, (mb - 1) * n + nb);
+        let batched = |first: u64, span: u64, st: usize| {
+            (g0 * stride(st) + first, (gb - 1) * stride(st) + span)
+        };
+        let (af, asp) = batched(a_first, a_span, mm.stride_a);
+        let (bf, bsp) = batched(b_first, b_span, mm.stride_b);
+        let (cf, csp) = batched(c_first, c_span, mm.stride_c);
+        let view = View {
+            lda: if mm.trans_a { m } else { k } as u32,
+            ldb: if mm.trans_b { k } else { n } as u32,
+            ldc: n as u32,
+            a: self.bind(mm.a, af, asp),
+            b: self.bind(mm.b, bf, bsp),
+            c: self.bind(mm.c, cf, csp),
+            cf: mm.c_f32.map_or(Bind::default(), |f| self.bind(f, cf, csp)),
+            bias: mm.bias.map_or(Bind::default(), |f| self.bind(f, j0, nb)),
+        };
+        let sub = Matmul {
+            m: b.mb,
+            n: b.nb,
+            k: b.kb,
+            batch: b.gb,
+            ..mm.clone()
+        };
+        (sub, view)
+    }
+
+    /// Binds `span` elements of `buf` from element `first`: the whole buffer when it fits
+    /// one binding, else a window from the aligned offset at or before the first element.
+    fn bind(&self, buf: kiln_engine::Buffer, first: u64, span: u64) -> Bind {
+        let size = buf.dtype.size() as u64;
+        if buf.bytes() <= self.caps.max_storage_binding {
+            return Bind {
+                window: None,
+                base: first as u32,
+            };
+        }
+        let align = self.storage_offset_alignment();
+        let start = first * size;
+        let offset = start / align * align;
+        // Whole 8-byte words: kernels read 16-bit and f32 values in pairs.
+        let end = ((start + span * size).div_ceil(8) * 8).min(buf.bytes());
+        Bind {
+            window: Some((offset, end - offset)),
+            base: ((start - offset) / size) as u32,
+        }
+    }
+
+    /// The first operand of block `b` whose binding would exceed the limit (or whose
+    /// plan fails: a block too large for one dispatch's grid).
+    fn first_over(&self, mm: &Matmul, b: &Block, whole: &MatmulPlan) -> Option<Over> {
+        let limit = self.caps.max_storage_binding;
+        let (sub, view) = self.block(mm, b);
+        // Blocks at other offsets start up to one alignment unit further past their
+        // binding's aligned start than this one.
+        let align = self.storage_offset_alignment();
+        let over = |bind: &Bind| bind.window.is_some_and(|(_, size)| size + align > limit);
+        // Partials: the block's own plan, or one slab when K is banded.
+        let slabs = if b.kb < mm.k {
+            Some(1)
+        } else {
+            match plan_for(&sub, &self.caps, whole) {
+                Ok(p) if p.partial || self.needs_partials(&sub, &p, &view) => Some(p.splits),
+                Ok(_) => None,
+                Err(_) => return Some(Over::Partials),
+            }
+        };
+        if over(&view.a) {
+            Some(Over::A)
+        } else if over(&view.b) {
+            Some(Over::B)
+        } else if over(&view.c) || over(&view.cf) {
+            Some(Over::C)
+        } else if over(&view.bias) {
+            Some(Over::Bias)
+        } else if slabs.is_some_and(|n| partial_bytes(&sub, n) > limit) {
+            Some(Over::Partials)
+        } else {
+            None
+        }
+    }
+
+    /// Records one GEMM whose bindings each fit (`view`: where its operands lie), with
+    /// its `matmul_finish` when it goes through partials.
     fn record(
         &self,
         s: &mut State,
         mm: &Matmul,
         plan: &MatmulPlan,
         handles: &HashMap<u64, wgpu::Buffer>,
-        windows: &Windows,
+        view: &View,
     ) -> Result<()> {
-        let caps = &self.caps;
-        let limit = caps.max_storage_binding;
-        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
-        let total = mm.batch as u64 * mm.m as u64 * mm.n as u64;
-        let partial_bytes = (total * plan.splits as u64).div_ceil(2) * 8;
-        if plan.partial && partial_bytes > limit {
+        let limit = self.caps.max_storage_binding;
+        let mut plan = plan.clone();
+        if plan.partial && partial_bytes(mm, plan.splits) > limit {
+            // A small block of a split product may plan more K splits than the block
+            // the split was sized with: take as many as the binding holds.
+            let most = (limit / partial_bytes(mm, 1)).max(1) as u32;
+            (plan.splits, plan.k_chunk) =
+                split_k(mm.k as u32, most.min(plan.splits), plan.variant, &self.caps);
+            plan.partial = plan.splits > 1;
+        }
+        plan.partial |= self.needs_partials(mm, &plan, view);
+        let plan = &plan;
+        if !plan.partial {
+            return self.record_main(s, mm, plan, handles, view, &self.dummy, false);
+        }
+        let bytes = partial_bytes(mm, plan.splits);
+        if bytes > limit {
             return Err(Error::Unsupported {
-                device: caps.name.clone(),
+                device: self.caps.name.clone(),
                 what: format!(
-                    "{partial_bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
+                    "{bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
                 ),
             });
         }
-        let partials = if plan.partial {
-            Some(self.partials(s, partial_bytes))
-        } else {
-            None
-        };
+        let partials = self.partials(s, bytes);
+        self.record_main(s, mm, plan, handles, view, &partials, false)?;
+        self.record_finish(s, mm, plan, handles, view, &partials)
+    }
+
+    /// Whether a packed 16-bit C must go through partials here: the CPU-class kernel
+    /// stores whole 4-element groups only where no two workgroups share a word.
+    fn needs_partials(&self, mm: &Matmul, plan: &MatmulPlan, view: &View) -> bool {
+        let packed_c = matches!(
+            Repr::of(mm.c.dtype, self.caps.f16_arithmetic),
+            Repr::F16Packed | Repr::BF16
+        );
+        packed_c && !(matches!(plan.variant, MatmulVariant::Cpu { .. }) && vec_c(mm, view))
+    }
+
+    fn params(
+        &self,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        view: &View,
+        row_base: u32,
+        rows: u32,
+        words: u32,
+    ) -> Vec<u32> {
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        // One matrix: its stride is its whole span, so that matmul_finish maps every
+        // element of the binding to matrix 0.
         let stride_c = if mm.batch == 1 {
-            m * n
+            m * view.ldc
         } else {
             mm.stride_c as u32
         };
+        vec![
+            m,
+            n,
+            k,
+            mm.batch as u32,
+            mm.stride_a as u32,
+            mm.stride_b as u32,
+            stride_c,
+            row_base,
+            mm.alpha.to_bits(),
+            mm.beta.to_bits(),
+            plan.splits,
+            plan.k_chunk,
+            (mm.batch * mm.m * mm.n) as u32,
+            words,
+            rows,
+            view.lda,
+            view.ldb,
+            view.ldc,
+            view.a.base,
+            view.b.base,
+            view.c.base,
+            view.cf.base,
+            view.bias.base,
+            0,
+        ]
+    }
+
+    /// The GEMM kernel's dispatches; with `plan.partial` they write (or, `accumulate`,
+    /// add to) the f32 `partials` instead of C.
+    #[allow(clippy::too_many_arguments)]
+    fn record_main(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        view: &View,
+        partials: &wgpu::Buffer,
+        accumulate: bool,
+    ) -> Result<()> {
+        let caps = &self.caps;
+        let (m, n) = (mm.m as u32, mm.n as u32);
         let kernel = kernel_for(plan.variant, caps);
         let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
         let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
         let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
-        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
-        let flag = |b: bool| b as u32;
-        let overrides = |partial: bool| {
-            vec![
-                ("TRANS_A", flag(mm.trans_a)),
-                ("TRANS_B", flag(mm.trans_b)),
-                ("USE_BETA", flag(mm.beta != 0.0)),
-                ("BIAS", flag(mm.bias.is_some())),
-                ("GELU", flag(mm.gelu)),
-                ("COPY_F32", flag(mm.c_f32.is_some())),
-                ("PARTIAL", flag(partial)),
-            ]
-        };
-        let params = |row_base: u32, rows: u32, words: u32| -> Vec<u32> {
-            vec![
-                m,
-                n,
-                k,
-                mm.batch as u32,
-                mm.stride_a as u32,
-                mm.stride_b as u32,
-                stride_c,
-                row_base,
-                mm.alpha.to_bits(),
-                mm.beta.to_bits(),
-                plan.splits,
-                plan.k_chunk,
-                total as u32,
-                words,
-                rows,
-                0,
-            ]
+        let cf = if plan.partial {
+            (PARTIALS_ID, partials)
+        } else {
+            mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h)
         };
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
-        let aligned = |dim: usize, stride: usize| {
-            dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
+        // 16-byte loads and stores need every start of a 4-group to be a multiple of 4
+        // elements into its binding.
+        let aligned = |dim: usize, ld: u32, base: u32, stride: usize| {
+            dim.is_multiple_of(4)
+                && ld.is_multiple_of(4)
+                && base.is_multiple_of(4)
+                && (mm.batch == 1 || stride.is_multiple_of(4))
         };
-        if plan.variant == MatmulVariant::Tiled {
+        if let MatmulVariant::Tiled { .. } = plan.variant {
             // 16-byte loads along each operand's contiguous dimension when it allows.
             let a_dim = if mm.trans_a { mm.m } else { mm.k };
             let b_dim = if mm.trans_b { mm.k } else { mm.n };
             consts = vec![
-                ("VEC_A", aligned(a_dim, mm.stride_a) as u32),
-                ("VEC_B", aligned(b_dim, mm.stride_b) as u32),
+                (
+                    "VEC_A",
+                    aligned(a_dim, view.lda, view.a.base, mm.stride_a) as u32,
+                ),
+                (
+                    "VEC_B",
+                    aligned(b_dim, view.ldb, view.b.base, mm.stride_b) as u32,
+                ),
             ];
         }
         if let MatmulVariant::Cpu { tm, nv } = plan.variant {
-            let vec_b = !mm.trans_b
-                && n.is_multiple_of(4)
-                && (mm.batch == 1 || mm.stride_b.is_multiple_of(4));
-            let vec_c = n.is_multiple_of(4) && (mm.batch == 1 || mm.stride_c.is_multiple_of(4));
+            let vec_b = !mm.trans_b && aligned(mm.n, view.ldb, view.b.base, mm.stride_b);
             consts = vec![
                 ("SG", fixed_subgroup(caps).unwrap_or(CPU_LANES)),
                 ("TM", tm),
                 ("NV", nv),
                 ("VEC_B", vec_b as u32),
-                ("VEC_C", vec_c as u32),
+                ("VEC_C", vec_c(mm, view) as u32),
             ];
         }
-        let cf = match &partials {
-            Some(p) => (PARTIALS_ID, p),
-            None => cf_user,
-        };
+        let flag = |b: bool| b as u32;
+        let overrides = [
+            epilogue_overrides(mm, plan.partial),
+            vec![("ACCUMULATE", flag(accumulate))],
+            tile_overrides(plan.variant),
+        ]
+        .concat();
         let z = mm.batch as u32 * plan.splits;
         let mut row_base = 0;
         while row_base < m {
@@ -548,7 +775,7 @@ impl WgpuDevice {
                 _ => rows.div_ceil(tm),
             };
             let groups_x = match plan.variant {
-                MatmulVariant::Gemv => 1,
+                MatmulVariant::Gemv { .. } => 1,
                 _ => n.div_ceil(tn),
             };
             self.dispatch(
@@ -563,90 +790,194 @@ impl WgpuDevice {
                         Repr::F32,
                     ],
                     consts: consts.clone(),
-                    overrides: overrides(plan.partial),
+                    overrides: overrides.clone(),
                     buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
-                    ranges: windows.main(plan.partial),
-                    params: params(row_base, rows, 0),
+                    ranges: view.main(plan.partial),
+                    params: self.params(mm, plan, view, row_base, rows, 0),
                     groups: (groups_x, groups_y, z),
                 },
             )?;
             row_base += rows;
         }
-        if let Some(p) = &partials {
-            let span = (mm.batch as u64 - 1) * stride_c as u64 + total / mm.batch as u64;
-            let words = span.div_ceil(2) as u32;
-            self.dispatch(
-                s,
-                Dispatch {
-                    kernel: &shader::MATMUL_FINISH,
-                    reprs: vec![
-                        Repr::F32,
-                        repr(mm.b),
-                        repr(mm.c),
-                        repr_of_bias(self, mm),
-                        Repr::F32,
-                    ],
-                    consts: vec![],
-                    overrides: overrides(false),
-                    buffers: vec![(PARTIALS_ID, p), h(mm.b), h(mm.c), bias, cf_user],
-                    ranges: windows.finish(),
-                    params: params(0, m, words),
-                    groups: (groups(words), 1, 1),
-                },
-            )?;
-        }
         Ok(())
     }
+
+    /// `matmul_finish`: sums the partials' slabs into C with the epilogue.
+    fn record_finish(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        handles: &HashMap<u64, wgpu::Buffer>,
+        view: &View,
+        partials: &wgpu::Buffer,
+    ) -> Result<()> {
+        let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
+        let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
+        let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
+        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
+        // C's words from the start of its binding to the last output.
+        let span = view.c.base as u64
+            + (mm.batch as u64 - 1) * mm.stride_c as u64
+            + (mm.m as u64 - 1) * view.ldc as u64
+            + mm.n as u64;
+        let words = span.div_ceil(2) as u32;
+        self.dispatch(
+            s,
+            Dispatch {
+                kernel: &shader::MATMUL_FINISH,
+                reprs: vec![
+                    Repr::F32,
+                    repr(mm.b),
+                    repr(mm.c),
+                    repr_of_bias(self, mm),
+                    Repr::F32,
+                ],
+                consts: vec![],
+                overrides: epilogue_overrides(mm, false),
+                // Slot b is not read here: a stand-in keeps a large B out of the binding.
+                buffers: vec![
+                    (PARTIALS_ID, partials),
+                    (DUMMY_ID, &self.dummy),
+                    h(mm.c),
+                    bias,
+                    cf_user,
+                ],
+                ranges: view.finish(),
+                params: self.params(mm, plan, view, 0, mm.m as u32, words),
+                groups: (groups(words), 1, 1),
+            },
+        )
+    }
 }
 
-/// Byte ranges of A, C and the f32 copy bound for one band of rows (none: whole buffer).
-#[derive(Default)]
-struct Windows {
-    a: Option<(u64, u64)>,
-    b: Option<(u64, u64)>,
-    c: Option<(u64, u64)>,
-    cf: Option<(u64, u64)>,
+/// The epilogue's overrides, shared by the GEMM kernels and `matmul_finish`.
+fn epilogue_overrides(mm: &Matmul, partial: bool) -> Vec<(&'static str, u32)> {
+    let flag = |b: bool| b as u32;
+    vec![
+        ("TRANS_A", flag(mm.trans_a)),
+        ("TRANS_B", flag(mm.trans_b)),
+        ("USE_BETA", flag(mm.beta != 0.0)),
+        ("BIAS", flag(mm.bias.is_some())),
+        ("GELU", flag(mm.gelu)),
+        ("COPY_F32", flag(mm.c_f32.is_some())),
+        ("PARTIAL", flag(partial)),
+    ]
 }
 
-impl Windows {
+/// Whether the CPU-class kernel may store C (and its f32 copy) in whole 4-groups: every
+/// group starts a multiple of 4 elements into its binding, and no group of one row
+/// runs into the next row's (n and the row length multiples of 4).
+fn vec_c(mm: &Matmul, view: &View) -> bool {
+    mm.n.is_multiple_of(4)
+        && view.ldc.is_multiple_of(4)
+        && view.c.base.is_multiple_of(4)
+        && view.cf.base.is_multiple_of(4)
+        && (mm.batch == 1 || mm.stride_c.is_multiple_of(4))
+}
+
+/// Bytes of f32 partials for `splits` slabs of `mm`'s outputs.
+fn partial_bytes(mm: &Matmul, splits: u32) -> u64 {
+    (mm.batch as u64 * mm.m as u64 * mm.n as u64 * splits as u64).div_ceil(2) * 8
+}
+
+/// Part of a product: matrices g0.., rows i0.., columns j0.. and K k0.. of it.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    g0: usize,
+    gb: usize,
+    i0: usize,
+    mb: usize,
+    j0: usize,
+    nb: usize,
+    k0: usize,
+    kb: usize,
+}
+
+/// Which binding of a block is over the limit.
+#[derive(Clone, Copy, Debug)]
+enum Over {
+    A,
+    B,
+    C,
+    Bias,
+    Partials,
+}
+
+/// How one slot is bound: a byte window of its buffer (none: the whole buffer) and the
+/// element offset, within the binding, of the operand's first element.
+#[derive(Clone, Copy, Debug, Default)]
+struct Bind {
+    window: Option<(u64, u64)>,
+    base: u32,
+}
+
+/// Where one recorded product's operands lie, and their stored row lengths.
+#[derive(Clone, Copy, Debug)]
+struct View {
+    lda: u32,
+    ldb: u32,
+    ldc: u32,
+    a: Bind,
+    b: Bind,
+    c: Bind,
+    cf: Bind,
+    bias: Bind,
+}
+
+impl View {
+    /// Whole matrices, every buffer bound whole.
+    fn whole(mm: &Matmul) -> View {
+        View {
+            lda: if mm.trans_a { mm.m } else { mm.k } as u32,
+            ldb: if mm.trans_b { mm.k } else { mm.n } as u32,
+            ldc: mm.n as u32,
+            a: Bind::default(),
+            b: Bind::default(),
+            c: Bind::default(),
+            cf: Bind::default(),
+            bias: Bind::default(),
+        }
+    }
+
     /// Slot ranges for the GEMM kernel (slots a, b, c, bias, cf). With partials, cf is
-    /// the partials buffer, which is sized for the band already.
+    /// the partials buffer, which is sized for the block already.
     fn main(&self, partial: bool) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
-        v.extend(self.a.map(|(o, n)| (0, o, n)));
-        v.extend(self.b.map(|(o, n)| (1, o, n)));
-        v.extend(self.c.map(|(o, n)| (2, o, n)));
+        v.extend(self.a.window.map(|(o, n)| (0, o, n)));
+        v.extend(self.b.window.map(|(o, n)| (1, o, n)));
+        v.extend(self.c.window.map(|(o, n)| (2, o, n)));
+        v.extend(self.bias.window.map(|(o, n)| (3, o, n)));
         if !partial {
-            v.extend(self.cf.map(|(o, n)| (4, o, n)));
+            v.extend(self.cf.window.map(|(o, n)| (4, o, n)));
         }
         v
     }
 
-    /// Slot ranges for `matmul_finish` (slot a holds the partials).
+    /// Slot ranges for `matmul_finish` (slot a holds the partials, slot b a stand-in).
     fn finish(&self) -> Vec<(usize, u64, u64)> {
         let mut v = vec![];
-        v.extend(self.b.map(|(o, n)| (1, o, n)));
-        v.extend(self.c.map(|(o, n)| (2, o, n)));
-        v.extend(self.cf.map(|(o, n)| (4, o, n)));
+        v.extend(self.c.window.map(|(o, n)| (2, o, n)));
+        v.extend(self.bias.window.map(|(o, n)| (3, o, n)));
+        v.extend(self.cf.window.map(|(o, n)| (4, o, n)));
         v
+    }
+}
+
+/// Pipeline-overridable tile constants of `variant`'s kernel. The CPU-class kernel's
+/// block is not among them: it is unrolled at assembly (`//@unroll TM`), because
+/// llvmpipe does not unroll loops itself and its speed comes from that unrolling.
+fn tile_overrides(variant: MatmulVariant) -> Vec<(&'static str, u32)> {
+    match variant {
+        MatmulVariant::Tiled { bm, bn, bk } => vec![("BM", bm), ("BN", bn), ("BK", bk)],
+        MatmulVariant::Gemv { lanes } => vec![("LANES", lanes)],
+        _ => vec![],
     }
 }
 
 /// The plan for one band of a banded product: the caller's pinned variant, if any.
 fn plan_for(sub: &Matmul, caps: &Capabilities, whole: &MatmulPlan) -> Result<MatmulPlan> {
     plan(sub, caps, Some(whole.variant))
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
-fn lcm(a: u64, b: u64) -> u64 {
-    a / gcd(a, b) * b
 }
 
 fn repr_of_bias(dev: &WgpuDevice, mm: &Matmul) -> Repr {

@@ -106,7 +106,7 @@ macro_rules! elementwise {
     };
 }
 
-/// A GEMM kernel: five slots (a, b, c, bias, cf), the 64-byte parameter block and the
+/// A GEMM kernel: five slots (a, b, c, bias, cf), the 96-byte parameter block and the
 /// shared epilogue, plus `extra` prelude.
 macro_rules! gemm {
     ($name:literal, $file:literal, [$($extra:expr),*], subgroups: $sg:literal, trusted: $trusted:literal) => {
@@ -452,7 +452,7 @@ pub const SGD: KernelSource = optimizer!(
 pub const OPTIM_PARAMS_SIZE: u64 = 48;
 
 /// Bytes of `shaders/common/matmul_params.wgsl`.
-pub const MATMUL_PARAMS_SIZE: u64 = 64;
+pub const MATMUL_PARAMS_SIZE: u64 = 96;
 
 /// Every kernel file, for validation.
 pub const ALL: &[&KernelSource] = &[
