@@ -8,7 +8,7 @@ mod common;
 use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::gpt::Attention;
-use kiln::engine::graph::{Bindings, Graph, Plan, Training};
+use kiln::engine::graph::{Bindings, Graph, Plan};
 use kiln::engine::optim::ParamBuffers;
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, IGNORE_TARGET};
 
@@ -26,15 +26,13 @@ impl Model {
         Bindings {
             params: self.params.clone(),
             inputs: self.inputs.clone(),
+            groups: vec![],
         }
     }
 
     fn compile(&self, dev: &dyn Device) -> Plan {
-        let training = Training {
-            optimizer: Optimizer::adamw(1e-2, 0.1),
-            clip: 0.0,
-        };
-        self.g.compile(dev, &self.bindings(), &training).unwrap()
+        let adamw = Optimizer::adamw(1e-2, 0.1);
+        self.g.compile(dev, &self.bindings(), Some(&adamw)).unwrap()
     }
 }
 
@@ -322,7 +320,7 @@ fn train(dev: &dyn Device, m: &Model, plan: &mut Plan, steps: u32, poison: bool)
             }
         }
         plan.accumulate(dev, 1.0, m.weight, 0).unwrap();
-        plan.check(dev).unwrap();
+        plan.check(dev, 0.0).unwrap();
         assert!(!plan.overflowed(dev).unwrap(), "step {s} overflowed");
         out.push(vec![plan.loss_sum(dev).unwrap() as f32]);
         plan.update(dev, 1e-2, s).unwrap();
@@ -343,7 +341,7 @@ fn shared_buffers_hold_nothing_a_step_reads_and_replay_equals_recompiling() {
     for s in 1..=steps {
         let mut plan = fresh.compile(&dev);
         plan.accumulate(&dev, 1.0, fresh.weight, 0).unwrap();
-        plan.check(&dev).unwrap();
+        plan.check(&dev, 0.0).unwrap();
         reference.push(vec![plan.loss_sum(&dev).unwrap() as f32]);
         plan.update(&dev, 1e-2, s).unwrap();
         plan.free(&dev).unwrap();
@@ -393,12 +391,10 @@ fn bad_graphs_and_bindings_are_errors_that_name_the_problem() {
         .to_string();
     assert!(e.contains("(B, T, 3C)"), "{e}");
     // No loss yet; then a missing input binding; then a wrong parameter binding.
-    let training = Training {
-        optimizer: Optimizer::adamw(1e-3, 0.0),
-        clip: 0.0,
-    };
+    let adamw = Optimizer::adamw(1e-3, 0.0);
+    let training = Some(&adamw);
     let e = g
-        .compile(&dev, &Bindings::default(), &training)
+        .compile(&dev, &Bindings::default(), training)
         .err()
         .unwrap()
         .to_string();
@@ -407,11 +403,11 @@ fn bad_graphs_and_bindings_are_errors_that_name_the_problem() {
     let m = mlp(&dev, 4);
     let mut b = m.bindings();
     b.inputs.pop();
-    let e = m.g.compile(&dev, &b, &training).err().unwrap().to_string();
+    let e = m.g.compile(&dev, &b, training).err().unwrap().to_string();
     assert!(e.contains("input `y`"), "{e}");
     let mut b = m.bindings();
     b.params[0] =
         ParamBuffers::new(&dev, &[rng.uniform(0.0, 1.0); 3], DType::F32, DType::F32).unwrap();
-    let e = m.g.compile(&dev, &b, &training).err().unwrap().to_string();
+    let e = m.g.compile(&dev, &b, training).err().unwrap().to_string();
     assert!(e.contains("`w1`"), "{e}");
 }

@@ -91,7 +91,7 @@ impl Grads {
     /// micro-batch when `t` is a parameter).
     fn zero(&mut self, e: &mut Emitter, t: Tensor, b: Buffer) -> Result<()> {
         if self.external[t.0] {
-            e.first_only.push(e.launches.len());
+            e.grad_fills.push(e.launches.len());
         }
         self.written[t.0] = true;
         e.launch(Kernel::Fill { dst: b, value: 0.0 })
