@@ -238,6 +238,49 @@ fn embedding_layernorm_add_and_tensors_used_twice_match_finite_differences() {
     );
 }
 
+/// The two operands of an add may share its output's gradient buffer instead of
+/// copying it, but only where nothing writes the buffer before the read-only one is
+/// read. Here `u = x w` reads `x` after `y = gelu(ln(x))` is made, so at `z = x + y`
+/// the linear's backward adds into `x`'s gradient before GELU's backward reads `y`'s:
+/// sharing must be refused there. (The GPT's residual adds, where it is safe, are
+/// held to the same numbers by tests/gpt.rs.)
+#[test]
+fn adds_share_a_gradient_buffer_only_where_it_is_safe() {
+    let dev = CpuDevice::new();
+    let mut rng = Rng::new(4);
+    let (b, t, c, v) = (2, 3, 6, 7);
+    let mut g = Graph::new();
+    let (mut params, mut inputs) = (vec![], vec![]);
+    let tok: Vec<u32> = (0..b * t).map(|_| rng.next_u32() % v as u32).collect();
+    let tokens = ids(&dev, &mut g, "tokens", &[b, t], tok, &mut inputs);
+    let mut p = |g: &mut Graph, name: &str, shape: &[usize], range| {
+        param(&dev, g, &mut rng, name, shape, range, &mut params)
+    };
+    let wte = p(&mut g, "wte", &[v, c], (-1.0, 1.0));
+    let lw = p(&mut g, "ln.w", &[c], (0.5, 1.5));
+    let lb = p(&mut g, "ln.b", &[c], (-0.5, 0.5));
+    let w = p(&mut g, "w", &[c, c], (-0.5, 0.5));
+    let (tgt, weight) = targets(&mut rng, b * t, v);
+    let y_ids = ids(&dev, &mut g, "targets", &[b, t], tgt, &mut inputs);
+    let x = g.embedding(tokens, wte).unwrap();
+    let a = g.layernorm(x, lw, lb).unwrap();
+    let y = g.gelu(a).unwrap();
+    let u = g.linear(x, w, None).unwrap();
+    let z = g.add(x, y).unwrap();
+    let s = g.add(z, u).unwrap();
+    let logits = g.linear_transposed(s, wte, None).unwrap();
+    g.cross_entropy(logits, y_ids).unwrap();
+    check_gradients(
+        &dev,
+        &Model {
+            g,
+            params,
+            inputs,
+            weight,
+        },
+    );
+}
+
 /// Embedding -> qkv linear -> causal attention -> projection -> loss, in both forms.
 fn attention_model(dev: &dyn Device, mode: Attention) -> Model {
     let mut rng = Rng::new(3);
