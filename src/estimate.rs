@@ -39,7 +39,7 @@ pub fn stages(
     seq: usize,
     precision: Precision,
     world: usize,
-) -> Vec<StageMemory> {
+) -> Result<Vec<StageMemory>> {
     let head_dim = model.n_embd / model.n_head.max(1);
     let m = GptMemory::of(
         model,
@@ -47,7 +47,7 @@ pub fn stages(
         seq,
         precision,
         Attention::best(head_dim, precision, seq),
-    );
+    )?;
     let n = world.max(1) as u64;
     let psi = model.parameter_count() as u64;
     // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
@@ -62,7 +62,7 @@ pub fn stages(
         activations: m.activations,
         implemented,
     };
-    vec![
+    Ok(vec![
         one(0, m.weights, m.gradients, m.optimizer, true),
         // One device: the single shard is the whole state, stage 0's layout.
         if n > 1 {
@@ -84,7 +84,7 @@ pub fn stages(
             m.optimizer.div_ceil(n),
             false,
         ),
-    ]
+    ])
 }
 
 fn mib(b: u64) -> String {
@@ -113,7 +113,7 @@ pub fn report(
         "{:<7} {:>12} {:>12} {:>14} {:>13} {:>12}  note",
         "stage", "weights", "gradients", "master+Adam", "activations", "per device"
     )?;
-    let rows = stages(model, micro_batch, seq, precision, world);
+    let rows = stages(model, micro_batch, seq, precision, world)?;
     for s in &rows {
         writeln!(
             out,
@@ -167,7 +167,7 @@ mod tests {
             vocab_size: 50304,
         };
         let psi = cfg.parameter_count() as u64;
-        let r = stages(&cfg, 1, 1024, Precision::F16, 4);
+        let r = stages(&cfg, 1, 1024, Precision::F16, 4).unwrap();
         let state = |s: &StageMemory| s.weights + s.gradients + s.optimizer;
         // fp16 weights (2Ψ) and Adam in f32 (12Ψ); gradients are 2Ψ but for the f32
         // ones of embeddings and norms (the embeddings are most of a small GPT's Ψ).
@@ -184,7 +184,8 @@ mod tests {
             1024,
             Precision::F16,
             Attention::best(64, Precision::F16, 1024),
-        );
+        )
+        .unwrap();
         assert_eq!(r[2].gradients, m.shared_gradients + 4 * psi.div_ceil(4));
         assert!(r.iter().take(3).all(|s| s.implemented) && !r[3].implemented);
         assert!(state(&r[0]) > state(&r[1]) && state(&r[1]) > state(&r[2]));

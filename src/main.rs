@@ -566,7 +566,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         model.block_size,
         kiln::engine::mlp::Precision::F16,
         Default::default(),
-    )
+    )?
     .gradients as f64;
     println!(
         "modelled for separate GPUs: compute {compute_ms:.1} ms/step (measured, 1 device), \

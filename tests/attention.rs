@@ -433,7 +433,7 @@ fn gpt_fused_matches_straightforward() {
                 seed: 5,
                 attention,
             };
-            let gpt = Gpt::new(dev, cfg.clone(), training).unwrap();
+            let mut gpt = Gpt::new(dev, cfg.clone(), training).unwrap();
             let loss = gpt.loss_and_gradients(dev, tok, tgt).unwrap();
             (loss, gpt.gradients(dev).unwrap())
         };

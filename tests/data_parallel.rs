@@ -398,10 +398,10 @@ fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
                 Precision::F16
             };
             let d = model().n_embd / model().n_head;
-            let m = GptMemory::of(&model(), B, T, prec, Attention::best(d, prec, T));
+            let m = GptMemory::of(&model(), B, T, prec, Attention::best(d, prec, T)).unwrap();
             let freed = m.gradients - m.shared_gradients;
             assert!(freed > 0);
-            let estimate = kiln::estimate::stages(&model(), B, T, prec, world);
+            let estimate = kiln::estimate::stages(&model(), B, T, prec, world).unwrap();
             for rank in 0..world {
                 // What the engine reports as model states is what it allocated beside
                 // the activations, and `kiln estimate` predicts it (to 1%: the
@@ -505,7 +505,9 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
     use kiln::engine::mlp::Precision;
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
     let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
-    let grads = GptMemory::of(&model(), B, T, Precision::F16, Default::default()).gradient_tensors;
+    let grads = GptMemory::of(&model(), B, T, Precision::F16, Default::default())
+        .unwrap()
+        .gradient_tensors;
     assert_eq!((rows[0].devices, rows[0].bytes_per_step), (1, 0));
     assert_eq!(rows[1].bytes_per_step, 2 * 2 * grads);
     assert!(rows

@@ -37,7 +37,7 @@ fn gradients_match_finite_differences() {
         vocab_size: 11,
     };
     let (b, t) = (2, 5);
-    let gpt = Gpt::new(&dev, cfg.clone(), training(b, t, Precision::F32)).unwrap();
+    let mut gpt = Gpt::new(&dev, cfg.clone(), training(b, t, Precision::F32)).unwrap();
     let mut rng = Rng::new(1);
     let (tok, mut tgt) = batch(&mut rng, b * t, cfg.vocab_size);
     // Two positions are not trained on: the loss is the mean over the other eight.
@@ -118,8 +118,8 @@ fn gpu_matches_cpu_in_fp32() {
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
     let gdev = gpu("vulkan", false);
-    let g = Gpt::new(gdev.as_ref(), cfg.clone(), training(b, t, Precision::F32)).unwrap();
-    let c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F32)).unwrap();
+    let mut g = Gpt::new(gdev.as_ref(), cfg.clone(), training(b, t, Precision::F32)).unwrap();
+    let mut c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F32)).unwrap();
     let mut rng = Rng::new(2);
     let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
     let (lg, lc) = (
@@ -369,7 +369,7 @@ fn gpu_matches_cpu_in_fp16_on_both_f16_paths() {
     };
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
-    let c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F16)).unwrap();
+    let mut c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F16)).unwrap();
     let mut rng = Rng::new(2);
     let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
     let lc = c.loss_and_gradients(&cpu, &tok, &tgt).unwrap();
@@ -378,7 +378,7 @@ fn gpu_matches_cpu_in_fp16_on_both_f16_paths() {
         .into_iter()
         .filter(|p| p.name != "gl (packed f16)")
     {
-        let g = Gpt::new(p.dev.as_ref(), cfg.clone(), training(b, t, Precision::F16)).unwrap();
+        let mut g = Gpt::new(p.dev.as_ref(), cfg.clone(), training(b, t, Precision::F16)).unwrap();
         let lg = g.loss_and_gradients(p.dev.as_ref(), &tok, &tgt).unwrap();
         // Every activation is rounded to f16 (2^-11 relative) at each of ~30 stored
         // steps; the CPU rounds at the same points but sums in another order.
@@ -533,7 +533,7 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
                 ..training(b, t, p)
             };
             let _gpt = Gpt::new(&dev, cfg.clone(), tr).unwrap();
-            let m = GptMemory::of(&cfg, b, t, p, attention);
+            let m = GptMemory::of(&cfg, b, t, p, attention).unwrap();
             assert_eq!(
                 m.total(),
                 dev.allocated_bytes(),

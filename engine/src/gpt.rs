@@ -1,20 +1,27 @@
-//! A GPT-2 style model trained on a device, every layer's forward and backward written
-//! out side by side in the manner of llm.c (autodiff is still to come: see the issue
-//! notes). Token + learned position embeddings, pre-LN blocks with causal self-attention
-//! (fused attention kernels, or batched GEMMs and a causal softmax: see [`Attention`]) and a
-//! GELU MLP, a final layer norm and an LM head tied to the token embedding. Parameter
-//! names follow GPT-2's (`transformer.h.0.attn.c_attn.weight`, …), weights stored
-//! (in, out) as GPT-2's Conv1D does.
+//! A GPT-2 style model trained on a device: token + learned position embeddings, pre-LN
+//! blocks with causal self-attention (fused attention kernels, or batched GEMMs and a
+//! causal softmax: see [`Attention`]) and a GELU MLP, a final layer norm and an LM head
+//! tied to the token embedding. Parameter names follow GPT-2's
+//! (`transformer.h.0.attn.c_attn.weight`, …), weights stored (in, out) as GPT-2's
+//! Conv1D does.
+//!
+//! The forward pass is written once, on the graph (`graph/gpt.rs`); backward, the
+//! overflow check, the norm and the optimizer step are derived and compiled into one
+//! plan, replayed every step. This file holds the parameter table, where the
+//! parameters live (flat buffers per optimizer group), and the model the trainer
+//! drives.
 //!
 //! Shapes: B batch, T sequence, C = n_embd, H heads, D = C / H, V vocabulary, BT = B*T.
 
 use serde::Deserialize;
 
-use crate::loss_scaler::{DynamicScaling, LossScaler, StepDecision};
+use crate::graph::gpt::{record, Recorded};
+use crate::graph::{Bindings, Group, Plan};
+use crate::loss_scaler::{DynamicScaling, LossScaler};
 use crate::mlp::{Precision, SplitMix};
 use crate::optim::{Optimizer, ParamBuffers};
 use crate::safetensors_io::NamedTensor;
-use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result, IGNORE_TARGET};
+use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
 
 /// Model sizes, as in a GPT-2 config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -36,20 +43,20 @@ impl GptConfig {
 }
 
 /// One parameter as [`Gpt::new`] creates it: the single list that the model, its
-/// memory estimate and every consumer of the layout read.
-struct ParamSpec {
-    name: String,
-    shape: Vec<usize>,
+/// recorded forward pass, its memory estimate and every consumer of the layout read.
+pub(crate) struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
     init: Init,
     /// Embeddings and norms keep f32 gradients (their kernels accumulate in f32); the
     /// rest use the storage dtype.
-    f32_grad: bool,
+    pub f32_grad: bool,
     /// Weight decay applies (matrices only).
-    decay: bool,
+    pub decay: bool,
 }
 
 /// Every parameter, in model order: wte, wpe, 12 per block, ln_f weight and bias.
-fn param_specs(config: &GptConfig) -> Vec<ParamSpec> {
+pub(crate) fn param_specs(config: &GptConfig) -> Vec<ParamSpec> {
     let (c, v) = (config.n_embd, config.vocab_size);
     let proj_std = 0.02 / (2.0 * config.n_layer as f32).sqrt();
     let spec = |name: String, shape: Vec<usize>, init, f32_grad, decay| ParamSpec {
@@ -216,7 +223,9 @@ pub struct GptMemory {
     pub gradient_tensors: u64,
     /// f32 master weights and the optimizer's two moments.
     pub optimizer: u64,
-    /// Activations saved for backward, backward scratch, inputs and small buffers.
+    /// The plan's buffers (activations saved for backward, their gradients and
+    /// scratch, shared by liveness; losses, logits, constants, small buffers) and the
+    /// inputs.
     pub activations: u64,
 }
 
@@ -226,25 +235,28 @@ impl GptMemory {
     }
 
     /// What [`Gpt::new`] allocates for `config` at `batch` × `seq` in `precision` with
-    /// `attention`, computed without a device (tested equal to a device's allocator).
+    /// `attention`, computed without a device (tested equal to a device's allocator):
+    /// the forward pass is recorded and the plan's buffers assigned as compiling
+    /// would, over stand-in buffers.
     pub fn of(
         config: &GptConfig,
         batch: usize,
         seq: usize,
         precision: Precision,
         attention: Attention,
-    ) -> GptMemory {
+    ) -> Result<GptMemory> {
+        let training = GptTraining {
+            batch,
+            seq,
+            precision,
+            optimizer: Optimizer::adamw(1e-3, 0.0),
+            seed: 0,
+            attention,
+        };
+        check(config, &training)?;
         let act = precision.dtype();
         let f = |n: usize| DType::F32.padded_bytes(n);
         let a = |n: usize| act.padded_bytes(n);
-        let u = |n: usize| DType::U32.padded_bytes(n);
-        let (c, h, v, l) = (
-            config.n_embd,
-            config.n_head,
-            config.vocab_size,
-            config.n_layer,
-        );
-        let (bt, bhtt) = (batch * seq, batch * h * seq * seq);
         let mut m = GptMemory::default();
         let specs = param_specs(config);
         let layout = arena_layout(&specs);
@@ -261,30 +273,79 @@ impl GptMemory {
                 m.shared_gradients += grad;
             }
         }
-        let fused = attention == Attention::Fused;
-        // Saved per block: probabilities (T x T) or, fused, one f32 log-sum-exp per row.
-        let att = if fused { f(batch * h * seq) } else { a(bhtt) };
-        let block = 9 * a(bt * c) + a(bt * 3 * c) + att + 2 * a(bt * 4 * c) + 4 * f(bt);
-        m.activations = l as u64 * block
-            + 3 * u(bt)
-            + a(bt)
-            + 2 * a(bt * c)
-            + 4 * f(bt)
-            + 2 * a(bt * v)
-            + 9 * a(bt * c)
-            + 2 * a(bt * 4 * c)
-            + a(bt * 3 * c)
-            + if fused {
-                0
-            } else {
-                2 * a(bhtt) + f(2 * batch * h * seq)
+        // Distinct ids of the right dtype and length are all planning needs.
+        let mut ids = 0;
+        let mut stand_in = |dtype: DType, len: usize| {
+            ids += 1;
+            Buffer {
+                id: ids,
+                dtype,
+                len,
             }
-            + u(1)
-            + 2 * f(1)
-            + f(bt)
-            + (layout.arenas.len() as u64 + 2) * f(1);
-        m
+        };
+        let mut buffers = |grad: DType, n: usize| ParamBuffers {
+            value: stand_in(act, n),
+            master: stand_in(DType::F32, n),
+            grad: stand_in(grad, n),
+            m: stand_in(DType::F32, n),
+            v: stand_in(DType::F32, n),
+        };
+        let grad_dtype = |f32_grad: bool| if f32_grad { DType::F32 } else { act };
+        let params = specs
+            .iter()
+            .map(|s| buffers(grad_dtype(s.f32_grad), s.shape.iter().product()))
+            .collect();
+        let groups = layout
+            .arenas
+            .iter()
+            .map(|&(f32_grad, decay, n)| Group {
+                buffers: buffers(grad_dtype(f32_grad), n),
+                decay,
+            })
+            .collect();
+        let model = record(config, &training, &specs)?;
+        let bt = batch * seq;
+        let inputs = [model.tokens, model.targets, model.positions]
+            .into_iter()
+            .map(|t| (t, stand_in(DType::U32, bt)))
+            .collect();
+        let bindings = Bindings {
+            params,
+            inputs,
+            groups,
+        };
+        let plan = model.graph.memory(&bindings, Some(&training.optimizer))?;
+        m.activations = plan.total() + 3 * DType::U32.padded_bytes(bt);
+        Ok(m)
     }
+}
+
+/// Checks a model's sizes before anything is recorded or allocated.
+fn check(config: &GptConfig, training: &GptTraining) -> Result<()> {
+    let (c, h, v) = (config.n_embd, config.n_head, config.vocab_size);
+    let (b, t) = (training.batch, training.seq);
+    if h == 0 || c % h != 0 || c % 2 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "gpt: n_embd {c} must be even and divisible by n_head {h}"
+        )));
+    }
+    if t == 0 || t > config.block_size || b == 0 || v == 0 || config.n_layer == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "gpt: need 1 <= seq ({t}) <= block_size ({}), batch >= 1, vocab >= 1, n_layer >= 1",
+            config.block_size
+        )));
+    }
+    if training.attention == Attention::Fused && !Attention::fused_takes(c / h, training.precision)
+    {
+        // The kernels' own checks, stated in the model's terms before allocating.
+        return Err(Error::InvalidArgument(format!(
+            "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
+             n_embd / n_head = {}; use Attention::Straightforward",
+            crate::ATTENTION_MAX_DIM,
+            c / h
+        )));
+    }
+    Ok(())
 }
 
 #[derive(Clone, Debug)]
@@ -354,107 +415,35 @@ impl std::ops::Deref for Param {
     }
 }
 
-/// One optimizer group's flat buffers: one launch over them updates every tensor.
-struct Arena {
-    buffers: ParamBuffers,
-    decay: bool,
-}
-
-/// Indices into `Gpt::params` and the saved activations of one block.
-struct Block {
-    ln1_w: usize,
-    ln1_b: usize,
-    qkv_w: usize,
-    qkv_b: usize,
-    proj_w: usize,
-    proj_b: usize,
-    ln2_w: usize,
-    ln2_b: usize,
-    fc_w: usize,
-    fc_b: usize,
-    fcp_w: usize,
-    fcp_b: usize,
-    x_in: Buffer,     // (BT, C) block input
-    ln1: Buffer,      // (BT, C)
-    ln1_mean: Buffer, // (BT) f32
-    ln1_rstd: Buffer,
-    qkv: Buffer, // (BT, 3C)
-    q: Buffer,   // (B, H, T, D)
-    k: Buffer,
-    v: Buffer,
-    att: Buffer,   // (B, H, T, T) probabilities; fused: (B, H, T) f32 log-sum-exp
-    yh: Buffer,    // (B, H, T, D)
-    y: Buffer,     // (BT, C)
-    x_mid: Buffer, // (BT, C) after the attention residual
-    ln2: Buffer,
-    ln2_mean: Buffer,
-    ln2_rstd: Buffer,
-    fc: Buffer,  // (BT, 4C) before GELU
-    fcg: Buffer, // (BT, 4C) after GELU
-}
-
+/// GPT-2 on a device: its parameters in flat buffers per optimizer group, and one
+/// compiled plan (forward, derived backward, overflow check, norm, update) replayed
+/// every step.
 pub struct Gpt {
     pub config: GptConfig,
     pub training: GptTraining,
     params: Vec<Param>,
-    blocks: Vec<Block>,
-    wte: usize,
-    wpe: usize,
-    lnf_w: usize,
-    lnf_b: usize,
+    /// The flat buffers every parameter's buffers are views of: the optimizer's groups
+    /// (one launch each updates, checks or measures every tensor in it).
+    arenas: Vec<Group>,
+    /// The forward pass as recorded, and its compiled step.
+    model: Recorded,
+    plan: Plan,
     tokens: Buffer,
     targets: Buffer,
     positions: Buffer,
-    x_final: Buffer,
-    lnf: Buffer,
-    lnf_mean: Buffer,
-    lnf_rstd: Buffer,
-    logits: Buffer,
-    losses: Buffer,
-    lse: Buffer,
-    // Backward scratch.
-    dlogits: Buffer,
-    dres: Buffer,
-    dtmp: Buffer,
-    dln: Buffer,
-    dbig: Buffer, // (BT, 4C): d fcg, then d fc
-    dfc: Buffer,
-    dqkv: Buffer,
-    dy: Buffer,
-    dyh: Buffer,
-    dq: Buffer,
-    dk: Buffer,
-    dv: Buffer,
-    /// Straightforward attention's (B*H, T, T) scratch; `None` when fused.
-    unfused: Option<Unfused>,
-    tmp: Buffer, // (BT, C) block outputs before the residual add
-    ones: Buffer,
-    flag: Buffer,
-    zero: Buffer,
-    grad_scale: Buffer,
     pub scaler: LossScaler,
     step: u32,
-    /// 0 for the first micro-batch of a step (gradients are overwritten), 1 after
-    /// (gradients accumulate).
-    grad_beta: std::cell::Cell<f32>,
     /// Every block writes its gradients into block 0's buffers (ZeRO stage 2): each
     /// micro-batch's block gradients must be handed over before the next block runs.
     shared_block_grads: bool,
     /// Targets of the uploaded batch that are trained on (not IGNORE_TARGET).
     trained: std::cell::Cell<usize>,
-    /// Per-token losses summed over a step's micro-batches.
-    loss_sum: Buffer,
-    /// Sum-of-squares partials for the global gradient norm (ping-pong pair + one per arena).
-    norm_parts: Vec<Buffer>,
-    /// The flat buffers every parameter's buffers are views of.
-    arenas: Vec<Arena>,
     /// Once the blocks share gradients: the gradient buffers that remain (the arenas'
     /// are freed).
     own_grads: Vec<Buffer>,
     /// Once the optimizer state is released: the empty buffer every master and moment
     /// names.
     released: Option<Buffer>,
-    norm_acc: [Buffer; 2],
 }
 
 /// A device's bytes of model states, by what they hold (ZeRO's accounting).
@@ -500,34 +489,14 @@ pub struct GptStep {
 
 impl Gpt {
     pub fn new(dev: &dyn Device, config: GptConfig, training: GptTraining) -> Result<Gpt> {
-        let (c, h, v) = (config.n_embd, config.n_head, config.vocab_size);
-        let (b, t) = (training.batch, training.seq);
-        if h == 0 || c % h != 0 || c % 2 != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "gpt: n_embd {c} must be even and divisible by n_head {h}"
-            )));
-        }
-        if t == 0 || t > config.block_size || b == 0 || v == 0 || config.n_layer == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "gpt: need 1 <= seq ({t}) <= block_size ({}), batch >= 1, vocab >= 1, n_layer >= 1",
-                config.block_size
-            )));
-        }
+        check(&config, &training)?;
         let act = training.precision.dtype();
+        let (b, t) = (training.batch, training.seq);
         let bt = b * t;
-        let fused = training.attention == Attention::Fused;
-        if fused && !Attention::fused_takes(c / h, training.precision) {
-            // The kernels' own checks, stated in the model's terms before allocating.
-            return Err(Error::InvalidArgument(format!(
-                "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
-                 n_embd / n_head = {}; use Attention::Straightforward",
-                crate::ATTENTION_MAX_DIM,
-                c / h
-            )));
-        }
         let mut rng = SplitMix(training.seed);
         let specs = param_specs(&config);
         let layout = arena_layout(&specs);
+        let model = record(&config, &training, &specs)?;
         // Initial values in model order (the draws do not depend on the layout), each
         // written at its place in its arena; the gaps stay zero for good.
         let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
@@ -545,7 +514,7 @@ impl Gpt {
         let mut arenas = vec![];
         for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
             let grad = if f32_grad { DType::F32 } else { act };
-            arenas.push(Arena {
+            arenas.push(Group {
                 buffers: ParamBuffers::new(dev, init, act, grad)?,
                 decay,
             });
@@ -568,579 +537,68 @@ impl Gpt {
                 decay: spec.decay,
             });
         }
-        // param_specs' order: wte, wpe, 12 per block, ln_f weight and bias.
-        let (wte, wpe) = (0, 1);
-        let (lnf_w, lnf_b) = (params.len() - 2, params.len() - 1);
-        let layer_params = (0..config.n_layer).map(|l| {
-            let first = 2 + 12 * l;
-            std::array::from_fn::<usize, 12, _>(|i| first + i)
-        });
-        let a = |dtype: DType, n: usize| dev.alloc(dtype, n);
-        let mut blocks = vec![];
-        for lp in layer_params {
-            blocks.push(Block {
-                ln1_w: lp[0],
-                ln1_b: lp[1],
-                qkv_w: lp[2],
-                qkv_b: lp[3],
-                proj_w: lp[4],
-                proj_b: lp[5],
-                ln2_w: lp[6],
-                ln2_b: lp[7],
-                fc_w: lp[8],
-                fc_b: lp[9],
-                fcp_w: lp[10],
-                fcp_b: lp[11],
-                x_in: a(act, bt * c)?,
-                ln1: a(act, bt * c)?,
-                ln1_mean: a(DType::F32, bt)?,
-                ln1_rstd: a(DType::F32, bt)?,
-                qkv: a(act, bt * 3 * c)?,
-                q: a(act, bt * c)?,
-                k: a(act, bt * c)?,
-                v: a(act, bt * c)?,
-                att: if fused {
-                    a(DType::F32, b * h * t)?
-                } else {
-                    a(act, b * h * t * t)?
-                },
-                yh: a(act, bt * c)?,
-                y: a(act, bt * c)?,
-                x_mid: a(act, bt * c)?,
-                ln2: a(act, bt * c)?,
-                ln2_mean: a(DType::F32, bt)?,
-                ln2_rstd: a(DType::F32, bt)?,
-                fc: a(act, bt * 4 * c)?,
-                fcg: a(act, bt * 4 * c)?,
-            });
-        }
-        let positions = a(DType::U32, bt)?;
+        let positions = dev.alloc(DType::U32, bt)?;
         dev.upload(
             positions,
             &HostData::U32((0..bt).map(|i| (i % t) as u32).collect()),
         )?;
-        let ones = a(act, bt)?;
-        dev.upload(ones, &HostData::from_f32(act, &vec![1.0; bt]))?;
+        let (tokens, targets) = (dev.alloc(DType::U32, bt)?, dev.alloc(DType::U32, bt)?);
         let scaler = match training.precision {
             Precision::F16 => LossScaler::dynamic(DynamicScaling::default())?,
             _ => LossScaler::fixed(1.0)?,
         };
+        let bindings = Bindings {
+            params: params.iter().map(|p| p.buffers).collect(),
+            inputs: vec![
+                (model.tokens, tokens),
+                (model.targets, targets),
+                (model.positions, positions),
+            ],
+            groups: arenas.clone(),
+        };
+        let plan = model
+            .graph
+            .compile(dev, &bindings, Some(&training.optimizer))?;
         Ok(Gpt {
-            tokens: a(DType::U32, bt)?,
-            targets: a(DType::U32, bt)?,
+            params,
+            arenas,
+            model,
+            plan,
+            tokens,
+            targets,
             positions,
-            x_final: a(act, bt * c)?,
-            lnf: a(act, bt * c)?,
-            lnf_mean: a(DType::F32, bt)?,
-            lnf_rstd: a(DType::F32, bt)?,
-            logits: a(act, bt * v)?,
-            losses: a(DType::F32, bt)?,
-            lse: a(DType::F32, bt)?,
-            dlogits: a(act, bt * v)?,
-            dres: a(act, bt * c)?,
-            dtmp: a(act, bt * c)?,
-            dln: a(act, bt * c)?,
-            dbig: a(act, bt * 4 * c)?,
-            dfc: a(act, bt * 4 * c)?,
-            dqkv: a(act, bt * 3 * c)?,
-            dy: a(act, bt * c)?,
-            dyh: a(act, bt * c)?,
-            dq: a(act, bt * c)?,
-            dk: a(act, bt * c)?,
-            dv: a(act, bt * c)?,
-            unfused: if fused {
-                None
-            } else {
-                Some(Unfused {
-                    datt: a(act, b * h * t * t)?,
-                    dscores: a(act, b * h * t * t)?,
-                    stats: a(DType::F32, 2 * b * h * t)?,
-                })
-            },
-            tmp: a(act, bt * c)?,
-            ones,
-            flag: a(DType::U32, 1)?,
-            zero: a(DType::F32, 1)?,
-            grad_scale: a(DType::F32, 1)?,
-            blocks,
-            wte,
-            wpe,
-            lnf_w,
-            lnf_b,
             scaler,
             step: 0,
-            grad_beta: std::cell::Cell::new(0.0),
             shared_block_grads: false,
             trained: std::cell::Cell::new(0),
-            loss_sum: a(DType::F32, bt)?,
-            norm_parts: (0..arenas.len())
-                .map(|_| a(DType::F32, 1))
-                .collect::<Result<_>>()?,
-            arenas,
             own_grads: vec![],
             released: None,
-            norm_acc: [a(DType::F32, 1)?, a(DType::F32, 1)?],
-            params,
             config,
             training,
         })
     }
 
-    fn val(&self, i: usize) -> Buffer {
-        self.params[i].value
-    }
-
-    fn grad(&self, i: usize) -> Buffer {
-        self.params[i].grad
-    }
-
-    /// `out = x W + b` over BT rows.
-    fn linear(
-        &self,
-        dev: &dyn Device,
-        x: Buffer,
-        (w, b): (usize, usize),
-        out: Buffer,
-        (k, n): (usize, usize),
-    ) -> Result<()> {
-        let bt = self.training.batch * self.training.seq;
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(x, self.val(w), out, bt, n, k).with_bias(self.val(b)),
-        ))
-    }
-
-    /// Backward of `linear`: dW = x^T dout, db = 1^T dout, dx = dout W^T.
-    fn linear_backward(
-        &self,
-        dev: &dyn Device,
-        x: Buffer,
-        (w, b): (usize, usize),
-        dout: Buffer,
-        dx: Buffer,
-        (k, n): (usize, usize),
-    ) -> Result<()> {
-        let bt = self.training.batch * self.training.seq;
-        let beta = self.grad_beta.get();
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(x, dout, self.grad(w), k, n, bt)
-                .transpose(true, false)
-                .scaled(1.0, beta),
-        ))?;
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.ones, dout, self.grad(b), 1, n, bt).scaled(1.0, beta),
-        ))?;
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(dout, self.val(w), dx, bt, k, n).transpose(false, true),
-        ))
-    }
-
-    /// Records the forward pass for the tokens and targets already uploaded.
-    fn forward(&self, dev: &dyn Device) -> Result<()> {
-        let (b, t) = (self.training.batch, self.training.seq);
-        let (c, h, v) = (
-            self.config.n_embd,
-            self.config.n_head,
-            self.config.vocab_size,
-        );
-        let (bt, d) = (b * t, c / h);
-        // x = wte[tokens] + wpe[positions]
-        let x0 = self.blocks[0].x_in;
-        dev.launch(&Kernel::Embedding {
-            tokens: self.tokens,
-            table: self.val(self.wte),
-            out: self.tmp,
-            dim: c,
-        })?;
-        dev.launch(&Kernel::Embedding {
-            tokens: self.positions,
-            table: self.val(self.wpe),
-            out: self.dtmp,
-            dim: c,
-        })?;
-        dev.launch(&Kernel::Binary {
-            op: crate::BinaryOp::Add,
-            a: self.tmp,
-            b: self.dtmp,
-            out: x0,
-        })?;
-        for (l, blk) in self.blocks.iter().enumerate() {
-            // Attention: ln1 -> qkv -> heads -> causal softmax(q k^T / sqrt(D)) v -> proj.
-            dev.launch(&Kernel::LayerNorm {
-                x: blk.x_in,
-                weight: self.val(blk.ln1_w),
-                bias: self.val(blk.ln1_b),
-                out: blk.ln1,
-                mean: blk.ln1_mean,
-                rstd: blk.ln1_rstd,
-                cols: c,
-                eps: 1e-5,
-            })?;
-            self.linear(dev, blk.ln1, (blk.qkv_w, blk.qkv_b), blk.qkv, (c, 3 * c))?;
-            for (i, dst) in [blk.q, blk.k, blk.v].into_iter().enumerate() {
-                dev.launch(&Kernel::SplitHeads {
-                    src: blk.qkv,
-                    dst,
-                    seq: t,
-                    heads: h,
-                    width: 3 * c,
-                    offset: i * c,
-                })?;
-            }
-            if let Some(u) = &self.unfused {
-                // scores (B*H, T, T) = q k^T / sqrt(D), scaled inside the GEMM (in f32) so
-                // that a large raw dot product cannot overflow an f16 scores buffer; then
-                // the causal softmax into `att`.
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(blk.q, blk.k, u.dscores, t, t, d)
-                        .transpose(false, true)
-                        .batched(b * h, t * d, t * d, t * t)
-                        .scaled(1.0 / (d as f32).sqrt(), 0.0),
-                ))?;
-                dev.launch(&Kernel::Softmax {
-                    x: u.dscores,
-                    out: blk.att,
-                    stats: u.stats,
-                    cols: t,
-                    scale: 1.0,
-                    causal: true,
-                })?;
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(blk.att, blk.v, blk.yh, t, d, t).batched(
-                        b * h,
-                        t * t,
-                        t * d,
-                        t * d,
-                    ),
-                ))?;
+    /// Compiles the plan again after the buffers it binds changed: the blocks share
+    /// gradients (no arenas' gradients to check: each parameter is its own group) or
+    /// the optimizer state went (no update). The old plan's buffers are freed first.
+    fn recompile(&mut self, dev: &dyn Device) -> Result<()> {
+        let bindings = Bindings {
+            params: self.params.iter().map(|p| p.buffers).collect(),
+            inputs: vec![
+                (self.model.tokens, self.tokens),
+                (self.model.targets, self.targets),
+                (self.model.positions, self.positions),
+            ],
+            groups: if self.shared_block_grads {
+                vec![]
             } else {
-                dev.launch(&Kernel::Attention {
-                    q: blk.q,
-                    k: blk.k,
-                    v: blk.v,
-                    out: blk.yh,
-                    lse: blk.att,
-                    batch_heads: b * h,
-                    seq: t,
-                    dim: d,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    causal: true,
-                })?;
-            }
-            dev.launch(&Kernel::MergeHeads {
-                src: blk.yh,
-                dst: blk.y,
-                seq: t,
-                heads: h,
-                width: c,
-                offset: 0,
-            })?;
-            self.linear(dev, blk.y, (blk.proj_w, blk.proj_b), self.tmp, (c, c))?;
-            dev.launch(&Kernel::Binary {
-                op: crate::BinaryOp::Add,
-                a: blk.x_in,
-                b: self.tmp,
-                out: blk.x_mid,
-            })?;
-            // MLP: ln2 -> fc -> gelu -> proj.
-            dev.launch(&Kernel::LayerNorm {
-                x: blk.x_mid,
-                weight: self.val(blk.ln2_w),
-                bias: self.val(blk.ln2_b),
-                out: blk.ln2,
-                mean: blk.ln2_mean,
-                rstd: blk.ln2_rstd,
-                cols: c,
-                eps: 1e-5,
-            })?;
-            self.linear(dev, blk.ln2, (blk.fc_w, blk.fc_b), blk.fc, (c, 4 * c))?;
-            dev.launch(&Kernel::Gelu {
-                x: blk.fc,
-                out: blk.fcg,
-            })?;
-            self.linear(dev, blk.fcg, (blk.fcp_w, blk.fcp_b), self.tmp, (4 * c, c))?;
-            let out = self
-                .blocks
-                .get(l + 1)
-                .map_or(self.x_final, |next| next.x_in);
-            dev.launch(&Kernel::Binary {
-                op: crate::BinaryOp::Add,
-                a: blk.x_mid,
-                b: self.tmp,
-                out,
-            })?;
-        }
-        dev.launch(&Kernel::LayerNorm {
-            x: self.x_final,
-            weight: self.val(self.lnf_w),
-            bias: self.val(self.lnf_b),
-            out: self.lnf,
-            mean: self.lnf_mean,
-            rstd: self.lnf_rstd,
-            cols: c,
-            eps: 1e-5,
-        })?;
-        // Tied LM head: logits = lnf wte^T.
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.lnf, self.val(self.wte), self.logits, bt, v, c).transpose(false, true),
-        ))?;
-        dev.launch(&Kernel::CrossEntropy {
-            logits: self.logits,
-            targets: self.targets,
-            losses: self.losses,
-            lse: self.lse,
-            vocab: v,
-        })
-    }
-
-    /// Records the backward pass of the mean loss times `scale`, leaving every
-    /// parameter's gradient in its `grad` buffer.
-    fn backward(&self, dev: &dyn Device, scale: f32) -> Result<()> {
-        self.backward_with(dev, scale, None)
-    }
-
-    /// Backward, calling `ready(params)` as soon as those parameters' gradients are
-    /// final and their work submitted: after each block (top block first), then for
-    /// the embeddings and final norm. A data-parallel group starts exchanging them
-    /// while the rest of backward runs.
-    fn backward_with(
-        &self,
-        dev: &dyn Device,
-        scale: f32,
-        mut ready: Option<Ready<'_>>,
-    ) -> Result<()> {
-        let (b, t) = (self.training.batch, self.training.seq);
-        let (c, h, v) = (
-            self.config.n_embd,
-            self.config.n_head,
-            self.config.vocab_size,
-        );
-        let (bt, d) = (b * t, c / h);
-        // Norm and embedding gradients accumulate (+=): start them at zero on a step's
-        // first micro-batch.
-        for p in &self.params {
-            if p.grad.dtype == DType::F32 && self.grad_beta.get() == 0.0 {
-                dev.launch(&Kernel::Fill {
-                    dst: p.grad,
-                    value: 0.0,
-                })?;
-            }
-        }
-        dev.launch(&Kernel::CrossEntropyBackward {
-            logits: self.logits,
-            targets: self.targets,
-            lse: self.lse,
-            dlogits: self.dlogits,
-            vocab: v,
-            scale: scale * self.per_target(),
-        })?;
-        // LM head: dwte = dlogits^T lnf (V, C); dlnf = dlogits wte (BT, C).
-        dev.launch(&Kernel::Matmul(
-            Matmul::new(self.dlogits, self.lnf, self.grad(self.wte), v, c, bt)
-                .transpose(true, false)
-                .scaled(1.0, self.grad_beta.get()),
-        ))?;
-        dev.launch(&Kernel::Matmul(Matmul::new(
-            self.dlogits,
-            self.val(self.wte),
-            self.dln,
-            bt,
-            c,
-            v,
-        )))?;
-        dev.launch(&Kernel::LayerNormBackward {
-            x: self.x_final,
-            weight: self.val(self.lnf_w),
-            mean: self.lnf_mean,
-            rstd: self.lnf_rstd,
-            dout: self.dln,
-            dx: self.dres,
-            dweight: self.grad(self.lnf_w),
-            dbias: self.grad(self.lnf_b),
-            cols: c,
-        })?;
-        for blk in self.blocks.iter().rev() {
-            if self.shared_block_grads {
-                // The norms' gradients accumulate (+=), and the block above left its own
-                // in these shared buffers.
-                for p in [blk.ln1_w, blk.ln1_b, blk.ln2_w, blk.ln2_b] {
-                    dev.launch(&Kernel::Fill {
-                        dst: self.grad(p),
-                        value: 0.0,
-                    })?;
-                }
-            }
-            // dres: gradient of the block output = x_mid + mlp(x_mid).
-            self.linear_backward(
-                dev,
-                blk.fcg,
-                (blk.fcp_w, blk.fcp_b),
-                self.dres,
-                self.dbig,
-                (4 * c, c),
-            )?;
-            dev.launch(&Kernel::GeluBackward {
-                x: blk.fc,
-                dout: self.dbig,
-                dx: self.dfc,
-            })?;
-            self.linear_backward(
-                dev,
-                blk.ln2,
-                (blk.fc_w, blk.fc_b),
-                self.dfc,
-                self.dln,
-                (c, 4 * c),
-            )?;
-            dev.launch(&Kernel::LayerNormBackward {
-                x: blk.x_mid,
-                weight: self.val(blk.ln2_w),
-                mean: blk.ln2_mean,
-                rstd: blk.ln2_rstd,
-                dout: self.dln,
-                dx: self.dtmp,
-                dweight: self.grad(blk.ln2_w),
-                dbias: self.grad(blk.ln2_b),
-                cols: c,
-            })?;
-            dev.launch(&Kernel::Axpy {
-                alpha: 1.0,
-                x: self.dtmp,
-                y: self.dres,
-            })?;
-            // dres: gradient of x_mid = x_in + attn(x_in).
-            self.linear_backward(
-                dev,
-                blk.y,
-                (blk.proj_w, blk.proj_b),
-                self.dres,
-                self.dy,
-                (c, c),
-            )?;
-            dev.launch(&Kernel::SplitHeads {
-                src: self.dy,
-                dst: self.dyh,
-                seq: t,
-                heads: h,
-                width: c,
-                offset: 0,
-            })?;
-            let bh = b * h;
-            if let Some(u) = &self.unfused {
-                // datt = dyh v^T; dv = att^T dyh.
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(self.dyh, blk.v, u.datt, t, t, d)
-                        .transpose(false, true)
-                        .batched(bh, t * d, t * d, t * t),
-                ))?;
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(blk.att, self.dyh, self.dv, t, d, t)
-                        .transpose(true, false)
-                        .batched(bh, t * t, t * d, t * d),
-                ))?;
-                dev.launch(&Kernel::SoftmaxBackward {
-                    p: blk.att,
-                    dout: u.datt,
-                    dx: u.dscores,
-                    stats: u.stats,
-                    cols: t,
-                    scale: 1.0 / (d as f32).sqrt(),
-                })?;
-                // dq = dscores k; dk = dscores^T q.
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(u.dscores, blk.k, self.dq, t, d, t).batched(
-                        bh,
-                        t * t,
-                        t * d,
-                        t * d,
-                    ),
-                ))?;
-                dev.launch(&Kernel::Matmul(
-                    Matmul::new(u.dscores, blk.q, self.dk, t, d, t)
-                        .transpose(true, false)
-                        .batched(bh, t * t, t * d, t * d),
-                ))?;
-            } else {
-                dev.launch(&Kernel::AttentionBackward {
-                    q: blk.q,
-                    k: blk.k,
-                    v: blk.v,
-                    out: blk.yh,
-                    dout: self.dyh,
-                    lse: blk.att,
-                    dq: self.dq,
-                    dk: self.dk,
-                    dv: self.dv,
-                    batch_heads: bh,
-                    seq: t,
-                    dim: d,
-                    scale: 1.0 / (d as f32).sqrt(),
-                    causal: true,
-                })?;
-            }
-            for (i, src) in [self.dq, self.dk, self.dv].into_iter().enumerate() {
-                dev.launch(&Kernel::MergeHeads {
-                    src,
-                    dst: self.dqkv,
-                    seq: t,
-                    heads: h,
-                    width: 3 * c,
-                    offset: i * c,
-                })?;
-            }
-            self.linear_backward(
-                dev,
-                blk.ln1,
-                (blk.qkv_w, blk.qkv_b),
-                self.dqkv,
-                self.dln,
-                (c, 3 * c),
-            )?;
-            dev.launch(&Kernel::LayerNormBackward {
-                x: blk.x_in,
-                weight: self.val(blk.ln1_w),
-                mean: blk.ln1_mean,
-                rstd: blk.ln1_rstd,
-                dout: self.dln,
-                dx: self.dtmp,
-                dweight: self.grad(blk.ln1_w),
-                dbias: self.grad(blk.ln1_b),
-                cols: c,
-            })?;
-            dev.launch(&Kernel::Axpy {
-                alpha: 1.0,
-                x: self.dtmp,
-                y: self.dres,
-            })?;
-            // Submitting here lets a waiting exchange start; alone, one submit a step
-            // is cheaper (lavapipe pays per submission).
-            if let Some(ready) = &mut ready {
-                dev.submit()?;
-                ready(&[
-                    blk.ln1_w, blk.ln1_b, blk.qkv_w, blk.qkv_b, blk.proj_w, blk.proj_b, blk.ln2_w,
-                    blk.ln2_b, blk.fc_w, blk.fc_b, blk.fcp_w, blk.fcp_b,
-                ])?;
-            }
-        }
-        // Embeddings: dwte (already holding the LM head's part) and dwpe += dres rows.
-        dev.launch(&Kernel::EmbeddingBackward {
-            tokens: self.tokens,
-            dout: self.dres,
-            dtable: self.grad(self.wte),
-            dim: c,
-        })?;
-        dev.launch(&Kernel::EmbeddingBackward {
-            tokens: self.positions,
-            dout: self.dres,
-            dtable: self.grad(self.wpe),
-            dim: c,
-        })?;
-        match ready {
-            Some(ready) => {
-                dev.submit()?;
-                ready(&[self.wte, self.wpe, self.lnf_w, self.lnf_b])
-            }
-            None => Ok(()),
-        }
+                self.arenas.clone()
+            },
+        };
+        let optimizer = self.released.is_none().then_some(&self.training.optimizer);
+        self.plan.free(dev)?;
+        self.plan = self.model.graph.compile(dev, &bindings, optimizer)?;
+        Ok(())
     }
 
     fn upload(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<()> {
@@ -1186,31 +644,26 @@ impl Gpt {
     /// Mean of the trained positions' losses, summed in f64 (finite differences need
     /// the digits).
     fn mean_loss(&self, dev: &dyn Device) -> Result<f64> {
-        let l = dev.download(self.losses)?.to_f32();
-        Ok(l.iter().map(|&x| x as f64).sum::<f64>() / self.trained.get().max(1) as f64)
+        Ok(self.plan.loss_sum(dev)? / self.trained.get().max(1) as f64)
     }
 
     /// Mean loss of a batch (B*T tokens and next-token targets), no update.
     pub fn loss(&self, dev: &dyn Device, tokens: &[u32], targets: &[u32]) -> Result<f64> {
         self.upload(dev, tokens, targets)?;
-        self.forward(dev)?;
-        dev.submit()?;
+        self.plan.forward(dev)?;
         self.mean_loss(dev)
     }
 
     /// Forward and backward with loss scale 1; returns the loss. Gradients are left in
     /// the parameters' grad buffers (see `gradients`).
     pub fn loss_and_gradients(
-        &self,
+        &mut self,
         dev: &dyn Device,
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<f64> {
-        self.grad_beta.set(0.0);
         self.upload(dev, tokens, targets)?;
-        self.forward(dev)?;
-        self.backward(dev, 1.0)?;
-        dev.submit()?;
+        self.plan.accumulate(dev, 1.0, self.per_target(), 0)?;
         self.mean_loss(dev)
     }
 
@@ -1224,9 +677,18 @@ impl Gpt {
 
     /// Overwrites one parameter (value and master) from f32 values.
     pub fn set_parameter(&self, dev: &dyn Device, index: usize, values: &[f32]) -> Result<()> {
-        let p = &self.params[index];
+        let p = self.param(index)?;
         dev.upload(p.master, &HostData::F32(values.to_vec()))?;
         dev.upload(p.value, &HostData::from_f32(p.value.dtype, values))
+    }
+
+    fn param(&self, index: usize) -> Result<&Param> {
+        self.params.get(index).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "gpt: parameter {index} does not exist; the model has {}",
+                self.params.len()
+            ))
+        })
     }
 
     /// (name, f32 master values) of every parameter.
@@ -1293,18 +755,20 @@ impl Gpt {
 
     /// A step's first phase: forward and backward over the micro-batches at the
     /// scaler's current scale, each micro-batch's mean loss weighing 1/n, so the grad
-    /// buffers end up holding the scaled gradient of the step's mean loss. Recorded and
-    /// submitted, not waited for: several devices can compute at once.
-    pub fn accumulate(&self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<()> {
+    /// buffers end up holding the scaled gradient of the step's mean loss. Submitted,
+    /// not waited for: several devices can compute at once.
+    pub fn accumulate(&mut self, dev: &dyn Device, micro: &[(&[u32], &[u32])]) -> Result<()> {
         self.accumulate_hooked(dev, micro, None)
     }
 
     /// [`Gpt::accumulate`], calling `ready(params)` during the last micro-batch's
-    /// backward as soon as those parameters' gradients are final (see `backward_with`).
+    /// backward as soon as those parameters' gradients are final and submitted: each
+    /// block's twelve (top block first), then the embeddings' and the final norm's.
+    /// A data-parallel group starts exchanging them while the rest of backward runs.
     /// With [`Gpt::share_block_gradients`] every micro-batch's gradients are written
     /// afresh and handed over: the caller sums them.
     pub fn accumulate_with(
-        &self,
+        &mut self,
         dev: &dyn Device,
         micro: &[(&[u32], &[u32])],
         ready: Ready<'_>,
@@ -1313,7 +777,7 @@ impl Gpt {
     }
 
     fn accumulate_hooked(
-        &self,
+        &mut self,
         dev: &dyn Device,
         micro: &[(&[u32], &[u32])],
         mut ready: Option<Ready<'_>>,
@@ -1330,50 +794,37 @@ impl Gpt {
                     .into(),
             ));
         }
-        let scale = self.scaler.scale();
-        let n = micro.len() as f32;
-        dev.launch(&Kernel::Fill {
-            dst: self.loss_sum,
-            value: 0.0,
-        })?;
+        // Ready groups: each block's parameters, then the embeddings and ln_f.
+        let n = self.params.len();
+        let mut groups: Vec<Vec<usize>> = (0..self.config.n_layer)
+            .map(|l| (2 + 12 * l..2 + 12 * (l + 1)).collect())
+            .collect();
+        groups.push(vec![0, 1, n - 2, n - 1]);
+        let (scale, count) = (self.scaler.scale(), micro.len());
         for (i, (tokens, targets)) in micro.iter().enumerate() {
             self.upload(dev, tokens, targets)?;
-            self.forward(dev)?;
-            dev.launch(&Kernel::Axpy {
-                alpha: self.per_target(),
-                x: self.losses,
-                y: self.loss_sum,
-            })?;
-            if self.shared_block_grads {
-                self.grad_beta.set(0.0);
-                let hook: Option<Ready<'_>> = match &mut ready {
-                    Some(r) => Some(&mut **r),
-                    None => None,
-                };
-                self.backward_with(dev, scale / n, hook)?;
-                continue;
-            }
-            self.grad_beta.set(if i == 0 { 0.0 } else { 1.0 });
-            if i + 1 == micro.len() {
-                self.backward_with(dev, scale / n, ready.take())?;
-            } else {
-                self.backward(dev, scale / n)?;
+            let w = self.per_target() / count as f32;
+            match &mut ready {
+                Some(r) if self.shared_block_grads || i + 1 == count => {
+                    self.plan
+                        .accumulate_with(dev, (scale, w, i), &groups, &mut **r)?
+                }
+                _ => self.plan.accumulate(dev, scale, w, i)?,
             }
         }
-        self.grad_beta.set(0.0);
-        dev.submit()
+        Ok(())
     }
 
     /// Parameter `index`'s gradient as f32 (waits for the work that writes it).
     pub fn gradient(&self, dev: &dyn Device, index: usize) -> Result<Vec<f32>> {
         self.check_own_gradients()?;
-        Ok(dev.download(self.params[index].grad)?.to_f32())
+        Ok(dev.download(self.param(index)?.grad)?.to_f32())
     }
 
     /// Overwrites parameter `index`'s gradient (rounded to its dtype).
     pub fn set_gradient(&self, dev: &dyn Device, index: usize, grad: &[f32]) -> Result<()> {
         self.check_own_gradients()?;
-        let g = self.params[index].grad;
+        let g = self.param(index)?.grad;
         dev.upload(g, &HostData::from_f32(g.dtype, grad))
     }
 
@@ -1396,7 +847,8 @@ impl Gpt {
     /// instead of all of them. [`Gpt::accumulate_with`] then hands over each block's
     /// gradients of every micro-batch before the next block overwrites them (the copy
     /// to staging memory is queued in-stream ahead of that block's backward), and the
-    /// group keeps only each rank's reduced shard.
+    /// group keeps only each rank's reduced shard. The plan is compiled again over the
+    /// shared buffers.
     pub fn share_block_gradients(&mut self, dev: &dyn Device) -> Result<()> {
         if self.shared_block_grads {
             return Ok(());
@@ -1404,7 +856,8 @@ impl Gpt {
         // Buffers of their own for the embeddings', final norm's and block 0's
         // gradients; the other blocks name block 0's; the arenas' gradients go.
         let per_block = 12;
-        let in_later_block = |i: usize| i >= 2 + per_block && i < 2 + per_block * self.blocks.len();
+        let layers = self.config.n_layer;
+        let in_later_block = |i: usize| i >= 2 + per_block && i < 2 + per_block * layers;
         let mut grads = vec![];
         for (i, p) in self.params.iter().enumerate() {
             grads.push(if in_later_block(i) {
@@ -1428,7 +881,7 @@ impl Gpt {
         }
         self.own_grads = grads.into_iter().flatten().collect();
         self.shared_block_grads = true;
-        Ok(())
+        self.recompile(dev)
     }
 
     /// Parameter `index`'s gradient buffer (a data-parallel group downloads it from
@@ -1447,10 +900,10 @@ impl Gpt {
         self.params.len()
     }
 
-    /// Mean loss of the `n` micro-batches [`Gpt::accumulate`] ran (waits for them).
-    pub fn accumulated_loss(&self, dev: &dyn Device, n: usize) -> Result<f32> {
-        let sums = dev.download(self.loss_sum)?.to_f32();
-        Ok((sums.iter().map(|&x| x as f64).sum::<f64>() / n.max(1) as f64) as f32)
+    /// Mean loss of the micro-batches the last [`Gpt::accumulate`] ran (waits for
+    /// them).
+    pub fn accumulated_loss(&self, dev: &dyn Device) -> Result<f32> {
+        Ok(self.plan.step_loss(dev)? as f32)
     }
 
     /// Device bytes of this replica's model states as allocated: model copy,
@@ -1515,27 +968,9 @@ impl Gpt {
     /// optimizer with every gradient multiplied by `grad_scale` (1 / (loss scale × clip
     /// factor)) at learning rate `lr`.
     pub fn apply(&mut self, dev: &dyn Device, lr: f32, grad_scale: f32) -> Result<()> {
-        dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
-        self.update(dev, lr)
-    }
-
-    /// The optimizer step over every parameter, reading the factor in `grad_scale`.
-    fn update(&mut self, dev: &dyn Device, lr: f32) -> Result<()> {
+        self.plan.apply(dev, lr, self.step + 1, grad_scale)?;
         self.step += 1;
-        let optimizer = &self.training.optimizer;
-        // The multi-tensor step: one launch per arena (each holds one group's tensors).
-        for a in &self.arenas {
-            let decay = if a.decay {
-                optimizer.weight_decay()
-            } else {
-                0.0
-            };
-            dev.launch(
-                &a.buffers
-                    .step(optimizer, self.grad_scale, lr, decay, self.step),
-            )?;
-        }
-        dev.submit()
+        Ok(())
     }
 
     /// One optimizer step at learning rate `lr` over several micro-batches (gradients
@@ -1550,64 +985,23 @@ impl Gpt {
         lr: f32,
         clip: f32,
     ) -> Result<GptStep> {
-        let scale = self.scaler.scale();
         self.accumulate(dev, micro)?;
-        // Whole arenas: the gaps between tensors are zero, adding nothing.
-        let grads: Vec<Buffer> = self.arenas.iter().map(|a| a.buffers.grad).collect();
-        dev.launch(&Kernel::NonFinite {
-            srcs: grads.clone(),
-            flag: self.flag,
-        })?;
-        // Global norm of the (scaled) gradients: per-arena sums of squares, added up.
-        let mut sum_squares = self.zero;
-        if clip > 0.0 {
-            for (&g, part) in grads.iter().zip(&self.norm_parts) {
-                dev.launch(&Kernel::Reduce {
-                    op: crate::ReduceOp::SumSquares,
-                    src: g,
-                    dst: *part,
-                })?;
-            }
-            let mut acc = self.norm_parts[0];
-            for (k, part) in self.norm_parts.iter().enumerate().skip(1) {
-                let out = self.norm_acc[k % 2];
-                dev.launch(&Kernel::Binary {
-                    op: crate::BinaryOp::Add,
-                    a: acc,
-                    b: *part,
-                    out,
-                })?;
-                acc = out;
-            }
-            sum_squares = acc;
+        let st = self
+            .plan
+            .finish_step(dev, &mut self.scaler, (lr, self.step + 1, clip), true)?;
+        if !st.skipped {
+            self.step += 1;
         }
-        dev.launch(&Kernel::GradScale {
-            sum_squares,
-            out: self.grad_scale,
-            loss_scale: scale,
-            clip,
-        })?;
-        dev.submit()?;
-        let overflow = dev.download(self.flag)?.bits()[0] != 0;
-        let loss = self.accumulated_loss(dev, micro.len())?;
-        if self.scaler.update(overflow)? == StepDecision::Skip {
-            return Ok(GptStep {
-                loss,
-                skipped: true,
-                scale,
-            });
-        }
-        self.update(dev, lr)?;
         Ok(GptStep {
-            loss,
-            skipped: false,
-            scale,
+            loss: st.loss.unwrap_or(f64::NAN) as f32,
+            skipped: st.skipped,
+            scale: st.scale,
         })
     }
 
     /// The factor the last step multiplied gradients by (1 / (loss scale * clip factor)).
     pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
-        Ok(dev.download(self.grad_scale)?.to_f32()[0])
+        self.plan.grad_scale(dev)
     }
 
     /// Mean loss of a batch and the model's most likely next token at every position
@@ -1618,12 +1012,13 @@ impl Gpt {
         tokens: &[u32],
         targets: &[u32],
     ) -> Result<(f64, Vec<u32>)> {
-        self.upload(dev, tokens, targets)?;
-        self.forward(dev)?;
-        dev.submit()?;
-        let loss = self.mean_loss(dev)?;
+        let loss = self.loss(dev, tokens, targets)?;
         let v = self.config.vocab_size;
-        let logits = dev.download(self.logits)?.to_f32();
+        let logits = self
+            .plan
+            .buffer(self.model.logits)
+            .expect("the logits are a graph output");
+        let logits = dev.download(logits)?.to_f32();
         let best = logits
             .chunks_exact(v)
             .map(|row| {
@@ -1719,7 +1114,8 @@ impl Gpt {
     /// Frees every parameter's f32 master and moments, for a ZeRO group whose ranks
     /// each keep only their shard of them (see `zero.rs`); one empty buffer is left in
     /// their place, so an optimizer launch on them is a length error, never a silent
-    /// no-op. Returns the master weights as they were (the shards' start).
+    /// no-op; the plan is compiled again without its update. Returns the master
+    /// weights as they were (the shards' start).
     pub fn release_optimizer_state(&mut self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
         if self.released.is_some() {
             return Err(Error::InvalidArgument(
@@ -1742,6 +1138,7 @@ impl Gpt {
             (a.buffers.master, a.buffers.m, a.buffers.v) = (empty, empty, empty);
         }
         self.released = Some(empty);
+        self.recompile(dev)?;
         Ok(masters)
     }
 
@@ -1756,25 +1153,18 @@ impl Gpt {
     /// Overwrites parameter `index`'s model copy (storage dtype, bit-exact): how a ZeRO
     /// group hands every rank the updated weights its shards produced.
     pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
-        dev.upload(self.params[index].value, data)
+        dev.upload(self.param(index)?.value, data)
     }
 
     /// Parameter `index`'s model copy as stored.
     pub fn value(&self, dev: &dyn Device, index: usize) -> Result<HostData> {
-        dev.download(self.params[index].value)
+        dev.download(self.param(index)?.value)
     }
 
     /// Sets the count of applied optimizer steps (restoring a checkpoint).
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;
     }
-}
-
-/// Straightforward attention's scratch: d att, scores then d scores, softmax stats.
-struct Unfused {
-    datt: Buffer,
-    dscores: Buffer,
-    stats: Buffer,
 }
 
 enum Init {

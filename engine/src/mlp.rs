@@ -8,7 +8,7 @@
 //!   x  (B, I)  --W1 (I, H), b1 (H)-->  a1 (B, H)  --gelu-->  h (B, H)
 //!   h  (B, H)  --W2 (H, C), b2 (C)-->  logits (B, C)  --cross-entropy(y)-->  loss (B)
 
-use crate::graph::{Bindings, Graph, Plan, Tensor, Training};
+use crate::graph::{Bindings, Graph, Plan, Tensor};
 use crate::loss_scaler::{DynamicScaling, LossScaler};
 use crate::{Buffer, DType, Device, HostData, Optimizer, Result};
 
@@ -121,21 +121,19 @@ impl Mlp {
         g.cross_entropy(logits, y)?;
         g.output(logits)?;
         let (xb, yb) = (dev.alloc(act, b * i)?, dev.alloc(DType::U32, b)?);
-        let training = Training {
-            optimizer: Optimizer::Adam {
-                lr: config.lr,
-                betas: [0.9, 0.999],
-                eps: 1e-8,
-                weight_decay: config.weight_decay,
-                decoupled: true,
-            },
-            clip: 0.0,
+        let optimizer = Optimizer::Adam {
+            lr: config.lr,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: config.weight_decay,
+            decoupled: true,
         };
         let bindings = Bindings {
             params: vec![w1, b1, w2, b2],
             inputs: vec![(x, xb), (y, yb)],
+            groups: vec![],
         };
-        let plan = g.compile(dev, &bindings, &training)?;
+        let plan = g.compile(dev, &bindings, Some(&optimizer))?;
         let scaler = match config.precision {
             Precision::F16 => LossScaler::dynamic(DynamicScaling::default())?,
             _ => LossScaler::fixed(1.0)?,
@@ -173,8 +171,7 @@ impl Mlp {
             dev,
             &mut self.scaler,
             1.0 / b as f32,
-            self.config.lr,
-            self.step + 1,
+            (self.config.lr, self.step + 1, 0.0),
             true,
         )?;
         if !st.skipped {

@@ -404,9 +404,12 @@ impl Trainer {
         micro: &[Vec<(&[u32], &[u32])>],
     ) -> Result<Exchanged> {
         let world = self.world();
-        let want = self.config.batch.grad_accum;
         // Every device computes at once: accumulate submits without waiting.
-        for (r, (m, dev)) in self.models().zip(devs).enumerate() {
+        for (r, (m, dev)) in std::iter::once(&mut self.model)
+            .chain(self.replicas.iter_mut())
+            .zip(devs)
+            .enumerate()
+        {
             m.accumulate(*dev, &micro[r])?;
         }
         // The exchange is timed from when every device has finished its backward.
@@ -418,7 +421,7 @@ impl Trainer {
         let mut per_rank = vec![];
         let mut bytes = 0u64;
         for (m, dev) in self.models().zip(devs) {
-            loss += m.accumulated_loss(*dev, want)? as f64;
+            loss += m.accumulated_loss(*dev)? as f64;
             per_rank.push(m.gradient_values(*dev)?);
             bytes += m.gradient_bytes();
         }
@@ -645,7 +648,7 @@ impl Trainer {
         let (overflow, sum_squares) = combine(&inspected);
         let mut loss = 0.0;
         for (m, dev) in self.models().zip(devs) {
-            loss += m.accumulated_loss(*dev, want)? as f64;
+            loss += m.accumulated_loss(*dev)? as f64;
         }
         // Comm time counts from the end of backward: what the overlap did not hide,
         // plus what a blocking recorder spent fetching (the slowest rank's).

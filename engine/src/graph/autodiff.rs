@@ -7,7 +7,10 @@
 //! only accumulates); later ones add to it (GEMM with beta 1, the accumulating
 //! kernels as they are, scratch plus an axpy for kernels that overwrite). Parameter
 //! gradients are the caller's buffers; every other gradient is a placeholder made on
-//! its first contribution, in the tensor's dtype.
+//! its first contribution, in the tensor's dtype. An add hands its output's gradient
+//! to an operand without a copy, and to both where that is safe (see
+//! [`Grads::alias`]): a residual stream's gradient is then one buffer, as in a
+//! hand-written backward.
 //!
 //! Micro-batches: a step may run backward several times and sum the gradients. The
 //! first write of each parameter gradient is therefore one of two patchable forms,
@@ -30,6 +33,13 @@ pub(super) struct Grads {
     needs: Vec<bool>,
     /// The gradient buffer is the caller's (a parameter's), never taken over by `add`.
     external: Vec<bool>,
+    /// The gradient is another tensor's buffer, read-only (see [`Grads::alias`]).
+    aliased: Vec<bool>,
+    /// Per tensor: the op that makes it, and the ops that read it.
+    producer: Vec<Option<usize>>,
+    consumers: Vec<Vec<usize>>,
+    /// The op whose backward is being emitted.
+    op: usize,
 }
 
 /// Where an overwriting kernel writes a contribution; [`Grads::finish`] adds it in
@@ -47,15 +57,23 @@ impl Grads {
             written: vec![false; n],
             needs: vec![false; n],
             external: vec![false; n],
+            aliased: vec![false; n],
+            producer: vec![None; n],
+            consumers: vec![vec![]; n],
+            op: 0,
         };
         for (&t, &b) in param_grads {
             gr.buf[t.0] = Some(b);
             gr.needs[t.0] = true;
             gr.external[t.0] = true;
         }
-        for op in &g.ops {
+        for (i, op) in g.ops.iter().enumerate() {
             let (ins, out) = operands(op);
             gr.needs[out.0] = ins.iter().any(|t| gr.needs[t.0]);
+            gr.producer[out.0] = Some(i);
+            for t in ins {
+                gr.consumers[t.0].push(i);
+            }
         }
         gr
     }
@@ -91,7 +109,7 @@ impl Grads {
     /// micro-batch when `t` is a parameter).
     fn zero(&mut self, e: &mut Emitter, t: Tensor, b: Buffer) -> Result<()> {
         if self.external[t.0] {
-            e.first_only.push(e.launches.len());
+            e.grad_fills.push(e.launches.len());
         }
         self.written[t.0] = true;
         e.launch(Kernel::Fill { dst: b, value: 0.0 })
@@ -190,6 +208,43 @@ impl Grads {
         Ok(false)
     }
 
+    /// Whether the gradient of `t` is its own to hand over ([`Grads::add_from`] with
+    /// `donate`): not a read-only alias of another tensor's.
+    pub fn donatable(&self, t: Tensor) -> bool {
+        !self.aliased[t.0]
+    }
+
+    /// Makes `src`, which `owner` has just taken over as its gradient, the gradient of
+    /// `t` too, read-only, instead of a copy (the two operands of an add both receive
+    /// its output's gradient). Safe, and done, only when nothing writes `src` before
+    /// `t`'s gradient has been read: `t` is read by this op alone, so its gradient is
+    /// complete here and read once, by the backward of the op that made `t`; every
+    /// later write to `src` comes from the other readers of `owner` or from the op
+    /// that made `owner` (and through it, further back), which must all come before
+    /// `t`'s maker in the forward order, so after it in the reverse sweep. Returns
+    /// whether it did.
+    pub fn alias(&mut self, t: Tensor, src: Buffer, owner: Tensor) -> bool {
+        let Some(made) = self.producer[t.0] else {
+            return false;
+        };
+        let op = self.op;
+        let others_first = self.consumers[owner.0]
+            .iter()
+            .chain(&self.producer[owner.0])
+            .all(|&i| i == op || i < made);
+        let ok = !self.written[t.0]
+            && !self.external[t.0]
+            && self.consumers[t.0] == [op]
+            && self.buf[owner.0] == Some(src)
+            && others_first;
+        if ok {
+            self.buf[t.0] = Some(src);
+            self.written[t.0] = true;
+            self.aliased[t.0] = true;
+        }
+        ok
+    }
+
     /// The gradient of `t` if it has received any contribution.
     fn get(&self, t: Tensor) -> Option<Buffer> {
         if self.written[t.0] {
@@ -232,7 +287,8 @@ pub(super) fn backward(
     param_grads: &HashMap<Tensor, Buffer>,
 ) -> Result<()> {
     let mut gr = Grads::new(g, param_grads);
-    for (op, s) in g.ops.iter().zip(saved).rev() {
+    for (i, (op, s)) in g.ops.iter().zip(saved).enumerate().rev() {
+        gr.op = i;
         let (_, out) = operands(op);
         if let Op::CrossEntropy { .. } = op {
             // The loss: its gradient is the seed, not a buffer.

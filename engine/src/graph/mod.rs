@@ -16,11 +16,11 @@
 //! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
 
 mod autodiff;
-pub mod gpt;
+pub(crate) mod gpt;
 mod ops;
 mod plan;
 
-pub use plan::{Bindings, Plan, PlanMemory, PlanStep, Training};
+pub use plan::{Bindings, Group, Plan, PlanMemory, PlanStep};
 
 use crate::gpt::Attention;
 use crate::{DType, Error, Result};

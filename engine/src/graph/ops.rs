@@ -315,7 +315,7 @@ pub(super) fn backward(
             })?;
             gr.finish(e, dx)
         }
-        (&Op::Add { a, b, .. }, _) => {
+        (&Op::Add { a, b, out: add_out }, _) => {
             // da += dout, db += dout. When a and b are one tensor it gets 2 dout.
             let dout = dout();
             if a == b {
@@ -330,11 +330,22 @@ pub(super) fn backward(
                 }
                 return Ok(());
             }
-            // dout is read by nothing after this op, so one operand may take it over.
-            let mut donate = true;
+            // dout is read by nothing after this op (unless it is itself an alias), so
+            // one operand may take it over and the other read it too (Grads::alias),
+            // as a hand-written backward passes one residual gradient along.
+            let mut owner = None;
             for t in [a, b] {
-                if gr.needs(t) {
-                    donate &= !gr.add_from(e, t, dout, donate)?;
+                if !gr.needs(t) {
+                    continue;
+                }
+                if let Some(o) = owner {
+                    if gr.alias(t, dout, o) {
+                        continue;
+                    }
+                }
+                let donate = owner.is_none() && gr.donatable(add_out);
+                if gr.add_from(e, t, dout, donate)? {
+                    owner = Some(t);
                 }
             }
             Ok(())

@@ -14,7 +14,10 @@
 //! Segments of the list: forward | loss accumulation + backward | overflow check and
 //! gradient factor | update. A step of several micro-batches runs the first two once
 //! per micro-batch (the first micro-batch writes the parameter gradients, later ones
-//! add to them: see autodiff.rs), then the last two once.
+//! add to them: see autodiff.rs; where parameters share a gradient buffer, every
+//! micro-batch writes afresh), then the last two once. The check, the norm and the
+//! update take one launch per optimizer group ([`Group`]: flat buffers of several
+//! parameters), not one per tensor.
 //!
 //! Every placeholder's first launch writes all of it (never reads it), which is what
 //! makes sharing safe: a buffer's old contents are never seen. The tests poison the
@@ -37,19 +40,26 @@ const PLACEHOLDER: u64 = 1 << 62;
 #[derive(Clone, Debug, Default)]
 pub struct Bindings {
     /// One per [`Graph::params`] entry, in declaration order: the model copy (the
-    /// tensor's dtype), f32 master, gradient (the declared grad dtype) and moments.
+    /// tensor's dtype) and gradient (the declared grad dtype) forward and backward use;
+    /// with no `groups`, the f32 master and moments the update uses too. Two
+    /// parameters may name one gradient buffer (ZeRO stage 2's shared block
+    /// gradients): then every micro-batch writes its gradients afresh, and the caller
+    /// takes them as they become final ([`Plan::accumulate_with`]).
     pub params: Vec<ParamBuffers>,
     /// A buffer for every input tensor, of its dtype and length.
     pub inputs: Vec<(Tensor, Buffer)>,
+    /// The optimizer's groups: flat buffers that hold several parameters (whose
+    /// `params` entries are views of them), so one launch per group updates, checks
+    /// for overflow or measures the norm of all of them. Empty: every parameter is a
+    /// group of its own.
+    pub groups: Vec<Group>,
 }
 
-/// The optimizer part of a plan.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Training {
-    /// The update (and the weight decay, applied to parameters declared with decay).
-    pub optimizer: Optimizer,
-    /// Clip the unscaled gradients to this global L2 norm; 0: no clipping.
-    pub clip: f32,
+/// One optimizer group: its flat buffers, and whether weight decay applies to it.
+#[derive(Clone, Copy, Debug)]
+pub struct Group {
+    pub buffers: ParamBuffers,
+    pub decay: bool,
 }
 
 /// Device bytes a plan holds, besides the caller's parameters and inputs.
@@ -61,7 +71,7 @@ pub struct PlanMemory {
     /// The same after liveness-based sharing: what is allocated.
     pub with_reuse: u64,
     /// Buffers never shared: outputs read after a step (losses), constants, the
-    /// overflow flag and the gradient factor.
+    /// loss accumulator, the overflow flag and the gradient factor.
     pub pinned: u64,
     /// Intermediate placeholders, and the device buffers they share.
     pub placeholders: usize,
@@ -95,10 +105,17 @@ pub(super) struct Emitter<'g> {
     /// Placeholders never shared, and constants to upload once.
     pub pinned: Vec<Buffer>,
     pub constants: Vec<(Buffer, HostData)>,
+    /// Placeholders standing for the caller's buffers: each parameter's gradient has
+    /// one of its own, so the launches that write it can be told apart even where
+    /// several parameters share one buffer.
+    pub external: HashMap<u64, Buffer>,
     /// Cross-entropy backward launches: their scale is the loss seed, set per step.
     pub seeds: Vec<usize>,
-    /// Launches run on a step's first micro-batch only (zeroing accumulators).
+    /// Launches run on a step's first micro-batch only (zeroing the loss accumulator).
     pub first_only: Vec<usize>,
+    /// Zero fills that start a parameter gradient (before a kernel that accumulates):
+    /// first micro-batch only, unless every micro-batch's gradients are fresh.
+    pub grad_fills: Vec<usize>,
     /// GEMMs that write a parameter gradient with beta 0 on the first micro-batch and
     /// add to it with beta 1 on later ones.
     pub first_betas: Vec<usize>,
@@ -114,8 +131,10 @@ impl<'g> Emitter<'g> {
             value: vec![None; g.tensors.len()],
             pinned: vec![],
             constants: vec![],
+            external: HashMap::new(),
             seeds: vec![],
             first_only: vec![],
+            grad_fills: vec![],
             first_betas: vec![],
             ones: HashMap::new(),
             next: PLACEHOLDER,
@@ -185,6 +204,8 @@ pub struct Plan {
     forward_end: usize,
     backward_end: usize,
     check_end: usize,
+    /// The global norm's launches (skipped when a step does not clip).
+    norm: std::ops::Range<usize>,
     seeds: Vec<usize>,
     /// Per launch: runs on a step's first micro-batch only.
     first_only: Vec<bool>,
@@ -195,6 +216,7 @@ pub struct Plan {
     /// The loss scale of the step being accumulated (the gradient factor divides by it).
     loss_scale: f32,
     grad_scale_launch: usize,
+    /// The optimizer steps, one per group; none when compiled without an optimizer.
     updates: Vec<usize>,
     /// Per parameter: the launch after which its gradient is final (one past the last
     /// backward launch that writes it).
@@ -211,21 +233,42 @@ pub struct Plan {
 }
 
 impl Graph {
-    /// Compiles forward, the derived backward, the overflow check and `training`'s
-    /// update into a [`Plan`] over `bindings`, allocating its buffers on `dev` once.
+    /// Compiles forward, the derived backward, the overflow check and the update with
+    /// `optimizer` into a [`Plan`] over `bindings`, allocating its buffers on `dev`
+    /// once. Without an optimizer the plan has no update (a ZeRO rank whose optimizer
+    /// state lives elsewhere); masters and moments are then not bound.
     pub fn compile(
         &self,
         dev: &dyn Device,
         bindings: &Bindings,
-        training: &Training,
+        optimizer: Option<&Optimizer>,
     ) -> Result<Plan> {
+        let (e, plan) = self.emit(bindings, optimizer)?;
+        let sharing = share(&e)?;
+        allocate(dev, e, sharing, plan)
+    }
+
+    /// The device bytes [`Graph::compile`] would allocate for `bindings`, computed
+    /// without a device: the same emission and the same sharing. The bindings' buffers
+    /// only need distinct ids, dtypes and lengths.
+    pub fn memory(&self, bindings: &Bindings, optimizer: Option<&Optimizer>) -> Result<PlanMemory> {
+        let (e, _) = self.emit(bindings, optimizer)?;
+        Ok(share(&e)?.memory)
+    }
+
+    /// The launch list over placeholders, and the plan's bookkeeping around it.
+    fn emit(
+        &self,
+        bindings: &Bindings,
+        optimizer: Option<&Optimizer>,
+    ) -> Result<(Emitter<'_>, Plan)> {
         let loss = self.loss.ok_or_else(|| {
             Error::InvalidArgument(
                 "graph: nothing to differentiate; end the forward pass with cross_entropy".into(),
             )
         })?;
         let mut e = Emitter::new(self);
-        let param_grads = bind(self, bindings, &mut e)?;
+        let (param_grads, fresh) = bind(self, bindings, optimizer.is_some(), &mut e)?;
         // Forward, in recording order.
         let mut saved: Vec<Saved> = vec![];
         for op in &self.ops {
@@ -247,128 +290,138 @@ impl Graph {
             y: loss_acc,
         })?;
         // Backward, derived.
+        let proxies: Vec<Buffer> = self.params.iter().map(|p| param_grads[&p.tensor]).collect();
         autodiff::backward(self, &mut e, &saved, &param_grads)?;
         let backward_end = e.launches.len();
-        let grad_final = bindings
-            .params
+        let grad_final = proxies
             .iter()
-            .map(|p| {
+            .map(|g| {
                 (forward_end..backward_end)
                     .rev()
-                    .find(|&i| e.launches[i].written().iter().any(|w| w.id == p.grad.id))
+                    .find(|&i| e.launches[i].written().iter().any(|w| w.id == g.id))
                     .map_or(backward_end, |i| i + 1)
             })
             .collect();
         // Overflow check over every gradient, then the factor the optimizer multiplies
         // them by: 1 / (loss scale x clip factor), from the global norm when clipping.
+        // Both one launch per optimizer group (its flat gradient buffer).
+        let groups = groups(self, bindings);
+        let mut grads: Vec<Buffer> = vec![];
+        for g in &groups {
+            if !grads.iter().any(|x| x.id == g.buffers.grad.id) {
+                grads.push(g.buffers.grad);
+            }
+        }
         let flag = e.pinned(DType::U32, 1);
-        let grads: Vec<Buffer> = bindings.params.iter().map(|p| p.grad).collect();
         e.launch(Kernel::NonFinite {
             srcs: grads.clone(),
             flag,
         })?;
-        let sum_squares = if training.clip > 0.0 {
-            let mut acc: Option<Buffer> = None;
-            for &g in &grads {
-                let part = e.scratch(DType::F32, 1);
-                e.launch(Kernel::Reduce {
-                    op: ReduceOp::SumSquares,
-                    src: g,
-                    dst: part,
-                })?;
-                acc = Some(match acc {
-                    None => part,
-                    Some(prev) => {
-                        let sum = e.scratch(DType::F32, 1);
-                        e.launch(Kernel::Binary {
-                            op: crate::BinaryOp::Add,
-                            a: prev,
-                            b: part,
-                            out: sum,
-                        })?;
-                        sum
-                    }
-                });
-            }
-            acc.expect("a graph with a loss has parameters")
-        } else {
-            // No clipping: GradScale reads a norm of 0 and ignores it.
-            e.pinned(DType::F32, 1)
-        };
+        // The norm: per-group sums of squares, added up in group order.
+        let norm_start = e.launches.len();
+        let mut sum_squares: Option<Buffer> = None;
+        for &g in &grads {
+            let part = e.scratch(DType::F32, 1);
+            e.launch(Kernel::Reduce {
+                op: ReduceOp::SumSquares,
+                src: g,
+                dst: part,
+            })?;
+            sum_squares = Some(match sum_squares {
+                None => part,
+                Some(prev) => {
+                    let sum = e.scratch(DType::F32, 1);
+                    e.launch(Kernel::Binary {
+                        op: crate::BinaryOp::Add,
+                        a: prev,
+                        b: part,
+                        out: sum,
+                    })?;
+                    sum
+                }
+            });
+        }
+        let norm = norm_start..e.launches.len();
         let grad_scale = e.pinned(DType::F32, 1);
         let grad_scale_launch = e.launches.len();
         e.launch(Kernel::GradScale {
-            sum_squares,
+            sum_squares: sum_squares.expect("a graph with a loss has parameters"),
             out: grad_scale,
             loss_scale: 1.0,
-            clip: training.clip,
+            clip: 0.0,
         })?;
         let check_end = e.launches.len();
-        // The update; lr and step are set per step.
+        // The update, one launch per group; lr and step are set per step.
         let mut updates = vec![];
-        for (decl, p) in self.params.iter().zip(&bindings.params) {
-            let decay = if decl.decay {
-                training.optimizer.weight_decay()
-            } else {
-                0.0
-            };
-            updates.push(e.launches.len());
-            e.launch(p.step(
-                &training.optimizer,
-                grad_scale,
-                training.optimizer.lr(),
-                decay,
-                1,
-            ))?;
+        if let Some(opt) = optimizer {
+            for g in &groups {
+                let decay = if g.decay { opt.weight_decay() } else { 0.0 };
+                updates.push(e.launches.len());
+                e.launch(g.buffers.step(opt, grad_scale, opt.lr(), decay, 1))?;
+            }
         }
         let outputs: Vec<(Tensor, Buffer)> = self.outputs.iter().map(|&t| (t, e.val(t))).collect();
-        let Emitter {
-            launches,
-            pinned,
-            constants,
-            seeds,
+        // Fresh gradients every micro-batch: the first-write forms stay as emitted.
+        let mut first_only = vec![false; e.launches.len()];
+        for &i in e
+            .first_only
+            .iter()
+            .chain(if fresh { &[][..] } else { &e.grad_fills })
+        {
+            first_only[i] = true;
+        }
+        let first_betas = if fresh { vec![] } else { e.first_betas.clone() };
+        let plan = Plan {
+            launches: vec![],
+            forward_end,
+            backward_end,
+            check_end,
+            norm,
+            seeds: e.seeds.clone(),
             first_only,
             first_betas,
-            ..
-        } = e;
-        let mut only = vec![false; launches.len()];
-        for i in first_only {
-            only[i] = true;
-        }
-        allocate(
-            dev,
-            launches,
-            &pinned,
-            &constants,
-            Plan {
-                launches: vec![],
-                forward_end,
-                backward_end,
-                check_end,
-                seeds,
-                first_only: only,
-                first_betas,
-                loss_axpy,
-                loss_acc,
-                loss_scale: 1.0,
-                grad_scale_launch,
-                updates,
-                grad_final,
-                owned: vec![],
-                slots: vec![],
-                outputs: outputs.into_iter().collect(),
-                losses,
-                flag,
-                grad_scale,
-                memory: PlanMemory::default(),
-            },
-        )
+            loss_axpy,
+            loss_acc,
+            loss_scale: 1.0,
+            grad_scale_launch,
+            updates,
+            grad_final,
+            owned: vec![],
+            slots: vec![],
+            outputs: outputs.into_iter().collect(),
+            losses,
+            flag,
+            grad_scale,
+            memory: PlanMemory::default(),
+        };
+        Ok((e, plan))
     }
 }
 
+/// The optimizer groups: the bound ones, or each parameter alone.
+fn groups(g: &Graph, b: &Bindings) -> Vec<Group> {
+    if !b.groups.is_empty() {
+        return b.groups.clone();
+    }
+    g.params
+        .iter()
+        .zip(&b.params)
+        .map(|(decl, &buffers)| Group {
+            buffers,
+            decay: decl.decay,
+        })
+        .collect()
+}
+
 /// Checks the bindings against the graph and enters them; returns each parameter's
-/// gradient buffer by tensor.
-fn bind(g: &Graph, b: &Bindings, e: &mut Emitter) -> Result<HashMap<Tensor, Buffer>> {
+/// gradient placeholder by tensor, and whether gradients are fresh every micro-batch
+/// (two parameters share a gradient buffer).
+fn bind(
+    g: &Graph,
+    b: &Bindings,
+    update: bool,
+    e: &mut Emitter,
+) -> Result<(HashMap<Tensor, Buffer>, bool)> {
     if b.params.len() != g.params.len() {
         return Err(Error::InvalidArgument(format!(
             "plan: the graph declares {} parameters but {} were bound; bind one ParamBuffers \
@@ -401,20 +454,51 @@ fn bind(g: &Graph, b: &Bindings, e: &mut Emitter) -> Result<HashMap<Tensor, Buff
         Ok(())
     };
     let mut grads = HashMap::new();
-    for (decl, p) in g.params.iter().zip(&b.params) {
+    let mut fresh = false;
+    for (k, (decl, p)) in g.params.iter().zip(&b.params).enumerate() {
         let i = g.t(decl.tensor);
         let n = i.len();
         external(format!("value of `{}`", decl.name), p.value, i.dtype, n)?;
         external(format!("gradient of `{}`", decl.name), p.grad, decl.grad, n)?;
-        for (what, buf) in [
-            ("master", p.master),
-            ("first moment", p.m),
-            ("second moment", p.v),
-        ] {
-            external(format!("{what} of `{}`", decl.name), buf, DType::F32, n)?;
+        if update && b.groups.is_empty() {
+            for (what, buf) in [
+                ("master", p.master),
+                ("first moment", p.m),
+                ("second moment", p.v),
+            ] {
+                external(format!("{what} of `{}`", decl.name), buf, DType::F32, n)?;
+            }
         }
+        fresh |= b.params[..k].iter().any(|q| q.grad.id == p.grad.id);
         e.value[decl.tensor.0] = Some(p.value);
-        grads.insert(decl.tensor, p.grad);
+        let proxy = e.scratch(p.grad.dtype, n);
+        e.external.insert(proxy.id, p.grad);
+        grads.insert(decl.tensor, proxy);
+    }
+    for (k, grp) in b.groups.iter().enumerate() {
+        let n = grp.buffers.grad.len;
+        let what = |x: &str| format!("{x} of optimizer group {k}");
+        external(
+            what("gradient"),
+            grp.buffers.grad,
+            grp.buffers.grad.dtype,
+            n,
+        )?;
+        if update {
+            external(
+                what("model copy"),
+                grp.buffers.value,
+                grp.buffers.value.dtype,
+                n,
+            )?;
+            for (x, buf) in [
+                ("master", grp.buffers.master),
+                ("first moment", grp.buffers.m),
+                ("second moment", grp.buffers.v),
+            ] {
+                external(what(x), buf, DType::F32, n)?;
+            }
+        }
     }
     for (t, info) in g.tensors.iter().enumerate() {
         if info.source != Source::Input {
@@ -445,54 +529,52 @@ fn bind(g: &Graph, b: &Bindings, e: &mut Emitter) -> Result<HashMap<Tensor, Buff
             t.0
         )));
     }
-    Ok(grads)
+    Ok((grads, fresh))
 }
 
-/// Live ranges, sharing, allocation and the rewrite of every launch to real buffers.
-fn allocate(
-    dev: &dyn Device,
-    mut launches: Vec<Kernel>,
-    pinned: &[Buffer],
-    constants: &[(Buffer, HostData)],
-    mut plan: Plan,
-) -> Result<Plan> {
+/// Which device buffer each placeholder gets: pinned ones their own, the others a
+/// shared slot, decided without a device.
+struct Sharing {
+    /// Placeholder id -> index into `slots` (shared) or into the emitter's pinned list
+    /// (offset by the number of slots).
+    place: HashMap<u64, usize>,
+    slots: Vec<(DType, usize)>,
+    memory: PlanMemory,
+}
+
+/// Live ranges and greedy interval sharing in order of first use: a placeholder takes a
+/// free slot of its dtype and length whose last user ran strictly before its first
+/// launch (a launch never gets one buffer for two operands).
+fn share(e: &Emitter) -> Result<Sharing> {
     // First and last launch of every placeholder.
     let mut range: HashMap<u64, (usize, usize, Buffer)> = HashMap::new();
-    for (i, k) in launches.iter().enumerate() {
+    for (i, k) in e.launches.iter().enumerate() {
         for b in k.buffers().into_iter().filter(|b| b.id >= PLACEHOLDER) {
             range.entry(b.id).or_insert((i, i, b)).1 = i;
         }
     }
-    let mut real: HashMap<u64, Buffer> = HashMap::new();
     let mut memory = PlanMemory::default();
-    for &p in pinned {
-        let b = dev.alloc(p.dtype, p.len)?;
-        plan.owned.push(b);
-        memory.pinned += b.bytes();
-        real.insert(p.id, b);
-    }
-    // Greedy interval sharing in order of first use: a placeholder takes a free buffer
-    // of its dtype and length whose last user ran strictly before its first launch
-    // (a launch never gets one buffer for two operands).
+    let mut place = HashMap::new();
+    let mut slots: Vec<(DType, usize)> = vec![];
     let mut shared: Vec<(usize, usize, Buffer)> = range
         .into_values()
-        .filter(|(_, _, b)| !real.contains_key(&b.id))
+        .filter(|(_, _, b)| !e.external.contains_key(&b.id) && !e.pinned.contains(b))
         .collect();
     shared.sort_by_key(|&(first, _, b)| (first, b.id));
-    let mut free: HashMap<(DType, usize), Vec<Buffer>> = HashMap::new();
-    let mut busy: Vec<(usize, Buffer)> = vec![];
+    let mut free: HashMap<(DType, usize), Vec<usize>> = HashMap::new();
+    let mut busy: Vec<(usize, usize)> = vec![];
     for (first, last, p) in shared {
-        if reads_old_contents(&launches[first], p) {
+        if reads_old_contents(&e.launches[first], p) {
             return Err(Error::InvalidArgument(format!(
                 "plan: launch {first} ({}) reads an intermediate buffer before anything writes \
                  it; the graph's emission is wrong (a bug in kiln, please report it)",
-                launches[first].name()
+                e.launches[first].name()
             )));
         }
         busy.retain(|&(until, slot)| {
             let done = until < first;
             if done {
-                free.entry((slot.dtype, slot.len)).or_default().push(slot);
+                free.entry(slots[slot]).or_default().push(slot);
             }
             !done
         });
@@ -501,21 +583,49 @@ fn allocate(
         let slot = match free.get_mut(&(p.dtype, p.len)).and_then(|v| v.pop()) {
             Some(slot) => slot,
             None => {
-                let slot = dev.alloc(p.dtype, p.len)?;
-                plan.owned.push(slot);
-                plan.slots.push(slot);
-                memory.with_reuse += slot.bytes();
-                slot
+                slots.push((p.dtype, p.len));
+                memory.with_reuse += p.bytes();
+                slots.len() - 1
             }
         };
         busy.push((last, slot));
-        real.insert(p.id, slot);
+        place.insert(p.id, slot);
     }
-    memory.slots = plan.slots.len();
-    for (p, data) in constants {
-        dev.upload(real[&p.id], data)?;
+    for (k, p) in e.pinned.iter().enumerate() {
+        memory.pinned += p.bytes();
+        place.insert(p.id, slots.len() + k);
     }
-    let map = |b: Buffer| if b.id >= PLACEHOLDER { real[&b.id] } else { b };
+    memory.slots = slots.len();
+    Ok(Sharing {
+        place,
+        slots,
+        memory,
+    })
+}
+
+/// Allocates the slots and pinned buffers and rewrites every launch to real buffers.
+fn allocate(dev: &dyn Device, e: Emitter, sharing: Sharing, mut plan: Plan) -> Result<Plan> {
+    let mut bufs = vec![];
+    for &(dtype, len) in &sharing.slots {
+        let b = dev.alloc(dtype, len)?;
+        plan.owned.push(b);
+        plan.slots.push(b);
+        bufs.push(b);
+    }
+    for p in &e.pinned {
+        let b = dev.alloc(p.dtype, p.len)?;
+        plan.owned.push(b);
+        bufs.push(b);
+    }
+    let map = |b: Buffer| match (e.external.get(&b.id), sharing.place.get(&b.id)) {
+        (Some(&ext), _) => ext,
+        (None, Some(&k)) => bufs[k],
+        (None, None) => b,
+    };
+    for (p, data) in &e.constants {
+        dev.upload(map(*p), data)?;
+    }
+    let mut launches = e.launches;
     for k in &mut launches {
         for b in k.buffers_mut() {
             *b = map(*b);
@@ -530,7 +640,7 @@ fn allocate(
     for b in plan.outputs.values_mut() {
         *b = map(*b);
     }
-    plan.memory = memory;
+    plan.memory = sharing.memory;
     Ok(plan)
 }
 
@@ -644,7 +754,10 @@ impl Plan {
             }
             ready(g)?;
         }
-        self.run(dev, from, self.backward_end, micro > 0)
+        if from < self.backward_end {
+            self.run(dev, from, self.backward_end, micro > 0)?;
+        }
+        Ok(())
     }
 
     /// Sets a micro-batch's scalars: the loss seed, the loss weight, the GEMM betas.
@@ -682,13 +795,34 @@ impl Plan {
     }
 
     /// After a step's micro-batches: the overflow check over every gradient and the
-    /// factor the update multiplies them by (unscaling, and clipping when compiled
-    /// with it). One submit.
-    pub fn check(&mut self, dev: &dyn Device) -> Result<()> {
-        if let Kernel::GradScale { loss_scale, .. } = &mut self.launches[self.grad_scale_launch] {
-            *loss_scale = self.loss_scale;
+    /// factor the update multiplies them by (unscaling, and clipping the unscaled
+    /// gradients to global L2 norm `clip` when it is above 0). One submit.
+    pub fn check(&mut self, dev: &dyn Device, clip: f32) -> Result<()> {
+        if !(clip.is_finite() && clip >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "plan: gradient clipping at {clip}; give a finite norm, or 0 for none"
+            )));
         }
-        self.run(dev, self.backward_end, self.check_end, false)
+        if let Kernel::GradScale {
+            loss_scale,
+            clip: c,
+            ..
+        } = &mut self.launches[self.grad_scale_launch]
+        {
+            *loss_scale = self.loss_scale;
+            *c = clip;
+        }
+        // Without clipping GradScale ignores the norm: its launches are skipped.
+        let skip = if clip > 0.0 { 0..0 } else { self.norm.clone() };
+        for (i, k) in self.launches[self.backward_end..self.check_end]
+            .iter()
+            .enumerate()
+        {
+            if !skip.contains(&(self.backward_end + i)) {
+                dev.launch(k)?;
+            }
+        }
+        dev.submit()
     }
 
     /// Whether the gradients checked by the last [`Plan::check`] hold an inf or NaN
@@ -718,6 +852,13 @@ impl Plan {
     /// The optimizer step at learning rate `lr`; `step` is 1-based (Adam's bias
     /// correction). One submit.
     pub fn update(&mut self, dev: &dyn Device, lr: f32, step: u32) -> Result<()> {
+        if self.updates.is_empty() {
+            return Err(Error::InvalidArgument(
+                "plan: compiled without an optimizer, so it has no update (the optimizer \
+                 state lives elsewhere)"
+                    .into(),
+            ));
+        }
         for &i in &self.updates {
             match &mut self.launches[i] {
                 Kernel::Adam(a) => {
@@ -742,33 +883,32 @@ impl Plan {
     /// One training step of one micro-batch with `scaler`'s loss scale: accumulate,
     /// check, read the overflow flag (and the loss when `want_loss`), let the scaler
     /// decide, update unless it skips. `step` is the 1-based count of applied updates
-    /// this one would be.
+    /// this one would be; `clip` as in [`Plan::check`].
     pub fn step(
         &mut self,
         dev: &dyn Device,
         scaler: &mut LossScaler,
         loss_weight: f32,
-        lr: f32,
-        step: u32,
+        (lr, step, clip): (f32, u32, f32),
         want_loss: bool,
     ) -> Result<PlanStep> {
         let scale = scaler.scale();
         self.accumulate(dev, scale, loss_weight, 0)?;
-        self.finish_step(dev, scaler, lr, step, want_loss)
+        self.finish_step(dev, scaler, (lr, step, clip), want_loss)
     }
 
-    /// The end of a step whose micro-batches were accumulated: check, read the flag
-    /// (and the loss), let `scaler` decide, update unless it skips.
+    /// The end of a step whose micro-batches were accumulated: check (clipping to
+    /// `clip`, 0: none), read the flag (and the loss), let `scaler` decide, update at
+    /// learning rate `lr` as 1-based `step` unless it skips.
     pub fn finish_step(
         &mut self,
         dev: &dyn Device,
         scaler: &mut LossScaler,
-        lr: f32,
-        step: u32,
+        (lr, step, clip): (f32, u32, f32),
         want_loss: bool,
     ) -> Result<PlanStep> {
         let scale = self.loss_scale;
-        self.check(dev)?;
+        self.check(dev, clip)?;
         let overflow = self.overflowed(dev)?;
         let loss = if want_loss {
             Some(self.step_loss(dev)?)
@@ -786,9 +926,10 @@ impl Plan {
         })
     }
 
-    /// Releases every buffer the plan allocated (not the caller's bindings).
-    pub fn free(self, dev: &dyn Device) -> Result<()> {
-        for b in self.owned {
+    /// Releases every buffer the plan allocated (not the caller's bindings); the plan
+    /// must not run afterwards.
+    pub fn free(&mut self, dev: &dyn Device) -> Result<()> {
+        for b in self.owned.drain(..) {
             dev.free(b)?;
         }
         Ok(())
