@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use kiln::engine::mlp::{clusters, Mlp, MlpConfig, Precision};
+use kiln::engine::models::mlp::{clusters, Mlp, MlpConfig, Precision};
 use kiln::wgpu::DeviceOptions;
 
 fn main() -> anyhow::Result<()> {

@@ -9,8 +9,8 @@ use anyhow::Result;
 use serde::Serialize;
 
 use kiln_engine::config::parse;
-use kiln_engine::gpt::GptConfig;
-use kiln_engine::trainer::Trainer;
+use kiln_engine::models::gpt::GptConfig;
+use kiln_engine::train::trainer::Trainer;
 use kiln_engine::Device;
 use kiln_wgpu::{DeviceOptions, WgpuDevice};
 

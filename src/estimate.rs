@@ -11,8 +11,8 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
-use kiln_engine::gpt::{Attention, GptConfig, GptMemory};
-use kiln_engine::mlp::Precision;
+use kiln_engine::models::gpt::{Attention, GptConfig, GptMemory};
+use kiln_engine::models::mlp::Precision;
 
 /// One ZeRO stage's per-device bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

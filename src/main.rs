@@ -342,10 +342,10 @@ fn estimate(
     config: Option<&std::path::Path>,
     seq: Option<usize>,
 ) -> Result<()> {
-    use kiln::engine::mlp::Precision;
+    use kiln::engine::models::mlp::Precision;
     let text = std::fs::read_to_string(model)
         .with_context(|| format!("reading the model config {}", model.display()))?;
-    let m: kiln::engine::gpt::GptConfig = serde_json::from_str(&text)
+    let m: kiln::engine::models::gpt::GptConfig = serde_json::from_str(&text)
         .with_context(|| format!("{}: expected a GPT config", model.display()))?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
@@ -413,7 +413,7 @@ fn config(what: ConfigWhat) -> Result<()> {
 }
 
 fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()> {
-    use kiln::engine::runs;
+    use kiln::engine::train::runs;
     match what {
         None => {
             let list = runs::list_runs(root)?;
@@ -503,7 +503,7 @@ fn devices(json: bool) -> Result<()> {
 
 fn bench_dp(a: DpArgs) -> Result<()> {
     use kiln::bench_dp::{dp_table, modelled_efficiency};
-    use kiln::engine::gpt::{GptConfig, GptMemory};
+    use kiln::engine::models::gpt::{GptConfig, GptMemory};
     let model: GptConfig = match &a.model {
         Some(p) => serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
@@ -564,7 +564,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         &model,
         a.micro,
         model.block_size,
-        kiln::engine::mlp::Precision::F16,
+        kiln::engine::models::mlp::Precision::F16,
         Default::default(),
     )?
     .gradients as f64;

@@ -14,16 +14,16 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 
-use kiln_engine::checkpoint::{
-    self, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE, OPTIMIZER_FILE,
-};
 use kiln_engine::config::{self, Schedule, TrainConfig};
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
-use kiln_engine::gpt::{GptConfig, ParamState};
-use kiln_engine::runs::{self, MetricsWriter, StepRecord, Summary};
-use kiln_engine::trainer::{Trainer, TrainerState};
+use kiln_engine::models::gpt::{GptConfig, ParamState};
+use kiln_engine::train::checkpoint::{
+    self, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE, OPTIMIZER_FILE,
+};
+use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
+use kiln_engine::train::trainer::{Trainer, TrainerState};
 use kiln_engine::{DType, Device, HostData, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 

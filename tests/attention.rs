@@ -407,8 +407,8 @@ fn validation_rejects_bad_launches() {
 /// f32-sized: loss 1e-5 relative, each gradient 1e-4 of its tensor's largest element.
 #[test]
 fn gpt_fused_matches_straightforward() {
-    use kiln::engine::gpt::{Attention, Gpt, GptConfig, GptTraining};
-    use kiln::engine::mlp::Precision;
+    use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptTraining};
+    use kiln::engine::models::mlp::Precision;
     use kiln::engine::Optimizer;
     let cfg = GptConfig {
         n_layer: 2,

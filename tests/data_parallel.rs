@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use kiln::engine::config::parse;
-use kiln::engine::gpt::GptConfig;
-use kiln::engine::trainer::Trainer;
+use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::train::trainer::Trainer;
 use kiln::engine::{DType, Device};
 
 const STEPS: usize = 20;
@@ -106,7 +106,7 @@ fn one_step(
     group: &mut Trainer,
     devs: &[&dyn Device],
     step: &[(Vec<u32>, Vec<u32>)],
-) -> kiln::engine::trainer::StepStats {
+) -> kiln::engine::train::trainer::StepStats {
     let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
         .iter()
         .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
@@ -297,7 +297,7 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
         let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
         let mut owned = 0;
         for rank in 0..world {
-            let segs = kiln::engine::zero::segments(&sizes, world, rank);
+            let segs = kiln::engine::parallel::zero::segments(&sizes, world, rank);
             let kept: u64 = segs.iter().map(|s| 5 * f32b(s.range.len())).sum::<u64>() + f32b(1);
             assert_eq!(
                 bytes0[rank] - bytes1[rank],
@@ -351,8 +351,8 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
 /// shards; the allocator shows the gradient memory saved.
 #[test]
 fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
-    use kiln::engine::gpt::{Attention, GptMemory};
-    use kiln::engine::mlp::Precision;
+    use kiln::engine::models::gpt::{Attention, GptMemory};
+    use kiln::engine::models::mlp::Precision;
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 10},"#;
     for (world, precision, overlaps) in [
         (2, "", &[true, false][..]),
@@ -501,8 +501,8 @@ fn zero_stage_2_with_accumulation_matches_stage_1() {
 /// comes back up, 2·N·(gradient bytes) per step.
 #[test]
 fn bench_dp_reports_the_bytes_the_exchange_moves() {
-    use kiln::engine::gpt::GptMemory;
-    use kiln::engine::mlp::Precision;
+    use kiln::engine::models::gpt::GptMemory;
+    use kiln::engine::models::mlp::Precision;
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
     let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
     let grads = GptMemory::of(&model(), B, T, Precision::F16, Default::default())

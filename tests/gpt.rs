@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::gpt::{Attention, Gpt, GptConfig, GptTraining};
-use kiln::engine::mlp::Precision;
+use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptTraining};
+use kiln::engine::models::mlp::Precision;
 use kiln::engine::{Device, Optimizer, IGNORE_TARGET};
 
 fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
@@ -238,7 +238,7 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         );
     }
     let path = std::env::temp_dir().join(format!("kiln-gpt-{}.safetensors", std::process::id()));
-    kiln::engine::safetensors_io::save(dev.as_ref(), &a.tensors(), &path).unwrap();
+    kiln::engine::train::safetensors_io::save(dev.as_ref(), &a.tensors(), &path).unwrap();
     let b = Gpt::new(
         dev.as_ref(),
         cfg,
@@ -248,7 +248,7 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         },
     )
     .unwrap();
-    kiln::engine::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    kiln::engine::train::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
     std::fs::remove_file(&path).ok();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         assert_eq!(
@@ -350,7 +350,7 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
         norm > clip as f64,
         "the test needs a norm above the clip, got {norm}"
     );
-    let want = kiln::engine::optim::grad_scale_reference(norm * norm, 1.0, clip);
+    let want = kiln::engine::device::optim::grad_scale_reference(norm * norm, 1.0, clip);
     let got = small.last_grad_scale(dev.as_ref()).unwrap();
     assert!(
         (got - want).abs() <= 1e-5 * want,
@@ -495,7 +495,7 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
 /// allocator sees for the same model.
 #[test]
 fn the_memory_estimate_is_what_the_allocator_sees() {
-    use kiln::engine::gpt::GptMemory;
+    use kiln::engine::models::gpt::GptMemory;
     for (cfg, b, t) in [
         (
             GptConfig {

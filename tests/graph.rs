@@ -7,9 +7,9 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::gpt::Attention;
+use kiln::engine::device::optim::ParamBuffers;
 use kiln::engine::graph::{Bindings, Graph, Plan};
-use kiln::engine::optim::ParamBuffers;
+use kiln::engine::models::gpt::Attention;
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, IGNORE_TARGET};
 
 /// A graph with its parameters and inputs on a device, ready to compile.

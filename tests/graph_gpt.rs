@@ -9,8 +9,8 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::gpt::{Attention, Gpt, GptConfig, GptMemory, GptTraining};
-use kiln::engine::mlp::Precision;
+use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptMemory, GptTraining};
+use kiln::engine::models::mlp::Precision;
 use kiln::engine::{DType, Device, Optimizer, IGNORE_TARGET};
 
 fn training(b: usize, t: usize, precision: Precision, attention: Attention) -> GptTraining {

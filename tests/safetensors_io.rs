@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use kiln::engine::mlp::{clusters, Mlp, MlpConfig, Precision};
-use kiln::engine::safetensors_io::{load, save, NamedTensor};
+use kiln::engine::models::mlp::{clusters, Mlp, MlpConfig, Precision};
+use kiln::engine::train::safetensors_io::{load, save, NamedTensor};
 use kiln::engine::Device;
 
 fn mlp(dev: &dyn Device, seed: u64) -> Mlp {

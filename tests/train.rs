@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use kiln::engine::checkpoint::{self, MODEL_FILE, OPTIMIZER_FILE};
-use kiln::engine::runs;
+use kiln::engine::train::checkpoint::{self, MODEL_FILE, OPTIMIZER_FILE};
+use kiln::engine::train::runs;
 use kiln::train::{train, TrainOptions};
 
 /// A fresh scratch directory per test.
@@ -277,8 +277,8 @@ fn the_default_demo_learns_addition_on_held_out_problems() {
 #[test]
 fn the_readme_library_example_runs() -> anyhow::Result<()> {
     use kiln::engine::config::parse;
-    use kiln::engine::gpt::GptConfig;
-    use kiln::engine::trainer::Trainer;
+    use kiln::engine::models::gpt::GptConfig;
+    use kiln::engine::train::trainer::Trainer;
     use kiln::wgpu::DeviceOptions;
 
     let dev = kiln::open_device(&"vulkan".parse()?, &DeviceOptions::default())?;
@@ -380,7 +380,7 @@ fn a_two_device_zero_run_resumes_on_one_and_on_three_devices() {
     // of Ψ/N also updates its own f32 model copy, 16 bytes per element (to 2%: ranks'
     // slices differ by an element, and 16 bytes of fixed buffers). The gradients a
     // device holds are one of the 4 blocks' and its f32 slice of all.
-    let psi = kiln::engine::gpt::GptConfig {
+    let psi = kiln::engine::models::gpt::GptConfig {
         n_layer: 4,
         n_head: 2,
         n_embd: 32,

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kiln::engine::mlp::{clusters, Mlp, MlpConfig, Precision};
+use kiln::engine::models::mlp::{clusters, Mlp, MlpConfig, Precision};
 use kiln::engine::Device;
 
 const B: usize = 64;

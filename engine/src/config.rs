@@ -38,8 +38,8 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;
 use serde_json::{Map, Number, Value};
 
-use crate::loss_scaler::DynamicScaling;
-pub use crate::optim::Optimizer;
+pub use crate::device::optim::Optimizer;
+use crate::train::loss_scaler::DynamicScaling;
 
 // ---------------------------------------------------------------------------------------
 // Resolved configuration

@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 
 use half::{bf16, f16};
-use kiln_engine::checkpoint::{
+use kiln_engine::train::checkpoint::{
     self, dir_name, load, load_latest, save, CheckpointError, CheckpointFile, HostTensor,
     SaveOptions, MANIFEST_FILE, MODEL_FILE, OPTIMIZER_FILE,
 };

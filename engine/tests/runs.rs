@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use kiln_engine::runs::{
+use kiln_engine::train::runs::{
     diff_runs, format_utc, list_runs, read_metrics, render_chart, write_chart, write_config,
     ChangeKind, MetricsWriter, RunError, RunsTable, StepRecord, Summary, CHART_FILE, METRICS_FILE,
 };
@@ -294,7 +294,7 @@ fn list_and_diff_runs() {
     std::fs::create_dir_all(root.join("scratch")).unwrap();
     std::fs::write(root.join("notes.txt"), "x").unwrap();
     // A checkpoint in run a.
-    kiln_engine::checkpoint::save(&root.join("a"), 10, &[], &json!({}), &Default::default())
+    kiln_engine::train::checkpoint::save(&root.join("a"), 10, &[], &json!({}), &Default::default())
         .unwrap();
 
     let runs = list_runs(&root).unwrap();

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use half::{bf16, f16};
+use kiln_engine::device::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::device::{check_upload, check_view};
-use kiln_engine::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::{
     device::PendingDownload, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error,
     HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
@@ -275,7 +275,7 @@ impl Device for CpuDevice {
                 clip,
             } => {
                 let ss = s.f32s(*sum_squares, name)?[0] as f64;
-                let v = kiln_engine::optim::grad_scale_reference(ss, *loss_scale, *clip);
+                let v = kiln_engine::device::optim::grad_scale_reference(ss, *loss_scale, *clip);
                 s.put(*out, HostData::F32(vec![v]), name)
             }
             Kernel::Adam(a) => adam(&mut s, a, name),

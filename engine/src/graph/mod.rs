@@ -11,18 +11,16 @@
 //!   (a tensor used twice, the tied GPT embedding) is accumulated.
 //! - `plan.rs`: compilation into a flat launch list over placeholders, liveness-based
 //!   sharing of intermediate buffers, and replay.
-//! - `gpt.rs`: GPT-2 written on the graph.
 //!
 //! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
 
 mod autodiff;
-pub(crate) mod gpt;
 mod ops;
 mod plan;
 
 pub use plan::{Bindings, Group, Plan, PlanMemory, PlanStep};
 
-use crate::gpt::Attention;
+use crate::models::gpt::Attention;
 use crate::{DType, Error, Result};
 
 /// A tensor of a [`Graph`]: an id, meaningful only in the graph that made it.

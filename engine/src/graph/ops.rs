@@ -11,7 +11,7 @@
 use super::autodiff::Grads;
 use super::plan::Emitter;
 use super::Op;
-use crate::gpt::Attention;
+use crate::models::gpt::Attention;
 use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result};
 
 /// What an op's backward reads besides its operands and output.

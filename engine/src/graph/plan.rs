@@ -28,8 +28,8 @@ use std::collections::HashMap;
 use super::autodiff;
 use super::ops::{self, Saved};
 use super::{Graph, Source, Tensor};
-use crate::loss_scaler::{LossScaler, StepDecision};
-use crate::optim::{Optimizer, ParamBuffers};
+use crate::device::optim::{Optimizer, ParamBuffers};
+use crate::train::loss_scaler::{LossScaler, StepDecision};
 use crate::{Buffer, DType, Device, Error, HostData, Kernel, ReduceOp, Result};
 
 /// Ids from here up are placeholders. Devices count buffer ids up from 1, so a real

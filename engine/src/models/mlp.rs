@@ -9,7 +9,7 @@
 //!   h  (B, H)  --W2 (H, C), b2 (C)-->  logits (B, C)  --cross-entropy(y)-->  loss (B)
 
 use crate::graph::{Bindings, Graph, Plan, Tensor};
-use crate::loss_scaler::{DynamicScaling, LossScaler};
+use crate::train::loss_scaler::{DynamicScaling, LossScaler};
 use crate::{Buffer, DType, Device, HostData, Optimizer, Result};
 
 /// Storage precision of weights, activations and gradients (masters are always f32).
@@ -44,7 +44,7 @@ pub struct MlpConfig {
     pub seed: u64,
 }
 
-use crate::optim::ParamBuffers as Param;
+use crate::device::optim::ParamBuffers as Param;
 
 pub struct Mlp {
     pub config: MlpConfig,
@@ -211,7 +211,7 @@ impl Mlp {
 
     /// Every tensor a checkpoint holds: model weights, f32 masters and Adam moments,
     /// named `fc1.weight`, `fc1.weight.master`, `fc1.weight.adam_m`, ….
-    pub fn tensors(&self) -> Vec<crate::safetensors_io::NamedTensor> {
+    pub fn tensors(&self) -> Vec<crate::train::safetensors_io::NamedTensor> {
         let c = &self.config;
         let mut out = vec![];
         for (name, p, shape) in [
@@ -226,7 +226,7 @@ impl Mlp {
                 (".adam_m", p.m),
                 (".adam_v", p.v),
             ] {
-                out.push(crate::safetensors_io::NamedTensor {
+                out.push(crate::train::safetensors_io::NamedTensor {
                     name: format!("{name}{suffix}"),
                     buffer,
                     shape: shape.clone(),

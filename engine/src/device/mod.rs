@@ -1,7 +1,16 @@
-//! The device contract: the one trait every backend implements.
+//! The device layer: the contract every backend implements ([`Device`], here), the
+//! kernels a device launches described as data (`kernel`, `matmul`, `optim`), element
+//! types (`dtype`) and host copies of buffers (`host`). It imports nothing above it.
 //!
-//! It is deliberately narrow — memory, kernel launches, submission — and object-safe,
-//! so a device group can hold `Box<dyn Device>`s of different backends side by side.
+//! The trait is deliberately narrow — memory, kernel launches, submission — and
+//! object-safe, so a device group can hold `Box<dyn Device>`s of different backends side
+//! by side.
+
+pub mod dtype;
+pub mod host;
+pub mod kernel;
+pub mod matmul;
+pub mod optim;
 
 use serde::Serialize;
 

@@ -59,7 +59,7 @@ pub enum Kernel {
     /// A batched GEMM with optional fused epilogue; see [`Matmul`].
     Matmul(Matmul),
     /// `out[0] = 1 / combined scale` from the gradients' sum of squares `sum_squares[0]`
-    /// (both 1-element f32); see [`crate::optim::grad_scale_reference`].
+    /// (both 1-element f32); see [`crate::device::optim::grad_scale_reference`].
     GradScale {
         sum_squares: Buffer,
         out: Buffer,

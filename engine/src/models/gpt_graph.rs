@@ -2,12 +2,12 @@
 //! embeddings, pre-LN blocks (causal self-attention, GELU MLP, residual adds), a final
 //! layer norm and an LM head tied to the token embedding, cross-entropy over the
 //! vocabulary. Backward and the update are derived and compiled into the plan that
-//! [`crate::gpt::Gpt`] replays; the parameters are `gpt::param_specs`' table.
+//! [`crate::models::gpt::Gpt`] replays; the parameters are `gpt::param_specs`' table.
 //!
 //! Shapes: B batch, T sequence, C = n_embd, V vocabulary.
 
-use crate::gpt::{GptConfig, GptTraining, ParamSpec};
 use crate::graph::{Graph, Tensor};
+use crate::models::gpt::{GptConfig, GptTraining, ParamSpec};
 use crate::{DType, Result};
 
 /// The recorded model: its graph and the tensors the caller binds or reads.

@@ -11,11 +11,11 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision as ConfigPrecision, TrainConfig};
-use crate::gpt::{Attention, Gpt, GptConfig, GptTraining, ModelStateBytes, ParamState};
-use crate::loss_scaler::LossScaler;
-use crate::mlp::Precision;
-use crate::optim::ParamBuffers;
-use crate::zero::{segments, Segment};
+use crate::device::optim::ParamBuffers;
+use crate::models::gpt::{Attention, Gpt, GptConfig, GptTraining, ModelStateBytes, ParamState};
+use crate::models::mlp::Precision;
+use crate::parallel::zero::{segments, Segment};
+use crate::train::loss_scaler::LossScaler;
 use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result};
 
 /// What one optimizer step did.
@@ -363,7 +363,7 @@ impl Trainer {
                 applied,
             });
         }
-        let grad_scale = crate::optim::grad_scale_reference(
+        let grad_scale = crate::device::optim::grad_scale_reference(
             if clip > 0.0 { sum_squares } else { 0.0 },
             loss_scale,
             clip,

@@ -15,12 +15,12 @@
 
 use serde::Deserialize;
 
-use crate::graph::gpt::{record, Recorded};
+use crate::device::optim::{Optimizer, ParamBuffers};
 use crate::graph::{Bindings, Group, Plan};
-use crate::loss_scaler::{DynamicScaling, LossScaler};
-use crate::mlp::{Precision, SplitMix};
-use crate::optim::{Optimizer, ParamBuffers};
-use crate::safetensors_io::NamedTensor;
+use crate::models::gpt_graph::{record, Recorded};
+use crate::models::mlp::{Precision, SplitMix};
+use crate::train::loss_scaler::{DynamicScaling, LossScaler};
+use crate::train::safetensors_io::NamedTensor;
 use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
 
 /// Model sizes, as in a GPT-2 config file.

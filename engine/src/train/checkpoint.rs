@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::fsutil::{self, ctx, IoFailure};
-use crate::safetensors_io::{encode, st_dtype};
+use crate::train::fsutil::{self, ctx, IoFailure};
+use crate::train::safetensors_io::{encode, st_dtype};
 use crate::{DType, HostData};
 
 /// The directory under a run that holds its checkpoints.

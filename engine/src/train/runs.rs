@@ -4,7 +4,7 @@
 //! A run directory `runs/NAME/` holds `config.json` (the resolved configuration,
 //! written with [`write_config`]), `metrics.jsonl` (one [`StepRecord`] per line, written
 //! by [`MetricsWriter`]), `summary.json` ([`Summary`]), `chart.svg` ([`write_chart`])
-//! and `checkpoints/` (see [`crate::checkpoint`]). The ledger's rule is one variable
+//! and `checkpoints/` (see [`crate::train::checkpoint`]). The ledger's rule is one variable
 //! at a time: [`diff_runs`] says so when two runs differ in more than one config key.
 
 use std::collections::BTreeMap;
@@ -18,8 +18,8 @@ use plotters::prelude::*;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
-use crate::checkpoint;
-use crate::fsutil::{self, ctx, IoFailure};
+use crate::train::checkpoint;
+use crate::train::fsutil::{self, ctx, IoFailure};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -365,7 +365,7 @@ pub struct Summary {
     pub devices: Vec<String>,
     /// Per device, the model states' bytes as allocated (filled in by the caller).
     #[serde(default)]
-    pub model_states: Vec<crate::gpt::ModelStateBytes>,
+    pub model_states: Vec<crate::models::gpt::ModelStateBytes>,
 }
 
 fn finite<T: Into<f64> + Copy>(v: T) -> Option<T> {
