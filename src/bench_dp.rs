@@ -9,7 +9,10 @@ use anyhow::Result;
 use serde::Serialize;
 
 use kiln_engine::config::parse;
-use kiln_engine::models::gpt::GptConfig;
+use std::sync::Arc;
+
+use kiln_engine::models::gpt::{Gpt, GptConfig};
+use kiln_engine::models::MicroBatch;
 use kiln_engine::train::trainer::Trainer;
 use kiln_engine::Device;
 use kiln_wgpu::{DeviceOptions, WgpuDevice};
@@ -60,7 +63,8 @@ pub fn dp_table(
             ),
             n,
         )?;
-        let mut trainer = Trainer::new_group(&devs, model.clone(), ds, t, 1)?;
+        let gpt = Arc::new(Gpt::new(model.clone(), t));
+        let mut trainer = Trainer::new_group(&devs, gpt, ds, 1)?;
         let v = model.vocab_size as u32;
         let batch: Vec<(Vec<u32>, Vec<u32>)> = (0..n)
             .map(|r| {
@@ -71,9 +75,9 @@ pub fn dp_table(
                 (tok, tgt)
             })
             .collect();
-        let micro_batches: Vec<Vec<(&[u32], &[u32])>> = batch
+        let micro_batches: Vec<Vec<MicroBatch>> = batch
             .iter()
-            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+            .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
             .collect();
         trainer.step_group(&devs, &micro_batches)?;
         let (mut comm, mut bytes, mut hidden) = (0.0, 0, 0.0);

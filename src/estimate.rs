@@ -1,7 +1,7 @@
-//! `kiln estimate`: per-device memory of a GPT for each ZeRO stage, before training.
+//! `kiln estimate`: per-device memory of a model for each ZeRO stage, before training.
 //!
-//! Model states come from the same layout `Gpt::new` allocates (`GptMemory::of`, tested
-//! equal to a device's allocator); stages 1–3 divide the parts each partitions by the
+//! Model states come from the same layout `Network::new` allocates (`Network::memory`,
+//! tested equal to a device's allocator); stages 1–3 divide the parts each partitions by the
 //! device count, as ZeRO's formulas do: stage 0 (2+2+12)Ψ, stage 1 2Ψ+2Ψ+12Ψ/N,
 //! stage 2 2Ψ+(2+12)Ψ/N, stage 3 (2+2+12)Ψ/N for fp16 with Adam. Stages 1 and 2 are
 //! what Kiln allocates: a rank's slice also has an f32 reduced gradient and a model
@@ -11,8 +11,8 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
-use kiln_engine::models::gpt::{Attention, GptConfig, GptMemory};
-use kiln_engine::models::mlp::Precision;
+use kiln_engine::models::{Model, Network, NetworkMemory, NetworkOptions};
+use kiln_engine::{DType, Optimizer};
 
 /// One ZeRO stage's per-device bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,28 +32,35 @@ impl StageMemory {
     }
 }
 
+/// What a network of `model` allocates on one device at `micro_batch` in `dtype`.
+pub fn network_memory(
+    model: &dyn Model,
+    micro_batch: usize,
+    dtype: DType,
+) -> Result<NetworkMemory> {
+    let options = NetworkOptions {
+        batch: micro_batch,
+        dtype,
+        optimizer: Optimizer::adamw(1e-3, 0.0),
+        seed: 0,
+    };
+    Ok(Network::memory(model, &options)?)
+}
+
 /// Per-device memory for stages 0..=3 on `world` devices.
 pub fn stages(
-    model: &GptConfig,
+    model: &dyn Model,
     micro_batch: usize,
-    seq: usize,
-    precision: Precision,
+    dtype: DType,
     world: usize,
 ) -> Result<Vec<StageMemory>> {
-    let head_dim = model.n_embd / model.n_head.max(1);
-    let m = GptMemory::of(
-        model,
-        micro_batch,
-        seq,
-        precision,
-        Attention::best(head_dim, precision, seq),
-    )?;
+    let m = network_memory(model, micro_batch, dtype)?;
     let n = world.max(1) as u64;
-    let psi = model.parameter_count() as u64;
+    let psi: u64 = model.parameters().iter().map(|p| p.len() as u64).sum();
     // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
     // slice's updated model copy (zero.rs); whole tensors keep their arenas' gaps.
     let slice = psi.div_ceil(n);
-    let sharded = (12 + precision.dtype().size() as u64) * slice;
+    let sharded = (12 + dtype.size() as u64) * slice;
     let one = |stage, weights, gradients, optimizer, implemented| StageMemory {
         stage,
         weights,
@@ -70,8 +77,8 @@ pub fn stages(
         } else {
             one(1, m.weights, m.gradients, m.optimizer, true)
         },
-        // Stage 2 holds one block's gradients at a time (the blocks share them) next
-        // to the embeddings' and final norm's.
+        // Stage 2 holds one block's gradients at a time (alike blocks share them) next
+        // to those outside blocks (a GPT's embeddings and final norm).
         if n > 1 {
             one(2, m.weights, m.shared_gradients + 4 * slice, sharded, true)
         } else {
@@ -93,27 +100,25 @@ fn mib(b: u64) -> String {
 
 /// The table `kiln estimate` prints.
 pub fn report(
-    model: &GptConfig,
+    model: &dyn Model,
     micro_batch: usize,
-    seq: usize,
-    precision: Precision,
+    dtype: DType,
     world: usize,
     adapters: &[(String, u64)],
 ) -> Result<String> {
     let mut out = String::new();
-    let psi = model.parameter_count();
+    let psi: usize = model.parameters().iter().map(|p| p.len()).sum();
     writeln!(
         out,
-        "GPT {} layers, {} embd, {} heads, vocab {}: Ψ = {psi} parameters; {:?}, micro-batch \
-         {micro_batch} × T {seq}, {world} device(s)",
-        model.n_layer, model.n_embd, model.n_head, model.vocab_size, precision
+        "{}: Ψ = {psi} parameters; {dtype}, micro-batch {micro_batch}, {world} device(s)",
+        model.describe()
     )?;
     writeln!(
         out,
         "{:<7} {:>12} {:>12} {:>14} {:>13} {:>12}  note",
         "stage", "weights", "gradients", "master+Adam", "activations", "per device"
     )?;
-    let rows = stages(model, micro_batch, seq, precision, world)?;
+    let rows = stages(model, micro_batch, dtype, world)?;
     for s in &rows {
         writeln!(
             out,
@@ -131,11 +136,7 @@ pub fn report(
             }
         )?;
     }
-    // The token embedding's master, moments and gradient are f32 in every precision.
-    let biggest = ((model.vocab_size * model.n_embd * 4) as u64).max(
-        (micro_batch * seq * model.vocab_size).max(micro_batch * model.n_head * seq * seq) as u64
-            * precision.dtype().size() as u64,
-    );
+    let biggest = network_memory(model, micro_batch, dtype)?.largest_buffer;
     for (name, max_binding) in adapters {
         writeln!(
             out,
@@ -157,6 +158,8 @@ pub fn report(
 mod tests {
     use super::*;
 
+    use kiln_engine::models::gpt::{Gpt, GptConfig};
+
     #[test]
     fn stages_follow_the_zero_formulas() {
         let cfg = GptConfig {
@@ -167,7 +170,8 @@ mod tests {
             vocab_size: 50304,
         };
         let psi = cfg.parameter_count() as u64;
-        let r = stages(&cfg, 1, 1024, Precision::F16, 4).unwrap();
+        let gpt = Gpt::new(cfg.clone(), 1024);
+        let r = stages(&gpt, 1, DType::F16, 4).unwrap();
         let state = |s: &StageMemory| s.weights + s.gradients + s.optimizer;
         // fp16 weights (2Ψ) and Adam in f32 (12Ψ); gradients are 2Ψ but for the f32
         // ones of embeddings and norms (the embeddings are most of a small GPT's Ψ).
@@ -178,14 +182,7 @@ mod tests {
         assert_eq!(r[1].gradients, r[0].gradients + 4 * psi.div_ceil(4));
         assert_eq!(r[3].weights, (2 * psi).div_ceil(4));
         // Stage 2 keeps one of the 12 blocks' gradients and an f32 slice of all.
-        let m = GptMemory::of(
-            &cfg,
-            1,
-            1024,
-            Precision::F16,
-            Attention::best(64, Precision::F16, 1024),
-        )
-        .unwrap();
+        let m = network_memory(&gpt, 1, DType::F16).unwrap();
         assert_eq!(r[2].gradients, m.shared_gradients + 4 * psi.div_ceil(4));
         assert!(r.iter().take(3).all(|s| s.implemented) && !r[3].implemented);
         assert!(state(&r[0]) > state(&r[1]) && state(&r[1]) > state(&r[2]));

@@ -342,11 +342,11 @@ fn estimate(
     config: Option<&std::path::Path>,
     seq: Option<usize>,
 ) -> Result<()> {
-    use kiln::engine::models::mlp::Precision;
+    use kiln::engine::DType;
     let text = std::fs::read_to_string(model)
         .with_context(|| format!("reading the model config {}", model.display()))?;
-    let m: kiln::engine::models::gpt::GptConfig = serde_json::from_str(&text)
-        .with_context(|| format!("{}: expected a GPT config", model.display()))?;
+    let m = kiln::engine::models::ModelConfig::parse(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
         specs => {
@@ -369,22 +369,17 @@ fn estimate(
             (specs.len(), adapters)
         }
     };
-    let (micro, precision) = match config {
+    let (micro, dtype) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, world)?;
-            let p = match c.precision {
-                kiln::engine::config::Precision::Fp32 => Precision::F32,
-                kiln::engine::config::Precision::Fp16 { .. } => Precision::F16,
-                kiln::engine::config::Precision::Bf16 => Precision::BF16,
-            };
-            (c.batch.micro_batch, p)
+            (c.batch.micro_batch, c.precision.dtype())
         }
-        None => (1, Precision::F16),
+        None => (1, DType::F16),
     };
-    let seq = seq.unwrap_or(m.block_size);
+    let model = m.build(seq.unwrap_or(m.block_size()));
     print!(
         "{}",
-        kiln::estimate::report(&m, micro, seq, precision, world, &adapters)?
+        kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?
     );
     Ok(())
 }
@@ -503,7 +498,7 @@ fn devices(json: bool) -> Result<()> {
 
 fn bench_dp(a: DpArgs) -> Result<()> {
     use kiln::bench_dp::{dp_table, modelled_efficiency};
-    use kiln::engine::models::gpt::{GptConfig, GptMemory};
+    use kiln::engine::models::gpt::{Gpt, GptConfig};
     let model: GptConfig = match &a.model {
         Some(p) => serde_json::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
@@ -560,14 +555,9 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         .filter(|r| r.devices > 1)
         .map(|r| r.overlap)
         .fold(0.0, f64::max);
-    let grads = GptMemory::of(
-        &model,
-        a.micro,
-        model.block_size,
-        kiln::engine::models::mlp::Precision::F16,
-        Default::default(),
-    )?
-    .gradients as f64;
+    let gpt = Gpt::new(model.clone(), model.block_size);
+    let grads =
+        kiln::estimate::network_memory(&gpt, a.micro, kiln::engine::DType::F16)?.gradients as f64;
     println!(
         "modelled for separate GPUs: compute {compute_ms:.1} ms/step (measured, 1 device), \
          {:.2} MB of gradients per GPU, PCIe {} GB/s each way, host adds at {} GB/s, \

@@ -18,13 +18,11 @@ use kiln_engine::config::{self, Schedule, TrainConfig};
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
-use kiln_engine::models::gpt::{GptConfig, ParamState};
-use kiln_engine::train::checkpoint::{
-    self, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE, OPTIMIZER_FILE,
-};
+use kiln_engine::models::{MicroBatch, ModelConfig};
+use kiln_engine::train::checkpoint;
 use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
-use kiln_engine::train::trainer::{Trainer, TrainerState};
-use kiln_engine::{DType, Device, HostData, IGNORE_TARGET};
+use kiln_engine::train::trainer::Trainer;
+use kiln_engine::{Device, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 
 use crate::devices::{default_device, open_device, parse_devices};
@@ -133,18 +131,16 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading the model config {}", path.display()))?;
-            let m: GptConfig = serde_json::from_str(&text).with_context(|| {
-                format!(
-                    "{}: expected a GPT config {{\"n_layer\", \"n_head\", \"n_embd\", \
-                     \"block_size\", \"vocab_size\"}}",
-                    path.display()
-                )
-            })?;
+            let m = ModelConfig::parse(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             (m, true)
         }
-        None => (serde_json::from_str::<GptConfig>(DEMO_MODEL)?, false),
+        None => (
+            ModelConfig::parse(DEMO_MODEL).map_err(|e| anyhow::anyhow!("the demo model: {e}"))?,
+            false,
+        ),
     };
-    let t = model.block_size;
+    let t = model.block_size();
     let b = ds.batch.micro_batch;
 
     // Data: the training stream, its sampler, and what evaluation runs on.
@@ -153,7 +149,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             None => {
                 let add = Addition::new(data::DEFAULT_DIGITS, seed)?;
                 if !model_from_file {
-                    model.vocab_size = Addition::vocab_size();
+                    model.set_vocab_size(Addition::vocab_size());
                 }
                 // A fixed number of rows, whatever the micro-batch, so a run resumed with
                 // another split of its global batch evaluates on the same problems.
@@ -167,15 +163,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             Some(path) => {
                 let src: Arc<dyn TokenSource> = Arc::from(data::open_path(path)?);
                 if !model_from_file {
-                    model.vocab_size = src.vocab_hint().ok_or_else(|| {
+                    model.set_vocab_size(src.vocab_hint().ok_or_else(|| {
                         anyhow::anyhow!(
                             "{}: its vocabulary size is unknown (no .json sidecar); pass --model \
                              with a vocab_size, or make the file with `kiln prepare`",
                             path.display()
                         )
-                    })?;
+                    })?);
                 }
-                data::check_source(src.as_ref(), t, model.vocab_size)?;
+                data::check_source(src.as_ref(), t, model.vocab_size())?;
                 let len = src.len();
                 // Independent of the micro-batch, so a resume with another split of the
                 // global batch keeps the same training windows and held-out rows.
@@ -190,11 +186,12 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     let mut row = vec![0u32; t + 1];
                     for r in 0..hold {
                         src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
-                        if let Some(&bad) = row.iter().find(|&&x| x as usize >= model.vocab_size) {
+                        if let Some(&bad) = row.iter().find(|&&x| x as usize >= model.vocab_size())
+                        {
                             bail!(
                                 "{}: token id {bad} is not below the model's vocab_size {}",
                                 src.name(),
-                                model.vocab_size
+                                model.vocab_size()
                             );
                         }
                         toks.extend_from_slice(&row[..t]);
@@ -239,7 +236,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let record = run_record(&ds, &model, &data_name, seed, &device_name);
     prepare_run_dir(&dir, &record, opts.resume)?;
 
-    let mut trainer = Trainer::new_group(&devs, model.clone(), ds.clone(), t, seed)?;
+    let network = model.build(t);
+    let mut trainer = Trainer::new_group(&devs, network.clone(), ds.clone(), seed)?;
     let model_states: Vec<_> = (0..world).map(|r| trainer.model_state_bytes(r)).collect();
     if opts.progress {
         for (r, m) in model_states.iter().enumerate() {
@@ -299,7 +297,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let layout = BatchLayout::new(b, ds.batch.grad_accum, world)?;
     let mut loaders = (0..world)
         .map(|rank| {
-            let mut cfg = LoaderConfig::new(layout, rank, model.vocab_size);
+            let mut cfg = LoaderConfig::new(layout, rank, model.vocab_size());
             cfg.start_sample = next_sample;
             cfg.workers = k.data_workers;
             cfg.depth = k.prefetch_depth;
@@ -333,12 +331,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     log(
         &bar,
         format!(
-            "training {} ({} parameters, {} layers, {} embd, T {t}) on {} for {total} steps, \
-             micro-batch {b} × {} accumulation × {world} device(s), {}; run dir {}",
-            data_name,
-            parameter_count(&model),
-            model.n_layer,
-            model.n_embd,
+            "training {} on {data_name} ({} parameters) on {} for {total} steps, micro-batch \
+             {b} × {} accumulation × {world} device(s), {}; run dir {}",
+            network.describe(),
+            trainer.model.parameter_count(),
             device_name,
             ds.batch.grad_accum,
             precision_name(&ds),
@@ -371,13 +367,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             }
             batches.push(mine);
         }
-        let micro: Vec<Vec<(&[u32], &[u32])>> = batches
+        let micro: Vec<Vec<MicroBatch>> = batches
             .iter()
-            .map(|mine| {
-                mine.iter()
-                    .map(|x| (x.tokens.as_slice(), x.targets.as_slice()))
-                    .collect()
-            })
+            .map(|mine| mine.iter().map(MicroBatch::from).collect())
             .collect();
         let s = trainer.step_group(&devs, &micro).with_context(|| {
             let resume = match checkpoint::list(&dir).ok().and_then(|l| l.last().cloned()) {
@@ -463,7 +455,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 format!(
                     "step {step}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
                     s.loss_scale,
-                    trainer.model.scaler.scale()
+                    trainer.scaler.scale()
                 ),
             );
         }
@@ -532,7 +524,7 @@ fn configured_devices(text: &str) -> Vec<String> {
 
 /// What identifies a run: every setting that changes its numbers, and nothing per-run
 /// (name, paths), so `kiln runs diff` compares like with like.
-fn run_record(ds: &TrainConfig, model: &GptConfig, data: &str, seed: u64, device: &str) -> Value {
+fn run_record(ds: &TrainConfig, model: &ModelConfig, data: &str, seed: u64, device: &str) -> Value {
     let mut config = serde_json::to_value(ds).expect("the resolved config serializes");
     if let Some(obj) = config.as_object_mut() {
         // Not settings of the run's numbers: where values came from, notes, and the
@@ -544,13 +536,7 @@ fn run_record(ds: &TrainConfig, model: &GptConfig, data: &str, seed: u64, device
     tidy_floats(&mut config);
     json!({
         "deepspeed": config,
-        "model": {
-            "n_layer": model.n_layer,
-            "n_head": model.n_head,
-            "n_embd": model.n_embd,
-            "block_size": model.block_size,
-            "vocab_size": model.vocab_size,
-        },
+        "model": model.record(),
         "data": data,
         "seed": seed,
         "device": device,
@@ -640,39 +626,9 @@ fn save(
     next_sample: u64,
     keep: usize,
 ) -> Result<checkpoint::Saved> {
-    let states = trainer.param_states(devs)?;
-    let mut model = vec![];
-    let mut optimizer = vec![];
-    for p in states {
-        let f32s = |v: Vec<f32>| HostData::F32(v);
-        model.push(HostTensor::new(&p.name, p.shape.clone(), p.value));
-        optimizer.push(HostTensor::new(
-            format!("master.{}", p.name),
-            p.shape.clone(),
-            f32s(p.master),
-        ));
-        optimizer.push(HostTensor::new(
-            format!("exp_avg.{}", p.name),
-            p.shape.clone(),
-            f32s(p.m),
-        ));
-        optimizer.push(HostTensor::new(
-            format!("exp_avg_sq.{}", p.name),
-            p.shape,
-            f32s(p.v),
-        ));
-    }
-    let state = json!({ "trainer": trainer.state(), "next_sample": next_sample });
-    Ok(checkpoint::save(
-        dir,
-        step,
-        &[
-            CheckpointFile::new(MODEL_FILE, model),
-            CheckpointFile::new(OPTIMIZER_FILE, optimizer),
-        ],
-        &state,
-        &SaveOptions { keep_last: keep },
-    )?)
+    let mut state = serde_json::Map::new();
+    state.insert("next_sample".into(), json!(next_sample));
+    Ok(trainer.save_checkpoint(devs, dir, step, state, keep)?)
 }
 
 /// Restores a checkpoint into the engine; returns the data position to continue from.
@@ -681,48 +637,17 @@ fn restore(
     devs: &[&dyn Device],
     ck: &checkpoint::Checkpoint,
 ) -> Result<u64> {
-    let mut states = vec![];
-    for t in trainer.model.tensors() {
-        let n = &t.name;
-        let value = ck.tensor_checked(MODEL_FILE, n, t.buffer.dtype, &t.shape)?;
-        let f32s = |prefix: &str| -> Result<Vec<f32>> {
-            let name = format!("{prefix}.{n}");
-            Ok(ck
-                .tensor_checked(OPTIMIZER_FILE, &name, DType::F32, &t.shape)?
-                .data
-                .to_f32())
-        };
-        states.push(ParamState {
-            name: n.clone(),
-            shape: t.shape.clone(),
-            value: value.data.clone(),
-            master: f32s("master")?,
-            m: f32s("exp_avg")?,
-            v: f32s("exp_avg_sq")?,
-        });
-    }
-    // Whole tensors: every rank takes what it keeps, whatever the group's size.
-    trainer.load_param_states(devs, &states)?;
-    let state = ck.state();
-    let bad = |what: &str| {
-        anyhow::anyhow!(
-            "{}: the manifest's state has no valid `{what}`; the checkpoint was not written by \
-             this version of kiln train",
-            ck.dir.display()
-        )
-    };
-    let t: TrainerState = serde_json::from_value(
-        state
-            .get("trainer")
-            .cloned()
-            .ok_or_else(|| bad("trainer"))?,
-    )
-    .map_err(|_| bad("trainer"))?;
-    trainer.restore(&t)?;
+    let state = trainer.load_checkpoint(devs, ck)?;
     state
         .get("next_sample")
         .and_then(Value::as_u64)
-        .ok_or_else(|| bad("next_sample"))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: the manifest's state has no valid `next_sample`; the checkpoint was not \
+             written by this version of kiln train",
+                ck.dir.display()
+            )
+        })
 }
 
 /// Held-out loss, and exact-match accuracy for the addition task.
@@ -751,7 +676,9 @@ fn evaluate(
             tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
         }
         let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
-        let (l, p) = trainer.model.predict(dev, &tok, &tgt)?;
+        let (l, p) = trainer
+            .model
+            .predict(dev, &MicroBatch::tokens(&tok, &tgt))?;
         loss += l * n as f64;
         scored += n;
         predictions.extend_from_slice(&p[..rows * t]);
@@ -764,11 +691,6 @@ fn evaluate(
         }
         Dataset::File { .. } => (loss, None),
     })
-}
-
-fn parameter_count(m: &GptConfig) -> usize {
-    let c = m.n_embd;
-    (m.vocab_size + m.block_size) * c + m.n_layer * (12 * c * c + 13 * c) + 2 * c
 }
 
 fn precision_name(ds: &TrainConfig) -> &'static str {

@@ -407,9 +407,10 @@ fn validation_rejects_bad_launches() {
 /// f32-sized: loss 1e-5 relative, each gradient 1e-4 of its tensor's largest element.
 #[test]
 fn gpt_fused_matches_straightforward() {
-    use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptTraining};
-    use kiln::engine::models::mlp::Precision;
-    use kiln::engine::Optimizer;
+    use kiln::engine::graph::Attention;
+    use kiln::engine::models::gpt::GptConfig;
+    use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
+    use kiln::engine::{DType, Optimizer};
     let cfg = GptConfig {
         n_layer: 2,
         n_head: 2,
@@ -425,16 +426,16 @@ fn gpt_fused_matches_straightforward() {
     let cpu = CpuDevice::new();
     for dev in [gpu.as_ref(), &cpu as &dyn Device] {
         let run = |attention: Attention| {
-            let training = GptTraining {
+            let options = NetworkOptions {
                 batch: b,
-                seq: t,
-                precision: Precision::F32,
+                dtype: DType::F32,
                 optimizer: Optimizer::adamw(1e-2, 0.0),
                 seed: 5,
-                attention,
             };
-            let mut gpt = Gpt::new(dev, cfg.clone(), training).unwrap();
-            let loss = gpt.loss_and_gradients(dev, tok, tgt).unwrap();
+            let mut gpt = Network::new(dev, gpt_model(&cfg, t, attention), &options).unwrap();
+            let loss = gpt
+                .loss_and_gradients(dev, &MicroBatch::tokens(tok, tgt))
+                .unwrap();
             (loss, gpt.gradients(dev).unwrap())
         };
         let (lf, gf) = run(Attention::Fused);

@@ -7,7 +7,8 @@ mod common;
 
 use common::*;
 use kiln::engine::config::parse;
-use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::MicroBatch;
 use kiln::engine::train::trainer::Trainer;
 use kiln::engine::{DType, Device};
 
@@ -23,6 +24,12 @@ fn model() -> GptConfig {
         block_size: T,
         vocab_size: 13,
     }
+}
+
+/// The model every test trains: GPT-2 on sequences of T (attention chosen as
+/// `kiln train` chooses it).
+fn gpt() -> std::sync::Arc<Gpt> {
+    std::sync::Arc::new(Gpt::new(model(), T))
 }
 
 fn config(precision: &str, micro: usize, accum: usize, world: usize) -> kiln::engine::TrainConfig {
@@ -69,16 +76,12 @@ type Curve = (Vec<f32>, Vec<(String, Vec<f32>)>);
 fn run(devs: &[&dyn Device], precision: &str) -> (Curve, Curve) {
     let world = devs.len();
     let data = batches(world);
-    let mut group =
-        Trainer::new_group(devs, model(), config(precision, B, 1, world), T, 3).unwrap();
-    let mut single = Trainer::new(devs[0], model(), config(precision, B, world, 1), T, 3).unwrap();
+    let mut group = Trainer::new_group(devs, gpt(), config(precision, B, 1, world), 3).unwrap();
+    let mut single = Trainer::new(devs[0], gpt(), config(precision, B, world, 1), 3).unwrap();
     let (mut lg, mut ls) = (vec![], vec![]);
     for step in &data {
-        let micro: Vec<(&[u32], &[u32])> = step
-            .iter()
-            .map(|(a, b)| (a.as_slice(), b.as_slice()))
-            .collect();
-        let per_rank: Vec<Vec<(&[u32], &[u32])>> = micro.iter().map(|m| vec![*m]).collect();
+        let micro: Vec<MicroBatch> = step.iter().map(|(a, b)| MicroBatch::tokens(a, b)).collect();
+        let per_rank: Vec<Vec<MicroBatch>> = micro.iter().map(|m| vec![m.clone()]).collect();
         let g = group.step_group(devs, &per_rank).unwrap();
         let s = single.step(devs[0], &micro).unwrap();
         assert_eq!(
@@ -107,9 +110,9 @@ fn one_step(
     devs: &[&dyn Device],
     step: &[(Vec<u32>, Vec<u32>)],
 ) -> kiln::engine::train::trainer::StepStats {
-    let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+    let per_rank: Vec<Vec<MicroBatch>> = step
         .iter()
-        .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+        .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
         .collect();
     group.step_group(devs, &per_rank).unwrap()
 }
@@ -193,7 +196,7 @@ fn an_overflow_on_one_device_makes_every_device_skip() {
     let devs: Vec<Box<dyn Device>> = (0..2).map(|_| gpu("vulkan", false)).collect();
     let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 1},"#;
-    let mut group = Trainer::new_group(&refs, model(), config(fp16, B, 1, 2), T, 3).unwrap();
+    let mut group = Trainer::new_group(&refs, gpt(), config(fp16, B, 1, 2), 3).unwrap();
     let data = batches(2);
     let step = |group: &mut Trainer, i: usize| one_step(group, &refs, &data[i]);
     assert!(!step(&mut group, 0).skipped);
@@ -208,11 +211,8 @@ fn an_overflow_on_one_device_makes_every_device_skip() {
     assert_eq!(s.loss_scale, 1024.0);
     // Every rank skipped: rank 0's weights are untouched, the scale halved everywhere.
     assert_eq!(group.model.parameters(refs[0]).unwrap(), before_rank0);
-    assert_eq!(group.model.scaler.scale(), 512.0);
-    assert!(group
-        .replicas
-        .iter()
-        .all(|r| r.scaler == group.model.scaler));
+    // One scaler serves the whole group.
+    assert_eq!(group.scaler.scale(), 512.0);
     assert_eq!(group.model.steps_applied(), 1);
     assert_eq!(group.replicas[0].steps_applied(), 1);
     // Repaired, the group carries on in step.
@@ -237,7 +237,7 @@ fn an_overflow_on_one_device_makes_every_zero_2_rank_skip() {
     let mut c = config(fp16, B, 1, 2);
     c.zero.stage = 2;
     c.zero.overlap_comm = true;
-    let mut group = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+    let mut group = Trainer::new_group(&refs, gpt(), c, 3).unwrap();
     let data = batches(2);
     let step = |group: &mut Trainer, i: usize| one_step(group, &refs, &data[i]);
     assert!(!step(&mut group, 0).skipped);
@@ -248,7 +248,7 @@ fn an_overflow_on_one_device_makes_every_zero_2_rank_skip() {
     let s = step(&mut group, 1);
     assert!(s.skipped && s.loss_scale == 1024.0, "{s:?}");
     assert_eq!(group.param_states(&refs).unwrap(), before);
-    assert!(group.models().all(|m| m.scaler.scale() == 512.0));
+    assert_eq!(group.scaler.scale(), 512.0);
     assert!(group.models().all(|m| m.steps_applied() == 1));
     group.replicas[0].set_value(refs[1], 0, &wte).unwrap();
     let s = step(&mut group, 2);
@@ -272,7 +272,7 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
             let mut c = config("", B, 1, world);
             c.zero.stage = stage;
             let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
-            let t = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+            let t = Trainer::new_group(&refs, gpt(), c, 3).unwrap();
             let bytes: Vec<u64> = refs.iter().map(|d| d.allocated_bytes()).collect();
             (devs, t, bytes)
         };
@@ -323,9 +323,9 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
 
         let data = batches(world);
         for step in &data {
-            let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+            let per_rank: Vec<Vec<MicroBatch>> = step
                 .iter()
-                .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
                 .collect();
             let a = stage0.step_group(&refs0, &per_rank).unwrap();
             let b = stage1.step_group(&refs1, &per_rank).unwrap();
@@ -351,8 +351,6 @@ fn zero_stage_1_shards_the_optimizer_state_and_trains_like_stage_0() {
 /// shards; the allocator shows the gradient memory saved.
 #[test]
 fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
-    use kiln::engine::models::gpt::{Attention, GptMemory};
-    use kiln::engine::models::mlp::Precision;
     let fp16 = r#""fp16": {"enabled": true, "initial_scale_power": 10},"#;
     for (world, precision, overlaps) in [
         (2, "", &[true, false][..]),
@@ -367,7 +365,7 @@ fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
             c.zero.reduce_bucket_size = 3000;
             let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
             let before: Vec<u64> = refs.iter().map(|d| d.allocated_bytes()).collect();
-            let t = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+            let t = Trainer::new_group(&refs, gpt(), c, 3).unwrap();
             let bytes: Vec<u64> = refs
                 .iter()
                 .zip(before)
@@ -380,9 +378,9 @@ fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
         let steps = &batches(world)[..10];
         let mut reference = vec![];
         for step in steps {
-            let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+            let per_rank: Vec<Vec<MicroBatch>> = step
                 .iter()
-                .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
                 .collect();
             reference.push(stage1.step_group(&refs1, &per_rank).unwrap());
         }
@@ -393,15 +391,14 @@ fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
             // Memory: the gradients shrink to the embeddings', final norm's and one
             // block's.
             let prec = if precision.is_empty() {
-                Precision::F32
+                DType::F32
             } else {
-                Precision::F16
+                DType::F16
             };
-            let d = model().n_embd / model().n_head;
-            let m = GptMemory::of(&model(), B, T, prec, Attention::best(d, prec, T)).unwrap();
+            let m = kiln::estimate::network_memory(gpt().as_ref(), B, prec).unwrap();
             let freed = m.gradients - m.shared_gradients;
             assert!(freed > 0);
-            let estimate = kiln::estimate::stages(&model(), B, T, prec, world).unwrap();
+            let estimate = kiln::estimate::stages(gpt().as_ref(), B, prec, world).unwrap();
             for rank in 0..world {
                 // What the engine reports as model states is what it allocated beside
                 // the activations, and `kiln estimate` predicts it (to 1%: the
@@ -424,9 +421,9 @@ fn zero_stage_2_partitions_gradients_and_trains_like_stage_1() {
             }
             let mut moved = 0;
             for (step, a) in steps.iter().zip(&reference) {
-                let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+                let per_rank: Vec<Vec<MicroBatch>> = step
                     .iter()
-                    .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                    .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
                     .collect();
                 let b = stage2.step_group(&refs2, &per_rank).unwrap();
                 assert_eq!(*a, b, "world {world} {precision} overlap {overlap}");
@@ -463,16 +460,16 @@ fn zero_stage_2_with_accumulation_matches_stage_1() {
         c.zero.stage = stage;
         c.zero.overlap_comm = true;
         let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
-        let mut t = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+        let mut t = Trainer::new_group(&refs, gpt(), c, 3).unwrap();
         let data = batches(2 * world);
         let mut losses = vec![];
         for step in &data[..10] {
             // Rank r takes micro-batches 2r and 2r + 1.
-            let per_rank: Vec<Vec<(&[u32], &[u32])>> = (0..world)
+            let per_rank: Vec<Vec<MicroBatch>> = (0..world)
                 .map(|r| {
                     step[2 * r..2 * r + 2]
                         .iter()
-                        .map(|(a, b)| (a.as_slice(), b.as_slice()))
+                        .map(|(a, b)| MicroBatch::tokens(a, b))
                         .collect()
                 })
                 .collect();
@@ -501,11 +498,9 @@ fn zero_stage_2_with_accumulation_matches_stage_1() {
 /// comes back up, 2·N·(gradient bytes) per step.
 #[test]
 fn bench_dp_reports_the_bytes_the_exchange_moves() {
-    use kiln::engine::models::gpt::GptMemory;
-    use kiln::engine::models::mlp::Precision;
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
     let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
-    let grads = GptMemory::of(&model(), B, T, Precision::F16, Default::default())
+    let grads = kiln::estimate::network_memory(gpt().as_ref(), B, DType::F16)
         .unwrap()
         .gradient_tensors;
     assert_eq!((rows[0].devices, rows[0].bytes_per_step), (1, 0));
@@ -537,16 +532,16 @@ fn overlapping_the_exchange_with_backward_changes_no_bits() {
             c.zero.stage = stage;
             c.zero.overlap_comm = overlap;
             c.zero.reduce_bucket_size = 3000;
-            Trainer::new_group(refs, model(), c, T, 3).unwrap()
+            Trainer::new_group(refs, gpt(), c, 3).unwrap()
         };
         let (after, during) = (&refs[..2], &refs[2..]);
         let mut plain = make(false, after);
         let mut overlapped = make(true, during);
         let mut overlap = 0.0;
         for step in &batches(2) {
-            let per_rank: Vec<Vec<(&[u32], &[u32])>> = step
+            let per_rank: Vec<Vec<MicroBatch>> = step
                 .iter()
-                .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+                .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
                 .collect();
             let a = plain.step_group(after, &per_rank).unwrap();
             let b = overlapped.step_group(during, &per_rank).unwrap();
@@ -664,11 +659,11 @@ fn a_device_lost_mid_step_is_an_error_not_a_hang() {
         let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
         let mut c = config("", B, 1, 2);
         c.zero.overlap_comm = overlap;
-        let mut group = Trainer::new_group(&refs, model(), c, T, 3).unwrap();
+        let mut group = Trainer::new_group(&refs, gpt(), c, 3).unwrap();
         let data = batches(2);
-        let per_rank: Vec<Vec<(&[u32], &[u32])>> = data[0]
+        let per_rank: Vec<Vec<MicroBatch>> = data[0]
             .iter()
-            .map(|(a, b)| vec![(a.as_slice(), b.as_slice())])
+            .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
             .collect();
         group.step_group(&refs, &per_rank).unwrap();
         // Lost part-way through the next step's backward.

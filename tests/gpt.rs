@@ -5,19 +5,14 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptTraining};
-use kiln::engine::models::mlp::Precision;
-use kiln::engine::{Device, Optimizer, IGNORE_TARGET};
+use kiln::engine::graph::Attention;
+use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
+use kiln::engine::{DType, Device, IGNORE_TARGET};
 
-fn training(batch: usize, seq: usize, precision: Precision) -> GptTraining {
-    GptTraining {
-        batch,
-        seq,
-        precision,
-        optimizer: Optimizer::adamw(1e-2, 0.0),
-        seed: 5,
-        attention: Default::default(),
-    }
+/// A micro-batch of tokens and next-token targets.
+fn mb(tokens: &[u32], targets: &[u32]) -> MicroBatch {
+    MicroBatch::tokens(tokens, targets)
 }
 
 /// Random tokens and their next-token targets.
@@ -37,7 +32,7 @@ fn gradients_match_finite_differences() {
         vocab_size: 11,
     };
     let (b, t) = (2, 5);
-    let mut gpt = Gpt::new(&dev, cfg.clone(), training(b, t, Precision::F32)).unwrap();
+    let mut gpt = gpt_network(&dev, &cfg, (b, t), DType::F32);
     let mut rng = Rng::new(1);
     let (tok, mut tgt) = batch(&mut rng, b * t, cfg.vocab_size);
     // Two positions are not trained on: the loss is the mean over the other eight.
@@ -52,14 +47,14 @@ fn gradients_match_finite_differences() {
             gpt.set_parameter(&dev, i, &unit).unwrap();
         }
     }
-    let loss = gpt.loss_and_gradients(&dev, &tok, &tgt).unwrap();
+    let loss = gpt.loss_and_gradients(&dev, &mb(&tok, &tgt)).unwrap();
     // Each trained position's loss alone (all others ignored); their mean is the loss.
     let alone: Vec<f64> = (0..b * t)
         .filter(|&i| tgt[i] != IGNORE_TARGET)
         .map(|i| {
             let mut one = vec![IGNORE_TARGET; b * t];
             one[i] = tgt[i];
-            gpt.loss(&dev, &tok, &one).unwrap()
+            gpt.loss(&dev, &mb(&tok, &one)).unwrap()
         })
         .collect();
     assert_eq!(alone.len(), 8);
@@ -78,10 +73,10 @@ fn gradients_match_finite_differences() {
             let mut up = w.clone();
             up[e] += h;
             gpt.set_parameter(&dev, i, &up).unwrap();
-            let lu = gpt.loss(&dev, &tok, &tgt).unwrap();
+            let lu = gpt.loss(&dev, &mb(&tok, &tgt)).unwrap();
             up[e] -= 2.0 * h;
             gpt.set_parameter(&dev, i, &up).unwrap();
-            let ld = gpt.loss(&dev, &tok, &tgt).unwrap();
+            let ld = gpt.loss(&dev, &mb(&tok, &tgt)).unwrap();
             gpt.set_parameter(&dev, i, w).unwrap();
             let fd = (lu - ld) / (2.0 * h as f64);
             // Losses summed in f64 from f32 per-token values (noise ~1e-7) over 2h: a few
@@ -118,13 +113,14 @@ fn gpu_matches_cpu_in_fp32() {
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
     let gdev = gpu("vulkan", false);
-    let mut g = Gpt::new(gdev.as_ref(), cfg.clone(), training(b, t, Precision::F32)).unwrap();
-    let mut c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F32)).unwrap();
+    let mut g = gpt_network(gdev.as_ref(), &cfg, (b, t), DType::F32);
+    let mut c = gpt_network(&cpu, &cfg, (b, t), DType::F32);
     let mut rng = Rng::new(2);
     let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
     let (lg, lc) = (
-        g.loss_and_gradients(gdev.as_ref(), &tok, &tgt).unwrap(),
-        c.loss_and_gradients(&cpu, &tok, &tgt).unwrap(),
+        g.loss_and_gradients(gdev.as_ref(), &mb(&tok, &tgt))
+            .unwrap(),
+        c.loss_and_gradients(&cpu, &mb(&tok, &tgt)).unwrap(),
     );
     assert!((lg - lc).abs() < 1e-5 * lc, "loss: gpu {lg}, cpu {lc}");
     for ((name, gg), (_, gc)) in g
@@ -169,18 +165,18 @@ fn learns_counting_in_fp32_fp16_and_bf16() {
         vocab_size: 16,
     };
     let (b, t, steps) = (4, 16, 80);
-    let run = |dev: &dyn Device, p: Precision| -> Vec<f32> {
-        let mut gpt = Gpt::new(dev, cfg.clone(), training(b, t, p)).unwrap();
+    let run = |dev: &dyn Device, p: DType| -> Vec<f32> {
+        let mut gpt = gpt_trainer(dev, &cfg, (b, t), p, 1);
         let mut rng = Rng::new(3);
         (0..steps)
             .map(|_| {
                 let (tok, tgt) = counting(&mut rng, b, t, cfg.vocab_size);
-                gpt.train_step(dev, &tok, &tgt).unwrap().loss
+                gpt.step(dev, &[mb(&tok, &tgt)]).unwrap().loss
             })
             .collect()
     };
     let dev = gpu("vulkan", false);
-    let f32_curve = run(dev.as_ref(), Precision::F32);
+    let f32_curve = run(dev.as_ref(), DType::F32);
     eprintln!(
         "fp32 losses: first {:?}, last {:?}",
         &f32_curve[..3],
@@ -193,7 +189,7 @@ fn learns_counting_in_fp32_fp16_and_bf16() {
         "fp32 final loss {}",
         f32_curve[steps - 1]
     );
-    for p in [Precision::F16, Precision::BF16] {
+    for p in [DType::F16, DType::BF16] {
         let curve = run(dev.as_ref(), p);
         // The whole curve stays within 0.05 of fp32's (measured: ~1e-3 for fp16,
         // ~8e-3 for bf16, whose 8-bit mantissa rounds every activation coarsely).
@@ -221,10 +217,11 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 13}"#,
     )
     .unwrap();
-    let mut a = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F16)).unwrap();
+    let mut trainer = gpt_trainer(dev.as_ref(), &cfg, (2, 8), DType::F16, 1);
     let mut rng = Rng::new(4);
     let (tok, tgt) = counting(&mut rng, 2, 8, 13);
-    a.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    trainer.step(dev.as_ref(), &[mb(&tok, &tgt)]).unwrap();
+    let a = &trainer.model;
     let names: Vec<String> = a.tensors().iter().map(|t| t.name.clone()).collect();
     for want in [
         "transformer.wte.weight",
@@ -238,17 +235,15 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         );
     }
     let path = std::env::temp_dir().join(format!("kiln-gpt-{}.safetensors", std::process::id()));
-    kiln::engine::train::safetensors_io::save(dev.as_ref(), &a.tensors(), &path).unwrap();
-    let b = Gpt::new(
-        dev.as_ref(),
-        cfg,
-        GptTraining {
-            seed: 77,
-            ..training(2, 8, Precision::F16)
-        },
-    )
-    .unwrap();
-    kiln::engine::train::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    kiln::engine::device::safetensors_io::save(dev.as_ref(), &a.tensors(), &path).unwrap();
+    let options = NetworkOptions {
+        batch: 2,
+        dtype: DType::F16,
+        optimizer: adamw(),
+        seed: 77,
+    };
+    let b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
+    kiln::engine::device::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
     std::fs::remove_file(&path).ok();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         assert_eq!(
@@ -260,8 +255,8 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
     }
     // Same weights, same loss, bit for bit.
     assert_eq!(
-        a.loss(dev.as_ref(), &tok, &tgt).unwrap(),
-        b.loss(dev.as_ref(), &tok, &tgt).unwrap()
+        a.loss(dev.as_ref(), &mb(&tok, &tgt)).unwrap(),
+        b.loss(dev.as_ref(), &mb(&tok, &tgt)).unwrap()
     );
 }
 
@@ -281,13 +276,19 @@ fn bad_model_configs_are_errors() {
         block_size: 8,
         vocab_size: 13,
     };
-    let e = Gpt::new(&dev, cfg.clone(), training(1, 8, Precision::F32))
+    let options = NetworkOptions {
+        batch: 1,
+        dtype: DType::F32,
+        optimizer: adamw(),
+        seed: 5,
+    };
+    let e = Network::new(&dev, gpt_model(&cfg, 8, Attention::Fused), &options)
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("divisible by n_head"), "{e}");
     let cfg = GptConfig { n_head: 2, ..cfg };
-    let e = Gpt::new(&dev, cfg, training(1, 9, Precision::F32))
+    let e = Network::new(&dev, gpt_model(&cfg, 9, Attention::Fused), &options)
         .err()
         .unwrap()
         .to_string();
@@ -307,13 +308,11 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
     let mut rng = Rng::new(6);
     let (tok, tgt) = batch(&mut rng, 4 * 8, cfg.vocab_size);
     // One batch of 4 sequences vs two micro-batches of 2, from the same initial weights.
-    let mut big = Gpt::new(dev.as_ref(), cfg.clone(), training(4, 8, Precision::F32)).unwrap();
-    let mut small = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F32)).unwrap();
-    let sb = big.train_step(dev.as_ref(), &tok, &tgt).unwrap();
-    let micro: [(&[u32], &[u32]); 2] = [(&tok[..16], &tgt[..16]), (&tok[16..], &tgt[16..])];
-    let ss = small
-        .train_step_accumulated(dev.as_ref(), &micro, 0.0)
-        .unwrap();
+    let mut big = gpt_trainer(dev.as_ref(), &cfg, (4, 8), DType::F32, 1);
+    let mut small = gpt_trainer(dev.as_ref(), &cfg, (2, 8), DType::F32, 2);
+    let sb = big.step(dev.as_ref(), &[mb(&tok, &tgt)]).unwrap();
+    let micro = [mb(&tok[..16], &tgt[..16]), mb(&tok[16..], &tgt[16..])];
+    let ss = small.step(dev.as_ref(), &micro).unwrap();
     assert!(
         (sb.loss - ss.loss).abs() < 1e-6 * sb.loss,
         "loss {} vs {}",
@@ -321,10 +320,11 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
         ss.loss
     );
     for ((name, gb), (_, gs)) in big
+        .model
         .gradients(dev.as_ref())
         .unwrap()
         .iter()
-        .zip(small.gradients(dev.as_ref()).unwrap())
+        .zip(small.model.gradients(dev.as_ref()).unwrap())
     {
         let scale = gb.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-12);
         for (e, (a, b)) in gb.iter().zip(&gs).enumerate() {
@@ -336,10 +336,10 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
     }
     // Clipping: the factor applied is DeepSpeed's, from the norm over every tensor.
     let clip = 0.05;
-    small
-        .train_step_accumulated(dev.as_ref(), &micro, clip)
-        .unwrap();
+    small.config.gradient_clipping = clip;
+    small.step(dev.as_ref(), &micro).unwrap();
     let norm: f64 = small
+        .model
         .gradients(dev.as_ref())
         .unwrap()
         .iter()
@@ -351,7 +351,7 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
         "the test needs a norm above the clip, got {norm}"
     );
     let want = kiln::engine::device::optim::grad_scale_reference(norm * norm, 1.0, clip);
-    let got = small.last_grad_scale(dev.as_ref()).unwrap();
+    let got = small.model.last_grad_scale(dev.as_ref()).unwrap();
     assert!(
         (got - want).abs() <= 1e-5 * want,
         "grad scale {got}, expected {want}"
@@ -369,17 +369,19 @@ fn gpu_matches_cpu_in_fp16_on_both_f16_paths() {
     };
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
-    let mut c = Gpt::new(&cpu, cfg.clone(), training(b, t, Precision::F16)).unwrap();
+    let mut c = gpt_network(&cpu, &cfg, (b, t), DType::F16);
     let mut rng = Rng::new(2);
     let (tok, tgt) = batch(&mut rng, b * t, cfg.vocab_size);
-    let lc = c.loss_and_gradients(&cpu, &tok, &tgt).unwrap();
+    let lc = c.loss_and_gradients(&cpu, &mb(&tok, &tgt)).unwrap();
     let gc = c.gradients(&cpu).unwrap();
     for p in gpu_paths()
         .into_iter()
         .filter(|p| p.name != "gl (packed f16)")
     {
-        let mut g = Gpt::new(p.dev.as_ref(), cfg.clone(), training(b, t, Precision::F16)).unwrap();
-        let lg = g.loss_and_gradients(p.dev.as_ref(), &tok, &tgt).unwrap();
+        let mut g = gpt_network(p.dev.as_ref(), &cfg, (b, t), DType::F16);
+        let lg = g
+            .loss_and_gradients(p.dev.as_ref(), &mb(&tok, &tgt))
+            .unwrap();
         // Every activation is rounded to f16 (2^-11 relative) at each of ~30 stored
         // steps; the CPU rounds at the same points but sums in another order.
         assert!(
@@ -413,42 +415,50 @@ fn an_overflowing_fp16_step_changes_nothing_but_the_scaler() {
         block_size: 8,
         vocab_size: 13,
     };
-    let mut gpt = Gpt::new(dev.as_ref(), cfg.clone(), training(2, 8, Precision::F16)).unwrap();
+    let mut trainer = gpt_trainer(dev.as_ref(), &cfg, (2, 8), DType::F16, 1);
     let mut rng = Rng::new(7);
     let (tok, tgt) = counting(&mut rng, 2, 8, 13);
-    gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    trainer.step(dev.as_ref(), &[mb(&tok, &tgt)]).unwrap();
     // Poison one embedding row with f16's largest value: the forward overflows to inf.
-    let wte = gpt.parameters(dev.as_ref()).unwrap()[0].1.clone();
+    let wte = trainer.model.parameters(dev.as_ref()).unwrap()[0].1.clone();
     let mut poisoned = wte.clone();
     poisoned[tok[0] as usize * 16] = 65504.0;
-    gpt.set_parameter(dev.as_ref(), 0, &poisoned).unwrap();
+    trainer
+        .model
+        .set_parameter(dev.as_ref(), 0, &poisoned)
+        .unwrap();
     let before = (
-        gpt.parameters(dev.as_ref()).unwrap(),
-        gpt.moments(dev.as_ref()).unwrap(),
-        gpt.steps_applied(),
+        trainer.model.parameters(dev.as_ref()).unwrap(),
+        trainer.model.moments(dev.as_ref()).unwrap(),
+        trainer.model.steps_applied(),
     );
-    let scale = gpt.scaler.scale();
-    let st = gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap();
+    let scale = trainer.scaler.scale();
+    let st = trainer.step(dev.as_ref(), &[mb(&tok, &tgt)]).unwrap();
     assert!(st.skipped, "{st:?}");
     assert_eq!(
-        gpt.parameters(dev.as_ref()).unwrap(),
+        trainer.model.parameters(dev.as_ref()).unwrap(),
         before.0,
         "weights moved on a skipped step"
     );
     assert_eq!(
-        gpt.moments(dev.as_ref()).unwrap(),
+        trainer.model.moments(dev.as_ref()).unwrap(),
         before.1,
         "moments moved on a skipped step"
     );
     assert_eq!(
-        gpt.steps_applied(),
+        trainer.model.steps_applied(),
         before.2,
         "the step counter (LR schedule, bias correction) advanced"
     );
     // Default hysteresis 2: the first overflow keeps the scale, the second halves it.
-    assert_eq!(gpt.scaler.scale(), scale);
-    assert!(gpt.train_step(dev.as_ref(), &tok, &tgt).unwrap().skipped);
-    assert_eq!(gpt.scaler.scale(), scale / 2.0);
+    assert_eq!(trainer.scaler.scale(), scale);
+    assert!(
+        trainer
+            .step(dev.as_ref(), &[mb(&tok, &tgt)])
+            .unwrap()
+            .skipped
+    );
+    assert_eq!(trainer.scaler.scale(), scale / 2.0);
 }
 
 #[test]
@@ -461,22 +471,25 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
         block_size: 4,
         vocab_size: 5,
     };
-    let mut gpt = Gpt::new(&dev, cfg, training(1, 4, Precision::F32)).unwrap();
+    let mut gpt = gpt_trainer(&dev, &cfg, (1, 4), DType::F32, 1);
     let e = gpt
-        .train_step(&dev, &[0, 1, 2, 5], &[1, 2, 3, 4])
+        .step(&dev, &[mb(&[0, 1, 2, 5], &[1, 2, 3, 4])])
         .unwrap_err()
         .to_string();
     assert!(e.contains("token 5 at position 3"), "{e}");
     let e = gpt
-        .train_step(&dev, &[0, 1, 2, 3], &[1, 2, 3, 9])
+        .step(&dev, &[mb(&[0, 1, 2, 3], &[1, 2, 3, 9])])
         .unwrap_err()
         .to_string();
     assert!(e.contains("target 9 at position 3"), "{e}");
     let e = gpt
-        .train_step(&dev, &[0, 1, 2], &[1, 2, 3])
+        .step(&dev, &[mb(&[0, 1, 2], &[1, 2, 3])])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("4 tokens"), "{e}");
+    assert!(
+        e.contains("`tokens` of a micro-batch holds 4 values"),
+        "{e}"
+    );
     // Empty head tensors validate (no division by zero rows).
     let z = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
     let z2 = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
@@ -495,7 +508,6 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
 /// allocator sees for the same model.
 #[test]
 fn the_memory_estimate_is_what_the_allocator_sees() {
-    use kiln::engine::models::gpt::GptMemory;
     for (cfg, b, t) in [
         (
             GptConfig {
@@ -521,19 +533,22 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
         ),
     ] {
         for (p, attention) in [
-            (Precision::F32, Attention::Fused),
-            (Precision::F16, Attention::Fused),
-            (Precision::BF16, Attention::Fused),
-            (Precision::F32, Attention::Straightforward),
-            (Precision::F16, Attention::Straightforward),
+            (DType::F32, Attention::Fused),
+            (DType::F16, Attention::Fused),
+            (DType::BF16, Attention::Fused),
+            (DType::F32, Attention::Straightforward),
+            (DType::F16, Attention::Straightforward),
         ] {
             let dev = CpuDevice::new();
-            let tr = GptTraining {
-                attention,
-                ..training(b, t, p)
+            let options = NetworkOptions {
+                batch: b,
+                dtype: p,
+                optimizer: adamw(),
+                seed: 5,
             };
-            let _gpt = Gpt::new(&dev, cfg.clone(), tr).unwrap();
-            let m = GptMemory::of(&cfg, b, t, p, attention).unwrap();
+            let model = gpt_model(&cfg, t, attention);
+            let _gpt = Network::new(&dev, model.clone(), &options).unwrap();
+            let m = Network::memory(model.as_ref(), &options).unwrap();
             assert_eq!(
                 m.total(),
                 dev.allocated_bytes(),

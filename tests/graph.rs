@@ -8,8 +8,8 @@ mod common;
 use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::device::optim::ParamBuffers;
+use kiln::engine::graph::Attention;
 use kiln::engine::graph::{Bindings, Graph, Plan};
-use kiln::engine::models::gpt::Attention;
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, IGNORE_TARGET};
 
 /// A graph with its parameters and inputs on a device, ready to compile.

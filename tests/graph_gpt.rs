@@ -9,18 +9,17 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::models::gpt::{Attention, Gpt, GptConfig, GptMemory, GptTraining};
-use kiln::engine::models::mlp::Precision;
+use kiln::engine::graph::Attention;
+use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
 use kiln::engine::{DType, Device, Optimizer, IGNORE_TARGET};
 
-fn training(b: usize, t: usize, precision: Precision, attention: Attention) -> GptTraining {
-    GptTraining {
+fn options(b: usize, dtype: DType) -> NetworkOptions {
+    NetworkOptions {
         batch: b,
-        seq: t,
-        precision,
+        dtype,
         optimizer: Optimizer::adamw(1e-2, 0.1),
         seed: 5,
-        attention,
     }
 }
 
@@ -52,18 +51,21 @@ fn ready_groups_arrive_final_top_block_first_and_apply_equals_a_step() {
     // factor 1) must move the weights as a step without clipping does.
     let dev = CpuDevice::new();
     let cfg = small();
-    let tr = training(2, 5, Precision::F32, Attention::Fused);
-    let mut hooked = Gpt::new(&dev, cfg.clone(), tr.clone()).unwrap();
-    let mut twin = Gpt::new(&dev, cfg.clone(), tr).unwrap();
+    let model = gpt_model(&cfg, 5, Attention::Fused);
+    let mut hooked = Network::new(&dev, model.clone(), &options(2, DType::F32)).unwrap();
+    let mut twin = Network::new(&dev, model.clone(), &options(2, DType::F32)).unwrap();
     let mut rng = Rng::new(11);
     let (a, b) = (batch(&mut rng, 10, 11), batch(&mut rng, 10, 11));
-    let micro: [(&[u32], &[u32]); 2] = [(&a.0, &a.1), (&b.0, &b.1)];
+    let micro = [
+        MicroBatch::tokens(&a.0, &a.1),
+        MicroBatch::tokens(&b.0, &b.1),
+    ];
     let n = hooked.parameter_tensors();
     let bufs: Vec<_> = (0..n).map(|i| hooked.gradient_buffer(i)).collect();
     let mut seen: Vec<(usize, Vec<f32>)> = vec![];
     let mut order = vec![];
     hooked
-        .accumulate_with(&dev, &micro, &mut |g: &[usize]| {
+        .accumulate_with(&dev, &micro, 1.0, &mut |g: &[usize]| {
             order.push(g.to_vec());
             for &p in g {
                 seen.push((p, dev.download(bufs[p])?.to_f32()));
@@ -74,15 +76,18 @@ fn ready_groups_arrive_final_top_block_first_and_apply_equals_a_step() {
     let block = |l: usize| (2 + 12 * l..2 + 12 * (l + 1)).collect::<Vec<_>>();
     assert_eq!(order, vec![block(1), block(0), vec![0, 1, n - 2, n - 1]]);
     assert_eq!(seen.len(), n);
-    twin.accumulate(&dev, &micro).unwrap();
+    twin.accumulate(&dev, &micro, 1.0).unwrap();
     let want = twin.gradient_values(&dev).unwrap();
     for (p, g) in &seen {
         assert_eq!(g, &want[*p], "parameter {p}: not final when handed over");
     }
     hooked.apply(&dev, 1e-2, 1.0).unwrap();
-    let mut stepped =
-        Gpt::new(&dev, cfg, training(2, 5, Precision::F32, Attention::Fused)).unwrap();
-    stepped.step(&dev, &micro, 1e-2, 0.0).unwrap();
+    // A step without clipping: the factor the device computes is 1 / loss scale = 1.
+    let mut stepped = Network::new(&dev, model, &options(2, DType::F32)).unwrap();
+    stepped.accumulate(&dev, &micro, 1.0).unwrap();
+    let (overflow, _) = stepped.check(&dev, 0.0).unwrap();
+    assert!(!overflow);
+    stepped.update(&dev, 1e-2).unwrap();
     assert_eq!(
         hooked.parameters(&dev).unwrap(),
         stepped.parameters(&dev).unwrap()
@@ -91,10 +96,10 @@ fn ready_groups_arrive_final_top_block_first_and_apply_equals_a_step() {
 
 /// Activation and scratch bytes the hand-written model (deleted) allocated: each block
 /// kept its own activations and backward had one set of scratch buffers.
-fn hand_written_activations(cfg: &GptConfig, batch: usize, seq: usize, p: Precision) -> u64 {
+fn hand_written_activations(cfg: &GptConfig, batch: usize, seq: usize, p: DType) -> u64 {
     let (f, a, u) = (
         |n: usize| DType::F32.padded_bytes(n),
-        |n: usize| p.dtype().padded_bytes(n),
+        |n: usize| p.padded_bytes(n),
         |n: usize| DType::U32.padded_bytes(n),
     );
     let (c, h, v, l) = (cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer);
@@ -123,8 +128,9 @@ fn the_plan_shares_buffers_and_needs_less_than_the_hand_written_model() {
         block_size: 32,
         vocab_size: 97,
     };
-    let p = Precision::F16;
-    let plan = GptMemory::of(&cfg, 2, 32, p, Attention::Straightforward)
+    let p = DType::F16;
+    let model = gpt_model(&cfg, 32, Attention::Straightforward);
+    let plan = Network::memory(model.as_ref(), &options(2, p))
         .unwrap()
         .activations;
     let hand = hand_written_activations(&cfg, 2, 32, p);

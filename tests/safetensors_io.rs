@@ -4,22 +4,29 @@
 mod common;
 
 use common::*;
-use kiln::engine::models::mlp::{clusters, Mlp, MlpConfig, Precision};
-use kiln::engine::train::safetensors_io::{load, save, NamedTensor};
+use std::sync::Arc;
+
+use kiln::engine::data::clusters;
+use kiln::engine::device::safetensors_io::{load, save, NamedTensor};
+use kiln::engine::models::mlp::Mlp;
+use kiln::engine::models::MicroBatch;
+use kiln::engine::train::trainer::Trainer;
 use kiln::engine::Device;
 
-fn mlp(dev: &dyn Device, seed: u64) -> Mlp {
-    let cfg = MlpConfig {
+/// A 5-7-3 MLP in fp16 (dynamic loss scaling), AdamW at lr 1e-2.
+fn mlp(dev: &dyn Device, seed: u64) -> Trainer {
+    let config = kiln::engine::config::parse(
+        r#"{"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": true},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}}"#,
+        1,
+    )
+    .unwrap();
+    let model = Mlp {
         inputs: 5,
         hidden: 7,
         classes: 3,
-        batch: 8,
-        precision: Precision::F16,
-        lr: 1e-2,
-        weight_decay: 0.0,
-        seed,
     };
-    Mlp::new(dev, cfg).unwrap()
+    Trainer::new(dev, Arc::new(model), config, seed).unwrap()
 }
 
 fn dir() -> std::path::PathBuf {
@@ -38,16 +45,12 @@ fn export_then_import_round_trips_bit_exactly() {
     let mut a = mlp(dev.as_ref(), 1);
     let (x, y) = clusters(5, 3, 24, 1.0, 2);
     for s in 0..3 {
-        a.train_step(
-            dev.as_ref(),
-            &x[s * 40..(s + 1) * 40],
-            &y[s * 8..(s + 1) * 8],
-        )
-        .unwrap();
+        let batch = MicroBatch::features(&x[s * 40..(s + 1) * 40], &y[s * 8..(s + 1) * 8]);
+        a.step(dev.as_ref(), &[batch]).unwrap();
     }
+    let (a, b) = (a.model, mlp(dev.as_ref(), 99).model);
     let path = dir().join("mlp.safetensors");
     save(dev.as_ref(), &a.tensors(), &path).unwrap();
-    let b = mlp(dev.as_ref(), 99);
     load(dev.as_ref(), &b.tensors(), &path).unwrap();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         let (ha, hb) = (
@@ -57,18 +60,18 @@ fn export_then_import_round_trips_bit_exactly() {
         assert_eq!(ha.bits(), hb.bits(), "{}", ta.name);
     }
     // Same weights, same predictions.
+    let batch = MicroBatch::features(&x[..40], &y[..8]);
     assert_eq!(
-        a.evaluate(dev.as_ref(), &x[..40], &y[..8]).unwrap(),
-        b.evaluate(dev.as_ref(), &x[..40], &y[..8]).unwrap()
+        a.predict(dev.as_ref(), &batch).unwrap(),
+        b.predict(dev.as_ref(), &batch).unwrap()
     );
-    // 16 tensors: value, master and both moments of four parameters.
-    assert_eq!(a.tensors().len(), 16);
+    assert_eq!(a.tensors().len(), 4);
 }
 
 #[test]
 fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     let dev = gpu("vulkan", false);
-    let m = mlp(dev.as_ref(), 1);
+    let m = mlp(dev.as_ref(), 1).model;
     let d = dir();
     let good = d.join("good.safetensors");
     save(dev.as_ref(), &m.tensors(), &good).unwrap();

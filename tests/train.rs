@@ -277,9 +277,11 @@ fn the_default_demo_learns_addition_on_held_out_problems() {
 #[test]
 fn the_readme_library_example_runs() -> anyhow::Result<()> {
     use kiln::engine::config::parse;
-    use kiln::engine::models::gpt::GptConfig;
+    use kiln::engine::models::gpt::{Gpt, GptConfig};
+    use kiln::engine::models::MicroBatch;
     use kiln::engine::train::trainer::Trainer;
     use kiln::wgpu::DeviceOptions;
+    use std::sync::Arc;
 
     let dev = kiln::open_device(&"vulkan".parse()?, &DeviceOptions::default())?;
     let ds = parse(
@@ -289,10 +291,11 @@ fn the_readme_library_example_runs() -> anyhow::Result<()> {
     let model: GptConfig = serde_json::from_str(
         r#"{"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 32, "vocab_size": 97}"#,
     )?;
-    let mut engine = Trainer::new(dev.as_ref(), model, ds, 32, /* seed */ 1)?;
+    let gpt = Gpt::new(model, /* sequence length */ 32);
+    let mut engine = Trainer::new(dev.as_ref(), Arc::new(gpt), ds, /* seed */ 1)?;
     let tokens: Vec<u32> = (0..8 * 32).map(|i| (i * 7 % 97) as u32).collect();
     let targets: Vec<u32> = tokens.iter().map(|t| (t + 1) % 97).collect();
-    let stats = engine.step(dev.as_ref(), &[(&tokens[..], &targets[..])])?;
+    let stats = engine.step(dev.as_ref(), &[MicroBatch::tokens(&tokens, &targets)])?;
     // An untrained model is near uniform over 97 tokens: ln 97 = 4.57.
     assert!((stats.loss - 4.57).abs() < 0.2, "{stats:?}");
     assert_eq!(

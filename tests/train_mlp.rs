@@ -5,53 +5,76 @@
 mod common;
 
 use common::*;
-use kiln::engine::models::mlp::{clusters, Mlp, MlpConfig, Precision};
-use kiln::engine::Device;
+use std::sync::Arc;
+
+use kiln::engine::config::parse;
+use kiln::engine::data::clusters;
+use kiln::engine::models::mlp::Mlp;
+use kiln::engine::models::{MicroBatch, Network};
+use kiln::engine::train::trainer::Trainer;
+use kiln::engine::{DType, Device};
 
 const B: usize = 64;
 
-fn config(precision: Precision) -> MlpConfig {
-    MlpConfig {
+fn model() -> Mlp {
+    Mlp {
         inputs: 8,
         hidden: 32,
         classes: 4,
-        batch: B,
-        precision,
-        lr: 1e-2,
-        weight_decay: 0.01,
-        seed: 11,
     }
 }
 
+/// AdamW (lr 1e-2, betas 0.9/0.999, weight decay 0.01) in `dtype`'s precision.
+fn trainer(dev: &dyn Device, dtype: DType) -> Trainer {
+    let precision = match dtype {
+        DType::F16 => r#""fp16": {"enabled": true},"#,
+        DType::BF16 => r#""bf16": {"enabled": true},"#,
+        _ => "",
+    };
+    let config = parse(
+        &format!(
+            r#"{{"train_micro_batch_size_per_gpu": {B}, {precision}
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "betas": [0.9, 0.999],
+                "eps": 1e-8, "weight_decay": 0.01}}}}}}"#
+        ),
+        1,
+    )
+    .unwrap();
+    Trainer::new(dev, Arc::new(model()), config, 11).unwrap()
+}
+
+/// Mean loss and accuracy of a batch, without training.
+fn evaluate(net: &Network, dev: &dyn Device, x: &[f32], y: &[u32]) -> (f32, f32) {
+    let (loss, predicted) = net.predict(dev, &MicroBatch::features(x, y)).unwrap();
+    let right = predicted.iter().zip(y).filter(|(p, t)| p == t).count();
+    (loss as f32, right as f32 / y.len() as f32)
+}
+
 /// Trains `steps` steps; returns the per-step losses and the held-out (loss, accuracy).
-fn train(dev: &dyn Device, precision: Precision, steps: usize) -> (Vec<f32>, f32, f32) {
-    let cfg = config(precision);
+fn train(dev: &dyn Device, precision: DType, steps: usize) -> (Vec<f32>, f32, f32) {
+    let cfg = model();
     let (x, y) = clusters(cfg.inputs, cfg.classes, B * steps, 2.0, 3);
     let (hx, hy) = clusters(cfg.inputs, cfg.classes, B * 4 + 7, 2.0, 3); // same centres
-    let mut mlp = Mlp::new(dev, cfg.clone()).unwrap();
+    let mut mlp = trainer(dev, precision);
     let mut losses = vec![];
     for s in 0..steps {
-        let st = mlp
-            .train_step(
-                dev,
-                &x[s * B * cfg.inputs..(s + 1) * B * cfg.inputs],
-                &y[s * B..(s + 1) * B],
-            )
-            .unwrap();
-        losses.push(st.loss);
+        let batch = MicroBatch::features(
+            &x[s * B * cfg.inputs..(s + 1) * B * cfg.inputs],
+            &y[s * B..(s + 1) * B],
+        );
+        losses.push(mlp.step(dev, &[batch]).unwrap().loss);
     }
     // Held out: the last 4 batches of a longer stream (its first 7 samples are skipped
     // so that they differ from the training stream's start).
     let (mut loss, mut acc) = (0.0, 0.0);
     for k in 0..4 {
         let off = 7 + k * B;
-        let (l, a) = mlp
-            .evaluate(
-                dev,
-                &hx[off * cfg.inputs..(off + B) * cfg.inputs],
-                &hy[off..off + B],
-            )
-            .unwrap();
+        let (l, a) = evaluate(
+            &mlp.model,
+            dev,
+            &hx[off * cfg.inputs..(off + B) * cfg.inputs],
+            &hy[off..off + B],
+        );
         loss += l / 4.0;
         acc += a / 4.0;
     }
@@ -62,7 +85,7 @@ fn train(dev: &dyn Device, precision: Precision, steps: usize) -> (Vec<f32>, f32
 fn mlp_learns_in_fp32_fp16_and_bf16_within_a_band_of_fp32() {
     let dev = gpu("vulkan", false);
     let steps = 60;
-    let (l32, h32, a32) = train(dev.as_ref(), Precision::F32, steps);
+    let (l32, h32, a32) = train(dev.as_ref(), DType::F32, steps);
     assert!(
         l32[0] > 1.0,
         "first loss {} should be near ln 4 = 1.39",
@@ -73,9 +96,9 @@ fn mlp_learns_in_fp32_fp16_and_bf16_within_a_band_of_fp32() {
         "fp32: held-out loss {h32}, accuracy {a32}"
     );
     for (p, dev) in [
-        (Precision::F16, gpu("vulkan", false)),
-        (Precision::F16, gpu("gl", false)),
-        (Precision::BF16, gpu("vulkan", false)),
+        (DType::F16, gpu("vulkan", false)),
+        (DType::F16, gpu("gl", false)),
+        (DType::BF16, gpu("vulkan", false)),
     ] {
         let (l, h, a) = train(dev.as_ref(), p, steps);
         let name = format!("{p:?} on {}", dev.caps().backend);
@@ -100,18 +123,19 @@ fn mlp_learns_in_fp32_fp16_and_bf16_within_a_band_of_fp32() {
 fn gpu_training_matches_the_cpu_reference_in_fp32() {
     let gpu_dev = gpu("vulkan", false);
     let cpu = kiln::cpu::CpuDevice::new();
-    let cfg = config(Precision::F32);
+    let cfg = model();
     let (x, y) = clusters(cfg.inputs, cfg.classes, B * 5, 0.8, 3);
-    let mut g = Mlp::new(gpu_dev.as_ref(), cfg.clone()).unwrap();
-    let mut c = Mlp::new(&cpu, cfg.clone()).unwrap();
+    let mut g = trainer(gpu_dev.as_ref(), DType::F32);
+    let mut c = trainer(&cpu, DType::F32);
     for s in 0..5 {
-        let (xs, ys) = (
+        let batch = MicroBatch::features(
             &x[s * B * cfg.inputs..(s + 1) * B * cfg.inputs],
             &y[s * B..(s + 1) * B],
         );
         let (lg, lc) = (
-            g.train_step(gpu_dev.as_ref(), xs, ys).unwrap(),
-            c.train_step(&cpu, xs, ys).unwrap(),
+            g.step(gpu_dev.as_ref(), std::slice::from_ref(&batch))
+                .unwrap(),
+            c.step(&cpu, &[batch]).unwrap(),
         );
         // f32 GEMMs with different summation orders: 1e-5 relative per step.
         assert!(
@@ -121,12 +145,12 @@ fn gpu_training_matches_the_cpu_reference_in_fp32() {
             lc.loss
         );
     }
-    for (k, (wg, wc)) in g
-        .masters(gpu_dev.as_ref())
+    for ((k, wg), (_, wc)) in g
+        .model
+        .parameters(gpu_dev.as_ref())
         .unwrap()
         .iter()
-        .zip(c.masters(&cpu).unwrap())
-        .enumerate()
+        .zip(c.model.parameters(&cpu).unwrap())
     {
         for (a, b) in wg.iter().zip(&wc) {
             // Adam normalises each step to ~lr, so 5 steps of f32 differences stay tiny.

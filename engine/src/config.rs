@@ -145,6 +145,17 @@ pub enum Precision {
     Bf16,
 }
 
+impl Precision {
+    /// The storage dtype of weights, activations and gradients (masters are f32).
+    pub fn dtype(&self) -> crate::DType {
+        match self {
+            Precision::Fp32 => crate::DType::F32,
+            Precision::Fp16 { .. } => crate::DType::F16,
+            Precision::Bf16 => crate::DType::BF16,
+        }
+    }
+}
+
 /// How the fp16 loss is scaled before backward.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum LossScaling {

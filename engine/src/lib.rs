@@ -7,9 +7,11 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
+mod fsutil;
 pub mod graph;
 pub mod models;
 pub mod parallel;
+pub mod rng;
 pub mod train;
 
 pub use config::{ConfigError, TrainConfig};

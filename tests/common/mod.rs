@@ -248,3 +248,68 @@ pub fn run_both(
     let c = run(&cpu);
     g.into_iter().zip(c).collect()
 }
+
+use kiln::engine::graph::Attention;
+use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::{Network, NetworkOptions};
+use kiln::engine::train::trainer::Trainer;
+use kiln::engine::{Optimizer, TrainConfig};
+
+/// The tests' usual optimizer: AdamW, lr 1e-2, betas (0.9, 0.95), no weight decay.
+pub fn adamw() -> Optimizer {
+    Optimizer::adamw(1e-2, 0.0)
+}
+
+/// A DeepSpeed config for tests: `adamw()` as DeepSpeed's JSON, the precision of
+/// `dtype` (fp16 with its default dynamic scaling), no schedule, no clipping.
+pub fn ds_config(micro: usize, accum: usize, dtype: DType, world: usize) -> TrainConfig {
+    let precision = match dtype {
+        DType::F16 => r#""fp16": {"enabled": true},"#,
+        DType::BF16 => r#""bf16": {"enabled": true},"#,
+        _ => "",
+    };
+    kiln::engine::config::parse(
+        &format!(
+            r#"{{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": {accum},
+                {precision} "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01,
+                "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}}}}}"#
+        ),
+        world,
+    )
+    .unwrap()
+}
+
+/// GPT-2 on sequences of `seq`, attention pinned.
+pub fn gpt_model(cfg: &GptConfig, seq: usize, attention: Attention) -> std::sync::Arc<Gpt> {
+    std::sync::Arc::new(Gpt::new(cfg.clone(), seq).with_attention(attention))
+}
+
+/// A GPT network of micro-batch `b` × `t` in `dtype` with `adamw()`, fused attention
+/// and seed 5.
+pub fn gpt_network(
+    dev: &dyn Device,
+    cfg: &GptConfig,
+    (b, t): (usize, usize),
+    dtype: DType,
+) -> Network {
+    let options = NetworkOptions {
+        batch: b,
+        dtype,
+        optimizer: adamw(),
+        seed: 5,
+    };
+    Network::new(dev, gpt_model(cfg, t, Attention::Fused), &options).unwrap()
+}
+
+/// A one-device trainer of the same GPT network (`ds_config`'s precision and optimizer,
+/// seed 5), `accum` micro-batches of `b` × `t` per step.
+pub fn gpt_trainer(
+    dev: &dyn Device,
+    cfg: &GptConfig,
+    (b, t): (usize, usize),
+    dtype: DType,
+    accum: usize,
+) -> Trainer {
+    let model = gpt_model(cfg, t, Attention::Fused);
+    Trainer::new(dev, model, ds_config(b, accum, dtype, 1), 5).unwrap()
+}

@@ -15,11 +15,13 @@
 //! - [`Loader`]: worker threads that build the batches ahead of the training step, handed
 //!   out in the same order whatever the worker count.
 //! - [`prepare`](prepare::prepare): text file to `.bin` token file (GPT-2 BPE or bytes).
+//! - [`clusters()`]: a synthetic classification task for small examples.
 //!
 //! Token ids are checked against the model's vocabulary lazily, once per batch, when the
 //! batch is built (on a loader worker): see [`Sampler::read_rows`].
 
 pub mod addition;
+pub mod clusters;
 pub mod memory;
 pub mod prefetch;
 pub mod prefix;
@@ -31,6 +33,7 @@ pub mod token_file;
 use std::path::{Path, PathBuf};
 
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows, DEFAULT_DIGITS};
+pub use clusters::clusters;
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
 pub use prefix::Prefix;

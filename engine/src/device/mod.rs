@@ -1,6 +1,7 @@
 //! The device layer: the contract every backend implements ([`Device`], here), the
 //! kernels a device launches described as data (`kernel`, `matmul`, `optim`), element
-//! types (`dtype`) and host copies of buffers (`host`). It imports nothing above it.
+//! types (`dtype`), host copies of buffers (`host`) and named buffers saved to and
+//! loaded from safetensors files (`safetensors_io`). It imports nothing above it.
 //!
 //! The trait is deliberately narrow — memory, kernel launches, submission — and
 //! object-safe, so a device group can hold `Box<dyn Device>`s of different backends side
@@ -11,6 +12,7 @@ pub mod host;
 pub mod kernel;
 pub mod matmul;
 pub mod optim;
+pub mod safetensors_io;
 
 use serde::Serialize;
 

@@ -18,10 +18,46 @@ mod autodiff;
 mod ops;
 mod plan;
 
-pub use plan::{Bindings, Group, Plan, PlanMemory, PlanStep};
+pub use plan::{Bindings, Group, Plan, PlanMemory};
 
-use crate::models::gpt::Attention;
-use crate::{DType, Error, Result};
+use crate::{DType, Error, HostData, Result};
+
+/// Sequences shorter than this use the straightforward attention by default.
+pub const SHORTEST_FUSED: usize = 32;
+
+/// How causal self-attention is computed. Both give the same results up to f32
+/// rounding (tests/attention.rs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Attention {
+    /// [`crate::Kernel::Attention`] and [`crate::Kernel::AttentionBackward`]: tile by
+    /// tile, memory linear in T (saves one f32 log-sum-exp per row).
+    #[default]
+    Fused,
+    /// Batched GEMMs through a (B*H, T, T) score matrix and a causal softmax; memory
+    /// quadratic in T. Head dims over [`crate::ATTENTION_MAX_DIM`] need it.
+    Straightforward,
+}
+
+impl Attention {
+    /// Whether the fused kernels take heads of `head_dim` with activations of `dtype`
+    /// (at most [`crate::ATTENTION_MAX_DIM`], and even when activations are 16-bit).
+    pub fn fused_takes(head_dim: usize, dtype: DType) -> bool {
+        head_dim <= crate::ATTENTION_MAX_DIM && (dtype.size() == 4 || head_dim.is_multiple_of(2))
+    }
+
+    /// Fused where the kernels take the heads and the sequence is long enough for
+    /// tiles to pay, else straightforward: at T = 9 (the demo) the T×T scores are a few
+    /// hundred bytes a head and the batched GEMMs beat the fused kernels (measured:
+    /// the 600-step demo took 68 s fused, 59 s straightforward); from T = 128 up the
+    /// fused version is 2-4x faster (`kiln bench attention`).
+    pub fn best(head_dim: usize, dtype: DType, seq: usize) -> Attention {
+        if seq >= SHORTEST_FUSED && Attention::fused_takes(head_dim, dtype) {
+            Attention::Fused
+        } else {
+            Attention::Straightforward
+        }
+    }
+}
 
 /// A tensor of a [`Graph`]: an id, meaningful only in the graph that made it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,6 +70,9 @@ pub(crate) enum Source {
     Param(usize),
     /// Data the caller uploads (tokens, targets, features): no gradient.
     Input,
+    /// Values fixed when the graph is recorded (token positions), uploaded once by the
+    /// plan: index into [`Graph::constants`].
+    Constant(usize),
     /// An op's output.
     Op,
 }
@@ -136,6 +175,8 @@ pub struct Graph {
     pub(crate) loss: Option<Tensor>,
     /// Tensors kept readable after a step (their buffers are never shared).
     pub(crate) outputs: Vec<Tensor>,
+    /// The values of constant tensors.
+    pub(crate) constants: Vec<HostData>,
 }
 
 impl Graph {
@@ -211,6 +252,76 @@ impl Graph {
     /// Declares data the caller uploads before each step (no gradient).
     pub fn input(&mut self, name: &str, shape: &[usize], dtype: DType) -> Tensor {
         self.push(name.into(), shape.to_vec(), dtype, Source::Input)
+    }
+
+    /// A tensor whose values are fixed now (token positions, say): the plan uploads
+    /// them once. No gradient.
+    pub fn constant(&mut self, name: &str, shape: &[usize], data: HostData) -> Result<Tensor> {
+        let len: usize = shape.iter().product();
+        if data.len() != len {
+            return Err(Error::InvalidArgument(format!(
+                "graph: constant `{name}` {shape:?} needs {len} values, got {}",
+                data.len()
+            )));
+        }
+        let source = Source::Constant(self.constants.len());
+        let t = self.push(name.into(), shape.to_vec(), data.dtype(), source);
+        self.constants.push(data);
+        Ok(t)
+    }
+
+    /// Every input, in the order they were declared.
+    pub fn inputs(&self) -> Vec<Tensor> {
+        (0..self.tensors.len())
+            .filter(|&t| self.tensors[t].source == Source::Input)
+            .map(Tensor)
+            .collect()
+    }
+
+    /// Name, shape and dtype of a tensor.
+    pub fn describe(&self, t: Tensor) -> (&str, &[usize], DType) {
+        let i = self.t(t);
+        (&i.name, &i.shape, i.dtype)
+    }
+
+    /// The cross-entropy targets the loss is taken over, if the loss is a
+    /// cross-entropy: a loss's mean counts only the rows trained on (targets that are
+    /// not IGNORE_TARGET).
+    pub fn loss_targets(&self) -> Option<Tensor> {
+        self.ops.iter().find_map(|op| match *op {
+            Op::CrossEntropy { targets, .. } => Some(targets),
+            _ => None,
+        })
+    }
+
+    /// Rows of the loss: the per-row losses' count (0 before a loss is recorded).
+    pub fn loss_rows(&self) -> usize {
+        self.loss.map_or(0, |l| self.t(l).len())
+    }
+
+    /// The ids an input holds must stay below a bound: (input, bound, what the ids are,
+    /// IGNORE_TARGET allowed). Token inputs of an embedding index its table's rows;
+    /// cross-entropy targets index the logits' columns. Checked on the host before an
+    /// upload, since on the device an id out of range only shows as NaN.
+    pub fn id_limits(&self) -> Vec<(Tensor, usize, &'static str, bool)> {
+        let mut out = vec![];
+        for op in &self.ops {
+            let (t, bound, what, ignore) = match *op {
+                Op::Embedding { tokens, table, .. } => {
+                    (tokens, self.t(table).shape[0], "token", false)
+                }
+                Op::CrossEntropy {
+                    logits, targets, ..
+                } => (targets, self.t(logits).cols(), "target", true),
+                _ => continue,
+            };
+            if self.t(t).source == Source::Input
+                && !out.iter().any(|o: &(Tensor, _, _, _)| o.0 == t)
+            {
+                out.push((t, bound, what, ignore));
+            }
+        }
+        out
     }
 
     /// Keeps `t` readable after a step ([`Plan::buffer`]): its buffer is not shared.

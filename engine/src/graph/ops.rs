@@ -10,8 +10,7 @@
 
 use super::autodiff::Grads;
 use super::plan::Emitter;
-use super::Op;
-use crate::models::gpt::Attention;
+use super::{Attention, Op};
 use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result};
 
 /// What an op's backward reads besides its operands and output.

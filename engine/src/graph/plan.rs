@@ -29,7 +29,6 @@ use super::autodiff;
 use super::ops::{self, Saved};
 use super::{Graph, Source, Tensor};
 use crate::device::optim::{Optimizer, ParamBuffers};
-use crate::train::loss_scaler::{LossScaler, StepDecision};
 use crate::{Buffer, DType, Device, Error, HostData, Kernel, ReduceOp, Result};
 
 /// Ids from here up are placeholders. Devices count buffer ids up from 1, so a real
@@ -76,6 +75,8 @@ pub struct PlanMemory {
     /// Intermediate placeholders, and the device buffers they share.
     pub placeholders: usize,
     pub slots: usize,
+    /// Bytes of the largest single buffer the plan allocates.
+    pub largest: u64,
 }
 
 impl PlanMemory {
@@ -83,17 +84,6 @@ impl PlanMemory {
     pub fn total(&self) -> u64 {
         self.with_reuse + self.pinned
     }
-}
-
-/// What one replayed step did.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct PlanStep {
-    /// The step's loss (see [`Plan::step_loss`]); `None` unless asked for.
-    pub loss: Option<f64>,
-    /// The gradients overflowed: nothing was updated.
-    pub skipped: bool,
-    /// The loss scale the step ran at.
-    pub scale: f32,
 }
 
 /// Builds the launch list over placeholders while a graph is compiled.
@@ -221,6 +211,8 @@ pub struct Plan {
     /// Per parameter: the launch after which its gradient is final (one past the last
     /// backward launch that writes it).
     grad_final: Vec<usize>,
+    /// Per parameter: the first backward launch that writes its gradient.
+    grad_first: Vec<usize>,
     /// Every buffer the plan allocated (shared slots and pinned).
     owned: Vec<Buffer>,
     slots: Vec<Buffer>,
@@ -293,12 +285,21 @@ impl Graph {
         let proxies: Vec<Buffer> = self.params.iter().map(|p| param_grads[&p.tensor]).collect();
         autodiff::backward(self, &mut e, &saved, &param_grads)?;
         let backward_end = e.launches.len();
+        let writes = |g: &Buffer, i: usize| e.launches[i].written().iter().any(|w| w.id == g.id);
+        let grad_first = proxies
+            .iter()
+            .map(|g| {
+                (forward_end..backward_end)
+                    .find(|&i| writes(g, i))
+                    .unwrap_or(backward_end)
+            })
+            .collect();
         let grad_final = proxies
             .iter()
             .map(|g| {
                 (forward_end..backward_end)
                     .rev()
-                    .find(|&i| e.launches[i].written().iter().any(|w| w.id == g.id))
+                    .find(|&i| writes(g, i))
                     .map_or(backward_end, |i| i + 1)
             })
             .collect();
@@ -386,6 +387,7 @@ impl Graph {
             grad_scale_launch,
             updates,
             grad_final,
+            grad_first,
             owned: vec![],
             slots: vec![],
             outputs: outputs.into_iter().collect(),
@@ -501,6 +503,12 @@ fn bind(
         }
     }
     for (t, info) in g.tensors.iter().enumerate() {
+        if let Source::Constant(k) = info.source {
+            let b = e.pinned(info.dtype, info.len());
+            e.constants.push((b, g.constants[k].clone()));
+            e.value[t] = Some(b);
+            continue;
+        }
         if info.source != Source::Input {
             continue;
         }
@@ -590,9 +598,11 @@ fn share(e: &Emitter) -> Result<Sharing> {
         };
         busy.push((last, slot));
         place.insert(p.id, slot);
+        memory.largest = memory.largest.max(p.bytes());
     }
     for (k, p) in e.pinned.iter().enumerate() {
         memory.pinned += p.bytes();
+        memory.largest = memory.largest.max(p.bytes());
         place.insert(p.id, slots.len() + k);
     }
     memory.slots = slots.len();
@@ -680,6 +690,13 @@ impl Plan {
     /// tests fill them with NaN to check that no step reads what another left.
     pub fn shared_buffers(&self) -> &[Buffer] {
         &self.slots
+    }
+
+    /// Per parameter: the span of backward launches that write its gradient (empty when
+    /// none does). Parameters whose spans do not overlap can share one gradient buffer,
+    /// each handed over before the next one's writes begin.
+    pub fn gradient_writes(&self, param: usize) -> std::ops::Range<usize> {
+        self.grad_first[param]..self.grad_final[param].max(self.grad_first[param])
     }
 
     /// Launches per full step (forward, backward, check, update).
@@ -878,52 +895,6 @@ impl Plan {
     pub fn apply(&mut self, dev: &dyn Device, lr: f32, step: u32, grad_scale: f32) -> Result<()> {
         dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
         self.update(dev, lr, step)
-    }
-
-    /// One training step of one micro-batch with `scaler`'s loss scale: accumulate,
-    /// check, read the overflow flag (and the loss when `want_loss`), let the scaler
-    /// decide, update unless it skips. `step` is the 1-based count of applied updates
-    /// this one would be; `clip` as in [`Plan::check`].
-    pub fn step(
-        &mut self,
-        dev: &dyn Device,
-        scaler: &mut LossScaler,
-        loss_weight: f32,
-        (lr, step, clip): (f32, u32, f32),
-        want_loss: bool,
-    ) -> Result<PlanStep> {
-        let scale = scaler.scale();
-        self.accumulate(dev, scale, loss_weight, 0)?;
-        self.finish_step(dev, scaler, (lr, step, clip), want_loss)
-    }
-
-    /// The end of a step whose micro-batches were accumulated: check (clipping to
-    /// `clip`, 0: none), read the flag (and the loss), let `scaler` decide, update at
-    /// learning rate `lr` as 1-based `step` unless it skips.
-    pub fn finish_step(
-        &mut self,
-        dev: &dyn Device,
-        scaler: &mut LossScaler,
-        (lr, step, clip): (f32, u32, f32),
-        want_loss: bool,
-    ) -> Result<PlanStep> {
-        let scale = self.loss_scale;
-        self.check(dev, clip)?;
-        let overflow = self.overflowed(dev)?;
-        let loss = if want_loss {
-            Some(self.step_loss(dev)?)
-        } else {
-            None
-        };
-        let skipped = scaler.update(overflow)? == StepDecision::Skip;
-        if !skipped {
-            self.update(dev, lr, step)?;
-        }
-        Ok(PlanStep {
-            loss,
-            skipped,
-            scale,
-        })
     }
 
     /// Releases every buffer the plan allocated (not the caller's bindings); the plan

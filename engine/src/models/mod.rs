@@ -1,6 +1,211 @@
-//! The models: GPT-2 (`gpt`) and a small MLP classifier (`mlp`), each written once as a
-//! forward pass on the graph.
+//! Models and the contract they meet: a [`Model`] declares its parameters, records its
+//! forward pass and loss on the graph, and names its blocks; a [`Network`] is a model
+//! on a device (parameters in flat buffers, a compiled plan). GPT-2, a Llama-style
+//! model and an MLP classifier are three implementations.
 
 pub mod gpt;
-pub(crate) mod gpt_graph;
 pub mod mlp;
+mod network;
+
+pub use network::{
+    MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions, ParamState, Ready,
+};
+
+use crate::graph::{Graph, Tensor};
+use crate::{DType, Result};
+
+/// How a parameter's values start.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Every element this value (norm weights 1, biases 0).
+    Const(f32),
+    /// Uniform with this standard deviation (bound std·√3), drawn in parameter order
+    /// from the network's seed.
+    Uniform(f32),
+}
+
+/// One parameter as a model declares it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    /// The checkpoint name (a model's own convention: GPT-2's `transformer.h.0.…`,
+    /// Hugging Face Llama's `model.layers.0.…`).
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+    /// The gradient is f32 whatever the precision: embedding tables and norm weights,
+    /// whose kernels accumulate their gradients in f32. Otherwise the storage dtype.
+    pub f32_grad: bool,
+    /// Weight decay applies (matrices; not biases, norms or, by GPT-2's convention,
+    /// embeddings). Parameters with the same `f32_grad` and `decay` form one optimizer
+    /// group: one flat buffer, updated by one launch.
+    pub decay: bool,
+    /// A second name this tensor is known by where it is tied: a language model whose
+    /// head reads the token embedding stores one tensor, `name`, that other tools also
+    /// call `lm_head.weight`. Loading accepts either name.
+    pub tied: Option<String>,
+}
+
+impl ParamSpec {
+    /// A parameter with no tie.
+    pub fn new(name: impl Into<String>, shape: &[usize], init: Init) -> ParamSpec {
+        ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            init,
+            f32_grad: false,
+            decay: false,
+            tied: None,
+        }
+    }
+
+    /// Decayed by the optimizer (a weight matrix).
+    pub fn decayed(mut self) -> ParamSpec {
+        self.decay = true;
+        self
+    }
+
+    /// Its gradient is f32 (an embedding table or a norm weight).
+    pub fn f32_grad(mut self) -> ParamSpec {
+        self.f32_grad = true;
+        self
+    }
+
+    /// Also known as `other` (tied).
+    pub fn tied(mut self, other: impl Into<String>) -> ParamSpec {
+        self.tied = Some(other.into());
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What a model's recorded forward pass hands back.
+#[derive(Clone, Debug)]
+pub struct Forward {
+    /// The data each micro-batch uploads, in the order a [`MicroBatch`] lists it
+    /// (e.g. tokens, then targets).
+    pub inputs: Vec<Tensor>,
+    /// The tensor evaluation reads (the logits): its rows' argmax are the predictions.
+    pub prediction: Tensor,
+}
+
+/// A trainable model: what the trainer, data parallelism, ZeRO and checkpoints need to
+/// know of it, and nothing more. Object-safe, so a trainer holds any model as
+/// `Arc<dyn Model>`.
+pub trait Model: Send + Sync {
+    /// One line for logs, e.g. `GPT-2 (2 layers, 64 embd, 4 heads, T 9, vocab 13)`.
+    fn describe(&self) -> String;
+
+    /// Every parameter, in the order [`Model::forward`] receives them.
+    fn parameters(&self) -> Vec<ParamSpec>;
+
+    /// Records the forward pass and the loss (one cross-entropy or mean-squared error)
+    /// for a micro-batch of `batch` examples with activations stored as `dtype`.
+    /// `params` are the declared parameters' tensors, in order.
+    fn forward(
+        &self,
+        g: &mut Graph,
+        params: &[Tensor],
+        batch: usize,
+        dtype: DType,
+    ) -> Result<Forward>;
+
+    /// The blocks: groups of parameter indices whose gradients become final together
+    /// during backward (a transformer's layers). A data-parallel exchange starts on a
+    /// block as soon as backward is done with it; under ZeRO stage 2 the blocks that
+    /// look alike (same shapes in the same order) share one set of gradient buffers;
+    /// pipeline stages cut between blocks. Parameters in no block (embeddings, final
+    /// norm) form one more group. The default: no blocks.
+    fn blocks(&self) -> Vec<Vec<usize>> {
+        vec![]
+    }
+}
+
+/// A model file for `kiln train --model`: `{"architecture": "gpt2" | "llama", …sizes}`,
+/// GPT-2 when `architecture` is absent. Every other key is the architecture's config,
+/// read strictly (an unknown key is an error naming it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelConfig {
+    Gpt2(gpt::GptConfig),
+}
+
+impl ModelConfig {
+    /// The architectures a model file may name.
+    pub const ARCHITECTURES: [&'static str; 1] = ["gpt2"];
+
+    /// Reads a model file's JSON.
+    pub fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
+        let mut v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let obj = v
+            .as_object_mut()
+            .ok_or("expected a JSON object of model sizes")?;
+        let arch = match obj.remove("architecture") {
+            None => "gpt2".to_string(),
+            Some(serde_json::Value::String(s)) => s,
+            Some(other) => return Err(format!("`architecture` must be a string, not {other}")),
+        };
+        let strict =
+            |e: serde_json::Error, fields: &str| format!("{arch} model: {e} (expected {fields})");
+        match arch.as_str() {
+            "gpt2" => serde_json::from_value(v)
+                .map(ModelConfig::Gpt2)
+                .map_err(|e| {
+                    strict(
+                        e,
+                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"",
+                    )
+                }),
+            other => Err(format!(
+                "unknown architecture `{other}`; expected one of {}",
+                ModelConfig::ARCHITECTURES.join(", ")
+            )),
+        }
+    }
+
+    /// The longest sequence the model takes (its trained length).
+    pub fn block_size(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.block_size,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.vocab_size,
+        }
+    }
+
+    /// Sizes the vocabulary to the data's.
+    pub fn set_vocab_size(&mut self, v: usize) {
+        match self {
+            ModelConfig::Gpt2(c) => c.vocab_size = v,
+        }
+    }
+
+    /// The model, trained on sequences of `seq` tokens.
+    pub fn build(&self, seq: usize) -> std::sync::Arc<dyn Model> {
+        match self {
+            ModelConfig::Gpt2(c) => std::sync::Arc::new(gpt::Gpt::new(c.clone(), seq)),
+        }
+    }
+
+    /// The settings as a run records them (GPT-2's five sizes, as runs always have).
+    pub fn record(&self) -> serde_json::Value {
+        match self {
+            ModelConfig::Gpt2(c) => serde_json::json!({
+                "n_layer": c.n_layer,
+                "n_head": c.n_head,
+                "n_embd": c.n_embd,
+                "block_size": c.block_size,
+                "vocab_size": c.vocab_size,
+            }),
+        }
+    }
+}

@@ -6,8 +6,15 @@
 //! which leaves ranks as uneven as the largest tensor. A range crosses tensors, so it is
 //! kept as segments, one per tensor it touches: each segment is updated with its own
 //! tensor's settings (weight decay applies to matrices only).
+//!
+//! [`Shards`] holds every rank's slice of the f32 master weights and moments on its
+//! device, updates them from the reduced gradients and gathers the updated weights.
 
 use std::ops::Range;
+
+use crate::device::optim::ParamBuffers;
+use crate::models::{ModelStateBytes, Network, ParamState};
+use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
 
 /// The part of one tensor a rank owns.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,6 +49,153 @@ pub fn segments(sizes: &[usize], world: usize, rank: usize) -> Vec<Segment> {
         offset += n;
     }
     out
+}
+
+/// One segment of a rank's shard on its device: the f32 master, moments and reduced
+/// gradient of that slice of one tensor, and the slice's updated model copy.
+struct ShardSegment {
+    seg: Segment,
+    buffers: ParamBuffers,
+}
+
+/// ZeRO stages 1 and 2: every rank's optimizer-state segments on its device, and the
+/// f32[1] gradient factor its updates read.
+pub struct Shards {
+    ranks: Vec<Vec<ShardSegment>>,
+    scale: Vec<Buffer>,
+}
+
+impl Shards {
+    /// Takes the optimizer state off every replica (they start from the same weights)
+    /// and gives each rank its slice.
+    pub fn new(models: &mut [&mut Network], devs: &[&dyn Device]) -> Result<Shards> {
+        let world = devs.len();
+        let layout = models[0].parameter_layout();
+        let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
+        let (mut ranks, mut scale) = (vec![], vec![]);
+        for (rank, (m, &dev)) in models.iter_mut().zip(devs).enumerate() {
+            let masters = m.release_optimizer_state(dev)?;
+            let mut segs = vec![];
+            for seg in segments(&sizes, world, rank) {
+                let init = &masters[seg.param][seg.range.clone()];
+                let buffers = ParamBuffers::new(dev, init, layout[seg.param].2, DType::F32)?;
+                segs.push(ShardSegment { seg, buffers });
+            }
+            ranks.push(segs);
+            scale.push(dev.alloc(DType::F32, 1)?);
+        }
+        Ok(Shards { ranks, scale })
+    }
+
+    /// Each rank updates its own segments from the reduced gradients `sum` (a
+    /// reduce-scatter: it receives only its slice), then the updated slices are
+    /// gathered on the host and every rank receives the whole new model copy (the
+    /// all-gather). `step` is 1-based. Returns the bytes moved.
+    pub fn apply(
+        &self,
+        models: &mut [&mut Network],
+        devs: &[&dyn Device],
+        optimizer: &Optimizer,
+        (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
+    ) -> Result<u64> {
+        let step = u32::try_from(step).map_err(|_| {
+            Error::InvalidArgument("more optimizer steps than the engine counts".into())
+        })?;
+        let layout = models[0].parameter_layout();
+        let mut bytes = 0;
+        for ((segs, &scale), dev) in self.ranks.iter().zip(&self.scale).zip(devs) {
+            dev.upload(scale, &HostData::F32(vec![grad_scale]))?;
+            for s in segs {
+                let g = HostData::F32(sum[s.seg.param][s.seg.range.clone()].to_vec());
+                bytes += g.as_bytes().len() as u64;
+                dev.upload(s.buffers.grad, &g)?;
+                let decay = if layout[s.seg.param].3 {
+                    optimizer.weight_decay()
+                } else {
+                    0.0
+                };
+                dev.launch(&s.buffers.step(optimizer, scale, lr, decay, step))?;
+            }
+            dev.submit()?;
+        }
+        // All-gather: each tensor's slices, in rank order, make the whole tensor.
+        let mut parts: Vec<Vec<u8>> = vec![vec![]; layout.len()];
+        for (segs, dev) in self.ranks.iter().zip(devs) {
+            for s in segs {
+                let v = dev.download(s.buffers.value)?;
+                bytes += v.as_bytes().len() as u64;
+                parts[s.seg.param].extend_from_slice(v.as_bytes());
+            }
+        }
+        for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let whole = HostData::from_bytes(*dtype, n, &parts[i]);
+            for (m, dev) in models.iter().zip(devs) {
+                m.set_value(*dev, i, &whole)?;
+                bytes += whole.as_bytes().len() as u64;
+            }
+        }
+        for m in models.iter_mut() {
+            m.set_steps_applied(step);
+        }
+        Ok(bytes)
+    }
+
+    /// Fills the masters and moments of whole-model `states` from the shards.
+    pub fn gather(&self, devs: &[&dyn Device], states: &mut [ParamState]) -> Result<()> {
+        for st in states.iter_mut() {
+            let n: usize = st.shape.iter().product();
+            st.master = vec![0.0; n];
+            st.m = vec![0.0; n];
+            st.v = vec![0.0; n];
+        }
+        for (segs, dev) in self.ranks.iter().zip(devs) {
+            for s in segs {
+                let st = &mut states[s.seg.param];
+                let r = s.seg.range.clone();
+                st.master[r.clone()].copy_from_slice(&dev.download(s.buffers.master)?.to_f32());
+                st.m[r.clone()].copy_from_slice(&dev.download(s.buffers.m)?.to_f32());
+                st.v[r].copy_from_slice(&dev.download(s.buffers.v)?.to_f32());
+            }
+        }
+        Ok(())
+    }
+
+    /// Uploads each rank's slices of whole-model `states` (checked by the caller).
+    pub fn scatter(&self, devs: &[&dyn Device], states: &[ParamState]) -> Result<()> {
+        for (segs, dev) in self.ranks.iter().zip(devs) {
+            for s in segs {
+                let st = &states[s.seg.param];
+                let r = s.seg.range.clone();
+                let f32s = |v: &[f32]| HostData::F32(v[r.clone()].to_vec());
+                dev.upload(s.buffers.master, &f32s(&st.master))?;
+                dev.upload(s.buffers.m, &f32s(&st.m))?;
+                dev.upload(s.buffers.v, &f32s(&st.v))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s shard bytes: master, moments, reduced gradient, updated model
+    /// copy and the step's gradient factor.
+    pub fn add_bytes(&self, rank: usize, bytes: &mut ModelStateBytes) {
+        let Some(segs) = self.ranks.get(rank) else {
+            return;
+        };
+        for s in segs {
+            let b = &s.buffers;
+            bytes.gradients += b.grad.bytes();
+            bytes.optimizer += b.master.bytes() + b.m.bytes() + b.v.bytes() + b.value.bytes();
+        }
+        bytes.optimizer += self.scale[rank].bytes();
+    }
+
+    /// Elements of the optimizer state rank `rank` holds (master + moments count once).
+    pub fn elements(&self, rank: usize) -> usize {
+        self.ranks
+            .get(rank)
+            .map_or(0, |segs| segs.iter().map(|s| s.seg.range.len()).sum())
+    }
 }
 
 #[cfg(test)]

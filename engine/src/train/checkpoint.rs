@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use crate::train::fsutil::{self, ctx, IoFailure};
-use crate::train::safetensors_io::{encode, st_dtype};
+use crate::device::safetensors_io::{encode, st_dtype};
+use crate::fsutil::{self, ctx, IoFailure};
 use crate::{DType, HostData};
 
 /// The directory under a run that holds its checkpoints.
@@ -138,6 +138,13 @@ pub enum CheckpointError {
         found: String,
         expected: String,
     },
+
+    #[error("checkpoint `{}`: the manifest's state has no valid `{what}`; the checkpoint was not written by this version of Kiln", .dir.display())]
+    BadState { dir: PathBuf, what: &'static str },
+
+    /// Reading the state off the devices, or putting it back, failed.
+    #[error(transparent)]
+    Device(#[from] crate::Error),
 }
 
 impl From<IoFailure> for CheckpointError {

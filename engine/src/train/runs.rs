@@ -18,8 +18,8 @@ use plotters::prelude::*;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
+use crate::fsutil::{self, ctx, IoFailure};
 use crate::train::checkpoint;
-use crate::train::fsutil::{self, ctx, IoFailure};
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -365,7 +365,7 @@ pub struct Summary {
     pub devices: Vec<String>,
     /// Per device, the model states' bytes as allocated (filled in by the caller).
     #[serde(default)]
-    pub model_states: Vec<crate::models::gpt::ModelStateBytes>,
+    pub model_states: Vec<crate::models::ModelStateBytes>,
 }
 
 fn finite<T: Into<f64> + Copy>(v: T) -> Option<T> {

@@ -50,7 +50,7 @@ pub fn save(dev: &dyn Device, tensors: &[NamedTensor], path: &Path) -> Result<()
         .map(|(t, host)| (t.name.as_str(), t.shape.as_slice(), host))
         .collect();
     let bytes = encode(&named).map_err(|e| io(path, "serializing", e))?;
-    crate::train::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
+    crate::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
 }
 
 /// Serializes named host tensors to safetensors bytes.

@@ -1,0 +1,1162 @@
+//! A model on a device: its parameters in flat buffers per optimizer group, and one
+//! compiled plan (forward, derived backward, overflow check, norm, update) replayed
+//! every step. Everything here is the same for every [`Model`]; what a model is comes
+//! only through the contract.
+//!
+//! A step is three phases, so a data-parallel group can put its exchange between them:
+//! [`Network::accumulate`] (forward and backward over the micro-batches, gradients
+//! summed), [`Network::check`] (overflow flag, norm, the step's loss) and
+//! [`Network::update`] (the optimizer) or [`Network::apply`] (the optimizer with a
+//! gradient factor the host decided). The loss scaler lives with the trainer, which
+//! decides between the last two.
+
+use std::cell::Cell;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use super::{Forward, Init, Model, ParamSpec};
+use crate::data;
+use crate::device::optim::ParamBuffers;
+use crate::graph::{Bindings, Graph, Group, Plan, Tensor};
+use crate::rng::SplitMix;
+use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result, IGNORE_TARGET};
+
+/// The data of one micro-batch: one host vector per input of the model's forward pass,
+/// in [`Forward::inputs`] order. Float inputs may be given as f32 (rounded to the
+/// input's dtype on upload).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MicroBatch(pub Vec<HostData>);
+
+impl MicroBatch {
+    /// A language model's micro-batch: token ids and next-token targets.
+    pub fn tokens(tokens: &[u32], targets: &[u32]) -> MicroBatch {
+        MicroBatch(vec![
+            HostData::U32(tokens.to_vec()),
+            HostData::U32(targets.to_vec()),
+        ])
+    }
+
+    /// A classifier's micro-batch: f32 features (row-major) and class ids.
+    pub fn features(x: &[f32], classes: &[u32]) -> MicroBatch {
+        MicroBatch(vec![
+            HostData::F32(x.to_vec()),
+            HostData::U32(classes.to_vec()),
+        ])
+    }
+}
+
+impl From<&data::Batch> for MicroBatch {
+    fn from(b: &data::Batch) -> MicroBatch {
+        MicroBatch::tokens(&b.tokens, &b.targets)
+    }
+}
+
+/// How a network is built: its micro-batch, storage dtype, optimizer and seed.
+#[derive(Clone, Debug)]
+pub struct NetworkOptions {
+    /// Examples per micro-batch (the graph's shapes are fixed at build time).
+    pub batch: usize,
+    /// Storage of weights, activations and most gradients: f32, f16 or bf16 (the
+    /// master weights and moments are f32 whatever this is).
+    pub dtype: DType,
+    /// The optimizer and its base learning rate (a schedule may vary it per step);
+    /// weight decay applies to the parameters declared `decay`.
+    pub optimizer: Optimizer,
+    /// Draws the initial weights (in parameter order).
+    pub seed: u64,
+}
+
+/// Tensors in a flat buffer start on multiples of this many elements: a 256-byte
+/// boundary ([`crate::device::VIEW_ALIGN`]) for 2- and 4-byte dtypes alike.
+const ARENA_ALIGN: usize = 128;
+/// Elements of one flat buffer at most: 128 MiB of f32, the per-binding size every
+/// WebGPU adapter allows, so one launch can update a whole buffer anywhere.
+const ARENA_ELEMS: usize = (128 << 20) / 4;
+
+/// Where the parameters live: optimizer groups (same gradient dtype, same weight
+/// decay) packed into flat buffers ("arenas"), each tensor a view at an aligned offset,
+/// so one launch per arena updates, checks or measures every tensor in it.
+struct ArenaLayout {
+    /// Per arena: (f32 gradients, weight decay, elements).
+    arenas: Vec<(bool, bool, usize)>,
+    /// Per parameter: (arena, first element).
+    places: Vec<(usize, usize)>,
+}
+
+fn arena_layout(specs: &[ParamSpec]) -> ArenaLayout {
+    let mut arenas: Vec<(bool, bool, usize)> = vec![];
+    let mut places = vec![];
+    for spec in specs {
+        let n = spec.len();
+        let key = (spec.f32_grad, spec.decay);
+        let open = arenas.iter().rposition(|a| (a.0, a.1) == key);
+        let place = match open {
+            Some(i) if arenas[i].2.next_multiple_of(ARENA_ALIGN) + n <= ARENA_ELEMS => {
+                (i, arenas[i].2.next_multiple_of(ARENA_ALIGN))
+            }
+            // A new group, or the open arena is full (a tensor larger than a whole
+            // arena gets one of its own).
+            _ => {
+                arenas.push((key.0, key.1, 0));
+                (arenas.len() - 1, 0)
+            }
+        };
+        arenas[place.0].2 = place.1 + n;
+        places.push(place);
+    }
+    ArenaLayout { arenas, places }
+}
+
+/// ZeRO stage 2's gradient sharing: per parameter, the parameter of the model's first
+/// block whose gradient buffer it writes (`None`: a buffer of its own). Every block that
+/// looks like the first (same shapes and gradient kinds in the same order) shares the
+/// first block's buffers; other blocks and the parameters outside blocks keep their own.
+fn shared_gradients(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> Vec<Option<usize>> {
+    let mut share = vec![None; specs.len()];
+    let Some(first) = blocks.first() else {
+        return share;
+    };
+    let look = |b: &Vec<usize>| -> Vec<(Vec<usize>, bool)> {
+        b.iter()
+            .map(|&i| (specs[i].shape.clone(), specs[i].f32_grad))
+            .collect()
+    };
+    for b in &blocks[1..] {
+        if look(b) == look(first) {
+            for (&p, &q) in b.iter().zip(first) {
+                share[p] = Some(q);
+            }
+        }
+    }
+    share
+}
+
+/// Device bytes a [`Network`] allocates, by what they hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NetworkMemory {
+    /// The model copy in the storage dtype.
+    pub weights: u64,
+    /// Gradients (storage dtype; f32 for embeddings and norms).
+    pub gradients: u64,
+    /// The gradients' bytes once alike blocks share one set (ZeRO stage 2, see
+    /// [`Network::share_block_gradients`]): the first block's and those of the
+    /// parameters outside blocks, each in a buffer of its own.
+    pub shared_gradients: u64,
+    /// The gradient tensors' own bytes (without the arenas' alignment gaps): what a
+    /// data-parallel exchange moves per copy.
+    pub gradient_tensors: u64,
+    /// f32 master weights and the optimizer's two moments.
+    pub optimizer: u64,
+    /// The plan's buffers (activations saved for backward, their gradients and
+    /// scratch, shared by liveness; losses, outputs, constants, small buffers) and the
+    /// inputs.
+    pub activations: u64,
+    /// The largest single buffer: what must fit one kernel binding (GEMM operands over
+    /// the limit are split; other kernels' are errors).
+    pub largest_buffer: u64,
+}
+
+impl NetworkMemory {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.activations
+    }
+}
+
+/// A device's bytes of model states, by what they hold (ZeRO's accounting).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelStateBytes {
+    pub weights: u64,
+    pub gradients: u64,
+    /// f32 master weights, optimizer moments and what updates them.
+    pub optimizer: u64,
+}
+
+impl ModelStateBytes {
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer
+    }
+}
+
+/// One parameter's training state on the host: model copy (storage dtype, bit-exact),
+/// f32 master and the optimizer's two moments (SGD uses `m` for momentum).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamState {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub value: HostData,
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// A parameter's name and its Adam first and second moments.
+pub type Moments = (String, Vec<f32>, Vec<f32>);
+
+/// Called with parameter indices whose gradients just became final.
+pub type Ready<'a> = &'a mut dyn FnMut(&[usize]) -> Result<()>;
+
+/// A named parameter: its buffers (model copy, master, gradient, moments).
+struct Param {
+    spec: ParamSpec,
+    buffers: ParamBuffers,
+}
+
+/// The recorded graph of a model, with its parameters declared from the specs.
+struct Recorded {
+    graph: Graph,
+    forward: Forward,
+}
+
+fn record(model: &dyn Model, specs: &[ParamSpec], options: &NetworkOptions) -> Result<Recorded> {
+    let act = options.dtype;
+    if !act.is_float() {
+        return Err(Error::InvalidArgument(format!(
+            "network: activations must be stored as f32, f16 or bf16, not {act}"
+        )));
+    }
+    if options.batch == 0 {
+        return Err(Error::InvalidArgument(
+            "network: a micro-batch needs at least one example".into(),
+        ));
+    }
+    let mut g = Graph::new();
+    let mut params = vec![];
+    for s in specs {
+        let grad = if s.f32_grad { DType::F32 } else { act };
+        params.push(g.param(&s.name, &s.shape, act, grad, s.decay)?);
+    }
+    let forward = model.forward(&mut g, &params, options.batch, act)?;
+    g.output(forward.prediction)?;
+    let declared = g.inputs();
+    let mut listed = forward.inputs.clone();
+    listed.sort();
+    if listed != declared {
+        return Err(Error::InvalidArgument(format!(
+            "network: {}'s forward pass declares {} inputs but lists {} in Forward::inputs; \
+             list every Graph::input once, in the order micro-batches give them",
+            model.describe(),
+            declared.len(),
+            forward.inputs.len()
+        )));
+    }
+    Ok(Recorded { graph: g, forward })
+}
+
+/// Checks a model's parameter table before anything is recorded or allocated.
+fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
+    let mut names = HashSet::new();
+    for s in specs {
+        if s.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{}: parameter `{}` has shape {:?}, no elements",
+                model.describe(),
+                s.name,
+                s.shape
+            )));
+        }
+        for n in std::iter::once(&s.name).chain(&s.tied) {
+            if !names.insert(n.clone()) {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: two parameters are named `{n}`; names must be unique",
+                    model.describe()
+                )));
+            }
+        }
+    }
+    let blocks = model.blocks();
+    let mut seen = HashSet::new();
+    for b in &blocks {
+        for &p in b {
+            if p >= specs.len() || !seen.insert(p) {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: block parameter {p} is out of range ({} parameters) or in two blocks",
+                    model.describe(),
+                    specs.len()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A [`Model`] on a device, ready to train.
+pub struct Network {
+    model: Arc<dyn Model>,
+    options: NetworkOptions,
+    params: Vec<Param>,
+    /// The flat buffers every parameter's buffers are views of: the optimizer's groups
+    /// (one launch each updates, checks or measures every tensor in it).
+    arenas: Vec<Group>,
+    /// The forward pass as recorded, and its compiled step.
+    recorded: Recorded,
+    plan: Plan,
+    /// One device buffer per input, in [`Forward::inputs`] order.
+    inputs: Vec<Buffer>,
+    /// Which input holds the cross-entropy targets (its trained rows weigh the loss).
+    targets: Option<usize>,
+    step: u32,
+    /// Alike blocks write their gradients into the first block's buffers (ZeRO stage
+    /// 2): each micro-batch's block gradients must be handed over before the next
+    /// block runs.
+    shared_block_grads: bool,
+    /// Rows of the uploaded micro-batch that are trained on (targets that are not
+    /// IGNORE_TARGET; every row for a regression loss).
+    trained: Cell<usize>,
+    /// Once the blocks share gradients: the gradient buffers that remain (the arenas'
+    /// are freed).
+    own_grads: Vec<Buffer>,
+    /// Once the optimizer state is released: the empty buffer every master and moment
+    /// names.
+    released: Option<Buffer>,
+}
+
+impl Network {
+    /// Builds `model` on `dev`: parameters initialised from `options.seed` in declared
+    /// order, packed into flat buffers per optimizer group; the forward pass recorded
+    /// for `options.batch` examples, its backward derived and the whole step compiled.
+    pub fn new(
+        dev: &dyn Device,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+    ) -> Result<Network> {
+        let specs = model.parameters();
+        check_specs(model.as_ref(), &specs)?;
+        let act = options.dtype;
+        let recorded = record(model.as_ref(), &specs, options)?;
+        let layout = arena_layout(&specs);
+        let mut rng = SplitMix(options.seed);
+        // Initial values in model order (the draws do not depend on the layout), each
+        // written at its place in its arena; the gaps stay zero for good.
+        let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
+        for (spec, &(arena, at)) in specs.iter().zip(&layout.places) {
+            let place = &mut inits[arena][at..at + spec.len()];
+            match spec.init {
+                Init::Const(x) => place.fill(x),
+                Init::Uniform(s) => place
+                    .iter_mut()
+                    .for_each(|x| *x = rng.symmetric() * s * 3f32.sqrt()),
+            }
+        }
+        let mut arenas = vec![];
+        for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
+            let grad = if f32_grad { DType::F32 } else { act };
+            arenas.push(Group {
+                buffers: ParamBuffers::new(dev, init, act, grad)?,
+                decay,
+            });
+        }
+        let mut params: Vec<Param> = vec![];
+        for (spec, &(arena, at)) in specs.into_iter().zip(&layout.places) {
+            let n = spec.len();
+            let whole = &arenas[arena].buffers;
+            let view = |b: Buffer| dev.view(b, at, n);
+            params.push(Param {
+                buffers: ParamBuffers {
+                    value: view(whole.value)?,
+                    master: view(whole.master)?,
+                    grad: view(whole.grad)?,
+                    m: view(whole.m)?,
+                    v: view(whole.v)?,
+                },
+                spec,
+            });
+        }
+        let g = &recorded.graph;
+        let mut inputs = vec![];
+        for &t in &recorded.forward.inputs {
+            let (_, shape, dtype) = g.describe(t);
+            inputs.push(dev.alloc(dtype, shape.iter().product())?);
+        }
+        let targets = g
+            .loss_targets()
+            .and_then(|t| recorded.forward.inputs.iter().position(|&i| i == t));
+        let bindings = Bindings {
+            params: params.iter().map(|p| p.buffers).collect(),
+            inputs: recorded
+                .forward
+                .inputs
+                .iter()
+                .copied()
+                .zip(inputs.iter().copied())
+                .collect(),
+            groups: arenas.clone(),
+        };
+        let plan = g.compile(dev, &bindings, Some(&options.optimizer))?;
+        Ok(Network {
+            model,
+            options: options.clone(),
+            params,
+            arenas,
+            recorded,
+            plan,
+            inputs,
+            targets,
+            step: 0,
+            shared_block_grads: false,
+            trained: Cell::new(0),
+            own_grads: vec![],
+            released: None,
+        })
+    }
+
+    /// What [`Network::new`] allocates for `model` with `options`, computed without a
+    /// device (tested equal to a device's allocator): the forward pass is recorded and
+    /// the plan's buffers assigned as compiling would, over stand-in buffers.
+    pub fn memory(model: &dyn Model, options: &NetworkOptions) -> Result<NetworkMemory> {
+        let specs = model.parameters();
+        check_specs(model, &specs)?;
+        let act = options.dtype;
+        let recorded = record(model, &specs, options)?;
+        let f = |n: usize| DType::F32.padded_bytes(n);
+        let a = |n: usize| act.padded_bytes(n);
+        let mut m = NetworkMemory::default();
+        let layout = arena_layout(&specs);
+        for &(f32_grad, _, n) in &layout.arenas {
+            m.weights += a(n);
+            m.gradients += if f32_grad { f(n) } else { a(n) };
+            m.optimizer += 3 * f(n);
+        }
+        let sharing = shared_gradients(&specs, &model.blocks());
+        for (p, shared) in specs.iter().zip(&sharing) {
+            let grad = if p.f32_grad { f(p.len()) } else { a(p.len()) };
+            m.gradient_tensors += grad;
+            if shared.is_none() {
+                m.shared_gradients += grad;
+            }
+        }
+        // Distinct ids of the right dtype and length are all planning needs.
+        let mut ids = 0;
+        let mut stand_in = |dtype: DType, len: usize| {
+            ids += 1;
+            Buffer {
+                id: ids,
+                dtype,
+                len,
+            }
+        };
+        let mut buffers = |grad: DType, n: usize| ParamBuffers {
+            value: stand_in(act, n),
+            master: stand_in(DType::F32, n),
+            grad: stand_in(grad, n),
+            m: stand_in(DType::F32, n),
+            v: stand_in(DType::F32, n),
+        };
+        let grad_dtype = |f32_grad: bool| if f32_grad { DType::F32 } else { act };
+        let params = specs
+            .iter()
+            .map(|s| buffers(grad_dtype(s.f32_grad), s.len()))
+            .collect();
+        let groups = layout
+            .arenas
+            .iter()
+            .map(|&(f32_grad, decay, n)| Group {
+                buffers: buffers(grad_dtype(f32_grad), n),
+                decay,
+            })
+            .collect();
+        let g = &recorded.graph;
+        let mut input_bytes = 0;
+        let mut inputs = vec![];
+        for &t in &recorded.forward.inputs {
+            let (_, shape, dtype) = g.describe(t);
+            let n = shape.iter().product();
+            input_bytes += dtype.padded_bytes(n);
+            inputs.push((t, stand_in(dtype, n)));
+        }
+        let bindings = Bindings {
+            params,
+            inputs,
+            groups,
+        };
+        let plan = g.memory(&bindings, Some(&options.optimizer))?;
+        m.activations = plan.total() + input_bytes;
+        let arenas = layout.arenas.iter().map(|a| f(a.2));
+        m.largest_buffer = arenas.fold(plan.largest, u64::max);
+        Ok(m)
+    }
+
+    /// The model this network runs.
+    pub fn model(&self) -> &Arc<dyn Model> {
+        &self.model
+    }
+
+    pub fn options(&self) -> &NetworkOptions {
+        &self.options
+    }
+
+    /// The recorded graph (forward pass and loss).
+    pub fn graph(&self) -> &Graph {
+        &self.recorded.graph
+    }
+
+    /// The device buffer of a graph output kept readable after a step (the prediction
+    /// and the per-row losses always are; see [`Graph::output`]).
+    pub fn output(&self, t: Tensor) -> Option<Buffer> {
+        self.plan.buffer(t)
+    }
+
+    /// The prediction tensor (the logits) of the recorded forward pass.
+    pub fn prediction(&self) -> Tensor {
+        self.recorded.forward.prediction
+    }
+
+    /// Compiles the plan again after the buffers it binds changed: the blocks share
+    /// gradients (no arenas' gradients to check: each parameter is its own group) or
+    /// the optimizer state went (no update). The old plan's buffers are freed first.
+    fn recompile(&mut self, dev: &dyn Device) -> Result<()> {
+        let r = &self.recorded;
+        let bindings = Bindings {
+            params: self.params.iter().map(|p| p.buffers).collect(),
+            inputs: r
+                .forward
+                .inputs
+                .iter()
+                .copied()
+                .zip(self.inputs.iter().copied())
+                .collect(),
+            groups: if self.shared_block_grads {
+                vec![]
+            } else {
+                self.arenas.clone()
+            },
+        };
+        let optimizer = self.released.is_none().then_some(&self.options.optimizer);
+        self.plan.free(dev)?;
+        self.plan = r.graph.compile(dev, &bindings, optimizer)?;
+        Ok(())
+    }
+
+    /// Checks a micro-batch against the inputs (count, dtypes, lengths, ids in range)
+    /// and uploads it.
+    fn upload(&self, dev: &dyn Device, batch: &MicroBatch) -> Result<()> {
+        let g = &self.recorded.graph;
+        let names = &self.recorded.forward.inputs;
+        if batch.0.len() != names.len() {
+            let list: Vec<&str> = names.iter().map(|&t| g.describe(t).0).collect();
+            return Err(Error::InvalidArgument(format!(
+                "a micro-batch of {} holds {} inputs ({}), got {}",
+                self.model.describe(),
+                names.len(),
+                list.join(", "),
+                batch.0.len()
+            )));
+        }
+        let mut data = vec![];
+        for (&t, given) in names.iter().zip(&batch.0) {
+            let (name, shape, dtype) = g.describe(t);
+            let len: usize = shape.iter().product();
+            if given.len() != len {
+                return Err(Error::InvalidArgument(format!(
+                    "`{name}` of a micro-batch holds {len} values ({shape:?} {dtype}), got {}",
+                    given.len()
+                )));
+            }
+            let d = match (given, dtype.is_float()) {
+                (HostData::F32(x), true) if dtype != DType::F32 => HostData::from_f32(dtype, x),
+                _ if given.dtype() == dtype => given.clone(),
+                _ => {
+                    return Err(Error::DTypeMismatch {
+                        what: format!("`{name}` of a micro-batch"),
+                        expected: dtype,
+                        found: given.dtype(),
+                    })
+                }
+            };
+            data.push(d);
+        }
+        // Checked here: on the device an out-of-range id would quietly give NaN losses
+        // or skip every step. Targets may be IGNORE_TARGET (not trained on).
+        for (t, bound, what, ignore) in g.id_limits() {
+            let k = names
+                .iter()
+                .position(|&i| i == t)
+                .expect("limits are of inputs");
+            let HostData::U32(ids) = &data[k] else {
+                continue;
+            };
+            let bad = ids
+                .iter()
+                .enumerate()
+                .find(|&(_, &id)| id as usize >= bound && !(ignore && id == IGNORE_TARGET));
+            if let Some((i, &id)) = bad {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
+                    g.describe(t).0
+                )));
+            }
+        }
+        let trained = match self.targets.map(|k| &data[k]) {
+            Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
+            _ => g.loss_rows(),
+        };
+        self.trained.set(trained);
+        for (&buf, d) in self.inputs.iter().zip(&data) {
+            dev.upload(buf, d)?;
+        }
+        Ok(())
+    }
+
+    /// 1 / the rows of the uploaded micro-batch that are trained on: the loss is their
+    /// mean (ignored positions weigh nothing; a batch with none has loss 0).
+    fn per_row(&self) -> f32 {
+        1.0 / self.trained.get().max(1) as f32
+    }
+
+    /// Mean of the trained rows' losses, summed in f64 (finite differences need the
+    /// digits).
+    fn mean_loss(&self, dev: &dyn Device) -> Result<f64> {
+        Ok(self.plan.loss_sum(dev)? / self.trained.get().max(1) as f64)
+    }
+
+    /// Mean loss of a micro-batch, no update.
+    pub fn loss(&self, dev: &dyn Device, batch: &MicroBatch) -> Result<f64> {
+        self.upload(dev, batch)?;
+        self.plan.forward(dev)?;
+        self.mean_loss(dev)
+    }
+
+    /// Forward and backward with loss scale 1; returns the loss. Gradients are left in
+    /// the parameters' grad buffers (see [`Network::gradients`]).
+    pub fn loss_and_gradients(&mut self, dev: &dyn Device, batch: &MicroBatch) -> Result<f64> {
+        self.upload(dev, batch)?;
+        self.plan.accumulate(dev, 1.0, self.per_row(), 0)?;
+        self.mean_loss(dev)
+    }
+
+    /// Mean loss of a micro-batch and the index of the largest prediction in every row
+    /// of the prediction (a language model's next token at every position, a
+    /// classifier's class): one forward pass, for evaluation.
+    pub fn predict(&self, dev: &dyn Device, batch: &MicroBatch) -> Result<(f64, Vec<u32>)> {
+        let loss = self.loss(dev, batch)?;
+        let t = self.recorded.forward.prediction;
+        let cols = *self.recorded.graph.shape(t).last().unwrap_or(&1);
+        let buf = self
+            .plan
+            .buffer(t)
+            .expect("the prediction is a graph output");
+        let values = dev.download(buf)?.to_f32();
+        let best = values
+            .chunks_exact(cols.max(1))
+            .map(|row| {
+                // First maximum wins, so ties resolve the same way on every backend.
+                let mut arg = 0;
+                for (i, &x) in row.iter().enumerate() {
+                    if x > row[arg] {
+                        arg = i;
+                    }
+                }
+                arg as u32
+            })
+            .collect();
+        Ok((loss, best))
+    }
+
+    /// (name, gradient) of every parameter, as f32.
+    pub fn gradients(&self, dev: &dyn Device) -> Result<Vec<(String, Vec<f32>)>> {
+        self.check_own_gradients()?;
+        self.params
+            .iter()
+            .map(|p| Ok((p.spec.name.clone(), dev.download(p.buffers.grad)?.to_f32())))
+            .collect()
+    }
+
+    /// Overwrites one parameter (value and master) from f32 values.
+    pub fn set_parameter(&self, dev: &dyn Device, index: usize, values: &[f32]) -> Result<()> {
+        let p = &self.param(index)?.buffers;
+        dev.upload(p.master, &HostData::F32(values.to_vec()))?;
+        dev.upload(p.value, &HostData::from_f32(p.value.dtype, values))
+    }
+
+    fn param(&self, index: usize) -> Result<&Param> {
+        self.params.get(index).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "network: parameter {index} does not exist; {} has {}",
+                self.model.describe(),
+                self.params.len()
+            ))
+        })
+    }
+
+    /// (name, f32 master values) of every parameter.
+    pub fn parameters(&self, dev: &dyn Device) -> Result<Vec<(String, Vec<f32>)>> {
+        self.params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.spec.name.clone(),
+                    dev.download(p.buffers.master)?.to_f32(),
+                ))
+            })
+            .collect()
+    }
+
+    /// (name, Adam first moment, second moment) of every parameter.
+    pub fn moments(&self, dev: &dyn Device) -> Result<Vec<Moments>> {
+        self.params
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.spec.name.clone(),
+                    dev.download(p.buffers.m)?.to_f32(),
+                    dev.download(p.buffers.v)?.to_f32(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Optimizer steps applied so far (skipped steps do not count; the LR schedule and
+    /// Adam's bias correction follow this).
+    pub fn steps_applied(&self) -> u32 {
+        self.step
+    }
+
+    /// The model weights under their checkpoint names, for safetensors export/import.
+    pub fn tensors(&self) -> Vec<crate::device::safetensors_io::NamedTensor> {
+        self.params
+            .iter()
+            .map(|p| crate::device::safetensors_io::NamedTensor {
+                name: p.spec.name.clone(),
+                buffer: p.buffers.value,
+                shape: p.spec.shape.clone(),
+            })
+            .collect()
+    }
+
+    /// Every parameter as declared.
+    pub fn specs(&self) -> impl Iterator<Item = &ParamSpec> {
+        self.params.iter().map(|p| &p.spec)
+    }
+
+    /// A step's first phase: forward and backward over the micro-batches at
+    /// `loss_scale`, each micro-batch's mean loss weighing 1/n, so the grad buffers end
+    /// up holding the scaled gradient of the step's mean loss. Submitted, not waited
+    /// for: several devices can compute at once.
+    pub fn accumulate(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[MicroBatch],
+        loss_scale: f32,
+    ) -> Result<()> {
+        self.accumulate_hooked(dev, micro, loss_scale, None)
+    }
+
+    /// [`Network::accumulate`], calling `ready(params)` during the last micro-batch's
+    /// backward as soon as those parameters' gradients are final and submitted: each
+    /// block's (the model's [`Model::blocks`], in the order backward finishes them),
+    /// then the parameters outside blocks. A data-parallel group starts exchanging them
+    /// while the rest of backward runs. With [`Network::share_block_gradients`] every
+    /// micro-batch's gradients are written afresh and handed over: the caller sums them.
+    pub fn accumulate_with(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[MicroBatch],
+        loss_scale: f32,
+        ready: Ready<'_>,
+    ) -> Result<()> {
+        self.accumulate_hooked(dev, micro, loss_scale, Some(ready))
+    }
+
+    /// The groups [`Network::accumulate_with`] hands over: each block, then the rest.
+    pub fn ready_groups(&self) -> Vec<Vec<usize>> {
+        let mut groups = self.model.blocks();
+        let mut rest: Vec<usize> = (0..self.params.len()).collect();
+        rest.retain(|p| !groups.iter().any(|g| g.contains(p)));
+        if !rest.is_empty() {
+            groups.push(rest);
+        }
+        groups
+    }
+
+    fn accumulate_hooked(
+        &mut self,
+        dev: &dyn Device,
+        micro: &[MicroBatch],
+        loss_scale: f32,
+        mut ready: Option<Ready<'_>>,
+    ) -> Result<()> {
+        if micro.is_empty() {
+            return Err(Error::InvalidArgument(
+                "network: a step needs at least one micro-batch".into(),
+            ));
+        }
+        if self.shared_block_grads && ready.is_none() {
+            return Err(Error::InvalidArgument(
+                "network: the blocks share one set of gradient buffers (ZeRO stage 2), so \
+                 each block's gradients must be handed over as they are made: use \
+                 accumulate_with"
+                    .into(),
+            ));
+        }
+        let groups = self.ready_groups();
+        let count = micro.len();
+        for (i, batch) in micro.iter().enumerate() {
+            self.upload(dev, batch)?;
+            let w = self.per_row() / count as f32;
+            match &mut ready {
+                Some(r) if self.shared_block_grads || i + 1 == count => {
+                    self.plan
+                        .accumulate_with(dev, (loss_scale, w, i), &groups, &mut **r)?
+                }
+                _ => self.plan.accumulate(dev, loss_scale, w, i)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// After [`Network::accumulate`]: the overflow check over every gradient and the
+    /// factor the update will multiply them by (unscaling, and clipping to global L2
+    /// norm `clip` when above 0). Returns whether the gradients overflowed and the
+    /// step's loss (waits for the device).
+    pub fn check(&mut self, dev: &dyn Device, clip: f32) -> Result<(bool, f32)> {
+        self.plan.check(dev, clip)?;
+        let overflow = self.plan.overflowed(dev)?;
+        Ok((overflow, self.plan.step_loss(dev)? as f32))
+    }
+
+    /// The optimizer step at learning rate `lr`, with the factor [`Network::check`]
+    /// computed on the device.
+    pub fn update(&mut self, dev: &dyn Device, lr: f32) -> Result<()> {
+        self.plan.update(dev, lr, self.step + 1)?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// A step's last phase when the host has decided it (a data-parallel group: the
+    /// overflow check, norm and scaler ran on the reduced gradients): applies the
+    /// optimizer with every gradient multiplied by `grad_scale` (1 / (loss scale × clip
+    /// factor)) at learning rate `lr`.
+    pub fn apply(&mut self, dev: &dyn Device, lr: f32, grad_scale: f32) -> Result<()> {
+        self.plan.apply(dev, lr, self.step + 1, grad_scale)?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// The factor the last step multiplied gradients by (1 / (loss scale * clip factor)).
+    pub fn last_grad_scale(&self, dev: &dyn Device) -> Result<f32> {
+        self.plan.grad_scale(dev)
+    }
+
+    /// Parameter `index`'s gradient as f32 (waits for the work that writes it).
+    pub fn gradient(&self, dev: &dyn Device, index: usize) -> Result<Vec<f32>> {
+        self.check_own_gradients()?;
+        Ok(dev.download(self.param(index)?.buffers.grad)?.to_f32())
+    }
+
+    /// Overwrites parameter `index`'s gradient (rounded to its dtype).
+    pub fn set_gradient(&self, dev: &dyn Device, index: usize, grad: &[f32]) -> Result<()> {
+        self.check_own_gradients()?;
+        let g = self.param(index)?.buffers.grad;
+        dev.upload(g, &HostData::from_f32(g.dtype, grad))
+    }
+
+    /// Shared block gradients hold whichever block ran last: reading them as one
+    /// parameter's gradient would be wrong without saying so.
+    fn check_own_gradients(&self) -> Result<()> {
+        if self.shared_block_grads {
+            return Err(Error::InvalidArgument(
+                "network: the blocks share one set of gradient buffers (ZeRO stage 2); a \
+                 block's gradients exist only while accumulate_with hands them over"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// ZeRO stage 2's gradient partitioning on this replica: every block that looks
+    /// like the model's first writes its gradients into the first block's buffers, and
+    /// the arenas' gradients are freed, so a device holds one block's gradients (plus
+    /// those outside blocks) instead of all of them. [`Network::accumulate_with`] then
+    /// hands over each block's gradients of every micro-batch before the next block
+    /// overwrites them (the copy to staging memory is queued in-stream ahead of that
+    /// block's backward), and the group keeps only each rank's reduced shard. The plan
+    /// is compiled again over the shared buffers; a model whose blocks' backward
+    /// passes interleave cannot share and is refused.
+    pub fn share_block_gradients(&mut self, dev: &dyn Device) -> Result<()> {
+        if self.shared_block_grads {
+            return Ok(());
+        }
+        let specs: Vec<ParamSpec> = self.params.iter().map(|p| p.spec.clone()).collect();
+        let blocks = self.model.blocks();
+        let sharing = shared_gradients(&specs, &blocks);
+        // The blocks that share must write their gradients one after another.
+        let span = |b: &Vec<usize>| {
+            let r: Vec<_> = b.iter().map(|&p| self.plan.gradient_writes(p)).collect();
+            let lo = r.iter().map(|r| r.start).min().unwrap_or(0);
+            let hi = r.iter().map(|r| r.end).max().unwrap_or(0);
+            lo..hi
+        };
+        let sharers: Vec<(usize, std::ops::Range<usize>)> = blocks
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| *i == 0 || sharing[b[0]].is_some())
+            .map(|(i, b)| (i, span(b)))
+            .collect();
+        for (k, (i, a)) in sharers.iter().enumerate() {
+            for (j, b) in &sharers[k + 1..] {
+                if a.start < b.end && b.start < a.end {
+                    return Err(Error::InvalidArgument(format!(
+                        "ZeRO stage 2: blocks {i} and {j} of {} write their gradients \
+                         interleaved in backward, so they cannot share gradient buffers; use \
+                         stage 1",
+                        self.model.describe()
+                    )));
+                }
+            }
+        }
+        let mut grads = vec![];
+        for (p, shared) in self.params.iter().zip(&sharing) {
+            grads.push(match shared {
+                Some(_) => None,
+                None => Some(dev.alloc(p.buffers.grad.dtype, p.buffers.grad.len)?),
+            });
+        }
+        for p in &self.params {
+            dev.free(p.buffers.grad)?;
+        }
+        for a in &self.arenas {
+            dev.free(a.buffers.grad)?;
+        }
+        for i in 0..self.params.len() {
+            let g = match (grads[i], sharing[i]) {
+                (Some(g), _) => g,
+                (None, Some(q)) => grads[q].expect("the first block has its own"),
+                (None, None) => unreachable!("a parameter either shares or owns"),
+            };
+            self.params[i].buffers.grad = g;
+        }
+        self.own_grads = grads.into_iter().flatten().collect();
+        self.shared_block_grads = true;
+        self.recompile(dev)
+    }
+
+    /// Parameter `index`'s gradient buffer (a data-parallel group downloads it from
+    /// another thread while this network records the rest of backward).
+    pub fn gradient_buffer(&self, index: usize) -> Buffer {
+        self.params[index].buffers.grad
+    }
+
+    /// Elements of parameter `index`.
+    pub fn parameter_len(&self, index: usize) -> usize {
+        self.params[index].spec.len()
+    }
+
+    /// Ψ: parameter elements in all (a tied tensor once).
+    pub fn parameter_count(&self) -> usize {
+        self.params.iter().map(|p| p.spec.len()).sum()
+    }
+
+    /// Number of parameter tensors.
+    pub fn parameter_tensors(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Mean loss of the micro-batches the last [`Network::accumulate`] ran (waits for
+    /// them).
+    pub fn accumulated_loss(&self, dev: &dyn Device) -> Result<f32> {
+        Ok(self.plan.step_loss(dev)? as f32)
+    }
+
+    /// Device bytes of this replica's model states as allocated: model copy,
+    /// gradients (shared ones once) and f32 master + moments (empty after
+    /// [`Network::release_optimizer_state`]).
+    pub fn model_state_bytes(&self) -> ModelStateBytes {
+        let whole = |f: fn(&ParamBuffers) -> u64| -> u64 {
+            self.arenas.iter().map(|a| f(&a.buffers)).sum()
+        };
+        ModelStateBytes {
+            weights: whole(|b| b.value.bytes()),
+            gradients: if self.shared_block_grads {
+                self.own_grads.iter().map(|g| g.bytes()).sum()
+            } else {
+                whole(|b| b.grad.bytes())
+            },
+            optimizer: match self.released {
+                Some(empty) => empty.bytes(),
+                None => whole(|b| b.master.bytes() + b.m.bytes() + b.v.bytes()),
+            },
+        }
+    }
+
+    /// Bytes of all gradient buffers as stored on the device (shared ones once).
+    pub fn gradient_bytes(&self) -> u64 {
+        let mut seen = HashSet::new();
+        self.params
+            .iter()
+            .filter(|p| seen.insert(p.buffers.grad.id))
+            .map(|p| p.buffers.grad.bytes())
+            .sum()
+    }
+
+    /// Every parameter's gradient as f32, in parameter order (waits for the device).
+    pub fn gradient_values(&self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        self.check_own_gradients()?;
+        self.params
+            .iter()
+            .map(|p| Ok(dev.download(p.buffers.grad)?.to_f32()))
+            .collect()
+    }
+
+    /// Overwrites every gradient (rounded to the grad buffers' dtypes): how a
+    /// data-parallel group hands back the gradients it reduced on the host.
+    pub fn set_gradients(&self, dev: &dyn Device, grads: &[Vec<f32>]) -> Result<()> {
+        if grads.len() != self.params.len() {
+            return Err(Error::InvalidArgument(format!(
+                "network: {} gradients for {} parameters",
+                grads.len(),
+                self.params.len()
+            )));
+        }
+        self.check_own_gradients()?;
+        for (p, g) in self.params.iter().zip(grads) {
+            dev.upload(p.buffers.grad, &HostData::from_f32(p.buffers.grad.dtype, g))?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter's full training state, for checkpoints.
+    pub fn param_states(&self, dev: &dyn Device) -> Result<Vec<ParamState>> {
+        self.params
+            .iter()
+            .map(|p| {
+                let b = &p.buffers;
+                Ok(ParamState {
+                    name: p.spec.name.clone(),
+                    shape: p.spec.shape.clone(),
+                    value: dev.download(b.value)?,
+                    master: dev.download(b.master)?.to_f32(),
+                    m: dev.download(b.m)?.to_f32(),
+                    v: dev.download(b.v)?.to_f32(),
+                })
+            })
+            .collect()
+    }
+
+    /// Restores what [`Network::param_states`] saved. Every parameter must be present
+    /// with its shape and the model's storage dtype: a checkpoint of another model or
+    /// another precision is an error, never a partial load.
+    pub fn load_param_states(&self, dev: &dyn Device, states: &[ParamState]) -> Result<()> {
+        let what = self.model.describe();
+        if states.len() != self.params.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint holds {} parameters but {what} has {}: it was saved from a \
+                 different model config",
+                states.len(),
+                self.params.len()
+            )));
+        }
+        for p in &self.params {
+            let (spec, b) = (&p.spec, &p.buffers);
+            let s = states
+                .iter()
+                .find(|s| s.name == spec.name || spec.tied.as_ref() == Some(&s.name))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the checkpoint has no parameter `{}`: it was saved from a different \
+                         model config than {what}",
+                        spec.name
+                    ))
+                })?;
+            if s.shape != spec.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` has shape {:?} in the checkpoint but {:?} in {what}: the model \
+                     config differs from the one the checkpoint was saved with",
+                    spec.name, s.shape, spec.shape
+                )));
+            }
+            if s.value.dtype() != b.value.dtype {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` is stored as {} in the checkpoint but this run trains in {}: resume \
+                     with the precision the checkpoint was saved with",
+                    spec.name,
+                    s.value.dtype(),
+                    b.value.dtype
+                )));
+            }
+            let n = spec.len();
+            for (what, len) in [
+                ("value", s.value.len()),
+                ("master", s.master.len()),
+                ("exp_avg", s.m.len()),
+                ("exp_avg_sq", s.v.len()),
+            ] {
+                if len != n {
+                    return Err(Error::LenMismatch {
+                        what: format!("checkpoint {what} of `{}`", spec.name),
+                        expected: n,
+                        found: len,
+                    });
+                }
+            }
+            dev.upload(b.value, &s.value)?;
+            dev.upload(b.master, &HostData::F32(s.master.clone()))?;
+            dev.upload(b.m, &HostData::F32(s.m.clone()))?;
+            dev.upload(b.v, &HostData::F32(s.v.clone()))?;
+        }
+        Ok(())
+    }
+
+    /// Frees every parameter's f32 master and moments, for a ZeRO group whose ranks
+    /// each keep only their shard of them (see `parallel::zero`); one empty buffer is
+    /// left in their place, so an optimizer launch on them is a length error, never a
+    /// silent no-op; the plan is compiled again without its update. Returns the master
+    /// weights as they were (the shards' start).
+    pub fn release_optimizer_state(&mut self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
+        if self.released.is_some() {
+            return Err(Error::InvalidArgument(
+                "network: the optimizer state was already released".into(),
+            ));
+        }
+        let mut masters = vec![];
+        let empty = dev.alloc(DType::F32, 0)?;
+        for p in &mut self.params {
+            let b = &mut p.buffers;
+            masters.push(dev.download(b.master)?.to_f32());
+            for x in [b.master, b.m, b.v] {
+                dev.free(x)?;
+            }
+            (b.master, b.m, b.v) = (empty, empty, empty);
+        }
+        for a in &mut self.arenas {
+            let b = &mut a.buffers;
+            for x in [b.master, b.m, b.v] {
+                dev.free(x)?;
+            }
+            (b.master, b.m, b.v) = (empty, empty, empty);
+        }
+        self.released = Some(empty);
+        self.recompile(dev)?;
+        Ok(masters)
+    }
+
+    /// (name, shape, storage dtype, weight decay applies) of every parameter, in order.
+    pub fn parameter_layout(&self) -> Vec<(String, Vec<usize>, DType, bool)> {
+        self.params
+            .iter()
+            .map(|p| {
+                let s = &p.spec;
+                (
+                    s.name.clone(),
+                    s.shape.clone(),
+                    p.buffers.value.dtype,
+                    s.decay,
+                )
+            })
+            .collect()
+    }
+
+    /// Overwrites parameter `index`'s model copy (storage dtype, bit-exact): how a ZeRO
+    /// group hands every rank the updated weights its shards produced.
+    pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
+        dev.upload(self.param(index)?.buffers.value, data)
+    }
+
+    /// Parameter `index`'s model copy as stored.
+    pub fn value(&self, dev: &dyn Device, index: usize) -> Result<HostData> {
+        dev.download(self.param(index)?.buffers.value)
+    }
+
+    /// Sets the count of applied optimizer steps (restoring a checkpoint).
+    pub fn set_steps_applied(&mut self, steps: u32) {
+        self.step = steps;
+    }
+}

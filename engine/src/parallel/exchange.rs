@@ -1,0 +1,386 @@
+//! Data parallelism's gradient exchange through host memory: every rank runs forward
+//! and backward on its share of the global batch; the gradients come down to the host,
+//! are summed in f32 in a fixed order (so any schedule gives the same bits) and
+//! averaged, and one overflow flag and one squared norm are computed on the result.
+//! [`after_backward`] exchanges once every device is done; [`during_backward`]
+//! overlaps the exchange with backward, block by block (`overlap_comm`), and also
+//! serves ZeRO stage 2, whose blocks share gradient buffers.
+
+use crate::models::{MicroBatch, Network};
+use crate::{Buffer, Device, Error, HostData, PendingDownload, Result};
+
+/// How [`during_backward`] runs.
+#[derive(Clone, Copy, Debug)]
+pub struct During {
+    /// Elements per host bucket (`reduce_bucket_size`).
+    pub bucket: usize,
+    /// Upload the average back into every rank's gradient buffers (stage 0); ZeRO ranks
+    /// receive their slices later.
+    pub upload: bool,
+    /// ZeRO stage 2: the blocks share gradient buffers, so every micro-batch's
+    /// gradients come over (and are summed on the host).
+    pub partitioned: bool,
+    /// Downloads overlap backward (`overlap_comm`); otherwise each block's copies are
+    /// fetched before the next block is recorded.
+    pub overlap: bool,
+    /// The loss scale the step runs at.
+    pub loss_scale: f32,
+}
+
+/// The gradients a step's exchange produced.
+pub struct Exchanged {
+    /// Mean loss over ranks.
+    pub loss: f32,
+    /// The average gradient per tensor.
+    pub avg: Vec<Vec<f32>>,
+    pub overflow: bool,
+    pub sum_squares: f64,
+    pub bytes: u64,
+    /// When the exchange began (comm time is measured from here).
+    pub started: std::time::Instant,
+    /// Exchange time spent inside backward before `started` (stage 2 without overlap).
+    pub blocked_ms: f64,
+    pub overlap: f64,
+    /// The average is already in every rank's gradient buffers.
+    pub uploaded: bool,
+}
+
+/// Adds the ranks' copies of one tensor into `acc` in rank order (an empty `acc` starts
+/// as the first copy), then multiplies by `scale` when given (the last round): so any
+/// schedule gives the same bits. Split across threads when large.
+pub fn fold(acc: &mut Vec<f32>, parts: &[Vec<f32>], scale: Option<f32>) {
+    let (first, rest) = if acc.is_empty() {
+        *acc = vec![0f32; parts[0].len()];
+        (Some(&parts[0]), &parts[1..])
+    } else {
+        (None, parts)
+    };
+    let n = acc.len();
+    let fold = |range: std::ops::Range<usize>, out: &mut [f32]| {
+        if let Some(first) = first {
+            out.copy_from_slice(&first[range.clone()]);
+        }
+        for p in rest {
+            for (a, b) in out.iter_mut().zip(&p[range.clone()]) {
+                *a += b;
+            }
+        }
+        if let Some(scale) = scale {
+            for a in out.iter_mut() {
+                *a *= scale;
+            }
+        }
+    };
+    const CHUNK: usize = 1 << 18;
+    if n <= CHUNK {
+        fold(0..n, acc);
+    } else {
+        std::thread::scope(|s| {
+            for (i, chunk) in acc.chunks_mut(CHUNK).enumerate() {
+                let lo = i * CHUNK;
+                let fold = &fold;
+                s.spawn(move || fold(lo..lo + chunk.len(), chunk));
+            }
+        });
+    }
+}
+
+/// The mean of the ranks' copies of one tensor.
+pub fn average(parts: &[Vec<f32>]) -> Vec<f32> {
+    let mut acc = vec![];
+    fold(&mut acc, parts, Some(1.0 / parts.len() as f32));
+    acc
+}
+
+/// A tensor's overflow flag and squared norm. Both exchange paths add the tensors'
+/// squares in index order afterwards, so the norm has the same bits whatever order the
+/// tensors arrived in.
+pub fn inspect(avg: &[f32]) -> (bool, f64) {
+    avg.iter().fold((false, 0.0), |(o, s), &a| {
+        (o | !a.is_finite(), s + (a as f64) * (a as f64))
+    })
+}
+
+/// The step's overflow flag and squared norm from the tensors', in index order.
+pub fn combine(parts: &[(bool, f64)]) -> (bool, f64) {
+    parts
+        .iter()
+        .fold((false, 0.0), |(o, s), &(a, b)| (o | a, s + b))
+}
+
+/// The exchange after backward (`overlap_comm` off): every device finishes, then
+/// each one's gradients come down and the average is formed.
+pub fn after_backward(
+    mut models: Vec<&mut Network>,
+    devs: &[&dyn Device],
+    micro: &[Vec<MicroBatch>],
+    loss_scale: f32,
+) -> Result<Exchanged> {
+    let world = models.len();
+    // Every device computes at once: accumulate submits without waiting.
+    for (r, (m, dev)) in models.iter_mut().zip(devs).enumerate() {
+        m.accumulate(*dev, &micro[r], loss_scale)?;
+    }
+    // The exchange is timed from when every device has finished its backward.
+    for dev in devs {
+        dev.wait()?;
+    }
+    let started = std::time::Instant::now();
+    let mut loss = 0.0;
+    let mut per_rank = vec![];
+    let mut bytes = 0u64;
+    for (m, dev) in models.iter().zip(devs) {
+        loss += m.accumulated_loss(*dev)? as f64;
+        per_rank.push(m.gradient_values(*dev)?);
+        bytes += m.gradient_bytes();
+    }
+    let avg: Vec<Vec<f32>> = (0..per_rank[0].len())
+        .map(|p| {
+            let parts: Vec<Vec<f32>> = per_rank
+                .iter_mut()
+                .map(|g| std::mem::take(&mut g[p]))
+                .collect();
+            average(&parts)
+        })
+        .collect();
+    let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
+    Ok(Exchanged {
+        loss: (loss / world as f64) as f32,
+        avg,
+        overflow,
+        sum_squares,
+        bytes,
+        started,
+        blocked_ms: 0.0,
+        overlap: 0.0,
+        uploaded: false,
+    })
+}
+
+/// The exchange during backward: each device records its backward on its own
+/// thread, handing over parameters as their gradients become final; a downloader
+/// thread per device copies them to the host in buckets of up to
+/// `reduce_bucket_size` elements; this thread sums each tensor once every device's
+/// copy is in and (stage 0) uploads the average back at once, while later layers
+/// are still in backward (`overlap_comm` on).
+///
+/// ZeRO stage 2 (`partitioned`) hands over every micro-batch's gradients, block by
+/// block, since the blocks share one set of gradient buffers; the host sums the
+/// micro-batches too and each rank later receives only its shard. Without
+/// `overlap_comm` its recorder fetches each block's copies itself before recording
+/// the next block: nothing overlaps, and that time is exchange time.
+pub fn during_backward(
+    mut models: Vec<&mut Network>,
+    devs: &[&dyn Device],
+    micro: &[Vec<MicroBatch>],
+    how: &During,
+) -> Result<Exchanged> {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    let world = models.len();
+    let bucket = how.bucket.max(1);
+    let n_params = models[0].parameter_tensors();
+    let upload = how.upload;
+    // How many times each tensor comes over from each rank.
+    let rounds = if how.partitioned { micro[0].len() } else { 1 };
+    let blocking = !how.overlap;
+    let loss_scale = how.loss_scale;
+    let started = std::time::Instant::now();
+    let grads: Vec<Vec<Buffer>> = models
+        .iter()
+        .map(|m| (0..n_params).map(|i| m.gradient_buffer(i)).collect())
+        .collect();
+    let lens: Vec<usize> = (0..n_params).map(|i| models[0].parameter_len(i)).collect();
+    let in_backward = AtomicUsize::new(world);
+    // When the last device finished backward: exchange time after it is exposed.
+    let backward_done = std::sync::Mutex::new(None::<std::time::Instant>);
+    // Per rank, nanoseconds its recorder spent fetching (blocking only).
+    let blocked: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
+    type Bucket = Vec<(usize, Vec<f32>)>;
+    let (to_reducer, from_ranks) = mpsc::channel::<Result<(usize, Bucket, bool)>>();
+    // slots[p][round][rank]; a round is folded into sums[p] once complete.
+    let mut slots: Vec<Vec<Vec<Option<Vec<f32>>>>> =
+        vec![vec![vec![None; world]; rounds]; n_params];
+    let mut arrived = vec![vec![0usize; world]; n_params];
+    let mut folded = vec![0usize; n_params];
+    let mut sums: Vec<Vec<f32>> = vec![vec![]; n_params];
+    let mut inspected = vec![(false, 0f64); n_params];
+    let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
+    std::thread::scope(|s| -> Result<()> {
+        for (r, m) in models.iter_mut().enumerate() {
+            let dev = devs[r];
+            let (to_downloader, ready) = mpsc::channel::<Vec<(usize, PendingDownload)>>();
+            let to_reducer_dl = to_reducer.clone();
+            let grads = &grads[r];
+            let lens = &lens;
+            let in_backward = &in_backward;
+            let backward_done = &backward_done;
+            // The downloader: fetches each ready set's staged copies, in buckets.
+            s.spawn(move || {
+                let mut failed = false;
+                for staged in ready {
+                    let mut out = vec![];
+                    let mut elems = 0;
+                    let n = staged.len();
+                    for (k, (p, pending)) in staged.into_iter().enumerate() {
+                        // After a failure every staged copy is still finished (and
+                        // dropped), so none stays held on the device.
+                        let fetched = dev.finish_download(pending);
+                        if failed {
+                            continue;
+                        }
+                        let g = match fetched {
+                            Ok(g) => g.to_f32(),
+                            Err(e) => {
+                                failed = true;
+                                let _ = to_reducer_dl.send(Err(e));
+                                continue;
+                            }
+                        };
+                        elems += lens[p];
+                        out.push((p, g));
+                        if elems >= bucket || k + 1 == n {
+                            let during = in_backward.load(Ordering::SeqCst) > 0;
+                            let _ = to_reducer_dl.send(Ok((r, std::mem::take(&mut out), during)));
+                            elems = 0;
+                        }
+                    }
+                }
+            });
+            // The recorder: this rank's forward and backward; as each set of
+            // gradients is final, their copies to staging memory are queued right
+            // behind it, ahead of the rest of backward.
+            let micro = &micro[r];
+            let model: &mut Network = m;
+            let errors = to_reducer.clone();
+            let to_reducer_direct = to_reducer.clone();
+            let blocked = &blocked[r];
+            s.spawn(move || {
+                let result = model
+                    .accumulate_with(dev, micro, loss_scale, &mut |params| {
+                        if blocking {
+                            // Compute first, so only the copies count as exchange.
+                            dev.wait()?;
+                            let t = std::time::Instant::now();
+                            let mut out = vec![];
+                            for &p in params {
+                                out.push((p, dev.download(grads[p])?.to_f32()));
+                            }
+                            blocked.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
+                            return to_reducer_direct.send(Ok((r, out, false))).map_err(|_| {
+                                Error::InvalidArgument("gradient reducer stopped".into())
+                            });
+                        }
+                        let mut staged = vec![];
+                        for &p in params {
+                            match dev.begin_download(grads[p]) {
+                                Ok(pending) => staged.push((p, pending)),
+                                Err(e) => {
+                                    // Release the copies already staged.
+                                    for (_, pending) in staged {
+                                        let _ = dev.finish_download(pending);
+                                    }
+                                    return Err(e);
+                                }
+                            }
+                        }
+                        to_downloader.send(staged).map_err(|_| {
+                            Error::InvalidArgument("gradient downloader stopped".into())
+                        })
+                    })
+                    .and_then(|()| dev.wait());
+                if in_backward.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    *backward_done.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(std::time::Instant::now());
+                }
+                if let Err(e) = result {
+                    let _ = errors.send(Err(e));
+                }
+            });
+        }
+        drop(to_reducer);
+        let mut done = 0;
+        while done < n_params {
+            let (r, bucket, during) = match from_ranks.recv() {
+                Ok(msg) => msg?,
+                Err(_) => {
+                    return Err(Error::InvalidArgument(
+                        "a device stopped before handing over all its gradients".into(),
+                    ))
+                }
+            };
+            for (p, g) in bucket {
+                let b = grads[r][p].bytes();
+                bytes += b;
+                total_bytes += b;
+                if during {
+                    overlapped_bytes += b;
+                }
+                // A rank hands tensor p over once per round, in order.
+                let round = arrived[p][r];
+                if round >= rounds {
+                    return Err(Error::InvalidArgument(format!(
+                        "rank {r} handed over gradient {p} more than {rounds} times in a step"
+                    )));
+                }
+                arrived[p][r] += 1;
+                slots[p][round][r] = Some(g);
+                while folded[p] < rounds && slots[p][folded[p]].iter().all(Option::is_some) {
+                    let parts: Vec<Vec<f32>> = slots[p][folded[p]]
+                        .iter_mut()
+                        .map(|x| x.take().unwrap_or_default())
+                        .collect();
+                    folded[p] += 1;
+                    let last = folded[p] == rounds;
+                    fold(&mut sums[p], &parts, last.then_some(1.0 / world as f32));
+                    if !last {
+                        continue;
+                    }
+                    let a = &sums[p];
+                    inspected[p] = inspect(a);
+                    if upload {
+                        for (rank, dev) in devs.iter().enumerate() {
+                            let buf = grads[rank][p];
+                            dev.upload(buf, &HostData::from_f32(buf.dtype, a))?;
+                            bytes += buf.bytes();
+                        }
+                    }
+                    done += 1;
+                }
+            }
+        }
+        Ok(())
+    })?;
+    let (overflow, sum_squares) = combine(&inspected);
+    let mut loss = 0.0;
+    for (m, dev) in models.iter().zip(devs) {
+        loss += m.accumulated_loss(*dev)? as f64;
+    }
+    // Comm time counts from the end of backward: what the overlap did not hide,
+    // plus what a blocking recorder spent fetching (the slowest rank's).
+    let started = backward_done
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .unwrap_or(started);
+    let blocked_ms = blocked
+        .iter()
+        .map(|b| b.load(Ordering::SeqCst))
+        .max()
+        .unwrap_or(0) as f64
+        / 1e6;
+    Ok(Exchanged {
+        loss: (loss / world as f64) as f32,
+        avg: sums,
+        overflow,
+        sum_squares,
+        bytes,
+        started,
+        blocked_ms,
+        overlap: if total_bytes == 0 {
+            0.0
+        } else {
+            overlapped_bytes as f64 / total_bytes as f64
+        },
+        uploaded: upload,
+    })
+}
