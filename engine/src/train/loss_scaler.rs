@@ -20,34 +20,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::config::DynamicScaling;
 use crate::{Error, Result};
-
-/// Settings of the dynamic scaler; `Default` is DeepSpeed's documented defaults.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct DynamicScaling {
-    /// The first scale is `2^initial_scale_power`.
-    pub initial_scale_power: u32,
-    /// Clean steps (since the last overflow) between doublings.
-    pub window: u64,
-    /// Overflows tolerated before the scale is halved.
-    pub hysteresis: u32,
-    /// Refill the hysteresis budget after every clean step, not only at a doubling.
-    pub consecutive_hysteresis: bool,
-    /// The scale never goes below this; overflowing at it is an error.
-    pub min_scale: f32,
-}
-
-impl Default for DynamicScaling {
-    fn default() -> Self {
-        DynamicScaling {
-            initial_scale_power: 16,
-            window: 1000,
-            hysteresis: 2,
-            consecutive_hysteresis: false,
-            min_scale: 1.0,
-        }
-    }
-}
 
 /// What the trainer must do with this step's gradients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

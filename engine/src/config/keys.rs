@@ -1,0 +1,139 @@
+//! The keys one JSON object may hold, and the check of an object against them: unknown
+//! keys are errors with a suggestion, keys that change nothing here are warnings, and
+//! features Kiln does not implement are errors unless set to a value that asks for nothing.
+
+use serde_json::{Map, Value};
+
+use super::reader::{describe, join, Reader};
+use super::suggest::suggest;
+
+/// A key DeepSpeed would act on but Kiln does not implement. It is accepted only when
+/// set to a value that asks for nothing (`null` always counts as such).
+#[derive(Clone, Copy)]
+pub(super) enum Inert {
+    /// Always rejected.
+    Never,
+    /// Only `null`.
+    Null,
+    Bool(bool),
+    Num(f64),
+    /// `false` or an object with `"enabled": false`.
+    Disabled,
+    /// An object with `"device": "none"`.
+    NoOffload,
+}
+
+impl Inert {
+    fn accepts(self, v: &Value) -> bool {
+        if v.is_null() {
+            return true;
+        }
+        match self {
+            Inert::Never | Inert::Null => false,
+            Inert::Bool(b) => v.as_bool() == Some(b),
+            Inert::Num(x) => v.as_f64() == Some(x),
+            Inert::Disabled => is_off(v),
+            Inert::NoOffload => {
+                v.as_object()
+                    .and_then(|m| m.get("device"))
+                    .and_then(Value::as_str)
+                    == Some("none")
+            }
+        }
+    }
+
+    fn fix(self) -> String {
+        match self {
+            Inert::Never | Inert::Null => "remove the key".to_string(),
+            Inert::Bool(b) => format!("remove the key or set it to {b}"),
+            Inert::Num(x) => format!("remove the key or set it to {x}"),
+            Inert::Disabled => "remove the key or set \"enabled\": false".to_string(),
+            Inert::NoOffload => "remove the key or set \"device\": \"none\"".to_string(),
+        }
+    }
+}
+
+/// Off in the way DeepSpeed sections are switched off.
+fn is_off(v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Object(m) => m.get("enabled") == Some(&Value::Bool(false)),
+        _ => false,
+    }
+}
+
+/// The keys one JSON object may hold.
+pub(super) struct Spec<'s> {
+    /// Implemented by Kiln.
+    pub(super) keys: &'s [&'s str],
+    /// Known to DeepSpeed, no effect on training here: accepted with a warning (none when
+    /// switched off). The string says why it does not matter.
+    pub(super) ignored: &'s [(&'s str, &'s str)],
+    /// Known to DeepSpeed, would change training, not implemented: rejected unless inert.
+    pub(super) unsupported: &'s [(&'s str, Inert, &'s str)],
+    /// Fix texts for keys that are wrong here but a common mistake.
+    pub(super) hints: &'s [(&'s str, &'s str)],
+}
+
+impl Spec<'_> {
+    pub(super) const fn keys<'s>(keys: &'s [&'s str]) -> Spec<'s> {
+        Spec {
+            keys,
+            ignored: &[],
+            unsupported: &[],
+            hints: &[],
+        }
+    }
+}
+
+impl Reader {
+    /// Checks every key of `obj` against `spec`: records unknown and unsupported keys as
+    /// problems and ignored ones as warnings.
+    pub(super) fn check_keys(&mut self, obj: &Map<String, Value>, prefix: &str, spec: &Spec) {
+        for (key, v) in obj {
+            let path = join(prefix, key);
+            if spec.keys.contains(&key.as_str()) {
+                continue;
+            }
+            if let Some((_, why)) = spec.ignored.iter().find(|(k, _)| k == key) {
+                if !is_off(v) {
+                    self.warnings
+                        .push(format!("ignored by Kiln: {path} ({why})"));
+                }
+                continue;
+            }
+            if let Some((_, inert, what)) = spec.unsupported.iter().find(|(k, ..)| k == key) {
+                if !inert.accepts(v) {
+                    self.problem(
+                        &path,
+                        format!("not supported by Kiln: {what} (found {})", describe(v)),
+                        inert.fix(),
+                    );
+                }
+                continue;
+            }
+            let place = if prefix.is_empty() {
+                "at the top level".to_string()
+            } else {
+                format!("in \"{prefix}\"")
+            };
+            let known = spec
+                .keys
+                .iter()
+                .copied()
+                .chain(spec.ignored.iter().map(|(k, _)| *k))
+                .chain(spec.unsupported.iter().map(|(k, ..)| *k));
+            let fix = if let Some((_, hint)) = spec.hints.iter().find(|(k, _)| k == key) {
+                hint.to_string()
+            } else if let Some(s) = suggest(key, known) {
+                format!("did you mean \"{s}\"?")
+            } else {
+                format!(
+                    "remove it; the keys Kiln accepts {place} are: {}",
+                    spec.keys.join(", ")
+                )
+            };
+            self.problem(&path, format!("unknown key \"{key}\" {place}"), fix);
+        }
+    }
+}

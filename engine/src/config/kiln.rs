@@ -1,0 +1,125 @@
+//! The `kiln` section: Kiln's own settings (devices, data workers, step count, evaluation
+//! and checkpoint intervals, seed), checked as strictly as DeepSpeed's keys.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::keys::Spec;
+use super::provenance::Provenance;
+use super::reader::Reader;
+
+/// Kiln's own settings, from the config's `kiln` section: what DeepSpeed leaves to its
+/// launcher or to the user's script. Command-line flags of `kiln train` override them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KilnSettings {
+    /// Devices to train on, as `kiln devices` names them; empty: the best adapter.
+    pub devices: Vec<String>,
+    /// Threads building batches ahead of the step.
+    pub data_workers: usize,
+    /// Batches built ahead (the prefetch queue's bound).
+    pub prefetch_depth: usize,
+    /// Optimizer steps in all; `None`: the scheduler's `total_num_steps`, else 1000.
+    pub steps: Option<u64>,
+    /// Evaluate every this many steps (and at the end); 0: only at the end.
+    pub eval_every: u64,
+    /// Checkpoint every this many steps (and at the end); 0: only at the end.
+    pub checkpoint_every: u64,
+    /// Checkpoints kept; older ones are deleted once a newer one is complete. 0: all.
+    pub keep_checkpoints: usize,
+    /// Seeds the weights and the data order.
+    pub seed: u64,
+}
+
+impl Default for KilnSettings {
+    fn default() -> Self {
+        KilnSettings {
+            devices: vec![],
+            data_workers: 2,
+            prefetch_depth: 4,
+            steps: None,
+            eval_every: 50,
+            checkpoint_every: 200,
+            keep_checkpoints: 3,
+            seed: 1,
+        }
+    }
+}
+
+const KILN: Spec = Spec::keys(&[
+    "devices",
+    "data_workers",
+    "prefetch_depth",
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "seed",
+]);
+
+impl Reader {
+    pub(super) fn kiln(&mut self, root: &Map<String, Value>) -> KilnSettings {
+        let empty = Map::new();
+        let sec = self.section(root, "", "kiln").ok().flatten();
+        let kp = "kiln";
+        if let Some(s) = sec {
+            self.check_keys(s, kp, &KILN);
+        }
+        let k = sec.unwrap_or(&empty);
+        let d = KilnSettings::default();
+        let path = "kiln.devices";
+        let expected = "a list of device names such as [\"vulkan:0\"] (see `kiln devices`)";
+        let devices = match self.raw(k, path, "devices", expected, None) {
+            Ok(Some(Value::String(s))) => {
+                self.mark(path, Provenance::File);
+                s.split(',').map(|d| d.trim().to_string()).collect()
+            }
+            Ok(Some(Value::Array(list))) if list.iter().all(Value::is_string) => {
+                self.mark(path, Provenance::File);
+                list.iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            }
+            Ok(Some(v)) => {
+                self.wrong_value(path, expected, v, None);
+                vec![]
+            }
+            _ => {
+                self.mark(path, Provenance::Default);
+                vec![]
+            }
+        };
+        let steps = self.uint(k, kp, "steps", 1, u64::MAX, None);
+        let steps = match steps {
+            Ok(Some(n)) => {
+                self.mark("kiln.steps", Provenance::File);
+                Some(n)
+            }
+            _ => None,
+        };
+        let count = (1, 1024);
+        KilnSettings {
+            devices,
+            data_workers: self.uint_or(k, kp, "data_workers", count, d.data_workers as u64)
+                as usize,
+            prefetch_depth: self.uint_or(k, kp, "prefetch_depth", count, d.prefetch_depth as u64)
+                as usize,
+            steps,
+            eval_every: self.uint_or(k, kp, "eval_every", (0, u64::MAX), d.eval_every),
+            checkpoint_every: self.uint_or(
+                k,
+                kp,
+                "checkpoint_every",
+                (0, u64::MAX),
+                d.checkpoint_every,
+            ),
+            keep_checkpoints: self.uint_or(
+                k,
+                kp,
+                "keep_checkpoints",
+                (0, 1_000_000),
+                d.keep_checkpoints as u64,
+            ) as usize,
+            seed: self.uint_or(k, kp, "seed", (0, u64::MAX), d.seed),
+        }
+    }
+}

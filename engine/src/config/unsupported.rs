@@ -1,0 +1,52 @@
+//! Top-level DeepSpeed features that Kiln does not implement: a config that asks for one
+//! is rejected, unless it sets the key to the value that asks for nothing.
+
+use super::keys::Inert;
+
+/// Each key with the value that leaves it off and a description of the feature.
+pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
+    (
+        "activation_checkpointing",
+        Inert::Never,
+        "activation checkpointing (recomputing activations in backward)",
+    ),
+    ("sparse_attention", Inert::Null, "sparse attention kernels"),
+    ("amp", Inert::Disabled, "NVIDIA Apex AMP"),
+    (
+        "communication_data_type",
+        Inert::Null,
+        "choosing the data type of gradient communication",
+    ),
+    (
+        "prescale_gradients",
+        Inert::Bool(false),
+        "dividing gradients before the all-reduce",
+    ),
+    (
+        "gradient_predivide_factor",
+        Inert::Num(1.0),
+        "gradient pre-division before the all-reduce",
+    ),
+    ("pipeline", Inert::Never, "pipeline parallelism"),
+    (
+        "data_efficiency",
+        Inert::Disabled,
+        "data efficiency (data sampling and routing)",
+    ),
+    (
+        "curriculum_learning",
+        Inert::Disabled,
+        "curriculum learning",
+    ),
+    ("elasticity", Inert::Disabled, "elastic training"),
+    ("autotuning", Inert::Disabled, "autotuning"),
+    ("compression_training", Inert::Never, "compression training"),
+    ("sparse_gradients", Inert::Bool(false), "sparse gradients"),
+    (
+        "progressive_layer_drop",
+        Inert::Disabled,
+        "progressive layer drop",
+    ),
+    ("eigenvalue", Inert::Disabled, "eigenvalue computation"),
+    ("quantize_training", Inert::Disabled, "quantized training"),
+];
