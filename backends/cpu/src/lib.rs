@@ -560,6 +560,86 @@ impl Device for CpuDevice {
                 *cols,
                 name,
             ),
+            Kernel::RmsNorm {
+                x,
+                weight,
+                out,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let (xs, w) = (s.f32s(*x, name)?, s.f32s(*weight, name)?);
+                let rows = xs.len() / cols;
+                let (mut o, mut rs) = (vec![0f32; xs.len()], vec![0f32; rows]);
+                for r in 0..rows {
+                    let row = &xs[r * cols..(r + 1) * cols];
+                    let ms = row.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / *cols as f64;
+                    let inv = 1.0 / (ms + *eps as f64).sqrt();
+                    for c in 0..*cols {
+                        o[r * cols + c] = (row[c] as f64 * inv * w[c] as f64) as f32;
+                    }
+                    rs[r] = inv as f32;
+                }
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
+                s.put(*rstd, HostData::F32(rs), name)
+            }
+            Kernel::RmsNormBackward {
+                x,
+                weight,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                cols,
+            } => rmsnorm_backward(
+                &mut s,
+                [*x, *weight, *rstd, *dout, *dx, *dweight],
+                *cols,
+                name,
+            ),
+            Kernel::Rope {
+                x,
+                out,
+                cols,
+                dim,
+                seq,
+                theta,
+                inverse,
+            } => {
+                let xs = s.f32s(*x, name)?;
+                let o = rope(&xs, (*cols, *dim, *seq), *theta as f64, *inverse);
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)
+            }
+            Kernel::SwiGlu { gate, up, out } => {
+                let (g, u) = (s.f32s(*gate, name)?, s.f32s(*up, name)?);
+                let o: Vec<f32> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(&g, &u)| (silu_f64(g as f64).0 * u as f64) as f32)
+                    .collect();
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)
+            }
+            Kernel::SwiGluBackward {
+                gate,
+                up,
+                dout,
+                dgate,
+                dup,
+            } => {
+                let (g, u, d) = (
+                    s.f32s(*gate, name)?,
+                    s.f32s(*up, name)?,
+                    s.f32s(*dout, name)?,
+                );
+                let (mut dg, mut du) = (vec![0f32; g.len()], vec![0f32; g.len()]);
+                for i in 0..g.len() {
+                    let (silu, grad) = silu_f64(g[i] as f64);
+                    dg[i] = (d[i] as f64 * u[i] as f64 * grad) as f32;
+                    du[i] = (d[i] as f64 * silu) as f32;
+                }
+                s.put(*dgate, HostData::from_f32(dgate.dtype, &dg), name)?;
+                s.put(*dup, HostData::from_f32(dup.dtype, &du), name)
+            }
         }
     }
 
@@ -800,4 +880,58 @@ fn layernorm_backward(s: &mut State, b: [Buffer; 8], cols: usize, name: &str) ->
     s.put(dx, HostData::from_f32(dx.dtype, &d), name)?;
     s.put(dweight, HostData::F32(dw), name)?;
     s.put(dbias, HostData::F32(db), name)
+}
+
+/// RMS-norm backward in f64 from the saved rstd, with xhat = x * rstd:
+/// dx = rstd * (dy*w - xhat * mean(dy*w*xhat)), dw += sum dy*xhat.
+fn rmsnorm_backward(s: &mut State, b: [Buffer; 6], cols: usize, name: &str) -> Result<()> {
+    let [x, weight, rstd, dout, dx, dweight] = b;
+    let (xs, w, rs, dy) = (
+        s.f32s(x, name)?,
+        s.f32s(weight, name)?,
+        s.f32s(rstd, name)?,
+        s.f32s(dout, name)?,
+    );
+    let mut dw = s.f32s(dweight, name)?;
+    let mut d = vec![0f32; xs.len()];
+    for r in 0..xs.len() / cols {
+        let inv = rs[r] as f64;
+        let xhat = |c: usize| xs[r * cols + c] as f64 * inv;
+        let dyw = |c: usize| dy[r * cols + c] as f64 * w[c] as f64;
+        let m = (0..cols).map(|c| dyw(c) * xhat(c)).sum::<f64>() / cols as f64;
+        for c in 0..cols {
+            d[r * cols + c] = (inv * (dyw(c) - xhat(c) * m)) as f32;
+            dw[c] += (dy[r * cols + c] as f64 * xhat(c)) as f32;
+        }
+    }
+    s.put(dx, HostData::from_f32(dx.dtype, &d), name)?;
+    s.put(dweight, HostData::F32(dw), name)
+}
+
+/// Rotary embedding in f64 with exact angles `t * theta^(-2i / dim)` (the GPU's are
+/// f32): rows of `cols`, row r at position r % seq, each head's halves rotated
+/// pairwise; `inverse` rotates by the negative angle.
+fn rope(x: &[f32], (cols, dim, seq): (usize, usize, usize), theta: f64, inverse: bool) -> Vec<f32> {
+    let half = dim / 2;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let mut out = vec![0f32; x.len()];
+    for (r, row) in x.chunks(cols).enumerate() {
+        let t = (r % seq) as f64;
+        for h in (0..cols).step_by(dim) {
+            for i in 0..half {
+                let a = t * theta.powf(-2.0 * i as f64 / dim as f64);
+                let (sin, cos) = (sign * a.sin(), a.cos());
+                let (lo, hi) = (row[h + i] as f64, row[h + i + half] as f64);
+                out[r * cols + h + i] = (lo * cos - hi * sin) as f32;
+                out[r * cols + h + i + half] = (hi * cos + lo * sin) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// `(silu(x), silu'(x))` in f64: silu = x s with s = sigmoid(x), silu' = s (1 + x (1 - s)).
+fn silu_f64(x: f64) -> (f64, f64) {
+    let s = 1.0 / (1.0 + (-x).exp());
+    (x * s, s * (1.0 + x * (1.0 - s)))
 }

@@ -234,6 +234,165 @@ impl WgpuDevice {
                     ),
                 )?;
             }
+            Kernel::RmsNorm {
+                x,
+                weight,
+                out,
+                rstd,
+                cols,
+                eps,
+            } => {
+                if x.len == 0 {
+                    return Ok(());
+                }
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                // Pass 1: per row -> rstd. Pass 2: pairs of elements.
+                let (lanes, grid) = self.row_plan(rows, cols);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::RMSNORM_STATS,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(rstd)],
+                        vec![rows, 0, eps.to_bits(), cols],
+                        grid,
+                    )
+                    .with_overrides(lanes),
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::RMSNORM_APPLY,
+                        [x, weight, out]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(out), h(rstd)],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::RmsNormBackward {
+                x,
+                weight,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                cols,
+            } => {
+                if x.len == 0 {
+                    return Ok(());
+                }
+                let (n, cols) = (x.len as u32, *cols as u32);
+                let rows = n / cols;
+                // Pass 1: per row -> mean(dy w xhat) in partials; pass 2: dx by pairs;
+                // pass 3: dweight by columns.
+                let stats = self.partials(s, rows as u64 * 4);
+                let st = (PARTIALS_ID, &stats);
+                let (lanes, grid) = self.row_plan(rows, cols);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::RMSNORM_BACKWARD_STATS,
+                        [x, weight, dout]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(dout), h(rstd), st],
+                        vec![rows, 0, 0, cols],
+                        grid,
+                    )
+                    .with_overrides(lanes),
+                )?;
+                let words = pairs(x.len);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::RMSNORM_BACKWARD_DX,
+                        [x, weight, dout, dx]
+                            .iter()
+                            .map(|b| self.repr(b.dtype))
+                            .collect(),
+                        vec![h(x), h(weight), h(dout), h(dx), h(rstd), st],
+                        vec![n, words, 0, cols],
+                        (groups(words), 1, 1),
+                    ),
+                )?;
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::RMSNORM_BACKWARD_PARAMS,
+                        [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
+                        vec![h(x), h(dout), h(rstd), h(dweight)],
+                        vec![rows, 0, 0, cols],
+                        (groups(cols), 1, 1),
+                    ),
+                )?;
+            }
+            Kernel::Rope {
+                x,
+                out,
+                cols,
+                dim,
+                seq,
+                theta,
+                inverse,
+            } => {
+                if x.len > 0 {
+                    let [step_hi, step_lo] = rope_step(*theta, *dim);
+                    let words = (x.len / 2) as u32;
+                    let sign: f32 = if *inverse { -1.0 } else { 1.0 };
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::ROPE,
+                            vec![self.repr(x.dtype), self.repr(out.dtype)],
+                            vec![h(x), h(out)],
+                            vec![
+                                x.len as u32,
+                                words,
+                                *cols as u32,
+                                *dim as u32,
+                                *seq as u32,
+                                sign.to_bits(),
+                                step_hi.to_bits(),
+                                step_lo.to_bits(),
+                            ],
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
+            Kernel::SwiGlu { gate, up, out } => self.elementwise(
+                s,
+                &shader::SWIGLU_FORWARD,
+                None,
+                &[(gate, handles), (up, handles), (out, handles)],
+                0.0,
+            )?,
+            Kernel::SwiGluBackward {
+                gate,
+                up,
+                dout,
+                dgate,
+                dup,
+            } => self.elementwise(
+                s,
+                &shader::SWIGLU_BACKWARD,
+                None,
+                &[
+                    (gate, handles),
+                    (up, handles),
+                    (dout, handles),
+                    (dgate, handles),
+                    (dup, handles),
+                ],
+                0.0,
+            )?,
             Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
                 let l = kernel.heads_layout().expect("a heads kernel");
                 if l.rows > 0 && l.heads_buf.len > 0 {
@@ -630,6 +789,15 @@ impl WgpuDevice {
 fn row_groups(rows: u32) -> (u32, u32, u32) {
     let x = rows.clamp(1, MAX_GROUPS);
     (x, rows.div_ceil(x).max(1), 1)
+}
+
+/// The rotary embedding's exponent step `2 log2(theta) / dim` (so that `theta^(-2i /
+/// dim) = 2^(-i step)`), worked out in f64 and split into a high part of 11 significant
+/// bits, whose product with any frequency index below 2^13 is exact in f32, and the rest.
+fn rope_step(theta: f32, dim: usize) -> [f32; 2] {
+    let step = 2.0 * (theta as f64).log2() / dim as f64;
+    let hi = f32::from_bits((step as f32).to_bits() & !0x1fff);
+    [hi, (step - hi as f64) as f32]
 }
 
 /// Pairs of elements an elementwise kernel walks.

@@ -31,6 +31,8 @@ const ATTENTION_PARAMS: &str = shader!("common/attention_params.wgsl");
 const ATTENTION_LOAD: &str = shader!("common/attention_load.wgsl");
 const ATTENTION_SHARE_SUBGROUP: &str = shader!("common/attention_share_subgroup.wgsl");
 const ATTENTION_SHARE_NONE: &str = shader!("common/attention_share_none.wgsl");
+const ROPE_PARAMS: &str = shader!("common/rope_params.wgsl");
+const SWIGLU: &str = shader!("common/swiglu.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -281,6 +283,77 @@ pub const EMBEDDING_BACKWARD: KernelSource = elementwise!(
 );
 pub const NONFINITE: KernelSource =
     elementwise!("nonfinite", &[own("src", Read), own("flag", ReadWrite)]);
+pub const RMSNORM_STATS: KernelSource =
+    elementwise!("rmsnorm_stats", &[typed("x", Read), own("rstd", ReadWrite)]);
+pub const RMSNORM_APPLY: KernelSource = elementwise!(
+    "rmsnorm_apply",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("out", ReadWrite),
+        own("rstd", Read),
+    ]
+);
+pub const RMSNORM_BACKWARD_STATS: KernelSource = elementwise!(
+    "rmsnorm_backward_stats",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("dout", Read),
+        own("rstd", Read),
+        own("stats", ReadWrite),
+    ]
+);
+pub const RMSNORM_BACKWARD_DX: KernelSource = elementwise!(
+    "rmsnorm_backward_dx",
+    &[
+        typed("x", Read),
+        typed("weight", Read),
+        typed("dout", Read),
+        typed("dx", ReadWrite),
+        own("rstd", Read),
+        own("stats", Read),
+    ]
+);
+pub const RMSNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
+    "rmsnorm_backward_params",
+    &[
+        typed("x", Read),
+        typed("dout", Read),
+        own("rstd", Read),
+        own("dweight", ReadWrite),
+    ]
+);
+/// Rotary embedding, forward and inverse (32-byte parameter block).
+pub const ROPE: KernelSource = KernelSource {
+    prelude: &[ROPE_PARAMS],
+    params_size: 32,
+    ..elementwise!("rope", &[typed("x", Read), typed("out", ReadWrite)])
+};
+pub const SWIGLU_FORWARD: KernelSource = KernelSource {
+    prelude: &[ELEMENTWISE_PARAMS, SWIGLU],
+    ..elementwise!(
+        "swiglu",
+        &[
+            typed("gate", Read),
+            typed("up", Read),
+            typed("out", ReadWrite)
+        ]
+    )
+};
+pub const SWIGLU_BACKWARD: KernelSource = KernelSource {
+    prelude: &[ELEMENTWISE_PARAMS, SWIGLU],
+    ..elementwise!(
+        "swiglu_backward",
+        &[
+            typed("gate", Read),
+            typed("up", Read),
+            typed("dout", Read),
+            typed("dgate", ReadWrite),
+            typed("dup", ReadWrite),
+        ]
+    )
+};
 
 const MATMUL_SLOTS: &[Slot] = &[
     typed("a", Read),
@@ -481,6 +554,14 @@ pub const ALL: &[&KernelSource] = &[
     &LAYERNORM_BACKWARD_STATS,
     &LAYERNORM_BACKWARD_DX,
     &LAYERNORM_BACKWARD_PARAMS,
+    &RMSNORM_STATS,
+    &RMSNORM_APPLY,
+    &RMSNORM_BACKWARD_STATS,
+    &RMSNORM_BACKWARD_DX,
+    &RMSNORM_BACKWARD_PARAMS,
+    &ROPE,
+    &SWIGLU_FORWARD,
+    &SWIGLU_BACKWARD,
     &ADAM,
     &SGD,
     &MATMUL_NAIVE,

@@ -27,6 +27,12 @@ fn attention_mixes(kernel: &shader::KernelSource, reprs: &[Repr]) -> Vec<Vec<Rep
     out
 }
 
+/// Kernels validated in the mixes of [`attention_mixes`]: the attention kernels, and
+/// SwiGLU's backward (five typed slots, but not a GEMM's: three inputs, two outputs).
+fn by_access(kernel: &shader::KernelSource) -> bool {
+    kernel.name.starts_with("attention") || kernel.name == "swiglu_backward"
+}
+
 /// All ways to give `n` typed slots a representation from `reprs`.
 fn combos(n: usize, reprs: &[Repr]) -> Vec<Vec<Repr>> {
     let mut out = vec![vec![]];
@@ -107,7 +113,7 @@ fn validate(native_f16: bool) -> usize {
         let n = kernel.slots.iter().filter(|s| s.typed).count();
         // Five typed slots (GEMM, Adam): every mix of the first three; the fourth as f32
         // or bf16; the fifth f32.
-        let mixes = if kernel.name.starts_with("attention") {
+        let mixes = if by_access(kernel) {
             attention_mixes(kernel, Repr::all(native_f16))
         } else if n == 5 {
             combos(3, Repr::all(native_f16))
@@ -154,7 +160,7 @@ fn validate(native_f16: bool) -> usize {
 /// Modules per kernel: one per dtype mix and constant set.
 fn expected(kernel: &shader::KernelSource, reprs: usize) -> usize {
     let n = kernel.slots.iter().filter(|s| s.typed).count();
-    let mixes = if kernel.name.starts_with("attention") {
+    let mixes = if by_access(kernel) {
         reprs * reprs
     } else if n == 5 {
         reprs.pow(3) * 2

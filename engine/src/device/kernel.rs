@@ -222,7 +222,72 @@ pub enum Kernel {
         dbias: Buffer,
         cols: usize,
     },
+    /// RMS norm over rows of `cols` elements (Llama's): `out = x * rstd * weight` with
+    /// `rstd = 1 / sqrt(mean(x^2) + eps)`, the mean of squares in f32. Saves each row's
+    /// `rstd` (f32, one per row) for the backward pass.
+    RmsNorm {
+        x: Buffer,
+        weight: Buffer,
+        out: Buffer,
+        rstd: Buffer,
+        cols: usize,
+        eps: f32,
+    },
+    /// RMS-norm backward from the saved `rstd`, with `xhat = x * rstd`:
+    /// `dx = rstd * (dy * w - xhat * mean(dy * w * xhat))` is overwritten; `dweight`
+    /// (f32, `cols`) is accumulated into (`+= sum over rows of dy * xhat`).
+    RmsNormBackward {
+        x: Buffer,
+        weight: Buffer,
+        rstd: Buffer,
+        dout: Buffer,
+        dx: Buffer,
+        dweight: Buffer,
+        cols: usize,
+    },
+    /// Rotary position embedding, the "rotate half" form of Hugging Face's Llama: `x`
+    /// holds rows of `cols` = heads x `dim` elements, row `r` at position
+    /// `t = r % seq`. Each head's `dim` (even) values split into halves; for
+    /// `i < dim / 2` and `a = t * theta^(-2i / dim)`:
+    /// `out[i] = x[i] cos a - x[i + dim/2] sin a`,
+    /// `out[i + dim/2] = x[i + dim/2] cos a + x[i] sin a`.
+    /// With `inverse`, the rotation by `-a`: the backward pass (`dx` from `dout`).
+    /// GPUs compute the angle in f32, as Hugging Face's f32 path does: the inverse
+    /// frequency to a few f32 ulps and one rounding of the product, so the angle's error
+    /// is a few f32 epsilons times `|a|` (under 2e-3 rad for angles up to 4096 rad: the
+    /// f32 convention's own limit; frequency 1's angle, `t`, is exact). It is then
+    /// reduced modulo 2 pi in exact-product parts (within 3e-7 rad at any position), so
+    /// `sin` and `cos` never see a large argument. The CPU reference is exact (f64).
+    Rope {
+        x: Buffer,
+        out: Buffer,
+        cols: usize,
+        dim: usize,
+        seq: usize,
+        theta: f32,
+        inverse: bool,
+    },
+    /// SwiGLU's gate (Llama's MLP): `out = silu(gate) * up` elementwise, with
+    /// `silu(g) = g * sigmoid(g)` in f32.
+    SwiGlu {
+        gate: Buffer,
+        up: Buffer,
+        out: Buffer,
+    },
+    /// Its backward in one pass: `dgate = dout * up * silu'(gate)` and
+    /// `dup = dout * silu(gate)`, both overwritten.
+    SwiGluBackward {
+        gate: Buffer,
+        up: Buffer,
+        dout: Buffer,
+        dgate: Buffer,
+        dup: Buffer,
+    },
 }
+
+/// The most positions a [`Kernel::Rope`] sequence may have: every position is then an
+/// exact f32.
+pub const ROPE_MAX_SEQ: usize = 1 << 24;
 
 /// The geometry of a [`Kernel::SplitHeads`] or [`Kernel::MergeHeads`] launch, worked
 /// out once for validation and for every backend.
@@ -336,6 +401,12 @@ impl Kernel {
             Kernel::CrossEntropyBackward { .. } => "cross_entropy_backward",
             Kernel::Embedding { .. } => "embedding",
             Kernel::EmbeddingBackward { .. } => "embedding_backward",
+            Kernel::RmsNorm { .. } => "rmsnorm",
+            Kernel::RmsNormBackward { .. } => "rmsnorm_backward",
+            Kernel::Rope { inverse: false, .. } => "rope",
+            Kernel::Rope { inverse: true, .. } => "rope_backward",
+            Kernel::SwiGlu { .. } => "swiglu",
+            Kernel::SwiGluBackward { .. } => "swiglu_backward",
         }
     }
 
@@ -441,6 +512,31 @@ impl Kernel {
                 dtable,
                 ..
             } => vec![tokens, dout, dtable],
+            Kernel::RmsNorm {
+                x,
+                weight,
+                out,
+                rstd,
+                ..
+            } => vec![x, weight, out, rstd],
+            Kernel::RmsNormBackward {
+                x,
+                weight,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                ..
+            } => vec![x, weight, rstd, dout, dx, dweight],
+            Kernel::Rope { x, out, .. } => vec![x, out],
+            Kernel::SwiGlu { gate, up, out } => vec![gate, up, out],
+            Kernel::SwiGluBackward {
+                gate,
+                up,
+                dout,
+                dgate,
+                dup,
+            } => vec![gate, up, dout, dgate, dup],
         }
     }
 
@@ -482,6 +578,10 @@ impl Kernel {
             Kernel::CrossEntropyBackward { dlogits, .. } => vec![*dlogits],
             Kernel::Embedding { out, .. } => vec![*out],
             Kernel::EmbeddingBackward { dtable, .. } => vec![*dtable],
+            Kernel::RmsNorm { out, rstd, .. } => vec![*out, *rstd],
+            Kernel::RmsNormBackward { dx, dweight, .. } => vec![*dx, *dweight],
+            Kernel::Rope { out, .. } | Kernel::SwiGlu { out, .. } => vec![*out],
+            Kernel::SwiGluBackward { dgate, dup, .. } => vec![*dgate, *dup],
         }
     }
 
@@ -834,6 +934,116 @@ impl Kernel {
                 ] {
                     same_dtype(k, name, b, DType::F32)?;
                     same_len(k, name, b, n)?;
+                }
+                Ok(())
+            }
+            Kernel::RmsNorm {
+                x,
+                weight,
+                out,
+                rstd,
+                cols,
+                eps,
+            } => {
+                let rows = rows_of(k, x, *cols)?;
+                for (name, b, n) in [("weight", weight, *cols), ("out", out, x.len)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, n)?;
+                }
+                same_dtype(k, "rstd", rstd, DType::F32)?;
+                same_len(k, "rstd", rstd, rows)?;
+                if !(*eps > 0.0 && eps.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "rmsnorm: eps must be positive, not {eps} (a zero row would divide by 0)"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::RmsNormBackward {
+                x,
+                weight,
+                rstd,
+                dout,
+                dx,
+                dweight,
+                cols,
+            } => {
+                let rows = rows_of(k, x, *cols)?;
+                for (name, b, n) in [
+                    ("weight", weight, *cols),
+                    ("dout", dout, x.len),
+                    ("dx", dx, x.len),
+                ] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, n)?;
+                }
+                for (name, b, n) in [("rstd", rstd, rows), ("dweight", dweight, *cols)] {
+                    same_dtype(k, name, b, DType::F32)?;
+                    same_len(k, name, b, n)?;
+                }
+                Ok(())
+            }
+            Kernel::Rope {
+                x,
+                out,
+                cols,
+                dim,
+                seq,
+                theta,
+                ..
+            } => {
+                if *dim == 0 || !dim.is_multiple_of(2) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: the head dim {dim} must be even and positive (each head's values \
+                         rotate in pairs: i with i + dim/2)"
+                    )));
+                }
+                if *cols == 0 || !cols.is_multiple_of(*dim) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: rows of {cols} elements are not whole heads of {dim}; pass \
+                         cols = heads x dim"
+                    )));
+                }
+                let rows = rows_of(k, x, *cols)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)?;
+                if *seq == 0 || *seq > ROPE_MAX_SEQ || !rows.is_multiple_of(*seq) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: {rows} rows are not whole sequences of {seq} positions (seq \
+                         must be 1..={ROPE_MAX_SEQ} and divide the rows)"
+                    )));
+                }
+                if !(*theta > 0.0 && theta.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: theta (the frequency base, 10000 in Llama) must be positive, \
+                         not {theta}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::SwiGlu { gate, up, out } => {
+                for (name, b) in [("gate", gate), ("up", up), ("out", out)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, gate.len)?;
+                }
+                Ok(())
+            }
+            Kernel::SwiGluBackward {
+                gate,
+                up,
+                dout,
+                dgate,
+                dup,
+            } => {
+                for (name, b) in [
+                    ("gate", gate),
+                    ("up", up),
+                    ("dout", dout),
+                    ("dgate", dgate),
+                    ("dup", dup),
+                ] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, gate.len)?;
                 }
                 Ok(())
             }

@@ -274,6 +274,9 @@ fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
         Op::Gelu { x, out } => (vec![x], out),
         Op::Add { a, b, out } => (vec![a, b], out),
         Op::CausalAttention { qkv, out, .. } => (vec![qkv], out),
+        Op::RmsNorm { x, weight, out, .. } => (vec![x, weight], out),
+        Op::Rope { x, out, .. } => (vec![x], out),
+        Op::SwiGlu { gate, up, out } => (vec![gate, up], out),
         Op::CrossEntropy { logits, losses, .. } => (vec![logits], losses),
     }
 }

@@ -157,6 +157,27 @@ pub(crate) enum Op {
         heads: usize,
         mode: Attention,
     },
+    /// `out = x * rstd * weight` per row, `rstd = 1 / sqrt(mean(x^2) + eps)`.
+    RmsNorm {
+        x: Tensor,
+        weight: Tensor,
+        out: Tensor,
+        eps: f32,
+    },
+    /// Rotary position embedding of `x` (B, T, H * D), `heads` heads, frequency base
+    /// `theta`: position `t` of each sequence rotated by `t * theta^(-2i / D)`.
+    Rope {
+        x: Tensor,
+        out: Tensor,
+        heads: usize,
+        theta: f32,
+    },
+    /// `out = silu(gate) * up`, elementwise.
+    SwiGlu {
+        gate: Tensor,
+        up: Tensor,
+        out: Tensor,
+    },
     /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET.
     CrossEntropy {
         logits: Tensor,
@@ -538,6 +559,95 @@ impl Graph {
             heads,
             mode,
         });
+        Ok(out)
+    }
+
+    /// RMS norm over the feature dim (Llama's): `x * rstd * weight` with
+    /// `rstd = 1 / sqrt(mean(x^2) + eps)` per row, `weight` (C) a parameter with an f32
+    /// gradient.
+    pub fn rmsnorm(&mut self, x: Tensor, weight: Tensor, eps: f32) -> Result<Tensor> {
+        let xi = self.float("rmsnorm", x)?.clone();
+        self.f32_grad_param("rmsnorm", weight)?;
+        let wi = self.info(weight)?;
+        if wi.len() != xi.cols() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: rmsnorm: weight `{}` {:?} has {} elements but `{}` {:?} has {} \
+                 features; it needs one per feature",
+                wi.name,
+                wi.shape,
+                wi.len(),
+                xi.name,
+                xi.shape,
+                xi.cols()
+            )));
+        }
+        if !(eps > 0.0 && eps.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: rmsnorm of `{}`: eps must be positive (Llama uses 1e-5 or 1e-6), not \
+                 {eps}",
+                xi.name
+            )));
+        }
+        let out = self.op_out("rmsnorm", xi.shape.clone(), xi.dtype);
+        self.ops.push(Op::RmsNorm {
+            x,
+            weight,
+            out,
+            eps,
+        });
+        Ok(out)
+    }
+
+    /// Rotary position embedding (Hugging Face Llama's "rotate half" form) of `x`
+    /// (B, T, C) split into `heads` heads of D = C / heads (even): at position `t`, each
+    /// head's pair `(i, i + D/2)` is rotated by `t * theta^(-2i / D)` (`theta` is
+    /// Llama's `rope_theta`, e.g. 10000).
+    pub fn rope(&mut self, x: Tensor, heads: usize, theta: f32) -> Result<Tensor> {
+        let xi = self.float("rope", x)?.clone();
+        if xi.shape.len() != 3 || heads == 0 || xi.cols() % heads != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: rope: `{}` is {:?}; it must be (B, T, C) with C divisible by the \
+                 {heads} heads",
+                xi.name, xi.shape
+            )));
+        }
+        let dim = xi.cols() / heads;
+        if !dim.is_multiple_of(2) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: rope: `{}` {:?} in {heads} heads has head dim {dim}, which must be \
+                 even (each head's halves rotate in pairs)",
+                xi.name, xi.shape
+            )));
+        }
+        if !(theta > 0.0 && theta.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: rope of `{}`: theta (the frequency base, 10000 in Llama) must be \
+                 positive, not {theta}",
+                xi.name
+            )));
+        }
+        let out = self.op_out("rope", xi.shape.clone(), xi.dtype);
+        self.ops.push(Op::Rope {
+            x,
+            out,
+            heads,
+            theta,
+        });
+        Ok(out)
+    }
+
+    /// SwiGLU's gate (Llama's MLP): `silu(gate) * up`, elementwise; same shapes.
+    pub fn swiglu(&mut self, gate: Tensor, up: Tensor) -> Result<Tensor> {
+        let gi = self.float("swiglu", gate)?.clone();
+        let ui = self.float("swiglu", up)?.clone();
+        if gi.shape != ui.shape {
+            return Err(Error::InvalidArgument(format!(
+                "graph: swiglu: gate `{}` is {:?} but up `{}` is {:?}; they must match",
+                gi.name, gi.shape, ui.name, ui.shape
+            )));
+        }
+        let out = self.op_out("swiglu", gi.shape, gi.dtype);
+        self.ops.push(Op::SwiGlu { gate, up, out });
         Ok(out)
     }
 

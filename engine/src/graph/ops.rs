@@ -34,6 +34,10 @@ pub(super) enum Saved {
     CrossEntropy {
         lse: Buffer,
     },
+    /// Per-row f32 1/rms.
+    RmsNorm {
+        rstd: Buffer,
+    },
 }
 
 pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
@@ -193,6 +197,46 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 offset: 0,
             })?;
             Ok(Saved::Attention { q, k, v, yh, att })
+        }
+        Op::RmsNorm {
+            x,
+            weight,
+            out,
+            eps,
+        } => {
+            // out (M, C) = x * rstd * weight; rstd (M) f32 saved.
+            let rstd = e.scratch(DType::F32, g.t(x).rows());
+            let o = e.define(out);
+            e.launch(Kernel::RmsNorm {
+                x: e.val(x),
+                weight: e.val(weight),
+                out: o,
+                rstd,
+                cols: g.t(x).cols(),
+                eps,
+            })?;
+            Ok(Saved::RmsNorm { rstd })
+        }
+        Op::Rope {
+            x,
+            out,
+            heads,
+            theta,
+        } => {
+            // out (B, T, C) = x rotated per head (D = C / H), row (b, t) by angles of t.
+            let o = e.define(out);
+            e.launch(rope(g, x, heads, theta, e.val(x), o, false))?;
+            Ok(Saved::None)
+        }
+        Op::SwiGlu { gate, up, out } => {
+            // out = silu(gate) * up, elementwise.
+            let o = e.define(out);
+            e.launch(Kernel::SwiGlu {
+                gate: e.val(gate),
+                up: e.val(up),
+                out: o,
+            })?;
+            Ok(Saved::None)
         }
         Op::CrossEntropy {
             logits,
@@ -449,6 +493,53 @@ pub(super) fn backward(
             }
             gr.finish(e, dqkv)
         }
+        (&Op::RmsNorm { x, weight, .. }, &Saved::RmsNorm { rstd }) => {
+            // dx (M, C) overwritten; dweight (C) f32 accumulated.
+            let dweight = gr.accumulating(e, weight)?;
+            let dx = gr.overwriting(e, x)?;
+            e.launch(Kernel::RmsNormBackward {
+                x: e.val(x),
+                weight: e.val(weight),
+                rstd,
+                dout: dout(),
+                dx: dx.buf,
+                dweight,
+                cols: g.t(x).cols(),
+            })?;
+            gr.finish(e, dx)
+        }
+        (
+            &Op::Rope {
+                x, heads, theta, ..
+            },
+            _,
+        ) => {
+            // dx = dout rotated back: a rotation's inverse is its transpose.
+            if !gr.needs(x) {
+                return Ok(());
+            }
+            let dx = gr.overwriting(e, x)?;
+            e.launch(rope(g, x, heads, theta, dout(), dx.buf, true))?;
+            gr.finish(e, dx)
+        }
+        (&Op::SwiGlu { gate, up, .. }, _) => {
+            // dgate = dout * up * silu'(gate), dup = dout * silu(gate): one launch. When
+            // gate and up are one tensor the second destination is scratch added after.
+            if !gr.needs(gate) && !gr.needs(up) {
+                return Ok(());
+            }
+            let dgate = gr.overwriting(e, gate)?;
+            let dup = gr.overwriting(e, up)?;
+            e.launch(Kernel::SwiGluBackward {
+                gate: e.val(gate),
+                up: e.val(up),
+                dout: dout(),
+                dgate: dgate.buf,
+                dup: dup.buf,
+            })?;
+            gr.finish(e, dgate)?;
+            gr.finish(e, dup)
+        }
         (
             &Op::CrossEntropy {
                 logits, targets, ..
@@ -473,5 +564,27 @@ pub(super) fn backward(
             gr.finish(e, dlogits)
         }
         _ => unreachable!("forward saves what each op's backward reads"),
+    }
+}
+
+/// The rotary-embedding launch of `x` (B, T, C) in `heads` heads, `src` to `dst`.
+fn rope(
+    g: &super::Graph,
+    x: super::Tensor,
+    heads: usize,
+    theta: f32,
+    src: Buffer,
+    dst: Buffer,
+    inverse: bool,
+) -> Kernel {
+    let s = &g.t(x).shape;
+    Kernel::Rope {
+        x: src,
+        out: dst,
+        cols: s[2],
+        dim: s[2] / heads,
+        seq: s[1],
+        theta,
+        inverse,
     }
 }

@@ -665,6 +665,7 @@ fn reads_old_contents(k: &Kernel, b: Buffer) -> bool {
         Kernel::Axpy { y, .. } => y.id == b.id,
         Kernel::Matmul(mm) => mm.c.id == b.id && mm.beta != 0.0,
         Kernel::LayerNormBackward { dweight, dbias, .. } => dweight.id == b.id || dbias.id == b.id,
+        Kernel::RmsNormBackward { dweight, .. } => dweight.id == b.id,
         Kernel::EmbeddingBackward { .. } | Kernel::Adam(_) | Kernel::Sgd(_) => true,
         _ => false,
     }

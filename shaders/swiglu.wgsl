@@ -1,0 +1,10 @@
+// out = silu(gate) * up, elementwise (common/swiglu.wgsl). Slots: gate, up (read),
+// out (write).
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let stride = nwg.x * 256u;
+    for (var w = gid.x; w < P.words; w += stride) {
+        let g = gate_load(w);
+        out_store(w, vec2<f32>(swiglu_silu(g.x), swiglu_silu(g.y)) * up_load(w));
+    }
+}
