@@ -28,7 +28,9 @@ pub use device::{Buffer, Capabilities, Device, PendingDownload};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use host::HostData;
-pub use kernel::{BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET};
+pub use kernel::{
+    Activation, BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET,
+};
 pub use loss_scaler::{DynamicScaling, LossScaler, StepDecision};
 pub use matmul::Matmul;
 pub use optim::{AdamStep, Optimizer, SgdStep};
