@@ -157,13 +157,16 @@ fn activations_match_cpu_on_every_gpu_path() {
     }
 }
 
+/// A function of one real variable (an activation or its derivative, in f64).
+type Real = fn(f64) -> f64;
+
 #[test]
 fn activation_kernels_match_their_definitions_on_cpu() {
     // The CPU reference against hand-derived values (f64 math rounded once to f32).
     let cpu = CpuDevice::new();
     let xs = [-2.0f32, -0.5, 0.0, 0.25, 3.0];
     for kind in Activation::ALL {
-        let (f, df): (fn(f64) -> f64, fn(f64) -> f64) = match kind {
+        let (f, df): (Real, Real) = match kind {
             Activation::Relu => (|x| x.max(0.0), |x| if x > 0.0 { 1.0 } else { 0.0 }),
             Activation::Tanh => (|x| x.tanh(), |x| 1.0 - x.tanh() * x.tanh()),
             Activation::Silu => (
@@ -787,7 +790,14 @@ fn dropout_plan_model(dev: &dyn Device) -> (Model, [Tensor; 3]) {
     let mut m = Model::new();
     // Inputs away from 0, so that a zero output means a dropped element.
     let xs: Vec<f32> = (0..rows * c)
-        .map(|_| rng.uniform(0.1, 1.0) * if rng.next_u32() % 2 == 0 { 1.0 } else { -1.0 })
+        .map(|_| {
+            rng.uniform(0.1, 1.0)
+                * if rng.next_u32().is_multiple_of(2) {
+                    1.0
+                } else {
+                    -1.0
+                }
+        })
         .collect();
     let x = m.input(dev, "x", &[rows, c], HostData::F32(xs));
     let target = m.input(

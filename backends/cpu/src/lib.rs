@@ -662,7 +662,8 @@ impl Device for CpuDevice {
 fn activation(kind: Activation, x: f32) -> f32 {
     let v = x as f64;
     match kind {
-        Activation::Relu => return if x > 0.0 { x } else { 0.0 },
+        Activation::Relu if x > 0.0 => x,
+        Activation::Relu => 0.0,
         Activation::Tanh => v.tanh() as f32,
         Activation::Silu => (v / (1.0 + (-v).exp())) as f32,
     }
