@@ -14,8 +14,8 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
+use kiln::engine::device::optim::ParamBuffers;
 use kiln::engine::graph::{Bindings, Graph, Tensor};
-use kiln::engine::optim::ParamBuffers;
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, IGNORE_TARGET};
 
 fn vals(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {

@@ -18,7 +18,7 @@ pub use config::{ConfigError, TrainConfig};
 pub use device::dtype::DType;
 pub use device::host::HostData;
 pub use device::kernel::{
-    BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET,
+    Activation, BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET,
 };
 pub use device::matmul::Matmul;
 pub use device::optim::{AdamStep, Optimizer, SgdStep};

@@ -11,11 +11,14 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use half::{bf16, f16};
+use kiln_engine::device::kernel::{
+    dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor,
+};
 use kiln_engine::device::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::device::{check_upload, check_view};
 use kiln_engine::{
-    device::PendingDownload, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device, Error,
-    HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
+    device::PendingDownload, Activation, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device,
+    Error, HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
 };
 
 pub struct CpuDevice {
@@ -296,6 +299,82 @@ impl Device for CpuDevice {
                     .map(|(&v, &d)| (d as f64 * gelu_grad_f64(v as f64)) as f32)
                     .collect();
                 s.put(*dx, HostData::from_f32(dx.dtype, &r), name)
+            }
+            Kernel::Activation { kind, x, out } => {
+                let r: Vec<f32> = s
+                    .f32s(*x, name)?
+                    .iter()
+                    .map(|&v| activation(*kind, v))
+                    .collect();
+                s.put(*out, HostData::from_f32(out.dtype, &r), name)
+            }
+            Kernel::ActivationBackward { kind, x, dout, dx } => {
+                let (xs, ds) = (s.f32s(*x, name)?, s.f32s(*dout, name)?);
+                let r: Vec<f32> = xs
+                    .iter()
+                    .zip(&ds)
+                    .map(|(&v, &d)| activation_backward(*kind, v, d))
+                    .collect();
+                s.put(*dx, HostData::from_f32(dx.dtype, &r), name)
+            }
+            Kernel::Dropout {
+                x: src,
+                out: dst,
+                p,
+                seed,
+            }
+            | Kernel::DropoutBackward {
+                dout: src,
+                dx: dst,
+                p,
+                seed,
+            } => {
+                // The GPU contract exactly: one f32 product for kept elements, +0 else.
+                let (t, k) = (dropout_threshold(*p), dropout_scale(*p));
+                let r: Vec<f32> = s
+                    .f32s(*src, name)?
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| match dropout_hash(*seed, i as u32) >= t {
+                        true => v * k,
+                        false => 0.0,
+                    })
+                    .collect();
+                s.put(*dst, HostData::from_f32(dst.dtype, &r), name)
+            }
+            Kernel::MseLoss {
+                pred,
+                target,
+                losses,
+                cols,
+            } => {
+                let (ps, ts) = (s.f32s(*pred, name)?, s.f32s(*target, name)?);
+                let l: Vec<f32> = ps
+                    .chunks(*cols)
+                    .zip(ts.chunks(*cols))
+                    .map(|(p, t)| {
+                        let sum: f64 = p
+                            .iter()
+                            .zip(t)
+                            .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+                            .sum();
+                        (sum / *cols as f64) as f32
+                    })
+                    .collect();
+                s.put(*losses, HostData::F32(l), name)
+            }
+            Kernel::MseBackward {
+                pred,
+                target,
+                dpred,
+                cols,
+                scale,
+            } => {
+                // The kernel's contract: an f32 difference times one f32 factor.
+                let (ps, ts) = (s.f32s(*pred, name)?, s.f32s(*target, name)?);
+                let f = mse_grad_factor(*scale, *cols);
+                let d: Vec<f32> = ps.iter().zip(&ts).map(|(&a, &b)| (a - b) * f).collect();
+                s.put(*dpred, HostData::from_f32(dpred.dtype, &d), name)
             }
             Kernel::LayerNorm {
                 x,
@@ -658,6 +737,34 @@ impl Device for CpuDevice {
             .map(|d| d.dtype().padded_bytes(d.len()))
             .sum()
     }
+}
+
+/// An activation in f64, rounded once to f32 (ReLU is exact: a select, +0 for x <= 0
+/// and NaN, as the kernel's).
+fn activation(kind: Activation, x: f32) -> f32 {
+    let v = x as f64;
+    match kind {
+        Activation::Relu if x > 0.0 => x,
+        Activation::Relu => 0.0,
+        Activation::Tanh => v.tanh() as f32,
+        Activation::Silu => (v / (1.0 + (-v).exp())) as f32,
+    }
+}
+
+/// `dout * f'(x)` in f64, rounded once (ReLU passes `dout` through or gives +0).
+fn activation_backward(kind: Activation, x: f32, dout: f32) -> f32 {
+    let v = x as f64;
+    let grad = match kind {
+        Activation::Relu => return if x > 0.0 { dout } else { 0.0 },
+        // 1 / cosh^2 rather than 1 - tanh^2, which is 0 in f64 past |x| ~ 19.
+        Activation::Tanh => 1.0 / v.cosh().powi(2),
+        Activation::Silu => {
+            // d/dx [x s(x)] = s (1 + x (1 - s))
+            let s = 1.0 / (1.0 + (-v).exp());
+            s * (1.0 + v * (1.0 - s))
+        }
+    };
+    (dout as f64 * grad) as f32
 }
 
 fn fill_float(dtype: DType, value: f64, len: usize) -> HostData {

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use kiln_engine::{BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
+use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
+use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
 
 use crate::device::{Dispatch, State, WgpuDevice, PARTIALS_ID, SCRATCH_ID};
 use crate::shader::{self, KernelSource, Repr};
@@ -138,6 +139,88 @@ impl WgpuDevice {
                 None,
                 &[(x, handles), (dout, handles), (dx, handles)],
                 0.0,
+            )?,
+            Kernel::Activation { kind, x, out } => self.elementwise(
+                s,
+                &shader::ACTIVATION,
+                Some(("KIND", activation_code(*kind))),
+                &[(x, handles), (out, handles)],
+                0.0,
+            )?,
+            Kernel::ActivationBackward { kind, x, dout, dx } => self.elementwise(
+                s,
+                &shader::ACTIVATION_BACKWARD,
+                Some(("KIND", activation_code(*kind))),
+                &[(x, handles), (dout, handles), (dx, handles)],
+                0.0,
+            )?,
+            Kernel::Dropout {
+                x: src,
+                out: dst,
+                p,
+                seed,
+            }
+            | Kernel::DropoutBackward {
+                dout: src,
+                dx: dst,
+                p,
+                seed,
+            } => {
+                if src.len > 0 {
+                    let words = pairs(src.len);
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::DROPOUT,
+                            vec![self.repr(src.dtype), self.repr(dst.dtype)],
+                            vec![h(src), h(dst)],
+                            vec![
+                                src.len as u32,
+                                words,
+                                dropout_scale(*p).to_bits(),
+                                dropout_threshold(*p),
+                                *seed as u32,
+                                (*seed >> 32) as u32,
+                                0,
+                                0,
+                            ],
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
+            Kernel::MseLoss {
+                pred,
+                target,
+                losses,
+                cols,
+            } => {
+                let rows = (pred.len / cols) as u32;
+                let (lanes, grid) = self.row_plan(rows, *cols as u32);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::MSE_LOSS,
+                        vec![self.repr(pred.dtype), self.repr(target.dtype)],
+                        vec![h(pred), h(target), h(losses)],
+                        vec![rows, 0, 0, *cols as u32],
+                        grid,
+                    )
+                    .with_overrides(lanes),
+                )?;
+            }
+            Kernel::MseBackward {
+                pred,
+                target,
+                dpred,
+                cols,
+                scale,
+            } => self.elementwise(
+                s,
+                &shader::MSE_BACKWARD,
+                None,
+                &[(pred, handles), (target, handles), (dpred, handles)],
+                mse_grad_factor(*scale, *cols),
             )?,
             Kernel::LayerNorm {
                 x,
@@ -748,6 +831,15 @@ impl WgpuDevice {
                 groups: (groups(words), 1, 1),
             },
         )
+    }
+}
+
+/// The KIND override of the activation kernels (common/activation.wgsl).
+fn activation_code(kind: Activation) -> u32 {
+    match kind {
+        Activation::Relu => 0,
+        Activation::Tanh => 1,
+        Activation::Silu => 2,
     }
 }
 

@@ -25,6 +25,8 @@ const SHARE_SUBGROUP: &str = shader!("common/share_subgroup.wgsl");
 const SHARE_NONE: &str = shader!("common/share_none.wgsl");
 const OPTIM_PARAMS: &str = shader!("common/optim_params.wgsl");
 const GELU: &str = shader!("common/gelu.wgsl");
+const ACTIVATION_FNS: &str = shader!("common/activation.wgsl");
+const DROPOUT_PARAMS: &str = shader!("common/dropout_params.wgsl");
 const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
 const HEADS_PARAMS: &str = shader!("common/heads_params.wgsl");
 const ATTENTION_PARAMS: &str = shader!("common/attention_params.wgsl");
@@ -147,6 +149,44 @@ pub const GELU_BACKWARD: KernelSource = elementwise!(
         typed("x", Read),
         typed("dout", Read),
         typed("dx", ReadWrite)
+    ]
+);
+/// ReLU, tanh or SiLU (the KIND override), forward and backward.
+pub const ACTIVATION: KernelSource = KernelSource {
+    prelude: &[ELEMENTWISE_PARAMS, ACTIVATION_FNS],
+    ..elementwise!("activation", &[typed("x", Read), typed("out", ReadWrite)])
+};
+pub const ACTIVATION_BACKWARD: KernelSource = KernelSource {
+    prelude: &[ELEMENTWISE_PARAMS, ACTIVATION_FNS],
+    ..elementwise!(
+        "activation_backward",
+        &[
+            typed("x", Read),
+            typed("dout", Read),
+            typed("dx", ReadWrite)
+        ]
+    )
+};
+/// Dropout's forward and backward (the same computation over x or dout).
+pub const DROPOUT: KernelSource = KernelSource {
+    prelude: &[DROPOUT_PARAMS],
+    params_size: 32,
+    ..elementwise!("dropout", &[typed("x", Read), typed("out", ReadWrite)])
+};
+pub const MSE_LOSS: KernelSource = elementwise!(
+    "mse_loss",
+    &[
+        typed("pred", Read),
+        typed("target", Read),
+        own("losses", ReadWrite)
+    ]
+);
+pub const MSE_BACKWARD: KernelSource = elementwise!(
+    "mse_backward",
+    &[
+        typed("pred", Read),
+        typed("target", Read),
+        typed("dpred", ReadWrite)
     ]
 );
 pub const LAYERNORM_STATS: KernelSource = elementwise!(
@@ -539,6 +579,11 @@ pub const ALL: &[&KernelSource] = &[
     &GRAD_SCALE,
     &GELU_FORWARD,
     &GELU_BACKWARD,
+    &ACTIVATION,
+    &ACTIVATION_BACKWARD,
+    &DROPOUT,
+    &MSE_LOSS,
+    &MSE_BACKWARD,
     &SPLIT_HEADS,
     &MERGE_HEADS,
     &SOFTMAX_STATS,

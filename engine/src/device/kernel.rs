@@ -24,6 +24,78 @@ pub enum ReduceOp {
 /// cross-entropy gives it loss 0 and zero gradient.
 pub const IGNORE_TARGET: u32 = u32::MAX;
 
+/// An elementwise activation of [`Kernel::Activation`] (GELU, which the GPT uses, has
+/// kernels of its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `max(x, 0)`; its derivative at 0 is taken as 0 (as PyTorch does).
+    Relu,
+    Tanh,
+    /// `x * sigmoid(x)` (swish).
+    Silu,
+}
+
+impl Activation {
+    pub const ALL: [Activation; 3] = [Activation::Relu, Activation::Tanh, Activation::Silu];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Relu => "relu",
+            Activation::Tanh => "tanh",
+            Activation::Silu => "silu",
+        }
+    }
+}
+
+/// The 32-bit hash that decides dropout's mask: element `i` of a launch with `seed` is
+/// kept iff `dropout_hash(seed, i) >= dropout_threshold(p)`. Counter-based (no state, no
+/// mask buffer: backward recomputes it) and only u32 wrapping arithmetic, so the CPU and
+/// every GPU path give the same bits. Two rounds of xorshift-multiply, the seed's low
+/// word mixed in before the first and its high word before the second: a change to
+/// either word reshuffles the whole mask rather than shifting or permuting it in a
+/// simple way. (Multipliers: the fractional bits of sqrt 2 and sqrt 3, odd.)
+pub fn dropout_hash(seed: u64, i: u32) -> u32 {
+    fn round(mut h: u32) -> u32 {
+        h ^= h >> 16;
+        h = h.wrapping_mul(0x6A09_E667);
+        h ^= h >> 15;
+        h = h.wrapping_mul(0xBB67_AE85);
+        h ^ (h >> 16)
+    }
+    round(round(i ^ seed as u32) ^ (seed >> 32) as u32)
+}
+
+/// Dropout drops element `i` when its hash is below this: `p * 2^32`, rounded, so that
+/// an element is kept with probability `1 - p` to within 2^-33.
+pub fn dropout_threshold(p: f32) -> u32 {
+    (p as f64 * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
+}
+
+/// The factor kept elements are multiplied by, `1 / (1 - p)` rounded to f32 once (the
+/// product is then one f32 multiplication, the same on every device).
+pub fn dropout_scale(p: f32) -> f32 {
+    1.0 / (1.0 - p)
+}
+
+/// The seed of the dropout op at graph op index `op` under a plan's random state `key`
+/// ([`crate::graph::Plan::set_random_state`]): both mixed through a 64-bit
+/// xorshift-multiply so that nearby keys or ops give unrelated seeds.
+pub fn dropout_seed(key: u64, op: usize) -> u64 {
+    fn mix(mut x: u64) -> u64 {
+        x ^= x >> 32;
+        x = x.wrapping_mul(0x6A09_E667_F3BC_C909);
+        x ^= x >> 29;
+        x = x.wrapping_mul(0xBB67_AE85_84CA_A73B);
+        x ^ (x >> 32)
+    }
+    mix(mix(key) ^ (op as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+}
+
+/// The factor of [`Kernel::MseBackward`]: `2 * scale / cols`, rounded to f32 once.
+pub fn mse_grad_factor(scale: f32, cols: usize) -> f32 {
+    (2.0 * scale as f64 / cols as f64) as f32
+}
+
 /// One kernel launch. Float operands may each have their own dtype (f32, f16, bf16):
 /// values are widened to f32, computed in f32 and rounded to nearest-even on store.
 #[derive(Clone, Debug, PartialEq)]
@@ -74,6 +146,54 @@ pub enum Kernel {
     Gelu { x: Buffer, out: Buffer },
     /// `dx = dout * gelu'(x)`, elementwise.
     GeluBackward { x: Buffer, dout: Buffer, dx: Buffer },
+    /// `out = f(x)` elementwise for the activation `kind`, in f32.
+    Activation {
+        kind: Activation,
+        x: Buffer,
+        out: Buffer,
+    },
+    /// `dx = dout * f'(x)`, elementwise, from the forward's input `x`.
+    ActivationBackward {
+        kind: Activation,
+        x: Buffer,
+        dout: Buffer,
+        dx: Buffer,
+    },
+    /// Inverted dropout: `out[i] = x[i] * dropout_scale(p)` where element `i` is kept
+    /// (see [`dropout_hash`]), else 0. `0 <= p < 1`; the mask depends only on `seed`,
+    /// `p` and `i`, so it is the same on every device.
+    Dropout {
+        x: Buffer,
+        out: Buffer,
+        p: f32,
+        seed: u64,
+    },
+    /// `dx[i] = dout[i] * dropout_scale(p)` where the forward with the same `p` and
+    /// `seed` kept element `i`, else 0: the mask is recomputed, not stored.
+    DropoutBackward {
+        dout: Buffer,
+        dx: Buffer,
+        p: f32,
+        seed: u64,
+    },
+    /// Mean squared error per row of `cols`: `losses[r] = sum_j (pred - target)^2 / cols`
+    /// over row r, accumulated in f32; `target` may have any float dtype.
+    MseLoss {
+        pred: Buffer,
+        target: Buffer,
+        losses: Buffer,
+        cols: usize,
+    },
+    /// `dpred = (pred - target) * mse_grad_factor(scale, cols)`, i.e.
+    /// `2 (pred - target) / cols * scale` (scale: d loss / d losses_r times the loss
+    /// scale, as [`Kernel::CrossEntropyBackward`]'s).
+    MseBackward {
+        pred: Buffer,
+        target: Buffer,
+        dpred: Buffer,
+        cols: usize,
+        scale: f32,
+    },
     /// Layer norm over rows of `cols` elements: `out = (x - mean) * rstd * weight + bias`.
     /// Saves each row's `mean` and `rstd` (f32, one per row) for the backward pass.
     LayerNorm {
@@ -389,6 +509,16 @@ impl Kernel {
             Kernel::Sgd(_) => "sgd",
             Kernel::Gelu { .. } => "gelu",
             Kernel::GeluBackward { .. } => "gelu_backward",
+            Kernel::Activation { kind, .. } => kind.name(),
+            Kernel::ActivationBackward { kind, .. } => match kind {
+                Activation::Relu => "relu_backward",
+                Activation::Tanh => "tanh_backward",
+                Activation::Silu => "silu_backward",
+            },
+            Kernel::Dropout { .. } => "dropout",
+            Kernel::DropoutBackward { .. } => "dropout_backward",
+            Kernel::MseLoss { .. } => "mse_loss",
+            Kernel::MseBackward { .. } => "mse_backward",
             Kernel::LayerNorm { .. } => "layernorm",
             Kernel::LayerNormBackward { .. } => "layernorm_backward",
             Kernel::SplitHeads { .. } => "split_heads",
@@ -447,6 +577,22 @@ impl Kernel {
                 .collect(),
             Kernel::Gelu { x, out } => vec![x, out],
             Kernel::GeluBackward { x, dout, dx } => vec![x, dout, dx],
+            Kernel::Activation { x, out, .. } => vec![x, out],
+            Kernel::ActivationBackward { x, dout, dx, .. } => vec![x, dout, dx],
+            Kernel::Dropout { x, out, .. } => vec![x, out],
+            Kernel::DropoutBackward { dout, dx, .. } => vec![dout, dx],
+            Kernel::MseLoss {
+                pred,
+                target,
+                losses,
+                ..
+            } => vec![pred, target, losses],
+            Kernel::MseBackward {
+                pred,
+                target,
+                dpred,
+                ..
+            } => vec![pred, target, dpred],
             Kernel::LayerNorm {
                 x,
                 weight,
@@ -563,6 +709,12 @@ impl Kernel {
                 .flatten()
                 .collect(),
             Kernel::GeluBackward { dx, .. } => vec![*dx],
+            Kernel::Activation { out, .. } | Kernel::Dropout { out, .. } => vec![*out],
+            Kernel::ActivationBackward { dx, .. } | Kernel::DropoutBackward { dx, .. } => {
+                vec![*dx]
+            }
+            Kernel::MseLoss { losses, .. } => vec![*losses],
+            Kernel::MseBackward { dpred, .. } => vec![*dpred],
             Kernel::LayerNorm {
                 out, mean, rstd, ..
             } => vec![*out, *mean, *rstd],
@@ -696,6 +848,78 @@ impl Kernel {
                 for (name, b) in [("x", x), ("dout", dout), ("dx", dx)] {
                     float(k, name, b)?;
                     same_len(k, name, b, x.len)?;
+                }
+                Ok(())
+            }
+            Kernel::Activation { x, out, .. } => {
+                float(k, "x", x)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)
+            }
+            Kernel::ActivationBackward { x, dout, dx, .. } => {
+                for (name, b) in [("x", x), ("dout", dout), ("dx", dx)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, x.len)?;
+                }
+                Ok(())
+            }
+            Kernel::Dropout { x, out, p, .. }
+            | Kernel::DropoutBackward {
+                dout: x,
+                dx: out,
+                p,
+                ..
+            } => {
+                let (input, output) = match self {
+                    Kernel::Dropout { .. } => ("x", "out"),
+                    _ => ("dout", "dx"),
+                };
+                float(k, input, x)?;
+                float(k, output, out)?;
+                same_len(k, output, out, x.len)?;
+                if !(0.0..1.0).contains(p) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: p = {p}; the probability of dropping an element must be in \
+                         [0, 1) (0 keeps every element)"
+                    )));
+                }
+                if x.len > u32::MAX as usize {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: {} elements; the mask hashes 32-bit element indices, so a \
+                         launch takes at most 2^32 - 1: split the tensor",
+                        x.len
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::MseLoss {
+                pred,
+                target,
+                losses,
+                cols,
+            } => {
+                let rows = rows_of(k, pred, *cols)?;
+                float(k, "target", target)?;
+                same_len(k, "target", target, pred.len)?;
+                same_dtype(k, "losses", losses, DType::F32)?;
+                same_len(k, "losses", losses, rows)
+            }
+            Kernel::MseBackward {
+                pred,
+                target,
+                dpred,
+                cols,
+                scale,
+            } => {
+                rows_of(k, pred, *cols)?;
+                for (name, b) in [("target", target), ("dpred", dpred)] {
+                    float(k, name, b)?;
+                    same_len(k, name, b, pred.len)?;
+                }
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument(format!(
+                        "mse_backward: scale is {scale}"
+                    )));
                 }
                 Ok(())
             }

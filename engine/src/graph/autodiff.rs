@@ -256,7 +256,7 @@ impl Grads {
 }
 
 /// An op's float operands (those a gradient can flow to) and its output.
-fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
+pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
     match *op {
         Op::Embedding { table, out, .. } => (vec![table], out),
         Op::Linear { x, w, b, out, .. } => {
@@ -273,11 +273,16 @@ fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
         } => (vec![x, weight, bias], out),
         Op::Gelu { x, out } => (vec![x], out),
         Op::Add { a, b, out } => (vec![a, b], out),
+        Op::Activation { x, out, .. } | Op::Softmax { x, out } | Op::Dropout { x, out, .. } => {
+            (vec![x], out)
+        }
         Op::CausalAttention { qkv, out, .. } => (vec![qkv], out),
         Op::RmsNorm { x, weight, out, .. } => (vec![x, weight], out),
         Op::Rope { x, out, .. } => (vec![x], out),
         Op::SwiGlu { gate, up, out } => (vec![gate, up], out),
         Op::CrossEntropy { logits, losses, .. } => (vec![logits], losses),
+        // The target gets no gradient (Graph::mse checks it needs none).
+        Op::Mse { pred, losses, .. } => (vec![pred], losses),
     }
 }
 
@@ -292,8 +297,9 @@ pub(super) fn backward(
     let mut gr = Grads::new(g, param_grads);
     for (i, (op, s)) in g.ops.iter().zip(saved).enumerate().rev() {
         gr.op = i;
+        e.op = i;
         let (_, out) = operands(op);
-        if let Op::CrossEntropy { .. } = op {
+        if let Op::CrossEntropy { .. } | Op::Mse { .. } = op {
             // The loss: its gradient is the seed, not a buffer.
             ops::backward(op, s, None, e, &mut gr)?;
         } else if let Some(dout) = gr.get(out) {

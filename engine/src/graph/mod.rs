@@ -20,7 +20,7 @@ mod plan;
 
 pub use plan::{Bindings, Group, Plan, PlanMemory};
 
-use crate::{DType, Error, HostData, Result};
+use crate::{Activation, DType, Error, HostData, Result};
 
 /// Sequences shorter than this use the straightforward attention by default.
 pub const SHORTEST_FUSED: usize = 32;
@@ -149,6 +149,23 @@ pub(crate) enum Op {
         b: Tensor,
         out: Tensor,
     },
+    /// ReLU, tanh or SiLU, elementwise.
+    Activation {
+        kind: Activation,
+        x: Tensor,
+        out: Tensor,
+    },
+    /// Softmax over the last dim.
+    Softmax {
+        x: Tensor,
+        out: Tensor,
+    },
+    /// Inverted dropout with probability `p`; the mask's seed is the plan's, per op.
+    Dropout {
+        x: Tensor,
+        out: Tensor,
+        p: f32,
+    },
     /// `qkv` (B, T, 3C) holding q, k, v side by side -> `out` (B, T, C), causal,
     /// scaled by 1/sqrt(C / heads).
     CausalAttention {
@@ -184,6 +201,23 @@ pub(crate) enum Op {
         targets: Tensor,
         losses: Tensor,
     },
+    /// Per-row `losses = mean over the last dim of (pred - target)^2`.
+    Mse {
+        pred: Tensor,
+        target: Tensor,
+        losses: Tensor,
+    },
+}
+
+/// Which loss a graph ends in, and how a caller weights its rows: the graph's loss is
+/// `sum_r weight * losses_r`, the weight passed to [`Plan::accumulate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loss {
+    /// [`Graph::cross_entropy`]: weight 1 / the number of `targets` (u32 ids) that are
+    /// not [`crate::IGNORE_TARGET`].
+    CrossEntropy { targets: Tensor },
+    /// [`Graph::mse`]: weight 1 / the rows of `target`.
+    Mse { target: Tensor },
 }
 
 /// The recorder: declare parameters and inputs, then call ops in forward order.
@@ -192,7 +226,8 @@ pub struct Graph {
     pub(crate) tensors: Vec<TensorInfo>,
     pub(crate) ops: Vec<Op>,
     pub(crate) params: Vec<ParamDecl>,
-    /// The per-row losses of the one cross-entropy: what backward differentiates.
+    /// The per-row losses of the one loss op (cross-entropy or MSE): what backward
+    /// differentiates.
     pub(crate) loss: Option<Tensor>,
     /// Tensors kept readable after a step (their buffers are never shared).
     pub(crate) outputs: Vec<Tensor>,
@@ -502,6 +537,68 @@ impl Graph {
         Ok(out)
     }
 
+    /// ReLU, `max(x, 0)`, elementwise (derivative 0 at 0).
+    pub fn relu(&mut self, x: Tensor) -> Result<Tensor> {
+        self.activation(Activation::Relu, x)
+    }
+
+    /// tanh, elementwise.
+    pub fn tanh(&mut self, x: Tensor) -> Result<Tensor> {
+        self.activation(Activation::Tanh, x)
+    }
+
+    /// SiLU (swish), `x * sigmoid(x)`, elementwise.
+    pub fn silu(&mut self, x: Tensor) -> Result<Tensor> {
+        self.activation(Activation::Silu, x)
+    }
+
+    fn activation(&mut self, kind: Activation, x: Tensor) -> Result<Tensor> {
+        let xi = self.float(kind.name(), x)?.clone();
+        let out = self.op_out(kind.name(), xi.shape, xi.dtype);
+        self.ops.push(Op::Activation { kind, x, out });
+        Ok(out)
+    }
+
+    /// Softmax over the last dim of `x` (..., C) -> (..., C); statistics in f32.
+    pub fn softmax(&mut self, x: Tensor) -> Result<Tensor> {
+        let xi = self.float("softmax", x)?.clone();
+        if xi.cols() == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: softmax: `{}` {:?} has an empty last dim; softmax needs at least one \
+                 column",
+                xi.name, xi.shape
+            )));
+        }
+        let out = self.op_out("softmax", xi.shape, xi.dtype);
+        self.ops.push(Op::Softmax { x, out });
+        Ok(out)
+    }
+
+    /// Inverted dropout: each element of `x` is zeroed with probability `p` and the
+    /// others are scaled by `1 / (1 - p)`. The mask comes from the plan's random state
+    /// ([`Plan::set_random_state`]) and this op's index, so it is reproducible on any
+    /// device; [`Plan::evaluate`] runs the forward pass with dropout as the identity.
+    pub fn dropout(&mut self, x: Tensor, p: f32) -> Result<Tensor> {
+        let xi = self.float("dropout", x)?.clone();
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: dropout: p = {p} for `{}`; it is the probability of zeroing an \
+                 element and must be in [0, 1) (0 keeps every element)",
+                xi.name
+            )));
+        }
+        if xi.len() > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "graph: dropout: `{}` {:?} has more than 2^32 - 1 elements, which the mask's \
+                 32-bit element index cannot tell apart; split it",
+                xi.name, xi.shape
+            )));
+        }
+        let out = self.op_out("dropout", xi.shape, xi.dtype);
+        self.ops.push(Op::Dropout { x, out, p });
+        Ok(out)
+    }
+
     /// `a + b`, same shape (a residual connection).
     pub fn add(&mut self, a: Tensor, b: Tensor) -> Result<Tensor> {
         let ai = self.float("add", a)?.clone();
@@ -672,7 +769,7 @@ impl Graph {
         if self.loss.is_some() {
             return Err(Error::InvalidArgument(
                 "graph: cross_entropy: the graph already has a loss; a graph differentiates \
-                 one cross-entropy (add the logits first to combine heads)"
+                 one loss, cross_entropy or mse (add the logits first to combine heads)"
                     .into(),
             ));
         }
@@ -685,5 +782,79 @@ impl Graph {
         self.loss = Some(losses);
         self.outputs.push(losses);
         Ok(losses)
+    }
+
+    /// Mean squared error over the last dim: `pred` (..., C) against `target` of the
+    /// same shape (any float dtype; an input, or computed without parameters: no
+    /// gradient flows to it) -> per-row losses (...) f32, `mean_j (pred - target)^2`.
+    /// The graph's loss is their mean over rows; one loss per graph.
+    pub fn mse(&mut self, pred: Tensor, target: Tensor) -> Result<Tensor> {
+        let pi = self.float("mse", pred)?.clone();
+        let ti = self.float("mse", target)?.clone();
+        if pi.shape != ti.shape || pi.cols() == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: mse: prediction `{}` is {:?} and target `{}` is {:?}; they must have \
+                 one shape, with a non-empty last dim",
+                pi.name, pi.shape, ti.name, ti.shape
+            )));
+        }
+        if self.depends_on_param(target) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: mse: target `{}` depends on a parameter, but no gradient flows to the \
+                 target; pass an input (Graph::input) or a tensor computed from inputs alone",
+                ti.name
+            )));
+        }
+        if self.loss.is_some() {
+            return Err(Error::InvalidArgument(
+                "graph: mse: the graph already has a loss; a graph differentiates one loss \
+                 (cross_entropy or mse)"
+                    .into(),
+            ));
+        }
+        let shape = pi.shape[..pi.shape.len() - 1].to_vec();
+        let losses = self.op_out("losses", shape, DType::F32);
+        self.ops.push(Op::Mse {
+            pred,
+            target,
+            losses,
+        });
+        self.loss = Some(losses);
+        self.outputs.push(losses);
+        Ok(losses)
+    }
+
+    /// The graph's loss, if one was recorded: which op, and the tensor its rows are
+    /// weighted by (see [`Loss`]).
+    pub fn loss(&self) -> Option<Loss> {
+        let losses = self.loss?;
+        self.ops.iter().find_map(|op| match *op {
+            Op::CrossEntropy {
+                targets, losses: l, ..
+            } if l == losses => Some(Loss::CrossEntropy { targets }),
+            Op::Mse {
+                target, losses: l, ..
+            } if l == losses => Some(Loss::Mse { target }),
+            _ => None,
+        })
+    }
+
+    /// The per-row losses (f32) of the graph's loss, if one was recorded.
+    pub fn losses(&self) -> Option<Tensor> {
+        self.loss
+    }
+
+    /// Whether `t`'s value depends on a parameter (a gradient could flow to it).
+    fn depends_on_param(&self, t: Tensor) -> bool {
+        let mut needs: Vec<bool> = self
+            .tensors
+            .iter()
+            .map(|i| matches!(i.source, Source::Param(_)))
+            .collect();
+        for op in &self.ops {
+            let (ins, out) = autodiff::operands(op);
+            needs[out.0] = ins.iter().any(|i| needs[i.0]);
+        }
+        needs[t.0]
     }
 }

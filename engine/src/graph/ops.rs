@@ -11,6 +11,7 @@
 use super::autodiff::Grads;
 use super::plan::Emitter;
 use super::{Attention, Op};
+use crate::device::kernel::dropout_seed;
 use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result};
 
 /// What an op's backward reads besides its operands and output.
@@ -99,6 +100,43 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             e.launch(Kernel::Gelu {
                 x: e.val(x),
                 out: o,
+            })?;
+            Ok(Saved::None)
+        }
+        Op::Activation { kind, x, out } => {
+            // out = f(x), elementwise; backward reads x.
+            let o = e.define(out);
+            e.launch(Kernel::Activation {
+                kind,
+                x: e.val(x),
+                out: o,
+            })?;
+            Ok(Saved::None)
+        }
+        Op::Softmax { x, out } => {
+            // out (M, C) = softmax over each row; backward reads out. stats (2M) scratch.
+            let stats = e.scratch(DType::F32, 2 * g.t(x).rows());
+            let o = e.define(out);
+            e.launch(Kernel::Softmax {
+                x: e.val(x),
+                out: o,
+                stats,
+                cols: g.t(x).cols(),
+                scale: 1.0,
+                causal: false,
+            })?;
+            Ok(Saved::None)
+        }
+        Op::Dropout { x, out, p } => {
+            // out = x * mask / (1 - p); the seed (from the plan's random state and this
+            // op's index) is set per step, and backward recomputes the mask from it.
+            let o = e.define(out);
+            e.random.push((e.launches.len(), e.op));
+            e.launch(Kernel::Dropout {
+                x: e.val(x),
+                out: o,
+                p,
+                seed: dropout_seed(0, e.op),
             })?;
             Ok(Saved::None)
         }
@@ -255,11 +293,26 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             })?;
             Ok(Saved::CrossEntropy { lse })
         }
+        Op::Mse {
+            pred,
+            target,
+            losses,
+        } => {
+            // losses (M) = mean over C of (pred (M, C) - target (M, C))^2
+            let l = e.define(losses);
+            e.launch(Kernel::MseLoss {
+                pred: e.val(pred),
+                target: e.val(target),
+                losses: l,
+                cols: g.t(pred).cols(),
+            })?;
+            Ok(Saved::None)
+        }
     }
 }
 
-/// Emits `op`'s backward. `dout` is the output's gradient (unused by cross-entropy,
-/// whose gradient is the loss seed, set per step).
+/// Emits `op`'s backward. `dout` is the output's gradient (unused by the loss ops,
+/// cross-entropy and MSE, whose gradient is the loss seed, set per step).
 pub(super) fn backward(
     op: &Op,
     saved: &Saved,
@@ -355,6 +408,52 @@ pub(super) fn backward(
                 x: e.val(x),
                 dout: dout(),
                 dx: dx.buf,
+            })?;
+            gr.finish(e, dx)
+        }
+        (&Op::Activation { kind, x, .. }, _) => {
+            // dx = dout * f'(x)
+            if !gr.needs(x) {
+                return Ok(());
+            }
+            let dx = gr.overwriting(e, x)?;
+            e.launch(Kernel::ActivationBackward {
+                kind,
+                x: e.val(x),
+                dout: dout(),
+                dx: dx.buf,
+            })?;
+            gr.finish(e, dx)
+        }
+        (&Op::Softmax { x, out }, _) => {
+            // dx (M, C) = p * (dout - sum_j p_j dout_j) per row, p = out; stats scratch.
+            if !gr.needs(x) {
+                return Ok(());
+            }
+            let stats = e.scratch(DType::F32, 2 * g.t(x).rows());
+            let dx = gr.overwriting(e, x)?;
+            e.launch(Kernel::SoftmaxBackward {
+                p: e.val(out),
+                dout: dout(),
+                dx: dx.buf,
+                stats,
+                cols: g.t(x).cols(),
+                scale: 1.0,
+            })?;
+            gr.finish(e, dx)
+        }
+        (&Op::Dropout { x, p, .. }, _) => {
+            // dx = dout * mask / (1 - p), the forward's mask recomputed from its seed.
+            if !gr.needs(x) {
+                return Ok(());
+            }
+            let dx = gr.overwriting(e, x)?;
+            e.random.push((e.launches.len(), e.op));
+            e.launch(Kernel::DropoutBackward {
+                dout: dout(),
+                dx: dx.buf,
+                p,
+                seed: dropout_seed(0, e.op),
             })?;
             gr.finish(e, dx)
         }
@@ -562,6 +661,23 @@ pub(super) fn backward(
                 scale: 1.0,
             })?;
             gr.finish(e, dlogits)
+        }
+        (&Op::Mse { pred, target, .. }, _) => {
+            // dpred (M, C) = 2 (pred - target) / C * seed, the seed (loss scale x
+            // d loss / d losses_r) set per step.
+            if !gr.needs(pred) {
+                return Ok(());
+            }
+            let dpred = gr.overwriting(e, pred)?;
+            e.seeds.push(e.launches.len());
+            e.launch(Kernel::MseBackward {
+                pred: e.val(pred),
+                target: e.val(target),
+                dpred: dpred.buf,
+                cols: g.t(pred).cols(),
+                scale: 1.0,
+            })?;
+            gr.finish(e, dpred)
         }
         _ => unreachable!("forward saves what each op's backward reads"),
     }

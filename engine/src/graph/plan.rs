@@ -99,8 +99,14 @@ pub(super) struct Emitter<'g> {
     /// one of its own, so the launches that write it can be told apart even where
     /// several parameters share one buffer.
     pub external: HashMap<u64, Buffer>,
-    /// Cross-entropy backward launches: their scale is the loss seed, set per step.
+    /// The loss op's backward launches (cross-entropy or MSE): their scale is the loss
+    /// seed, set per step.
     pub seeds: Vec<usize>,
+    /// Dropout launches, forward and backward, with the index of their op: their seed
+    /// comes from the plan's random state ([`Plan::set_random_state`]).
+    pub random: Vec<(usize, usize)>,
+    /// The index of the op being emitted (forward or backward).
+    pub op: usize,
     /// Launches run on a step's first micro-batch only (zeroing the loss accumulator).
     pub first_only: Vec<usize>,
     /// Zero fills that start a parameter gradient (before a kernel that accumulates):
@@ -123,6 +129,8 @@ impl<'g> Emitter<'g> {
             constants: vec![],
             external: HashMap::new(),
             seeds: vec![],
+            random: vec![],
+            op: 0,
             first_only: vec![],
             grad_fills: vec![],
             first_betas: vec![],
@@ -197,6 +205,8 @@ pub struct Plan {
     /// The global norm's launches (skipped when a step does not clip).
     norm: std::ops::Range<usize>,
     seeds: Vec<usize>,
+    /// Dropout launches and their op's index (see [`Plan::set_random_state`]).
+    random: Vec<(usize, usize)>,
     /// Per launch: runs on a step's first micro-batch only.
     first_only: Vec<bool>,
     first_betas: Vec<usize>,
@@ -256,14 +266,17 @@ impl Graph {
     ) -> Result<(Emitter<'_>, Plan)> {
         let loss = self.loss.ok_or_else(|| {
             Error::InvalidArgument(
-                "graph: nothing to differentiate; end the forward pass with cross_entropy".into(),
+                "graph: nothing to differentiate; end the forward pass with a loss: \
+                 cross_entropy or mse"
+                    .into(),
             )
         })?;
         let mut e = Emitter::new(self);
         let (param_grads, fresh) = bind(self, bindings, optimizer.is_some(), &mut e)?;
         // Forward, in recording order.
         let mut saved: Vec<Saved> = vec![];
-        for op in &self.ops {
+        for (i, op) in self.ops.iter().enumerate() {
+            e.op = i;
             saved.push(ops::forward(op, &mut e)?);
         }
         let forward_end = e.launches.len();
@@ -379,6 +392,7 @@ impl Graph {
             check_end,
             norm,
             seeds: e.seeds.clone(),
+            random: e.random.clone(),
             first_only,
             first_betas,
             loss_axpy,
@@ -719,9 +733,41 @@ impl Plan {
         dev.submit()
     }
 
-    /// Records and submits the forward pass alone (evaluation).
+    /// Records and submits the forward pass alone, as training runs it (dropout
+    /// included, with the current random state).
     pub fn forward(&self, dev: &dyn Device) -> Result<()> {
         self.run(dev, 0, self.forward_end, false)
+    }
+
+    /// The forward pass for evaluation: as [`Plan::forward`], but every dropout is the
+    /// identity (its output is a copy of its input). One submit.
+    pub fn evaluate(&self, dev: &dyn Device) -> Result<()> {
+        for k in &self.launches[..self.forward_end] {
+            match *k {
+                Kernel::Dropout { x, out, .. } if x.dtype == out.dtype => {
+                    dev.launch(&Kernel::Copy { src: x, dst: out })?
+                }
+                Kernel::Dropout { x, out, .. } => dev.launch(&Kernel::Cast { src: x, dst: out })?,
+                _ => dev.launch(k)?,
+            }
+        }
+        dev.submit()
+    }
+
+    /// Sets the random state every dropout mask derives from: each dropout op's seed is
+    /// [`crate::device::kernel::dropout_seed`]`(key, op index)`, so two ops never share a mask
+    /// and a key gives the same masks on any device or backend (a trainer resumes
+    /// exactly by passing a key made of its seed, step and micro-batch). Forward and
+    /// backward of a micro-batch must run under one key; a plan starts at key 0.
+    pub fn set_random_state(&mut self, key: u64) {
+        for &(i, op) in &self.random {
+            match &mut self.launches[i] {
+                Kernel::Dropout { seed, .. } | Kernel::DropoutBackward { seed, .. } => {
+                    *seed = crate::device::kernel::dropout_seed(key, op)
+                }
+                _ => unreachable!("random launches are dropouts"),
+            }
+        }
     }
 
     /// Forward and backward of micro-batch `micro` (0-based) of a step, one submit.
@@ -796,8 +842,11 @@ impl Plan {
         }
         self.loss_scale = loss_scale;
         for &i in &self.seeds {
-            if let Kernel::CrossEntropyBackward { scale, .. } = &mut self.launches[i] {
-                *scale = seed;
+            match &mut self.launches[i] {
+                Kernel::CrossEntropyBackward { scale, .. } | Kernel::MseBackward { scale, .. } => {
+                    *scale = seed
+                }
+                _ => unreachable!("seed launches are loss backwards"),
             }
         }
         if let Kernel::Axpy { alpha, .. } = &mut self.launches[self.loss_axpy] {
