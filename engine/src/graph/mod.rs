@@ -340,21 +340,6 @@ impl Graph {
         (&i.name, &i.shape, i.dtype)
     }
 
-    /// The cross-entropy targets the loss is taken over, if the loss is a
-    /// cross-entropy: a loss's mean counts only the rows trained on (targets that are
-    /// not IGNORE_TARGET).
-    pub fn loss_targets(&self) -> Option<Tensor> {
-        self.ops.iter().find_map(|op| match *op {
-            Op::CrossEntropy { targets, .. } => Some(targets),
-            _ => None,
-        })
-    }
-
-    /// Rows of the loss: the per-row losses' count (0 before a loss is recorded).
-    pub fn loss_rows(&self) -> usize {
-        self.loss.map_or(0, |l| self.t(l).len())
-    }
-
     /// The ids an input holds must stay below a bound: (input, bound, what the ids are,
     /// IGNORE_TARGET allowed). Token inputs of an embedding index its table's rows;
     /// cross-entropy targets index the logits' columns. Checked on the host before an

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use super::{Forward, Init, Model, ParamSpec};
 use crate::data;
 use crate::device::optim::ParamBuffers;
-use crate::graph::{Bindings, Graph, Group, Plan, Tensor};
+use crate::graph::{Bindings, Graph, Group, Loss, Plan, Tensor};
 use crate::rng::SplitMix;
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result, IGNORE_TARGET};
 
@@ -294,7 +294,13 @@ pub struct Network {
     inputs: Vec<Buffer>,
     /// Which input holds the cross-entropy targets (its trained rows weigh the loss).
     targets: Option<usize>,
+    /// Rows of the loss (a regression loss weighs each 1 / rows).
+    loss_rows: usize,
     step: u32,
+    /// This network's first micro-batch in the global batch of a step (rank × micro-
+    /// batches per rank): dropout masks follow the global index, so a data-parallel
+    /// group draws what one device accumulating the same batch would.
+    micro_offset: usize,
     /// Alike blocks write their gradients into the first block's buffers (ZeRO stage
     /// 2): each micro-batch's block gradients must be handed over before the next
     /// block runs.
@@ -367,9 +373,13 @@ impl Network {
             let (_, shape, dtype) = g.describe(t);
             inputs.push(dev.alloc(dtype, shape.iter().product())?);
         }
-        let targets = g
-            .loss_targets()
-            .and_then(|t| recorded.forward.inputs.iter().position(|&i| i == t));
+        let targets = match g.loss() {
+            Some(Loss::CrossEntropy { targets }) => {
+                recorded.forward.inputs.iter().position(|&i| i == targets)
+            }
+            _ => None,
+        };
+        let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
         let bindings = Bindings {
             params: params.iter().map(|p| p.buffers).collect(),
             inputs: recorded
@@ -391,7 +401,9 @@ impl Network {
             plan,
             inputs,
             targets,
+            loss_rows,
             step: 0,
+            micro_offset: 0,
             shared_block_grads: false,
             trained: Cell::new(0),
             own_grads: vec![],
@@ -587,7 +599,7 @@ impl Network {
         }
         let trained = match self.targets.map(|k| &data[k]) {
             Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
-            _ => g.loss_rows(),
+            _ => self.loss_rows,
         };
         self.trained.set(trained);
         for (&buf, d) in self.inputs.iter().zip(&data) {
@@ -608,10 +620,10 @@ impl Network {
         Ok(self.plan.loss_sum(dev)? / self.trained.get().max(1) as f64)
     }
 
-    /// Mean loss of a micro-batch, no update.
+    /// Mean loss of a micro-batch, no update (evaluation: dropout off).
     pub fn loss(&self, dev: &dyn Device, batch: &MicroBatch) -> Result<f64> {
         self.upload(dev, batch)?;
-        self.plan.forward(dev)?;
+        self.plan.evaluate(dev)?;
         self.mean_loss(dev)
     }
 
@@ -619,6 +631,7 @@ impl Network {
     /// the parameters' grad buffers (see [`Network::gradients`]).
     pub fn loss_and_gradients(&mut self, dev: &dyn Device, batch: &MicroBatch) -> Result<f64> {
         self.upload(dev, batch)?;
+        self.plan.set_random_state(self.random_key(0));
         self.plan.accumulate(dev, 1.0, self.per_row(), 0)?;
         self.mean_loss(dev)
     }
@@ -791,6 +804,7 @@ impl Network {
         let count = micro.len();
         for (i, batch) in micro.iter().enumerate() {
             self.upload(dev, batch)?;
+            self.plan.set_random_state(self.random_key(i));
             let w = self.per_row() / count as f32;
             match &mut ready {
                 Some(r) if self.shared_block_grads || i + 1 == count => {
@@ -801,6 +815,21 @@ impl Network {
             }
         }
         Ok(())
+    }
+
+    /// Places this network's micro-batches at `offset` in a step's global batch (a
+    /// data-parallel rank's first); see [`Network::random_key`].
+    pub fn set_micro_offset(&mut self, offset: usize) {
+        self.micro_offset = offset;
+    }
+
+    /// The key dropout masks derive from for micro-batch `micro` of the step being
+    /// taken: a function of the seed, the steps applied and the micro-batch's place in
+    /// the global batch, so a resumed run draws the masks it would have drawn.
+    pub fn random_key(&self, micro: usize) -> u64 {
+        let step = u64::from(self.step).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        let at = ((self.micro_offset + micro) as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
+        SplitMix(self.options.seed ^ step ^ at).next_u64()
     }
 
     /// After [`Network::accumulate`]: the overflow check over every gradient and the

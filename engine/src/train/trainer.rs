@@ -146,6 +146,9 @@ impl Trainer {
             .iter()
             .map(|&dev| Network::new(dev, model.clone(), &options))
             .collect::<Result<Vec<_>>>()?;
+        for (rank, m) in models.iter_mut().enumerate() {
+            m.set_micro_offset(rank * config.batch.grad_accum);
+        }
         let mut shards = None;
         // On one device the single shard is the whole state: stage 0's layout.
         let partitioned = config.zero.stage == 2 && devs.len() > 1;
