@@ -121,7 +121,7 @@ pub fn run(dev: &dyn Device, steps: usize, run_dir: &std::path::Path) -> anyhow:
         Ok(Trainer::new(dev, model.clone(), parse(CONFIG, 1)?, 1)?)
     };
     // One stream of points: the first `steps` batches train, the last one is held out.
-    let (x, y) = clusters(model.inputs, model.classes, BATCH * (steps + 1), 2.5, 7);
+    let (x, y) = clusters(model.inputs, model.classes, BATCH * (steps + 1), 1.5, 7);
     let batch = |s: usize| {
         let (lo, hi) = (s * BATCH, (s + 1) * BATCH);
         MicroBatch::features(&x[lo * model.inputs..hi * model.inputs], &y[lo..hi])

@@ -15,8 +15,14 @@ fn the_user_defined_classifier_learns_and_resumes_bit_identically() {
     let dir = std::env::temp_dir().join(format!("kiln-demo-classifier-{}", std::process::id()));
     let report = classifier::run(dev.as_ref(), 60, &dir).unwrap();
     std::fs::remove_dir_all(&dir).ok();
-    // Ten clusters in 16 dimensions, noise 2.5 around centres in [-2, 2): separable
-    // enough that 60 steps of 128 reach well over 90% (measured: 100%); chance is 10%.
+    eprintln!(
+        "held-out accuracy {}, losses {:?} .. {:?}",
+        report.held_out_accuracy,
+        &report.losses[..2],
+        &report.losses[58..]
+    );
+    // Ten clusters in 16 dimensions, noise 1.5 around centres in [-2, 2): separable
+    // enough that 60 steps of 128 reach well over 90% (measured: 98.4%); chance is 10%.
     assert!(
         report.held_out_accuracy >= 0.9,
         "held-out accuracy {}",
