@@ -331,7 +331,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     log(
         &bar,
         format!(
-            "training {} on {data_name} ({} parameters) on {} for {total} steps, micro-batch \
+            "training {}, {} parameters, on {data_name}, on {} for {total} steps, micro-batch \
              {b} × {} accumulation × {world} device(s), {}; run dir {}",
             network.describe(),
             trainer.model.parameter_count(),
