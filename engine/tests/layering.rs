@@ -38,11 +38,16 @@ fn owner(name: &str) -> Option<&'static str> {
     })
 }
 
-/// The first segment of every `crate::` path in `text` (each name of a `crate::{…}`
-/// group).
+/// The first segment of every `crate::` path in the code of `text` (each name of a
+/// `crate::{…}` group); comments, doc links included, are not imports.
 fn crate_paths(text: &str) -> Vec<String> {
+    let code: String = text
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
     let mut out = vec![];
-    let mut rest = text;
+    let mut rest = code.as_str();
     while let Some(i) = rest.find("crate::") {
         rest = &rest[i + "crate::".len()..];
         if let Some(group) = rest.strip_prefix('{') {
