@@ -274,6 +274,7 @@ fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
         Op::Gelu { x, out } => (vec![x], out),
         Op::Add { a, b, out } => (vec![a, b], out),
         Op::CausalAttention { qkv, out, .. } => (vec![qkv], out),
+        Op::GroupedAttention { q, k, v, out, .. } => (vec![q, k, v], out),
         Op::CrossEntropy { logits, losses, .. } => (vec![logits], losses),
     }
 }
