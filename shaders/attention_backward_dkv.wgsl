@@ -5,6 +5,9 @@
 //   p = exp2(s2 - lse2),  ds = p (dout_i . v - delta_i),
 //   dv = sum_i p dout_i,  dk = scale * sum_i ds q_i.
 // Every output row has one owner: no atomics, and the sums run in a fixed order.
+// Grouped-query attention: the dispatch walks the K/V heads, and K/V head j sums over
+// its query heads j * group + g, g = 0 .. group - 1 in turn (a loop around the block
+// walk, not unrolled: one copy of the block body whatever the group).
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, dout (read), dk, dv
 // (typed); lse, delta (f32, read; delta from attention_backward_dq.wgsl).
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
@@ -54,6 +57,7 @@ fn st_dv(row: u32, c: u32, v: vec4<f32>) {
     }
 }
 
+// One block of SG query rows from i0 (rows of q, dout, lse and delta from `base`).
 fn block(base: u32, i0: u32, mine: u32, lane: u32) {
     let T = P.seq;
     var lown = 0.0;
@@ -172,8 +176,11 @@ fn main(
     //@}
     // Causal: query rows before the block's first key see none of its keys.
     let qstart = select(0u, at.first, causal());
-    for (var i0 = qstart; i0 < T; i0 += SG) {
-        block(base, i0, mine, lid.x);
+    for (var g = 0u; g < P.group; g++) {
+        let qbase = (at.head * P.group + g) * T;
+        for (var i0 = qstart; i0 < T; i0 += SG) {
+            block(qbase, i0, mine, lid.x);
+        }
     }
     //@unroll r R {
     {

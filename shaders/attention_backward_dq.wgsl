@@ -4,7 +4,8 @@
 //   p = exp2(s2 - lse2) (the forward's probabilities, recomputed from the saved lse),
 //   ds = p (dout . v_j - delta),  dq = scale * sum_j ds k_j,
 // where delta = rowsum(dout * out) is computed here first and also written to `delta`
-// (f32 per row, the device's scratch) for attention_backward_dkv.wgsl.
+// (f32 per row, the device's scratch) for attention_backward_dkv.wgsl. Keys and values
+// are those of K/V head head / group (`kbase`), as forward.
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, out, dout (read), dq
 // (typed); lse (f32, read), delta (f32, written).
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
@@ -52,6 +53,7 @@ fn st_dq(row: u32, c: u32, v: vec4<f32>) {
     }
 }
 
+// One block of SG keys from j0 (rows of k and v from `base`).
 fn block(base: u32, j0: u32, mine: u32, lane: u32) {
     let T = P.seq;
     if (SHARED) {
@@ -131,6 +133,7 @@ fn main(
     }
     let T = P.seq;
     let base = at.head * T;
+    let kbase = (at.head / P.group) * T;
     let mine = at.first + lid.x * R;
     //@unroll r R {
     {
@@ -155,7 +158,7 @@ fn main(
     //@}
     let kend = select(T, min(T, at.first + WG * R), causal());
     for (var j0 = 0u; j0 < kend; j0 += SG) {
-        block(base, j0, mine, lid.x);
+        block(kbase, j0, mine, lid.x);
     }
     //@unroll r R {
     {

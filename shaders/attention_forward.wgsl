@@ -11,6 +11,8 @@
 //   running max m and sum l are f32, scores in base 2 (scale2 = scale * log2 e).
 // Causal: a workgroup walks keys only up to its last row. Every row sees key 0, so the
 // first block makes its max finite and masked keys (score NEG) weigh exp2(NEG - m) = 0.
+// Grouped-query attention: a query head's keys and values are those of K/V head
+// head / group (`kbase`); nothing else changes.
 // Assembly constants: SG, WG, R, DIM, D4 = ceil(DIM / 4), VEC = (DIM % 4 == 0).
 // Slots: q, k, v (read), out (typed); lse (f32, one per row).
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;
@@ -38,7 +40,8 @@ fn st_out(row: u32, c: u32, v: vec4<f32>) {
     }
 }
 
-// One block of SG keys from j0 for the lane's rows from `mine`.
+// One block of SG keys from j0 (rows of k and v from `base`) for the lane's rows from
+// `mine`.
 fn block(base: u32, j0: u32, mine: u32, lane: u32) {
     let T = P.seq;
     if (SHARED) {
@@ -127,6 +130,7 @@ fn main(
     }
     let T = P.seq;
     let base = at.head * T;
+    let kbase = (at.head / P.group) * T;
     let mine = at.first + lid.x * R;
     //@unroll r R {
     {
@@ -141,7 +145,7 @@ fn main(
     //@}
     let kend = select(T, min(T, at.first + WG * R), causal());
     for (var j0 = 0u; j0 < kend; j0 += SG) {
-        block(base, j0, mine, lid.x);
+        block(kbase, j0, mine, lid.x);
     }
     //@unroll r R {
     {

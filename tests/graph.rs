@@ -348,6 +348,54 @@ fn causal_attention_matches_finite_differences_fused_and_straightforward() {
     }
 }
 
+/// Embedding -> separate q, k, v projections -> grouped-query attention (4 query heads
+/// sharing 2 K/V heads, D = 2) -> projection -> loss. With `shared_kv` one projection
+/// is both k and v: one tensor read twice by the op, whose two gradients must add.
+fn gqa_model(dev: &dyn Device, mode: Attention, shared_kv: bool) -> Model {
+    let mut rng = Rng::new(6);
+    let (b, t, c, heads, kv, d, v) = (2, 5, 6, 4, 2, 2, 5);
+    let mut g = Graph::new();
+    let (mut params, mut inputs) = (vec![], vec![]);
+    let tok: Vec<u32> = (0..b * t).map(|_| rng.next_u32() % v as u32).collect();
+    let tokens = ids(dev, &mut g, "tokens", &[b, t], tok, &mut inputs);
+    let mut p = |g: &mut Graph, name: &str, shape: &[usize], range| {
+        param(dev, g, &mut rng, name, shape, range, &mut params)
+    };
+    let wte = p(&mut g, "wte", &[v, c], (-1.0, 1.0));
+    let wq = p(&mut g, "q.w", &[c, heads * d], (-0.7, 0.7));
+    let wk = p(&mut g, "k.w", &[c, kv * d], (-0.7, 0.7));
+    let wv = (!shared_kv).then(|| p(&mut g, "v.w", &[c, kv * d], (-0.7, 0.7)));
+    let wo = p(&mut g, "out.w", &[heads * d, v], (-0.7, 0.7));
+    let (tgt, weight) = targets(&mut rng, b * t, v);
+    let y = ids(dev, &mut g, "targets", &[b, t], tgt, &mut inputs);
+    let x = g.embedding(tokens, wte).unwrap();
+    let q = g.linear(x, wq, None).unwrap();
+    let k = g.linear(x, wk, None).unwrap();
+    let vv = match wv {
+        Some(wv) => g.linear(x, wv, None).unwrap(),
+        None => k,
+    };
+    let a = g.attention(q, k, vv, heads, kv, mode).unwrap();
+    let logits = g.linear(a, wo, None).unwrap();
+    g.cross_entropy(logits, y).unwrap();
+    Model {
+        g,
+        params,
+        inputs,
+        weight,
+    }
+}
+
+#[test]
+fn grouped_query_attention_matches_finite_differences_fused_and_straightforward() {
+    let dev = CpuDevice::new();
+    for mode in [Attention::Fused, Attention::Straightforward] {
+        for shared_kv in [false, true] {
+            check_gradients(&dev, &gqa_model(&dev, mode, shared_kv));
+        }
+    }
+}
+
 /// Runs `steps` training steps, optionally poisoning the shared buffers with NaN
 /// before each; returns the losses and every parameter's master after.
 fn train(dev: &dyn Device, m: &Model, plan: &mut Plan, steps: u32, poison: bool) -> Vec<Vec<f32>> {

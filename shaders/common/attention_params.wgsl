@@ -1,7 +1,11 @@
 // Launch parameters of the fused attention kernels (32 bytes). Tensors are
-// (heads, seq, DIM) row-major; a dispatch covers row blocks [block_base, block_base +
-// num_workgroups.x) of every head (workgroup_id.y + workgroup_id.z * num_workgroups.y).
+// (heads, seq, DIM) row-major: q, out, dout, dq over the query heads, k, v, dk, dv over
+// the K/V heads, query head h reading K/V head h / group. A dispatch covers row blocks
+// [block_base, block_base + num_workgroups.x) of every head it walks (workgroup_id.y +
+// workgroup_id.z * num_workgroups.y): the query heads forward and for dq, the K/V heads
+// for dk and dv.
 struct Params {
+    // Heads the dispatch walks.
     heads: u32,
     seq: u32,
     block_base: u32,
@@ -11,8 +15,9 @@ struct Params {
     // The softmax scale, and the same times log2(e): scores are kept in base 2.
     scale: f32,
     scale2: f32,
-    pad1: u32,
-    pad2: u32,
+    // Query heads per K/V head (1: multi-head attention). A launch parameter too.
+    group: u32,
+    pad: u32,
 }
 @group(0) @binding(0) var<uniform> P: Params;
 

@@ -486,6 +486,7 @@ impl Device for CpuDevice {
                 out,
                 lse,
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
@@ -493,6 +494,7 @@ impl Device for CpuDevice {
             } => {
                 let shape = AttnShape {
                     heads: *batch_heads,
+                    group: *group,
                     seq: *seq,
                     dim: *dim,
                     scale: *scale as f64,
@@ -514,6 +516,7 @@ impl Device for CpuDevice {
                 dk,
                 dv,
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
@@ -521,6 +524,7 @@ impl Device for CpuDevice {
             } => {
                 let shape = AttnShape {
                     heads: *batch_heads,
+                    group: *group,
                     seq: *seq,
                     dim: *dim,
                     scale: *scale as f64,
@@ -827,9 +831,11 @@ fn matmul(s: &mut State, mm: &Matmul, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Geometry of an attention launch.
+/// Geometry of an attention launch: `heads` query heads, K/V head `h / group` for
+/// query head `h`.
 struct AttnShape {
     heads: usize,
+    group: usize,
     seq: usize,
     dim: usize,
     scale: f64,
@@ -846,10 +852,15 @@ impl AttnShape {
         }
     }
 
-    /// `scale * q_i . k_j` of head `h`, in f64.
+    /// Row of key (and value) `j` of query head `h`'s K/V head.
+    fn kv_row(&self, h: usize, j: usize) -> usize {
+        h / self.group * self.seq + j
+    }
+
+    /// `scale * q_i . k_j` of query head `h`, in f64.
     fn score(&self, q: &[f32], k: &[f32], h: usize, i: usize, j: usize) -> f64 {
         let (d, t) = (self.dim, self.seq);
-        let (qi, kj) = ((h * t + i) * d, (h * t + j) * d);
+        let (qi, kj) = ((h * t + i) * d, self.kv_row(h, j) * d);
         self.scale
             * (0..d)
                 .map(|c| q[qi + c] as f64 * k[kj + c] as f64)
@@ -871,7 +882,7 @@ fn attention(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f
                 let o: f64 = s
                     .iter()
                     .enumerate()
-                    .map(|(j, &x)| (x - m).exp() * v[(h * t + j) * d + c] as f64)
+                    .map(|(j, &x)| (x - m).exp() * v[a.kv_row(h, j) * d + c] as f64)
                     .sum();
                 out[(h * t + i) * d + c] = (o / z) as f32;
             }
@@ -883,12 +894,13 @@ fn attention(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f
 
 /// Reference attention backward in f64 from the saved `lse` (as the kernels do):
 /// p = exp(s - lse), ds = p (dout . v_j - rowsum(dout * out)), dq = scale ds k,
-/// dk = scale ds^T q, dv = p^T dout. `ins` is q, k, v, out, dout, lse.
+/// dk = scale ds^T q, dv = p^T dout; a K/V head's dk and dv sum over its group of
+/// query heads. `ins` is q, k, v, out, dout, lse.
 fn attention_backward(a: &AttnShape, ins: &[Vec<f32>]) -> [Vec<f32>; 3] {
     let [q, k, v, out, dout, lse] = [0, 1, 2, 3, 4, 5].map(|i| ins[i].as_slice());
     let (d, t) = (a.dim, a.seq);
-    let n = a.heads * t * d;
-    let (mut dq, mut dk, mut dv) = (vec![0f64; n], vec![0f64; n], vec![0f64; n]);
+    let (n, nkv) = (a.heads * t * d, a.heads / a.group * t * d);
+    let (mut dq, mut dk, mut dv) = (vec![0f64; n], vec![0f64; nkv], vec![0f64; nkv]);
     let dot = |x: &[f32], y: &[f32], r1: usize, r2: usize| -> f64 {
         (0..d)
             .map(|c| x[r1 * d + c] as f64 * y[r2 * d + c] as f64)
@@ -899,7 +911,7 @@ fn attention_backward(a: &AttnShape, ins: &[Vec<f32>]) -> [Vec<f32>; 3] {
             let row = h * t + i;
             let delta = dot(dout, out, row, row);
             for j in 0..a.keys(i) {
-                let col = h * t + j;
+                let col = a.kv_row(h, j);
                 let p = (a.score(q, k, h, i, j) - lse[row] as f64).exp();
                 let ds = p * (dot(dout, v, row, col) - delta);
                 for c in 0..d {

@@ -2,6 +2,8 @@
 //!
 //! Every kernel gives a lane R rows (query rows forward and for dq, key rows for dk/dv)
 //! and walks the other side in blocks of SG rows; see `shaders/attention_*.wgsl`.
+//! Grouped-query attention (`group` query heads per K/V head) is a launch parameter:
+//! forward and dq walk the query heads, dk/dv the K/V heads, each summing its group.
 
 use std::collections::HashMap;
 
@@ -93,9 +95,10 @@ impl WgpuDevice {
         kernel: &Kernel,
         handles: &HashMap<u64, wgpu::Buffer>,
     ) -> Result<()> {
-        let (heads, seq, dim, scale, causal) = match *kernel {
+        let (heads, group, seq, dim, scale, causal) = match *kernel {
             Kernel::Attention {
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
@@ -104,12 +107,13 @@ impl WgpuDevice {
             }
             | Kernel::AttentionBackward {
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
                 causal,
                 ..
-            } => (batch_heads, seq, dim, scale, causal),
+            } => (batch_heads, group, seq, dim, scale, causal),
             _ => unreachable!("not an attention kernel"),
         };
         if heads == 0 || seq == 0 {
@@ -146,17 +150,18 @@ impl WgpuDevice {
             ((FMAS_PER_DISPATCH / (fmas_per_block * passes)) as u32).clamp(1, 65535)
         };
         let blocks = (seq as u32).div_ceil(plan.rows_per_group());
-        let heads_y = (heads as u32).min(65535);
-        let heads_z = (heads as u32).div_ceil(heads_y);
-        let params = |base: u32| -> Vec<u32> {
+        // `walked`: the heads a kernel's workgroups cover (query heads, or K/V heads for
+        // dk/dv, whose workgroups each do `group` query heads' work: the band, which
+        // counts all of it, stays the same).
+        let params = |walked: usize, base: u32| -> Vec<u32> {
             vec![
-                heads as u32,
+                walked as u32,
                 seq as u32,
                 base,
                 causal as u32,
                 scale.to_bits(),
                 (scale * std::f32::consts::LOG2_E).to_bits(),
-                0,
+                group as u32,
                 0,
             ]
         };
@@ -164,8 +169,10 @@ impl WgpuDevice {
                    k: &'static KernelSource,
                    buffers: Vec<(u64, &wgpu::Buffer)>,
                    reprs: Vec<Buffer>,
-                   per: u32|
+                   (walked, per): (usize, u32)|
          -> Result<()> {
+            let heads_y = (walked as u32).min(65535);
+            let heads_z = (walked as u32).div_ceil(heads_y);
             let mut base = 0;
             while base < blocks {
                 let n = per.min(blocks - base);
@@ -178,7 +185,7 @@ impl WgpuDevice {
                         overrides: vec![],
                         buffers: buffers.clone(),
                         ranges: vec![],
-                        params: params(base),
+                        params: params(walked, base),
                         groups: (n, heads_y, heads_z),
                     },
                 )?;
@@ -194,7 +201,7 @@ impl WgpuDevice {
                 fwd,
                 vec![h(&q), h(&k), h(&v), h(&out), h(&lse)],
                 vec![q, k, v, out],
-                band(2.0),
+                (heads, band(2.0)),
             ),
             Kernel::AttentionBackward {
                 q,
@@ -217,14 +224,14 @@ impl WgpuDevice {
                     dq,
                     vec![h(&q), h(&k), h(&v), h(&out), h(&dout), h(&gq), h(&lse), d],
                     vec![q, k, v, out, dout, gq],
-                    band(3.0),
+                    (heads, band(3.0)),
                 )?;
                 run(
                     s,
                     dkv,
                     vec![h(&q), h(&k), h(&v), h(&dout), h(&dk), h(&dv), h(&lse), d],
                     vec![q, k, v, dout, dk, dv],
-                    band(4.0),
+                    (heads / group, band(4.0)),
                 )
             }
             _ => unreachable!("matched above"),

@@ -228,14 +228,17 @@ pub enum Kernel {
         cols: usize,
         scale: f32,
     },
-    /// Fused scaled-dot-product attention over `batch_heads` independent heads:
-    /// `out = softmax(q k^T * scale [+ causal mask]) v` row by row, q, k, v and out each
-    /// `(batch_heads, seq, dim)` in any float dtype. Computed tile by tile with the
-    /// online-softmax recurrence (running max and sum in f32): no `seq x seq` buffer.
-    /// With `causal`, query row `i` sees keys `j <= i`. Saves `lse` (f32, one per
-    /// `(head, row)`): the natural log of the row's softmax denominator, including the
-    /// max, which [`Kernel::AttentionBackward`] recomputes the probabilities from.
-    /// `dim` is 1..=128, and even when `out` is 16-bit.
+    /// Fused scaled-dot-product attention over `batch_heads` query heads:
+    /// `out = softmax(q k^T * scale [+ causal mask]) v` row by row, q and out
+    /// `(batch_heads, seq, dim)`, k and v `(batch_heads / group, seq, dim)`, in any float
+    /// dtype. Query head `h` reads K/V head `h / group` (grouped-query attention: with
+    /// heads ordered (batch, head), that is K/V head `head / group` of its batch; `group`
+    /// 1 is multi-head attention). Computed tile by tile with the online-softmax
+    /// recurrence (running max and sum in f32): no `seq x seq` buffer. With `causal`,
+    /// query row `i` sees keys `j <= i`. Saves `lse` (f32, one per `(head, row)`): the
+    /// natural log of the row's softmax denominator, including the max, which
+    /// [`Kernel::AttentionBackward`] recomputes the probabilities from. `dim` is
+    /// 1..=128, and even when `out` is 16-bit.
     Attention {
         q: Buffer,
         k: Buffer,
@@ -243,6 +246,8 @@ pub enum Kernel {
         out: Buffer,
         lse: Buffer,
         batch_heads: usize,
+        /// Query heads per K/V head (1: every query head has its own).
+        group: usize,
         seq: usize,
         dim: usize,
         scale: f32,
@@ -251,7 +256,9 @@ pub enum Kernel {
     /// Gradients of [`Kernel::Attention`]: `dq`, `dk`, `dv` (overwritten) from `dout`, the
     /// forward's `out` and `lse`, recomputing the probabilities from q and k; no
     /// `seq x seq` buffer. Uses `rowsum(dout * out)` per row (f32, kept in the device's
-    /// scratch). `dim` must be even when a gradient is 16-bit.
+    /// scratch). `dq` is shaped as q, `dk` and `dv` as k and v: K/V head `j` gets the
+    /// sum over its query heads `j * group .. (j + 1) * group`, in f32 and in that
+    /// order. `dim` must be even when a gradient is 16-bit.
     AttentionBackward {
         q: Buffer,
         k: Buffer,
@@ -263,6 +270,8 @@ pub enum Kernel {
         dk: Buffer,
         dv: Buffer,
         batch_heads: usize,
+        /// Query heads per K/V head, as in [`Kernel::Attention`].
+        group: usize,
         seq: usize,
         dim: usize,
         scale: f32,
@@ -1036,16 +1045,17 @@ impl Kernel {
                 out,
                 lse,
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
                 ..
             } => attention_args(
                 k,
-                &[("q", q), ("k", key), ("v", v)],
-                &[("out", out)],
+                &[("q", q, Q), ("k", key, KV), ("v", v, KV)],
+                &[("out", out, Q)],
                 lse,
-                (*batch_heads, *seq, *dim, *scale),
+                (*batch_heads, *group, *seq, *dim, *scale),
             ),
             Kernel::AttentionBackward {
                 q,
@@ -1058,16 +1068,23 @@ impl Kernel {
                 dk,
                 dv,
                 batch_heads,
+                group,
                 seq,
                 dim,
                 scale,
                 ..
             } => attention_args(
                 k,
-                &[("q", q), ("k", key), ("v", v), ("out", out), ("dout", dout)],
-                &[("dq", dq), ("dk", dk), ("dv", dv)],
+                &[
+                    ("q", q, Q),
+                    ("k", key, KV),
+                    ("v", v, KV),
+                    ("out", out, Q),
+                    ("dout", dout, Q),
+                ],
+                &[("dq", dq, Q), ("dk", dk, KV), ("dv", dv, KV)],
                 lse,
-                (*batch_heads, *seq, *dim, *scale),
+                (*batch_heads, *group, *seq, *dim, *scale),
             ),
             Kernel::CrossEntropy {
                 logits,
@@ -1278,19 +1295,32 @@ impl Kernel {
 /// The largest head dim the fused attention kernels take (their rows live in registers).
 pub const ATTENTION_MAX_DIM: usize = 128;
 
-/// Checks of [`Kernel::Attention`] and [`Kernel::AttentionBackward`]: every tensor is
-/// `(batch_heads, seq, dim)` of floats, `lse` one f32 per row.
+/// Whether an attention tensor is shaped as the query heads (q, out, dout, dq) or as
+/// the K/V heads (k, v, dk, dv).
+const Q: bool = false;
+const KV: bool = true;
+
+/// Checks of [`Kernel::Attention`] and [`Kernel::AttentionBackward`]: the query-side
+/// tensors are `(batch_heads, seq, dim)`, the K/V side `(batch_heads / group, seq,
+/// dim)`, all floats; `lse` is one f32 per query row.
 fn attention_args(
     kernel: &str,
-    inputs: &[(&str, &Buffer)],
-    outputs: &[(&str, &Buffer)],
+    inputs: &[(&str, &Buffer, bool)],
+    outputs: &[(&str, &Buffer, bool)],
     lse: &Buffer,
-    (batch_heads, seq, dim, scale): (usize, usize, usize, f32),
+    (batch_heads, group, seq, dim, scale): (usize, usize, usize, usize, f32),
 ) -> Result<()> {
     if dim == 0 || dim > ATTENTION_MAX_DIM {
         return Err(Error::InvalidArgument(format!(
             "{kernel}: head dim {dim} is outside 1..={ATTENTION_MAX_DIM}; use the unfused \
              attention (GEMMs and a softmax) for wider heads"
+        )));
+    }
+    if group == 0 || !batch_heads.is_multiple_of(group) {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: batch_heads {batch_heads} is not a multiple of group {group}; group \
+             is the query heads per K/V head (1 for multi-head attention), and every K/V \
+             head serves `group` consecutive query heads"
         )));
     }
     let rows = batch_heads.checked_mul(seq).ok_or_else(|| {
@@ -1303,11 +1333,24 @@ fn attention_args(
             "{kernel}: {rows} rows of {dim} elements do not fit 32-bit indices; split the batch"
         )));
     }
-    for &(name, b) in inputs.iter().chain(outputs) {
+    for &(name, b, kv) in inputs.iter().chain(outputs) {
         float(kernel, name, b)?;
-        same_len(kernel, name, b, rows * dim)?;
+        if !kv {
+            same_len(kernel, name, b, rows * dim)?;
+        } else if b.len != rows / group * dim {
+            return Err(Error::LenMismatch {
+                what: format!(
+                    "{kernel}: `{name}` (buffer #{}; K/V heads batch_heads {batch_heads} / \
+                     group {group} = {}, x seq {seq} x dim {dim})",
+                    b.id,
+                    batch_heads / group
+                ),
+                expected: rows / group * dim,
+                found: b.len,
+            });
+        }
     }
-    for &(name, b) in outputs {
+    for &(name, b, _) in outputs {
         if b.dtype.size() == 2 && !dim.is_multiple_of(2) {
             return Err(Error::InvalidArgument(format!(
                 "{kernel}: `{name}` (buffer #{}) is {} but the head dim {dim} is odd; 16-bit \

@@ -280,6 +280,7 @@ pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
         Op::RmsNorm { x, weight, out, .. } => (vec![x, weight], out),
         Op::Rope { x, out, .. } => (vec![x], out),
         Op::SwiGlu { gate, up, out } => (vec![gate, up], out),
+        Op::GroupedAttention { q, k, v, out, .. } => (vec![q, k, v], out),
         Op::CrossEntropy { logits, losses, .. } => (vec![logits], losses),
         // The target gets no gradient (Graph::mse checks it needs none).
         Op::Mse { pred, losses, .. } => (vec![pred], losses),

@@ -195,6 +195,17 @@ pub(crate) enum Op {
         up: Tensor,
         out: Tensor,
     },
+    /// `q` (B, T, H*D), `k` and `v` (B, T, KV*D) -> `out` (B, T, H*D), causal, scaled
+    /// by 1/sqrt(D); query head h reads K/V head h / (H / KV) (grouped-query attention).
+    GroupedAttention {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        heads: usize,
+        kv_heads: usize,
+        mode: Attention,
+    },
     /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET.
     CrossEntropy {
         logits: Tensor,
@@ -714,6 +725,82 @@ impl Graph {
             out,
             heads,
             theta,
+        });
+        Ok(out)
+    }
+
+    /// Causal attention with separate projections and grouped-query heads (Llama 2/3):
+    /// `q` (B, T, heads*D), `k` and `v` (B, T, kv_heads*D) -> (B, T, heads*D), scaled by
+    /// 1/sqrt(D). Each K/V head serves `heads / kv_heads` consecutive query heads
+    /// (kv_heads = heads is multi-head attention, 1 is multi-query attention).
+    pub fn attention(
+        &mut self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        heads: usize,
+        kv_heads: usize,
+        mode: Attention,
+    ) -> Result<Tensor> {
+        let qi = self.float("attention", q)?.clone();
+        let ki = self.float("attention", k)?.clone();
+        let vi = self.float("attention", v)?.clone();
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: attention: {heads} query heads and {kv_heads} K/V heads; both must be \
+                 positive and heads a multiple of kv_heads (each K/V head serves heads / \
+                 kv_heads query heads)"
+            )));
+        }
+        if qi.shape.len() != 3 || qi.cols() % heads != 0 || qi.cols() == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "graph: attention: q `{}` is {:?}; it must be (B, T, heads * D) with {heads} \
+                 heads of D > 0",
+                qi.name, qi.shape
+            )));
+        }
+        let (b, t, dim) = (qi.shape[0], qi.shape[1], qi.cols() / heads);
+        let kv_shape = vec![b, t, kv_heads * dim];
+        for i in [&ki, &vi] {
+            if i.shape != kv_shape {
+                return Err(Error::InvalidArgument(format!(
+                    "graph: attention: `{}` is {:?} but q `{}` is {:?}: k and v must be \
+                     {kv_shape:?}, (B, T, kv_heads * D) for {kv_heads} K/V heads of D = {dim}",
+                    i.name, i.shape, qi.name, qi.shape
+                )));
+            }
+        }
+        if ki.dtype != qi.dtype || vi.dtype != qi.dtype {
+            return Err(Error::InvalidArgument(format!(
+                "graph: attention: q `{}` is {}, k `{}` {} and v `{}` {}; they must be one \
+                 dtype",
+                qi.name, qi.dtype, ki.name, ki.dtype, vi.name, vi.dtype
+            )));
+        }
+        if !(kv_heads * dim).is_multiple_of(2) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: attention: kv_heads * D = {kv_heads} * {dim} must be even (heads are \
+                 merged back into rows a 32-bit word at a time)"
+            )));
+        }
+        if mode == Attention::Fused
+            && (dim > crate::ATTENTION_MAX_DIM || (qi.dtype.size() == 2 && dim % 2 != 0))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "graph: attention: fused attention takes head dims up to {} (even for \
+                 16-bit activations), not {dim}; use Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM
+            )));
+        }
+        let out = self.op_out("attention", qi.shape.clone(), qi.dtype);
+        self.ops.push(Op::GroupedAttention {
+            q,
+            k,
+            v,
+            out,
+            heads,
+            kv_heads,
+            mode,
         });
         Ok(out)
     }

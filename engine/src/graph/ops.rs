@@ -10,7 +10,7 @@
 
 use super::autodiff::Grads;
 use super::plan::Emitter;
-use super::{Attention, Op};
+use super::{Attention, Op, Tensor};
 use crate::device::kernel::dropout_seed;
 use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result};
 
@@ -22,8 +22,8 @@ pub(super) enum Saved {
         mean: Buffer,
         rstd: Buffer,
     },
-    /// Heads (B*H, T, D) and, fused, one f32 log-sum-exp per row; straightforward,
-    /// the (B*H, T, T) probabilities.
+    /// Heads: q and yh (B*H, T, D), k and v (B*KV, T, D); fused, one f32 log-sum-exp
+    /// per query row; straightforward, the (B*H, T, T) probabilities.
     Attention {
         q: Buffer,
         k: Buffer,
@@ -175,55 +175,8 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             }
             let [q, k, v] = qkv_heads;
             let yh = e.scratch(act, b * t * c);
-            let scale = 1.0 / (d as f32).sqrt();
-            let att = match mode {
-                Attention::Straightforward => {
-                    // scores (B*H, T, T) = q k^T / sqrt(D), scaled inside the GEMM (in
-                    // f32) so a large dot product cannot overflow 16-bit scores; the
-                    // causal softmax gives att; yh = att v.
-                    let scores = e.scratch(act, b * h * t * t);
-                    let att = e.scratch(act, b * h * t * t);
-                    let stats = e.scratch(DType::F32, 2 * b * h * t);
-                    e.launch(Kernel::Matmul(
-                        Matmul::new(q, k, scores, t, t, d)
-                            .transpose(false, true)
-                            .batched(b * h, t * d, t * d, t * t)
-                            .scaled(scale, 0.0),
-                    ))?;
-                    e.launch(Kernel::Softmax {
-                        x: scores,
-                        out: att,
-                        stats,
-                        cols: t,
-                        scale: 1.0,
-                        causal: true,
-                    })?;
-                    e.launch(Kernel::Matmul(Matmul::new(att, v, yh, t, d, t).batched(
-                        b * h,
-                        t * t,
-                        t * d,
-                        t * d,
-                    )))?;
-                    att
-                }
-                Attention::Fused => {
-                    // Tile by tile; saves one f32 log-sum-exp per (head, row).
-                    let lse = e.scratch(DType::F32, b * h * t);
-                    e.launch(Kernel::Attention {
-                        q,
-                        k,
-                        v,
-                        out: yh,
-                        lse,
-                        batch_heads: b * h,
-                        seq: t,
-                        dim: d,
-                        scale,
-                        causal: true,
-                    })?;
-                    lse
-                }
-            };
+            let heads = Heads { b, t, d, h, kv: h };
+            let att = attend(e, mode, heads, act, [q, k, v], yh)?;
             // out (B, T, C) <- yh (B, H, T, D)
             let o = e.define(out);
             e.launch(Kernel::MergeHeads {
@@ -275,6 +228,52 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 out: o,
             })?;
             Ok(Saved::None)
+        }
+        Op::GroupedAttention {
+            q,
+            k,
+            v,
+            out,
+            heads: h,
+            kv_heads: kv,
+            mode,
+        } => {
+            let s = &g.t(q).shape;
+            let (b, t, d, act) = (s[0], s[1], s[2] / h, g.t(q).dtype);
+            // q (B, H, T, D) <- (B, T, H*D); k, v (B, KV, T, D) <- (B, T, KV*D).
+            let mut split = |x: Tensor, n: usize| -> Result<Buffer> {
+                let dst = e.scratch(act, b * n * t * d);
+                e.launch(Kernel::SplitHeads {
+                    src: e.val(x),
+                    dst,
+                    seq: t,
+                    heads: n,
+                    width: n * d,
+                    offset: 0,
+                })?;
+                Ok(dst)
+            };
+            let (qh, kh, vh) = (split(q, h)?, split(k, kv)?, split(v, kv)?);
+            let yh = e.scratch(act, b * h * t * d);
+            let heads = Heads { b, t, d, h, kv };
+            let att = attend(e, mode, heads, act, [qh, kh, vh], yh)?;
+            // out (B, T, H*D) <- yh (B, H, T, D)
+            let o = e.define(out);
+            e.launch(Kernel::MergeHeads {
+                src: yh,
+                dst: o,
+                seq: t,
+                heads: h,
+                width: h * d,
+                offset: 0,
+            })?;
+            Ok(Saved::Attention {
+                q: qh,
+                k: kh,
+                v: vh,
+                yh,
+                att,
+            })
         }
         Op::CrossEntropy {
             logits,
@@ -506,8 +505,7 @@ pub(super) fn backward(
             }
             let s = &g.t(qkv).shape;
             let (b, t, c) = (s[0], s[1], s[2] / 3);
-            let (d, act, bh) = (c / h, g.t(qkv).dtype, b * h);
-            let scale = 1.0 / (d as f32).sqrt();
+            let (d, act) = (c / h, g.t(qkv).dtype);
             // dyh (B, H, T, D) <- dout (B, T, C)
             let dyh = e.scratch(act, b * t * c);
             e.launch(Kernel::SplitHeads {
@@ -523,60 +521,8 @@ pub(super) fn backward(
                 e.scratch(act, b * t * c),
                 e.scratch(act, b * t * c),
             );
-            match mode {
-                Attention::Straightforward => {
-                    // datt = dyh v^T; dv = att^T dyh; dscores = softmax backward (with
-                    // the 1/sqrt(D) of the forward GEMM); dq = dscores k; dk = dscores^T q.
-                    let datt = e.scratch(act, bh * t * t);
-                    let dscores = e.scratch(act, bh * t * t);
-                    let stats = e.scratch(DType::F32, 2 * bh * t);
-                    e.launch(Kernel::Matmul(
-                        Matmul::new(dyh, v, datt, t, t, d)
-                            .transpose(false, true)
-                            .batched(bh, t * d, t * d, t * t),
-                    ))?;
-                    e.launch(Kernel::Matmul(
-                        Matmul::new(att, dyh, dv, t, d, t)
-                            .transpose(true, false)
-                            .batched(bh, t * t, t * d, t * d),
-                    ))?;
-                    e.launch(Kernel::SoftmaxBackward {
-                        p: att,
-                        dout: datt,
-                        dx: dscores,
-                        stats,
-                        cols: t,
-                        scale,
-                    })?;
-                    e.launch(Kernel::Matmul(
-                        Matmul::new(dscores, k, dq, t, d, t).batched(bh, t * t, t * d, t * d),
-                    ))?;
-                    e.launch(Kernel::Matmul(
-                        Matmul::new(dscores, q, dk, t, d, t)
-                            .transpose(true, false)
-                            .batched(bh, t * t, t * d, t * d),
-                    ))?;
-                }
-                Attention::Fused => {
-                    // Recomputes the probabilities from q, k and the saved lse.
-                    e.launch(Kernel::AttentionBackward {
-                        q,
-                        k,
-                        v,
-                        out: yh,
-                        dout: dyh,
-                        lse: att,
-                        dq,
-                        dk,
-                        dv,
-                        batch_heads: bh,
-                        seq: t,
-                        dim: d,
-                        scale,
-                        causal: true,
-                    })?;
-                }
-            }
+            let heads = Heads { b, t, d, h, kv: h };
+            attend_backward(e, mode, heads, act, [q, k, v, yh, att, dyh], [dq, dk, dv])?;
             // dqkv (B, T, 3C) <- dq, dk, dv (B, H, T, D): the three merges write every
             // column, so together they overwrite.
             let dqkv = gr.overwriting(e, qkv)?;
@@ -638,6 +584,60 @@ pub(super) fn backward(
             })?;
             gr.finish(e, dgate)?;
             gr.finish(e, dup)
+        }
+        (
+            &Op::GroupedAttention {
+                q: qt,
+                k: kt,
+                v: vt,
+                heads: h,
+                kv_heads: kv,
+                mode,
+                ..
+            },
+            &Saved::Attention { q, k, v, yh, att },
+        ) => {
+            if ![qt, kt, vt].iter().any(|&x| gr.needs(x)) {
+                return Ok(());
+            }
+            let s = &g.t(qt).shape;
+            let (b, t, d, act) = (s[0], s[1], s[2] / h, g.t(qt).dtype);
+            // dyh (B, H, T, D) <- dout (B, T, H*D)
+            let dyh = e.scratch(act, b * h * t * d);
+            e.launch(Kernel::SplitHeads {
+                src: dout(),
+                dst: dyh,
+                seq: t,
+                heads: h,
+                width: h * d,
+                offset: 0,
+            })?;
+            let (dq, dk, dv) = (
+                e.scratch(act, b * h * t * d),
+                e.scratch(act, b * kv * t * d),
+                e.scratch(act, b * kv * t * d),
+            );
+            let heads = Heads { b, t, d, h, kv };
+            attend_backward(e, mode, heads, act, [q, k, v, yh, att, dyh], [dq, dk, dv])?;
+            // dq (B, T, H*D), dk and dv (B, T, KV*D) <- head layout; each merge writes
+            // every column. A tensor passed twice (k = v) gets its second contribution
+            // added by `finish`.
+            for (x, src, n) in [(qt, dq, h), (kt, dk, kv), (vt, dv, kv)] {
+                if !gr.needs(x) {
+                    continue;
+                }
+                let dst = gr.overwriting(e, x)?;
+                e.launch(Kernel::MergeHeads {
+                    src,
+                    dst: dst.buf,
+                    seq: t,
+                    heads: n,
+                    width: n * d,
+                    offset: 0,
+                })?;
+                gr.finish(e, dst)?;
+            }
+            Ok(())
         }
         (
             &Op::CrossEntropy {
@@ -702,5 +702,162 @@ fn rope(
         seq: s[1],
         theta,
         inverse,
+    }
+}
+
+/// The heads of one attention op: `b * h` query heads and `b * kv` K/V heads of
+/// (T, D), query head `h` of a batch reading its K/V head `h / group`.
+#[derive(Clone, Copy)]
+struct Heads {
+    b: usize,
+    t: usize,
+    d: usize,
+    h: usize,
+    kv: usize,
+}
+
+impl Heads {
+    fn group(&self) -> usize {
+        self.h / self.kv
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+}
+
+/// Causal attention in head layout: yh (B, H, T, D) from q (B, H, T, D) and k, v
+/// (B, KV, T, D). Returns what the backward reads besides the heads: straightforward,
+/// the probabilities att (B*H, T, T); fused, the lse (B*H, T) f32.
+///
+/// Straightforward GQA needs no kernel of its own: the `group` query heads of one K/V
+/// head are adjacent in q, so one batched GEMM over B*KV with M = group*T computes
+/// their scores against K_j, rows (g, i) of a batch being query head g's row i. The
+/// causal softmax masks by row % T, which is i. With group 1 these are the GEMMs of
+/// multi-head attention exactly.
+fn attend(
+    e: &mut Emitter,
+    mode: Attention,
+    s: Heads,
+    act: DType,
+    [q, k, v]: [Buffer; 3],
+    yh: Buffer,
+) -> Result<Buffer> {
+    let (t, d, g, bh, bkv) = (s.t, s.d, s.group(), s.b * s.h, s.b * s.kv);
+    match mode {
+        Attention::Straightforward => {
+            // scores (B*KV, G*T, T) = q (B*KV, G*T, D) k^T / sqrt(D), scaled inside the
+            // GEMM (in f32) so a large dot product cannot overflow 16-bit scores; the
+            // causal softmax gives att; yh (B*KV, G*T, D) = att v.
+            let scores = e.scratch(act, bh * t * t);
+            let att = e.scratch(act, bh * t * t);
+            let stats = e.scratch(DType::F32, 2 * bh * t);
+            e.launch(Kernel::Matmul(
+                Matmul::new(q, k, scores, g * t, t, d)
+                    .transpose(false, true)
+                    .batched(bkv, g * t * d, t * d, g * t * t)
+                    .scaled(s.scale(), 0.0),
+            ))?;
+            e.launch(Kernel::Softmax {
+                x: scores,
+                out: att,
+                stats,
+                cols: t,
+                scale: 1.0,
+                causal: true,
+            })?;
+            e.launch(Kernel::Matmul(
+                Matmul::new(att, v, yh, g * t, d, t).batched(bkv, g * t * t, t * d, g * t * d),
+            ))?;
+            Ok(att)
+        }
+        Attention::Fused => {
+            // Tile by tile; saves one f32 log-sum-exp per (head, row).
+            let lse = e.scratch(DType::F32, bh * t);
+            e.launch(Kernel::Attention {
+                q,
+                k,
+                v,
+                out: yh,
+                lse,
+                batch_heads: bh,
+                group: g,
+                seq: t,
+                dim: d,
+                scale: s.scale(),
+                causal: true,
+            })?;
+            Ok(lse)
+        }
+    }
+}
+
+/// The backward of [`attend`]: dq (B, H, T, D), dk and dv (B, KV, T, D), overwritten,
+/// from dyh (B, H, T, D); `saved` is q, k, v, yh, att (or lse) and dyh.
+fn attend_backward(
+    e: &mut Emitter,
+    mode: Attention,
+    s: Heads,
+    act: DType,
+    [q, k, v, yh, att, dyh]: [Buffer; 6],
+    [dq, dk, dv]: [Buffer; 3],
+) -> Result<()> {
+    let (t, d, g, bh, bkv) = (s.t, s.d, s.group(), s.b * s.h, s.b * s.kv);
+    match mode {
+        Attention::Straightforward => {
+            // Per K/V head j and its query rows (G*T): datt = dyh v^T; dv = att^T dyh
+            // (the K = G*T reduction sums the group); dscores = softmax backward (with
+            // the 1/sqrt(D) of the forward GEMM); dq = dscores k; dk = dscores^T q.
+            let datt = e.scratch(act, bh * t * t);
+            let dscores = e.scratch(act, bh * t * t);
+            let stats = e.scratch(DType::F32, 2 * bh * t);
+            e.launch(Kernel::Matmul(
+                Matmul::new(dyh, v, datt, g * t, t, d)
+                    .transpose(false, true)
+                    .batched(bkv, g * t * d, t * d, g * t * t),
+            ))?;
+            e.launch(Kernel::Matmul(
+                Matmul::new(att, dyh, dv, t, d, g * t)
+                    .transpose(true, false)
+                    .batched(bkv, g * t * t, g * t * d, t * d),
+            ))?;
+            e.launch(Kernel::SoftmaxBackward {
+                p: att,
+                dout: datt,
+                dx: dscores,
+                stats,
+                cols: t,
+                scale: s.scale(),
+            })?;
+            e.launch(Kernel::Matmul(
+                Matmul::new(dscores, k, dq, g * t, d, t).batched(bkv, g * t * t, t * d, g * t * d),
+            ))?;
+            e.launch(Kernel::Matmul(
+                Matmul::new(dscores, q, dk, t, d, g * t)
+                    .transpose(true, false)
+                    .batched(bkv, g * t * t, g * t * d, t * d),
+            ))
+        }
+        Attention::Fused => {
+            // Recomputes the probabilities from q, k and the saved lse; dk and dv sum
+            // each K/V head's group inside the kernel.
+            e.launch(Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out: yh,
+                dout: dyh,
+                lse: att,
+                dq,
+                dk,
+                dv,
+                batch_heads: bh,
+                group: g,
+                seq: t,
+                dim: d,
+                scale: s.scale(),
+                causal: true,
+            })
+        }
     }
 }
