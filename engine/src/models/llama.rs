@@ -62,6 +62,9 @@ impl LlamaConfig {
 pub struct Llama {
     pub config: LlamaConfig,
     pub seq: usize,
+    /// How attention is computed; `None`: [`Attention::best`] for the heads, the
+    /// precision and the sequence length.
+    pub attention: Option<Attention>,
 }
 
 /// Parameters per block: input norm, q, k, v, o, post-attention norm, gate, up, down.
@@ -69,7 +72,17 @@ const PER_BLOCK: usize = 9;
 
 impl Llama {
     pub fn new(config: LlamaConfig, seq: usize) -> Llama {
-        Llama { config, seq }
+        Llama {
+            config,
+            seq,
+            attention: None,
+        }
+    }
+
+    /// Computes attention with `attention` whatever the sizes.
+    pub fn with_attention(mut self, attention: Attention) -> Llama {
+        self.attention = Some(attention);
+        self
     }
 
     fn check(&self, batch: usize, dtype: DType) -> Result<Attention> {
@@ -88,7 +101,18 @@ impl Llama {
                 self.seq, c.block_size
             )));
         }
-        Ok(Attention::best(c.n_embd / h, dtype, self.seq))
+        let d = c.n_embd / h;
+        let attention = self
+            .attention
+            .unwrap_or_else(|| Attention::best(d, dtype, self.seq));
+        if attention == Attention::Fused && !Attention::fused_takes(d, dtype) {
+            return Err(Error::InvalidArgument(format!(
+                "llama: fused attention takes head dims up to {}, not {d}; use \
+                 Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM
+            )));
+        }
+        Ok(attention)
     }
 }
 
@@ -170,7 +194,11 @@ impl Model for Llama {
         }
         let last = 1 + PER_BLOCK * c.n_layer;
         let xf = g.rmsnorm(x, p[last], eps)?;
-        let head = if c.tie_word_embeddings { p[0] } else { p[last + 1] };
+        let head = if c.tie_word_embeddings {
+            p[0]
+        } else {
+            p[last + 1]
+        };
         let logits = g.linear_transposed(xf, head, None)?; // (B, T, V)
         g.cross_entropy(logits, targets)?;
         Ok(Forward {

@@ -1,9 +1,10 @@
 //! Models and the contract they meet: a [`Model`] declares its parameters, records its
 //! forward pass and loss on the graph, and names its blocks; a [`Network`] is a model
-//! on a device (parameters in flat buffers, a compiled plan). GPT-2, a Llama-style
-//! model and an MLP classifier are three implementations.
+//! on a device (parameters in flat buffers, a compiled plan). GPT-2 (`gpt`), a
+//! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations.
 
 pub mod gpt;
+pub mod llama;
 pub mod mlp;
 mod network;
 
@@ -133,11 +134,12 @@ pub trait Model: Send + Sync {
 #[derive(Clone, Debug, PartialEq)]
 pub enum ModelConfig {
     Gpt2(gpt::GptConfig),
+    Llama(llama::LlamaConfig),
 }
 
 impl ModelConfig {
     /// The architectures a model file may name.
-    pub const ARCHITECTURES: [&'static str; 1] = ["gpt2"];
+    pub const ARCHITECTURES: [&'static str; 2] = ["gpt2", "llama"];
 
     /// Reads a model file's JSON.
     pub fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
@@ -162,6 +164,16 @@ impl ModelConfig {
                         "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"",
                     )
                 }),
+            "llama" => serde_json::from_value(v)
+                .map(ModelConfig::Llama)
+                .map_err(|e| {
+                    strict(
+                        e,
+                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"; \
+                     optional \"n_kv_head\", \"intermediate_size\", \"rope_theta\", \
+                     \"rms_norm_eps\", \"tie_word_embeddings\"",
+                    )
+                }),
             other => Err(format!(
                 "unknown architecture `{other}`; expected one of {}",
                 ModelConfig::ARCHITECTURES.join(", ")
@@ -173,12 +185,14 @@ impl ModelConfig {
     pub fn block_size(&self) -> usize {
         match self {
             ModelConfig::Gpt2(c) => c.block_size,
+            ModelConfig::Llama(c) => c.block_size,
         }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::Gpt2(c) => c.vocab_size,
+            ModelConfig::Llama(c) => c.vocab_size,
         }
     }
 
@@ -186,6 +200,7 @@ impl ModelConfig {
     pub fn set_vocab_size(&mut self, v: usize) {
         match self {
             ModelConfig::Gpt2(c) => c.vocab_size = v,
+            ModelConfig::Llama(c) => c.vocab_size = v,
         }
     }
 
@@ -193,10 +208,12 @@ impl ModelConfig {
     pub fn build(&self, seq: usize) -> std::sync::Arc<dyn Model> {
         match self {
             ModelConfig::Gpt2(c) => std::sync::Arc::new(gpt::Gpt::new(c.clone(), seq)),
+            ModelConfig::Llama(c) => std::sync::Arc::new(llama::Llama::new(c.clone(), seq)),
         }
     }
 
-    /// The settings as a run records them (GPT-2's five sizes, as runs always have).
+    /// The settings as a run records them (GPT-2's five sizes, as runs always have;
+    /// other architectures every setting and their name).
     pub fn record(&self) -> serde_json::Value {
         match self {
             ModelConfig::Gpt2(c) => serde_json::json!({
@@ -205,6 +222,19 @@ impl ModelConfig {
                 "n_embd": c.n_embd,
                 "block_size": c.block_size,
                 "vocab_size": c.vocab_size,
+            }),
+            ModelConfig::Llama(c) => serde_json::json!({
+                "architecture": "llama",
+                "n_layer": c.n_layer,
+                "n_head": c.n_head,
+                "n_kv_head": c.kv_heads(),
+                "n_embd": c.n_embd,
+                "block_size": c.block_size,
+                "vocab_size": c.vocab_size,
+                "intermediate_size": c.intermediate(),
+                "rope_theta": c.rope_theta,
+                "rms_norm_eps": c.rms_norm_eps,
+                "tie_word_embeddings": c.tie_word_embeddings,
             }),
         }
     }
