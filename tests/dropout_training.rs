@@ -84,14 +84,14 @@ fn a_resumed_run_draws_the_same_masks() {
     let mut whole = new();
     let want: Vec<f32> = batches
         .iter()
-        .map(|b| whole.step(&dev, &[b.clone()]).unwrap().loss)
+        .map(|b| whole.step(&dev, std::slice::from_ref(b)).unwrap().loss)
         .collect();
     let dir = std::env::temp_dir().join(format!("kiln-dropout-resume-{}", std::process::id()));
     std::fs::remove_dir_all(&dir).ok();
     let mut first = new();
     let mut got: Vec<f32> = batches[..5]
         .iter()
-        .map(|b| first.step(&dev, &[b.clone()]).unwrap().loss)
+        .map(|b| first.step(&dev, std::slice::from_ref(b)).unwrap().loss)
         .collect();
     first
         .save_checkpoint(&[&dev], &dir, 5, Default::default(), 1)
@@ -103,7 +103,7 @@ fn a_resumed_run_draws_the_same_masks() {
     got.extend(
         batches[5..]
             .iter()
-            .map(|b| resumed.step(&dev, &[b.clone()]).unwrap().loss),
+            .map(|b| resumed.step(&dev, std::slice::from_ref(b)).unwrap().loss),
     );
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(got, want);

@@ -88,7 +88,8 @@ impl Llama {
     fn check(&self, batch: usize, dtype: DType) -> Result<Attention> {
         let c = &self.config;
         let (h, k) = (c.n_head, c.kv_heads());
-        if h == 0 || k == 0 || c.n_embd % h != 0 || h % k != 0 || (c.n_embd / h) % 2 != 0 {
+        let even_heads = c.n_embd.is_multiple_of(h) && (c.n_embd / h).is_multiple_of(2);
+        if h == 0 || k == 0 || !even_heads || !h.is_multiple_of(k) {
             return Err(Error::InvalidArgument(format!(
                 "llama: n_embd {} must split into n_head {h} heads of an even size, and n_head \
                  into n_kv_head {k} groups",
