@@ -561,54 +561,13 @@ impl Model {
     }
 }
 
-/// Mean loss of the current parameter values (forward only, dropout as in training).
-fn loss(dev: &dyn Device, plan: &Plan, weight: f32) -> f64 {
-    plan.forward(dev).unwrap();
-    plan.loss_sum(dev).unwrap() * weight as f64
-}
-
-/// Every gradient element of every parameter against central differences of the loss.
+/// Every gradient element of every parameter against central differences of the loss
+/// (forward as in training, dropout included: ReLU and dropout are piecewise linear,
+/// exact wherever no pre-activation crosses 0 within h; the ReLU model asserts that).
 fn check_gradients(dev: &CpuDevice, m: &Model) {
     let mut plan = m.compile(dev);
     plan.accumulate(dev, 1.0, m.weight, 0).unwrap();
-    let grads: Vec<Vec<f32>> = m.params.iter().map(|p| f32s(dev, p.grad)).collect();
-    let h = 1e-2f32;
-    let mut bad = vec![];
-    let mut checked = 0;
-    for ((decl, p), grad) in m.g.params().iter().zip(&m.params).zip(&grads) {
-        let w = f32s(dev, p.value);
-        for e in 0..w.len() {
-            let mut x = w.clone();
-            x[e] = w[e] + h;
-            dev.upload(p.value, &HostData::F32(x.clone())).unwrap();
-            let up = loss(dev, &plan, m.weight);
-            x[e] = w[e] - h;
-            dev.upload(p.value, &HostData::F32(x)).unwrap();
-            let down = loss(dev, &plan, m.weight);
-            dev.upload(p.value, &HostData::F32(w.clone())).unwrap();
-            let fd = (up - down) / (2.0 * h as f64);
-            // As tests/graph.rs: the losses are f32 of unit-scale values (rounding
-            // ~1e-7 each), so over 2h the difference carries ~1e-5 of noise; O(h^2)
-            // curvature stays under 1% at these unit-scale values. ReLU and dropout
-            // are piecewise linear: exact wherever no pre-activation crosses 0 within
-            // h (the ReLU model asserts that).
-            let tol = 2e-4 + 0.01 * fd.abs();
-            if (fd - grad[e] as f64).abs() > tol {
-                bad.push(format!(
-                    "{}[{e}]: finite difference {fd:e}, backward {:e}",
-                    decl.name, grad[e]
-                ));
-            }
-            checked += 1;
-        }
-    }
-    assert!(checked > 0);
-    assert!(
-        bad.is_empty(),
-        "{} of {checked} gradients disagree:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    check_finite_differences(dev, &m.g, &m.params, &plan, m.weight);
     plan.free(dev).unwrap();
 }
 

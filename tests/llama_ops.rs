@@ -759,44 +759,7 @@ fn check_gradients(dev: &CpuDevice, m: &Model) {
     let adamw = Optimizer::adamw(1e-2, 0.1);
     let mut plan = m.g.compile(dev, &bindings, Some(&adamw)).unwrap();
     plan.accumulate(dev, 1.0, m.weight, 0).unwrap();
-    let loss = |plan: &kiln::engine::graph::Plan| -> f64 {
-        plan.forward(dev).unwrap();
-        plan.loss_sum(dev).unwrap() * m.weight as f64
-    };
-    let h = 1e-2f32;
-    let (mut bad, mut checked) = (vec![], 0);
-    for (decl, p) in m.g.params().iter().zip(&m.params) {
-        let grad = f32s(dev, p.grad);
-        let w = f32s(dev, p.value);
-        for e in 0..w.len() {
-            let mut x = w.clone();
-            x[e] = w[e] + h;
-            dev.upload(p.value, &HostData::F32(x.clone())).unwrap();
-            let up = loss(&plan);
-            x[e] = w[e] - h;
-            dev.upload(p.value, &HostData::F32(x)).unwrap();
-            let down = loss(&plan);
-            dev.upload(p.value, &HostData::F32(w.clone())).unwrap();
-            let fd = (up - down) / (2.0 * h as f64);
-            // As tests/graph.rs: f32 losses of logits up to ~20 carry ~1e-4 of noise
-            // over 2h; O(h^2) curvature stays under 1% at unit-scale values.
-            let tol = 2e-4 + 0.01 * fd.abs();
-            if (fd - grad[e] as f64).abs() > tol {
-                bad.push(format!(
-                    "{}[{e}]: finite difference {fd:e}, backward {:e}",
-                    decl.name, grad[e]
-                ));
-            }
-            checked += 1;
-        }
-    }
-    assert!(checked > 0);
-    assert!(
-        bad.is_empty(),
-        "{} of {checked} gradients disagree:\n{}",
-        bad.len(),
-        bad.join("\n")
-    );
+    check_finite_differences(dev, &m.g, &m.params, &plan, m.weight);
     plan.free(dev).unwrap();
 }
 

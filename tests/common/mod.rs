@@ -313,3 +313,56 @@ pub fn gpt_trainer(
     let model = gpt_model(cfg, t, Attention::Fused);
     Trainer::new(dev, model, ds_config(b, accum, dtype, 1), 5).unwrap()
 }
+
+/// Every gradient element of every parameter of `g` (bound to `params`, f32 storage)
+/// against central differences of `plan`'s forward loss (its per-row losses times
+/// `weight`), step 1e-2. The losses are f32 of logits up to ~20 (rounding ~2e-6 each),
+/// so over 2h a difference carries ~1e-4 of noise, and O(h^2) curvature stays under 1%
+/// at unit-scale values: tolerance 2e-4 + 1% of the difference. `plan` must hold the
+/// gradients of one backward at loss scale 1.
+pub fn check_finite_differences(
+    dev: &dyn Device,
+    g: &kiln::engine::graph::Graph,
+    params: &[kiln::engine::device::optim::ParamBuffers],
+    plan: &kiln::engine::graph::Plan,
+    weight: f32,
+) {
+    let loss = || -> f64 {
+        plan.forward(dev).unwrap();
+        plan.loss_sum(dev).unwrap() * weight as f64
+    };
+    let grads: Vec<Vec<f32>> = params
+        .iter()
+        .map(|p| dev.download(p.grad).unwrap().to_f32())
+        .collect();
+    let h = 1e-2f32;
+    let (mut bad, mut checked) = (vec![], 0);
+    for ((decl, p), grad) in g.params().iter().zip(params).zip(&grads) {
+        let w = dev.download(p.value).unwrap().to_f32();
+        for e in 0..w.len() {
+            let mut x = w.clone();
+            x[e] = w[e] + h;
+            dev.upload(p.value, &HostData::F32(x.clone())).unwrap();
+            let up = loss();
+            x[e] = w[e] - h;
+            dev.upload(p.value, &HostData::F32(x)).unwrap();
+            let down = loss();
+            dev.upload(p.value, &HostData::F32(w.clone())).unwrap();
+            let fd = (up - down) / (2.0 * h as f64);
+            if (fd - grad[e] as f64).abs() > 2e-4 + 0.01 * fd.abs() {
+                bad.push(format!(
+                    "{}[{e}]: finite difference {fd:e}, backward {:e}",
+                    decl.name, grad[e]
+                ));
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 0);
+    assert!(
+        bad.is_empty(),
+        "{} of {checked} gradients disagree:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+}
