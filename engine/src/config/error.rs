@@ -7,7 +7,8 @@ use std::path::PathBuf;
 /// One thing wrong with a config.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
-    /// Key path, e.g. `fp16.loss_scale_window`; empty for the document as a whole.
+    /// Key path, e.g. `fp16.loss_scale_window`; empty for the document as a whole;
+    /// several, comma-separated, for one problem they share (`"auto"` values).
     pub path: String,
     /// What is wrong: the expected type or range and the value found.
     pub message: String,
@@ -20,13 +21,16 @@ pub struct Problem {
 pub struct ConfigError {
     /// The file, when the config came from [`load`](super::load).
     pub file: Option<PathBuf>,
-    /// At least one.
+    /// At least one; at most the first 50 found.
     pub problems: Vec<Problem>,
+    /// Problems found beyond those listed, only counted: a generated file with a
+    /// million unknown keys should cost a million comparisons, not a million messages.
+    pub omitted: usize,
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let n = self.problems.len();
+        let n = self.problems.len() + self.omitted;
         let plural = if n == 1 { "" } else { "s" };
         match &self.file {
             Some(file) => write!(f, "{}: ", file.display())?,
@@ -45,6 +49,14 @@ impl fmt::Display for ConfigError {
                 i + 1,
                 p.message,
                 p.fix
+            )?;
+        }
+        if self.omitted > 0 {
+            let plural = if self.omitted == 1 { "" } else { "s" };
+            write!(
+                f,
+                "\n  … and {} more problem{plural} not listed",
+                self.omitted
             )?;
         }
         Ok(())

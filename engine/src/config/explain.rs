@@ -11,8 +11,8 @@ use crate::device::optim::Optimizer;
 
 impl TrainConfig {
     /// Every resolved setting, one per line as `key.path = value (origin)`, where origin
-    /// is `(default)`, `(file)`, `(caller)` or `(inferred: how)`; then one
-    /// `warning: ...` line per warning. Meant to be printed at start-up so users can see
+    /// is `(default)`, `(file)`, `(caller)` or `(inferred: how)`; then one `note: ...`
+    /// line per note and one `warning: ...` line per warning. Meant to be printed at start-up so users can see
     /// what DeepSpeed's implicit rules made of their file.
     pub fn explain(&self) -> String {
         let mut out = String::new();
@@ -199,6 +199,9 @@ impl TrainConfig {
         line("kiln.keep_checkpoints", k.keep_checkpoints.to_string());
         line("kiln.seed", k.seed.to_string());
 
+        for n in &self.notes {
+            let _ = writeln!(out, "note: {n}");
+        }
         for w in &self.warnings {
             let _ = writeln!(out, "warning: {w}");
         }

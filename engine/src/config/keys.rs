@@ -1,24 +1,27 @@
 //! The keys one JSON object may hold, and the check of an object against them: unknown
-//! keys are errors with a suggestion, keys that change nothing here are warnings, and
-//! features Kiln does not implement are errors unless set to a value that asks for nothing.
+//! keys are errors with a suggestion, keys that change nothing here are accepted (with a
+//! note, or a warning when set to ask for something Kiln then does not do), and features
+//! Kiln does not implement are errors unless set to a value that asks for nothing.
 
 use serde_json::{Map, Value};
 
-use super::reader::{describe, join, Reader};
+use super::reader::{describe, join, shorten, Reader};
 use super::suggest::suggest;
 
-/// A key DeepSpeed would act on but Kiln does not implement. It is accepted only when
-/// set to a value that asks for nothing (`null` always counts as such).
+/// The values of a key that ask for nothing (`null`, "not set", always does).
 #[derive(Clone, Copy)]
 pub(super) enum Inert {
-    /// Always rejected.
-    Never,
+    /// Every value: the key has no effect in Kiln whatever it holds.
+    Any,
     /// Only `null`.
     Null,
     Bool(bool),
     Num(f64),
     /// `false` or an object with `"enabled": false`.
     Disabled,
+    /// An object whose values are all `null`, `false` or 0 (`{}` included): sections
+    /// without an `enabled` key, whose options are off at those values.
+    Empty,
     /// An object with `"device": "none"`.
     NoOffload,
 }
@@ -29,10 +32,15 @@ impl Inert {
             return true;
         }
         match self {
-            Inert::Never | Inert::Null => false,
+            Inert::Any => true,
+            Inert::Null => false,
             Inert::Bool(b) => v.as_bool() == Some(b),
             Inert::Num(x) => v.as_f64() == Some(x),
             Inert::Disabled => is_off(v),
+            Inert::Empty => v.as_object().is_some_and(|m| {
+                m.values()
+                    .all(|x| x.is_null() || x == &Value::Bool(false) || x.as_f64() == Some(0.0))
+            }),
             Inert::NoOffload => {
                 v.as_object()
                     .and_then(|m| m.get("device"))
@@ -44,10 +52,11 @@ impl Inert {
 
     fn fix(self) -> String {
         match self {
-            Inert::Never | Inert::Null => "remove the key".to_string(),
+            Inert::Any | Inert::Null => "remove the key".to_string(),
             Inert::Bool(b) => format!("remove the key or set it to {b}"),
             Inert::Num(x) => format!("remove the key or set it to {x}"),
             Inert::Disabled => "remove the key or set \"enabled\": false".to_string(),
+            Inert::Empty => "remove the key, or set its options to null or false".to_string(),
             Inert::NoOffload => "remove the key or set \"device\": \"none\"".to_string(),
         }
     }
@@ -66,9 +75,11 @@ fn is_off(v: &Value) -> bool {
 pub(super) struct Spec<'s> {
     /// Implemented by Kiln.
     pub(super) keys: &'s [&'s str],
-    /// Known to DeepSpeed, no effect on training here: accepted with a warning (none when
-    /// switched off). The string says why it does not matter.
-    pub(super) ignored: &'s [(&'s str, &'s str)],
+    /// Known to DeepSpeed, no effect on training here: accepted, with a note when it
+    /// holds a value that asks for nothing (its default, or any value for [`Inert::Any`])
+    /// and a warning otherwise, since the user then expects something Kiln does not do.
+    /// The string says why it does not matter.
+    pub(super) ignored: &'s [(&'s str, Inert, &'s str)],
     /// Known to DeepSpeed, would change training, not implemented: rejected unless inert.
     pub(super) unsupported: &'s [(&'s str, Inert, &'s str)],
     /// Fix texts for keys that are wrong here but a common mistake.
@@ -88,22 +99,36 @@ impl Spec<'_> {
 
 impl Reader {
     /// Checks every key of `obj` against `spec`: records unknown and unsupported keys as
-    /// problems and ignored ones as warnings.
+    /// problems, ignored ones as warnings, and keys accepted as they are as notes.
     pub(super) fn check_keys(&mut self, obj: &Map<String, Value>, prefix: &str, spec: &Spec) {
         for (key, v) in obj {
-            let path = join(prefix, key);
             if spec.keys.contains(&key.as_str()) {
                 continue;
             }
-            if let Some((_, why)) = spec.ignored.iter().find(|(k, _)| k == key) {
-                if !is_off(v) {
+            if let Some((_, inert, why)) = spec.ignored.iter().find(|(k, ..)| k == key) {
+                let path = join(prefix, key);
+                if v.is_null() {
+                    // Not set: nothing to say.
+                } else if inert.accepts(v) {
+                    self.note(format!(
+                        "{path} is accepted and changes nothing in Kiln: {why}"
+                    ));
+                } else {
                     self.warnings
                         .push(format!("ignored by Kiln: {path} ({why})"));
                 }
                 continue;
             }
             if let Some((_, inert, what)) = spec.unsupported.iter().find(|(k, ..)| k == key) {
-                if !inert.accepts(v) {
+                let path = join(prefix, key);
+                if v.is_null() {
+                    // Not set: nothing to say.
+                } else if inert.accepts(v) {
+                    self.note(format!(
+                        "{path} is accepted: as set, it leaves off {what}, which Kiln does not \
+                         implement"
+                    ));
+                } else {
                     self.problem(
                         &path,
                         format!("not supported by Kiln: {what} (found {})", describe(v)),
@@ -112,6 +137,13 @@ impl Reader {
                 }
                 continue;
             }
+            if self.full() {
+                // Not listed anyway: spare the message and the suggestion search.
+                self.omitted += 1;
+                continue;
+            }
+            let shown = shorten(key);
+            let path = join(prefix, &shown);
             let place = if prefix.is_empty() {
                 "at the top level".to_string()
             } else {
@@ -121,7 +153,7 @@ impl Reader {
                 .keys
                 .iter()
                 .copied()
-                .chain(spec.ignored.iter().map(|(k, _)| *k))
+                .chain(spec.ignored.iter().map(|(k, ..)| *k))
                 .chain(spec.unsupported.iter().map(|(k, ..)| *k));
             let fix = if let Some((_, hint)) = spec.hints.iter().find(|(k, _)| k == key) {
                 hint.to_string()
@@ -133,7 +165,7 @@ impl Reader {
                     spec.keys.join(", ")
                 )
             };
-            self.problem(&path, format!("unknown key \"{key}\" {place}"), fix);
+            self.problem(&path, format!("unknown key \"{shown}\" {place}"), fix);
         }
     }
 }

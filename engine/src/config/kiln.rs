@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::keys::Spec;
 use super::provenance::Provenance;
-use super::reader::Reader;
+use super::reader::{describe, Reader};
 
 /// Kiln's own settings, from the config's `kiln` section: what DeepSpeed leaves to its
 /// launcher or to the user's script. Command-line flags of `kiln train` override them.
@@ -68,16 +68,31 @@ impl Reader {
         let d = KilnSettings::default();
         let path = "kiln.devices";
         let expected = "a list of device names such as [\"vulkan:0\"] (see `kiln devices`)";
-        let devices = match self.raw(k, path, "devices", expected, None) {
+        let devices = match self.raw(k, path, "devices", expected) {
             Ok(Some(Value::String(s))) => {
                 self.mark(path, Provenance::File);
                 s.split(',').map(|d| d.trim().to_string()).collect()
             }
-            Ok(Some(Value::Array(list))) if list.iter().all(Value::is_string) => {
-                self.mark(path, Provenance::File);
-                list.iter()
-                    .filter_map(|v| v.as_str().map(str::to_string))
-                    .collect()
+            Ok(Some(Value::Array(list))) => {
+                match list.iter().enumerate().find(|(_, v)| !v.is_string()) {
+                    None => {
+                        self.mark(path, Provenance::File);
+                        list.iter()
+                            .filter_map(|v| v.as_str().map(str::to_string))
+                            .collect()
+                    }
+                    Some((i, v)) => {
+                        self.problem(
+                            path,
+                            format!(
+                                "devices[{i}] is {}, not a device name: expected {expected}",
+                                describe(v)
+                            ),
+                            "write each device as a string, like \"vulkan:0\" or \"gl\"",
+                        );
+                        vec![]
+                    }
+                }
             }
             Ok(Some(v)) => {
                 self.wrong_value(path, expected, v, None);

@@ -10,14 +10,25 @@
 //! - **Keys that would change training but are not implemented** (activation
 //!   checkpointing, pipeline, ZeRO stage 3, offload, ...) are errors saying so, unless
 //!   they are set to their no-op value (`"amp": {"enabled": false}`, `null`, ...).
-//! - **Keys that only configure logging** (`tensorboard`, `wandb`, ...) are accepted and
-//!   listed in [`TrainConfig::warnings`] as ignored.
+//! - **Keys that change nothing here** (logging like `tensorboard`, speed-only switches
+//!   like `graph_harvesting`, machinery Kiln lacks like `aio`) are accepted: with a note
+//!   in [`TrainConfig::notes`] when they ask for nothing, listed in
+//!   [`TrainConfig::warnings`] as ignored when they ask for something Kiln will not do.
+//!   Every top-level key of DeepSpeed's runtime config (as of 2025) is in one of these
+//!   groups, so only typos are "unknown".
 //! - **Every problem is reported at once** ([`ConfigError::problems`]), each with its key
-//!   path, what was expected, what was found and how to fix it.
+//!   path, what was expected, what was found and how to fix it; past the first 50 they
+//!   are only counted, so the work per key is bounded.
+//! - **Integers are checked against what the engine holds**: batch sizes and their
+//!   product up to [`MAX_BATCH`], the run's samples (steps × batch) within 64 bits, the
+//!   loss-scale window within the scaler's i64 arithmetic.
 //! - Kiln's own settings (devices, data workers, step count, evaluation and checkpoint
 //!   intervals, seed) live in a `kiln` section ([`KilnSettings`]), checked as strictly.
-//! - `null` means "not set", as DeepSpeed's `None` does. The string `"auto"` is rejected:
-//!   it is a placeholder the HuggingFace Trainer fills in, not a value.
+//! - `null` means "not set", as DeepSpeed's `None` does. `"auto"`, the Hugging Face
+//!   Trainer's placeholder, is filled in where the rest of the file determines it and
+//!   otherwise asked for, all such keys in one problem (see `auto.rs`).
+//! - A UTF-8 byte-order mark at the start of the file is skipped (Windows editors write
+//!   one; JSON parsers that reject it give a baffling error at line 1, column 1).
 //!
 //! Deliberate differences from DeepSpeed's behaviour (all on the side of fewer surprises):
 //!
@@ -50,8 +61,11 @@
 //!   (`zero_optimization`), `kiln.rs` (Kiln's own `kiln` section).
 //! - this file: [`TrainConfig`], [`parse`] / [`load`], the top-level keys, and the
 //!   resolution that reads each section in turn.
+//! - `auto.rs`: Hugging Face's `"auto"`: where the Trainer takes each value, and the one
+//!   problem for those Kiln cannot know.
 //! - `explain.rs`: [`TrainConfig::explain`], every value with its origin.
 
+mod auto;
 mod batch;
 mod error;
 mod explain;
@@ -75,7 +89,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 pub use crate::device::optim::Optimizer;
-pub use batch::BatchConfig;
+pub use batch::{BatchConfig, MAX_BATCH};
 pub use error::{ConfigError, Problem};
 pub use kiln::KilnSettings;
 pub use precision::{DynamicScaling, LossScaling, Precision};
@@ -85,7 +99,7 @@ pub use zero::ZeroConfig;
 
 use keys::Spec;
 use optimizer::{default_optimizer, DEFAULT_LR};
-use reader::{describe, Range, Reader};
+use reader::{auto_at, describe, Range, Reader};
 use strict_json::StrictValue;
 
 // ---------------------------------------------------------------------------------------
@@ -122,6 +136,11 @@ pub struct TrainConfig {
     /// Things the user should know that are not errors: ignored logging sections, settings
     /// that override others, differences from DeepSpeed's behaviour.
     pub warnings: Vec<String>,
+    /// Things that need no action, shown by [`TrainConfig::explain`]: DeepSpeed keys
+    /// accepted because they change nothing here, defaults that differ from other tools'.
+    /// Not part of a run's settings (not serialized).
+    #[serde(skip)]
+    pub notes: Vec<String>,
     /// Where each resolved value came from, keyed by its DeepSpeed key path
     /// (`"fp16.loss_scale_window"`, `"optimizer.params.lr"`, `"world_size"`). A key that
     /// is absent here counts as [`Provenance::Default`]. Only [`TrainConfig::explain`]
@@ -171,6 +190,7 @@ impl TrainConfig {
             zero: ZeroConfig::default(),
             kiln: KilnSettings::default(),
             warnings: Vec::new(),
+            notes: Vec::new(),
             provenance,
         }
     }
@@ -185,6 +205,7 @@ impl TrainConfig {
 /// `world` comes from the launcher, never from the file, as in DeepSpeed; it is needed
 /// because the three batch-size keys are related through it.
 pub fn parse(text: &str, world: usize) -> Result<TrainConfig, ConfigError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let root = match serde_json::from_str::<StrictValue>(text) {
         Ok(v) => v.0,
         Err(e) => {
@@ -206,6 +227,7 @@ pub fn parse(text: &str, world: usize) -> Result<TrainConfig, ConfigError> {
                           single quotes or NaN, and each key once per object)"
                         .to_string(),
                 }],
+                omitted: 0,
             });
         }
     };
@@ -217,6 +239,7 @@ pub fn parse(text: &str, world: usize) -> Result<TrainConfig, ConfigError> {
                 message: format!("expected a JSON object, found {}", describe(&root)),
                 fix: "write the config as { \"train_batch_size\": ..., ... }".to_string(),
             }],
+            omitted: 0,
         });
     };
     resolve(&root, world)
@@ -231,6 +254,7 @@ pub fn load(path: &Path, world: usize) -> Result<TrainConfig, ConfigError> {
             message: format!("cannot read the file: {e}"),
             fix: "check the path and its permissions".to_string(),
         }],
+        omitted: 0,
     })?;
     parse(&text, world).map_err(|mut e| {
         e.file = Some(path.to_path_buf());
@@ -272,8 +296,12 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
     let (precision, bare_fp16) = r.precision(root);
     let (optimizer, lr_given) = r.optimizer(root);
     let schedule = r.scheduler(root, &optimizer, lr_given);
-    let gradient_clipping =
-        r.float_or(root, "", "gradient_clipping", Range::AtLeast(0.0), 0.0) as f32;
+    let gradient_clipping = if auto_at(root, "gradient_clipping") {
+        r.hf_guess("gradient_clipping", "--max_grad_norm 1.0", "1.0");
+        1.0
+    } else {
+        r.float_or(root, "", "gradient_clipping", Range::AtLeast(0.0), 0.0) as f32
+    };
     let steps_per_print = r.uint_or(root, "", "steps_per_print", (1, u64::MAX), 10);
     let wall_clock_breakdown = r.bool_or(root, "", "wall_clock_breakdown", false);
     let memory_breakdown = r.bool_or(root, "", "memory_breakdown", false);
@@ -289,10 +317,13 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
                 .to_string(),
         );
     }
+    r.run_fits(&batch, &kiln, &schedule);
+    r.finish_autos();
     if !r.problems.is_empty() {
         return Err(ConfigError {
             file: None,
             problems: r.problems,
+            omitted: r.omitted,
         });
     }
     Ok(TrainConfig {
@@ -308,6 +339,39 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         zero,
         kiln,
         warnings: r.warnings,
+        notes: r.notes,
         provenance: r.provenance,
     })
+}
+
+impl Reader {
+    /// The run's length times its batch must fit the 64-bit count of samples drawn (the
+    /// data position a checkpoint stores). The length is `kiln.steps`, else the
+    /// scheduler's `total_num_steps`, which `kiln train` runs when no step count is given.
+    fn run_fits(&mut self, batch: &BatchConfig, kiln: &KilnSettings, schedule: &Schedule) {
+        if batch.train_batch_size == 0 {
+            return; // the batch is already a problem
+        }
+        let (path, steps) = match (kiln.steps, schedule) {
+            (Some(n), _) => ("kiln.steps", n),
+            (
+                None,
+                Schedule::WarmupDecayLr { total_steps, .. }
+                | Schedule::WarmupCosineLr { total_steps, .. },
+            ) => ("scheduler.params.total_num_steps", *total_steps),
+            _ => return,
+        };
+        let max = batch.max_steps();
+        if steps > max {
+            let b = batch.train_batch_size;
+            self.problem(
+                path,
+                format!(
+                    "{steps} steps × train_batch_size {b} samples is more samples than the \
+                     64-bit count of samples drawn can hold"
+                ),
+                format!("use at most {max} steps at train_batch_size {b}"),
+            );
+        }
+    }
 }

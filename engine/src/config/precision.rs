@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::keys::Spec;
+use super::keys::{Inert, Spec};
 use super::reader::{Range, Reader};
 
 /// Arithmetic of the model's weights, activations and gradients.
@@ -92,7 +92,20 @@ impl Reader {
         let empty = Map::new();
         let fp16 = self.section(root, "", "fp16").ok().flatten();
         if let Some(f) = fp16 {
-            self.check_keys(f, "fp16", &Spec::keys(FP16_KEYS));
+            self.check_keys(
+                f,
+                "fp16",
+                &Spec {
+                    keys: FP16_KEYS,
+                    ignored: &[],
+                    unsupported: &[(
+                        "fp16_master_weights_and_grads",
+                        Inert::Bool(false),
+                        "fp16 master weights and gradients (Kiln keeps fp32 masters)",
+                    )],
+                    hints: &[],
+                },
+            );
         }
         let f = fp16.unwrap_or(&empty);
         let p = "fp16";
@@ -100,7 +113,9 @@ impl Reader {
         let auto_cast = self.bool_or(f, p, "auto_cast", false);
         let loss_scale = self.float_or(f, p, "loss_scale", Range::AtLeast(0.0), 0.0);
         let power = self.uint_or(f, p, "initial_scale_power", (0, 127), 16) as u32;
-        let window = self.uint_or(f, p, "loss_scale_window", (1, u64::MAX), 1000);
+        // The scaler does its window arithmetic in i64 (the step of the last overflow
+        // starts at -1).
+        let window = self.uint_or(f, p, "loss_scale_window", (1, i64::MAX as u64), 1000);
         let hysteresis = self.uint_or(f, p, "hysteresis", (1, u32::MAX as u64), 2) as u32;
         let consecutive = self.bool_or(f, p, "consecutive_hysteresis", false);
         let min_scale = self.float_or(f, p, "min_loss_scale", Range::Above(0.0), 1.0);

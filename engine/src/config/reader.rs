@@ -1,6 +1,7 @@
 //! The reader: walks the JSON, checks each value's type and range, and collects problems,
 //! warnings and provenance. Each section's file adds the method that reads that section.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
@@ -13,6 +14,16 @@ pub(super) struct Bad;
 
 /// `Ok(None)`: absent or null. `Ok(Some)`: present and valid.
 pub(super) type Got<T> = Result<Option<T>, Bad>;
+
+/// The Hugging Face Trainer's placeholder for a value it fills in.
+pub(super) fn is_auto(v: &Value) -> bool {
+    v.as_str() == Some("auto")
+}
+
+/// Whether `obj[key]` is `"auto"`.
+pub(super) fn auto_at(obj: &Map<String, Value>, key: &str) -> bool {
+    obj.get(key).is_some_and(is_auto)
+}
 
 pub(super) fn join(prefix: &str, key: &str) -> String {
     if prefix.is_empty() {
@@ -27,11 +38,29 @@ pub(super) fn describe(v: &Value) -> String {
         Value::Null => "null".to_string(),
         Value::Bool(b) => format!("the boolean {b}"),
         Value::Number(n) => format!("the number {n}"),
-        Value::String(s) => format!("the string \"{s}\""),
-        Value::Array(a) => format!("an array of {} element(s)", a.len()),
+        Value::String(s) => format!("the string \"{}\"", shorten(s)),
+        Value::Array(a) if a.len() == 1 => "an array of 1 element".to_string(),
+        Value::Array(a) => format!("an array of {} elements", a.len()),
         Value::Object(_) => "an object".to_string(),
     }
 }
+
+/// Characters of a key or string shown in a message before it is cut short.
+const SHOWN_CHARS: usize = 48;
+
+/// `s`, or its start and its length when it is too long to repeat in a message: a
+/// config may hold keys or strings of megabytes.
+pub(super) fn shorten(s: &str) -> Cow<'_, str> {
+    match s.char_indices().nth(SHOWN_CHARS) {
+        None => Cow::Borrowed(s),
+        Some((cut, _)) => Cow::Owned(format!("{}… ({} characters)", &s[..cut], s.chars().count())),
+    }
+}
+
+/// Problems listed in a [`ConfigError`](super::ConfigError); the rest are only counted,
+/// so a file of a million unknown keys costs a million comparisons, not a million
+/// messages.
+pub(super) const MAX_LISTED: usize = 50;
 
 /// Allowed range of a float.
 #[derive(Clone, Copy)]
@@ -71,9 +100,21 @@ fn fix_text(expected: &str, default: Option<&str>) -> String {
 
 #[derive(Default)]
 pub(super) struct Reader {
+    /// The first [`MAX_LISTED`] problems.
     pub(super) problems: Vec<Problem>,
+    /// Problems found after the first [`MAX_LISTED`].
+    pub(super) omitted: usize,
     pub(super) warnings: Vec<String>,
+    /// Things `config explain` shows that need no action (keys accepted because they
+    /// change nothing here, defaults that differ from other tools').
+    pub(super) notes: Vec<String>,
     pub(super) provenance: BTreeMap<String, Provenance>,
+    /// `"auto"` values nothing in the file determines: path and what the value must be.
+    /// Reported together as one problem at the end (see `auto.rs`).
+    pub(super) autos: Vec<(String, String)>,
+    /// `"auto"` values filled in with the Hugging Face Trainer's defaults, said once in a
+    /// warning: they are right only if the user left those defaults alone.
+    pub(super) auto_guesses: Vec<String>,
 }
 
 impl Reader {
@@ -83,6 +124,10 @@ impl Reader {
         message: impl Into<String>,
         fix: impl Into<String>,
     ) {
+        if self.full() {
+            self.omitted += 1;
+            return;
+        }
         self.problems.push(Problem {
             path: path.to_string(),
             message: message.into(),
@@ -90,36 +135,42 @@ impl Reader {
         });
     }
 
+    /// No more problems will be listed: callers can skip composing one.
+    pub(super) fn full(&self) -> bool {
+        self.problems.len() >= MAX_LISTED
+    }
+
+    pub(super) fn note(&mut self, text: impl Into<String>) {
+        self.notes.push(text.into());
+    }
+
     pub(super) fn mark(&mut self, path: &str, p: Provenance) {
         self.provenance.insert(path.to_string(), p);
     }
 
-    /// The value at `key`: `None` when absent or null; a problem when it is "auto".
+    /// The value at `key`: `None` when absent or null. `"auto"` is recorded as a value
+    /// the file leaves open (all of them become one problem at the end); a section that
+    /// can work such a value out checks [`is_auto`] before reading it.
     pub(super) fn raw<'a>(
         &mut self,
         obj: &'a Map<String, Value>,
         path: &str,
         key: &str,
         expected: &str,
-        default: Option<&str>,
     ) -> Got<&'a Value> {
         match obj.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) if s == "auto" => {
-                self.problem(
-                    path,
-                    format!(
-                        "found \"auto\", expected {expected}: \"auto\" is a placeholder that \
-                         the HuggingFace Trainer replaces with a value from its \
-                         TrainingArguments before DeepSpeed reads the config, and Kiln reads \
-                         the file itself, so it needs the actual value"
-                    ),
-                    fix_text(expected, default),
-                );
+            Some(v) if is_auto(v) => {
+                self.autos.push((path.to_string(), expected.to_string()));
                 Err(Bad)
             }
             Some(v) => Ok(Some(v)),
         }
+    }
+
+    /// Records a value resolved from `"auto"`: `how` says from what.
+    pub(super) fn resolved_auto(&mut self, path: &str, how: impl std::fmt::Display) {
+        self.mark(path, Provenance::Inferred(format!("\"auto\": {how}")));
     }
 
     pub(super) fn wrong_value(
@@ -137,7 +188,8 @@ impl Reader {
         }
         if let Value::String(s) = found {
             if s.trim().parse::<f64>().is_ok() || s == "true" || s == "false" {
-                fix = format!("remove the quotes: write {} rather than \"{s}\"", s.trim());
+                let s = shorten(s.trim());
+                fix = format!("remove the quotes: write {s} rather than \"{s}\"");
             }
         }
         self.problem(path, message, fix);
@@ -159,7 +211,7 @@ impl Reader {
             format!("an integer from {min} to {max}")
         };
         let dflt = default.map(|d| d.to_string());
-        let Some(v) = self.raw(obj, &path, key, &expected, dflt.as_deref())? else {
+        let Some(v) = self.raw(obj, &path, key, &expected)? else {
             return Ok(None);
         };
         let n = match v {
@@ -191,12 +243,38 @@ impl Reader {
         let path = join(prefix, key);
         let expected = range.describe();
         let dflt = default.map(|d| format!("{d:?}"));
-        let Some(v) = self.raw(obj, &path, key, &expected, dflt.as_deref())? else {
+        let Some(v) = self.raw(obj, &path, key, &expected)? else {
             return Ok(None);
         };
         match v.as_f64() {
-            // Stored as f32, so it must fit one.
-            Some(x) if range.contains(x) && x.abs() <= f32::MAX as f64 => Ok(Some(x)),
+            // Stored as f32: the value kept is the f32 nearest, which must be in range too
+            // (1e-50 rounds to 0, 0.999999999 to 1) and finite.
+            Some(x) if range.contains(x) && range.contains(x as f32 as f64) => {
+                if x.abs() <= f32::MAX as f64 {
+                    return Ok(Some(x));
+                }
+                self.problem(
+                    &path,
+                    format!(
+                        "{x:e} is above {:e}, the largest 32-bit float, which Kiln stores it as",
+                        f32::MAX
+                    ),
+                    fix_text(&expected, dflt.as_deref()),
+                );
+                Err(Bad)
+            }
+            Some(x) if range.contains(x) => {
+                self.problem(
+                    &path,
+                    format!(
+                        "expected {expected}, found {x:e}, which becomes {:e} as the 32-bit float \
+                         Kiln stores it as",
+                        x as f32
+                    ),
+                    fix_text(&expected, dflt.as_deref()),
+                );
+                Err(Bad)
+            }
             _ => {
                 self.wrong_value(&path, &expected, v, dflt.as_deref());
                 Err(Bad)
@@ -214,7 +292,7 @@ impl Reader {
         let path = join(prefix, key);
         let expected = "true or false";
         let dflt = default.map(|d| d.to_string());
-        let Some(v) = self.raw(obj, &path, key, expected, dflt.as_deref())? else {
+        let Some(v) = self.raw(obj, &path, key, expected)? else {
             return Ok(None);
         };
         match v {
@@ -234,7 +312,7 @@ impl Reader {
         expected: &str,
     ) -> Got<&'a str> {
         let path = join(prefix, key);
-        let Some(v) = self.raw(obj, &path, key, expected, None)? else {
+        let Some(v) = self.raw(obj, &path, key, expected)? else {
             return Ok(None);
         };
         match v {
@@ -254,7 +332,7 @@ impl Reader {
     ) -> Got<&'a Map<String, Value>> {
         let path = join(prefix, key);
         let expected = "an object { ... }";
-        let Some(v) = self.raw(obj, &path, key, expected, None)? else {
+        let Some(v) = self.raw(obj, &path, key, expected)? else {
             return Ok(None);
         };
         match v {

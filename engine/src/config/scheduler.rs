@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::keys::{Inert, Spec};
 use super::provenance::Provenance;
-use super::reader::{join, Bad, Range, Reader};
+use super::reader::{auto_at, join, shorten, Bad, Range, Reader};
 use super::suggest::suggest;
 use crate::device::optim::Optimizer;
 
@@ -156,7 +156,10 @@ impl Reader {
                 };
                 self.problem(
                     &path,
-                    format!("expected \"log\" or \"linear\", found the string \"{other}\""),
+                    format!(
+                        "expected \"log\" or \"linear\", found the string \"{}\"",
+                        shorten(other)
+                    ),
                     fix,
                 );
                 WarmupType::Log
@@ -200,6 +203,7 @@ impl Reader {
         };
         if !SCHEDULERS.contains(&ty) {
             let other = OTHER_SCHEDULERS.contains(&ty);
+            let ty = shorten(ty);
             let message = if other {
                 format!(
                     "scheduler \"{ty}\" is not supported by Kiln; supported: {}",
@@ -211,7 +215,7 @@ impl Reader {
                     SCHEDULERS.join(", ")
                 )
             };
-            let fix = match suggest(ty, SCHEDULERS.iter().copied()) {
+            let fix = match suggest(&ty, SCHEDULERS.iter().copied()) {
                 Some(s) if !other => format!("did you mean \"{s}\"?"),
                 _ => format!("use one of {}", SCHEDULERS.join(", ")),
             };
@@ -284,21 +288,37 @@ impl Reader {
             ));
         }
         let warmup_type = self.warmup_type(p, pp);
-        let total = if cosine || decay {
+        let total_path = "scheduler.params.total_num_steps";
+        // An "auto" warmup is asked for; comparing against its default would only confuse.
+        let warmup_open = auto_at(p, "warmup_num_steps");
+        let total = if (cosine || decay) && auto_at(p, "total_num_steps") {
+            // The Trainer fills in the run's length; Kiln's is kiln.steps.
+            let steps = root
+                .get("kiln")
+                .and_then(|k| k.get("steps"))
+                .and_then(Value::as_u64)
+                .filter(|&s| s >= 1);
+            match steps {
+                Some(t) => {
+                    self.resolved_auto(total_path, format!("kiln.steps {t}"));
+                    if !warmup_open {
+                        self.total_after_warmup(t, n, ty);
+                    }
+                    t
+                }
+                None => {
+                    self.autos
+                        .push((total_path.to_string(), "an integer >= 1".to_string()));
+                    n + 1
+                }
+            }
+        } else if cosine || decay {
             let t = self.uint(p, pp, "total_num_steps", 1, u64::MAX, None);
             match t {
                 Ok(Some(t)) => {
-                    self.mark("scheduler.params.total_num_steps", Provenance::File);
-                    if t <= n {
-                        self.problem(
-                            "scheduler.params.total_num_steps",
-                            format!(
-                                "total_num_steps {t} must be greater than the warmup length \
-                                 max(2, warmup_num_steps) = {n}: {ty} decays between the two"
-                            ),
-                            "raise total_num_steps to the number of optimizer steps in the run, \
-                             or shorten warmup_num_steps",
-                        );
+                    self.mark(total_path, Provenance::File);
+                    if !warmup_open {
+                        self.total_after_warmup(t, n, ty);
                     }
                     t
                 }
@@ -333,9 +353,31 @@ impl Reader {
             };
         }
 
-        let min_lr = self.float_or(p, pp, "warmup_min_lr", Range::AtLeast(0.0), 0.0) as f32;
+        let min_lr = if auto_at(p, "warmup_min_lr") {
+            self.resolved_auto(
+                "scheduler.params.warmup_min_lr",
+                "0, as the Hugging Face Trainer fills it",
+            );
+            0.0
+        } else {
+            self.float_or(p, pp, "warmup_min_lr", Range::AtLeast(0.0), 0.0) as f32
+        };
         let max_given = p.get("warmup_max_lr").is_some_and(|v| !v.is_null());
-        let max_lr = self.float_or(p, pp, "warmup_max_lr", Range::AtLeast(0.0), 1e-3) as f32;
+        let max_lr = if auto_at(p, "warmup_max_lr") {
+            // The Trainer fills both from --learning_rate. When the optimizer's lr is
+            // "auto" too, that one is asked for; this one follows it.
+            self.resolved_auto(
+                "scheduler.params.warmup_max_lr",
+                format!(
+                    "optimizer.params.lr {:?}, as the Hugging Face Trainer fills both from \
+                     --learning_rate",
+                    opt.lr()
+                ),
+            );
+            opt.lr()
+        } else {
+            self.float_or(p, pp, "warmup_max_lr", Range::AtLeast(0.0), 1e-3) as f32
+        };
         if min_lr > max_lr {
             self.problem(
                 "scheduler.params.warmup_min_lr",
@@ -369,6 +411,22 @@ impl Reader {
                 warmup_steps,
                 warmup_type,
             }
+        }
+    }
+
+    /// WarmupDecayLR and WarmupCosineLR decay between the warmup's end and
+    /// `total_num_steps`, so it must come later.
+    fn total_after_warmup(&mut self, t: u64, n: u64, ty: &str) {
+        if t <= n {
+            self.problem(
+                "scheduler.params.total_num_steps",
+                format!(
+                    "total_num_steps {t} must be greater than the warmup length \
+                     max(2, warmup_num_steps) = {n}: {ty} decays between the two"
+                ),
+                "raise total_num_steps to the number of optimizer steps in the run, \
+                 or shorten warmup_num_steps",
+            );
         }
     }
 }

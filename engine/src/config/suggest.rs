@@ -28,13 +28,33 @@ fn edit_distance(a: &str, b: &str) -> usize {
     d[a.len()][b.len()]
 }
 
+/// The most edits a suggestion may be away from what was written.
+const MAX_EDITS: usize = 4;
+
+/// Longer keys get no suggestion: no known key is within [`MAX_EDITS`] of them, and
+/// the distance costs the product of the two lengths.
+const MAX_SUGGESTED_LEN: usize = 64;
+
 /// The known key closest to `key`, if close enough to be a plausible typo.
+///
+/// Bounded work whatever the input: nothing for keys over [`MAX_SUGGESTED_LEN`]
+/// characters, and no distance computed to a known key whose length alone rules it out
+/// (the distance is at least the difference in lengths).
 pub(super) fn suggest<'k>(key: &str, known: impl IntoIterator<Item = &'k str>) -> Option<&'k str> {
+    // Bytes bound characters from above, so a megabyte key is refused without a scan.
+    if key.len() > 4 * MAX_SUGGESTED_LEN || key.chars().count() > MAX_SUGGESTED_LEN {
+        return None;
+    }
     let key = key.to_lowercase();
+    let len = key.chars().count();
     let mut best: Option<(usize, &str)> = None;
     for k in known {
+        let k_len = k.chars().count();
+        let limit = (k_len / 3).clamp(1, MAX_EDITS);
+        if len.abs_diff(k_len) > limit {
+            continue;
+        }
         let d = edit_distance(&key, &k.to_lowercase());
-        let limit = (k.chars().count() / 3).clamp(1, 4);
         if d <= limit && best.is_none_or(|(bd, _)| d < bd) {
             best = Some((d, k));
         }

@@ -1,5 +1,6 @@
 //! Top-level DeepSpeed features that Kiln does not implement: a config that asks for one
-//! is rejected, unless it sets the key to the value that asks for nothing.
+//! is rejected, unless it sets the key to the value that asks for nothing (then a note
+//! says it was accepted).
 
 use super::keys::Inert;
 
@@ -7,11 +8,16 @@ use super::keys::Inert;
 pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
     (
         "activation_checkpointing",
-        Inert::Never,
+        Inert::Null,
         "activation checkpointing (recomputing activations in backward)",
     ),
     ("sparse_attention", Inert::Null, "sparse attention kernels"),
     ("amp", Inert::Disabled, "NVIDIA Apex AMP"),
+    (
+        "torch_autocast",
+        Inert::Disabled,
+        "PyTorch autocast (per-operation precision)",
+    ),
     (
         "communication_data_type",
         Inert::Null,
@@ -27,7 +33,23 @@ pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
         Inert::Num(1.0),
         "gradient pre-division before the all-reduce",
     ),
-    ("pipeline", Inert::Never, "pipeline parallelism"),
+    (
+        "data_types",
+        Inert::Empty,
+        "choosing the gradient accumulation data type (Kiln accumulates in the training \
+         precision)",
+    ),
+    ("pipeline", Inert::Null, "pipeline parallelism"),
+    (
+        "tensor_parallel",
+        Inert::Empty,
+        "tensor parallelism (AutoTP)",
+    ),
+    (
+        "hybrid_engine",
+        Inert::Disabled,
+        "the hybrid training and inference engine",
+    ),
     (
         "data_efficiency",
         Inert::Disabled,
@@ -40,7 +62,12 @@ pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
     ),
     ("elasticity", Inert::Disabled, "elastic training"),
     ("autotuning", Inert::Disabled, "autotuning"),
-    ("compression_training", Inert::Never, "compression training"),
+    ("compression_training", Inert::Null, "compression training"),
+    (
+        "weight_quantization",
+        Inert::Null,
+        "quantized weights after initialisation",
+    ),
     ("sparse_gradients", Inert::Bool(false), "sparse gradients"),
     (
         "progressive_layer_drop",

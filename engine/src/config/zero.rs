@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::keys::{Inert, Spec};
-use super::reader::Reader;
+use super::reader::{auto_at, Reader};
 
 /// ZeRO data-parallel sharding (DeepSpeed's `zero_optimization`), stages 0 to 2.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -45,6 +45,7 @@ impl Default for ZeroConfig {
 }
 
 const STAGE3_ONLY: &str = "it is only used by ZeRO stage 3";
+const OFFLOAD_ONLY: &str = "it only matters with offloading, which Kiln does not implement";
 
 const ZERO: Spec = Spec {
     keys: &[
@@ -58,16 +59,62 @@ const ZERO: Spec = Spec {
         "round_robin_gradients",
     ],
     ignored: &[
-        ("stage3_prefetch_bucket_size", STAGE3_ONLY),
-        ("stage3_param_persistence_threshold", STAGE3_ONLY),
-        ("stage3_model_persistence_threshold", STAGE3_ONLY),
-        ("stage3_max_live_parameters", STAGE3_ONLY),
-        ("stage3_max_reuse_distance", STAGE3_ONLY),
-        ("stage3_gather_16bit_weights_on_model_save", STAGE3_ONLY),
-        ("stage3_gather_fp16_weights_on_model_save", STAGE3_ONLY),
-        ("stage3_use_all_reduce_for_fetch_params", STAGE3_ONLY),
-        ("stage3_module_granularity_threshold", STAGE3_ONLY),
-        ("sub_group_size", STAGE3_ONLY),
+        ("stage3_prefetch_bucket_size", Inert::Any, STAGE3_ONLY),
+        (
+            "stage3_param_persistence_threshold",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        (
+            "stage3_model_persistence_threshold",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        ("stage3_max_live_parameters", Inert::Any, STAGE3_ONLY),
+        ("stage3_max_reuse_distance", Inert::Any, STAGE3_ONLY),
+        (
+            "stage3_gather_16bit_weights_on_model_save",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        (
+            "stage3_gather_fp16_weights_on_model_save",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        (
+            "stage3_use_all_reduce_for_fetch_params",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        (
+            "stage3_module_granularity_threshold",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        // The same settings under the names DeepSpeed's schema gives them.
+        ("prefetch_bucket_size", Inert::Any, STAGE3_ONLY),
+        ("param_persistence_threshold", Inert::Any, STAGE3_ONLY),
+        ("model_persistence_threshold", Inert::Any, STAGE3_ONLY),
+        ("max_live_parameters", Inert::Any, STAGE3_ONLY),
+        ("max_reuse_distance", Inert::Any, STAGE3_ONLY),
+        (
+            "gather_16bit_weights_on_model_save",
+            Inert::Any,
+            STAGE3_ONLY,
+        ),
+        ("sub_group_size", Inert::Any, STAGE3_ONLY),
+        ("memory_efficient_linear", Inert::Any, STAGE3_ONLY),
+        ("override_module_apply", Inert::Any, STAGE3_ONLY),
+        ("pipeline_loading_checkpoint", Inert::Any, STAGE3_ONLY),
+        ("log_trace_cache_warnings", Inert::Any, STAGE3_ONLY),
+        ("cpu_offload_use_pin_memory", Inert::Any, OFFLOAD_ONLY),
+        (
+            "use_multi_rank_bucket_allreduce",
+            Inert::Any,
+            "it chooses how buckets are reduced, a communication pattern that does not \
+             change the result; Kiln has its own",
+        ),
     ],
     unsupported: &[
         (
@@ -126,6 +173,16 @@ const ZERO: Spec = Spec {
             "hierarchical partitioning (ZeRO++)",
         ),
         ("mics_shard_size", Inert::Num(-1.0), "MiCS sharding"),
+        (
+            "mics_hierarchical_params_gather",
+            Inert::Bool(false),
+            "MiCS hierarchical parameter gathering",
+        ),
+        (
+            "zeropp_loco_param",
+            Inert::Null,
+            "ZeRO++ LoCo gradient compression",
+        ),
         ("legacy_stage1", Inert::Bool(false), "legacy ZeRO stage 1"),
     ],
     hints: &[],
@@ -149,7 +206,12 @@ impl Reader {
                 "use stage 2 (shards gradients and optimizer states) or stage 1",
             );
         }
-        let size = (1, u64::MAX);
+        // Kept as a usize by the engine (elements per bucket).
+        let size = (1, usize::MAX as u64);
+        let reduce_bucket_size =
+            self.bucket_size(z, "reduce_bucket_size", size, d.reduce_bucket_size);
+        let allgather_bucket_size =
+            self.bucket_size(z, "allgather_bucket_size", size, d.allgather_bucket_size);
         ZeroConfig {
             stage,
             contiguous_gradients: self.bool_or(
@@ -159,26 +221,14 @@ impl Reader {
                 d.contiguous_gradients,
             ),
             reduce_scatter: self.bool_or(z, zp, "reduce_scatter", d.reduce_scatter),
-            reduce_bucket_size: self.uint_or(
-                z,
-                zp,
-                "reduce_bucket_size",
-                size,
-                d.reduce_bucket_size,
-            ),
+            reduce_bucket_size,
             allgather_partitions: self.bool_or(
                 z,
                 zp,
                 "allgather_partitions",
                 d.allgather_partitions,
             ),
-            allgather_bucket_size: self.uint_or(
-                z,
-                zp,
-                "allgather_bucket_size",
-                size,
-                d.allgather_bucket_size,
-            ),
+            allgather_bucket_size,
             overlap_comm: self.bool_or(z, zp, "overlap_comm", d.overlap_comm),
             round_robin_gradients: self.bool_or(
                 z,
@@ -187,5 +237,28 @@ impl Reader {
                 d.round_robin_gradients,
             ),
         }
+    }
+
+    /// A bucket size; `"auto"` (the Hugging Face Trainer's hidden_size², which needs the
+    /// model) keeps DeepSpeed's default: buckets only group gradients for communication,
+    /// so their size does not change the result.
+    fn bucket_size(
+        &mut self,
+        z: &Map<String, Value>,
+        key: &str,
+        range: (u64, u64),
+        default: u64,
+    ) -> u64 {
+        if auto_at(z, key) {
+            self.resolved_auto(
+                &format!("zero_optimization.{key}"),
+                format!(
+                    "DeepSpeed's default {default}; Hugging Face would use the model's \
+                     hidden_size², and the size only groups gradients for communication"
+                ),
+            );
+            return default;
+        }
+        self.uint_or(z, "zero_optimization", key, range, default)
     }
 }
