@@ -511,6 +511,8 @@ const RESHARDABLE: [&str; 5] = [
 /// `kiln.devices` of a config, read leniently: the full, strict reading comes after,
 /// once the device count (the world size its batch sizes depend on) is known.
 fn configured_devices(text: &str) -> Vec<String> {
+    // As config::parse does: a byte-order mark must not hide kiln.devices.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
     match &v["kiln"]["devices"] {
         Value::String(s) => s.split(',').map(|d| d.trim().to_string()).collect(),
