@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 use kiln::engine::Device;
@@ -500,10 +500,15 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     use kiln::bench_dp::{dp_table, modelled_efficiency};
     use kiln::engine::models::gpt::{Gpt, GptConfig};
     let model: GptConfig = match &a.model {
-        Some(p) => serde_json::from_str(
-            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )
-        .with_context(|| format!("{}: expected a GPT config", p.display()))?,
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            match kiln::engine::models::ModelConfig::parse(&text) {
+                Ok(kiln::engine::models::ModelConfig::Gpt2(c)) => c,
+                Ok(_) => bail!("{}: bench dp measures GPT-2 models", p.display()),
+                Err(e) => bail!("{}: {e}", p.display()),
+            }
+        }
         None => GptConfig {
             n_layer: 4,
             n_head: 4,

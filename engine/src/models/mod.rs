@@ -143,6 +143,8 @@ impl ModelConfig {
 
     /// Reads a model file's JSON.
     pub fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
+        // Editors on Windows may start a UTF-8 file with a byte-order mark.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut v: serde_json::Value =
             serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let obj = v
@@ -237,5 +239,36 @@ impl ModelConfig {
                 "tie_word_embeddings": c.tie_word_embeddings,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ModelConfig;
+
+    #[test]
+    fn model_files_name_their_architecture_and_are_read_strictly() {
+        let gpt = r#"{"n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 4, "vocab_size": 5}"#;
+        assert!(matches!(ModelConfig::parse(gpt), Ok(ModelConfig::Gpt2(_))));
+        let bom = format!("\u{feff}{gpt}");
+        assert!(matches!(ModelConfig::parse(&bom), Ok(ModelConfig::Gpt2(_))));
+        let llama = r#"{"architecture": "llama", "n_layer": 1, "n_head": 4, "n_kv_head": 2,
+            "n_embd": 16, "block_size": 4, "vocab_size": 5}"#;
+        let Ok(ModelConfig::Llama(c)) = ModelConfig::parse(llama) else {
+            panic!("not a llama");
+        };
+        assert_eq!(
+            (c.kv_heads(), c.intermediate(), c.rope_theta),
+            (2, 48, 10000.0)
+        );
+        let e = ModelConfig::parse(r#"{"architecture": "mamba"}"#).unwrap_err();
+        assert!(
+            e.contains("unknown architecture `mamba`") && e.contains("gpt2, llama"),
+            "{e}"
+        );
+        let e = ModelConfig::parse(&gpt.replace("n_head", "n_heads")).unwrap_err();
+        assert!(e.contains("n_heads") && e.contains("gpt2 model"), "{e}");
+        let e = ModelConfig::parse(&llama.replace("n_kv_head", "kv_heads")).unwrap_err();
+        assert!(e.contains("kv_heads") && e.contains("n_kv_head"), "{e}");
     }
 }
