@@ -35,7 +35,8 @@ enum Command {
     Prepare {
         /// The text file (UTF-8 for the GPT-2 tokenizer).
         input: PathBuf,
-        /// The token file to write (`.bin`).
+        /// The token file to write; its name must end in `.bin` (`kiln train` reads any
+        /// other file as text), and it must not be the input.
         output: PathBuf,
         /// `gpt2` (GPT-2's BPE, vocab 50257) or `bytes` (vocab 256).
         #[arg(long, default_value = "gpt2")]
@@ -80,8 +81,9 @@ struct TrainArgs {
     /// demos/addition.model.json (vocab_size taken from the data).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Training data: a `.bin` token file from `kiln prepare`, or any file as bytes;
-    /// default: built-in 2-digit addition problems.
+    /// Training data: a `.bin` token file from `kiln prepare`, or any other file as
+    /// bytes (refused if a token-file sidecar says it holds tokens); default: built-in
+    /// 2-digit addition problems.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Device to train on (`kiln devices` lists them); default: the config's
@@ -316,13 +318,16 @@ fn train(a: TrainArgs) -> Result<()> {
     let acc = s.final_eval_accuracy.map_or(String::new(), |a| {
         format!(", held-out exact match {:.1}%", a * 100.0)
     });
+    let eval = match (s.final_eval_loss, &s.no_held_out_data) {
+        (Some(l), _) => format!("{l:.4}"),
+        (None, Some(_)) => "- (no held-out data)".to_string(),
+        (None, None) => "-".to_string(),
+    };
     println!(
-        "{} steps ({} skipped), final loss {:.4}, eval loss {}{acc}, {:.0} tokens/s, {:.1} s",
+        "{} steps ({} skipped), final loss {:.4}, eval loss {eval}{acc}, {:.0} tokens/s, {:.1} s",
         r.steps,
         s.skipped_steps,
         s.final_loss.unwrap_or(f32::NAN),
-        s.final_eval_loss
-            .map_or("-".to_string(), |l| format!("{l:.4}")),
         s.mean_tokens_per_s.unwrap_or(f64::NAN),
         s.total_time_s
     );
@@ -330,6 +335,9 @@ fn train(a: TrainArgs) -> Result<()> {
         "run: {} (metrics.jsonl, summary.json, chart.svg, checkpoints/)",
         r.dir.display()
     );
+    for note in &s.non_finite {
+        eprintln!("warning: {note}");
+    }
     if r.interrupted {
         std::process::exit(130);
     }
@@ -343,8 +351,7 @@ fn estimate(
     seq: Option<usize>,
 ) -> Result<()> {
     use kiln::engine::DType;
-    let text = std::fs::read_to_string(model)
-        .with_context(|| format!("reading the model config {}", model.display()))?;
+    let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
     let (world, adapters) = match devices {
@@ -501,8 +508,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     use kiln::engine::models::gpt::{Gpt, GptConfig};
     let model: GptConfig = match &a.model {
         Some(p) => {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text = kiln::train::read_json_input(p, "the model config")?;
             match kiln::engine::models::ModelConfig::parse(&text) {
                 Ok(kiln::engine::models::ModelConfig::Gpt2(c)) => c,
                 Ok(_) => bail!("{}: bench dp measures GPT-2 models", p.display()),

@@ -96,10 +96,7 @@ enum Dataset {
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let started = Instant::now();
     let text = match &opts.config {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the config {}", path.display()))?,
-        ),
+        Some(path) => Some(read_json_input(path, "the config")?),
         None => None,
     };
     // The devices decide the world size the config's batch sizes are resolved for, so
@@ -129,8 +126,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let keep_checkpoints = opts.keep_checkpoints.unwrap_or(k.keep_checkpoints);
     let (mut model, model_from_file) = match &opts.model {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading the model config {}", path.display()))?;
+            let text = read_json_input(path, "the model config")?;
             let m = ModelConfig::parse(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             (m, true)
@@ -144,6 +140,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let b = ds.batch.micro_batch;
 
     // Data: the training stream, its sampler, and what evaluation runs on.
+    let mut no_held_out = None;
     let (source, train_len, dataset, data_name): (Arc<dyn TokenSource>, u64, Dataset, String) =
         match &opts.data {
             None => {
@@ -173,12 +170,40 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 }
                 data::check_source(src.as_ref(), t, model.vocab_size())?;
                 let len = src.len();
+                // Every id, once: a bad one anywhere is found now, with its position,
+                // rather than when (or if) a batch happens to sample it.
+                let scan = data::check_ids(src.as_ref(), model.vocab_size())?;
+                if opts.progress {
+                    eprintln!(
+                        "checked all {len} token ids of {} against the vocabulary of {} in \
+                         {:.1} ms",
+                        src.name(),
+                        model.vocab_size(),
+                        scan.as_secs_f64() * 1e3
+                    );
+                }
                 // Independent of the micro-batch, so a resume with another split of the
                 // global batch keeps the same training windows and held-out rows.
                 let hold = ((len as f64 * HOLDOUT_FRACTION) as u64 / (t as u64 + 1))
                     .min(EVAL_ROWS as u64) as usize;
                 let train_len = len - (hold * (t + 1)) as u64;
                 let eval = if hold == 0 {
+                    let row = t as u64 + 1;
+                    let mut need = 20 * row;
+                    while ((need as f64 * HOLDOUT_FRACTION) as u64) < row {
+                        need += 1;
+                    }
+                    let why = format!(
+                        "{} holds {len} tokens, and its last {}% is less than one row of T + 1 \
+                         = {row} tokens (that takes at least {need} tokens). Training on all of \
+                         it, without an eval loss",
+                        src.name(),
+                        HOLDOUT_FRACTION * 100.0
+                    );
+                    if opts.progress {
+                        eprintln!("no held-out data: {why}");
+                    }
+                    no_held_out = Some(why);
                     None
                 } else {
                     let mut toks = Vec::with_capacity(hold * t);
@@ -186,14 +211,6 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                     let mut row = vec![0u32; t + 1];
                     for r in 0..hold {
                         src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
-                        if let Some(&bad) = row.iter().find(|&&x| x as usize >= model.vocab_size())
-                        {
-                            bail!(
-                                "{}: token id {bad} is not below the model's vocab_size {}",
-                                src.name(),
-                                model.vocab_size()
-                            );
-                        }
                         toks.extend_from_slice(&row[..t]);
                         tgts.extend_from_slice(&row[1..]);
                     }
@@ -234,6 +251,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         }
     };
     let record = run_record(&ds, &model, &data_name, seed, &device_name);
+    check_inputs_survive(&dir, opts)?;
     prepare_run_dir(&dir, &record, opts.resume)?;
 
     let network = model.build(t);
@@ -410,7 +428,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             interrupted = true;
         }
         let last = step == total || interrupted;
-        if last || (eval_every > 0 && step.is_multiple_of(eval_every)) {
+        let evaluates = !matches!(dataset, Dataset::File { eval: None });
+        if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
             let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
             rec.eval_loss = Some(loss);
             rec.eval_accuracy = acc;
@@ -482,6 +501,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     summary.total_time_s = started.elapsed().as_secs_f64();
     summary.devices = device_names;
     summary.model_states = model_states;
+    summary.no_held_out_data = no_held_out;
     summary.write(&dir)?;
     runs::write_chart(&dir)?;
     if interrupted {
@@ -497,6 +517,23 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         interrupted,
         summary,
     })
+}
+
+/// Reads a JSON input file (`what`: "the config", say). Only a regular file: a device
+/// such as `/dev/zero` would be read until memory ran out, a directory fails cryptically.
+pub fn read_json_input(path: &Path, what: &str) -> Result<String> {
+    let context = || format!("reading {what} {}", path.display());
+    let meta = std::fs::metadata(path).with_context(context)?;
+    if meta.is_dir() {
+        bail!("{}: it is a directory, expected a JSON file", context());
+    }
+    if !meta.is_file() {
+        bail!(
+            "{}: it is not a regular file (a device, a pipe or a socket), expected a JSON file",
+            context()
+        );
+    }
+    std::fs::read_to_string(path).with_context(context)
 }
 
 /// Settings a resumed run may change: where it runs and how the global batch is split.
@@ -561,6 +598,70 @@ fn tidy_floats(v: &mut Value) {
         Value::Array(a) => a.iter_mut().for_each(tidy_floats),
         Value::Object(o) => o.values_mut().for_each(tidy_floats),
         _ => {}
+    }
+}
+
+/// Refuses a run directory whose files would overwrite an input: `--data` saved as
+/// `runs/x/metrics.jsonl`, say (truncated while it is memory-mapped), or a file under
+/// `checkpoints/`, which old checkpoints are pruned from.
+fn check_inputs_survive(dir: &Path, opts: &TrainOptions) -> Result<()> {
+    let written = [
+        runs::CONFIG_FILE,
+        runs::METRICS_FILE,
+        runs::SUMMARY_FILE,
+        runs::CHART_FILE,
+    ]
+    .map(|f| dir.join(f));
+    let checkpoints = dir.join(checkpoint::CHECKPOINTS_DIR).canonicalize().ok();
+    let inputs = [
+        ("--data", &opts.data),
+        ("--config", &opts.config),
+        ("--model", &opts.model),
+    ];
+    for (flag, path) in inputs {
+        let Some(path) = path else { continue };
+        let Ok(meta) = std::fs::metadata(path) else {
+            continue;
+        };
+        let clash = written
+            .iter()
+            .find(|w| same_file(&meta, w))
+            .map(|w| format!("it is the run's own {}, which training writes", w.display()))
+            .or_else(|| {
+                let inside = path
+                    .canonicalize()
+                    .ok()
+                    .zip(checkpoints.as_ref())
+                    .is_some_and(|(p, c)| p.starts_with(c));
+                inside.then(|| "it lies in the run's checkpoints, which are pruned".to_string())
+            });
+        if let Some(why) = clash {
+            bail!(
+                "{flag} {}: {why}. The run directory {} holds the run's config, metrics, \
+                 summary, chart and checkpoints: move the input out of it, or pick another --out",
+                path.display(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether `other` is the file `meta` describes (same device and inode on Unix, so hard
+/// links and other spellings of the path count).
+fn same_file(meta: &std::fs::Metadata, other: &Path) -> bool {
+    let Ok(m) = std::fs::metadata(other) else {
+        return false;
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        m.dev() == meta.dev() && m.ino() == meta.ino()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (meta, m);
+        false
     }
 }
 
@@ -663,7 +764,8 @@ fn evaluate(
     let (tokens, targets) = match dataset {
         Dataset::Addition { eval } => (&eval.tokens, &eval.targets),
         Dataset::File { eval: Some((a, b)) } => (a, b),
-        Dataset::File { eval: None } => return Ok((f32::NAN, None)),
+        // The training loop does not evaluate then; an error, should it ever ask.
+        Dataset::File { eval: None } => bail!("no held-out data to evaluate on"),
     };
     // The model runs whole micro-batches (its shapes are fixed at build time): a last,
     // partial one is padded with copies of its first row that are not scored

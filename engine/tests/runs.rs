@@ -131,8 +131,12 @@ fn summary_of_records() {
     assert_eq!(s.steps, 10);
     assert_eq!(s.last_step, Some(10));
     assert_eq!(s.skipped_steps, 1);
-    // Step 10's loss is NaN: the final loss is step 9's.
-    assert_eq!(s.final_loss, Some(4.0 - 9.0 * 0.1));
+    // Step 10's loss is NaN: the final loss says so, and names the last finite one.
+    assert!(s.final_loss.unwrap().is_nan());
+    assert_eq!(
+        s.non_finite,
+        ["the final loss (step 10) is NaN; the last finite loss was 3.1000 at step 9"]
+    );
     assert_eq!(s.best_loss, Some(4.0 - 9.0 * 0.1));
     assert_eq!(s.best_loss_step, Some(9));
     assert_eq!(s.final_eval_loss, Some(3.6));
@@ -152,7 +156,11 @@ fn summary_of_records() {
     s.devices = vec!["llvmpipe (vulkan)".to_string()];
     s.total_time_s = 1.5;
     s.write(&run).unwrap();
-    assert_eq!(Summary::read(&run).unwrap(), s);
+    // NaN != NaN: compared through Debug, where it reads "NaN".
+    assert_eq!(
+        format!("{:?}", Summary::read(&run).unwrap()),
+        format!("{s:?}")
+    );
 
     // No records, or too few to leave warm-up out.
     let empty = Summary::from_records(&[], 5);
@@ -162,6 +170,58 @@ fn summary_of_records() {
     let short = Summary::from_records(&records[..2], 5);
     assert_eq!(short.warmup_steps_excluded, 0);
     assert_eq!(short.mean_tokens_per_s, Some(1.0));
+}
+
+#[test]
+fn summary_reports_a_nan_eval_loss_as_it_was() {
+    let run = common::scratch("runs-nan-eval");
+    let mut w = MetricsWriter::create(&run).unwrap();
+    let mut records: Vec<StepRecord> = (1..=10).map(|s| record(s, 3.0)).collect();
+    records[3].eval_loss = Some(2.5);
+    records[3].eval_accuracy = Some(0.25);
+    records[6].eval_loss = Some(f32::NAN);
+    records[6].eval_accuracy = Some(0.5);
+    for r in &records {
+        w.append(r).unwrap();
+    }
+    drop(w);
+    // Through metrics.jsonl, as `kiln train` summarizes: the NaN is written as null and
+    // must not read back as "no evaluation at this step".
+    let back = read_metrics(&run).unwrap();
+    assert!(back[6].eval_loss.unwrap().is_nan(), "{:?}", back[6]);
+    assert_eq!(back[5].eval_loss, None);
+    let s = Summary::from_records(&back, 2);
+    assert!(s.final_eval_loss.unwrap().is_nan());
+    assert_eq!(s.best_eval_loss, Some(2.5));
+    assert_eq!(s.final_eval_accuracy, Some(0.5));
+    assert_eq!(
+        s.non_finite,
+        ["the final eval loss (step 7) is NaN; the last finite eval loss was 2.5000 at step 4"]
+    );
+    s.write(&run).unwrap();
+    let text = std::fs::read_to_string(run.join("summary.json")).unwrap();
+    assert!(text.contains(r#""final_eval_loss": "NaN""#), "{text}");
+    let read = Summary::read(&run).unwrap();
+    assert!(read.final_eval_loss.unwrap().is_nan());
+    assert_eq!(read.non_finite, s.non_finite);
+
+    // An infinite loss and no finite eval at all.
+    let mut inf = records.clone();
+    inf[9].loss = f32::NEG_INFINITY;
+    inf[3].eval_loss = None;
+    let s = Summary::from_records(&inf, 2);
+    assert_eq!(s.final_loss, Some(f32::NEG_INFINITY));
+    assert_eq!(s.non_finite.len(), 2, "{:?}", s.non_finite);
+    assert!(s.non_finite[0].contains("is -inf; the last finite loss was 3.0000 at step 9"));
+    assert!(s.non_finite[1].contains("is NaN; no eval loss was finite"));
+    s.write(&run).unwrap();
+    assert!(std::fs::read_to_string(run.join("summary.json"))
+        .unwrap()
+        .contains(r#""final_loss": "-inf""#));
+    assert_eq!(
+        Summary::read(&run).unwrap().final_loss,
+        Some(f32::NEG_INFINITY)
+    );
 }
 
 /// A small well-formedness check: every tag closes in order and every `&` starts an

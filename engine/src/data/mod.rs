@@ -17,8 +17,9 @@
 //! - [`prepare`](prepare::prepare): text file to `.bin` token file (GPT-2 BPE or bytes).
 //! - [`clusters()`]: a synthetic classification task for small examples.
 //!
-//! Token ids are checked against the model's vocabulary lazily, once per batch, when the
-//! batch is built (on a loader worker): see [`Sampler::read_rows`].
+//! Token ids are checked against the model's vocabulary once over the whole source when
+//! training opens it ([`check_ids`]: the first bad id is named with its position, before
+//! any step runs), and again per batch as the batch is built ([`Sampler::read_rows`]).
 
 pub mod addition;
 pub mod clusters;
@@ -47,12 +48,13 @@ pub type Result<T, E = DataError> = std::result::Result<T, E>;
 /// Errors of the data pipeline. Each names the file (or source) and says how to fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("{path}: {action} failed: {source}")]
+    // The I/O error is part of the message and deliberately not a `source`: a caller
+    // printing the chain (anyhow's `{:#}`) would print it twice.
+    #[error("{path}: {action} failed: {err}")]
     Io {
         path: PathBuf,
         action: &'static str,
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
 
     #[error("{path}: no such file. Check the path{hint}")]
@@ -100,7 +102,7 @@ impl DataError {
             DataError::Io {
                 path: path.to_path_buf(),
                 action,
-                source,
+                err: source,
             }
         }
     }
@@ -139,11 +141,28 @@ pub trait TokenSource: Send + Sync {
 
     /// Human-readable name for messages (usually the path).
     fn name(&self) -> String;
+
+    /// The first token whose id is `limit` or more, as (position, id), or `None`: a scan
+    /// of the whole stream.
+    fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {
+        const BLOCK: u64 = 1 << 16;
+        let mut buf = vec![0u32; BLOCK as usize];
+        let mut start = 0;
+        while start < self.len() {
+            let n = (self.len() - start).min(BLOCK) as usize;
+            self.read(start, &mut buf[..n])?;
+            if let Some(k) = buf[..n].iter().position(|&id| id >= limit) {
+                return Ok(Some((start + k as u64, buf[k])));
+            }
+            start += n as u64;
+        }
+        Ok(None)
+    }
 }
 
 /// Checks up front what can be checked without reading the data: the source holds at
 /// least one row of `t + 1` tokens and its tokenizer's vocabulary (when known) fits the
-/// model's `model_vocab`. Individual ids are checked per batch by [`Sampler::read_rows`].
+/// model's `model_vocab`. [`check_ids`] then reads every id.
 pub fn check_source(source: &dyn TokenSource, t: usize, model_vocab: usize) -> Result<()> {
     if t == 0 {
         return Err(DataError::InvalidArgument(
@@ -171,17 +190,108 @@ pub fn check_source(source: &dyn TokenSource, t: usize, model_vocab: usize) -> R
     Ok(())
 }
 
-/// Opens a file as a token source by its extension: `.bin` is a [`TokenFile`] (u16
-/// tokens), anything else a [`ByteTextSource`] (one token per byte).
-pub fn open_path(path: &Path) -> Result<Box<dyn TokenSource>> {
-    if path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("bin"))
-    {
-        Ok(Box::new(TokenFile::open(path)?))
-    } else {
-        Ok(Box::new(ByteTextSource::open(path)?))
+/// Reads every id of `source` once and errors at the first one that is not below its
+/// vocabulary: the vocabulary its sidecar declares (the file is then damaged, or the
+/// sidecar is another file's), else the model's `model_vocab`. Call it after
+/// [`check_source`] (which ensures the declared vocabulary fits the model). Returns the
+/// time the scan took, for the log.
+pub fn check_ids(source: &dyn TokenSource, model_vocab: usize) -> Result<std::time::Duration> {
+    let started = std::time::Instant::now();
+    let declared = source.vocab_hint();
+    let limit = declared.map_or(model_vocab, |d| d.min(model_vocab));
+    let limit = u32::try_from(limit).unwrap_or(u32::MAX);
+    match source.find_id_at_least(limit)? {
+        None => Ok(started.elapsed()),
+        Some((position, id)) => match declared {
+            Some(d) if id as usize >= d => Err(DataError::InvalidArgument(format!(
+                "{}: token id {id} at token {position} is not below the vocabulary of {d} ids \
+                 that its .json sidecar declares: the file is damaged, or the sidecar belongs \
+                 to another file. Prepare the data again with `kiln prepare`",
+                source.name()
+            ))),
+            _ => Err(DataError::TokenOutOfRange {
+                source_name: source.name(),
+                position,
+                id,
+                vocab: model_vocab,
+            }),
+        },
     }
+}
+
+/// Whether `path` names a `.bin` token file, by its extension.
+fn has_bin_extension(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("bin"))
+}
+
+/// Opens a file as a token source. A `.bin` is a [`TokenFile`] (u16 tokens, with its
+/// sidecar when there is one); any other file is a [`ByteTextSource`] (one token per
+/// byte), unless a token-file sidecar (`<file>.json`) lies next to it: then it is a
+/// token file with the wrong name, and reading its bytes as text would train on
+/// garbage, so it is refused. A sidecar itself is refused too (it names its token file).
+pub fn open_path(path: &Path) -> Result<Box<dyn TokenSource>> {
+    if has_bin_extension(path) {
+        return Ok(Box::new(TokenFile::open(path)?));
+    }
+    let name = path.as_os_str().to_string_lossy();
+    if let Some(bin) = name.strip_suffix(".json") {
+        let bin = Path::new(bin);
+        if has_bin_extension(bin) && bin.is_file() {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "this is the sidecar of the token file {}, not training data: pass \
+                     --data {}",
+                    bin.display(),
+                    bin.display()
+                ),
+            ));
+        }
+    }
+    let source = ByteTextSource::open(path)?;
+    // Only JSON that reads as a sidecar counts: an unrelated `notes.txt.json` next to a
+    // text file is left alone.
+    if let Ok(Some(side)) = Sidecar::read_for(path) {
+        let bin = path.with_extension("bin");
+        return Err(DataError::format(
+            path,
+            format!(
+                "{} next to it is a token-file sidecar ({} tokenizer, vocabulary {}, {} \
+                 tokens), so this is a token file written by `kiln prepare`, but only a .bin \
+                 file is read as tokens: any other file is read as text, one token per byte. \
+                 Rename both (to {} and {}), or, to train on the file's bytes, delete the \
+                 sidecar",
+                Sidecar::path_for(path).display(),
+                side.tokenizer,
+                side.vocab_size,
+                side.tokens,
+                bin.display(),
+                Sidecar::path_for(&bin).display()
+            ),
+        ));
+    }
+    Ok(Box::new(source))
+}
+
+/// An error for a path that exists but is not a regular file (a directory, a device such
+/// as `/dev/zero`, a pipe, a socket), saying what was `expected` there instead; `None`
+/// for a regular file. Reading a device or pipe would never end, and mapping a directory
+/// fails with a cryptic "No such device".
+pub(crate) fn not_a_regular_file(
+    path: &Path,
+    meta: &std::fs::Metadata,
+    expected: &str,
+) -> Option<DataError> {
+    if meta.is_file() {
+        return None;
+    }
+    let what = if meta.is_dir() {
+        "is a directory"
+    } else {
+        "is not a regular file (a device, a pipe or a socket, which may never end)"
+    };
+    Some(DataError::format(path, format!("{what}: {expected}")))
 }
 
 /// Checks that `start .. start + n` lies in a stream of `len` tokens.
@@ -258,6 +368,106 @@ mod tests {
         let e = check_source(&s, 3, 256).unwrap_err().to_string();
         assert!(e.contains("vocab_size is 256") && e.contains("300"), "{e}");
         assert!(check_source(&s, 0, 300).is_err());
+    }
+
+    fn write_u16(path: &Path, ids: &[u16]) {
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn check_ids_names_the_first_bad_id_wherever_it_is() {
+        let dir = test_util::TempDir::new();
+        let p = dir.path("t.bin");
+        // Far from the tail that training holds out, in no particular batch.
+        let mut ids = vec![3u16; 100_000];
+        ids[70_001] = 500;
+        ids[90_000] = 999;
+        write_u16(&p, &ids);
+        let f = TokenFile::open(&p).unwrap();
+        let e = check_ids(&f, 100).unwrap_err().to_string();
+        assert!(
+            e.contains("t.bin") && e.contains("token id 500 at token 70001") && e.contains("100"),
+            "{e}"
+        );
+        assert!(check_ids(&f, 1000).is_ok());
+        // Through the generic (block by block) scan as well.
+        let m = MemorySource::new("mem", ids.iter().map(|&i| i as u32).collect(), None);
+        let e = check_ids(&m, 100).unwrap_err().to_string();
+        assert!(e.contains("token id 500 at token 70001"), "{e}");
+
+        // An id beyond what the sidecar declares: the file contradicts its sidecar.
+        std::fs::write(
+            Sidecar::path_for(&p),
+            r#"{"tokenizer":"bytes","vocab_size":256,"tokens":100000}"#,
+        )
+        .unwrap();
+        let f = TokenFile::open(&p).unwrap();
+        let e = check_ids(&f, 50_000).unwrap_err().to_string();
+        assert!(
+            e.contains("token id 500 at token 70001") && e.contains("sidecar declares"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_sidecar_not_the_extension_says_a_file_holds_tokens() {
+        let dir = test_util::TempDir::new();
+        let bin = dir.path("data.bin");
+        prepare::write_token_file(&bin, &[1, 2, 3, 4], "bytes", 256).unwrap();
+        assert_eq!(open_path(&bin).unwrap().vocab_hint(), Some(256));
+        // The same token file under a text name: refused, not read as bytes.
+        let txt = dir.path("data.txt");
+        std::fs::copy(&bin, &txt).unwrap();
+        std::fs::copy(Sidecar::path_for(&bin), Sidecar::path_for(&txt)).unwrap();
+        let e = open_path(&txt).err().unwrap().to_string();
+        assert!(
+            e.contains("data.txt.json")
+                && e.contains("token-file sidecar")
+                && e.contains("data.bin")
+                && e.contains("delete the sidecar"),
+            "{e}"
+        );
+        // JSON that is not a sidecar does not make a text file a token file.
+        std::fs::write(Sidecar::path_for(&txt), r#"{"author": "me"}"#).unwrap();
+        assert_eq!(open_path(&txt).unwrap().vocab_hint(), Some(256));
+        assert_eq!(open_path(&txt).unwrap().len(), 8);
+        // The sidecar itself is not data.
+        let e = open_path(&Sidecar::path_for(&bin))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("sidecar of the token file") && e.contains("--data"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_directory_or_device_as_data_is_named_once_with_what_is_expected() {
+        let dir = test_util::TempDir::new();
+        for p in [dir.0.clone(), dir.path("sub.bin")] {
+            std::fs::create_dir_all(&p).unwrap();
+            let e = open_path(&p).err().unwrap().to_string();
+            assert!(
+                e.contains(&*p.to_string_lossy())
+                    && e.contains("is a directory")
+                    && e.contains("kiln prepare"),
+                "{e}"
+            );
+        }
+        #[cfg(unix)]
+        {
+            let e = open_path(Path::new("/dev/null")).err().unwrap().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+        }
+        // An I/O error's text appears once, not again as its source.
+        let e = DataError::io(
+            Path::new("x"),
+            "read",
+            std::io::Error::from_raw_os_error(19),
+        );
+        assert!(std::error::Error::source(&e).is_none());
     }
 
     #[test]

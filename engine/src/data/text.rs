@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use super::{check_range, DataError, Result, TokenSource};
+use super::{check_range, not_a_regular_file, DataError, Result, TokenSource};
 
 /// A file whose bytes are the tokens (ids 0..=255), memory-mapped.
 pub struct ByteTextSource {
@@ -36,10 +36,18 @@ impl ByteTextSource {
 /// callers say what they need).
 pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
     let file = std::fs::File::open(path).map_err(|e| DataError::io(path, "open", e))?;
-    let len = file
+    let meta = file
         .metadata()
-        .map_err(|e| DataError::io(path, "stat", e))?
-        .len();
+        .map_err(|e| DataError::io(path, "stat", e))?;
+    if let Some(e) = not_a_regular_file(
+        path,
+        &meta,
+        "training data must be a file: a .bin token file made by `kiln prepare`, or a text \
+         file (read as bytes)",
+    ) {
+        return Err(e);
+    }
+    let len = meta.len();
     if len == 0 {
         // Mapping zero bytes fails on some platforms; an empty anonymous map stands in.
         return memmap2::MmapOptions::new()
@@ -78,6 +86,18 @@ impl TokenSource for ByteTextSource {
         Some(256)
     }
 
+    fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {
+        // Every byte is below 256: nothing to read for any vocabulary that holds them.
+        if limit >= 256 {
+            return Ok(None);
+        }
+        Ok(self
+            .map
+            .iter()
+            .position(|&b| b as u32 >= limit)
+            .map(|k| (k as u64, self.map[k] as u32)))
+    }
+
     fn name(&self) -> String {
         self.path.display().to_string()
     }
@@ -100,6 +120,8 @@ mod tests {
         s.read(0, &mut out).unwrap();
         assert_eq!(out, [b'h' as u32, 0xC3, 0xA9, b'\n' as u32]);
         assert!(s.read(1, &mut out).is_err());
+        assert_eq!(s.find_id_at_least(256).unwrap(), None);
+        assert_eq!(s.find_id_at_least(0xC0).unwrap(), Some((1, 0xC3)));
     }
 
     #[test]

@@ -109,10 +109,8 @@ impl TokenFile {
         self.sidecar.as_ref()
     }
 
-    /// The largest id in the file: a full scan (it reads the whole file), for tools that
-    /// want a one-time check. Training does not call it (see [`Sampler::read_rows`]).
-    ///
-    /// [`Sampler::read_rows`]: super::Sampler::read_rows
+    /// The largest id in the file: a full scan (it reads the whole file). Training checks
+    /// ids with [`check_ids`](super::check_ids) instead, which names the first bad one.
     pub fn max_token(&self) -> u32 {
         self.map
             .chunks_exact(2)
@@ -139,6 +137,16 @@ impl TokenSource for TokenFile {
 
     fn vocab_hint(&self) -> Option<usize> {
         self.sidecar.as_ref().map(|s| s.vocab_size)
+    }
+
+    fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {
+        // Straight off the map, without widening blocks through `read`.
+        let id = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]) as u32;
+        Ok(self
+            .map
+            .chunks_exact(2)
+            .position(|c| id(c) >= limit)
+            .map(|k| (k as u64, id(&self.map[2 * k..2 * k + 2]))))
     }
 
     fn name(&self) -> String {

@@ -98,8 +98,8 @@ where
 }
 
 /// One optimizer step, one line of `metrics.jsonl`. Non-finite values (an overflowed
-/// loss) are written as `null` and read back as NaN; a non-finite eval value reads
-/// back as `None`.
+/// loss) are written as `null` and read back as NaN; so are the eval values, which are
+/// absent at steps without an evaluation (`None`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     pub step: u64,
@@ -127,10 +127,65 @@ pub struct StepRecord {
     pub comm_overlap: f64,
     #[serde(default)]
     pub comm_bytes: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "some_nan_if_null"
+    )]
     pub eval_loss: Option<f32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "some_nan_if_null"
+    )]
     pub eval_accuracy: Option<f32>,
+}
+
+/// For an optional value that is absent when there is none (`#[serde(default)]`): a
+/// `null` there is a non-finite value, NaN, not "none".
+fn some_nan_if_null<'de, D>(d: D) -> std::result::Result<Option<f32>, D::Error>
+where
+    D: Deserializer<'de>,
+{
+    Ok(Some(Option::<f32>::deserialize(d)?.unwrap_or(f32::NAN)))
+}
+
+/// A summary's value as it was, NaN and infinities included: a number when finite, else
+/// the string `"NaN"`, `"inf"` or `"-inf"` (JSON has no such numbers, and `null` reads
+/// back as "no value").
+mod as_it_was {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<f32>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            None => s.serialize_none(),
+            Some(x) if x.is_finite() => s.serialize_f32(*x),
+            Some(x) if x.is_nan() => s.serialize_str("NaN"),
+            Some(x) if *x > 0.0 => s.serialize_str("inf"),
+            Some(_) => s.serialize_str("-inf"),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f32>, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Either {
+            Number(f32),
+            Word(String),
+        }
+        match Option::<Either>::deserialize(d)? {
+            None => Ok(None),
+            Some(Either::Number(x)) => Ok(Some(x)),
+            Some(Either::Word(w)) => match w.as_str() {
+                "NaN" => Ok(Some(f32::NAN)),
+                "inf" => Ok(Some(f32::INFINITY)),
+                "-inf" => Ok(Some(f32::NEG_INFINITY)),
+                _ => Err(serde::de::Error::custom(format!(
+                    "`{w}` is not a number, \"NaN\", \"inf\" or \"-inf\""
+                ))),
+            },
+        }
+    }
 }
 
 fn require_run(dir: &Path) -> Result<()> {
@@ -336,14 +391,27 @@ pub struct Summary {
     pub steps: usize,
     pub last_step: Option<u64>,
     pub skipped_steps: usize,
-    /// The loss of the last step with a finite loss.
+    /// The last step's loss, as it was: NaN or infinite too (see `non_finite`).
+    #[serde(default, with = "as_it_was")]
     pub final_loss: Option<f32>,
+    /// The best finite values.
     pub best_loss: Option<f32>,
     pub best_loss_step: Option<u64>,
+    /// The last evaluation's values, as they were.
+    #[serde(default, with = "as_it_was")]
     pub final_eval_loss: Option<f32>,
     pub best_eval_loss: Option<f32>,
+    #[serde(default, with = "as_it_was")]
     pub final_eval_accuracy: Option<f32>,
     pub best_eval_accuracy: Option<f32>,
+    /// One line per final value above that is not finite, with the last finite one: a
+    /// run that ended diverged says so rather than showing an older, better number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub non_finite: Vec<String>,
+    /// Why the run has no evaluation (too little data to hold any out); filled in by the
+    /// caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_held_out_data: Option<String>,
     /// Tokens over time across the steps after the first `warmup_steps_excluded`
     /// (all steps when there are no more than that).
     pub mean_tokens_per_s: Option<f64>,
@@ -388,23 +456,63 @@ impl Summary {
             skipped_steps: records.iter().filter(|r| r.skipped).count(),
             ..Summary::default()
         };
+        // The last finite value of each series and its step, for the non-finite notes.
+        let (mut finite_loss, mut finite_eval, mut finite_acc) = (None, None, None);
         for r in records {
+            s.final_loss = Some(r.loss);
             if let Some(l) = finite(r.loss) {
-                s.final_loss = Some(l);
+                finite_loss = Some((l, r.step));
                 if s.best_loss.is_none_or(|b| l < b) {
                     s.best_loss = Some(l);
                     s.best_loss_step = Some(r.step);
                 }
             }
-            if let Some(l) = r.eval_loss.and_then(finite) {
+            if let Some(l) = r.eval_loss {
                 s.final_eval_loss = Some(l);
-                s.best_eval_loss = Some(s.best_eval_loss.map_or(l, |b| b.min(l)));
+                if let Some(l) = finite(l) {
+                    finite_eval = Some((l, r.step));
+                    s.best_eval_loss = Some(s.best_eval_loss.map_or(l, |b| b.min(l)));
+                }
             }
-            if let Some(a) = r.eval_accuracy.and_then(finite) {
+            if let Some(a) = r.eval_accuracy {
                 s.final_eval_accuracy = Some(a);
-                s.best_eval_accuracy = Some(s.best_eval_accuracy.map_or(a, |b| b.max(a)));
+                if let Some(a) = finite(a) {
+                    finite_acc = Some((a, r.step));
+                    s.best_eval_accuracy = Some(s.best_eval_accuracy.map_or(a, |b| b.max(a)));
+                }
             }
             s.peak_device_memory_bytes = s.peak_device_memory_bytes.max(r.device_memory_bytes);
+        }
+        let last = |has: fn(&StepRecord) -> bool| records.iter().rev().find(|r| has(r));
+        let series = [
+            ("loss", s.final_loss, last(|_| true), finite_loss),
+            (
+                "eval loss",
+                s.final_eval_loss,
+                last(|r| r.eval_loss.is_some()),
+                finite_eval,
+            ),
+            (
+                "eval accuracy",
+                s.final_eval_accuracy,
+                last(|r| r.eval_accuracy.is_some()),
+                finite_acc,
+            ),
+        ];
+        for (what, value, at, before) in series {
+            let (Some(v), Some(at)) = (value, at) else {
+                continue;
+            };
+            if v.is_finite() {
+                continue;
+            }
+            let before = before.map_or(format!("no {what} was finite"), |(x, step)| {
+                format!("the last finite {what} was {x:.4} at step {step}")
+            });
+            s.non_finite.push(format!(
+                "the final {what} (step {}) is {v}; {before}",
+                at.step
+            ));
         }
         s.warmup_steps_excluded = if records.len() > warmup_steps {
             warmup_steps
@@ -708,6 +816,7 @@ fn outcome(dir: &Path) -> Result<(Summary, bool)> {
             let mut s = Summary::from_records(&records, DEFAULT_WARMUP_STEPS);
             if let Some(old) = saved {
                 s.devices = old.devices;
+                s.no_held_out_data = old.no_held_out_data;
             }
             Ok((s, false))
         }
