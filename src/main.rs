@@ -9,26 +9,37 @@ use clap::{Parser, Subcommand};
 
 use kiln::engine::Device;
 
-// println!, print! and eprintln! without their panic on a failed write: a reader that
-// went away (`kiln runs | head -1`, `kiln bench matmul 2>&1 | head`) must not turn a
-// command into a panic (exit 101); what is lost is only output nobody reads.
+// println! and print! for a command's output: a reader that went away (`kiln runs |
+// head -1`) only means nobody wants the rest, not a panic (exit 101); any other failed
+// write (a full disk behind `> file`) is the command's error.
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+        written(writeln!(std::io::stdout().lock(), $($arg)*))?
     }};
 }
 macro_rules! out {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = write!(std::io::stdout().lock(), $($arg)*);
+        written(write!(std::io::stdout().lock(), $($arg)*))?
     }};
 }
+// eprintln! for progress and diagnostics, which must never panic or stop the work.
 macro_rules! errln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
         let _ = writeln!(std::io::stderr().lock(), $($arg)*);
     }};
+}
+
+/// The result of writing a command's output; see `outln!`.
+fn written(r: std::io::Result<()>) -> Result<()> {
+    match r {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("writing the output"))
+        }
+        _ => Ok(()),
+    }
 }
 
 #[derive(Parser)]
@@ -348,7 +359,9 @@ fn train(a: TrainArgs) -> Result<()> {
     let acc = s.final_eval_accuracy.map_or(String::new(), |a| {
         format!(", held-out exact match {:.1}%", a * 100.0)
     });
-    outln!(
+    // The run's results are in its directory: a stdout that cannot take this summary
+    // must not turn a finished run into a failure.
+    kiln::train::say_out(format_args!(
         "{} steps ({} skipped), final loss {:.4}, eval loss {}{acc}, {:.0} tokens/s, {:.1} s",
         r.steps,
         s.skipped_steps,
@@ -357,11 +370,11 @@ fn train(a: TrainArgs) -> Result<()> {
             .map_or("-".to_string(), |l| format!("{l:.4}")),
         s.mean_tokens_per_s.unwrap_or(f64::NAN),
         s.total_time_s
-    );
-    outln!(
+    ));
+    kiln::train::say_out(format_args!(
         "run: {} (metrics.jsonl, summary.json, chart.svg, checkpoints/)",
         r.dir.display()
-    );
+    ));
     if r.interrupted {
         std::process::exit(130);
     }

@@ -549,7 +549,7 @@ fn a_diverging_fp32_run_stops_naming_the_step_the_checkpoint_and_what_to_try() {
 }
 
 #[test]
-fn other_commands_do_not_panic_when_their_reader_has_gone() {
+fn other_commands_neither_panic_on_a_closed_reader_nor_hide_a_full_disk() {
     let dir = scratch("reader");
     let (config, _) = files(&dir, "");
     for args in [
@@ -572,6 +572,15 @@ fn other_commands_do_not_panic_when_their_reader_has_gone() {
             "kiln {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        // Output that cannot be stored (a full disk) is an error, not a panic.
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "kiln {args:?}: {err}");
+        assert!(err.contains("writing the output"), "kiln {args:?}: {err}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }
