@@ -574,7 +574,14 @@ pub fn align(table: &[Vec<String>]) -> String {
 pub fn write_json<T: Serialize>(rows: &[T], path: &str) -> Result<()> {
     let text = serde_json::to_string_pretty(rows)?;
     if path == "-" {
-        println!("{text}");
+        // A reader that went away (`| head`) wants no more; any other failure is an error.
+        use std::io::Write as _;
+        match writeln!(std::io::stdout().lock(), "{text}") {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                return Err(anyhow::Error::new(e).context("writing the JSON to stdout"));
+            }
+            _ => {}
+        }
     } else {
         std::fs::write(path, text).with_context(|| format!("writing {path}"))?;
     }

@@ -9,6 +9,39 @@ use clap::{Parser, Subcommand};
 
 use kiln::engine::Device;
 
+// println! and print! for a command's output: a reader that went away (`kiln runs |
+// head -1`) only means nobody wants the rest, not a panic (exit 101); any other failed
+// write (a full disk behind `> file`) is the command's error.
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        written(writeln!(std::io::stdout().lock(), $($arg)*))?
+    }};
+}
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        written(write!(std::io::stdout().lock(), $($arg)*))?
+    }};
+}
+// eprintln! for progress and diagnostics, which must never panic or stop the work.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
+/// The result of writing a command's output; see `outln!`.
+fn written(r: std::io::Result<()>) -> Result<()> {
+    match r {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("writing the output"))
+        }
+        _ => Ok(()),
+    }
+}
+
 #[derive(Parser)]
 #[command(name = "kiln", version, about = "Mixed-precision training on any GPU")]
 struct Cli {
@@ -93,23 +126,27 @@ struct TrainArgs {
     /// Run directory; default: runs/<UTC date and time>.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Total optimizer steps; default: kiln.steps, else the scheduler's
-    /// total_num_steps, else 1000.
+    /// Total optimizer steps, at least 1; default: a resumed run's own, else kiln.steps,
+    /// else the scheduler's total_num_steps, else 1000.
     #[arg(long)]
     steps: Option<u64>,
-    /// Evaluate on held-out data every N steps, 0: only at the end [default: kiln.eval_every, else 50].
+    /// Evaluate on held-out data every N steps, 0: only at the end [default: a resumed
+    /// run's own, else kiln.eval_every, else 50].
     #[arg(long)]
     eval_every: Option<u64>,
-    /// Checkpoint every N steps, 0: only at the end [default: kiln.checkpoint_every, else 200].
+    /// Checkpoint every N steps, 0: only at the end [default: a resumed run's own, else
+    /// kiln.checkpoint_every, else 200].
     #[arg(long)]
     checkpoint_every: Option<u64>,
-    /// Checkpoints to keep, 0: all [default: kiln.keep_checkpoints, else 3].
+    /// Checkpoints to keep, 0: all [default: a resumed run's own, else
+    /// kiln.keep_checkpoints, else 3].
     #[arg(long)]
     keep_checkpoints: Option<usize>,
     /// Continue the run in --out from its latest checkpoint.
     #[arg(long)]
     resume: bool,
-    /// Seed of the weights and the data order [default: kiln.seed, else 1].
+    /// Seed of the weights and the data order [default: a resumed run's own, else
+    /// kiln.seed, else 1].
     #[arg(long)]
     seed: Option<u64>,
 }
@@ -242,7 +279,7 @@ fn main() {
     kiln::devices::quiet_device_select();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
+        errln!("error: {e:#}");
         std::process::exit(1);
     }
 }
@@ -259,7 +296,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let tok: kiln::engine::data::Tokenizer = tokenizer.parse()?;
             let n = kiln::engine::data::prepare(&input, &output, tok)?;
-            println!(
+            outln!(
                 "{}: {n} tokens ({}, vocab {}) from {}",
                 output.display(),
                 tok.name(),
@@ -290,14 +327,20 @@ fn run(cli: Cli) -> Result<()> {
 fn train(a: TrainArgs) -> Result<()> {
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
+    // Ctrl-C, SIGTERM (a scheduler or `kill`) and SIGHUP (the terminal went away) all
+    // stop the run the same way: after the step in flight, with a checkpoint and a
+    // summary, so no work is lost.
     ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
-            // A second Ctrl-C: the user does not want to wait for the checkpoint.
+            // A second signal: the user does not want to wait for the checkpoint.
             std::process::exit(130);
         }
-        eprintln!("\nstopping after this step and writing a checkpoint (Ctrl-C again to quit now)");
+        errln!(
+            "\ninterrupted (Ctrl-C, SIGTERM or SIGHUP): stopping after this step and writing a \
+             checkpoint; interrupt again to quit at once"
+        );
     })
-    .context("installing the Ctrl-C handler")?;
+    .context("installing the Ctrl-C/SIGTERM/SIGHUP handler")?;
     let opts = kiln::train::TrainOptions {
         config: a.config,
         model: a.model,
@@ -323,20 +366,22 @@ fn train(a: TrainArgs) -> Result<()> {
         (None, Some(_)) => "- (no held-out data)".to_string(),
         (None, None) => "-".to_string(),
     };
-    println!(
+    // The run's results are in its directory: a stdout that cannot take this summary
+    // must not turn a finished run into a failure.
+    kiln::train::say_out(format_args!(
         "{} steps ({} skipped), final loss {:.4}, eval loss {eval}{acc}, {:.0} tokens/s, {:.1} s",
         r.steps,
         s.skipped_steps,
         s.final_loss.unwrap_or(f32::NAN),
         s.mean_tokens_per_s.unwrap_or(f64::NAN),
         s.total_time_s
-    );
-    println!(
+    ));
+    kiln::train::say_out(format_args!(
         "run: {} (metrics.jsonl, summary.json, chart.svg, checkpoints/)",
         r.dir.display()
-    );
+    ));
     for note in &s.non_finite {
-        eprintln!("warning: {note}");
+        kiln::train::say(format_args!("warning: {note}"));
     }
     if r.interrupted {
         std::process::exit(130);
@@ -384,7 +429,7 @@ fn estimate(
         None => (1, DType::F16),
     };
     let model = m.build(seq.unwrap_or(m.block_size()));
-    print!(
+    out!(
         "{}",
         kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?
     );
@@ -396,9 +441,9 @@ fn config(what: ConfigWhat) -> Result<()> {
         ConfigWhat::Check { file, world } => {
             let c = kiln::engine::config::load(&file, world)?;
             for w in &c.warnings {
-                println!("warning: {w}");
+                outln!("warning: {w}");
             }
-            println!(
+            outln!(
                 "{}: ok (train_batch_size {} = micro-batch {} × accumulation {} × world {})",
                 file.display(),
                 c.batch.train_batch_size,
@@ -408,7 +453,7 @@ fn config(what: ConfigWhat) -> Result<()> {
             );
         }
         ConfigWhat::Explain { file, world } => {
-            print!("{}", kiln::engine::config::load(&file, world)?.explain());
+            out!("{}", kiln::engine::config::load(&file, world)?.explain());
         }
     }
     Ok(())
@@ -420,15 +465,15 @@ fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()> {
         None => {
             let list = runs::list_runs(root)?;
             if list.is_empty() {
-                println!(
+                outln!(
                     "no runs under {} (kiln train writes them there)",
                     root.display()
                 );
             } else {
-                print!("{}", runs::RunsTable(&list));
+                out!("{}", runs::RunsTable(&list));
             }
         }
-        Some(RunsWhat::Diff { a, b }) => print!("{}", runs::diff_runs(&a, &b)?),
+        Some(RunsWhat::Diff { a, b }) => out!("{}", runs::diff_runs(&a, &b)?),
     }
     Ok(())
 }
@@ -448,11 +493,11 @@ fn devices(json: bool) -> Result<()> {
         let mut c = serde_json::to_value(cpu.caps())?;
         c["spec"] = "cpu".into();
         list.push(c);
-        println!("{}", serde_json::to_string_pretty(&list)?);
+        outln!("{}", serde_json::to_string_pretty(&list)?);
         return Ok(());
     }
     if rows.is_empty() {
-        eprintln!("No GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
+        errln!("No GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
     }
     rows.sort_by_key(|a| a.index);
     let mib = |b: u64| format!("{} MiB", b >> 20);
@@ -499,7 +544,7 @@ fn devices(json: bool) -> Result<()> {
             },
         ]);
     }
-    println!("{}", kiln::bench::align(&table));
+    outln!("{}", kiln::bench::align(&table));
     Ok(())
 }
 
@@ -528,7 +573,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         .adapter_index()?
         .ok_or_else(|| anyhow::anyhow!("bench dp groups devices of a GPU adapter, not `cpu`"))?;
     let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps, !a.no_overlap)?;
-    println!(
+    outln!(
         "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per device",
         model.n_layer,
         model.n_embd,
@@ -537,13 +582,20 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         model.parameter_count(),
         a.micro
     );
-    println!(
+    outln!(
         "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10}",
-        "adapter", "devices", "step ms", "comm ms", "overlap", "MB/step", "samples/s", "vs 1 dev"
+        "adapter",
+        "devices",
+        "step ms",
+        "comm ms",
+        "overlap",
+        "MB/step",
+        "samples/s",
+        "vs 1 dev"
     );
     let base = rows.first().map_or(1.0, |r| r.samples_per_s);
     for r in &rows {
-        println!(
+        outln!(
             "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x",
             r.adapter,
             r.devices,
@@ -569,7 +621,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     let gpt = Gpt::new(model.clone(), model.block_size);
     let grads =
         kiln::estimate::network_memory(&gpt, a.micro, kiln::engine::DType::F16)?.gradients as f64;
-    println!(
+    outln!(
         "modelled for separate GPUs: compute {compute_ms:.1} ms/step (measured, 1 device), \
          {:.2} MB of gradients per GPU, PCIe {} GB/s each way, host adds at {} GB/s, \
          overlap {:.0}% (measured)",
@@ -579,7 +631,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         overlap * 100.0
     );
     for n in [2, 4, 8] {
-        println!(
+        outln!(
             "  {n} GPUs: scaling efficiency {:.1}%",
             100.0 * modelled_efficiency(n, compute_ms, grads, a.pcie_gbps, a.host_gbps, overlap)
         );
@@ -625,7 +677,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
         ..Default::default()
     };
     let devs = bench_devices(&args.devices, &options)?;
-    eprintln!(
+    errln!(
         "kiln bench attention: {} device(s), causal, B*H = {}, d = {}, {dtype}, T = {:?}",
         devs.len(),
         args.heads,
@@ -646,14 +698,17 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
                     (Some(ms), Some(x), Some(b)) => format!("{ms:.2} ms ({x:.2}x), {b} bytes"),
                     _ => "cannot run: its T x T scores exceed the binding limit".into(),
                 };
-                eprintln!(
+                errln!(
                     "  {} T={}: fused {:.2} ms, {} bytes; straightforward {straight}",
-                    r.adapter, r.seq, r.fused_ms, r.fused_bytes
+                    r.adapter,
+                    r.seq,
+                    r.fused_ms,
+                    r.fused_bytes
                 )
             },
         )?);
     }
-    println!("{}", format_attention(&rows));
+    outln!("{}", format_attention(&rows));
     if let Some(path) = args.json {
         kiln::bench::write_json(&rows, &path)?;
     }
@@ -714,7 +769,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
     } else {
         sizes.into_iter().map(Shape::square).collect()
     };
-    eprintln!(
+    errln!(
         "kiln bench matmul: {} device(s), {} dtype(s), {} shape(s); CPU reference: matrixmultiply sgemm, {} threads",
         devs.len(),
         dtypes.len(),
@@ -729,13 +784,22 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
         naive_up_to,
         &extra,
         |r| {
-            eprintln!(
+            errln!(
                 "  {} {} {}x{}x{} {} {}: {:.2} GFLOP/s (cpu {:.1}, ratio {:.3})",
-                r.backend, r.dtype, r.m, r.n, r.k, r.op, r.variant, r.gflops, r.cpu_gflops, r.ratio
+                r.backend,
+                r.dtype,
+                r.m,
+                r.n,
+                r.k,
+                r.op,
+                r.variant,
+                r.gflops,
+                r.cpu_gflops,
+                r.ratio
             )
         },
     )?;
-    println!("{}", format_table(&rows));
+    outln!("{}", format_table(&rows));
     if let Some(path) = json {
         kiln::bench::write_json(&rows, &path)?;
     }

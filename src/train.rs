@@ -5,10 +5,11 @@
 //! With no arguments it trains the built-in demo: a small GPT learning 2-digit addition
 //! (`demos/addition.*.json`), scored by exact match on held-out problems.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -20,8 +21,9 @@ use kiln_engine::data::{
 };
 use kiln_engine::models::{MicroBatch, ModelConfig};
 use kiln_engine::train::checkpoint;
+use kiln_engine::train::loss_scaler::LossScaler;
 use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
-use kiln_engine::train::trainer::Trainer;
+use kiln_engine::train::trainer::{Trainer, TrainerState};
 use kiln_engine::{Device, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 
@@ -56,7 +58,9 @@ pub struct TrainOptions {
     pub devices: Vec<String>,
     /// Run directory; `None`: `runs/<UTC time>`.
     pub out: Option<PathBuf>,
-    /// Optimizer steps to run in total (a resumed run counts the steps already done).
+    /// Optimizer steps to run in total, at least 1 (a resumed run counts the steps
+    /// already done). On `resume`, this and the intervals, retention and seed below
+    /// default to the run's own.
     pub steps: Option<u64>,
     /// Evaluate every this many steps (and at the end); 0: only at the end.
     pub eval_every: Option<u64>,
@@ -70,7 +74,8 @@ pub struct TrainOptions {
     pub resume: bool,
     /// Draw a progress bar and print log lines.
     pub progress: bool,
-    /// Set (by Ctrl-C) to stop after the current step, checkpointing first.
+    /// Set (by Ctrl-C, SIGTERM or SIGHUP) to stop after the current step, checkpointing
+    /// and writing the summary first.
     pub interrupt: Option<Arc<AtomicBool>>,
 }
 
@@ -93,8 +98,17 @@ enum Dataset {
 }
 
 /// Resolves the config, opens the device, builds or restores the engine and trains.
+///
+/// Nothing is written until every setting is valid (config, model, data, devices, the
+/// checkpoint to resume), so a run that fails to start leaves no run directory behind.
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let started = Instant::now();
+    if opts.steps == Some(0) {
+        bail!(
+            "--steps 0: a run needs at least one optimizer step; pass --steps N with N >= 1 \
+             (the total, counting the steps a resumed run has already done)"
+        );
+    }
     let text = match &opts.config {
         Some(path) => Some(read_json_input(path, "the config")?),
         None => None,
@@ -120,10 +134,63 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         _ => config::parse(DEMO_DS_CONFIG, world).context("the built-in demo config")?,
     };
     let k = &ds.kiln;
-    let seed = opts.seed.unwrap_or(k.seed);
-    let eval_every = opts.eval_every.unwrap_or(k.eval_every);
-    let checkpoint_every = opts.checkpoint_every.unwrap_or(k.checkpoint_every);
-    let keep_checkpoints = opts.keep_checkpoints.unwrap_or(k.keep_checkpoints);
+
+    // The run directory: checked here, written only once everything below is valid.
+    let dir = match &opts.out {
+        Some(d) => d.clone(),
+        None => {
+            let stamp = runs::format_utc(std::time::SystemTime::now())
+                .replace([':', ' '], "-")
+                .replace("-UTC", "");
+            PathBuf::from("runs").join(stamp)
+        }
+    };
+    check_run_dir(&dir, opts.resume)?;
+    // A resumed run continues with its own settings: its checkpoint holds them, and its
+    // config.json the seed. Loaded before any device opens, so a damaged checkpoint is
+    // reported at once.
+    let resumed = if opts.resume {
+        let recorded = runs::read_config(&dir)?;
+        let ck = checkpoint::load_latest(&dir)?;
+        for note in &ck.notes {
+            say(format!("note: {note}"));
+        }
+        // Checked now, before anything is opened: the manifest's step, the training
+        // state and the data position must agree.
+        TrainerState::from_checkpoint(&ck)?;
+        // The run's own global batch: one that differs now is reported with the other
+        // changed settings once the run's record is compared.
+        let global = recorded["deepspeed"]["batch"]["train_batch_size"].as_u64();
+        data_position(&ck, global.unwrap_or(ds.batch.train_batch_size as u64))?;
+        Some((recorded, ck))
+    } else {
+        None
+    };
+    let settings = resolve_settings(
+        opts,
+        &ds,
+        resumed.as_ref().map(|(rec, ck)| (rec, ck.state())),
+    );
+    for note in &settings.notes {
+        say(format!("note: {note}"));
+    }
+    let RunSettings {
+        seed,
+        steps: total,
+        eval_every,
+        checkpoint_every,
+        ..
+    } = settings.run;
+    if let Some((_, ck)) = &resumed {
+        if ck.step() >= total {
+            bail!(
+                "the run in {} has already done {} steps, and {total} were asked for; pass a \
+                 larger --steps to continue it",
+                dir.display(),
+                ck.step()
+            );
+        }
+    }
     let (mut model, model_from_file) = match &opts.model {
         Some(path) => {
             let text = read_json_input(path, "the model config")?;
@@ -174,13 +241,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 // rather than when (or if) a batch happens to sample it.
                 let scan = data::check_ids(src.as_ref(), model.vocab_size())?;
                 if opts.progress {
-                    eprintln!(
+                    say(format!(
                         "checked all {len} token ids of {} against the vocabulary of {} in \
                          {:.1} ms",
                         src.name(),
                         model.vocab_size(),
                         scan.as_secs_f64() * 1e3
-                    );
+                    ));
                 }
                 // Independent of the micro-batch, so a resume with another split of the
                 // global batch keeps the same training windows and held-out rows.
@@ -201,7 +268,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                         HOLDOUT_FRACTION * 100.0
                     );
                     if opts.progress {
-                        eprintln!("no held-out data: {why}");
+                        say(format!("no held-out data: {why}"));
                     }
                     no_held_out = Some(why);
                     None
@@ -240,76 +307,21 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         format!("{world} devices: {}", device_names.join(", "))
     };
 
-    // The run directory and the record of what this run is.
-    let dir = match &opts.out {
-        Some(d) => d.clone(),
-        None => {
-            let stamp = runs::format_utc(std::time::SystemTime::now())
-                .replace([':', ' '], "-")
-                .replace("-UTC", "");
-            PathBuf::from("runs").join(stamp)
-        }
-    };
+    // What this run is; a resumed run must be the same one.
     let record = run_record(&ds, &model, &data_name, seed, &device_name);
     check_inputs_survive(&dir, opts)?;
-    prepare_run_dir(&dir, &record, opts.resume)?;
+    if let Some((recorded, _)) = &resumed {
+        check_same_run(&dir, recorded, &record)?;
+    }
 
     let network = model.build(t);
     let mut trainer = Trainer::new_group(&devs, network.clone(), ds.clone(), seed)?;
     let model_states: Vec<_> = (0..world).map(|r| trainer.model_state_bytes(r)).collect();
-    if opts.progress {
-        for (r, m) in model_states.iter().enumerate() {
-            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-            eprintln!(
-                "device {r}: model states {:.2} MiB (weights {:.2}, gradients {:.2}, \
-                 master+optimizer {:.2}; ZeRO stage {})",
-                mib(m.total()),
-                mib(m.weights),
-                mib(m.gradients),
-                mib(m.optimizer),
-                ds.zero.stage
-            );
-        }
-    }
-    let total = opts.steps.or(k.steps).unwrap_or(match ds.schedule {
-        Schedule::WarmupDecayLr { total_steps, .. }
-        | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
-        _ => DEFAULT_STEPS,
-    });
     let mut next_sample = 0;
-    let mut metrics = if opts.resume {
-        let ck = checkpoint::load_latest(&dir)?;
-        for note in &ck.notes {
-            eprintln!("note: {note}");
-        }
-        next_sample = restore(&mut trainer, &devs, &ck)?;
-        eprintln!(
-            "resuming {} from step {} ({})",
-            dir.display(),
-            ck.step(),
-            ck.dir.display()
-        );
-        let w = MetricsWriter::resume(&dir, ck.step())?;
-        if w.dropped() > 0 {
-            eprintln!(
-                "note: dropped {} metrics records written after step {} (they belong to the \
-                 interrupted continuation)",
-                w.dropped(),
-                ck.step()
-            );
-        }
-        w
-    } else {
-        MetricsWriter::create(&dir)?
-    };
-    let mut step = trainer.state().steps;
-    if step >= total {
-        bail!(
-            "the run in {} has already done {step} steps, and {total} were asked for; pass a \
-             larger --steps to continue it",
-            dir.display()
-        );
+    if let Some((_, ck)) = &resumed {
+        next_sample = restore(&mut trainer, &devs, ck)?;
     }
+    let mut step = trainer.state().steps;
 
     // One loader per rank, each reading its disjoint share of every global batch.
     let layout = BatchLayout::new(b, ds.batch.grad_accum, world)?;
@@ -323,11 +335,52 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         })
         .collect::<Result<Vec<_>, _>>()?;
 
+    // Everything is valid: only now does the run directory get written.
+    let mut metrics = match &resumed {
+        Some((_, ck)) => {
+            say(format!(
+                "resuming {} from step {} ({})",
+                dir.display(),
+                ck.step(),
+                ck.dir.display()
+            ));
+            let w = MetricsWriter::resume(&dir, ck.step())?;
+            if w.dropped() > 0 {
+                say(format!(
+                    "note: dropped {} metrics records written after step {} (they belong to \
+                     the interrupted continuation)",
+                    w.dropped(),
+                    ck.step()
+                ));
+            }
+            w
+        }
+        None => {
+            create_run_dir(&dir, &record)?;
+            MetricsWriter::create(&dir)?
+        }
+    };
+    drop(resumed);
+    if opts.progress {
+        for (r, m) in model_states.iter().enumerate() {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            say(format!(
+                "device {r}: model states {:.2} MiB (weights {:.2}, gradients {:.2}, \
+                 master+optimizer {:.2}; ZeRO stage {})",
+                mib(m.total()),
+                mib(m.weights),
+                mib(m.gradients),
+                mib(m.optimizer),
+                ds.zero.stage
+            ));
+        }
+    }
+
     // The bar is drawn only on a terminal; elsewhere (CI, pipes) log lines go to stderr.
     let log = |bar: &ProgressBar, line: String| {
         if !opts.progress {
         } else if bar.is_hidden() {
-            eprintln!("{line}");
+            say(line);
         } else {
             bar.println(line);
         }
@@ -366,150 +419,167 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;
     let mut interrupted = false;
     let mut since_print = (0.0f64, 0u32);
-    while step < total {
-        let t0 = Instant::now();
-        let mut batches = vec![];
-        let mut stall = 0.0;
-        for (rank, loader) in loaders.iter_mut().enumerate() {
-            let mut mine = Vec::with_capacity(ds.batch.grad_accum);
-            for _ in 0..ds.batch.grad_accum {
-                let mut f = loader.next()?;
-                stall += f.stall.as_secs_f64() * 1e3;
-                if rank == 0 {
-                    next_sample = f.next_sample;
-                }
-                if let Dataset::Addition { .. } = dataset {
-                    Addition::mask_prompts(&f.batch.tokens, &mut f.batch.targets, t);
-                }
-                mine.push(f.batch);
-            }
-            batches.push(mine);
-        }
-        let micro: Vec<Vec<MicroBatch>> = batches
-            .iter()
-            .map(|mine| mine.iter().map(MicroBatch::from).collect())
-            .collect();
-        let s = trainer.step_group(&devs, &micro).with_context(|| {
-            let resume = match checkpoint::list(&dir).ok().and_then(|l| l.last().cloned()) {
-                Some((at, _)) => format!(
-                    "the checkpoint of step {at} is intact: once the device works again, \
-                     continue with `kiln train --resume --out {}` (on other devices too, with \
-                     the same global batch)",
-                    dir.display()
-                ),
-                None => "no checkpoint was written yet".to_string(),
-            };
-            format!("step {} failed; {resume}", step + 1)
-        })?;
-        step += 1;
-        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let comm = trainer.last_comm;
-        let mut rec = StepRecord {
-            step,
-            loss: s.loss,
-            lr: s.lr,
-            loss_scale: s.loss_scale,
-            skipped: s.skipped,
-            tokens_per_s: tokens_per_step / (step_ms / 1e3),
-            step_ms,
-            input_stall_ms: stall,
-            // Per device (the largest): what has to fit on each adapter.
-            device_memory_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
-            comm_ms: comm.ms,
-            comm_overlap: comm.overlap,
-            comm_bytes: comm.bytes,
-            ..Default::default()
-        };
-        if opts
-            .interrupt
-            .as_ref()
-            .is_some_and(|f| f.load(Ordering::SeqCst))
-        {
-            interrupted = true;
-        }
-        let last = step == total || interrupted;
-        let evaluates = !matches!(dataset, Dataset::File { eval: None });
-        if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
-            let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
-            rec.eval_loss = Some(loss);
-            rec.eval_accuracy = acc;
-            let acc = acc.map_or(String::new(), |a| {
-                format!(", held-out exact match {:.1}%", a * 100.0)
-            });
-            log(&bar, format!("step {step}: eval loss {loss:.4}{acc}"));
-        }
-        metrics.append(&rec)?;
-        since_print.0 += s.loss as f64;
-        since_print.1 += 1;
-        if step.is_multiple_of(ds.steps_per_print.max(1)) || last {
-            log(
-                &bar,
-                format!(
-                    "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} tokens/s, \
-                     stall {:.1} ms{}",
-                    since_print.0 / since_print.1 as f64,
-                    since_print.1,
-                    s.lr,
-                    s.loss_scale,
-                    rec.tokens_per_s,
-                    stall,
-                    if world > 1 {
-                        format!(
-                            ", gradient exchange {:.1} ms ({:.1} MB, {:.0}% overlapped with \
-                             backward)",
-                            comm.ms,
-                            comm.bytes as f64 / 1e6,
-                            comm.overlap * 100.0
-                        )
-                    } else {
-                        String::new()
+    let mut first_step = true;
+    // The loop's error (a failed or diverged step, unreadable data, a full disk) still
+    // leaves a summary of the steps done before it is returned.
+    let outcome = (|| -> Result<()> {
+        while step < total {
+            let t0 = Instant::now();
+            let mut batches = vec![];
+            let mut stall = 0.0;
+            for (rank, loader) in loaders.iter_mut().enumerate() {
+                let mut mine = Vec::with_capacity(ds.batch.grad_accum);
+                for _ in 0..ds.batch.grad_accum {
+                    let mut f = loader.next()?;
+                    stall += f.stall.as_secs_f64() * 1e3;
+                    if rank == 0 {
+                        next_sample = f.next_sample;
                     }
-                ),
-            );
-            since_print = (0.0, 0);
-        }
-        if s.skipped {
-            log(
-                &bar,
-                format!(
-                    "step {step}: fp16 gradients overflowed at loss scale {}; step skipped, scale now {}",
-                    s.loss_scale,
-                    trainer.scaler.scale()
-                ),
-            );
-        }
-        bar.set_position(step);
-        bar.set_message(format!(
-            "loss {:.3} | {:.0} tok/s | scale {}",
-            s.loss, rec.tokens_per_s, s.loss_scale
-        ));
-        if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
-            let saved = save(&trainer, &devs, &dir, step, next_sample, keep_checkpoints)?;
-            for note in saved.notes {
-                log(&bar, format!("note: {note}"));
+                    if let Dataset::Addition { .. } = dataset {
+                        Addition::mask_prompts(&f.batch.tokens, &mut f.batch.targets, t);
+                    }
+                    mine.push(f.batch);
+                }
+                batches.push(mine);
+            }
+            let micro: Vec<Vec<MicroBatch>> = batches
+                .iter()
+                .map(|mine| mine.iter().map(MicroBatch::from).collect())
+                .collect();
+            let result = if first_step && opts.progress {
+                // The first step compiles every kernel it runs: minutes on a software
+                // renderer, with nothing else to show meanwhile.
+                let (done, finished) = mpsc::channel::<()>();
+                let r = std::thread::scope(|scope| {
+                    scope.spawn(|| show_compiling(&bar, finished, t0));
+                    let r = trainer.step_group(&devs, &micro);
+                    drop(done);
+                    r
+                });
+                bar.set_message("");
+                log(
+                    &bar,
+                    format!(
+                        "first step took {:.1} s (most of it compiling kernels)",
+                        t0.elapsed().as_secs_f64()
+                    ),
+                );
+                r
+            } else {
+                trainer.step_group(&devs, &micro)
+            };
+            first_step = false;
+            let s = result.map_err(|e| step_failure(e, step + 1, &dir, opts))?;
+            step += 1;
+            let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let comm = trainer.last_comm;
+            let mut rec = StepRecord {
+                step,
+                loss: s.loss,
+                lr: s.lr,
+                loss_scale: s.loss_scale,
+                skipped: s.skipped,
+                tokens_per_s: tokens_per_step / (step_ms / 1e3),
+                step_ms,
+                input_stall_ms: stall,
+                // Per device (the largest): what has to fit on each adapter.
+                device_memory_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
+                comm_ms: comm.ms,
+                comm_overlap: comm.overlap,
+                comm_bytes: comm.bytes,
+                ..Default::default()
+            };
+            if opts
+                .interrupt
+                .as_ref()
+                .is_some_and(|f| f.load(Ordering::SeqCst))
+            {
+                interrupted = true;
+            }
+            let last = step == total || interrupted;
+            let evaluates = !matches!(dataset, Dataset::File { eval: None });
+            if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
+                let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
+                rec.eval_loss = Some(loss);
+                rec.eval_accuracy = acc;
+                let acc = acc.map_or(String::new(), |a| {
+                    format!(", held-out exact match {:.1}%", a * 100.0)
+                });
+                log(&bar, format!("step {step}: eval loss {loss:.4}{acc}"));
+            }
+            metrics.append(&rec)?;
+            since_print.0 += s.loss as f64;
+            since_print.1 += 1;
+            if step.is_multiple_of(ds.steps_per_print.max(1)) || last {
+                log(
+                    &bar,
+                    format!(
+                        "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} \
+                         tokens/s, stall {:.1} ms{}",
+                        since_print.0 / since_print.1 as f64,
+                        since_print.1,
+                        s.lr,
+                        s.loss_scale,
+                        rec.tokens_per_s,
+                        stall,
+                        if world > 1 {
+                            format!(
+                                ", gradient exchange {:.1} ms ({:.1} MB, {:.0}% overlapped with \
+                                 backward)",
+                                comm.ms,
+                                comm.bytes as f64 / 1e6,
+                                comm.overlap * 100.0
+                            )
+                        } else {
+                            String::new()
+                        }
+                    ),
+                );
+                since_print = (0.0, 0);
+            }
+            if s.skipped {
+                log(&bar, skipped_line(&ds, &trainer, step, s.loss_scale));
+            }
+            bar.set_position(step);
+            bar.set_message(format!(
+                "loss {:.3} | {:.0} tok/s | scale {}",
+                s.loss, rec.tokens_per_s, s.loss_scale
+            ));
+            if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
+                let saved = save(&trainer, &devs, &dir, step, next_sample, &settings.run)?;
+                for note in saved.notes {
+                    log(&bar, format!("note: {note}"));
+                }
+            }
+            if interrupted {
+                break;
             }
         }
-        if interrupted {
-            break;
-        }
-    }
+        Ok(())
+    })();
     bar.finish_and_clear();
-    metrics.sync()?;
-
-    let records = runs::read_metrics(&dir)?;
-    let mut summary = Summary::from_records(&records, runs::DEFAULT_WARMUP_STEPS);
-    summary.total_time_s = started.elapsed().as_secs_f64();
-    summary.devices = device_names;
-    summary.model_states = model_states;
-    summary.no_held_out_data = no_held_out;
-    summary.write(&dir)?;
-    runs::write_chart(&dir)?;
+    let synced = metrics.sync();
+    let summary = (|| -> Result<Summary> {
+        let records = runs::read_metrics(&dir)?;
+        let mut summary = Summary::from_records(&records, runs::DEFAULT_WARMUP_STEPS);
+        summary.total_time_s = started.elapsed().as_secs_f64();
+        summary.devices = device_names;
+        summary.model_states = model_states;
+        summary.no_held_out_data = no_held_out;
+        summary.write(&dir)?;
+        runs::write_chart(&dir)?;
+        Ok(summary)
+    })();
+    // The loop's error is the one to report; a summary that could not be written after
+    // it is secondary.
+    outcome?;
+    synced?;
+    let summary = summary?;
     if interrupted {
-        eprintln!(
-            "interrupted after step {step}; checkpoint saved. Continue with: kiln train --resume --out {} \
-             (and the same --config/--model/--data)",
-            dir.display()
-        );
+        say(format!(
+            "interrupted after step {step}; checkpoint saved. Continue with: {}",
+            resume_command(opts, &dir)
+        ));
     }
     Ok(RunReport {
         dir,
@@ -517,6 +587,248 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         interrupted,
         summary,
     })
+}
+
+/// Draws "compiling kernels" with the elapsed time until `finished` closes: on the
+/// bar's message on a terminal, else as a log line now and then.
+fn show_compiling(bar: &ProgressBar, finished: mpsc::Receiver<()>, since: Instant) {
+    const WHAT: &str = "compiling kernels for the first step";
+    let every = if bar.is_hidden() {
+        say(format!(
+            "{WHAT} (it can take minutes on a software renderer such as lavapipe)…"
+        ));
+        Duration::from_secs(30)
+    } else {
+        bar.set_message(format!("{WHAT}…"));
+        Duration::from_secs(1)
+    };
+    while let Err(mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(every) {
+        let s = since.elapsed().as_secs();
+        if bar.is_hidden() {
+            say(format!("still {WHAT} ({s} s)…"));
+        } else {
+            bar.set_message(format!("{WHAT}… {s} s"));
+        }
+    }
+}
+
+/// The log line of a skipped step: an fp16 overflow the scaler handles, or (without
+/// fp16 loss scaling) non-finite gradients that stop the run if they persist.
+fn skipped_line(ds: &TrainConfig, trainer: &Trainer, step: u64, scale: f32) -> String {
+    let now = trainer.scaler.scale();
+    match (&ds.precision, &trainer.scaler) {
+        (config::Precision::Fp16 { .. }, LossScaler::Dynamic { .. }) => format!(
+            "step {step}: fp16 gradients overflowed at loss scale {scale}; step skipped, scale \
+             now {now}"
+        ),
+        (config::Precision::Fp16 { .. }, LossScaler::Static { .. }) => format!(
+            "step {step}: fp16 gradients overflowed at the static loss scale {scale}; step \
+             skipped ({} in a row; training stops at {})",
+            trainer.consecutive_skips(),
+            ds.kiln.max_consecutive_skips
+        ),
+        _ => format!(
+            "step {step}: gradients are not finite (NaN or infinite); step skipped ({} in a \
+             row; training stops at {}, kiln.max_consecutive_skips)",
+            trainer.consecutive_skips(),
+            ds.kiln.max_consecutive_skips
+        ),
+    }
+}
+
+/// A failed step as the user should read it: what to try, and the checkpoint that
+/// holds the work done so far.
+fn step_failure(
+    e: kiln_engine::Error,
+    step: u64,
+    dir: &Path,
+    opts: &TrainOptions,
+) -> anyhow::Error {
+    let checkpoints = checkpoint::list(dir).unwrap_or_default();
+    if let kiln_engine::Error::Diverged { .. } = e {
+        // Resuming repeats the same steps bit for bit, so a checkpoint taken while
+        // steps were already being skipped would diverge again even sooner.
+        let good = checkpoints.iter().rev().find(|(_, p)| {
+            std::fs::read(p.join(checkpoint::MANIFEST_FILE))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                .is_some_and(|m| m["state"]["trainer"]["consecutive_skips"].as_u64() == Some(0))
+        });
+        let last = match good {
+            Some((at, p)) => format!(
+                "the last good checkpoint is step {at} ({}), from before the gradients stopped \
+                 being finite; a resume repeats the same steps and would diverge again, so \
+                 start a new run (another --out) with the changes above",
+                p.display()
+            ),
+            None => "no checkpoint was written before it; start a new run (another --out) with \
+                     the changes above"
+                .to_string(),
+        };
+        return anyhow::anyhow!("{e}\n{last}");
+    }
+    let resume = match checkpoints.last() {
+        Some((at, _)) => format!(
+            "the checkpoint of step {at} is intact: once the device works again, continue \
+             with `{}` (on other devices too, with the same global batch)",
+            resume_command(opts, dir)
+        ),
+        None => "no checkpoint was written yet".to_string(),
+    };
+    anyhow::Error::new(e).context(format!("step {step} failed; {resume}"))
+}
+
+/// The command that continues the run in `dir` with the same inputs.
+fn resume_command(opts: &TrainOptions, dir: &Path) -> String {
+    let mut cmd = format!("kiln train --resume --out {}", shell_word(dir));
+    for (flag, path) in [
+        ("--config", &opts.config),
+        ("--model", &opts.model),
+        ("--data", &opts.data),
+    ] {
+        if let Some(p) = path {
+            cmd += &format!(" {flag} {}", shell_word(p));
+        }
+    }
+    if !opts.devices.is_empty() {
+        cmd += &format!(" --devices {}", opts.devices.join(","));
+    }
+    cmd
+}
+
+/// A path as one shell word, quoted only when it needs it.
+fn shell_word(p: &Path) -> String {
+    let s = p.display().to_string();
+    let plain = |c: char| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// Writes a line to stderr, ignoring failure: a closed pipe (`2>&1 | head`) or a
+/// terminal gone after SIGHUP must neither panic nor stop training, and everything a
+/// log line says is also in the run directory.
+pub fn say(line: impl std::fmt::Display) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// [`say`] for stdout.
+pub fn say_out(line: impl std::fmt::Display) {
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
+/// A run's own settings: restored by `--resume` unless a flag overrides them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct RunSettings {
+    seed: u64,
+    steps: u64,
+    eval_every: u64,
+    checkpoint_every: u64,
+    keep_checkpoints: usize,
+}
+
+/// The key of a checkpoint's state that holds [`RunSettings`] (the seed is in the run's
+/// config.json).
+const RUN_STATE_KEY: &str = "run";
+
+struct ResolvedSettings {
+    run: RunSettings,
+    /// What the user should know: settings restored, overridden, or differing from the
+    /// config.
+    notes: Vec<String>,
+}
+
+/// Flags first; on `--resume`, then the run's own settings (so a run started with
+/// `--steps 30` resumes to 30, not to the config's count); then the config.
+fn resolve_settings(
+    opts: &TrainOptions,
+    ds: &TrainConfig,
+    resumed: Option<(&Value, &Value)>,
+) -> ResolvedSettings {
+    let k = &ds.kiln;
+    let config_steps = k.steps.unwrap_or(match ds.schedule {
+        Schedule::WarmupDecayLr { total_steps, .. }
+        | Schedule::WarmupCosineLr { total_steps, .. } => total_steps,
+        _ => DEFAULT_STEPS,
+    });
+    let mut notes = vec![];
+    let Some((recorded, state)) = resumed else {
+        let run = RunSettings {
+            seed: opts.seed.unwrap_or(k.seed),
+            steps: opts.steps.unwrap_or(config_steps),
+            eval_every: opts.eval_every.unwrap_or(k.eval_every),
+            checkpoint_every: opts.checkpoint_every.unwrap_or(k.checkpoint_every),
+            keep_checkpoints: opts.keep_checkpoints.unwrap_or(k.keep_checkpoints),
+        };
+        return ResolvedSettings { run, notes };
+    };
+    let stored = &state[RUN_STATE_KEY];
+    if stored.is_null() {
+        notes.push(
+            "the checkpoint predates saved run settings: the step count, evaluation and \
+             checkpoint intervals and retention come from the flags and the config"
+                .to_string(),
+        );
+    }
+    let from_file = |key: &str| ds.provenance.get(key) == Some(&config::Provenance::File);
+    let mut restored = vec![];
+    let mut pick = |name: &str, flag: Option<u64>, run: Option<u64>, config: u64| -> u64 {
+        let flag_name = format!("--{}", name.replace('_', "-"));
+        match (flag, run) {
+            (Some(f), Some(r)) if f != r => {
+                notes.push(format!("{flag_name} {f} replaces the run's {name} {r}"));
+                f
+            }
+            (Some(f), _) => f,
+            (None, Some(r)) => {
+                if from_file(&format!("kiln.{name}")) && config != r {
+                    notes.push(format!(
+                        "kiln.{name} {config} in the config differs from the run's {r}; the \
+                         run's is kept (pass {flag_name} {config} to change it)"
+                    ));
+                }
+                restored.push(format!("{name} {r}"));
+                r
+            }
+            (None, None) => config,
+        }
+    };
+    let run = RunSettings {
+        seed: pick("seed", opts.seed, recorded["seed"].as_u64(), k.seed),
+        steps: pick(
+            "steps",
+            opts.steps,
+            stored["steps"].as_u64().filter(|&n| n > 0),
+            config_steps,
+        ),
+        eval_every: pick(
+            "eval_every",
+            opts.eval_every,
+            stored["eval_every"].as_u64(),
+            k.eval_every,
+        ),
+        checkpoint_every: pick(
+            "checkpoint_every",
+            opts.checkpoint_every,
+            stored["checkpoint_every"].as_u64(),
+            k.checkpoint_every,
+        ),
+        keep_checkpoints: pick(
+            "keep_checkpoints",
+            opts.keep_checkpoints.map(|n| n as u64),
+            stored["keep_checkpoints"].as_u64(),
+            k.keep_checkpoints as u64,
+        ) as usize,
+    };
+    if !restored.is_empty() {
+        notes.push(format!(
+            "resuming with the run's own {} (the flags of the same names change them)",
+            restored.join(", ")
+        ));
+    }
+    ResolvedSettings { run, notes }
 }
 
 /// Reads a JSON input file (`what`: "the config", say). Only a regular file: a device
@@ -534,71 +846,6 @@ pub fn read_json_input(path: &Path, what: &str) -> Result<String> {
         );
     }
     std::fs::read_to_string(path).with_context(context)
-}
-
-/// Settings a resumed run may change: where it runs and how the global batch is split.
-const RESHARDABLE: [&str; 5] = [
-    "device",
-    "deepspeed.zero.stage",
-    "deepspeed.batch.world",
-    "deepspeed.batch.micro_batch",
-    "deepspeed.batch.grad_accum",
-];
-
-/// `kiln.devices` of a config, read leniently: the full, strict reading comes after,
-/// once the device count (the world size its batch sizes depend on) is known.
-fn configured_devices(text: &str) -> Vec<String> {
-    // As config::parse does: a byte-order mark must not hide kiln.devices.
-    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
-    match &v["kiln"]["devices"] {
-        Value::String(s) => s.split(',').map(|d| d.trim().to_string()).collect(),
-        Value::Array(a) => a
-            .iter()
-            .filter_map(|d| d.as_str().map(str::to_string))
-            .collect(),
-        _ => vec![],
-    }
-}
-
-/// What identifies a run: every setting that changes its numbers, and nothing per-run
-/// (name, paths), so `kiln runs diff` compares like with like.
-fn run_record(ds: &TrainConfig, model: &ModelConfig, data: &str, seed: u64, device: &str) -> Value {
-    let mut config = serde_json::to_value(ds).expect("the resolved config serializes");
-    if let Some(obj) = config.as_object_mut() {
-        // Not settings of the run's numbers: where values came from, notes, and the
-        // `kiln` section (devices, workers, intervals; the seed is recorded below).
-        obj.remove("provenance");
-        obj.remove("warnings");
-        obj.remove("kiln");
-    }
-    tidy_floats(&mut config);
-    json!({
-        "deepspeed": config,
-        "model": model.record(),
-        "data": data,
-        "seed": seed,
-        "device": device,
-    })
-}
-
-/// Writes each number that is an f32 widened to f64 (every float of the config) as the
-/// f32's shortest decimal: `0.003`, not `0.003000000026077032`.
-fn tidy_floats(v: &mut Value) {
-    match v {
-        Value::Number(n) if n.is_f64() => {
-            let x = n.as_f64().unwrap_or(0.0);
-            let short: f64 = (x as f32).to_string().parse().unwrap_or(x);
-            if (x as f32) as f64 == x {
-                if let Some(m) = serde_json::Number::from_f64(short) {
-                    *n = m;
-                }
-            }
-        }
-        Value::Array(a) => a.iter_mut().for_each(tidy_floats),
-        Value::Object(o) => o.values_mut().for_each(tidy_floats),
-        _ => {}
-    }
 }
 
 /// Refuses a run directory whose files would overwrite an input: `--data` saved as
@@ -665,30 +912,108 @@ fn same_file(meta: &std::fs::Metadata, other: &Path) -> bool {
     }
 }
 
-/// Creates the run directory, or checks that a resumed one was started with the same
-/// settings. Never overwrites a run's history.
-fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
+/// Settings a resumed run may change: where it runs and how the global batch is split.
+const RESHARDABLE: [&str; 5] = [
+    "device",
+    "deepspeed.zero.stage",
+    "deepspeed.batch.world",
+    "deepspeed.batch.micro_batch",
+    "deepspeed.batch.grad_accum",
+];
+
+/// `kiln.devices` of a config, read leniently: the full, strict reading comes after,
+/// once the device count (the world size its batch sizes depend on) is known.
+fn configured_devices(text: &str) -> Vec<String> {
+    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+    match &v["kiln"]["devices"] {
+        Value::String(s) => s.split(',').map(|d| d.trim().to_string()).collect(),
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|d| d.as_str().map(str::to_string))
+            .collect(),
+        _ => vec![],
+    }
+}
+
+/// What identifies a run: every setting that changes its numbers, and nothing per-run
+/// (name, paths), so `kiln runs diff` compares like with like.
+fn run_record(ds: &TrainConfig, model: &ModelConfig, data: &str, seed: u64, device: &str) -> Value {
+    let mut config = serde_json::to_value(ds).expect("the resolved config serializes");
+    if let Some(obj) = config.as_object_mut() {
+        // Not settings of the run's numbers: where values came from, notes, and the
+        // `kiln` section (devices, workers, intervals; the seed is recorded below).
+        obj.remove("provenance");
+        obj.remove("warnings");
+        obj.remove("kiln");
+    }
+    tidy_floats(&mut config);
+    json!({
+        "deepspeed": config,
+        "model": model.record(),
+        "data": data,
+        "seed": seed,
+        "device": device,
+    })
+}
+
+/// Writes each number that is an f32 widened to f64 (every float of the config) as the
+/// f32's shortest decimal: `0.003`, not `0.003000000026077032`.
+fn tidy_floats(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or(0.0);
+            let short: f64 = (x as f32).to_string().parse().unwrap_or(x);
+            if (x as f32) as f64 == x {
+                if let Some(m) = serde_json::Number::from_f64(short) {
+                    *n = m;
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(tidy_floats),
+        Value::Object(o) => o.values_mut().for_each(tidy_floats),
+        _ => {}
+    }
+}
+
+/// Checks, before anything is opened or written, that `dir` can take a new run or
+/// holds one to resume.
+fn check_run_dir(dir: &Path, resume: bool) -> Result<()> {
     let has_run = dir.join(runs::CONFIG_FILE).exists();
-    if !resume {
-        if has_run {
+    if !resume && has_run {
+        if checkpoint::list(dir).map(|l| l.is_empty()).unwrap_or(false) {
             bail!(
-                "{} already holds a run; continue it with --resume, or pick another --out",
+                "{} already holds a run, which saved no checkpoint and so cannot be resumed; \
+                 delete that directory to start over there, or pick another --out",
                 dir.display()
             );
         }
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating the run directory {}", dir.display()))?;
-        runs::write_config(dir, record)?;
-        return Ok(());
+        bail!(
+            "{} already holds a run; continue it with --resume, or pick another --out",
+            dir.display()
+        );
     }
-    if !has_run {
+    if resume && !has_run {
         bail!(
             "--resume: {} holds no run (no {}); pass the --out of an earlier run",
             dir.display(),
             runs::CONFIG_FILE
         );
     }
-    let old = runs::flatten_json(&runs::read_config(dir)?);
+    Ok(())
+}
+
+/// Creates the directory of a new run and records what the run is.
+fn create_run_dir(dir: &Path, record: &Value) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the run directory {}", dir.display()))?;
+    runs::write_config(dir, record)?;
+    Ok(())
+}
+
+/// Checks that a resumed run has the settings it was started with (`recorded`, its
+/// config.json), but for where it runs and how its global batch is split.
+fn check_same_run(dir: &Path, recorded: &Value, record: &Value) -> Result<()> {
+    let old = runs::flatten_json(recorded);
     let new = runs::flatten_json(record);
     let mut diffs = vec![];
     let show = |v: Option<&Value>| v.map_or("(absent)".to_string(), |v| v.to_string());
@@ -703,7 +1028,11 @@ fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
         // Checkpoints hold whole tensors, so a run may continue on other devices or
         // another number of them, with the same global batch.
         if RESHARDABLE.contains(&key.as_str()) {
-            eprintln!("note: resuming with {key} {} (was {})", show(b), show(a));
+            say(format!(
+                "note: resuming with {key} {} (was {})",
+                show(b),
+                show(a)
+            ));
             continue;
         }
         diffs.push(format!("  {key}: {} -> {}", show(a), show(b)));
@@ -720,18 +1049,27 @@ fn prepare_run_dir(dir: &Path, record: &Value, resume: bool) -> Result<()> {
     Ok(())
 }
 
-/// Writes a checkpoint of everything `--resume` needs.
+/// Writes a checkpoint of everything `--resume` needs, the run's own settings included.
 fn save(
     trainer: &Trainer,
     devs: &[&dyn Device],
     dir: &Path,
     step: u64,
     next_sample: u64,
-    keep: usize,
+    run: &RunSettings,
 ) -> Result<checkpoint::Saved> {
     let mut state = serde_json::Map::new();
     state.insert("next_sample".into(), json!(next_sample));
-    Ok(trainer.save_checkpoint(devs, dir, step, state, keep)?)
+    state.insert(
+        RUN_STATE_KEY.into(),
+        json!({
+            "steps": run.steps,
+            "eval_every": run.eval_every,
+            "checkpoint_every": run.checkpoint_every,
+            "keep_checkpoints": run.keep_checkpoints,
+        }),
+    );
+    Ok(trainer.save_checkpoint(devs, dir, step, state, run.keep_checkpoints)?)
 }
 
 /// Restores a checkpoint into the engine; returns the data position to continue from.
@@ -740,17 +1078,37 @@ fn restore(
     devs: &[&dyn Device],
     ck: &checkpoint::Checkpoint,
 ) -> Result<u64> {
-    let state = trainer.load_checkpoint(devs, ck)?;
-    state
+    trainer.load_checkpoint(devs, ck)?;
+    data_position(ck, trainer.config.batch.train_batch_size as u64)
+}
+
+/// The data position a checkpoint continues from, checked against its step and the
+/// run's global batch.
+fn data_position(ck: &checkpoint::Checkpoint, global: u64) -> Result<u64> {
+    let next = ck
+        .state()
         .get("next_sample")
         .and_then(Value::as_u64)
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "{}: the manifest's state has no valid `next_sample`; the checkpoint was not \
-             written by this version of kiln train",
+                 written by this version of kiln train",
                 ck.dir.display()
             )
-        })
+        })?;
+    // Every step reads one global batch, and a resumed run keeps its global batch, so
+    // the data position follows from the step; anything else is an edited manifest that
+    // would silently train on other data.
+    if Some(next) != ck.step().checked_mul(global) {
+        bail!(
+            "{}: the manifest's data position (next_sample {next}) disagrees with its step {} \
+             × the global batch {global}: the manifest was edited or damaged; resume from an \
+             earlier checkpoint or delete this directory",
+            ck.dir.display(),
+            ck.step()
+        );
+    }
+    Ok(next)
 }
 
 /// Held-out loss, and exact-match accuracy for the addition task.

@@ -42,4 +42,9 @@ pub enum Error {
 
     #[error("device error on `{device}`: {detail}")]
     Backend { device: String, detail: String },
+
+    /// The gradients stayed non-finite: the run cannot make progress, and continuing
+    /// it unchanged (a resume included) repeats the failure.
+    #[error("training diverged at step {step}: {detail}")]
+    Diverged { step: u64, detail: String },
 }

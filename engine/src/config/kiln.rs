@@ -1,5 +1,6 @@
 //! The `kiln` section: Kiln's own settings (devices, data workers, step count, evaluation
-//! and checkpoint intervals, seed), checked as strictly as DeepSpeed's keys.
+//! and checkpoint intervals, seed, skipped steps tolerated), checked as strictly as
+//! DeepSpeed's keys.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -28,6 +29,10 @@ pub struct KilnSettings {
     pub keep_checkpoints: usize,
     /// Seeds the weights and the data order.
     pub seed: u64,
+    /// Without dynamic fp16 loss scaling (fp32, bf16, a static fp16 scale) nothing
+    /// adapts after non-finite gradients, so this many skipped steps in a row stop
+    /// training with an error instead of skipping forever.
+    pub max_consecutive_skips: u64,
 }
 
 impl Default for KilnSettings {
@@ -41,6 +46,7 @@ impl Default for KilnSettings {
             checkpoint_every: 200,
             keep_checkpoints: 3,
             seed: 1,
+            max_consecutive_skips: 3,
         }
     }
 }
@@ -54,6 +60,7 @@ const KILN: Spec = Spec::keys(&[
     "checkpoint_every",
     "keep_checkpoints",
     "seed",
+    "max_consecutive_skips",
 ]);
 
 impl Reader {
@@ -135,6 +142,13 @@ impl Reader {
                 d.keep_checkpoints as u64,
             ) as usize,
             seed: self.uint_or(k, kp, "seed", (0, u64::MAX), d.seed),
+            max_consecutive_skips: self.uint_or(
+                k,
+                kp,
+                "max_consecutive_skips",
+                (1, 1_000_000),
+                d.max_consecutive_skips,
+            ),
         }
     }
 }

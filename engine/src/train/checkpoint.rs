@@ -142,6 +142,13 @@ pub enum CheckpointError {
     #[error("checkpoint `{}`: the manifest's state has no valid `{what}`; the checkpoint was not written by this version of Kiln", .dir.display())]
     BadState { dir: PathBuf, what: &'static str },
 
+    #[error("checkpoint `{}`: its manifest says step {manifest} but the training state it holds has done {state} steps: the manifest was edited or damaged, and resuming would report one step and continue from the other; {FIX_DAMAGED}", .dir.display())]
+    StepMismatch {
+        dir: PathBuf,
+        manifest: u64,
+        state: u64,
+    },
+
     /// Reading the state off the devices, or putting it back, failed.
     #[error(transparent)]
     Device(#[from] crate::Error),

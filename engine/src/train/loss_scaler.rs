@@ -126,10 +126,12 @@ impl LossScaler {
             if config.hysteresis == 1 || *hysteresis_left == 1 {
                 if *scale <= config.min_scale {
                     return Err(Error::InvalidArgument(format!(
-                        "fp16 gradients overflow even at the minimum loss scale {} (step {iter}): \
-                         training is diverging or the data holds inf/NaN. Lower the learning rate, \
-                         check the inputs, try bf16, or lower fp16.min_loss_scale",
-                        config.min_scale
+                        "fp16 gradients overflow even at the minimum loss scale {} (step {}, \
+                         counting from 1): training is diverging or the data holds inf/NaN. Lower \
+                         the learning rate, check the inputs, try bf16, or lower \
+                         fp16.min_loss_scale",
+                        config.min_scale,
+                        *iter + 1
                     )));
                 }
                 *scale = (*scale / 2.0).max(config.min_scale);

@@ -49,6 +49,41 @@ pub struct TrainerState {
     /// Steps applied: the LR schedule and Adam's bias correction follow this.
     pub applied: u64,
     pub scaler: LossScaler,
+    /// Steps skipped in a row up to here (absent in older checkpoints: 0).
+    #[serde(default)]
+    pub consecutive_skips: u64,
+    /// Steps in a row the dynamic fp16 scaler ran at its minimum without growing.
+    #[serde(default)]
+    pub steps_at_min_scale: u64,
+}
+
+impl TrainerState {
+    /// The state a checkpoint [`Trainer::save_checkpoint`] wrote holds, checked against
+    /// its manifest's step: what [`Trainer::load_checkpoint`] restores, readable before
+    /// any device is open.
+    pub fn from_checkpoint(ck: &Checkpoint) -> checkpoint::Result<TrainerState> {
+        let state: TrainerState = ck
+            .state()
+            .get("trainer")
+            .cloned()
+            .and_then(|t| serde_json::from_value(t).ok())
+            .ok_or_else(|| CheckpointError::BadState {
+                dir: ck.dir.clone(),
+                what: "trainer",
+            })?;
+        // The manifest's step is what callers report and count metrics from; the state
+        // is what the engine continues from. They are written together, so a difference
+        // is an edit or damage that the checksums (they cover the tensors, not the
+        // manifest) cannot catch.
+        if state.steps != ck.step() {
+            return Err(CheckpointError::StepMismatch {
+                dir: ck.dir.clone(),
+                manifest: ck.step(),
+                state: state.steps,
+            });
+        }
+        Ok(state)
+    }
 }
 
 /// What a data-parallel step spent exchanging gradients through the host.
@@ -72,6 +107,9 @@ pub struct Trainer {
     /// The fp16 loss scaler (a fixed scale of 1 without fp16), one for the group.
     pub scaler: LossScaler,
     steps: u64,
+    /// Divergence watch: see [`Trainer::watch`].
+    consecutive_skips: u64,
+    steps_at_min_scale: u64,
     /// The last data-parallel step's exchange.
     pub last_comm: CommStats,
     /// ZeRO stages 1 and 2: every rank's slice of the optimizer state.
@@ -168,6 +206,8 @@ impl Trainer {
             config,
             scaler,
             steps: 0,
+            consecutive_skips: 0,
+            steps_at_min_scale: 0,
             last_comm: CommStats::default(),
             shards,
             partitioned,
@@ -199,11 +239,12 @@ impl Trainer {
         let loss_scale = self.scaler.scale();
         self.model.accumulate(dev, micro, loss_scale)?;
         let (overflow, loss) = self.model.check(dev, self.config.gradient_clipping)?;
-        let skipped = self.scaler.update(overflow)? == StepDecision::Skip;
+        let skipped = self.decide(overflow)? == StepDecision::Skip;
         if !skipped {
             self.model.update(dev, lr)?;
         }
         self.steps += 1;
+        self.watch(skipped, loss_scale)?;
         Ok(StepStats {
             loss,
             lr,
@@ -263,7 +304,7 @@ impl Trainer {
             }
         };
         let (t0, mut bytes) = (ex.started, ex.bytes);
-        let decision = self.scaler.update(ex.overflow)?;
+        let decision = self.decide(ex.overflow)?;
         self.steps += 1;
         let comm = |bytes| CommStats {
             ms: t0.elapsed().as_secs_f64() * 1e3 + ex.blocked_ms,
@@ -272,6 +313,7 @@ impl Trainer {
         };
         if decision == StepDecision::Skip {
             self.last_comm = comm(bytes);
+            self.watch(true, loss_scale)?;
             return Ok(StepStats {
                 loss: ex.loss,
                 lr,
@@ -306,6 +348,7 @@ impl Trainer {
         self.shards = shards;
         applied_ok?;
         self.last_comm = comm(bytes);
+        self.watch(false, loss_scale)?;
         Ok(StepStats {
             loss: ex.loss,
             lr,
@@ -313,6 +356,100 @@ impl Trainer {
             skipped: false,
             applied: applied + 1,
         })
+    }
+
+    /// The loss scaler's decision on this step's overflow flag. Its only error, an
+    /// overflow at the minimum scale, is the run diverging: reported as such.
+    fn decide(&mut self, overflow: bool) -> Result<StepDecision> {
+        self.scaler.update(overflow).map_err(|e| Error::Diverged {
+            step: self.steps + 1,
+            detail: match e {
+                Error::InvalidArgument(m) => m,
+                other => other.to_string(),
+            },
+        })
+    }
+
+    /// Stops a run that can no longer make progress, instead of letting it skip steps
+    /// forever. Without dynamic loss scaling nothing changes after a skipped step, so
+    /// `kiln.max_consecutive_skips` skips in a row are divergence; a dynamic scaler that
+    /// has sat at `min_loss_scale` for a whole window without growing is overflowing
+    /// at a scale it cannot lower. Called once per step, after the step is counted.
+    fn watch(&mut self, skipped: bool, loss_scale: f32) -> Result<()> {
+        self.consecutive_skips = if skipped {
+            self.consecutive_skips + 1
+        } else {
+            0
+        };
+        let step = self.steps;
+        match (&self.scaler, &self.config.precision) {
+            (LossScaler::Dynamic { config, scale, .. }, _) => {
+                let at_min = loss_scale <= config.min_scale && *scale <= config.min_scale;
+                self.steps_at_min_scale = if at_min {
+                    self.steps_at_min_scale + 1
+                } else {
+                    0
+                };
+                if self.steps_at_min_scale >= config.window {
+                    return Err(Error::Diverged {
+                        step,
+                        detail: format!(
+                            "the fp16 loss scale has stayed at its minimum {} (fp16.min_loss_scale) \
+                             for a whole window of {} steps (fp16.loss_scale_window) because the \
+                             gradients keep overflowing ({} skipped in a row now). Lower the \
+                             learning rate (or warm it up longer), set gradient_clipping (1.0 is \
+                             typical), lower fp16.min_loss_scale, or train in bf16",
+                            config.min_scale, config.window, self.consecutive_skips
+                        ),
+                    });
+                }
+            }
+            (LossScaler::Static { scale }, precision) => {
+                let max = self.config.kiln.max_consecutive_skips;
+                if self.consecutive_skips >= max {
+                    let (what, advice) = match precision {
+                        Precision::Fp16 { .. } => (
+                            format!(
+                                "the fp16 gradients overflowed at the static loss scale {scale} \
+                                 (fp16.loss_scale)"
+                            ),
+                            "use dynamic loss scaling (fp16.loss_scale 0) or a lower static \
+                             scale, lower the learning rate, set gradient_clipping (1.0 is \
+                             typical), or train in bf16",
+                        ),
+                        _ => (
+                            format!(
+                                "the gradients were not finite (NaN or infinite) in this {} run",
+                                if matches!(precision, Precision::Bf16) {
+                                    "bf16"
+                                } else {
+                                    "fp32"
+                                }
+                            ),
+                            "lower the learning rate (or warm it up longer), set \
+                             gradient_clipping (1.0 is typical), and check the data and the \
+                             model's initialisation",
+                        ),
+                    };
+                    return Err(Error::Diverged {
+                        step,
+                        detail: format!(
+                            "{what} for {} steps in a row (kiln.max_consecutive_skips = {max}); \
+                             the skipped steps left the weights as they were, and without \
+                             dynamic loss scaling nothing changes from one step to the next, \
+                             so every further step would be skipped too. Try: {advice}",
+                            self.consecutive_skips
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Steps skipped in a row up to the last one (0 after an applied step).
+    pub fn consecutive_skips(&self) -> u64 {
+        self.consecutive_skips
     }
 
     /// Every rank's network, mutably, rank 0 first.
@@ -435,6 +572,8 @@ impl Trainer {
             steps: self.steps,
             applied: self.model.steps_applied() as u64,
             scaler: self.scaler.clone(),
+            consecutive_skips: self.consecutive_skips,
+            steps_at_min_scale: self.steps_at_min_scale,
         }
     }
 
@@ -466,6 +605,8 @@ impl Trainer {
             m.set_steps_applied(applied);
         }
         self.scaler = state.scaler.clone();
+        self.consecutive_skips = state.consecutive_skips;
+        self.steps_at_min_scale = state.steps_at_min_scale;
         Ok(())
     }
 
@@ -516,6 +657,7 @@ impl Trainer {
         devs: &[&dyn Device],
         ck: &Checkpoint,
     ) -> checkpoint::Result<serde_json::Value> {
+        let trainer = TrainerState::from_checkpoint(ck)?;
         let mut states = vec![];
         for spec in self.model.specs() {
             let dtype = self.model.options().dtype;
@@ -536,17 +678,7 @@ impl Trainer {
             });
         }
         self.load_param_states(devs, &states)?;
-        let bad = |what| CheckpointError::BadState {
-            dir: ck.dir.clone(),
-            what,
-        };
-        let state = ck.state();
-        let trainer: TrainerState = state
-            .get("trainer")
-            .cloned()
-            .and_then(|t| serde_json::from_value(t).ok())
-            .ok_or_else(|| bad("trainer"))?;
         self.restore(&trainer)?;
-        Ok(state.clone())
+        Ok(ck.state().clone())
     }
 }
