@@ -181,6 +181,16 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         checkpoint_every,
         ..
     } = settings.run;
+    // The data position counts samples in 64 bits: the config checks its own step
+    // count against that, a --steps flag is checked here.
+    if total > ds.batch.max_steps() {
+        bail!(
+            "{total} steps of {} samples would overflow the 64-bit count of samples drawn; \
+             at most {} steps at this batch size",
+            ds.batch.train_batch_size,
+            ds.batch.max_steps()
+        );
+    }
     if let Some((_, ck)) = &resumed {
         if ck.step() >= total {
             bail!(
@@ -924,6 +934,8 @@ const RESHARDABLE: [&str; 5] = [
 /// `kiln.devices` of a config, read leniently: the full, strict reading comes after,
 /// once the device count (the world size its batch sizes depend on) is known.
 fn configured_devices(text: &str) -> Vec<String> {
+    // As config::parse does: a byte-order mark must not hide kiln.devices.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
     match &v["kiln"]["devices"] {
         Value::String(s) => s.split(',').map(|d| d.trim().to_string()).collect(),

@@ -194,6 +194,24 @@ fn steps_zero_is_an_error_before_anything_is_created() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A `--steps` whose samples overflow the 64-bit data position is refused, as the same
+/// count in the config is, before anything is created.
+#[test]
+fn steps_beyond_the_sample_counter_are_an_error_before_anything_is_created() {
+    let dir = scratch("steps-max");
+    let out = spawn_train(&dir, "run", &["--steps", &u64::MAX.to_string()])
+        .wait_with_output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("64-bit count of samples"), "{err}");
+    assert!(
+        !dir.join("run").exists(),
+        "a failed start left a run directory"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Library options for the tiny model.
 fn options(dir: &Path, out: &str) -> TrainOptions {
     let (config, model) = files(dir, "");
