@@ -590,8 +590,7 @@ fn share(e: &Emitter) -> Result<Sharing> {
     shared.sort_by_key(|&(first, _, b)| (first, b.id));
     let mut free: HashMap<(DType, usize), Vec<usize>> = HashMap::new();
     let mut busy: BinaryHeap<Reverse<(usize, usize, usize)>> = BinaryHeap::new();
-    let mut taken = 0;
-    for (first, last, p) in shared {
+    for (taken, (first, last, p)) in shared.into_iter().enumerate() {
         if reads_old_contents(&e.launches[first], p) {
             return Err(Error::InvalidArgument(format!(
                 "plan: launch {first} ({}) reads an intermediate buffer before anything writes \
@@ -626,7 +625,6 @@ fn share(e: &Emitter) -> Result<Sharing> {
             }
         };
         busy.push(Reverse((last, taken, slot)));
-        taken += 1;
         place.insert(p.id, slot);
         memory.largest = memory.largest.max(p.bytes());
     }

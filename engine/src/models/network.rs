@@ -1065,8 +1065,15 @@ impl Network {
     /// The groups [`Network::accumulate_with`] hands over: each block, then the rest.
     pub fn ready_groups(&self) -> Vec<Vec<usize>> {
         let mut groups = self.model.blocks();
-        let mut rest: Vec<usize> = (0..self.params.len()).collect();
-        rest.retain(|p| !groups.iter().any(|g| g.contains(p)));
+        // Marked in one pass: a search of every block per parameter grows with layers
+        // squared, and this runs every step.
+        let mut in_block = vec![false; self.params.len()];
+        for &p in groups.iter().flatten() {
+            if let Some(b) = in_block.get_mut(p) {
+                *b = true;
+            }
+        }
+        let rest: Vec<usize> = (0..self.params.len()).filter(|&p| !in_block[p]).collect();
         if !rest.is_empty() {
             groups.push(rest);
         }
