@@ -570,3 +570,51 @@ fn estimate_gives_trains_verdict() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// End to end: `kiln train` marks each process's first step, so a run resumed halfway
+/// leaves the warm-up steps of both starts out of its summary's throughput.
+#[test]
+fn a_resumed_runs_summary_leaves_out_each_starts_warm_up() {
+    let dir = scratch("resume-throughput");
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 9, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let config = dir.join("ds.json");
+    std::fs::write(&config, r#"{"train_micro_batch_size_per_gpu": 4}"#).unwrap();
+    let out_dir = dir.join("run");
+    for (steps, resume) in [("6", false), ("12", true)] {
+        let mut args = vec![
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--devices",
+            "vulkan",
+            "--steps",
+            steps,
+            "--eval-every",
+            "0",
+            "--out",
+            out_dir.to_str().unwrap(),
+        ];
+        if resume {
+            args.push("--resume");
+        }
+        let out = kiln(&args);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let records = read_metrics(&out_dir).unwrap();
+    let starts: Vec<u64> = records
+        .iter()
+        .filter(|r| r.started)
+        .map(|r| r.step)
+        .collect();
+    assert_eq!(starts, [1, 7], "{records:?}");
+    let summary = Summary::read(&out_dir).unwrap();
+    assert_eq!(summary.warmup_steps_excluded, 10, "{summary:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
