@@ -267,8 +267,9 @@ impl NetworkMemory {
         let mut fixes = vec![];
         if params {
             fixes.push(
-                "a smaller largest parameter tensor (usually the embedding, vocab_size × \
-                 n_embd: its f32 master weights are bound whole whatever the precision)",
+                "a smaller largest parameter tensor (in a language model usually the \
+                 embedding, vocab_size × n_embd; its f32 master weights are bound whole \
+                 whatever the precision)",
             );
         }
         if total {
