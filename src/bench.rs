@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use crate::engine::{Buffer, DType, Device, HostData, Kernel, Matmul};
+use crate::engine::models::{host_memory_available, MAX_TENSOR_ELEMENTS};
+use crate::engine::{Buffer, Capabilities, DType, Device, HostData, Kernel, Matmul};
 use crate::wgpu::{MatmulVariant, WgpuDevice};
 
 /// One GEMM shape: `C(m×n) = op(A)·op(B)` with op given by the transposes.
@@ -30,6 +31,82 @@ impl Shape {
             trans_b: false,
             label: "square",
         }
+    }
+
+    /// Elements of A, B and C.
+    fn operands(&self) -> [usize; 3] {
+        // Checked by `check` before any other use.
+        [
+            self.m.saturating_mul(self.k),
+            self.k.saturating_mul(self.n),
+            self.m.saturating_mul(self.n),
+        ]
+    }
+
+    /// Refuses, before anything is allocated, a shape that cannot run: a zero
+    /// dimension (no work: the rates would be NaN), an operand over what a kernel
+    /// indexes or over an adapter's largest buffer in the widest of `dtypes`, or more
+    /// host memory than is available (`host_available`) for the CPU reference, the
+    /// uploads, and the buffers of CPU adapters, which live in host memory.
+    pub fn check(
+        &self,
+        devices: &[&Capabilities],
+        dtypes: &[DType],
+        host_available: Option<u64>,
+    ) -> Result<()> {
+        let dims = format!("{}x{}x{}", self.m, self.n, self.k);
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            anyhow::bail!(
+                "matmul {dims}: every dimension must be at least 1 (a product of nothing has \
+                 no rate to measure)"
+            );
+        }
+        let sizes = [
+            self.m.checked_mul(self.k),
+            self.k.checked_mul(self.n),
+            self.m.checked_mul(self.n),
+        ];
+        let largest = sizes
+            .iter()
+            .map(|n| n.unwrap_or(usize::MAX))
+            .max()
+            .unwrap_or(0);
+        if largest > MAX_TENSOR_ELEMENTS {
+            anyhow::bail!(
+                "matmul {dims}: an operand of {largest} elements is over the \
+                 {MAX_TENSOR_ELEMENTS} a kernel indexes; use smaller sizes"
+            );
+        }
+        let width = dtypes.iter().map(|d| d.size()).max().unwrap_or(4) as u64;
+        let bytes = |n: usize| n as u64 * width;
+        for caps in devices {
+            if bytes(largest) > caps.max_buffer {
+                anyhow::bail!(
+                    "matmul {dims}: an operand of {} MiB is over `{}`'s largest buffer of {} \
+                     MiB; use smaller sizes",
+                    bytes(largest) >> 20,
+                    caps.name,
+                    caps.max_buffer >> 20
+                );
+            }
+        }
+        let [a, b, c] = self.operands();
+        // The CPU reference holds A, B and C in f32; a GPU row holds its operands on a
+        // CPU adapter, plus the f32 fill of the largest input and its rounded copy.
+        let reference = 4 * (a + b + c) as u64;
+        let on_host = devices.iter().filter(|c| c.device_type == "cpu").count() as u64;
+        let gpu = on_host.min(1) * bytes(a + b + c) + 8 * a.max(b) as u64;
+        let need = reference.max(gpu);
+        if let Some(avail) = host_available.filter(|&h| need > h) {
+            anyhow::bail!(
+                "matmul {dims}: needs {} MiB of host memory (the CPU reference's f32 operands, \
+                 or the uploads and a CPU adapter's buffers), over the {} MiB available; use \
+                 smaller sizes",
+                need >> 20,
+                avail >> 20
+            );
+        }
+        Ok(())
     }
 
     pub fn op(&self) -> &'static str {
@@ -145,7 +222,7 @@ pub fn cpu_sgemm_gflops(s: &Shape, budget: Duration) -> Result<f64> {
         }
         Ok(())
     })?;
-    Ok(2.0 * (s.m * s.n * s.k) as f64 / secs / 1e9)
+    Ok(2.0 * s.m as f64 * s.n as f64 * s.k as f64 / secs / 1e9)
 }
 
 /// Times one GEMM on `dev`, end to end per launch (record, submit, wait).
@@ -194,6 +271,11 @@ pub fn matmul_table(
     extra: &[MatmulVariant],
     mut progress: impl FnMut(&Row),
 ) -> Result<Vec<Row>> {
+    let caps: Vec<&Capabilities> = devices.iter().map(|d| d.caps()).collect();
+    let host = host_memory_available();
+    for s in shapes {
+        s.check(&caps, dtypes, host)?;
+    }
     let mut rows = vec![];
     for s in shapes {
         let cpu = cpu_sgemm_gflops(s, budget).context("CPU sgemm reference")?;
@@ -220,7 +302,7 @@ pub fn matmul_table(
                         op: s.op().into(),
                         shape: s.label.into(),
                         variant,
-                        ms: 2.0 * (s.m * s.n * s.k) as f64 / gflops / 1e6,
+                        ms: 2.0 * s.m as f64 * s.n as f64 * s.k as f64 / gflops / 1e6,
                         gflops,
                         cpu_gflops: cpu,
                         ratio: gflops / cpu,
@@ -450,6 +532,72 @@ fn time_attention(
     Ok((secs? * 1e3, bytes))
 }
 
+/// Refuses, before anything is allocated, an attention shape that cannot run on
+/// `caps`: a zero size, q/k/v over what a kernel indexes or over the largest buffer,
+/// or more host memory than `host_available` (the f32 fills of the inputs and, on a
+/// CPU adapter, the device buffers, which live in host memory).
+pub fn check_attention(
+    caps: &Capabilities,
+    dtype: DType,
+    (heads, seq, dim): (usize, usize, usize),
+    host_available: Option<u64>,
+) -> Result<()> {
+    let what = format!("attention B*H={heads} T={seq} d={dim}");
+    if heads == 0 || seq == 0 || dim == 0 {
+        anyhow::bail!("{what}: heads, sequence length and dim must all be at least 1");
+    }
+    let n = heads
+        .checked_mul(seq)
+        .and_then(|x| x.checked_mul(dim))
+        .filter(|&n| n <= MAX_TENSOR_ELEMENTS)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{what}: q, k and v would each be over the {MAX_TENSOR_ELEMENTS} elements a \
+                 kernel indexes; use a shorter sequence or fewer heads"
+            )
+        })?;
+    let bytes = dtype.padded_bytes(n);
+    if bytes > caps.max_buffer {
+        anyhow::bail!(
+            "{what}: q, k and v would each take {} MiB, over `{}`'s largest buffer of {} MiB; \
+             use a shorter sequence or fewer heads",
+            bytes >> 20,
+            caps.name,
+            caps.max_buffer >> 20
+        );
+    }
+    // The straightforward version runs only where its T x T scores fit one binding.
+    let scores = heads
+        .checked_mul(seq)
+        .and_then(|x| x.checked_mul(seq))
+        .map_or(u64::MAX, |t| dtype.padded_bytes(t));
+    let straight = if scores <= caps.max_storage_binding {
+        3 * scores
+    } else {
+        0
+    };
+    let fill = 8 * n as u64;
+    let device = if caps.device_type == "cpu" {
+        8 * bytes + straight
+    } else {
+        0
+    };
+    if let Some(avail) = host_available.filter(|&h| fill + device > h) {
+        anyhow::bail!(
+            "{what}: needs {} MiB of host memory (the inputs' f32 fills{}), over the {} MiB \
+             available; use a shorter sequence or fewer heads",
+            (fill + device) >> 20,
+            if device > 0 {
+                " and the CPU adapter's buffers"
+            } else {
+                ""
+            },
+            avail >> 20
+        );
+    }
+    Ok(())
+}
+
 /// Fused against straightforward attention on `dev` for each sequence length.
 pub fn attention_table(
     dev: &WgpuDevice,
@@ -461,6 +609,9 @@ pub fn attention_table(
     mut progress: impl FnMut(&AttentionRow),
 ) -> Result<Vec<AttentionRow>> {
     let caps = dev.caps().clone();
+    for &seq in seqs {
+        check_attention(&caps, dtype, (heads, seq, dim), host_memory_available())?;
+    }
     let mut rows = vec![];
     for &seq in seqs {
         let n = heads * seq * dim;

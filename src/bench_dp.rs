@@ -49,6 +49,13 @@ pub fn dp_table(
     if steps == 0 || counts.contains(&0) {
         anyhow::bail!("bench dp needs at least one timed step and one device per group");
     }
+    if let Some(&n) = counts.iter().find(|&&n| n > crate::devices::MAX_DEVICES) {
+        anyhow::bail!(
+            "bench dp: a group of {n} devices; Kiln opens at most {} (each compiles every \
+             kernel it runs)",
+            crate::devices::MAX_DEVICES
+        );
+    }
     let t = model.block_size;
     let mut rows = vec![];
     for &n in counts {
@@ -100,6 +107,18 @@ pub fn dp_table(
         });
     }
     Ok(rows)
+}
+
+/// Checks a bandwidth flag of the model: a positive, finite number of GB/s (at 0 the
+/// exchange would take forever and every row would read 0%).
+pub fn check_bandwidth(flag: &str, gbps: f64) -> Result<()> {
+    if !(gbps.is_finite() && gbps > 0.0) {
+        anyhow::bail!(
+            "--{flag} {gbps}: a bandwidth must be a positive number of GB/s (PCIe 4.0 x16 \
+             moves about 25, host memory 20 or more)"
+        );
+    }
+    Ok(())
 }
 
 /// Modelled efficiency of `n` real GPUs, each computing for `compute_ms` per step and

@@ -20,6 +20,46 @@ pub enum DeviceSpec {
 
 const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
 
+/// Devices one command opens at most. Each is a device of its own that compiles every
+/// kernel it runs (minutes on a CPU adapter): past this, a count is a typo.
+pub const MAX_DEVICES: usize = 64;
+
+/// The backends this operating system has, as Kiln's wgpu is built: Vulkan and GL on
+/// Windows, Linux and the other Unixes, Metal on Apple's systems, DirectX 12 on Windows.
+pub fn os_backends() -> Vec<&'static str> {
+    let apple = cfg!(any(target_os = "macos", target_os = "ios"));
+    let mut out = vec![];
+    if cfg!(windows) || (cfg!(unix) && !apple) {
+        out.extend(["vulkan", "gl"]);
+    }
+    if apple {
+        out.push("metal");
+    }
+    if cfg!(windows) {
+        out.push("dx12");
+    }
+    out
+}
+
+/// Why `backend` is not on this operating system, or `None` where it is.
+fn missing_backend(backend: &str) -> Option<String> {
+    if os_backends().contains(&backend) {
+        return None;
+    }
+    let what = match backend {
+        "metal" => "Metal is Apple's GPU API (macOS and iOS)",
+        "dx12" => "DirectX 12 is Windows' GPU API",
+        "vulkan" => "Kiln reaches Vulkan on Windows, Linux and other Unixes",
+        _ => "Kiln reaches GL on Windows, Linux and other Unixes",
+    };
+    Some(format!(
+        "device `{backend}`: {what}; it does not exist on {}. This system's backends: {} \
+         (`kiln devices` lists the adapters found, or use `cpu`)",
+        std::env::consts::OS,
+        os_backends().join(", ")
+    ))
+}
+
 impl FromStr for DeviceSpec {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -45,8 +85,11 @@ impl FromStr for DeviceSpec {
             return Err(Error::InvalidArgument(format!(
                 "unknown device `{s}`: use `cpu`, an adapter index from `kiln devices`, or a backend \
                  ({}) optionally followed by `:N`",
-                BACKENDS.join(", ")
+                os_backends().join(", ")
             )));
+        }
+        if let Some(why) = missing_backend(name) {
+            return Err(Error::InvalidArgument(why));
         }
         Ok(DeviceSpec::Backend {
             backend: name.to_string(),
@@ -137,16 +180,33 @@ pub fn parse_devices(items: &[String]) -> Result<Vec<DeviceSpec>> {
                             "device `{item}`: x0 asks for no device; write x1 or more"
                         )));
                     }
+                    if n > MAX_DEVICES {
+                        return Err(too_many(items, n));
+                    }
                     (resolve(s)?, n)
                 }
                 _ => return Err(e),
             },
         };
+        let total = out.len() + specs.len() * copies;
+        if total > MAX_DEVICES {
+            return Err(too_many(items, total));
+        }
         for _ in 0..copies {
             out.extend(specs.iter().cloned());
         }
     }
     Ok(out)
+}
+
+/// More devices than one command opens.
+fn too_many(items: &[String], n: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "`{}` names {n} devices; Kiln opens at most {MAX_DEVICES} (each device compiles every \
+         kernel it runs, minutes on a CPU adapter). Several devices on one adapter only test \
+         multi-device code: name a few (`vulkan:0x2`), or one per GPU",
+        items.join(",")
+    ))
 }
 
 /// `all`, a spec, or an adapter name.

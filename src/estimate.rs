@@ -11,8 +11,8 @@
 use std::fmt::Write as _;
 
 use anyhow::Result;
-use kiln_engine::models::{Model, Network, NetworkMemory, NetworkOptions};
-use kiln_engine::{DType, Optimizer};
+use kiln_engine::models::{host_memory_available, Model, Network, NetworkMemory, NetworkOptions};
+use kiln_engine::{Capabilities, DType, Optimizer};
 
 /// One ZeRO stage's per-device bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,16 +98,20 @@ fn mib(b: u64) -> String {
     format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
 }
 
-/// The table `kiln estimate` prints.
+/// The table `kiln estimate` prints, and whether `kiln train` would build the model on
+/// `devices` (the adapters named, one entry per device; none for a bare device count)
+/// and this host: the same check, with the same message, as training runs first.
 pub fn report(
     model: &dyn Model,
     micro_batch: usize,
     dtype: DType,
     world: usize,
-    adapters: &[(String, u64)],
+    devices: &[Capabilities],
 ) -> Result<String> {
     let mut out = String::new();
-    let psi: usize = model.parameters().iter().map(|p| p.len()).sum();
+    // First: it checks the model's sizes before anything is built from them.
+    let rows = stages(model, micro_batch, dtype, world)?;
+    let psi: u64 = model.parameters().iter().map(|p| p.len() as u64).sum();
     writeln!(
         out,
         "{}: Ψ = {psi} parameters; {dtype}, micro-batch {micro_batch}, {world} device(s)",
@@ -118,7 +122,6 @@ pub fn report(
         "{:<7} {:>12} {:>12} {:>14} {:>13} {:>12}  note",
         "stage", "weights", "gradients", "master+Adam", "activations", "per device"
     )?;
-    let rows = stages(model, micro_batch, dtype, world)?;
     for s in &rows {
         writeln!(
             out,
@@ -136,22 +139,63 @@ pub fn report(
             }
         )?;
     }
-    let biggest = network_memory(model, micro_batch, dtype)?.largest_buffer;
-    for (name, max_binding) in adapters {
-        writeln!(
-            out,
-            "{name}: total memory is not reported through wgpu, so compare the per-device \
-             figure with the adapter's; largest single buffer {} vs its binding limit {} ({})",
-            mib(biggest),
-            mib(*max_binding),
-            if biggest <= *max_binding {
-                "fits"
-            } else {
-                "over: the GEMMs split it, other kernels report an error"
-            }
-        )?;
+    let m = network_memory(model, micro_batch, dtype)?;
+    writeln!(
+        out,
+        "kiln train builds stage 0's layout on every device before ZeRO shards it, so stage \
+         0's per-device figure is what must fit; largest buffer {}, largest kernel binding {} \
+         (GEMM operands are split, other kernels bind whole)",
+        mib(m.largest_buffer),
+        mib(m.largest_binding)
+    )?;
+    let host = host_memory_available();
+    for caps in unique(devices) {
+        let memory = if caps.device_type == "cpu" {
+            "its memory is the host's"
+        } else {
+            "total memory is not reported through wgpu, so compare the per-device figure with \
+             the adapter's"
+        };
+        if caps.backend == "cpu" {
+            writeln!(out, "{} (cpu): no buffer limits; {memory}", caps.name)?;
+        } else {
+            writeln!(
+                out,
+                "{} ({}): largest buffer {}, per-binding limit {}; {memory}",
+                caps.name,
+                caps.backend,
+                mib(caps.max_buffer),
+                mib(caps.max_storage_binding)
+            )?;
+        }
     }
+    let caps: Vec<&Capabilities> = devices.iter().collect();
+    let verdict = match m.check_fit(&model.describe(), dtype, &caps, host) {
+        Ok(()) => format!(
+            "fits{}",
+            host.map_or(String::new(), |h| format!(
+                " ({} of host memory available)",
+                mib(h)
+            ))
+        ),
+        Err(e) => format!("refused: {e}"),
+    };
+    let on = if devices.is_empty() {
+        "this host".to_string()
+    } else {
+        format!("these {} device(s) and this host", devices.len())
+    };
+    writeln!(out, "kiln train on {on}: {verdict}")?;
     Ok(out)
+}
+
+/// Each adapter once, in order.
+fn unique(devices: &[Capabilities]) -> Vec<&Capabilities> {
+    let mut seen = std::collections::HashSet::new();
+    devices
+        .iter()
+        .filter(|c| seen.insert((c.name.clone(), c.backend.clone())))
+        .collect()
 }
 
 #[cfg(test)]

@@ -404,21 +404,21 @@ fn estimate(
         specs => {
             let specs = kiln::devices::parse_devices(specs)?;
             let all = kiln::wgpu::adapters();
-            let mut adapters: Vec<(String, u64)> = specs
-                .iter()
-                .filter_map(|s| s.adapter_index().ok().flatten())
-                .filter_map(|i| all.iter().find(|a| a.index == i))
-                .map(|a| {
-                    (
-                        format!("{} ({})", a.caps.name, a.caps.backend),
-                        a.caps.max_storage_binding,
-                    )
-                })
-                .collect();
-            // One line per adapter, however many devices it hosts.
-            let mut seen = std::collections::HashSet::new();
-            adapters.retain(|a| seen.insert(a.0.clone()));
-            (specs.len(), adapters)
+            let cpu = kiln::cpu::CpuDevice::new();
+            // One entry per device, as training would open them.
+            let mut caps = vec![];
+            for s in &specs {
+                match s.adapter_index()? {
+                    None => caps.push(cpu.caps().clone()),
+                    Some(i) => caps.push(
+                        all.iter()
+                            .find(|a| a.index == i)
+                            .map(|a| a.caps.clone())
+                            .ok_or_else(|| anyhow::anyhow!("no adapter {i}: see `kiln devices`"))?,
+                    ),
+                }
+            }
+            (specs.len(), caps)
         }
     };
     let (micro, dtype) = match config {
@@ -549,8 +549,11 @@ fn devices(json: bool) -> Result<()> {
 }
 
 fn bench_dp(a: DpArgs) -> Result<()> {
-    use kiln::bench_dp::{dp_table, modelled_efficiency};
+    use kiln::bench_dp::{check_bandwidth, dp_table, modelled_efficiency};
     use kiln::engine::models::gpt::{Gpt, GptConfig};
+    // Before minutes of measuring: the model's inputs.
+    check_bandwidth("pcie-gbps", a.pcie_gbps)?;
+    check_bandwidth("host-gbps", a.host_gbps)?;
     let model: GptConfig = match &a.model {
         Some(p) => {
             let text = kiln::train::read_json_input(p, "the model config")?;

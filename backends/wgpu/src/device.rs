@@ -595,13 +595,28 @@ impl Device for WgpuDevice {
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        // The kernels take element counts as 32-bit integers: a longer buffer would be
+        // processed only up to the wrapped count, silently.
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
+                 elements; use smaller tensors (a smaller micro-batch, sequence or model \
+                 dimension)",
+                self.caps.name,
+                u32::MAX
+            )));
+        }
         let bytes = dtype.padded_bytes(len);
         let max = self.caps.max_buffer;
         if bytes > max {
             return Err(Error::OutOfMemory {
                 device: self.caps.name.clone(),
                 detail: format!(
-                    "{len} {dtype} elements need {bytes} bytes, over the adapter's largest buffer of {max} bytes; split the tensor"
+                    "{len} {dtype} elements need {bytes} bytes, over the adapter's largest \
+                     buffer of {max} bytes. For a model: a smaller micro-batch or sequence \
+                     (activations), or smaller model dimensions (parameters: the f32 master \
+                     weights of the largest tensor are one buffer); `kiln estimate` shows \
+                     which"
                 ),
             });
         }
@@ -617,7 +632,14 @@ impl Device for WgpuDevice {
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(Error::OutOfMemory {
                 device: self.caps.name.clone(),
-                detail: format!("allocating {bytes} bytes: {e}"),
+                detail: format!(
+                    "allocating {bytes} bytes ({} bytes already allocated): {e}. Try a \
+                     smaller micro-batch (with more gradient accumulation) or sequence, \
+                     fp16/bf16 storage or a smaller model; memory that runs out during \
+                     training steps also shrinks with ZeRO stage 1 or 2 over more devices. \
+                     `kiln estimate` shows what each needs",
+                    self.lock().allocated
+                ),
             });
         }
         let mut s = self.lock();

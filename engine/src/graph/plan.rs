@@ -23,7 +23,8 @@
 //! makes sharing safe: a buffer's old contents are never seen. The tests poison the
 //! shared buffers with NaN between steps to hold the plan to that.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 
 use super::autodiff;
 use super::ops::{self, Saved};
@@ -77,6 +78,10 @@ pub struct PlanMemory {
     pub slots: usize,
     /// Bytes of the largest single buffer the plan allocates.
     pub largest: u64,
+    /// Bytes of the largest buffer a launch other than a GEMM binds whole (the caller's
+    /// parameters and flat optimizer buffers included): over the device's per-binding
+    /// limit it cannot run (GEMMs split their operands themselves).
+    pub largest_bound: u64,
 }
 
 impl PlanMemory {
@@ -298,23 +303,21 @@ impl Graph {
         let proxies: Vec<Buffer> = self.params.iter().map(|p| param_grads[&p.tensor]).collect();
         autodiff::backward(self, &mut e, &saved, &param_grads)?;
         let backward_end = e.launches.len();
-        let writes = |g: &Buffer, i: usize| e.launches[i].written().iter().any(|w| w.id == g.id);
+        // First and last backward launch writing each buffer, in one pass: scanning the
+        // launches once per parameter grows with layers squared (minutes at 1000 layers).
+        let mut written: HashMap<u64, (usize, usize)> = HashMap::new();
+        for i in forward_end..backward_end {
+            for w in e.launches[i].written() {
+                written.entry(w.id).or_insert((i, i)).1 = i;
+            }
+        }
         let grad_first = proxies
             .iter()
-            .map(|g| {
-                (forward_end..backward_end)
-                    .find(|&i| writes(g, i))
-                    .unwrap_or(backward_end)
-            })
+            .map(|g| written.get(&g.id).map_or(backward_end, |r| r.0))
             .collect();
         let grad_final = proxies
             .iter()
-            .map(|g| {
-                (forward_end..backward_end)
-                    .rev()
-                    .find(|&i| writes(g, i))
-                    .map_or(backward_end, |i| i + 1)
-            })
+            .map(|g| written.get(&g.id).map_or(backward_end, |r| r.1 + 1))
             .collect();
         // Overflow check over every gradient, then the factor the optimizer multiplies
         // them by: 1 / (loss scale x clip factor), from the global norm when clipping.
@@ -471,7 +474,9 @@ fn bind(
     };
     let mut grads = HashMap::new();
     let mut fresh = false;
-    for (k, (decl, p)) in g.params.iter().zip(&b.params).enumerate() {
+    // A set, not a look back over the earlier parameters (layers squared when deep).
+    let mut grad_ids = std::collections::HashSet::new();
+    for (decl, p) in g.params.iter().zip(&b.params) {
         let i = g.t(decl.tensor);
         let n = i.len();
         external(format!("value of `{}`", decl.name), p.value, i.dtype, n)?;
@@ -485,7 +490,7 @@ fn bind(
                 external(format!("{what} of `{}`", decl.name), buf, DType::F32, n)?;
             }
         }
-        fresh |= b.params[..k].iter().any(|q| q.grad.id == p.grad.id);
+        fresh |= !grad_ids.insert(p.grad.id);
         e.value[decl.tensor.0] = Some(p.value);
         let proxy = e.scratch(p.grad.dtype, n);
         e.external.insert(proxy.id, p.grad);
@@ -584,8 +589,8 @@ fn share(e: &Emitter) -> Result<Sharing> {
         .collect();
     shared.sort_by_key(|&(first, _, b)| (first, b.id));
     let mut free: HashMap<(DType, usize), Vec<usize>> = HashMap::new();
-    let mut busy: Vec<(usize, usize)> = vec![];
-    for (first, last, p) in shared {
+    let mut busy: BinaryHeap<Reverse<(usize, usize, usize)>> = BinaryHeap::new();
+    for (taken, (first, last, p)) in shared.into_iter().enumerate() {
         if reads_old_contents(&e.launches[first], p) {
             return Err(Error::InvalidArgument(format!(
                 "plan: launch {first} ({}) reads an intermediate buffer before anything writes \
@@ -593,13 +598,22 @@ fn share(e: &Emitter) -> Result<Sharing> {
                 e.launches[first].name()
             )));
         }
-        busy.retain(|&(until, slot)| {
-            let done = until < first;
-            if done {
-                free.entry(slots[slot]).or_default().push(slot);
-            }
-            !done
-        });
+        // Slots whose last user ran before this launch are free again, handed out in
+        // the order they were taken. A heap by last use, not a scan of every live slot:
+        // the saved activations stay live through backward, so a scan per placeholder
+        // grows with layers squared.
+        let mut done = vec![];
+        while busy
+            .peek()
+            .is_some_and(|Reverse((until, _, _))| *until < first)
+        {
+            let Reverse((_, order, slot)) = busy.pop().expect("peeked");
+            done.push((order, slot));
+        }
+        done.sort_unstable();
+        for (_, slot) in done {
+            free.entry(slots[slot]).or_default().push(slot);
+        }
         memory.without_reuse += p.bytes();
         memory.placeholders += 1;
         let slot = match free.get_mut(&(p.dtype, p.len)).and_then(|v| v.pop()) {
@@ -610,7 +624,7 @@ fn share(e: &Emitter) -> Result<Sharing> {
                 slots.len() - 1
             }
         };
-        busy.push((last, slot));
+        busy.push(Reverse((last, taken, slot)));
         place.insert(p.id, slot);
         memory.largest = memory.largest.max(p.bytes());
     }
@@ -620,6 +634,14 @@ fn share(e: &Emitter) -> Result<Sharing> {
         place.insert(p.id, slots.len() + k);
     }
     memory.slots = slots.len();
+    memory.largest_bound = e
+        .launches
+        .iter()
+        .filter(|k| !matches!(k, Kernel::Matmul(_)))
+        .flat_map(|k| k.buffers())
+        .map(|b| b.bytes())
+        .max()
+        .unwrap_or(0);
     Ok(Sharing {
         place,
         slots,

@@ -10,7 +10,7 @@
 
 use serde::Deserialize;
 
-use super::{Forward, Init, Model, ParamSpec};
+use super::{tensor_elements, Forward, Init, Model, ParamSpec, MAX_LAYERS, MAX_PARAMETERS};
 use crate::graph::{Attention, Graph, Tensor};
 use crate::{DType, Error, Result};
 
@@ -51,9 +51,68 @@ impl LlamaConfig {
         self.n_kv_head.unwrap_or(self.n_head)
     }
 
+    /// The MLP width (saturating where 8/3 · n_embd overflows, which
+    /// [`LlamaConfig::check`] refuses).
     pub fn intermediate(&self) -> usize {
-        self.intermediate_size
-            .unwrap_or_else(|| (8 * self.n_embd).div_ceil(3).next_multiple_of(8))
+        self.intermediate_size.unwrap_or_else(|| {
+            self.n_embd
+                .saturating_mul(8)
+                .div_ceil(3)
+                .checked_next_multiple_of(8)
+                .unwrap_or(usize::MAX)
+        })
+    }
+
+    /// Ψ, or `None` where it overflows.
+    pub fn checked_parameter_count(&self) -> Option<usize> {
+        let (e, v, i) = (self.n_embd, self.vocab_size, self.intermediate());
+        let kv = self.kv_heads().checked_mul(e / self.n_head.max(1))?;
+        let heads = if self.tie_word_embeddings { 1 } else { 2 };
+        let block = e
+            .checked_mul(e)?
+            .checked_mul(2)?
+            .checked_add(kv.checked_mul(e)?.checked_mul(2)?)?
+            .checked_add(i.checked_mul(e)?.checked_mul(3)?)?
+            .checked_add(e.checked_mul(2)?)?;
+        v.checked_mul(e)?
+            .checked_mul(heads)?
+            .checked_add(self.n_layer.checked_mul(block)?)?
+            .checked_add(e)
+    }
+
+    /// Checks the sizes before anything is built from them: a layer count Kiln builds,
+    /// tensors whose element counts fit, and a parameter count that does.
+    pub fn check(&self) -> Result<()> {
+        let (l, e, v) = (self.n_layer, self.n_embd, self.vocab_size);
+        if l == 0 || l > MAX_LAYERS {
+            return Err(Error::InvalidArgument(format!(
+                "llama: n_layer is {l}; Kiln builds 1 to {MAX_LAYERS} layers (the largest \
+                 Llama has 126)"
+            )));
+        }
+        if e == 0 || v == 0 || self.block_size == 0 || self.n_head == 0 || self.intermediate() == 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "llama: n_embd ({e}), n_head ({}), block_size ({}), vocab_size ({v}) and \
+                 intermediate_size ({}) must all be at least 1",
+                self.n_head,
+                self.block_size,
+                self.intermediate()
+            )));
+        }
+        tensor_elements("llama: the token embedding (vocab_size × n_embd)", &[v, e])?;
+        tensor_elements("llama: a projection (n_embd × n_embd)", &[e, e])?;
+        tensor_elements(
+            "llama: an MLP weight (intermediate_size × n_embd)",
+            &[self.intermediate(), e],
+        )?;
+        match self.checked_parameter_count() {
+            Some(n) if n <= MAX_PARAMETERS => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "llama: {l} layers of n_embd {e} with vocab_size {v} have more than \
+                 {MAX_PARAMETERS} parameters, past any device or host; make the model smaller"
+            ))),
+        }
     }
 }
 
@@ -106,6 +165,21 @@ impl Llama {
         let attention = self
             .attention
             .unwrap_or_else(|| Attention::best(d, dtype, self.seq));
+        let t = self.seq;
+        tensor_elements(
+            "llama: the logits (micro-batch × seq × vocab_size)",
+            &[batch, t, c.vocab_size],
+        )?;
+        tensor_elements(
+            "llama: the MLP activations (micro-batch × seq × intermediate_size)",
+            &[batch, t, c.intermediate().max(c.n_embd)],
+        )?;
+        if attention == Attention::Straightforward {
+            tensor_elements(
+                "llama: the attention scores (micro-batch × n_head × seq × seq)",
+                &[batch, h, t, t],
+            )?;
+        }
         if attention == Attention::Fused && !Attention::fused_takes(d, dtype) {
             return Err(Error::InvalidArgument(format!(
                 "llama: fused attention takes head dims up to {}, not {d}; use \
@@ -129,6 +203,10 @@ impl Model for Llama {
             self.seq,
             c.vocab_size
         )
+    }
+
+    fn check_sizes(&self) -> Result<()> {
+        self.config.check()
     }
 
     fn parameters(&self) -> Vec<ParamSpec> {

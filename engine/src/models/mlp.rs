@@ -6,7 +6,7 @@
 //!   x  (B, I)  --W1 (I, H), b1 (H)-->  a1 (B, H)  --gelu-->  h (B, H)
 //!   h  (B, H)  --W2 (H, C), b2 (C)-->  logits (B, C)  --cross-entropy(y)-->  loss (B)
 
-use super::{Forward, Init, Model, ParamSpec};
+use super::{tensor_elements, Forward, Init, Model, ParamSpec};
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Result};
 
@@ -39,6 +39,8 @@ impl Model for Mlp {
     }
 
     fn forward(&self, g: &mut Graph, p: &[Tensor], batch: usize, dtype: DType) -> Result<Forward> {
+        let widest = self.inputs.max(self.hidden).max(self.classes);
+        tensor_elements("mlp: a micro-batch's widest activation", &[batch, widest])?;
         let x = g.input("x", &[batch, self.inputs], dtype);
         let y = g.input("y", &[batch], DType::U32);
         let a1 = g.linear(x, p[0], Some(p[1]))?;

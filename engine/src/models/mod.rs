@@ -9,11 +9,45 @@ pub mod mlp;
 mod network;
 
 pub use network::{
-    MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions, ParamState, Ready,
+    host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
+    ParamState, Ready,
 };
 
 use crate::graph::{Graph, Tensor};
-use crate::{DType, Result};
+use crate::{DType, Error, Result};
+
+/// Layers a model may have. GPT-3 has 96 and the largest Llama 126: a config asking for
+/// more than 4096 is taken as a mistake, refused before per-layer tables are built
+/// (their time and memory grow with it).
+pub const MAX_LAYERS: usize = 4096;
+
+/// Elements one tensor may hold: the GPU kernels index elements with 32-bit integers,
+/// so a larger tensor would be silently cut short there.
+pub const MAX_TENSOR_ELEMENTS: usize = u32::MAX as usize;
+
+/// Parameter elements a model may have in all (4.4 trillion, 70 TB of training state):
+/// far past any device or host, and small enough that every byte count computed from it
+/// fits a u64.
+pub const MAX_PARAMETERS: usize = 1 << 42;
+
+/// The product of `dims`, or an error naming `what` when it overflows or exceeds
+/// [`MAX_TENSOR_ELEMENTS`]: how models check their shapes before building them.
+pub fn tensor_elements(what: &str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n <= MAX_TENSOR_ELEMENTS)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{what} would be a tensor of {} elements, over the {MAX_TENSOR_ELEMENTS} one \
+                 tensor may hold (GPU kernels index elements with 32-bit integers); make one of \
+                 those sizes smaller",
+                dims.iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" × ")
+            ))
+        })
+}
 
 /// How a parameter's values start.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -77,8 +111,15 @@ impl ParamSpec {
         self
     }
 
+    /// Elements (the shape's product). Only for a checked spec: [`ParamSpec::checked_len`]
+    /// is the one that cannot overflow.
     pub fn len(&self) -> usize {
         self.shape.iter().product()
+    }
+
+    /// Elements, or `None` where the shape's product overflows.
+    pub fn checked_len(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -102,6 +143,14 @@ pub struct Forward {
 pub trait Model: Send + Sync {
     /// One line for logs, e.g. `GPT-2 (2 layers, 64 embd, 4 heads, T 9, vocab 13)`.
     fn describe(&self) -> String;
+
+    /// Checks the sizes before [`Model::parameters`] builds its tables: a model whose
+    /// parameter list would be unbounded (absurd layer counts) or whose shapes overflow
+    /// says so here, as an error naming the setting. A [`Network`] calls it first. The
+    /// default: nothing to check (the network still checks every declared shape).
+    fn check_sizes(&self) -> Result<()> {
+        Ok(())
+    }
 
     /// Every parameter, in the order [`Model::forward`] receives them.
     fn parameters(&self) -> Vec<ParamSpec>;

@@ -14,12 +14,14 @@ use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::{Forward, Init, Model, ParamSpec};
+use super::{Forward, Init, Model, ParamSpec, MAX_PARAMETERS, MAX_TENSOR_ELEMENTS};
 use crate::data;
 use crate::device::optim::ParamBuffers;
 use crate::graph::{Bindings, Graph, Group, Loss, Plan, Tensor};
 use crate::rng::SplitMix;
-use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result, IGNORE_TARGET};
+use crate::{
+    Buffer, Capabilities, DType, Device, Error, HostData, Optimizer, Result, IGNORE_TARGET,
+};
 
 /// The data of one micro-batch: one host vector per input of the model's forward pass,
 /// in [`Forward::inputs`] order. Float inputs may be given as f32 (rounded to the
@@ -151,15 +153,210 @@ pub struct NetworkMemory {
     /// scratch, shared by liveness; losses, outputs, constants, small buffers) and the
     /// inputs.
     pub activations: u64,
-    /// The largest single buffer: what must fit one kernel binding (GEMM operands over
-    /// the limit are split; other kernels' are errors).
+    /// The largest single buffer: what must fit the adapter's largest buffer.
     pub largest_buffer: u64,
+    /// The largest flat buffer of parameters (its f32 master weights or moments).
+    pub largest_parameter_buffer: u64,
+    /// The largest buffer a kernel other than a GEMM binds whole (the optimizer binds
+    /// each flat parameter buffer whole): what must fit one kernel binding (GEMM
+    /// operands over the limit are split).
+    pub largest_binding: u64,
+    /// Host bytes at the host's peak outside the devices: the model states' copy a
+    /// checkpoint downloads, or the initial weights while they are drawn and uploaded,
+    /// whichever is larger.
+    pub host: u64,
 }
 
 impl NetworkMemory {
     pub fn total(&self) -> u64 {
-        self.weights + self.gradients + self.optimizer + self.activations
+        self.weights
+            .saturating_add(self.gradients)
+            .saturating_add(self.optimizer)
+            .saturating_add(self.activations)
     }
+
+    /// Refuses, before anything is allocated, a network that cannot fit: on each device
+    /// (its largest buffer, per-binding limit and memory budget where the driver
+    /// reports one) and on the host (`host_available` bytes: the initial weights and
+    /// checkpoints live there, and so does the memory of a CPU adapter such as
+    /// lavapipe, llvmpipe or the CPU backend). `what` names the model; `dtype` is the
+    /// storage precision, for the advice. The error says what does not fit, by how
+    /// much, and what would.
+    pub fn check_fit(
+        &self,
+        what: &str,
+        dtype: DType,
+        devices: &[&Capabilities],
+        host_available: Option<u64>,
+    ) -> Result<()> {
+        let params_kind = "a flat buffer of parameters: f32 master weights or moments";
+        let kind = |bytes: u64| {
+            if bytes <= self.largest_parameter_buffer {
+                params_kind
+            } else {
+                "activations"
+            }
+        };
+        let (mut over, mut params, mut activations, mut total) = (vec![], false, false, false);
+        let mut seen = HashSet::new();
+        for caps in devices {
+            if !seen.insert((&caps.name, &caps.backend)) {
+                continue;
+            }
+            let at = format!("`{}` ({})", caps.name, caps.backend);
+            let big = if self.largest_buffer > caps.max_buffer {
+                over.push(format!(
+                    "its largest buffer, {} ({}), is over {at}'s largest buffer of {}",
+                    human(self.largest_buffer),
+                    kind(self.largest_buffer),
+                    human(caps.max_buffer)
+                ));
+                Some(self.largest_buffer)
+            } else if self.largest_binding > caps.max_storage_binding {
+                over.push(format!(
+                    "a kernel binds {} at once ({}), over {at}'s per-binding limit of {} \
+                     (only GEMMs split their operands)",
+                    human(self.largest_binding),
+                    kind(self.largest_binding),
+                    human(caps.max_storage_binding)
+                ));
+                Some(self.largest_binding)
+            } else {
+                None
+            };
+            match big {
+                Some(b) if b <= self.largest_parameter_buffer => params = true,
+                Some(_) => activations = true,
+                None => {}
+            }
+            if let Some(budget) = caps.memory_budget.filter(|&b| self.total() > b) {
+                over.push(format!(
+                    "{} per device is over {at}'s memory budget of {}",
+                    human(self.total()),
+                    human(budget)
+                ));
+                total = true;
+            }
+        }
+        let on_host = devices.iter().filter(|c| c.device_type == "cpu").count() as u64;
+        let need = self
+            .host
+            .saturating_add(self.total().saturating_mul(on_host));
+        if let Some(avail) = host_available.filter(|&a| need > a) {
+            let devices = if on_host == 0 {
+                String::new()
+            } else {
+                format!(
+                    " + {on_host} × {} for the device(s) on a CPU adapter (lavapipe, \
+                     llvmpipe and the CPU backend keep device memory in host memory)",
+                    human(self.total())
+                )
+            };
+            over.push(format!(
+                "the host needs {}: {} for a checkpoint's copy of the model states{devices}, \
+                 over the {} available",
+                human(need),
+                human(self.host),
+                human(avail)
+            ));
+            total = true;
+        }
+        if over.is_empty() {
+            return Ok(());
+        }
+        let mut fixes = vec![];
+        if params {
+            fixes.push(
+                "a smaller largest parameter tensor (in a language model usually the \
+                 embedding, vocab_size × n_embd; its f32 master weights are bound whole \
+                 whatever the precision)",
+            );
+        }
+        if total {
+            fixes.push("a smaller model (n_layer, n_embd, vocab_size)");
+        }
+        let act_heavy = self.activations >= self.total() / 4;
+        if activations || (total && act_heavy) {
+            fixes.push(
+                "a smaller micro-batch (train_micro_batch_size_per_gpu, with more \
+                 gradient_accumulation_steps to keep the global batch) or a shorter sequence",
+            );
+        }
+        if (activations || total) && dtype == DType::F32 {
+            fixes.push(
+                "fp16 or bf16 storage (halves weights, gradients and activations; the master \
+                 weights and Adam moments stay f32)",
+            );
+        }
+        if total && on_host > 1 {
+            fixes
+                .push("fewer devices on a CPU adapter (each keeps a whole replica in host memory)");
+        }
+        let zero = if total {
+            " ZeRO stages 1 and 2 do not lower this peak: every device builds the whole \
+             model state before its optimizer state is sharded."
+        } else {
+            ""
+        };
+        Err(Error::InvalidArgument(format!(
+            "{what} does not fit, so nothing was allocated: it needs {} per device (weights \
+             {}, gradients {}, f32 master + optimizer {}, activations {}; `kiln estimate` \
+             shows them); {}. Try {}.{zero}",
+            human(self.total()),
+            human(self.weights),
+            human(self.gradients),
+            human(self.optimizer),
+            human(self.activations),
+            over.join("; "),
+            fixes.join(", or ")
+        )))
+    }
+}
+
+/// Bytes as a person reads them (binary units).
+fn human(bytes: u64) -> String {
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut x = bytes as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{x:.1} {}", units[u])
+    }
+}
+
+/// Memory the host can still give this process, when it says: Linux's MemAvailable,
+/// lowered to the headroom under a cgroup v2 memory limit and under the process's
+/// address-space limit (`ulimit -v`) where those are set. `None` elsewhere.
+pub fn host_memory_available() -> Option<u64> {
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    // "Key:   123 kB" lines of /proc files, in bytes.
+    let kib = |text: &str, key: &str| -> Option<u64> {
+        let v = text.lines().find_map(|l| l.strip_prefix(key))?;
+        let n: u64 = v.trim().strip_suffix("kB")?.trim().parse().ok()?;
+        Some(n.saturating_mul(1024))
+    };
+    let mut avail = kib(&read("/proc/meminfo")?, "MemAvailable:")?;
+    let number = |path: &str| read(path)?.trim().parse::<u64>().ok();
+    if let (Some(max), Some(current)) = (
+        number("/sys/fs/cgroup/memory.max"),
+        number("/sys/fs/cgroup/memory.current"),
+    ) {
+        avail = avail.min(max.saturating_sub(current));
+    }
+    let limit = read("/proc/self/limits").and_then(|t| {
+        let line = t.lines().find(|l| l.starts_with("Max address space"))?;
+        line.split_whitespace().nth(3)?.parse::<u64>().ok()
+    });
+    let used = read("/proc/self/status").and_then(|t| kib(&t, "VmSize:"));
+    if let (Some(limit), Some(used)) = (limit, used) {
+        avail = avail.min(limit.saturating_sub(used));
+    }
+    Some(avail)
 }
 
 /// A device's bytes of model states, by what they hold (ZeRO's accounting).
@@ -242,11 +439,27 @@ fn record(model: &dyn Model, specs: &[ParamSpec], options: &NetworkOptions) -> R
     Ok(Recorded { graph: g, forward })
 }
 
-/// Checks a model's parameter table before anything is recorded or allocated.
+/// Checks a model's parameter table before anything is recorded or allocated: every
+/// shape's element count computed without overflow and within what a tensor may hold,
+/// the total within [`MAX_PARAMETERS`], names unique, blocks in range.
 fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
     let mut names = HashSet::new();
+    let mut total = 0usize;
     for s in specs {
-        if s.is_empty() {
+        let n = s
+            .checked_len()
+            .filter(|&n| n <= MAX_TENSOR_ELEMENTS)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{}: parameter `{}` has shape {:?}, more than the {MAX_TENSOR_ELEMENTS} \
+                     elements one tensor may hold (GPU kernels index elements with 32-bit \
+                     integers); make the dimensions that give it smaller",
+                    model.describe(),
+                    s.name,
+                    s.shape
+                ))
+            })?;
+        if n == 0 {
             return Err(Error::InvalidArgument(format!(
                 "{}: parameter `{}` has shape {:?}, no elements",
                 model.describe(),
@@ -254,6 +467,16 @@ fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
                 s.shape
             )));
         }
+        total = total
+            .checked_add(n)
+            .filter(|&t| t <= MAX_PARAMETERS)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{}: more than {MAX_PARAMETERS} parameter elements, past any device or \
+                     host; make the model smaller",
+                    model.describe()
+                ))
+            })?;
         for n in std::iter::once(&s.name).chain(&s.tied) {
             if !names.insert(n.clone()) {
                 return Err(Error::InvalidArgument(format!(
@@ -277,6 +500,116 @@ fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Everything decided about a network before a device is touched.
+struct Prepared {
+    specs: Vec<ParamSpec>,
+    recorded: Recorded,
+    layout: ArenaLayout,
+    memory: NetworkMemory,
+}
+
+/// Checks `model`'s sizes (before its per-layer tables are built), declares and checks
+/// its parameters, records its graph and lays out and measures its buffers.
+fn prepare(model: &dyn Model, options: &NetworkOptions) -> Result<Prepared> {
+    model.check_sizes()?;
+    let specs = model.parameters();
+    check_specs(model, &specs)?;
+    let recorded = record(model, &specs, options)?;
+    let layout = arena_layout(&specs);
+    let memory = measure(model, &specs, &recorded, &layout, options)?;
+    Ok(Prepared {
+        specs,
+        recorded,
+        layout,
+        memory,
+    })
+}
+
+/// What [`Network::new`] allocates, from the checked specs, the recorded graph and the
+/// layout: the plan's buffers assigned as compiling would, over stand-in buffers.
+fn measure(
+    model: &dyn Model,
+    specs: &[ParamSpec],
+    recorded: &Recorded,
+    layout: &ArenaLayout,
+    options: &NetworkOptions,
+) -> Result<NetworkMemory> {
+    let act = options.dtype;
+    let f = |n: usize| DType::F32.padded_bytes(n);
+    let a = |n: usize| act.padded_bytes(n);
+    let mut m = NetworkMemory::default();
+    for &(f32_grad, _, n) in &layout.arenas {
+        m.weights += a(n);
+        m.gradients += if f32_grad { f(n) } else { a(n) };
+        m.optimizer += 3 * f(n);
+    }
+    let sharing = shared_gradients(specs, &model.blocks());
+    for (p, shared) in specs.iter().zip(&sharing) {
+        let grad = if p.f32_grad { f(p.len()) } else { a(p.len()) };
+        m.gradient_tensors += grad;
+        if shared.is_none() {
+            m.shared_gradients += grad;
+        }
+    }
+    // Distinct ids of the right dtype and length are all planning needs.
+    let mut ids = 0;
+    let mut stand_in = |dtype: DType, len: usize| {
+        ids += 1;
+        Buffer {
+            id: ids,
+            dtype,
+            len,
+        }
+    };
+    let mut buffers = |grad: DType, n: usize| ParamBuffers {
+        value: stand_in(act, n),
+        master: stand_in(DType::F32, n),
+        grad: stand_in(grad, n),
+        m: stand_in(DType::F32, n),
+        v: stand_in(DType::F32, n),
+    };
+    let grad_dtype = |f32_grad: bool| if f32_grad { DType::F32 } else { act };
+    let params = specs
+        .iter()
+        .map(|s| buffers(grad_dtype(s.f32_grad), s.len()))
+        .collect();
+    let groups = layout
+        .arenas
+        .iter()
+        .map(|&(f32_grad, decay, n)| Group {
+            buffers: buffers(grad_dtype(f32_grad), n),
+            decay,
+        })
+        .collect();
+    let g = &recorded.graph;
+    let mut input_bytes = 0u64;
+    let mut inputs = vec![];
+    for &t in &recorded.forward.inputs {
+        let (name, shape, dtype) = g.describe(t);
+        let n = super::tensor_elements(&format!("{}: input `{name}`", model.describe()), shape)?;
+        input_bytes += dtype.padded_bytes(n);
+        inputs.push((t, stand_in(dtype, n)));
+    }
+    let bindings = Bindings {
+        params,
+        inputs,
+        groups,
+    };
+    let plan = g.memory(&bindings, Some(&options.optimizer))?;
+    m.activations = plan.total() + input_bytes;
+    m.largest_parameter_buffer = layout.arenas.iter().map(|a| f(a.2)).max().unwrap_or(0);
+    m.largest_buffer = plan.largest.max(m.largest_parameter_buffer);
+    m.largest_binding = plan.largest_bound;
+    // The initial weights: every arena's f32 values at once, and while the largest is
+    // uploaded its f32 copy and its rounded model copy. A checkpoint downloads the
+    // model copy, master weights and moments.
+    let largest = layout.arenas.iter().map(|a| a.2).max().unwrap_or(0);
+    let drawn: u64 = layout.arenas.iter().map(|a| f(a.2)).sum();
+    let init = drawn + f(largest) + a(largest);
+    m.host = init.max(m.weights + m.optimizer);
+    Ok(m)
 }
 
 /// A [`Model`] on a device, ready to train.
@@ -325,11 +658,21 @@ impl Network {
         model: Arc<dyn Model>,
         options: &NetworkOptions,
     ) -> Result<Network> {
-        let specs = model.parameters();
-        check_specs(model.as_ref(), &specs)?;
+        let Prepared {
+            specs,
+            recorded,
+            layout,
+            memory,
+        } = prepare(model.as_ref(), options)?;
+        // Before the first host vector or device buffer: a model that cannot fit is
+        // refused with what it needs, not found out by an allocation that aborts.
+        memory.check_fit(
+            &model.describe(),
+            options.dtype,
+            &[dev.caps()],
+            host_memory_available(),
+        )?;
         let act = options.dtype;
-        let recorded = record(model.as_ref(), &specs, options)?;
-        let layout = arena_layout(&specs);
         let mut rng = SplitMix(options.seed);
         // Initial values in model order (the draws do not depend on the layout), each
         // written at its place in its arena; the gaps stay zero for good.
@@ -415,75 +758,26 @@ impl Network {
     /// device (tested equal to a device's allocator): the forward pass is recorded and
     /// the plan's buffers assigned as compiling would, over stand-in buffers.
     pub fn memory(model: &dyn Model, options: &NetworkOptions) -> Result<NetworkMemory> {
-        let specs = model.parameters();
-        check_specs(model, &specs)?;
-        let act = options.dtype;
-        let recorded = record(model, &specs, options)?;
-        let f = |n: usize| DType::F32.padded_bytes(n);
-        let a = |n: usize| act.padded_bytes(n);
-        let mut m = NetworkMemory::default();
-        let layout = arena_layout(&specs);
-        for &(f32_grad, _, n) in &layout.arenas {
-            m.weights += a(n);
-            m.gradients += if f32_grad { f(n) } else { a(n) };
-            m.optimizer += 3 * f(n);
-        }
-        let sharing = shared_gradients(&specs, &model.blocks());
-        for (p, shared) in specs.iter().zip(&sharing) {
-            let grad = if p.f32_grad { f(p.len()) } else { a(p.len()) };
-            m.gradient_tensors += grad;
-            if shared.is_none() {
-                m.shared_gradients += grad;
-            }
-        }
-        // Distinct ids of the right dtype and length are all planning needs.
-        let mut ids = 0;
-        let mut stand_in = |dtype: DType, len: usize| {
-            ids += 1;
-            Buffer {
-                id: ids,
-                dtype,
-                len,
-            }
-        };
-        let mut buffers = |grad: DType, n: usize| ParamBuffers {
-            value: stand_in(act, n),
-            master: stand_in(DType::F32, n),
-            grad: stand_in(grad, n),
-            m: stand_in(DType::F32, n),
-            v: stand_in(DType::F32, n),
-        };
-        let grad_dtype = |f32_grad: bool| if f32_grad { DType::F32 } else { act };
-        let params = specs
-            .iter()
-            .map(|s| buffers(grad_dtype(s.f32_grad), s.len()))
-            .collect();
-        let groups = layout
-            .arenas
-            .iter()
-            .map(|&(f32_grad, decay, n)| Group {
-                buffers: buffers(grad_dtype(f32_grad), n),
-                decay,
-            })
-            .collect();
-        let g = &recorded.graph;
-        let mut input_bytes = 0;
-        let mut inputs = vec![];
-        for &t in &recorded.forward.inputs {
-            let (_, shape, dtype) = g.describe(t);
-            let n = shape.iter().product();
-            input_bytes += dtype.padded_bytes(n);
-            inputs.push((t, stand_in(dtype, n)));
-        }
-        let bindings = Bindings {
-            params,
-            inputs,
-            groups,
-        };
-        let plan = g.memory(&bindings, Some(&options.optimizer))?;
-        m.activations = plan.total() + input_bytes;
-        let arenas = layout.arenas.iter().map(|a| f(a.2));
-        m.largest_buffer = arenas.fold(plan.largest, u64::max);
+        Ok(prepare(model, options)?.memory)
+    }
+
+    /// [`Network::memory`] for a data-parallel group of one replica per device in
+    /// `devs`, refused where it cannot fit (see [`NetworkMemory::check_fit`]): the
+    /// replicas of devices that share the host's memory add up. [`Network::new`] checks
+    /// one device; a group checks all of them before building the first.
+    pub fn check_memory(
+        model: &dyn Model,
+        options: &NetworkOptions,
+        devs: &[&dyn Device],
+    ) -> Result<NetworkMemory> {
+        let m = Network::memory(model, options)?;
+        let caps: Vec<&Capabilities> = devs.iter().map(|d| d.caps()).collect();
+        m.check_fit(
+            &model.describe(),
+            options.dtype,
+            &caps,
+            host_memory_available(),
+        )?;
         Ok(m)
     }
 
@@ -772,8 +1066,15 @@ impl Network {
     /// The groups [`Network::accumulate_with`] hands over: each block, then the rest.
     pub fn ready_groups(&self) -> Vec<Vec<usize>> {
         let mut groups = self.model.blocks();
-        let mut rest: Vec<usize> = (0..self.params.len()).collect();
-        rest.retain(|p| !groups.iter().any(|g| g.contains(p)));
+        // Marked in one pass: a search of every block per parameter grows with layers
+        // squared, and this runs every step.
+        let mut in_block = vec![false; self.params.len()];
+        for &p in groups.iter().flatten() {
+            if let Some(b) = in_block.get_mut(p) {
+                *b = true;
+            }
+        }
+        let rest: Vec<usize> = (0..self.params.len()).filter(|&p| !in_block[p]).collect();
         if !rest.is_empty() {
             groups.push(rest);
         }

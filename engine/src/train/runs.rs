@@ -139,6 +139,11 @@ pub struct StepRecord {
         deserialize_with = "some_nan_if_null"
     )]
     pub eval_accuracy: Option<f32>,
+    /// The first step its process recorded (a fresh start or a resume; set by
+    /// [`MetricsWriter`]): its time includes compiling every kernel, so throughput
+    /// leaves it, and the warm-up steps after it, out.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub started: bool,
 }
 
 /// For an optional value that is absent when there is none (`#[serde(default)]`): a
@@ -302,6 +307,8 @@ pub struct MetricsWriter {
     path: PathBuf,
     file: std::fs::File,
     dropped: usize,
+    /// Nothing appended yet: the next record is marked [`StepRecord::started`].
+    fresh: bool,
 }
 
 impl MetricsWriter {
@@ -314,6 +321,7 @@ impl MetricsWriter {
             path,
             file,
             dropped: 0,
+            fresh: true,
         })
     }
 
@@ -353,11 +361,23 @@ impl MetricsWriter {
             path,
             file,
             dropped,
+            fresh: true,
         })
     }
 
-    /// Appends one record as one line.
+    /// Appends one record as one line; the first this writer appends is marked
+    /// [`StepRecord::started`].
     pub fn append(&mut self, record: &StepRecord) -> Result<()> {
+        let marked;
+        let record = if self.fresh {
+            marked = StepRecord {
+                started: true,
+                ..record.clone()
+            };
+            &marked
+        } else {
+            record
+        };
         let mut line = encode_json(&self.path, record, false)?;
         line.push('\n');
         ctx(
@@ -365,6 +385,7 @@ impl MetricsWriter {
             "appending to",
             &self.path,
         )?;
+        self.fresh = false;
         Ok(())
     }
 
@@ -412,9 +433,11 @@ pub struct Summary {
     /// caller.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_held_out_data: Option<String>,
-    /// Tokens over time across the steps after the first `warmup_steps_excluded`
-    /// (all steps when there are no more than that).
+    /// Tokens over time across the steps after the warm-up ones: the first
+    /// `warmup_steps` of each start of the process (the run's, and each resume's), whose
+    /// times include compiling kernels; every step when that would leave none.
     pub mean_tokens_per_s: Option<f64>,
+    /// Steps left out of the throughput (warm-up steps of every start, in all).
     pub warmup_steps_excluded: usize,
     pub mean_step_ms: Option<f64>,
     pub mean_input_stall_ms: Option<f64>,
@@ -448,7 +471,8 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 }
 
 impl Summary {
-    /// Summarizes step records, leaving the first `warmup_steps` out of throughput.
+    /// Summarizes step records, leaving the first `warmup_steps` after every start (the
+    /// first record and each one marked [`StepRecord::started`]) out of throughput.
     pub fn from_records(records: &[StepRecord], warmup_steps: usize) -> Summary {
         let mut s = Summary {
             steps: records.len(),
@@ -514,12 +538,24 @@ impl Summary {
                 at.step
             ));
         }
-        s.warmup_steps_excluded = if records.len() > warmup_steps {
-            warmup_steps
+        // A resumed run compiles its kernels again: each start's first steps are slow.
+        let mut since_start = 0;
+        let mut warm: Vec<&StepRecord> = vec![];
+        for (i, r) in records.iter().enumerate() {
+            if i == 0 || r.started {
+                since_start = 0;
+            }
+            if since_start >= warmup_steps {
+                warm.push(r);
+            }
+            since_start += 1;
+        }
+        let timed: Vec<&StepRecord> = if warm.is_empty() {
+            records.iter().collect()
         } else {
-            0
+            warm
         };
-        let timed = &records[s.warmup_steps_excluded..];
+        s.warmup_steps_excluded = records.len() - timed.len();
         // Weighted by step time: total tokens over total time, not a mean of rates.
         let (tokens, ms) = timed
             .iter()
@@ -1118,6 +1154,10 @@ pub struct RunDiff {
     pub b: RunOutcome,
     /// Sorted by key.
     pub changes: Vec<ConfigChange>,
+    /// Set when the runs ran different numbers of steps (a config does not hold the
+    /// length, so identical configs can differ there): the last step both ran, and
+    /// each run's loss at it.
+    pub common_step: Option<(u64, Option<f32>, Option<f32>)>,
 }
 
 fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
@@ -1157,7 +1197,8 @@ impl RunDiff {
 /// Compares two runs: their flattened `config.json` files key by key, then their
 /// results.
 pub fn diff_runs(a: &Path, b: &Path) -> Result<RunDiff> {
-    let side = |dir: &Path| -> Result<(RunOutcome, BTreeMap<String, Value>)> {
+    type Side = (RunOutcome, BTreeMap<String, Value>, Vec<StepRecord>);
+    let side = |dir: &Path| -> Result<Side> {
         let config = read_config(dir)?;
         let (summary, _) = outcome(dir)?;
         Ok((
@@ -1167,10 +1208,24 @@ pub fn diff_runs(a: &Path, b: &Path) -> Result<RunDiff> {
                 summary,
             },
             flatten_json(&config),
+            read_metrics(dir)?,
         ))
     };
-    let (a, ca) = side(a)?;
-    let (b, cb) = side(b)?;
+    let (a, ca, ra) = side(a)?;
+    let (b, cb, rb) = side(b)?;
+    let common_step = match (a.summary.last_step, b.summary.last_step) {
+        (Some(x), Some(y)) if x != y => {
+            let at = x.min(y);
+            let loss = |r: &[StepRecord]| {
+                r.iter()
+                    .find(|r| r.step == at)
+                    .map(|r| r.loss)
+                    .filter(|l| l.is_finite())
+            };
+            Some((at, loss(&ra), loss(&rb)))
+        }
+        _ => None,
+    };
     let mut changes = Vec::new();
     for (key, va) in &ca {
         match cb.get(key) {
@@ -1197,7 +1252,12 @@ pub fn diff_runs(a: &Path, b: &Path) -> Result<RunDiff> {
         }
     }
     changes.sort_by(|x, y| x.key.cmp(&y.key));
-    Ok(RunDiff { a, b, changes })
+    Ok(RunDiff {
+        a,
+        b,
+        changes,
+        common_step,
+    })
 }
 
 impl fmt::Display for RunDiff {
@@ -1206,10 +1266,24 @@ impl fmt::Display for RunDiff {
         writeln!(f, "A = {} ({})", an, self.a.dir.display())?;
         writeln!(f, "B = {} ({})", bn, self.b.dir.display())?;
         writeln!(f)?;
-        match self.changes.len() {
-            0 => writeln!(f, "config: identical")?,
-            1 => writeln!(f, "config: 1 key differs")?,
-            n => {
+        let lengths = self.common_step.map(|(at, la, lb)| {
+            let steps = |s: &Summary| fmt_opt(s.last_step, |s| s.to_string());
+            let loss = |l: Option<f32>| fmt_opt(l, |l| format!("{l:.4}"));
+            format!(
+                "the runs ran different numbers of steps (A {}, B {}), so the results below \
+                 compare different lengths; at step {at}, the last both ran, the loss was A \
+                 {}, B {}",
+                steps(&self.a.summary),
+                steps(&self.b.summary),
+                loss(la),
+                loss(lb)
+            )
+        });
+        match (self.changes.len(), &lengths) {
+            (0, Some(l)) => writeln!(f, "config: identical, but {l}")?,
+            (0, None) => writeln!(f, "config: identical")?,
+            (1, _) => writeln!(f, "config: 1 key differs")?,
+            (n, _) => {
                 writeln!(f, "config: {n} keys differ")?;
                 writeln!(
                     f,
@@ -1238,6 +1312,9 @@ impl fmt::Display for RunDiff {
                 ]);
             }
             write_table(f, "  ", &rows)?;
+            if let Some(l) = &lengths {
+                writeln!(f, "steps: {l}")?;
+            }
         }
         writeln!(f)?;
         let (sa, sb) = (&self.a.summary, &self.b.summary);

@@ -180,6 +180,10 @@ impl Trainer {
             optimizer: config.optimizer.clone(),
             seed,
         };
+        // The whole group at once, before the first replica: devices that share the
+        // host's memory (CPU adapters) add up, and a model that cannot fit is refused
+        // before anything is allocated.
+        Network::check_memory(model.as_ref(), &options, devs)?;
         let mut models = devs
             .iter()
             .map(|&dev| Network::new(dev, model.clone(), &options))
