@@ -57,6 +57,25 @@ impl Attention {
             Attention::Straightforward
         }
     }
+
+    /// A model's attention: `pinned` if set, else [`Attention::best`]; an error in the
+    /// model's terms (`model`: "gpt", say) when the fused kernels cannot take its heads,
+    /// before anything is recorded or allocated.
+    pub fn choose(
+        pinned: Option<Attention>,
+        (head_dim, dtype, seq): (usize, DType, usize),
+        model: &str,
+    ) -> Result<Attention> {
+        let attention = pinned.unwrap_or_else(|| Attention::best(head_dim, dtype, seq));
+        if attention == Attention::Fused && !Attention::fused_takes(head_dim, dtype) {
+            return Err(Error::InvalidArgument(format!(
+                "{model}: fused attention takes head dims up to {} (even in fp16/bf16), not \
+                 {head_dim}; use Attention::Straightforward",
+                crate::ATTENTION_MAX_DIM
+            )));
+        }
+        Ok(attention)
+    }
 }
 
 /// A tensor of a [`Graph`]: an id, meaningful only in the graph that made it.

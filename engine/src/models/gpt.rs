@@ -143,15 +143,7 @@ impl Gpt {
                 &[batch, h, t, t],
             )?;
         }
-        if self.attention(dtype) == Attention::Fused && !Attention::fused_takes(c / h, dtype) {
-            // The kernels' own checks, stated in the model's terms before allocating.
-            return Err(Error::InvalidArgument(format!(
-                "gpt: fused attention takes head dims up to {} (even in fp16/bf16), not \
-                 n_embd / n_head = {}; use Attention::Straightforward",
-                crate::ATTENTION_MAX_DIM,
-                c / h
-            )));
-        }
+        Attention::choose(self.attention, (c / h, dtype, t), "gpt")?;
         Ok(())
     }
 }

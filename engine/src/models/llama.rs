@@ -162,9 +162,7 @@ impl Llama {
             )));
         }
         let d = c.n_embd / h;
-        let attention = self
-            .attention
-            .unwrap_or_else(|| Attention::best(d, dtype, self.seq));
+        let attention = Attention::choose(self.attention, (d, dtype, self.seq), "llama")?;
         let t = self.seq;
         tensor_elements(
             "llama: the logits (micro-batch × seq × vocab_size)",
@@ -179,13 +177,6 @@ impl Llama {
                 "llama: the attention scores (micro-batch × n_head × seq × seq)",
                 &[batch, h, t, t],
             )?;
-        }
-        if attention == Attention::Fused && !Attention::fused_takes(d, dtype) {
-            return Err(Error::InvalidArgument(format!(
-                "llama: fused attention takes head dims up to {}, not {d}; use \
-                 Attention::Straightforward",
-                crate::ATTENTION_MAX_DIM
-            )));
         }
         Ok(attention)
     }

@@ -320,4 +320,48 @@ mod tests {
         let e = ModelConfig::parse(&llama.replace("n_kv_head", "kv_heads")).unwrap_err();
         assert!(e.contains("kv_heads") && e.contains("n_kv_head"), "{e}");
     }
+
+    #[test]
+    fn heads_the_fused_kernels_cannot_take_are_refused_in_the_models_terms() {
+        use super::{gpt, llama, Model, Network, NetworkOptions};
+        use crate::graph::Attention;
+        let options = NetworkOptions {
+            batch: 1,
+            dtype: crate::DType::F32,
+            optimizer: crate::Optimizer::adamw(1e-3, 0.0),
+            seed: 0,
+        };
+        let cfg = gpt::GptConfig {
+            n_layer: 1,
+            n_head: 1,
+            n_embd: 256,
+            block_size: 4,
+            vocab_size: 5,
+        };
+        let models: [Box<dyn Model>; 2] = [
+            Box::new(gpt::Gpt::new(cfg, 4).with_attention(Attention::Fused)),
+            Box::new(
+                llama::Llama::new(
+                    serde_json::from_str(
+                        r#"{"n_layer": 1, "n_head": 1, "n_embd": 256, "block_size": 4, "vocab_size": 5}"#,
+                    )
+                    .unwrap(),
+                    4,
+                )
+                .with_attention(Attention::Fused),
+            ),
+        ];
+        for (model, name) in models.iter().zip(["gpt", "llama"]) {
+            let e = Network::memory(model.as_ref(), &options)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!(
+                    "{name}: fused attention takes head dims up to 128"
+                )),
+                "{e}"
+            );
+            assert!(e.contains("not 256"), "{e}");
+        }
+    }
 }
