@@ -437,6 +437,15 @@ fn estimate(
 }
 
 fn config(what: ConfigWhat) -> Result<()> {
+    let (ConfigWhat::Check { world, .. } | ConfigWhat::Explain { world, .. }) = &what;
+    // The world is a device count: as many as `kiln train` can open.
+    if *world > kiln::devices::MAX_DEVICES {
+        bail!(
+            "--world {world}: Kiln trains on at most {} devices; pass the number of devices \
+             the run will use",
+            kiln::devices::MAX_DEVICES
+        );
+    }
     match what {
         ConfigWhat::Check { file, world } => {
             let c = kiln::engine::config::load(&file, world)?;

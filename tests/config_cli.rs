@@ -74,3 +74,27 @@ fn a_byte_order_mark_hides_nothing_in_the_config() {
     assert!(err.contains("nosuchdevice"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `kiln config check` reads one regular JSON file (a device would be read until memory
+/// ran out) and a world no run can have is an error, as `kiln train`'s device cap is.
+#[test]
+fn config_check_refuses_devices_and_impossible_worlds() {
+    let out = kiln(&["config", "check", "/dev/zero", "--world", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("not a regular file"), "{err}");
+    let dir = scratch("world");
+    let path = dir.join("ds.json");
+    std::fs::write(&path, r#"{"train_micro_batch_size_per_gpu": 2}"#).unwrap();
+    let out = kiln(&[
+        "config",
+        "check",
+        path.to_str().unwrap(),
+        "--world",
+        "18446744073709551615",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("at most 64 devices"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -247,14 +247,30 @@ pub fn parse(text: &str, world: usize) -> Result<TrainConfig, ConfigError> {
 
 /// Reads and resolves a DeepSpeed config file; errors name the file.
 pub fn load(path: &Path, world: usize) -> Result<TrainConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+    let unreadable = |message: String, fix: &str| ConfigError {
         file: Some(path.to_path_buf()),
         problems: vec![Problem {
             path: String::new(),
-            message: format!("cannot read the file: {e}"),
-            fix: "check the path and its permissions".to_string(),
+            message,
+            fix: fix.to_string(),
         }],
         omitted: 0,
+    };
+    // Only a regular file: a device such as /dev/zero would be read until memory ran out.
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(unreadable(
+                "it is not a regular file (a directory, a device or a pipe)".to_string(),
+                "pass the path of a JSON config file",
+            ))
+        }
+        _ => {}
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        unreadable(
+            format!("cannot read the file: {e}"),
+            "check the path and its permissions",
+        )
     })?;
     parse(&text, world).map_err(|mut e| {
         e.file = Some(path.to_path_buf());

@@ -40,7 +40,9 @@ impl Sidecar {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(DataError::io(&path, "read", e)),
         };
-        serde_json::from_str(&text).map(Some).map_err(|e| {
+        // An editor may have saved it with a UTF-8 byte-order mark.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        serde_json::from_str(text).map(Some).map_err(|e| {
             DataError::format(
                 &path,
                 format!(
@@ -163,6 +165,19 @@ mod tests {
     fn write_u16(path: &Path, ids: &[u16]) {
         let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
         std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn a_sidecar_saved_with_a_byte_order_mark_is_read() {
+        let dir = std::env::temp_dir().join(format!("kiln-sidecar-bom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("t.bin");
+        let json = r#"{"tokenizer": "bytes", "vocab_size": 256, "tokens": 3}"#;
+        std::fs::write(Sidecar::path_for(&bin), format!("\u{feff}{json}")).unwrap();
+        let read = Sidecar::read_for(&bin).unwrap().expect("a sidecar");
+        let plain: Sidecar = serde_json::from_str(json).unwrap();
+        assert_eq!(read, plain);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -59,8 +59,12 @@ impl LossScaler {
                 config.initial_scale_power, config.initial_scale_power
             ));
         }
-        if config.window == 0 {
-            return bad("loss_scale_window must be at least 1".into());
+        if config.window == 0 || config.window > i64::MAX as u64 {
+            return bad(format!(
+                "loss_scale_window must be from 1 to {} (it counts steps in 64 bits), not {}",
+                i64::MAX,
+                config.window
+            ));
         }
         if config.hysteresis == 0 {
             return bad(
@@ -284,6 +288,15 @@ mod tests {
         let d = DynamicScaling::default;
         for (cfg, needle) in [
             (DynamicScaling { window: 0, ..d() }, "loss_scale_window"),
+            // Library callers skip the config's range check: the 64-bit step count
+            // arithmetic must not wrap either.
+            (
+                DynamicScaling {
+                    window: u64::MAX,
+                    ..d()
+                },
+                "loss_scale_window must be from 1 to 9223372036854775807",
+            ),
             (
                 DynamicScaling {
                     hysteresis: 0,
