@@ -7,77 +7,10 @@
 //!
 //! Shapes: B batch, T sequence, C = n_embd, H heads, V vocabulary.
 
-use serde::Deserialize;
-
-use super::{tensor_elements, Forward, Init, Model, ParamSpec, MAX_LAYERS, MAX_PARAMETERS};
+pub use super::config::GptConfig;
+use super::{tensor_elements, Forward, Init, Model, ParamSpec};
 use crate::graph::{Attention, Graph, Tensor};
 use crate::{DType, Error, HostData, Result};
-
-/// Model sizes, as in a GPT-2 config file.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct GptConfig {
-    pub n_layer: usize,
-    pub n_head: usize,
-    pub n_embd: usize,
-    pub block_size: usize,
-    pub vocab_size: usize,
-}
-
-impl GptConfig {
-    /// Ψ: the number of parameter elements (the LM head is tied to the embedding);
-    /// `usize::MAX` where that overflows ([`GptConfig::check`] refuses such sizes).
-    pub fn parameter_count(&self) -> usize {
-        self.checked_parameter_count().unwrap_or(usize::MAX)
-    }
-
-    /// Ψ, or `None` where it overflows.
-    pub fn checked_parameter_count(&self) -> Option<usize> {
-        let c = self.n_embd;
-        let embeddings = self
-            .vocab_size
-            .checked_add(self.block_size)?
-            .checked_mul(c)?;
-        let block = c
-            .checked_mul(c)?
-            .checked_mul(12)?
-            .checked_add(c.checked_mul(13)?)?;
-        embeddings
-            .checked_add(self.n_layer.checked_mul(block)?)?
-            .checked_add(c.checked_mul(2)?)
-    }
-
-    /// Checks the sizes before anything is built from them: a layer count Kiln builds,
-    /// tensors whose element counts fit, and a parameter count that does.
-    pub fn check(&self) -> Result<()> {
-        let (l, c, v) = (self.n_layer, self.n_embd, self.vocab_size);
-        if l == 0 || l > MAX_LAYERS {
-            return Err(Error::InvalidArgument(format!(
-                "gpt: n_layer is {l}; Kiln builds 1 to {MAX_LAYERS} layers (GPT-3 has 96)"
-            )));
-        }
-        if c == 0 || v == 0 || self.block_size == 0 || self.n_head == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "gpt: n_embd ({c}), n_head ({}), block_size ({}) and vocab_size ({v}) must all \
-                 be at least 1",
-                self.n_head, self.block_size
-            )));
-        }
-        tensor_elements("gpt: the token embedding (vocab_size × n_embd)", &[v, c])?;
-        tensor_elements(
-            "gpt: the position embedding (block_size × n_embd)",
-            &[self.block_size, c],
-        )?;
-        tensor_elements("gpt: the MLP weight (n_embd × 4 · n_embd)", &[c, 4, c])?;
-        match self.checked_parameter_count() {
-            Some(n) if n <= MAX_PARAMETERS => Ok(()),
-            _ => Err(Error::InvalidArgument(format!(
-                "gpt: {l} layers of n_embd {c} with vocab_size {v} have more than \
-                 {MAX_PARAMETERS} parameters, past any device or host; make the model smaller"
-            ))),
-        }
-    }
-}
 
 /// GPT-2 trained on sequences of `seq` tokens (at most `block_size`).
 #[derive(Clone, Debug)]

@@ -8,113 +8,10 @@
 //! Shapes: B batch, T sequence, C = n_embd, H heads, K = n_kv_head, D = C / H,
 //! I = intermediate_size, V vocabulary.
 
-use serde::Deserialize;
-
-use super::{tensor_elements, Forward, Init, Model, ParamSpec, MAX_LAYERS, MAX_PARAMETERS};
+pub use super::config::LlamaConfig;
+use super::{Forward, Init, Model, ParamSpec};
 use crate::graph::{Attention, Graph, Tensor};
-use crate::{DType, Error, Result};
-
-/// Model sizes; the optional ones default as Llama's do.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct LlamaConfig {
-    pub n_layer: usize,
-    pub n_head: usize,
-    /// K/V heads (grouped-query attention); default `n_head`.
-    #[serde(default)]
-    pub n_kv_head: Option<usize>,
-    pub n_embd: usize,
-    pub block_size: usize,
-    pub vocab_size: usize,
-    /// The SwiGLU MLP's width; default 8/3 · n_embd rounded up to a multiple of 8.
-    #[serde(default)]
-    pub intermediate_size: Option<usize>,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f32,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f32,
-    /// The LM head reads the token embedding (one tensor) instead of its own.
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-}
-
-fn default_theta() -> f32 {
-    10000.0
-}
-
-fn default_eps() -> f32 {
-    1e-5
-}
-
-impl LlamaConfig {
-    pub fn kv_heads(&self) -> usize {
-        self.n_kv_head.unwrap_or(self.n_head)
-    }
-
-    /// The MLP width (saturating where 8/3 · n_embd overflows, which
-    /// [`LlamaConfig::check`] refuses).
-    pub fn intermediate(&self) -> usize {
-        self.intermediate_size.unwrap_or_else(|| {
-            self.n_embd
-                .saturating_mul(8)
-                .div_ceil(3)
-                .checked_next_multiple_of(8)
-                .unwrap_or(usize::MAX)
-        })
-    }
-
-    /// Ψ, or `None` where it overflows.
-    pub fn checked_parameter_count(&self) -> Option<usize> {
-        let (e, v, i) = (self.n_embd, self.vocab_size, self.intermediate());
-        let kv = self.kv_heads().checked_mul(e / self.n_head.max(1))?;
-        let heads = if self.tie_word_embeddings { 1 } else { 2 };
-        let block = e
-            .checked_mul(e)?
-            .checked_mul(2)?
-            .checked_add(kv.checked_mul(e)?.checked_mul(2)?)?
-            .checked_add(i.checked_mul(e)?.checked_mul(3)?)?
-            .checked_add(e.checked_mul(2)?)?;
-        v.checked_mul(e)?
-            .checked_mul(heads)?
-            .checked_add(self.n_layer.checked_mul(block)?)?
-            .checked_add(e)
-    }
-
-    /// Checks the sizes before anything is built from them: a layer count Kiln builds,
-    /// tensors whose element counts fit, and a parameter count that does.
-    pub fn check(&self) -> Result<()> {
-        let (l, e, v) = (self.n_layer, self.n_embd, self.vocab_size);
-        if l == 0 || l > MAX_LAYERS {
-            return Err(Error::InvalidArgument(format!(
-                "llama: n_layer is {l}; Kiln builds 1 to {MAX_LAYERS} layers (the largest \
-                 Llama has 126)"
-            )));
-        }
-        if e == 0 || v == 0 || self.block_size == 0 || self.n_head == 0 || self.intermediate() == 0
-        {
-            return Err(Error::InvalidArgument(format!(
-                "llama: n_embd ({e}), n_head ({}), block_size ({}), vocab_size ({v}) and \
-                 intermediate_size ({}) must all be at least 1",
-                self.n_head,
-                self.block_size,
-                self.intermediate()
-            )));
-        }
-        tensor_elements("llama: the token embedding (vocab_size × n_embd)", &[v, e])?;
-        tensor_elements("llama: a projection (n_embd × n_embd)", &[e, e])?;
-        tensor_elements(
-            "llama: an MLP weight (intermediate_size × n_embd)",
-            &[self.intermediate(), e],
-        )?;
-        match self.checked_parameter_count() {
-            Some(n) if n <= MAX_PARAMETERS => Ok(()),
-            _ => Err(Error::InvalidArgument(format!(
-                "llama: {l} layers of n_embd {e} with vocab_size {v} have more than \
-                 {MAX_PARAMETERS} parameters, past any device or host; make the model smaller"
-            ))),
-        }
-    }
-}
+use crate::{DType, Result};
 
 /// Llama trained on sequences of `seq` tokens (at most `block_size`).
 #[derive(Clone, Debug)]
@@ -143,57 +40,11 @@ impl Llama {
         self.attention = Some(attention);
         self
     }
-
-    fn check(&self, batch: usize, dtype: DType) -> Result<Attention> {
-        let c = &self.config;
-        let (h, k) = (c.n_head, c.kv_heads());
-        let even_heads = c.n_embd.is_multiple_of(h) && (c.n_embd / h).is_multiple_of(2);
-        if h == 0 || k == 0 || !even_heads || !h.is_multiple_of(k) {
-            return Err(Error::InvalidArgument(format!(
-                "llama: n_embd {} must split into n_head {h} heads of an even size, and n_head \
-                 into n_kv_head {k} groups",
-                c.n_embd
-            )));
-        }
-        if self.seq == 0 || self.seq > c.block_size || batch == 0 || c.n_layer == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "llama: need 1 <= seq ({}) <= block_size ({}), batch >= 1, n_layer >= 1",
-                self.seq, c.block_size
-            )));
-        }
-        let d = c.n_embd / h;
-        let attention = Attention::choose(self.attention, (d, dtype, self.seq), "llama")?;
-        let t = self.seq;
-        tensor_elements(
-            "llama: the logits (micro-batch × seq × vocab_size)",
-            &[batch, t, c.vocab_size],
-        )?;
-        tensor_elements(
-            "llama: the MLP activations (micro-batch × seq × intermediate_size)",
-            &[batch, t, c.intermediate().max(c.n_embd)],
-        )?;
-        if attention == Attention::Straightforward {
-            tensor_elements(
-                "llama: the attention scores (micro-batch × n_head × seq × seq)",
-                &[batch, h, t, t],
-            )?;
-        }
-        Ok(attention)
-    }
 }
 
 impl Model for Llama {
     fn describe(&self) -> String {
-        let c = &self.config;
-        format!(
-            "Llama ({} layers, {} embd, {} heads, {} kv heads, T {}, vocab {})",
-            c.n_layer,
-            c.n_embd,
-            c.n_head,
-            c.kv_heads(),
-            self.seq,
-            c.vocab_size
-        )
+        format!("Llama ({}, T {})", self.config, self.seq)
     }
 
     fn check_sizes(&self) -> Result<()> {
@@ -236,7 +87,9 @@ impl Model for Llama {
     }
 
     fn forward(&self, g: &mut Graph, p: &[Tensor], batch: usize, dtype: DType) -> Result<Forward> {
-        let attention = self.check(batch, dtype)?;
+        let attention = self
+            .config
+            .check_batch((batch, self.seq), dtype, self.attention)?;
         let c = &self.config;
         let (h, k, theta, eps) = (c.n_head, c.kv_heads(), c.rope_theta, c.rms_norm_eps);
         let tokens = g.input("tokens", &[batch, self.seq], DType::U32);

@@ -3,11 +3,13 @@
 //! on a device (parameters in flat buffers, a compiled plan). GPT-2 (`gpt`), a
 //! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations.
 
+mod config;
 pub mod gpt;
 pub mod llama;
 pub mod mlp;
 mod network;
 
+pub use config::ModelConfig;
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
@@ -174,120 +176,6 @@ pub trait Model: Send + Sync {
     /// norm) form one more group. The default: no blocks.
     fn blocks(&self) -> Vec<Vec<usize>> {
         vec![]
-    }
-}
-
-/// A model file for `kiln train --model`: `{"architecture": "gpt2" | "llama", …sizes}`,
-/// GPT-2 when `architecture` is absent. Every other key is the architecture's config,
-/// read strictly (an unknown key is an error naming it).
-#[derive(Clone, Debug, PartialEq)]
-pub enum ModelConfig {
-    Gpt2(gpt::GptConfig),
-    Llama(llama::LlamaConfig),
-}
-
-impl ModelConfig {
-    /// The architectures a model file may name.
-    pub const ARCHITECTURES: [&'static str; 2] = ["gpt2", "llama"];
-
-    /// Reads a model file's JSON.
-    pub fn parse(text: &str) -> std::result::Result<ModelConfig, String> {
-        // Editors on Windows may start a UTF-8 file with a byte-order mark.
-        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        let mut v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-        let obj = v
-            .as_object_mut()
-            .ok_or("expected a JSON object of model sizes")?;
-        let arch = match obj.remove("architecture") {
-            None => "gpt2".to_string(),
-            Some(serde_json::Value::String(s)) => s,
-            Some(other) => return Err(format!("`architecture` must be a string, not {other}")),
-        };
-        let strict =
-            |e: serde_json::Error, fields: &str| format!("{arch} model: {e} (expected {fields})");
-        match arch.as_str() {
-            "gpt2" => serde_json::from_value(v)
-                .map(ModelConfig::Gpt2)
-                .map_err(|e| {
-                    strict(
-                        e,
-                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"",
-                    )
-                }),
-            "llama" => serde_json::from_value(v)
-                .map(ModelConfig::Llama)
-                .map_err(|e| {
-                    strict(
-                        e,
-                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"; \
-                     optional \"n_kv_head\", \"intermediate_size\", \"rope_theta\", \
-                     \"rms_norm_eps\", \"tie_word_embeddings\"",
-                    )
-                }),
-            other => Err(format!(
-                "unknown architecture `{other}`; expected one of {}",
-                ModelConfig::ARCHITECTURES.join(", ")
-            )),
-        }
-    }
-
-    /// The longest sequence the model takes (its trained length).
-    pub fn block_size(&self) -> usize {
-        match self {
-            ModelConfig::Gpt2(c) => c.block_size,
-            ModelConfig::Llama(c) => c.block_size,
-        }
-    }
-
-    pub fn vocab_size(&self) -> usize {
-        match self {
-            ModelConfig::Gpt2(c) => c.vocab_size,
-            ModelConfig::Llama(c) => c.vocab_size,
-        }
-    }
-
-    /// Sizes the vocabulary to the data's.
-    pub fn set_vocab_size(&mut self, v: usize) {
-        match self {
-            ModelConfig::Gpt2(c) => c.vocab_size = v,
-            ModelConfig::Llama(c) => c.vocab_size = v,
-        }
-    }
-
-    /// The model, trained on sequences of `seq` tokens.
-    pub fn build(&self, seq: usize) -> std::sync::Arc<dyn Model> {
-        match self {
-            ModelConfig::Gpt2(c) => std::sync::Arc::new(gpt::Gpt::new(c.clone(), seq)),
-            ModelConfig::Llama(c) => std::sync::Arc::new(llama::Llama::new(c.clone(), seq)),
-        }
-    }
-
-    /// The settings as a run records them (GPT-2's five sizes, as runs always have;
-    /// other architectures every setting and their name).
-    pub fn record(&self) -> serde_json::Value {
-        match self {
-            ModelConfig::Gpt2(c) => serde_json::json!({
-                "n_layer": c.n_layer,
-                "n_head": c.n_head,
-                "n_embd": c.n_embd,
-                "block_size": c.block_size,
-                "vocab_size": c.vocab_size,
-            }),
-            ModelConfig::Llama(c) => serde_json::json!({
-                "architecture": "llama",
-                "n_layer": c.n_layer,
-                "n_head": c.n_head,
-                "n_kv_head": c.kv_heads(),
-                "n_embd": c.n_embd,
-                "block_size": c.block_size,
-                "vocab_size": c.vocab_size,
-                "intermediate_size": c.intermediate(),
-                "rope_theta": c.rope_theta,
-                "rms_norm_eps": c.rms_norm_eps,
-                "tie_word_embeddings": c.tie_word_embeddings,
-            }),
-        }
     }
 }
 
