@@ -144,7 +144,8 @@ pub fn report(
         out,
         "kiln train builds stage 0's layout on every device before ZeRO shards it, so stage \
          0's per-device figure is what must fit; largest buffer {}, largest kernel binding {} \
-         (GEMM operands are split, other kernels bind whole)",
+         (what one kernel binds whole, such as an embedding table; GEMMs, elementwise \
+         kernels and the optimizer split larger buffers)",
         mib(m.largest_buffer),
         mib(m.largest_binding)
     )?;

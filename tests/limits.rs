@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::llama::{Llama, LlamaConfig};
-use kiln::engine::models::mlp::Mlp;
 use kiln::engine::models::{
     Forward, Init, MicroBatch, Model, Network, NetworkMemory, NetworkOptions, ParamSpec,
 };
@@ -239,12 +238,13 @@ fn a_models_overflowing_parameter_shape_is_an_error_naming_it() {
     assert!(e.to_string().contains("parameter `w`"), "{e}");
 }
 
-/// The optimizer binds each flat buffer of parameters whole: one larger than the
-/// adapter's per-binding limit used to be found out at the first step, after every
-/// buffer was allocated and the plan compiled. Now `Network::new` refuses it; a model
-/// just inside the limit builds and trains on the same device.
+/// The embedding lookup binds its table whole: a table larger than the adapter's
+/// per-binding limit used to be found out at the first step, after every buffer was
+/// allocated and the plan compiled. `Network::new` refuses it; the same model in fp16
+/// (half the table) builds and trains on the same device, its f32 master weights and
+/// moments, twice the limit, updated band by band (tests/bands.rs).
 #[test]
-fn a_parameter_buffer_over_the_binding_limit_is_refused_at_build() {
+fn an_embedding_table_over_the_binding_limit_is_refused_at_build() {
     let limit = 1 << 20;
     let dev = WgpuDevice::open(
         find_adapter("vulkan").unwrap(),
@@ -254,27 +254,29 @@ fn a_parameter_buffer_over_the_binding_limit_is_refused_at_build() {
         },
     )
     .unwrap();
-    // fc1: 512 x 1024 f32 = 2 MiB.
-    let big = Mlp {
-        inputs: 512,
-        hidden: 1024,
-        classes: 4,
+    // wte: 8192 x 64 = 2 MiB in f32, 1 MiB in f16.
+    let gpt = || {
+        Arc::new(Gpt::new(
+            GptConfig {
+                n_layer: 1,
+                n_head: 2,
+                n_embd: 64,
+                block_size: 8,
+                vocab_size: 8192,
+            },
+            8,
+        ))
     };
-    let e = Network::new(&dev, Arc::new(big), &options(2, DType::F32))
+    let e = Network::new(&dev, gpt(), &options(1, DType::F32))
         .err()
         .unwrap();
     let msg = e.to_string();
     assert!(msg.contains("per-binding limit of 1.0 MiB"), "{msg}");
+    assert!(msg.contains("(a parameter tensor)"), "{msg}");
     assert!(msg.contains("a smaller largest parameter tensor"), "{msg}");
     assert_eq!(dev.allocated_bytes(), 0, "{msg}");
-    // 64 x 1024 f32 = 256 KiB: builds and steps.
-    let small = Mlp {
-        inputs: 64,
-        hidden: 1024,
-        classes: 4,
-    };
-    let mut net = Network::new(&dev, Arc::new(small), &options(2, DType::F32)).unwrap();
-    let batch = MicroBatch::features(&vec![0.5; 2 * 64], &[1, 3]);
+    let mut net = Network::new(&dev, gpt(), &options(1, DType::F16)).unwrap();
+    let batch = MicroBatch::tokens(&[1, 2, 3, 4, 5, 6, 7, 8], &[2, 3, 4, 5, 6, 7, 8, 9]);
     net.accumulate(&dev, &[batch], 1.0).unwrap();
     let (overflow, loss) = net.check(&dev, 0.0).unwrap();
     net.update(&dev, 1e-3).unwrap();
@@ -531,8 +533,9 @@ fn out_of_memory_errors_advise_what_a_user_can_change() {
 }
 
 /// `kiln estimate` says what `kiln train` would do on the devices named: the same
-/// refusal (the binding limit a GPT-2 small embedding exceeds on lavapipe), or that it
-/// fits.
+/// refusal (the binding limit GPT-2 small's f32 token embedding, 154 MB, exceeds on
+/// lavapipe: the lookup binds its table whole), or that it fits (in fp16 the table
+/// is 77 MB; the f32 master weights and moments are updated band by band).
 #[test]
 fn estimate_gives_trains_verdict() {
     let dir = scratch("estimate");
@@ -546,6 +549,22 @@ fn estimate_gives_trains_verdict() {
         "estimate",
         "--model",
         model.to_str().unwrap(),
+        "--devices",
+        "vulkan",
+    ]);
+    assert!(
+        text(&out).contains("kiln train on these 1 device(s) and this host: fits"),
+        "{}",
+        text(&out)
+    );
+    let fp32 = dir.join("fp32.json");
+    std::fs::write(&fp32, r#"{"train_micro_batch_size_per_gpu": 1}"#).unwrap();
+    let out = kiln(&[
+        "estimate",
+        "--model",
+        model.to_str().unwrap(),
+        "--config",
+        fp32.to_str().unwrap(),
         "--devices",
         "vulkan",
     ]);

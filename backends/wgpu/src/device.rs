@@ -29,6 +29,7 @@ const ARENA_SLOTS: u64 = 4096;
 pub(crate) const SCRATCH_ID: u64 = u64::MAX;
 pub(crate) const PARTIALS_ID: u64 = u64::MAX - 1;
 pub(crate) const DUMMY_ID: u64 = u64::MAX - 2;
+pub(crate) const BAND_PARTIALS_ID: u64 = u64::MAX - 3;
 
 pub struct WgpuDevice {
     pub(crate) caps: Capabilities,
@@ -40,6 +41,9 @@ pub struct WgpuDevice {
     /// Partials of a reduction's first pass; also bound where a kernel's optional
     /// operand is absent.
     pub(crate) scratch: wgpu::Buffer,
+    /// Partials of a reduction over a buffer bound band by band (each band's first
+    /// pass writes its own REDUCE_GROUPS of them).
+    pub(crate) band_partials: wgpu::Buffer,
     /// Bound read-only where a kernel's optional input is absent (a buffer may not be
     /// bound both read-only and writable in one dispatch, so it cannot be `scratch`).
     pub(crate) dummy: wgpu::Buffer,
@@ -208,6 +212,13 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let band_partials = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln banded reduce partials"),
+            size: DType::F32
+                .padded_bytes(crate::launch::REDUCE_GROUPS as usize * crate::launch::MAX_BANDS),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
         let dummy = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln absent operand"),
             size: 16,
@@ -216,6 +227,7 @@ impl WgpuDevice {
         });
         Ok(WgpuDevice {
             dummy,
+            band_partials,
             caps,
             device,
             queue,
@@ -444,8 +456,9 @@ impl WgpuDevice {
                     device: self.caps.name.clone(),
                     what: format!(
                         "`{}` on a {}-byte buffer: over the adapter's per-binding limit of \
-                         {limit} bytes (GEMMs split such operands themselves; this kernel \
-                         cannot). Use smaller tensors, e.g. a smaller batch or sequence, or \
+                         {limit} bytes (GEMMs, elementwise kernels, reductions, the \
+                         optimizers and the embedding's backward split such operands; \
+                         this kernel cannot). Use smaller tensors, e.g. a smaller batch or sequence, or \
                          fused attention instead of a T x T score matrix",
                         d.kernel.name, size
                     ),

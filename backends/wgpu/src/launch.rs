@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
 use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
 
-use crate::device::{Dispatch, State, WgpuDevice, PARTIALS_ID, SCRATCH_ID};
+use crate::device::{Dispatch, State, WgpuDevice, BAND_PARTIALS_ID, PARTIALS_ID, SCRATCH_ID};
 use crate::shader::{self, KernelSource, Repr};
 
 /// Workgroup size of the elementwise kernels, and the most workgroups in one dimension.
@@ -25,17 +25,21 @@ impl WgpuDevice {
         let h = |b: &Buffer| (b.id, &handles[&b.id]);
         match kernel {
             Kernel::Fill { dst, value } => {
-                let words = (dst.bytes() / 4) as u32;
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                let bands = self.bands("fill", dst.len, dst.dtype.size())?;
+                for &band in &bands {
+                    let words = (dst.dtype.padded_bytes(band.1) / 4) as u32;
+                    let mut d = Dispatch::new(
                         &shader::FILL,
                         vec![],
                         vec![h(dst)],
-                        vec![dst.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        vec![band.1 as u32, words, 0, fill_pattern(dst.dtype, *value)],
                         (groups(words), 1, 1),
-                    ),
-                )?;
+                    );
+                    if bands.len() > 1 {
+                        d.ranges = vec![range(0, dst, band)];
+                    }
+                    self.dispatch(s, d)?;
+                }
             }
             Kernel::Copy { src, dst } => {
                 let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
@@ -97,30 +101,60 @@ impl WgpuDevice {
                 };
                 let square = (*op == ReduceOp::SumSquares) as u32;
                 // Pass 1: data -> one partial per workgroup; pass 2: partials -> dst.
-                let words = pairs(src.len);
-                let g = groups(words).min(REDUCE_GROUPS);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                // A source over the binding limit is folded band by band, each band
+                // into its own REDUCE_GROUPS partials (all written: a workgroup with no
+                // elements writes the identity), and pass 2 folds them all.
+                let bands = self.bands("reduce", src.len, src.dtype.size())?;
+                if bands.len() > MAX_BANDS {
+                    return Err(kiln_engine::Error::Unsupported {
+                        device: self.caps.name.clone(),
+                        what: format!(
+                            "a reduction over {} elements: {} bands of the per-binding \
+                             limit, over the {MAX_BANDS} one reduction folds",
+                            src.len,
+                            bands.len()
+                        ),
+                    });
+                }
+                let partial_bytes = DType::F32.padded_bytes(REDUCE_GROUPS as usize);
+                let partials = if bands.len() == 1 {
+                    (SCRATCH_ID, &self.scratch)
+                } else {
+                    (BAND_PARTIALS_ID, &self.band_partials)
+                };
+                let mut g = 0;
+                for (i, &band) in bands.iter().enumerate() {
+                    let words = pairs(band.1);
+                    let mut d = Dispatch::new(
                         &shader::REDUCE,
                         vec![self.repr(src.dtype)],
-                        vec![h(src), (SCRATCH_ID, &self.scratch)],
-                        vec![src.len as u32, words, 0, 0],
-                        (g, 1, 1),
+                        vec![h(src), partials],
+                        vec![band.1 as u32, words, 0, 0],
+                        (groups(words).min(REDUCE_GROUPS), 1, 1),
                     )
-                    .with_overrides(vec![("OP", code), ("SQUARE", square)]),
-                )?;
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::REDUCE,
-                        vec![Repr::F32],
-                        vec![(SCRATCH_ID, &self.scratch), h(dst)],
-                        vec![g, pairs(g as usize), 0, 0],
-                        (1, 1, 1),
-                    )
-                    .with_overrides(vec![("OP", code)]),
-                )?;
+                    .with_overrides(vec![("OP", code), ("SQUARE", square)]);
+                    if bands.len() > 1 {
+                        d.groups.0 = REDUCE_GROUPS;
+                        d.ranges = vec![
+                            range(0, src, band),
+                            (1, i as u64 * partial_bytes, partial_bytes),
+                        ];
+                    }
+                    g += d.groups.0;
+                    self.dispatch(s, d)?;
+                }
+                let mut d = Dispatch::new(
+                    &shader::REDUCE,
+                    vec![Repr::F32],
+                    vec![partials, h(dst)],
+                    vec![g, pairs(g as usize), 0, 0],
+                    (1, 1, 1),
+                )
+                .with_overrides(vec![("OP", code)]);
+                if bands.len() > 1 {
+                    d.ranges = vec![(0, 0, DType::F32.padded_bytes(g as usize))];
+                }
+                self.dispatch(s, d)?;
             }
             Kernel::Matmul(mm) => {
                 let plan = crate::matmul::plan(mm, &self.caps, None)?;
@@ -646,17 +680,40 @@ impl WgpuDevice {
                 dtable,
                 dim,
             } => {
-                let rows = (dtable.len / dim) as u32;
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                // A table over the binding limit (GPT-2's f32 token-embedding gradient,
+                // 154 MB, on lavapipe's 128 MiB) is bound band by band of whole rows,
+                // each band on a 256-byte boundary; each walk skips other bands' rows.
+                let rows = dtable.len / dim;
+                let step = 64 / gcd(*dim, 64);
+                let limit = self.caps.max_storage_binding as usize;
+                let band = if dtable.bytes() as usize <= limit {
+                    rows.max(1)
+                } else {
+                    (limit / (4 * dim)) / step * step
+                };
+                if band == 0 {
+                    return Err(kiln_engine::Error::Unsupported {
+                        device: self.caps.name.clone(),
+                        what: format!(
+                            "the embedding backward of a {rows} x {dim} table: the \
+                             per-binding limit of {limit} bytes holds no band of {step} rows"
+                        ),
+                    });
+                }
+                for first in (0..rows.max(1)).step_by(band) {
+                    let n = band.min(rows - first);
+                    let mut d = Dispatch::new(
                         &shader::EMBEDDING_BACKWARD,
                         vec![self.repr(dout.dtype)],
                         vec![h(dout), h(tokens), h(dtable)],
-                        vec![tokens.len as u32, 0, rows, *dim as u32],
+                        vec![tokens.len as u32, first as u32, n as u32, *dim as u32],
                         (groups(*dim as u32), 1, 1),
-                    ),
-                )?;
+                    );
+                    if band < rows {
+                        d.ranges = vec![range(2, dtable, (first * dim, n * dim))];
+                    }
+                    self.dispatch(s, d)?;
+                }
             }
             Kernel::GradScale {
                 sum_squares,
@@ -742,25 +799,33 @@ impl WgpuDevice {
                 let base = s.base(flag.id);
                 self.encoder(s).clear_buffer(&f, base, Some(flag.bytes()));
                 for src in srcs {
-                    let (kind, words) = match src.dtype {
-                        DType::F32 => (0, (src.bytes() / 4) as u32),
-                        DType::F16 => (1, pairs(src.len)),
-                        _ => (2, pairs(src.len)),
-                    };
                     if src.len == 0 {
                         continue;
                     }
-                    self.dispatch(
-                        s,
-                        Dispatch::new(
+                    let kind = match src.dtype {
+                        DType::F32 => 0,
+                        DType::F16 => 1,
+                        _ => 2,
+                    };
+                    let bands = self.bands("nonfinite", src.len, src.dtype.size())?;
+                    for &band in &bands {
+                        let words = match src.dtype {
+                            DType::F32 => band.1 as u32,
+                            _ => pairs(band.1),
+                        };
+                        let mut d = Dispatch::new(
                             &shader::NONFINITE,
                             vec![],
                             vec![h(src), h(flag)],
-                            vec![src.len as u32, words, 0, 0],
+                            vec![band.1 as u32, words, 0, 0],
                             (groups(words), 1, 1),
                         )
-                        .with_overrides(vec![("KIND", kind)]),
-                    )?;
+                        .with_overrides(vec![("KIND", kind)]);
+                        if bands.len() > 1 {
+                            d.ranges = vec![range(0, src, band)];
+                        }
+                        self.dispatch(s, d)?;
+                    }
                 }
             }
         }
@@ -785,23 +850,39 @@ impl WgpuDevice {
         if n == 0 {
             return Ok(());
         }
-        let words = pairs(n);
-        let mut params = vec![n as u32, words];
-        params.extend(values.iter().map(|v| v.to_bits()));
-        params.extend([0, 0]);
-        self.dispatch(
-            s,
-            Dispatch {
-                kernel,
-                reprs: typed.iter().map(|b| self.repr(b.dtype)).collect(),
-                consts: vec![],
-                overrides,
-                buffers,
-                ranges: vec![],
-                params,
-                groups: (groups(words), 1, 1),
-            },
-        )
+        let widest = typed.iter().map(|b| b.dtype.size()).max().unwrap_or(4);
+        let bands = self.bands(kernel.name, n, widest)?;
+        for &band in &bands {
+            let words = pairs(band.1);
+            let mut params = vec![band.1 as u32, words];
+            params.extend(values.iter().map(|v| v.to_bits()));
+            params.extend([0, 0]);
+            // An absent optional slot is bound to the scratch buffer, not banded.
+            let ranges = if bands.len() == 1 {
+                vec![]
+            } else {
+                typed
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| buffers[*i].0 != SCRATCH_ID)
+                    .map(|(i, b)| range(i, b, band))
+                    .collect()
+            };
+            self.dispatch(
+                s,
+                Dispatch {
+                    kernel,
+                    reprs: typed.iter().map(|b| self.repr(b.dtype)).collect(),
+                    consts: vec![],
+                    overrides: overrides.clone(),
+                    buffers: buffers.clone(),
+                    ranges,
+                    params,
+                    groups: (groups(words), 1, 1),
+                },
+            )?;
+        }
+        Ok(())
     }
 
     /// An elementwise kernel over typed slots that all have the first slot's length.
@@ -817,20 +898,34 @@ impl WgpuDevice {
         if len == 0 {
             return Ok(());
         }
-        let words = pairs(len);
-        self.dispatch(
-            s,
-            Dispatch {
-                kernel,
-                reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
-                consts: vec![],
-                overrides: constant.into_iter().collect(),
-                buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
-                ranges: vec![],
-                params: vec![len as u32, words, alpha.to_bits(), 0],
-                groups: (groups(words), 1, 1),
-            },
-        )
+        let widest = slots.iter().map(|(b, _)| b.dtype.size()).max().unwrap_or(4);
+        let bands = self.bands(kernel.name, len, widest)?;
+        for &band in &bands {
+            let words = pairs(band.1);
+            let ranges = if bands.len() == 1 {
+                vec![]
+            } else {
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (b, _))| range(i, b, band))
+                    .collect()
+            };
+            self.dispatch(
+                s,
+                Dispatch {
+                    kernel,
+                    reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
+                    consts: vec![],
+                    overrides: constant.into_iter().collect(),
+                    buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
+                    ranges,
+                    params: vec![band.1 as u32, words, alpha.to_bits(), 0],
+                    groups: (groups(words), 1, 1),
+                },
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -892,9 +987,61 @@ fn rope_step(theta: f32, dim: usize) -> [f32; 2] {
     [hi, (step - hi as f64) as f32]
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// Pairs of elements an elementwise kernel walks.
 fn pairs(len: usize) -> u32 {
     len.div_ceil(2) as u32
+}
+
+/// Elements a band starts on a multiple of: 256 bytes (WebGPU's storage offset
+/// alignment on every adapter) of the narrowest dtype, 16-bit.
+const BAND_GRANULE: usize = 128;
+/// The most bands one reduction folds; its partials live in the scratch buffer.
+pub(crate) const MAX_BANDS: usize = 64;
+
+/// The byte range `(slot, offset, size)` of elements `[start, start + n)` of `b`.
+fn range(slot: usize, b: &Buffer, (start, n): (usize, usize)) -> (usize, u64, u64) {
+    (
+        slot,
+        (start * b.dtype.size()) as u64,
+        b.dtype.padded_bytes(n),
+    )
+}
+
+impl WgpuDevice {
+    /// How an elementwise kernel over `len` elements, of which the widest buffer holds
+    /// `widest` bytes each, walks its buffers within the adapter's per-binding limit:
+    /// `[(start, len)]` bands, one when everything fits. A flat buffer of parameters
+    /// or moments is larger than lavapipe's 128 MiB binding from GPT-2 small up, and
+    /// these kernels touch each element alone, so a buffer bound band by band gives the
+    /// same values as one bound whole.
+    fn bands(&self, what: &str, len: usize, widest: usize) -> Result<Vec<(usize, usize)>> {
+        let limit = self.caps.max_storage_binding;
+        if (len * widest) as u64 <= limit {
+            return Ok(vec![(0, len)]);
+        }
+        let band = (limit as usize / widest) / BAND_GRANULE * BAND_GRANULE;
+        if band == 0 {
+            return Err(kiln_engine::Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: format!(
+                    "`{what}` over {len} elements in bands: a per-binding limit of {limit} \
+                     bytes holds fewer than {BAND_GRANULE} elements of {widest} bytes"
+                ),
+            });
+        }
+        Ok((0..len)
+            .step_by(band)
+            .map(|start| (start, band.min(len - start)))
+            .collect())
+    }
 }
 
 /// The 32-bit word `fill` writes for `value` in `dtype`.

@@ -555,6 +555,37 @@ impl Kernel {
         self.clone().buffers_mut().into_iter().map(|b| *b).collect()
     }
 
+    /// The buffers a backend must bind whole, so each must fit one storage binding
+    /// ([`crate::Capabilities::max_storage_binding`]). Backends split the rest at that
+    /// limit: a GEMM's operands, elementwise kernels, reductions, the overflow check,
+    /// the optimizer steps over flat buffers, the embedding backward's table. The
+    /// model's memory check refuses, before anything is allocated, a buffer here over
+    /// the limit.
+    pub fn bound_whole(&self) -> Vec<Buffer> {
+        match self {
+            Kernel::Matmul(_)
+            | Kernel::Fill { .. }
+            | Kernel::Copy { .. }
+            | Kernel::Cast { .. }
+            | Kernel::Binary { .. }
+            | Kernel::Scale { .. }
+            | Kernel::Axpy { .. }
+            | Kernel::Reduce { .. }
+            | Kernel::Gelu { .. }
+            | Kernel::GeluBackward { .. }
+            | Kernel::Activation { .. }
+            | Kernel::ActivationBackward { .. }
+            | Kernel::MseBackward { .. }
+            | Kernel::SwiGlu { .. }
+            | Kernel::SwiGluBackward { .. }
+            | Kernel::NonFinite { .. }
+            | Kernel::Adam(_)
+            | Kernel::Sgd(_) => vec![],
+            Kernel::EmbeddingBackward { tokens, dout, .. } => vec![*tokens, *dout],
+            k => k.buffers(),
+        }
+    }
+
     /// Every buffer field of the launch, mutably, in the order of [`Kernel::buffers`]: a
     /// plan records launches over placeholders and rewrites them to device buffers.
     pub fn buffers_mut(&mut self) -> Vec<&mut Buffer> {

@@ -78,9 +78,8 @@ pub struct PlanMemory {
     pub slots: usize,
     /// Bytes of the largest single buffer the plan allocates.
     pub largest: u64,
-    /// Bytes of the largest buffer a launch other than a GEMM binds whole (the caller's
-    /// parameters and flat optimizer buffers included): over the device's per-binding
-    /// limit it cannot run (GEMMs split their operands themselves).
+    /// Bytes of the largest buffer a launch binds whole ([`Kernel::bound_whole`]): over
+    /// the device's per-binding limit it cannot run (backends split the other buffers).
     pub largest_bound: u64,
 }
 
@@ -637,8 +636,7 @@ fn share(e: &Emitter) -> Result<Sharing> {
     memory.largest_bound = e
         .launches
         .iter()
-        .filter(|k| !matches!(k, Kernel::Matmul(_)))
-        .flat_map(|k| k.buffers())
+        .flat_map(|k| k.bound_whole())
         .map(|b| b.bytes())
         .max()
         .unwrap_or(0);

@@ -157,9 +157,9 @@ pub struct NetworkMemory {
     pub largest_buffer: u64,
     /// The largest flat buffer of parameters (its f32 master weights or moments).
     pub largest_parameter_buffer: u64,
-    /// The largest buffer a kernel other than a GEMM binds whole (the optimizer binds
-    /// each flat parameter buffer whole): what must fit one kernel binding (GEMM
-    /// operands over the limit are split).
+    /// The largest buffer a kernel binds whole ([`crate::Kernel::bound_whole`]; e.g. the
+    /// embedding lookup binds its table): what must fit one kernel binding (GEMM
+    /// operands, flat optimizer buffers and elementwise work over the limit are split).
     pub largest_binding: u64,
     /// Host bytes at the host's peak outside the devices: the model states' copy a
     /// checkpoint downloads, or the initial weights while they are drawn and uploaded,
@@ -215,9 +215,14 @@ impl NetworkMemory {
             } else if self.largest_binding > caps.max_storage_binding {
                 over.push(format!(
                     "a kernel binds {} at once ({}), over {at}'s per-binding limit of {} \
-                     (only GEMMs split their operands)",
+                     (GEMMs, elementwise kernels and the optimizer split theirs; this \
+                     one cannot)",
                     human(self.largest_binding),
-                    kind(self.largest_binding),
+                    if self.largest_binding <= self.largest_parameter_buffer {
+                        "a parameter tensor"
+                    } else {
+                        "activations"
+                    },
                     human(caps.max_storage_binding)
                 ));
                 Some(self.largest_binding)
@@ -268,8 +273,8 @@ impl NetworkMemory {
         if params {
             fixes.push(
                 "a smaller largest parameter tensor (in a language model usually the \
-                 embedding, vocab_size × n_embd; its f32 master weights are bound whole \
-                 whatever the precision)",
+                 embedding, vocab_size × n_embd, which the lookup binds whole in the \
+                 storage precision: fp16 or bf16 halves it)",
             );
         }
         if total {
