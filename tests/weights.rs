@@ -11,7 +11,7 @@ use kiln::engine::device::host::HostTensor;
 use kiln::engine::device::safetensors_io;
 use kiln::engine::graph::Attention;
 use kiln::engine::models::gpt::GptConfig;
-use kiln::engine::models::{MicroBatch, ParamState};
+use kiln::engine::models::{MicroBatch, Network, NetworkOptions, ParamState};
 use kiln::engine::train::trainer::{StepStats, Trainer};
 use kiln::engine::{DType, Device, HostData};
 
@@ -359,4 +359,83 @@ fn weights_that_do_not_fit_are_clear_errors_and_change_nothing() {
     net.set_weights(&dev, &renamed).unwrap();
     net.set_weights(&dev, &both).unwrap();
     assert_eq!(net.parameters(&dev).unwrap(), before);
+}
+
+/// Mean, standard deviation and the share of values within one and beyond three
+/// standard deviations `std` of 0.
+fn moments(w: &[f32], std: f64) -> (f64, f64, f64, f64) {
+    let n = w.len() as f64;
+    let mean = w.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let var = w.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+    let share =
+        |f: &dyn Fn(f64) -> bool| w.iter().filter(|&&x| f((x as f64).abs())).count() as f64 / n;
+    (
+        mean,
+        var.sqrt(),
+        share(&|a| a <= std),
+        share(&|a| a > 3.0 * std),
+    )
+}
+
+/// GPT-2's initialisation: normal with std 0.02 (residual projections 0.02/√(2·n_layer)),
+/// biases 0, layer norms 1; drawn on the host from the seed, so every backend starts
+/// from the same bits.
+#[test]
+fn fresh_gpt_weights_are_gpt2s_normal_initialisation() {
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 256,
+        block_size: 8,
+        vocab_size: 13,
+    };
+    let cpu = CpuDevice::new();
+    let net = gpt_network(&cpu, &cfg, (1, 8), DType::F32);
+    let params = net.parameters(&cpu).unwrap();
+    let proj = 0.02 / (2.0f64 * 2.0).sqrt();
+    for (name, w) in &params {
+        let want = if name.ends_with("c_proj.weight") {
+            proj
+        } else if name.ends_with("bias") || name.contains("ln_") {
+            let c = if name.ends_with("weight") { 1.0 } else { 0.0 };
+            assert!(w.iter().all(|&x| x == c), "{name} is not all {c}");
+            continue;
+        } else {
+            0.02
+        };
+        let (mean, std, within1, beyond3) = moments(w, want);
+        let n = w.len() as f64;
+        // Sampling errors for N draws: the mean's std/√N, the std's std/√(2N), a share
+        // p's √(p(1−p)/N). Tolerances are 5 of those (a false failure under 1e-6 per
+        // check), bounded below for the small tables (wpe: 2048 values). A uniform
+        // draw of the same std has 57.7% within 1σ and none beyond 3σ, far outside.
+        let tol = |p: f64| 5.0 * (p * (1.0 - p) / n).sqrt();
+        assert!(mean.abs() < 5.0 * want / n.sqrt(), "{name}: mean {mean}");
+        assert!(
+            (std - want).abs() < 5.0 * want / (2.0 * n).sqrt(),
+            "{name}: std {std}, want {want}"
+        );
+        assert!(
+            (within1 - 0.6827).abs() < tol(0.6827),
+            "{name}: {within1} within 1σ"
+        );
+        assert!(
+            (beyond3 - 0.0027).abs() < tol(0.0027).max(0.002),
+            "{name}: {beyond3} beyond 3σ"
+        );
+    }
+    // The same seed, the same bits on another backend; another seed, other values.
+    let vk = gpu("vulkan", false);
+    let on_vulkan = gpt_network(vk.as_ref(), &cfg, (1, 8), DType::F32);
+    assert!(on_vulkan.parameters(vk.as_ref()).unwrap() == params);
+    let options = NetworkOptions {
+        batch: 1,
+        dtype: DType::F32,
+        optimizer: adamw(),
+        seed: 6,
+    };
+    let other = Network::new(&cpu, gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
+    let other = other.parameters(&cpu).unwrap();
+    assert!(other.iter().zip(&params).all(|(a, b)| a.0 == b.0));
+    assert!(other[0].1 != params[0].1 && other[4].1 != params[4].1);
 }

@@ -686,6 +686,14 @@ impl Network {
                 Init::Uniform(s) => place
                     .iter_mut()
                     .for_each(|x| *x = rng.symmetric() * s * 3f32.sqrt()),
+                // Both draws of each pair; scaled in f64 and rounded to f32 once.
+                Init::Normal(s) => place.chunks_mut(2).for_each(|pair| {
+                    let (a, b) = rng.normal_pair();
+                    pair[0] = (a * s as f64) as f32;
+                    if let Some(x) = pair.get_mut(1) {
+                        *x = (b * s as f64) as f32;
+                    }
+                }),
             }
         }
         let mut arenas = vec![];
