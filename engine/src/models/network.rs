@@ -1215,7 +1215,9 @@ impl Network {
         self.step
     }
 
-    /// The model weights under their checkpoint names, for safetensors export/import.
+    /// The model copies' buffers under their checkpoint names, for
+    /// `safetensors_io::save`. Reading a file back is [`Network::load_weights`]:
+    /// uploading into these buffers alone would leave the f32 masters behind.
     pub fn tensors(&self) -> Vec<crate::device::safetensors_io::NamedTensor> {
         self.params
             .iter()
@@ -1673,7 +1675,10 @@ impl Network {
     }
 
     /// Overwrites parameter `index`'s model copy (storage dtype, bit-exact): how a ZeRO
-    /// group hands every rank the updated weights its shards produced.
+    /// group hands every rank the updated weights its shards produced. The model copy
+    /// alone: the f32 master keeps its values and the next optimizer step writes the
+    /// copy from it again, so this does not set a weight (that is
+    /// [`Network::set_weights`]).
     pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
         dev.upload(self.param(index)?.buffers.value, data)
     }
