@@ -79,9 +79,11 @@ fn gradients_match_finite_differences() {
             let ld = gpt.loss(&dev, &mb(&tok, &tgt)).unwrap();
             gpt.set_parameter(&dev, i, w).unwrap();
             let fd = (lu - ld) / (2.0 * h as f64);
-            // Losses summed in f64 from f32 per-token values (noise ~1e-7) over 2h: a few
-            // 1e-5 absolute; O(h^2) curvature: a few percent at most.
-            let tol = 2e-5 + 0.01 * fd.abs();
+            // Losses summed in f64 from f32 per-token values (noise a few 1e-7) over 2h:
+            // up to ~5e-5 absolute (measured with GPT-2's normal initialisation:
+            // h.0.ln_2.weight[4] gives -5.31e-4 at this h, -5.02e-4 at h 1.2e-2, against
+            // a backward of -5.017e-4); O(h^2) curvature: a few percent at most.
+            let tol = 5e-5 + 0.01 * fd.abs();
             if (fd - g[e] as f64).abs() > tol {
                 bad.push(format!(
                     "{name}[{e}]: finite difference {fd:e}, backward {:e}",
@@ -242,8 +244,8 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         optimizer: adamw(),
         seed: 77,
     };
-    let b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
-    kiln::engine::device::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    let mut b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
+    b.load_weights(dev.as_ref(), &path).unwrap();
     std::fs::remove_file(&path).ok();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         assert_eq!(

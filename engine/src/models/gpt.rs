@@ -97,16 +97,25 @@ impl Model for Gpt {
     /// wte, wpe, 12 per block, ln_f weight and bias.
     fn parameters(&self) -> Vec<ParamSpec> {
         let (c, v) = (self.config.n_embd, self.config.vocab_size);
-        let proj_std = 0.02 / (2.0 * self.config.n_layer as f32).sqrt();
+        // GPT-2's initialisation: weights normal with std 0.02; the two projections
+        // that add into the residual stream (attn.c_proj, mlp.c_proj) scaled by
+        // 1/√(2·n_layer), so the stream's variance does not grow with depth; biases 0,
+        // layer norms 1 and 0.
+        let normal = Init::Normal(0.02);
+        let proj = Init::Normal(0.02 / (2.0 * self.config.n_layer as f32).sqrt());
         let (one, zero) = (Init::Const(1.0), Init::Const(0.0));
         let mut out = vec![
-            ParamSpec::new("transformer.wte.weight", &[v, c], Init::Uniform(0.02))
+            ParamSpec::new("transformer.wte.weight", &[v, c], normal)
                 .f32_grad()
                 .tied("lm_head.weight"),
+            // OpenAI's TensorFlow code drew wpe with std 0.01; nanoGPT and Hugging
+            // Face's GPT2 draw both embeddings with 0.02. We follow the latter, the
+            // implementations people train and compare against (an imported
+            // checkpoint brings its own values either way).
             ParamSpec::new(
                 "transformer.wpe.weight",
                 &[self.config.block_size, c],
-                Init::Uniform(0.01),
+                normal,
             )
             .f32_grad(),
         ];
@@ -115,16 +124,15 @@ impl Model for Gpt {
             out.extend([
                 ParamSpec::new(p("ln_1.weight"), &[c], one).f32_grad(),
                 ParamSpec::new(p("ln_1.bias"), &[c], zero).f32_grad(),
-                ParamSpec::new(p("attn.c_attn.weight"), &[c, 3 * c], Init::Uniform(0.02)).decayed(),
+                ParamSpec::new(p("attn.c_attn.weight"), &[c, 3 * c], normal).decayed(),
                 ParamSpec::new(p("attn.c_attn.bias"), &[3 * c], zero),
-                ParamSpec::new(p("attn.c_proj.weight"), &[c, c], Init::Uniform(proj_std)).decayed(),
+                ParamSpec::new(p("attn.c_proj.weight"), &[c, c], proj).decayed(),
                 ParamSpec::new(p("attn.c_proj.bias"), &[c], zero),
                 ParamSpec::new(p("ln_2.weight"), &[c], one).f32_grad(),
                 ParamSpec::new(p("ln_2.bias"), &[c], zero).f32_grad(),
-                ParamSpec::new(p("mlp.c_fc.weight"), &[c, 4 * c], Init::Uniform(0.02)).decayed(),
+                ParamSpec::new(p("mlp.c_fc.weight"), &[c, 4 * c], normal).decayed(),
                 ParamSpec::new(p("mlp.c_fc.bias"), &[4 * c], zero),
-                ParamSpec::new(p("mlp.c_proj.weight"), &[4 * c, c], Init::Uniform(proj_std))
-                    .decayed(),
+                ParamSpec::new(p("mlp.c_proj.weight"), &[4 * c, c], proj).decayed(),
                 ParamSpec::new(p("mlp.c_proj.bias"), &[c], zero),
             ]);
         }

@@ -14,6 +14,7 @@ pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
 };
+pub(crate) use network::{in_file, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};
@@ -59,6 +60,10 @@ pub enum Init {
     /// Uniform with this standard deviation (bound std·√3), drawn in parameter order
     /// from the network's seed.
     Uniform(f32),
+    /// Normal with mean 0 and this standard deviation (GPT-2's initialisation), drawn
+    /// on the host in parameter order from the network's seed: the same values on
+    /// every device and backend.
+    Normal(f32),
 }
 
 /// One parameter as a model declares it.
