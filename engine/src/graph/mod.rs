@@ -841,6 +841,20 @@ impl Graph {
         Ok(out)
     }
 
+    /// The columns of `t` that are classes: those a cross-entropy on it counts (a padded
+    /// vocabulary's real size), else all of them. What an argmax or a sampler may pick.
+    pub fn classes_of(&self, t: Tensor) -> usize {
+        self.ops
+            .iter()
+            .find_map(|op| match *op {
+                Op::CrossEntropy {
+                    logits, classes, ..
+                } if logits == t => Some(classes),
+                _ => None,
+            })
+            .unwrap_or_else(|| self.t(t).cols())
+    }
+
     /// Fused softmax + cross-entropy over the last dim of `logits` (..., V) against
     /// `targets` (...) u32 -> per-row losses (...) f32. The graph's loss is their mean
     /// over the rows whose target is not IGNORE_TARGET; one per graph.

@@ -225,6 +225,7 @@ mod tests {
             n_embd: 256,
             block_size: 4,
             vocab_size: 5,
+            padded_vocab_size: None,
         };
         let models: [Box<dyn Model>; 2] = [
             Box::new(gpt::Gpt::new(cfg, 4).with_attention(Attention::Fused)),
