@@ -245,8 +245,8 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         optimizer: adamw(),
         seed: 77,
     };
-    let b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
-    kiln::engine::device::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    let mut b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
+    b.load_weights(dev.as_ref(), &path).unwrap();
     std::fs::remove_file(&path).ok();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         assert_eq!(

@@ -14,6 +14,7 @@ pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
 };
+pub(crate) use network::{in_file, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};
