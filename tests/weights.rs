@@ -26,6 +26,7 @@ fn cfg() -> GptConfig {
         n_embd: 16,
         block_size: T,
         vocab_size: V,
+        padded_vocab_size: None,
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod config;
 pub mod gpt;
+pub mod import;
 pub mod llama;
 pub mod mlp;
 mod network;
