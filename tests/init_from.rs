@@ -213,9 +213,10 @@ fn imported_weights_train_on_data_of_their_own_vocabulary_only() {
     })
     .unwrap();
     let first = losses(&r.dir)[0];
-    // All-equal weights: every logit is the same, the loss exactly ln V.
+    // All-equal weights: every logit is the same, the loss exactly ln V (random weights
+    // of std 0.02 would give about ln V + 2e-3).
     assert!(
-        (first - (50257f32).ln()).abs() < 1e-3,
+        (first - (50257f32).ln()).abs() < 2e-4,
         "loss {first} from the imported weights"
     );
     std::fs::remove_dir_all(&dir).ok();
