@@ -381,6 +381,14 @@ fn damaged_and_hostile_hf_files_are_refused_naming_file_and_tensor() {
     // Truncated: the data is shorter than the header says.
     let (file, e) = case("truncated", &bytes[..bytes.len() - 10], &config);
     has(&e, &[&file, "truncated or corrupted"]);
+    // A header claiming a terabyte tensor backed by 64 bytes: refused from the header
+    // and the file's length, before any copy.
+    let header = br#"{"transformer.wte.weight":{"dtype":"F32","shape":[1099511627776,16],"data_offsets":[0,64]}}"#;
+    let mut forged = (header.len() as u64).to_le_bytes().to_vec();
+    forged.extend_from_slice(header);
+    forged.extend_from_slice(&[0u8; 64]);
+    let (file, e) = case("forged-shape", &forged, &config);
+    has(&e, &[&file, "not a valid safetensors file"]);
     // config.json disagrees with the shapes.
     let wider = config.replace("\"n_embd\": 16", "\"n_embd\": 32");
     assert_ne!(wider, config);

@@ -221,3 +221,31 @@ fn imported_weights_train_on_data_of_their_own_vocabulary_only() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The flag reaches the command line: a path that is not there is named.
+#[test]
+fn the_cli_takes_init_from_and_names_a_missing_path() {
+    let dir = scratch("cli");
+    let missing = dir.join("no-such-model");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", "--devices", "cpu", "--steps", "1", "--out"])
+        .arg(dir.join("run"))
+        .arg("--init-from")
+        .arg(&missing)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!(
+            "--init-from {}: cannot read it",
+            missing.display()
+        )) && err.contains("Hugging Face GPT-2 directory"),
+        "{err}"
+    );
+    assert!(
+        !dir.join("run").exists(),
+        "a run that failed to start wrote nothing"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
