@@ -94,11 +94,13 @@ pub fn cut_positions(weights: &mut [HostTensor], block_size: usize) -> Result<()
         .find(|t| t.name == WPE)
         .ok_or_else(|| Error::InvalidArgument(format!("no position embedding `{WPE}`")))?;
     let (have, c) = match wpe.shape[..] {
-        [rows, cols] => (rows, cols),
+        [rows, cols] if rows.checked_mul(cols) == Some(wpe.data.len()) => (rows, cols),
         _ => {
             return Err(Error::InvalidArgument(format!(
-                "`{WPE}` has shape {:?}, not (positions, n_embd)",
-                wpe.shape
+                "`{WPE}` has shape {:?} and {} values, not (positions, n_embd) with one \
+                 value per element",
+                wpe.shape,
+                wpe.data.len()
             )))
         }
     };
@@ -155,7 +157,8 @@ fn map(path: &Path) -> Result<Mmap> {
 /// `config.json`, a `.safetensors` file (its `config.json` beside it), or an llm.c
 /// `.bin` (told by its magic number).
 pub fn read(path: &Path) -> Result<Imported> {
-    if path.is_dir() {
+    let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot read it: {e}")))?;
+    if meta.is_dir() {
         return read_hf(path);
     }
     let mut head = [0u8; 4];
@@ -481,9 +484,9 @@ pub fn write_hf(dir: &Path, config: &GptConfig, weights: &[HostTensor]) -> Resul
     Ok(())
 }
 
-/// llm.c's tensors, in file order: (name, per-layer Kiln names and whether Kiln's
-/// layout is the transpose of llm.c's, llm.c's per-layer shape). Stacked over the
-/// layers where `layered`.
+/// One kind of llm.c tensor: the Kiln parameter it is (per layer where `layered`: llm.c
+/// stacks each kind over the layers), its (rows, cols) as llm.c stores one layer's, and
+/// whether Kiln stores it transposed ((in, out) against llm.c's (out, in)).
 struct LlmcTensor {
     kiln: &'static str,
     layered: bool,
