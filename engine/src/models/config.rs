@@ -78,8 +78,13 @@ impl GptConfig {
                 )));
             }
         }
+        let rows = if self.padded_vocab_size.is_some() {
+            "padded_vocab_size"
+        } else {
+            "vocab_size"
+        };
         tensor_elements(
-            "gpt: the token embedding (padded_vocab_size × n_embd)",
+            &format!("gpt: the token embedding ({rows} × n_embd)"),
             &[self.padded_vocab(), c],
         )?;
         tensor_elements(
