@@ -12,6 +12,7 @@ pub mod bench;
 pub mod bench_dp;
 pub mod devices;
 pub mod estimate;
+pub mod init_from;
 pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

@@ -76,6 +76,7 @@ fn gpt(n_layer: usize, n_embd: usize, vocab_size: usize, block_size: usize) -> G
         n_embd,
         block_size,
         vocab_size,
+        padded_vocab_size: None,
     };
     Gpt::new(cfg, block_size)
 }
@@ -263,6 +264,7 @@ fn an_embedding_table_over_the_binding_limit_is_refused_at_build() {
                 n_embd: 64,
                 block_size: 8,
                 vocab_size: 8192,
+                padded_vocab_size: None,
             },
             8,
         ))

@@ -26,6 +26,7 @@ fn cfg() -> GptConfig {
         n_embd: 16,
         block_size: T,
         vocab_size: V,
+        padded_vocab_size: None,
     }
 }
 
@@ -388,6 +389,7 @@ fn fresh_gpt_weights_are_gpt2s_normal_initialisation() {
         n_embd: 256,
         block_size: 8,
         vocab_size: 13,
+        padded_vocab_size: None,
     };
     let cpu = CpuDevice::new();
     let net = gpt_network(&cpu, &cfg, (1, 8), DType::F32);

@@ -952,6 +952,8 @@ impl Network {
         let loss = self.loss(dev, batch)?;
         let t = self.recorded.forward.prediction;
         let cols = *self.recorded.graph.shape(t).last().unwrap_or(&1);
+        // A padded vocabulary's padding columns are no token: never predicted.
+        let classes = self.recorded.graph.classes_of(t).clamp(1, cols.max(1));
         let buf = self
             .plan
             .buffer(t)
@@ -960,6 +962,7 @@ impl Network {
         let best = values
             .chunks_exact(cols.max(1))
             .map(|row| {
+                let row = &row[..classes];
                 // First maximum wins, so ties resolve the same way on every backend.
                 let mut arg = 0;
                 for (i, &x) in row.iter().enumerate() {
