@@ -1,0 +1,222 @@
+//! Choosing generated tokens: greedy, temperature, top-k, top-p, seeds, the padded
+//! vocabulary, and the refusals of settings with no meaning.
+
+use kiln::engine::models::sample::{argmax, SamplingOptions, TokenSampler};
+
+const LOGITS: [f32; 8] = [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2];
+
+fn options(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> SamplingOptions {
+    SamplingOptions {
+        temperature,
+        top_k,
+        top_p,
+    }
+}
+
+/// softmax(logits / t) in f64: the reference the draws are compared with.
+fn softmax(logits: &[f32], t: f64) -> Vec<f64> {
+    let top = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let e: Vec<f64> = logits
+        .iter()
+        .map(|&x| ((x as f64 - top) / t).exp())
+        .collect();
+    let s: f64 = e.iter().sum();
+    e.iter().map(|x| x / s).collect()
+}
+
+fn counts(sampler: &mut TokenSampler, logits: &[f32], draws: usize) -> Vec<u64> {
+    let mut c = vec![0u64; logits.len()];
+    for _ in 0..draws {
+        c[sampler.sample(logits).unwrap() as usize] += 1;
+    }
+    c
+}
+
+/// Pearson's statistic of observed counts against expected probabilities, over the
+/// categories with a nonzero expectation (a draw outside them is an outright failure).
+fn chi_square(observed: &[u64], expected: &[f64], n: usize) -> f64 {
+    observed
+        .iter()
+        .zip(expected)
+        .map(|(&o, &p)| {
+            if p == 0.0 {
+                assert_eq!(o, 0, "a token of probability 0 was drawn");
+                return 0.0;
+            }
+            let e = p * n as f64;
+            (o as f64 - e).powi(2) / e
+        })
+        .sum()
+}
+
+#[test]
+fn temperature_zero_and_top_k_one_are_greedy() {
+    let mut logits = LOGITS.to_vec();
+    // A tie with the maximum later on: the first maximum wins, as evaluation takes it.
+    logits.push(2.0);
+    for (opts, seed) in [
+        (options(0.0, None, None), 1),
+        (options(0.0, Some(5), Some(0.5)), 2),
+        (options(1.0, Some(1), None), 3),
+        (options(5.0, Some(1), Some(0.9)), 4),
+    ] {
+        let mut s = TokenSampler::new(opts, logits.len(), seed).unwrap();
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits).unwrap(), 0, "{opts:?}");
+        }
+        assert_eq!(s.distribution(&logits).unwrap(), vec![(0, 1.0)]);
+    }
+    assert_eq!(argmax(&logits), 0);
+    assert_eq!(argmax(&[0.0, 3.0, -1.0, 3.0]), 1);
+}
+
+#[test]
+fn a_fixed_seed_reproduces_the_draws_and_another_seed_does_not() {
+    let draw = |seed: u64| {
+        let mut s = TokenSampler::new(options(1.0, None, None), LOGITS.len(), seed).unwrap();
+        (0..200)
+            .map(|_| s.sample(&LOGITS).unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(draw(7), draw(7));
+    assert_ne!(draw(7), draw(8));
+}
+
+#[test]
+fn top_p_keeps_the_smallest_set_with_mass_at_least_p() {
+    // Probabilities 0.5, 0.3, 0.15, 0.05 (as logits: their logarithms).
+    let probs = [0.5f32, 0.3, 0.15, 0.05];
+    let logits: Vec<f32> = probs.iter().map(|p| p.ln()).collect();
+    let kept = |p: f32| -> Vec<u32> {
+        let s = TokenSampler::new(options(1.0, None, Some(p)), 4, 1).unwrap();
+        s.distribution(&logits)
+            .unwrap()
+            .iter()
+            .map(|c| c.0)
+            .collect()
+    };
+    assert_eq!(kept(0.4), vec![0], "0.5 alone reaches 0.4");
+    assert_eq!(kept(0.5), vec![0], "0.5 alone reaches 0.5");
+    assert_eq!(kept(0.75), vec![0, 1]);
+    assert_eq!(kept(0.85), vec![0, 1, 2]);
+    assert_eq!(kept(0.96), vec![0, 1, 2, 3]);
+    assert_eq!(kept(1.0), vec![0, 1, 2, 3]);
+    // The kept probabilities are renormalised, and only kept tokens are ever drawn.
+    let s = TokenSampler::new(options(1.0, None, Some(0.75)), 4, 1).unwrap();
+    let d = s.distribution(&logits).unwrap();
+    assert!(
+        (d[0].1 - 0.625).abs() < 1e-6 && (d[1].1 - 0.375).abs() < 1e-6,
+        "{d:?}"
+    );
+    let mut s = s;
+    let c = counts(&mut s, &logits, 2000);
+    assert_eq!(c[2] + c[3], 0, "{c:?}");
+    assert!(c[0] > 0 && c[1] > 0, "{c:?}");
+}
+
+#[test]
+fn top_k_keeps_the_k_likeliest() {
+    let s = TokenSampler::new(options(1.0, Some(3), None), LOGITS.len(), 1).unwrap();
+    let ids: Vec<u32> = s
+        .distribution(&LOGITS)
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(ids, vec![0, 6, 1]);
+}
+
+/// 10 000 draws at temperature 1 against softmax(logits) by Pearson's chi-square test:
+/// 8 tokens, so 7 degrees of freedom, whose 0.999 quantile is 24.32 (a correct sampler
+/// exceeds it for one seed in a thousand). The seed is fixed, so the draws, and the
+/// statistic, are the same on every run: the test cannot flake; it either holds for
+/// this seed or the sampler is wrong. Five seeds are checked, so a seed that happened
+/// to land in the 0.1% tail would have shown when the test was written. The smallest
+/// expected count is 10 000 × 0.019 = 190, far above the 5 the test needs. The same
+/// draws compared with softmax(logits / 2) — what a sampler that got the temperature
+/// wrong would be measured against — fail the bound by far, so the test can see such
+/// a mistake.
+#[test]
+fn ten_thousand_draws_follow_the_softmax_by_chi_square() {
+    const N: usize = 10_000;
+    const BOUND_7_DF: f64 = 24.32;
+    let want = softmax(&LOGITS, 1.0);
+    let wrong = softmax(&LOGITS, 2.0);
+    for seed in 1..=5 {
+        let mut s = TokenSampler::new(options(1.0, None, None), LOGITS.len(), seed).unwrap();
+        let c = counts(&mut s, &LOGITS, N);
+        let x2 = chi_square(&c, &want, N);
+        assert!(
+            x2 < BOUND_7_DF,
+            "seed {seed}: chi-square {x2:.2} >= {BOUND_7_DF} (7 df, p 0.001): {c:?}"
+        );
+        let off = chi_square(&c, &wrong, N);
+        assert!(off > 10.0 * BOUND_7_DF, "seed {seed}: {off:.1}");
+    }
+}
+
+/// Temperature and top-k together: 4 tokens kept, softmax(logits / 0.7) over them,
+/// 3 degrees of freedom, 0.999 quantile 16.27 (fixed seed, as above).
+#[test]
+fn temperature_and_top_k_draws_follow_the_cut_softmax() {
+    const N: usize = 10_000;
+    const BOUND_3_DF: f64 = 16.27;
+    let kept = [0usize, 6, 1, 2];
+    let sub: Vec<f32> = kept.iter().map(|&i| LOGITS[i]).collect();
+    let sub_p = softmax(&sub, 0.7);
+    let mut want = vec![0.0; LOGITS.len()];
+    for (&i, &p) in kept.iter().zip(&sub_p) {
+        want[i] = p;
+    }
+    let mut s = TokenSampler::new(options(0.7, Some(4), None), LOGITS.len(), 11).unwrap();
+    let c = counts(&mut s, &LOGITS, N);
+    let x2 = chi_square(&c, &want, N);
+    assert!(x2 < BOUND_3_DF, "chi-square {x2:.2}: {c:?}");
+}
+
+#[test]
+fn padded_vocabulary_rows_are_never_drawn() {
+    // Ids 8.. stand for no token (a vocabulary padded for speed), with the largest logits.
+    let mut logits = LOGITS.to_vec();
+    logits.extend([50.0, 60.0, 70.0]);
+    let mut greedy = TokenSampler::new(options(0.0, None, None), 8, 1).unwrap();
+    assert_eq!(greedy.sample(&logits).unwrap(), 0);
+    let mut s = TokenSampler::new(options(3.0, None, None), 8, 1).unwrap();
+    let c = counts(&mut s, &logits, 3000);
+    assert_eq!(c[8..], [0, 0, 0]);
+    // Fewer logits than the vocabulary: a model smaller than its tokenizer.
+    let e = s.sample(&LOGITS[..5]).unwrap_err().to_string();
+    assert!(e.contains("5 logits for a vocabulary of 8"), "{e}");
+}
+
+#[test]
+fn meaningless_settings_and_logits_are_refused_with_the_setting_named() {
+    let bad = |o: SamplingOptions, want: &str| {
+        let e = TokenSampler::new(o, 8, 1).unwrap_err().to_string();
+        assert!(e.contains(want), "{o:?}: {e}");
+    };
+    bad(options(-0.5, None, None), "temperature -0.5");
+    bad(options(f32::NAN, None, None), "temperature NaN");
+    bad(options(f32::INFINITY, None, None), "finite number >= 0");
+    bad(options(1.0, Some(0), None), "top-k 0");
+    bad(
+        options(1.0, None, Some(0.0)),
+        "top-p 0: it must be in (0, 1]",
+    );
+    bad(options(1.0, None, Some(1.5)), "top-p 1.5");
+    bad(options(1.0, None, Some(f32::NAN)), "top-p NaN");
+    let e = TokenSampler::new(options(1.0, None, None), 0, 1).unwrap_err();
+    assert!(e.to_string().contains("at least one token"), "{e}");
+
+    let mut s = TokenSampler::new(options(1.0, None, None), 3, 1).unwrap();
+    let e = s.sample(&[0.0, f32::NAN, 1.0]).unwrap_err().to_string();
+    assert!(
+        e.contains("token 1 is NaN") && e.contains("earlier checkpoint"),
+        "{e}"
+    );
+    let e = s.sample(&[f32::NEG_INFINITY; 3]).unwrap_err().to_string();
+    assert!(e.contains("every logit is -infinity"), "{e}");
+    // A temperature too small to divide by is greedy, not NaN.
+    let mut tiny = TokenSampler::new(options(1e-45, None, None), 3, 1).unwrap();
+    assert_eq!(tiny.sample(&[0.0, 2.0, 2.0]).unwrap(), 1);
+}
