@@ -12,6 +12,8 @@ pub mod bench;
 pub mod bench_dp;
 pub mod devices;
 pub mod estimate;
+pub mod eval;
+pub mod sample;
 pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

@@ -59,6 +59,10 @@ enum Command {
     },
     /// Train a GPT from a DeepSpeed config (no arguments: the built-in addition demo).
     Train(TrainArgs),
+    /// Continue a prompt with a trained model, streaming the text to stdout.
+    Sample(SampleArgs),
+    /// Loss and perplexity of a trained model on held-out data or a token file.
+    Eval(EvalArgs),
     /// Check or explain a DeepSpeed config file.
     Config {
         #[command(subcommand)]
@@ -149,6 +153,56 @@ struct TrainArgs {
     /// kiln.seed, else 1].
     #[arg(long)]
     seed: Option<u64>,
+}
+
+#[derive(clap::Args)]
+struct SampleArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory
+    /// (runs/NAME/checkpoints/step-N).
+    source: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// A file of prompts, one per line, each continued in turn.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// New tokens per prompt [default: as many as the model's context holds, at most 256].
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// 0: always the likeliest token; 1: the model's distribution; higher: flatter.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Draw only from the K likeliest tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Draw only from the likeliest tokens holding this share of the probability (0, 1].
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Seed of the draws: the same seed gives the same text.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The device (`kiln devices` lists them); default: the best adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory.
+    source: PathBuf,
+    /// Score every row of this token file (`kiln prepare`) or text file instead of the
+    /// run's held-out data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The device (`kiln devices` lists them); default: the best adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Sequences per forward pass [default: the run's micro-batch].
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -288,6 +342,23 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Devices { json } => devices(json),
         Command::Train(args) => train(args),
+        Command::Sample(a) => {
+            kiln::sample::sample(&kiln::sample::SampleOptions {
+                source: a.source,
+                prompt: a.prompt,
+                prompts: a.prompts,
+                tokens: a.tokens,
+                sampling: kiln::engine::models::sample::SamplingOptions {
+                    temperature: a.temperature,
+                    top_k: a.top_k,
+                    top_p: a.top_p,
+                },
+                seed: a.seed,
+                devices: a.devices,
+            })?;
+            Ok(())
+        }
+        Command::Eval(a) => eval(a),
         Command::Config { what } => config(what),
         Command::Prepare {
             input,
@@ -386,6 +457,39 @@ fn train(a: TrainArgs) -> Result<()> {
     if r.interrupted {
         std::process::exit(130);
     }
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> Result<()> {
+    let r = kiln::eval::eval(&kiln::eval::EvalOptions {
+        source: a.source,
+        data: a.data,
+        devices: a.devices,
+        micro_batch: a.micro_batch,
+        progress: !a.json,
+    })?;
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let acc = r.accuracy.map_or(String::new(), |a| {
+        format!(", held-out exact match {:.1}%", a * 100.0)
+    });
+    outln!(
+        "loss {:.4}, perplexity {:.3}{acc}: {} tokens scored in {} rows of {}, {}",
+        r.loss,
+        r.perplexity,
+        r.tokens,
+        r.rows,
+        r.seq,
+        r.data
+    );
+    outln!(
+        "checkpoint {} (step {}) on {}",
+        r.checkpoint.display(),
+        r.step,
+        r.device
+    );
     Ok(())
 }
 
