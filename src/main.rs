@@ -170,13 +170,13 @@ struct SampleArgs {
     #[arg(long)]
     tokens: Option<usize>,
     /// 0: always the likeliest token; 1: the model's distribution; higher: flatter.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Draw only from the K likeliest tokens.
     #[arg(long)]
     top_k: Option<usize>,
     /// Draw only from the likeliest tokens holding this share of the probability (0, 1].
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Seed of the draws: the same seed gives the same text.
     #[arg(long, default_value_t = 1)]

@@ -220,3 +220,104 @@ fn meaningless_settings_and_logits_are_refused_with_the_setting_named() {
     let mut tiny = TokenSampler::new(options(1e-45, None, None), 3, 1).unwrap();
     assert_eq!(tiny.sample(&[0.0, 2.0, 2.0]).unwrap(), 1);
 }
+
+mod demo_run;
+use demo_run::{kiln, stderr};
+
+fn sample(run: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["sample", run.to_str().unwrap(), "--devices", "cpu"];
+    args.extend_from_slice(extra);
+    kiln(&args)
+}
+
+#[test]
+fn kiln_sample_greedy_answers_the_demo_prompt_as_network_predict_does() {
+    let (run, _) = demo_run::run("sample");
+    let args = ["--prompt", "47+85=", "--temperature", "0", "--tokens", "4"];
+    let a = sample(run, &args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    let b = sample(run, &args);
+    assert_eq!(a.stdout, b.stdout, "two greedy runs differ");
+    let dev = kiln::cpu::CpuDevice::new();
+    let net = demo_run::network(run, &dev);
+    let answer = demo_run::greedy(&net, &dev, "47+85=", 4);
+    let mut want = format!("47+85={answer}");
+    if !want.ends_with('\n') {
+        want.push('\n');
+    }
+    assert_eq!(String::from_utf8_lossy(&a.stdout), want);
+    // Prompt and decode throughput, apart, on stderr.
+    let err = stderr(&a);
+    assert!(
+        err.contains("prompt: 6 tokens in") && err.contains("decode: 4 tokens in"),
+        "{err}"
+    );
+    // A checkpoint directory is a source too, with the same weights.
+    let ck = kiln::engine::train::checkpoint::load_latest(run)
+        .unwrap()
+        .dir;
+    let c = sample(&ck, &args);
+    assert_eq!(c.stdout, a.stdout, "{}", stderr(&c));
+}
+
+#[test]
+fn kiln_sample_with_a_seed_repeats_its_text() {
+    let (run, _) = demo_run::run("sample");
+    let args = ["--prompt", "12+34=", "--temperature", "1.5", "--seed", "9"];
+    let a = sample(run, &args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert_eq!(a.stdout, sample(run, &args).stdout);
+    // Without --tokens: as many as the context holds (9 fed + 1 predicted = 10).
+    let text = String::from_utf8_lossy(&a.stdout).into_owned();
+    let ids = kiln::engine::data::Addition::encode(text.trim_end_matches('\n'))
+        .unwrap_or_else(|| panic!("{text:?}"));
+    assert!(ids.len() >= 9, "{text:?}");
+}
+
+#[test]
+fn kiln_sample_refuses_bad_input_with_the_fix() {
+    let (run, _) = demo_run::run("sample");
+    let cases: [(&[&str], &str); 6] = [
+        (&["--prompt", ""], "the prompt is empty"),
+        (
+            &["--prompt", "47x85="],
+            "holds 'x', which the addition model's vocabulary lacks",
+        ),
+        (
+            &["--prompt", "47+85=", "--tokens", "5"],
+            "room for at most 4 new tokens",
+        ),
+        (
+            &["--prompt", "1234567890", "--tokens", "1"],
+            "the prompt is 10 tokens, longer than the model's context of 9",
+        ),
+        (
+            &["--prompt", "1+1=", "--temperature", "-1"],
+            "temperature -1",
+        ),
+        (
+            &["--prompt", "1+1=", "--top-p", "2"],
+            "top-p 2: it must be in (0, 1]",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = sample(run, args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        assert!(stderr(&o).contains(want), "{args:?}: {}", stderr(&o));
+        assert!(o.stdout.is_empty(), "{args:?}");
+    }
+    let o = kiln(&["sample", "/nonexistent/run", "--prompt", "1+1="]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("/nonexistent/run: cannot read it") && e.contains("pass a run directory"),
+        "{e}"
+    );
+    let o = kiln(&[
+        "sample",
+        run.parent().unwrap().to_str().unwrap(),
+        "--prompt",
+        "1",
+    ]);
+    assert!(stderr(&o).contains("holds neither a run"), "{}", stderr(&o));
+}
