@@ -4,12 +4,14 @@
 //! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations.
 
 mod config;
+pub mod generate;
 pub mod gpt;
 pub mod llama;
 pub mod mlp;
 mod network;
 
 pub use config::ModelConfig;
+pub use generate::Generator;
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
