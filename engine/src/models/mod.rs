@@ -5,6 +5,7 @@
 //! `sample` chooses generated tokens from a language model's logits.
 
 mod config;
+pub mod generate;
 pub mod gpt;
 pub mod llama;
 pub mod mlp;
@@ -12,6 +13,7 @@ mod network;
 pub mod sample;
 
 pub use config::ModelConfig;
+pub use generate::Generator;
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
