@@ -11,6 +11,8 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use kiln_engine::data::{Addition, Sidecar, Tokenizer};
+use kiln_engine::models::generate::Generator;
+use kiln_engine::models::gpt::Gpt;
 use kiln_engine::models::sample::TokenSampler;
 use kiln_engine::models::{MicroBatch, ModelConfig, Network, NetworkOptions};
 use kiln_engine::train::checkpoint::{self, Checkpoint, MODEL_FILE};
@@ -238,6 +240,37 @@ impl Source {
     }
 }
 
+impl Source {
+    /// The model on `dev` with the checkpoint's weights, generating with a key/value
+    /// cache on the device (GPT-2 models).
+    pub fn generator(&self, dev: &dyn Device) -> Result<Generator> {
+        let ModelConfig::Gpt2(cfg) = &self.model else {
+            bail!(
+                "kiln sample generates with GPT-2 models (a key/value cache on the device); \
+                 this run's model is {}, which has no cached decoder yet",
+                self.model.record()["architecture"]
+                    .as_str()
+                    .unwrap_or("another architecture")
+            );
+        };
+        let weights: Vec<(String, Vec<f32>)> = self
+            .checkpoint
+            .file(MODEL_FILE)?
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.data.to_f32()))
+            .collect();
+        let gpt = Gpt::new(cfg.clone(), cfg.block_size);
+        Ok(Generator::new(
+            dev,
+            &gpt,
+            &weights,
+            self.dtype,
+            cfg.block_size,
+        )?)
+    }
+}
+
 /// Where a model file (Hugging Face safetensors, llm.c `.bin`) is imported; until the
 /// importer exists, refused with what works today.
 fn import_file(path: &Path) -> Result<Source> {
@@ -378,6 +411,25 @@ impl Decoder for Recompute {
         }
         self.tokens.push(token);
         self.logits(dev)
+    }
+}
+
+/// The decoder `kiln sample` uses: the prompt runs once, then each new token runs
+/// only its own position against the keys and values cached on the device.
+pub struct Cached(pub Generator);
+
+impl Decoder for Cached {
+    fn context(&self) -> usize {
+        self.0.max_len()
+    }
+
+    fn prefill(&mut self, dev: &dyn Device, prompt: &[u32]) -> Result<Vec<f32>> {
+        self.0.reset();
+        Ok(self.0.prefill(dev, prompt)?)
+    }
+
+    fn step(&mut self, dev: &dyn Device, token: u32) -> Result<Vec<f32>> {
+        Ok(self.0.step(dev, token)?)
     }
 }
 
@@ -549,11 +601,7 @@ pub fn sample(opts: &SampleOptions) -> Result<Timing> {
     let work = prompts(opts, &source)?;
     let dev = open_one_device(&opts.devices)?;
     let dev: &dyn Device = dev.as_ref();
-    crate::train::say(format!(
-        "note: generating by recomputing the whole sequence for every token (no KV cache \
-         yet): slow for long outputs"
-    ));
-    let mut decoder = Recompute::new(source.network(dev, 1)?)?;
+    let mut decoder = Cached(source.generator(dev)?);
     let mut total = Timing::default();
     for (text, ids, new) in work {
         write_now(&text)?;
