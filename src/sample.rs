@@ -160,7 +160,16 @@ impl Source {
             );
         }
         let (run_dir, ck) = if path.join(runs::CONFIG_FILE).is_file() {
-            (path.to_path_buf(), checkpoint::load_latest(path)?)
+            let ck = match checkpoint::load_latest(path) {
+                Err(checkpoint::CheckpointError::NoCheckpoint { detail, .. }) => bail!(
+                    "{}: the run saved no checkpoint{detail}, so there are no weights to load; \
+                     let it train to its first checkpoint (kiln train --resume --out {})",
+                    path.display(),
+                    path.display()
+                ),
+                r => r?,
+            };
+            (path.to_path_buf(), ck)
         } else if path.join(checkpoint::MANIFEST_FILE).is_file() {
             // runs/NAME/checkpoints/step-N: the run is two levels up.
             let run = path

@@ -73,3 +73,26 @@ fn kiln_eval_scores_a_whole_token_file_and_refuses_ids_outside_the_vocabulary() 
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("cannot read it"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_run_without_a_checkpoint_is_refused_with_what_to_do() {
+    let (run, _) = demo_run::run("eval");
+    let bare = run.parent().unwrap().join("bare-run");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::copy(
+        run.join(kiln::engine::train::runs::CONFIG_FILE),
+        bare.join(kiln::engine::train::runs::CONFIG_FILE),
+    )
+    .unwrap();
+    for cmd in [&["eval"][..], &["sample", "--prompt", "1+1="][..]] {
+        let mut args = vec![cmd[0], bare.to_str().unwrap()];
+        args.extend_from_slice(&cmd[1..]);
+        let o = kiln(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let e = stderr(&o);
+        assert!(
+            e.contains("the run saved no checkpoint") && e.contains("kiln train --resume --out"),
+            "{args:?}: {e}"
+        );
+    }
+}
