@@ -96,3 +96,19 @@ fn a_run_without_a_checkpoint_is_refused_with_what_to_do() {
         );
     }
 }
+
+/// A run on a data file: its held-out tail, found again from the path the run recorded.
+#[test]
+fn kiln_eval_scores_a_text_runs_held_out_tail_as_the_trainer_did() {
+    let (run, report) = demo_run::text_run("eval");
+    let want = report.summary.final_eval_loss.unwrap();
+    let r = eval(&EvalOptions {
+        source: run.clone(),
+        devices: vec!["cpu".into()],
+        ..EvalOptions::default()
+    })
+    .unwrap();
+    assert_eq!(r.loss.to_bits(), want.to_bits(), "{} vs {want}", r.loss);
+    assert_eq!(r.accuracy, None);
+    assert!(r.data.ends_with("text.txt: held-out tail"), "{}", r.data);
+}

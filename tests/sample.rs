@@ -363,3 +363,47 @@ fn cached_decoding_matches_full_recomputation_on_the_demo_checkpoint() {
         }
     }
 }
+
+#[test]
+fn streamed_text_waits_for_whole_characters() {
+    use kiln::engine::data::Tokenizer;
+    use kiln::sample::{TextCodec, TextStream};
+    let text = "naïve 日本語 — ok";
+    for tok in [Tokenizer::Bytes, Tokenizer::Gpt2] {
+        let codec = TextCodec::Tokens(tok);
+        let ids = codec.encode(text).unwrap();
+        let mut s = TextStream::new(codec);
+        let pieces: Vec<String> = ids.iter().map(|&id| s.push(id).unwrap()).collect();
+        assert_eq!(pieces.concat() + &s.finish(), text, "{tok:?}");
+        // Never half a character: every piece is whole text on its own.
+        if tok == Tokenizer::Bytes {
+            assert!(pieces.iter().any(|p| p.is_empty()), "{pieces:?}");
+        }
+    }
+    // A byte that can never start a character is shown as U+FFFD, and the stream goes on.
+    let mut s = TextStream::new(TextCodec::Tokens(Tokenizer::Bytes));
+    assert_eq!(s.push(0xFF).unwrap(), "\u{FFFD}");
+    assert_eq!(s.push(b'a' as u32).unwrap(), "a");
+    // An incomplete character at the end.
+    assert_eq!(s.push(0xE6).unwrap(), "");
+    assert_eq!(s.finish(), "\u{FFFD}");
+}
+
+#[test]
+fn kiln_sample_decodes_a_byte_run_and_refuses_a_mismatched_length() {
+    let (run, _) = demo_run::text_run("sample");
+    let o = sample(
+        run,
+        &["--prompt", "the ", "--temperature", "0", "--tokens", "5"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.starts_with("the "), "{out:?}");
+    // "日" is 3 bytes, so 4 of them are 12 tokens: more than the context of 9.
+    let o = sample(run, &["--prompt", "日本語日", "--tokens", "1"]);
+    assert!(
+        stderr(&o).contains("the prompt is 12 tokens, longer than the model's context of 9"),
+        "{}",
+        stderr(&o)
+    );
+}

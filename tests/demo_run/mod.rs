@@ -114,3 +114,47 @@ pub fn greedy(net: &Network, dev: &dyn Device, prompt: &str, new: usize) -> Stri
     }
     Addition::decode(&ids[start..])
 }
+
+/// A byte-level run on a small text file (vocabulary 256, a held-out tail of 10 rows).
+pub fn text_run(tag: &str) -> &'static (PathBuf, RunReport) {
+    static RUN: OnceLock<(PathBuf, RunReport)> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("kiln-{tag}-text-{}", std::process::id()));
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = dir.join("text.txt");
+        let line = "the quick brown fox jumps over the lazy dog; ünïcödé 日本語\n";
+        std::fs::write(&text, line.repeat(40)).unwrap();
+        let model = dir.join("model.json");
+        std::fs::write(
+            &model,
+            format!(
+                r#"{{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": {T}, "vocab_size": 256}}"#
+            ),
+        )
+        .unwrap();
+        let config = dir.join("ds_config.json");
+        std::fs::write(
+            &config,
+            r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                "bf16": {"enabled": true},
+                "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+        )
+        .unwrap();
+        let out = dir.join("run");
+        let report = train(&TrainOptions {
+            config: Some(config),
+            model: Some(model),
+            data: Some(text),
+            devices: vec!["cpu".into()],
+            out: Some(out.clone()),
+            steps: Some(3),
+            eval_every: Some(0),
+            checkpoint_every: Some(0),
+            progress: false,
+            ..TrainOptions::default()
+        })
+        .unwrap();
+        (out, report)
+    })
+}
