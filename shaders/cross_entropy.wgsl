@@ -2,7 +2,9 @@
 // max and sum of exp(l - max) in f32 (the max starts at the lowest finite f32, so a
 // row of -inf gives no NaN from inf - inf), lse = max + log(sum),
 // loss = lse - logits[target]. IGNORE_TARGET gives loss 0; any other target outside the
-// vocabulary gives a NaN loss.
+// vocabulary gives a NaN loss. Only the first P.classes columns are classes: the rest
+// pad the row (a padded vocabulary) and stay out of the softmax; a target among them is
+// outside the vocabulary too.
 // P.n = rows. Slot: logits (read). targets (u32), losses and lse (f32) per row.
 const IGNORE_TARGET: u32 = 0xffffffffu;
 
@@ -20,7 +22,8 @@ fn main(
     let slot = row_slot(lid, wg, nwg, P.n);
     let row = slot.row;
     let vocab = P.u0;
-    let len = row_len(slot, vocab);
+    let classes = P.classes;
+    let len = row_len(slot, classes);
     let base = row * vocab;
     var m = -3.4028235e38;
     for (var j = slot.lane; j < len; j += ROW_LANES) {
@@ -36,7 +39,7 @@ fn main(
         let z = m + log(acc);
         lse[row] = z;
         let t = targets[row];
-        let loss = select(bitcast<f32>(0x7fc00000u), z - logits_at(base + min(t, vocab - 1u)), t < vocab);
+        let loss = select(bitcast<f32>(0x7fc00000u), z - logits_at(base + min(t, classes - 1u)), t < classes);
         losses[row] = select(loss, 0.0, t == IGNORE_TARGET);
     }
 }

@@ -212,6 +212,7 @@ mod tests {
             n_embd: 768,
             block_size: 1024,
             vocab_size: 50304,
+            padded_vocab_size: None,
         };
         let psi = cfg.parameter_count() as u64;
         let gpt = Gpt::new(cfg.clone(), 1024);

@@ -682,6 +682,7 @@ fn bench_dp(a: DpArgs) -> Result<()> {
             n_embd: 128,
             block_size: 64,
             vocab_size: 512,
+            padded_vocab_size: None,
         },
     };
     let spec: kiln::DeviceSpec = a.device.parse()?;

@@ -424,6 +424,7 @@ fn gpt_fused_matches_straightforward() {
         n_embd: 32,
         block_size: 16,
         vocab_size: 13,
+        padded_vocab_size: None,
     };
     let (b, t) = (2, 11);
     let mut rng = Rng::new(8);

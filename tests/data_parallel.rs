@@ -23,6 +23,7 @@ fn model() -> GptConfig {
         n_embd: 32,
         block_size: T,
         vocab_size: 13,
+        padded_vocab_size: None,
     }
 }
 

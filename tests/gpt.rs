@@ -30,6 +30,7 @@ fn gradients_match_finite_differences() {
         n_embd: 8,
         block_size: 8,
         vocab_size: 11,
+        padded_vocab_size: None,
     };
     let (b, t) = (2, 5);
     let mut gpt = gpt_network(&dev, &cfg, (b, t), DType::F32);
@@ -109,6 +110,7 @@ fn gpu_matches_cpu_in_fp32() {
         n_embd: 64,
         block_size: 32,
         vocab_size: 97,
+        padded_vocab_size: None,
     };
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
@@ -163,6 +165,7 @@ fn learns_counting_in_fp32_fp16_and_bf16() {
         n_embd: 32,
         block_size: 16,
         vocab_size: 16,
+        padded_vocab_size: None,
     };
     let (b, t, steps) = (4, 16, 80);
     let run = |dev: &dyn Device, p: DType| -> Vec<f32> {
@@ -242,8 +245,8 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         optimizer: adamw(),
         seed: 77,
     };
-    let b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
-    kiln::engine::device::safetensors_io::load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    let mut b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
+    b.load_weights(dev.as_ref(), &path).unwrap();
     std::fs::remove_file(&path).ok();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         assert_eq!(
@@ -275,6 +278,7 @@ fn bad_model_configs_are_errors() {
         n_embd: 16,
         block_size: 8,
         vocab_size: 13,
+        padded_vocab_size: None,
     };
     let options = NetworkOptions {
         batch: 1,
@@ -304,6 +308,7 @@ fn accumulated_micro_batches_equal_one_big_batch_and_clipping_uses_the_global_no
         n_embd: 16,
         block_size: 8,
         vocab_size: 13,
+        padded_vocab_size: None,
     };
     let mut rng = Rng::new(6);
     let (tok, tgt) = batch(&mut rng, 4 * 8, cfg.vocab_size);
@@ -366,6 +371,7 @@ fn gpu_matches_cpu_in_fp16_on_both_f16_paths() {
         n_embd: 64,
         block_size: 32,
         vocab_size: 97,
+        padded_vocab_size: None,
     };
     let (b, t) = (2, 32);
     let cpu = CpuDevice::new();
@@ -414,6 +420,7 @@ fn an_overflowing_fp16_step_changes_nothing_but_the_scaler() {
         n_embd: 16,
         block_size: 8,
         vocab_size: 13,
+        padded_vocab_size: None,
     };
     let mut trainer = gpt_trainer(dev.as_ref(), &cfg, (2, 8), DType::F16, 1);
     let mut rng = Rng::new(7);
@@ -470,6 +477,7 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
         n_embd: 8,
         block_size: 4,
         vocab_size: 5,
+        padded_vocab_size: None,
     };
     let mut gpt = gpt_trainer(&dev, &cfg, (1, 4), DType::F32, 1);
     let e = gpt
@@ -516,6 +524,7 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
                 n_embd: 8,
                 block_size: 8,
                 vocab_size: 11,
+                padded_vocab_size: None,
             },
             2,
             5,
@@ -527,6 +536,7 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
                 n_embd: 40,
                 block_size: 16,
                 vocab_size: 97,
+                padded_vocab_size: None,
             },
             3,
             16,

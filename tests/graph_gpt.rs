@@ -30,6 +30,7 @@ fn small() -> GptConfig {
         n_embd: 8,
         block_size: 8,
         vocab_size: 11,
+        padded_vocab_size: None,
     }
 }
 
@@ -127,6 +128,7 @@ fn the_plan_shares_buffers_and_needs_less_than_the_hand_written_model() {
         n_embd: 64,
         block_size: 32,
         vocab_size: 97,
+        padded_vocab_size: None,
     };
     let p = DType::F16;
     let model = gpt_model(&cfg, 32, Attention::Straightforward);

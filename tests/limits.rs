@@ -77,6 +77,7 @@ fn gpt(n_layer: usize, n_embd: usize, vocab_size: usize, block_size: usize) -> G
         n_embd,
         block_size,
         vocab_size,
+        padded_vocab_size: None,
     };
     Gpt::new(cfg, block_size)
 }

@@ -28,6 +28,7 @@ fn cross_entropy_backward_matches_finite_differences() {
             losses,
             lse,
             vocab,
+            classes: vocab,
         })
         .unwrap();
         dev.download(losses)
@@ -50,6 +51,7 @@ fn cross_entropy_backward_matches_finite_differences() {
         losses,
         lse,
         vocab,
+        classes: vocab,
     })
     .unwrap();
     let dl = dev.alloc(DType::F32, rows * vocab).unwrap();
@@ -60,6 +62,7 @@ fn cross_entropy_backward_matches_finite_differences() {
         lse,
         dlogits: dl,
         vocab,
+        classes: vocab,
         scale: 1.0 / rows as f32,
     };
     dev.launch(&k).unwrap();
@@ -128,6 +131,7 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                             losses: b[2],
                             lse: b[3],
                             vocab,
+                            classes: vocab,
                         },
                         vec![2, 3],
                     )
@@ -164,6 +168,7 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                         losses: b[2],
                         lse: b[3],
                         vocab,
+                        classes: vocab,
                     })
                     .unwrap();
                     d.launch(&Kernel::CrossEntropyBackward {
@@ -172,6 +177,7 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                         lse: b[3],
                         dlogits: b[4],
                         vocab,
+                        classes: vocab,
                         scale: 1024.0,
                     })
                     .unwrap();
@@ -260,4 +266,148 @@ fn embedding_matches_cpu_with_repeated_and_invalid_tokens() {
             }
         }
     }
+}
+
+/// Runs the fused cross-entropy forward and backward on `dev`: (losses, dlogits).
+fn cross_entropy_on(
+    dev: &dyn Device,
+    logits: &HostData,
+    targets: &[u32],
+    (vocab, classes): (usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    let rows = targets.len();
+    let (l, t) = (put(dev, logits), put(dev, &HostData::U32(targets.to_vec())));
+    let (losses, lse) = (
+        dev.alloc(DType::F32, rows).unwrap(),
+        dev.alloc(DType::F32, rows).unwrap(),
+    );
+    let dl = dev.alloc(logits.dtype(), rows * vocab).unwrap();
+    dev.launch(&Kernel::CrossEntropy {
+        logits: l,
+        targets: t,
+        losses,
+        lse,
+        vocab,
+        classes,
+    })
+    .unwrap();
+    dev.launch(&Kernel::CrossEntropyBackward {
+        logits: l,
+        targets: t,
+        lse,
+        dlogits: dl,
+        vocab,
+        classes,
+        scale: 64.0,
+    })
+    .unwrap();
+    dev.submit().unwrap();
+    (
+        dev.download(losses).unwrap().to_f32(),
+        dev.download(dl).unwrap().to_f32(),
+    )
+}
+
+/// A padded vocabulary: the padding columns hold large logits (as an imported model's
+/// pad rows may give), yet the loss is the one over the real classes alone, their
+/// gradient is exactly zero, and the real columns' gradient is the unpadded one. On the
+/// CPU reference and both Vulkan f16 paths, in every float dtype, over awkward sizes.
+#[test]
+fn padding_columns_stay_out_of_the_cross_entropy() {
+    let mut rng = Rng::new(15);
+    let cpu = CpuDevice::new();
+    let mut devices: Vec<(&str, Box<dyn Device>)> = vec![("cpu", Box::new(CpuDevice::new()))];
+    for i in 0..2 {
+        let p = gpu_path(i);
+        devices.push((p.name, p.dev));
+    }
+    for (name, dev) in &devices {
+        for dtype in DType::FLOATS {
+            for (rows, classes, vocab) in [(1, 1, 2), (3, 7, 64), (5, 97, 128), (2, 257, 320)] {
+                let real: Vec<f32> = (0..rows * classes)
+                    .map(|_| rng.uniform(-4.0, 4.0))
+                    .collect();
+                let padded: Vec<f32> = (0..rows * vocab)
+                    .map(|e| {
+                        let (r, j) = (e / vocab, e % vocab);
+                        if j < classes {
+                            real[r * classes + j]
+                        } else {
+                            30.0
+                        }
+                    })
+                    .collect();
+                let targets: Vec<u32> = (0..rows)
+                    .map(|r| {
+                        if r == 0 {
+                            classes as u32 - 1
+                        } else {
+                            rng.next_u32() % classes as u32
+                        }
+                    })
+                    .collect();
+                let what = format!("{name}: {dtype} {rows} rows, {classes} classes of {vocab}");
+                let (want_loss, want_grad) = cross_entropy_on(
+                    &cpu,
+                    &HostData::from_f32(dtype, &real),
+                    &targets,
+                    (classes, classes),
+                );
+                let (loss, grad) = cross_entropy_on(
+                    dev.as_ref(),
+                    &HostData::from_f32(dtype, &padded),
+                    &targets,
+                    (vocab, classes),
+                );
+                near(&format!("{what}: loss"), &loss, &want_loss, 1e-5, 1e-5);
+                let ulp = match dtype {
+                    DType::F16 => 2f32.powi(-10),
+                    DType::BF16 => 2f32.powi(-7),
+                    _ => 0.0,
+                };
+                for r in 0..rows {
+                    let row = &grad[r * vocab..(r + 1) * vocab];
+                    assert!(
+                        row[classes..].iter().all(|&g| g == 0.0),
+                        "{what}: row {r}: padding got gradient {:?}",
+                        &row[classes..]
+                    );
+                    near(
+                        &format!("{what}: row {r} dlogits"),
+                        &row[..classes],
+                        &want_grad[r * classes..(r + 1) * classes],
+                        1e-5 + ulp,
+                        64.0 * 1e-6,
+                    );
+                }
+                // A target among the padding columns is no class: NaN, as past the row.
+                let mut bad = targets.clone();
+                bad[rows - 1] = classes as u32;
+                if classes < vocab {
+                    let (loss, _) = cross_entropy_on(
+                        dev.as_ref(),
+                        &HostData::from_f32(dtype, &padded),
+                        &bad,
+                        (vocab, classes),
+                    );
+                    assert!(loss[rows - 1].is_nan(), "{what}: target in the padding");
+                }
+            }
+        }
+    }
+    // Classes beyond the row are refused before any launch.
+    let b = cpu.alloc(DType::F32, 4).unwrap();
+    let t = cpu.alloc(DType::U32, 2).unwrap();
+    let e = cpu
+        .launch(&Kernel::CrossEntropy {
+            logits: b,
+            targets: t,
+            losses: cpu.alloc(DType::F32, 2).unwrap(),
+            lse: cpu.alloc(DType::F32, 2).unwrap(),
+            vocab: 2,
+            classes: 3,
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3 classes in rows of 2"), "{e}");
 }

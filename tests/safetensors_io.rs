@@ -7,7 +7,7 @@ use common::*;
 use std::sync::Arc;
 
 use kiln::engine::data::clusters;
-use kiln::engine::device::safetensors_io::{load, save, NamedTensor};
+use kiln::engine::device::safetensors_io::save;
 use kiln::engine::models::mlp::Mlp;
 use kiln::engine::models::MicroBatch;
 use kiln::engine::train::trainer::Trainer;
@@ -48,10 +48,10 @@ fn export_then_import_round_trips_bit_exactly() {
         let batch = MicroBatch::features(&x[s * 40..(s + 1) * 40], &y[s * 8..(s + 1) * 8]);
         a.step(dev.as_ref(), &[batch]).unwrap();
     }
-    let (a, b) = (a.model, mlp(dev.as_ref(), 99).model);
+    let (a, mut b) = (a.model, mlp(dev.as_ref(), 99).model);
     let path = dir().join("mlp.safetensors");
     save(dev.as_ref(), &a.tensors(), &path).unwrap();
-    load(dev.as_ref(), &b.tensors(), &path).unwrap();
+    b.load_weights(dev.as_ref(), &path).unwrap();
     for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
         let (ha, hb) = (
             dev.download(ta.buffer).unwrap(),
@@ -71,7 +71,7 @@ fn export_then_import_round_trips_bit_exactly() {
 #[test]
 fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     let dev = gpu("vulkan", false);
-    let m = mlp(dev.as_ref(), 1).model;
+    let mut m = mlp(dev.as_ref(), 1).model;
     let d = dir();
     let good = d.join("good.safetensors");
     save(dev.as_ref(), &m.tensors(), &good).unwrap();
@@ -80,9 +80,7 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     // Truncated.
     let cut = d.join("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    let e = load(dev.as_ref(), &m.tensors(), &cut)
-        .unwrap_err()
-        .to_string();
+    let e = m.load_weights(dev.as_ref(), &cut).unwrap_err().to_string();
     assert!(
         e.contains("cut.safetensors") && e.contains("truncated or corrupted"),
         "{e}"
@@ -92,25 +90,35 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     bad[10] = b'}';
     let broken = d.join("broken.safetensors");
     std::fs::write(&broken, &bad).unwrap();
-    let e = load(dev.as_ref(), &m.tensors(), &broken)
+    let e = m
+        .load_weights(dev.as_ref(), &broken)
         .unwrap_err()
         .to_string();
     assert!(e.contains("broken.safetensors"), "{e}");
-    // A tensor the file lacks.
-    let mut more = m.tensors();
-    more.push(NamedTensor {
-        name: "fc3.weight".into(),
-        ..more[0].clone()
-    });
-    let e = load(dev.as_ref(), &more, &good).unwrap_err().to_string();
-    assert!(e.contains("no tensor `fc3.weight`"), "{e}");
+    // A parameter the file lacks.
+    let fewer = d.join("fewer.safetensors");
+    save(dev.as_ref(), &m.tensors()[1..], &fewer).unwrap();
+    let e = m
+        .load_weights(dev.as_ref(), &fewer)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("fewer.safetensors") && e.contains("missing: `fc1.weight`"),
+        "{e}"
+    );
     // A shape that differs.
     let mut reshaped = m.tensors();
     reshaped[0].shape = vec![7, 5];
-    let e = load(dev.as_ref(), &reshaped, &good)
+    let other = d.join("reshaped.safetensors");
+    save(dev.as_ref(), &reshaped, &other).unwrap();
+    let e = m
+        .load_weights(dev.as_ref(), &other)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("fc1.weight") && e.contains("[7, 5]"), "{e}");
+    assert!(
+        e.contains("`fc1.weight` has shape [7, 5]") && e.contains("[5, 7]"),
+        "{e}"
+    );
     // A write that cannot finish (its directory is gone) leaves the good file intact,
     // and a crash's leftover temporary file does not affect it either.
     let e = save(
@@ -121,5 +129,5 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     assert!(e.is_err());
     std::fs::write(good.with_extension("safetensors.tmp"), b"half a file").unwrap();
     assert_eq!(std::fs::read(&good).unwrap(), bytes);
-    load(dev.as_ref(), &m.tensors(), &good).unwrap();
+    m.load_weights(dev.as_ref(), &good).unwrap();
 }

@@ -389,6 +389,7 @@ fn a_two_device_zero_run_resumes_on_one_and_on_three_devices() {
         n_embd: 32,
         block_size: 9,
         vocab_size: 13,
+        padded_vocab_size: None,
     }
     .parameter_count() as f64;
     assert_eq!((states1.len(), states2.len(), states3.len()), (1, 2, 3));

@@ -22,6 +22,7 @@ pub fn model_config() -> gpt::GptConfig {
         n_embd: 16,
         block_size: T,
         vocab_size: 13,
+        padded_vocab_size: None,
     }
 }
 

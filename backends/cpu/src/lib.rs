@@ -545,12 +545,14 @@ impl Device for CpuDevice {
                 losses,
                 lse,
                 vocab,
+                classes,
             } => {
                 let l = s.f32s(*logits, name)?;
                 let t = s.get(*targets, name)?.bits();
                 let (mut loss, mut lses) = (vec![0f32; t.len()], vec![0f32; t.len()]);
                 for (r, &target) in t.iter().enumerate() {
-                    let row = &l[r * vocab..(r + 1) * vocab];
+                    // Padding columns past `classes` are no class: out of the softmax.
+                    let row = &l[r * vocab..r * vocab + classes];
                     let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v as f64));
                     let z = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
                     lses[r] = z as f32;
@@ -569,6 +571,7 @@ impl Device for CpuDevice {
                 lse,
                 dlogits,
                 vocab,
+                classes,
                 scale,
             } => {
                 let l = s.f32s(*logits, name)?;
@@ -579,7 +582,7 @@ impl Device for CpuDevice {
                     .enumerate()
                     .map(|(e, &v)| {
                         let (r, j) = (e / vocab, e % vocab);
-                        if t[r] == IGNORE_TARGET {
+                        if t[r] == IGNORE_TARGET || j >= *classes {
                             return 0.0;
                         }
                         let p = (v as f64 - z[r] as f64).exp();

@@ -656,16 +656,17 @@ impl WgpuDevice {
                 losses,
                 lse,
                 vocab,
+                classes,
             } => {
                 let rows = (logits.len / vocab) as u32;
-                let (lanes, grid) = self.row_plan(rows, *vocab as u32);
+                let (lanes, grid) = self.row_plan(rows, *classes as u32);
                 self.dispatch(
                     s,
                     Dispatch::new(
                         &shader::CROSS_ENTROPY,
                         vec![self.repr(logits.dtype)],
                         vec![h(logits), h(targets), h(losses), h(lse)],
-                        vec![rows, 0, 0, *vocab as u32],
+                        vec![rows, 0, 0, *vocab as u32, *classes as u32, 0, 0, 0],
                         grid,
                     )
                     .with_overrides(lanes),
@@ -677,6 +678,7 @@ impl WgpuDevice {
                 lse,
                 dlogits,
                 vocab,
+                classes,
                 scale,
             } => {
                 let words = pairs(logits.len);
@@ -686,7 +688,16 @@ impl WgpuDevice {
                         &shader::CROSS_ENTROPY_BACKWARD,
                         vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
                         vec![h(logits), h(dlogits), h(targets), h(lse)],
-                        vec![logits.len as u32, words, scale.to_bits(), *vocab as u32],
+                        vec![
+                            logits.len as u32,
+                            words,
+                            scale.to_bits(),
+                            *vocab as u32,
+                            *classes as u32,
+                            0,
+                            0,
+                            0,
+                        ],
                         (groups(words), 1, 1),
                     ),
                 )?;

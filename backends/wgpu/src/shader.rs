@@ -28,6 +28,7 @@ const GELU: &str = shader!("common/gelu.wgsl");
 const ACTIVATION_FNS: &str = shader!("common/activation.wgsl");
 const DROPOUT_PARAMS: &str = shader!("common/dropout_params.wgsl");
 const ROW_REDUCE: &str = shader!("common/row_reduce.wgsl");
+const CROSS_ENTROPY_PARAMS: &str = shader!("common/cross_entropy_params.wgsl");
 const HEADS_PARAMS: &str = shader!("common/heads_params.wgsl");
 const ATTENTION_PARAMS: &str = shader!("common/attention_params.wgsl");
 const ATTENTION_LOAD: &str = shader!("common/attention_load.wgsl");
@@ -288,24 +289,34 @@ pub const SOFTMAX_BACKWARD_DX: KernelSource = elementwise!(
         own("stats", Read)
     ]
 );
-pub const CROSS_ENTROPY: KernelSource = elementwise!(
-    "cross_entropy",
-    &[
-        typed("logits", Read),
-        own("targets", Read),
-        own("losses", ReadWrite),
-        own("lse", ReadWrite),
-    ]
-);
-pub const CROSS_ENTROPY_BACKWARD: KernelSource = elementwise!(
-    "cross_entropy_backward",
-    &[
-        typed("logits", Read),
-        typed("dlogits", ReadWrite),
-        own("targets", Read),
-        own("lse", Read),
-    ]
-);
+/// Fused softmax + cross-entropy, forward and backward: the 32-byte parameter block
+/// (the padded vocabulary's class count besides the elementwise four).
+pub const CROSS_ENTROPY: KernelSource = KernelSource {
+    prelude: &[CROSS_ENTROPY_PARAMS, ROW_REDUCE],
+    params_size: 32,
+    ..elementwise!(
+        "cross_entropy",
+        &[
+            typed("logits", Read),
+            own("targets", Read),
+            own("losses", ReadWrite),
+            own("lse", ReadWrite),
+        ]
+    )
+};
+pub const CROSS_ENTROPY_BACKWARD: KernelSource = KernelSource {
+    prelude: &[CROSS_ENTROPY_PARAMS],
+    params_size: 32,
+    ..elementwise!(
+        "cross_entropy_backward",
+        &[
+            typed("logits", Read),
+            typed("dlogits", ReadWrite),
+            own("targets", Read),
+            own("lse", Read),
+        ]
+    )
+};
 pub const EMBEDDING: KernelSource = elementwise!(
     "embedding",
     &[

@@ -118,3 +118,22 @@ impl HostData {
         }
     }
 }
+
+/// A named host tensor with its shape (row-major; the product is `data.len()`): a
+/// tensor of a checkpoint or weights file, and what `Network::set_weights` takes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: HostData,
+}
+
+impl HostTensor {
+    pub fn new(name: impl Into<String>, shape: Vec<usize>, data: HostData) -> HostTensor {
+        HostTensor {
+            name: name.into(),
+            shape,
+            data,
+        }
+    }
+}

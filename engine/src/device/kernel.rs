@@ -303,23 +303,28 @@ pub enum Kernel {
     /// logsumexp(logits[r]) - logits[r][targets[r]]`, statistics in f32; saves `lse` per
     /// row for the backward pass. A target of [`IGNORE_TARGET`] gives loss 0 (a position
     /// that is not trained on: padding, prompts); any other target outside the
-    /// vocabulary gives a NaN loss.
+    /// vocabulary gives a NaN loss. Only the first `classes` columns are classes: the
+    /// rest pad the row (a vocabulary padded to a multiple of 64 for faster matmuls) and
+    /// are left out of the logsumexp, and a target among them gives a NaN loss.
     CrossEntropy {
         logits: Buffer,
         targets: Buffer,
         losses: Buffer,
         lse: Buffer,
         vocab: usize,
+        classes: usize,
     },
     /// `dlogits = (softmax(logits) - onehot(target)) * scale` (scale: d loss / d loss_r,
     /// e.g. loss scale / rows), from the saved `lse`; rows whose target is
-    /// [`IGNORE_TARGET`] get zero gradient.
+    /// [`IGNORE_TARGET`] get zero gradient, and so do the padding columns from `classes`
+    /// on (they took no part in the softmax).
     CrossEntropyBackward {
         logits: Buffer,
         targets: Buffer,
         lse: Buffer,
         dlogits: Buffer,
         vocab: usize,
+        classes: usize,
         scale: f32,
     },
     /// `out[i] = table[tokens[i]]`, rows of `dim` elements. A token outside the table
@@ -1215,8 +1220,10 @@ impl Kernel {
                 losses,
                 lse,
                 vocab,
+                classes,
             } => {
                 let rows = rows_of(k, logits, *vocab)?;
+                classes_within(k, *classes, *vocab)?;
                 same_dtype(k, "targets", targets, DType::U32)?;
                 same_len(k, "targets", targets, rows)?;
                 for (name, b) in [("losses", losses), ("lse", lse)] {
@@ -1231,9 +1238,11 @@ impl Kernel {
                 lse,
                 dlogits,
                 vocab,
+                classes,
                 scale,
             } => {
                 let rows = rows_of(k, logits, *vocab)?;
+                classes_within(k, *classes, *vocab)?;
                 same_dtype(k, "targets", targets, DType::U32)?;
                 same_len(k, "targets", targets, rows)?;
                 same_dtype(k, "lse", lse, DType::F32)?;
@@ -1613,6 +1622,17 @@ fn rows_of(kernel: &str, x: &Buffer, cols: usize) -> Result<usize> {
         )));
     }
     Ok(x.len / cols)
+}
+
+/// A cross-entropy's classes: at least one, and no more than the row's columns.
+fn classes_within(kernel: &str, classes: usize, cols: usize) -> Result<()> {
+    if classes == 0 || classes > cols {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: {classes} classes in rows of {cols} logits; need 1 <= classes <= the \
+             row's length (the padded vocabulary)"
+        )));
+    }
+    Ok(())
 }
 
 fn same_dtype(kernel: &str, what: &str, b: &Buffer, expected: DType) -> Result<()> {

@@ -1,4 +1,8 @@
-//! Named device tensors to and from safetensors files.
+//! Named device tensors to safetensors files, and safetensors files to host tensors.
+//! Reading never writes a device: a model's weights are set from host tensors by
+//! `Network::set_weights`, which keeps the model copy, the f32 master weights and the
+//! optimizer state consistent (uploading a file into the model-copy buffers alone would
+//! leave the masters behind, and the first optimizer step would undo the load).
 //!
 //! Writes are atomic: the file is written beside the target under a temporary name,
 //! flushed to disk and renamed over it, so a crash mid-write never leaves a truncated
@@ -9,6 +13,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 
+use crate::device::host::HostTensor;
 use crate::{Buffer, DType, Device, Error, HostData, Result};
 
 /// A device buffer with the name and shape it has in a file.
@@ -53,6 +58,27 @@ pub fn save(dev: &dyn Device, tensors: &[NamedTensor], path: &Path) -> Result<()
     crate::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
 }
 
+/// Writes host tensors to `path` atomically (f32, f16, bf16 or u32, as they are).
+pub fn write(path: &Path, tensors: &[HostTensor]) -> Result<()> {
+    for t in tensors {
+        let n: usize = t.shape.iter().product();
+        if n != t.data.len() {
+            return Err(Error::InvalidArgument(format!(
+                "tensor `{}`: shape {:?} has {n} elements but its data has {}",
+                t.name,
+                t.shape,
+                t.data.len()
+            )));
+        }
+    }
+    let named: Vec<_> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.shape.as_slice(), &t.data))
+        .collect();
+    let bytes = encode(&named).map_err(|e| io(path, "serializing", e))?;
+    crate::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
+}
+
 /// Serializes named host tensors to safetensors bytes.
 pub(crate) fn encode(
     tensors: &[(&str, &[usize], &HostData)],
@@ -68,9 +94,20 @@ pub(crate) fn encode(
     safetensors::serialize(views, None).map_err(|e| e.to_string())
 }
 
-/// Reads `path` and uploads each of `tensors` from the tensor of the same name, which
-/// must have the same dtype and shape.
-pub fn load(dev: &dyn Device, tensors: &[NamedTensor], path: &Path) -> Result<()> {
+/// Reads every tensor of the safetensors file at `path` into host memory, in the
+/// file's order. f32, f16 and bf16 tensors are read as they are stored (bit-exact); any
+/// other dtype is an error naming the tensor. The whole file is checked (header length,
+/// offsets within the file) before a tensor is copied, so a truncated or hostile file
+/// is an error, never a huge allocation. Setting a model's weights from the result is
+/// `Network::set_weights` / `Trainer::set_weights` (or their `load_weights`), which
+/// write the model copy, the f32 master and the optimizer state together.
+pub fn read(path: &Path) -> Result<Vec<HostTensor>> {
+    read_where(path, &|_| true)
+}
+
+/// [`read`], keeping only the tensors whose name `keep` accepts (the others are not
+/// copied, whatever their dtype): a file with buffers besides the weights.
+pub fn read_where(path: &Path, keep: &dyn Fn(&str) -> bool) -> Result<Vec<HostTensor>> {
     let bytes = std::fs::read(path).map_err(|e| io(path, "reading", e))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| {
         io(
@@ -79,34 +116,32 @@ pub fn load(dev: &dyn Device, tensors: &[NamedTensor], path: &Path) -> Result<()
             format!("not a valid safetensors file (truncated or corrupted?): {e}"),
         )
     })?;
-    for t in tensors {
-        let view = file.tensor(&t.name).map_err(|_| {
-            io(
-                path,
-                "reading",
-                format!(
-                    "it has no tensor `{}` (it has {} others)",
-                    t.name,
-                    file.len()
-                ),
-            )
-        })?;
-        if view.dtype() != st_dtype(t.buffer.dtype) || view.shape() != t.shape.as_slice() {
-            return Err(io(
-                path,
-                "reading",
-                format!(
-                    "tensor `{}` is {:?} {:?} in the file but {} {:?} in the model",
-                    t.name,
-                    view.dtype(),
-                    view.shape(),
-                    t.buffer.dtype,
-                    t.shape
-                ),
-            ));
+    // The file's order (by data offset), not the header's hash order: callers and
+    // error messages see tensors as the file lays them out.
+    let mut views = file.tensors();
+    views.sort_by_key(|(_, v)| v.data().as_ptr() as usize);
+    let mut out = Vec::with_capacity(views.len());
+    for (name, view) in views {
+        if !keep(&name) {
+            continue;
         }
-        let host = HostData::from_bytes(t.buffer.dtype, t.buffer.len, view.data());
-        dev.upload(t.buffer, &host)?;
+        let dtype = match view.dtype() {
+            StDtype::F32 => DType::F32,
+            StDtype::F16 => DType::F16,
+            StDtype::BF16 => DType::BF16,
+            other => {
+                return Err(io(
+                    path,
+                    "reading",
+                    format!(
+                        "tensor `{name}` is {other:?}; weights must be stored as F32, F16 or                          BF16"
+                    ),
+                ))
+            }
+        };
+        let n: usize = view.shape().iter().product();
+        let data = HostData::from_bytes(dtype, n, view.data());
+        out.push(HostTensor::new(name, view.shape().to_vec(), data));
     }
-    Ok(())
+    Ok(out)
 }

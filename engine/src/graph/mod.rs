@@ -225,11 +225,13 @@ pub(crate) enum Op {
         kv_heads: usize,
         mode: Attention,
     },
-    /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET.
+    /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET; only
+    /// the first `classes` columns take part (the rest pad the vocabulary).
     CrossEntropy {
         logits: Tensor,
         targets: Tensor,
         losses: Tensor,
+        classes: usize,
     },
     /// Per-row `losses = mean over the last dim of (pred - target)^2`.
     Mse {
@@ -382,8 +384,8 @@ impl Graph {
                     (tokens, self.t(table).shape[0], "token", false)
                 }
                 Op::CrossEntropy {
-                    logits, targets, ..
-                } => (targets, self.t(logits).cols(), "target", true),
+                    targets, classes, ..
+                } => (targets, classes, "target", true),
                 _ => continue,
             };
             if self.t(t).source == Source::Input
@@ -839,11 +841,47 @@ impl Graph {
         Ok(out)
     }
 
+    /// The columns of `t` that are classes: those a cross-entropy on it counts (a padded
+    /// vocabulary's real size), else all of them. What an argmax or a sampler may pick.
+    pub fn classes_of(&self, t: Tensor) -> usize {
+        self.ops
+            .iter()
+            .find_map(|op| match *op {
+                Op::CrossEntropy {
+                    logits, classes, ..
+                } if logits == t => Some(classes),
+                _ => None,
+            })
+            .unwrap_or_else(|| self.t(t).cols())
+    }
+
     /// Fused softmax + cross-entropy over the last dim of `logits` (..., V) against
     /// `targets` (...) u32 -> per-row losses (...) f32. The graph's loss is their mean
     /// over the rows whose target is not IGNORE_TARGET; one per graph.
     pub fn cross_entropy(&mut self, logits: Tensor, targets: Tensor) -> Result<Tensor> {
+        let cols = self.float("cross_entropy", logits)?.cols();
+        self.cross_entropy_classes(logits, targets, cols)
+    }
+
+    /// [`Graph::cross_entropy`] where only the first `classes` columns of `logits` are
+    /// classes and the rest pad the vocabulary (to a multiple of 64 or 128, for faster
+    /// matmuls): padding columns stay out of the softmax and get no gradient, and a
+    /// target among them is refused like any id past the vocabulary.
+    pub fn cross_entropy_classes(
+        &mut self,
+        logits: Tensor,
+        targets: Tensor,
+        classes: usize,
+    ) -> Result<Tensor> {
         let li = self.float("cross_entropy", logits)?.clone();
+        if classes == 0 || classes > li.cols() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: cross_entropy: {classes} classes but `{}` has rows of {} logits; need \
+                 1 <= classes <= the row's length (the padded vocabulary)",
+                li.name,
+                li.cols()
+            )));
+        }
         let ti = self.info(targets)?.clone();
         if ti.dtype != DType::U32 || ti.len() != li.rows() {
             return Err(Error::InvalidArgument(format!(
@@ -869,6 +907,7 @@ impl Graph {
             logits,
             targets,
             losses,
+            classes,
         });
         self.loss = Some(losses);
         self.outputs.push(losses);

@@ -279,6 +279,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             logits,
             targets,
             losses,
+            classes,
         } => {
             // losses (M) = logsumexp(logits (M, V)) - logits[targets]; lse (M) saved.
             let lse = e.scratch(DType::F32, g.t(logits).rows());
@@ -289,6 +290,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 losses: l,
                 lse,
                 vocab: g.t(logits).cols(),
+                classes,
             })?;
             Ok(Saved::CrossEntropy { lse })
         }
@@ -641,7 +643,10 @@ pub(super) fn backward(
         }
         (
             &Op::CrossEntropy {
-                logits, targets, ..
+                logits,
+                targets,
+                classes,
+                ..
             },
             &Saved::CrossEntropy { lse },
         ) => {
@@ -658,6 +663,7 @@ pub(super) fn backward(
                 lse,
                 dlogits: dlogits.buf,
                 vocab: g.t(logits).cols(),
+                classes,
                 scale: 1.0,
             })?;
             gr.finish(e, dlogits)

@@ -15,10 +15,22 @@ pub struct GptConfig {
     pub n_head: usize,
     pub n_embd: usize,
     pub block_size: usize,
+    /// The real vocabulary: token ids, targets and sampled tokens are below it.
     pub vocab_size: usize,
+    /// The rows of the token embedding and the LM head's columns, when larger than
+    /// `vocab_size`: llm.c and nanoGPT pad GPT-2's 50257 to 50304 (a multiple of 64 and
+    /// 128) for faster matmuls. The padding rows are never a target (the loss leaves
+    /// them out) and never sampled. `None`: no padding.
+    #[serde(default)]
+    pub padded_vocab_size: Option<usize>,
 }
 
 impl GptConfig {
+    /// The token embedding's rows (and the logits' columns): the padded vocabulary.
+    pub fn padded_vocab(&self) -> usize {
+        self.padded_vocab_size.unwrap_or(self.vocab_size)
+    }
+
     /// Ψ: the number of parameter elements (the LM head is tied to the embedding);
     /// `usize::MAX` where that overflows ([`GptConfig::check`] refuses such sizes).
     pub fn parameter_count(&self) -> usize {
@@ -29,7 +41,7 @@ impl GptConfig {
     pub fn checked_parameter_count(&self) -> Option<usize> {
         let c = self.n_embd;
         let embeddings = self
-            .vocab_size
+            .padded_vocab()
             .checked_add(self.block_size)?
             .checked_mul(c)?;
         let block = c
@@ -57,7 +69,19 @@ impl GptConfig {
                 self.n_head, self.block_size
             )));
         }
-        tensor_elements("gpt: the token embedding (vocab_size × n_embd)", &[v, c])?;
+        if let Some(p) = self.padded_vocab_size {
+            if p < v {
+                return Err(Error::InvalidArgument(format!(
+                    "gpt: padded_vocab_size {p} is below vocab_size {v}; the padded vocabulary \
+                     holds the real one and the padding after it (e.g. 50304 for GPT-2's \
+                     50257), or leave padded_vocab_size out"
+                )));
+            }
+        }
+        tensor_elements(
+            "gpt: the token embedding (padded_vocab_size × n_embd)",
+            &[self.padded_vocab(), c],
+        )?;
         tensor_elements(
             "gpt: the position embedding (block_size × n_embd)",
             &[self.block_size, c],
@@ -268,7 +292,8 @@ impl ModelConfig {
                 .map_err(|e| {
                     strict(
                         e,
-                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"",
+                        "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"; \
+                         optional \"padded_vocab_size\"",
                     )
                 }),
             "llama" => serde_json::from_value(v)
@@ -323,13 +348,20 @@ impl ModelConfig {
     /// other architectures every setting and their name).
     pub fn record(&self) -> serde_json::Value {
         match self {
-            ModelConfig::Gpt2(c) => serde_json::json!({
-                "n_layer": c.n_layer,
-                "n_head": c.n_head,
-                "n_embd": c.n_embd,
-                "block_size": c.block_size,
-                "vocab_size": c.vocab_size,
-            }),
+            ModelConfig::Gpt2(c) => {
+                let mut v = serde_json::json!({
+                    "n_layer": c.n_layer,
+                    "n_head": c.n_head,
+                    "n_embd": c.n_embd,
+                    "block_size": c.block_size,
+                    "vocab_size": c.vocab_size,
+                });
+                // Only where set, so the runs recorded before it compare the same.
+                if let Some(p) = c.padded_vocab_size {
+                    v["padded_vocab_size"] = p.into();
+                }
+                v
+            }
             ModelConfig::Llama(c) => serde_json::json!({
                 "architecture": "llama",
                 "n_layer": c.n_layer,

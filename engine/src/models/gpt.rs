@@ -5,7 +5,7 @@
 //! …), weights stored (in, out) as GPT-2's Conv1D does. Backward and the update are
 //! derived and compiled by [`super::Network`].
 //!
-//! Shapes: B batch, T sequence, C = n_embd, H heads, V vocabulary.
+//! Shapes: B batch, T sequence, C = n_embd, H heads, V vocabulary (Vp padded).
 
 pub use super::config::GptConfig;
 use super::{tensor_elements, Forward, Init, Model, ParamSpec};
@@ -50,7 +50,7 @@ impl Gpt {
     /// Checks the sizes before anything is recorded.
     fn check(&self, batch: usize, dtype: DType) -> Result<()> {
         let cfg = &self.config;
-        let (c, h, v, t) = (cfg.n_embd, cfg.n_head, cfg.vocab_size, self.seq);
+        let (c, h, v, t) = (cfg.n_embd, cfg.n_head, cfg.padded_vocab(), self.seq);
         if h == 0 || c % h != 0 || c % 2 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "gpt: n_embd {c} must be even and divisible by n_head {h}"
@@ -86,7 +86,14 @@ impl Model for Gpt {
         let c = &self.config;
         format!(
             "GPT-2 ({} layers, {} embd, {} heads, T {}, vocab {})",
-            c.n_layer, c.n_embd, c.n_head, self.seq, c.vocab_size
+            c.n_layer,
+            c.n_embd,
+            c.n_head,
+            self.seq,
+            match c.padded_vocab_size {
+                Some(p) => format!("{} padded to {p}", c.vocab_size),
+                None => c.vocab_size.to_string(),
+            }
         )
     }
 
@@ -96,7 +103,7 @@ impl Model for Gpt {
 
     /// wte, wpe, 12 per block, ln_f weight and bias.
     fn parameters(&self) -> Vec<ParamSpec> {
-        let (c, v) = (self.config.n_embd, self.config.vocab_size);
+        let (c, v) = (self.config.n_embd, self.config.padded_vocab());
         let proj_std = 0.02 / (2.0 * self.config.n_layer as f32).sqrt();
         let (one, zero) = (Init::Const(1.0), Init::Const(0.0));
         let mut out = vec![
@@ -165,9 +172,10 @@ impl Model for Gpt {
         }
         let n = p.len();
         let xf = g.layernorm(x, p[n - 2], p[n - 1])?;
-        // Tied LM head: logits (B, T, V) = xf wte^T.
+        // Tied LM head: logits (B, T, Vp) = xf wte^T; the padding columns past V are no
+        // class, so they stay out of the softmax.
         let logits = g.linear_transposed(xf, wte, None)?;
-        g.cross_entropy(logits, targets)?;
+        g.cross_entropy_classes(logits, targets, self.config.vocab_size)?;
         Ok(Forward {
             inputs: vec![tokens, targets],
             prediction: logits,

@@ -7,6 +7,7 @@
 mod config;
 pub mod generate;
 pub mod gpt;
+pub mod import;
 pub mod llama;
 pub mod mlp;
 mod network;
@@ -18,6 +19,7 @@ pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
 };
+pub(crate) use network::{in_file, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};
@@ -229,6 +231,7 @@ mod tests {
             n_embd: 256,
             block_size: 4,
             vocab_size: 5,
+            padded_vocab_size: None,
         };
         let models: [Box<dyn Model>; 2] = [
             Box::new(gpt::Gpt::new(cfg, 4).with_attention(Attention::Fused)),

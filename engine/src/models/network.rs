@@ -10,12 +10,14 @@
 //! gradient factor the host decided). The loss scaler lives with the trainer, which
 //! decides between the last two.
 
+use std::borrow::Cow;
 use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{Forward, Init, Model, ParamSpec, MAX_PARAMETERS, MAX_TENSOR_ELEMENTS};
 use crate::data;
+use crate::device::host::HostTensor;
 use crate::device::optim::ParamBuffers;
 use crate::graph::{Bindings, Graph, Group, Loss, Plan, Tensor};
 use crate::rng::SplitMix;
@@ -937,6 +939,8 @@ impl Network {
         let loss = self.loss(dev, batch)?;
         let t = self.recorded.forward.prediction;
         let cols = *self.recorded.graph.shape(t).last().unwrap_or(&1);
+        // A padded vocabulary's padding columns are no token: never predicted.
+        let classes = self.recorded.graph.classes_of(t).clamp(1, cols.max(1));
         let buf = self
             .plan
             .buffer(t)
@@ -945,6 +949,7 @@ impl Network {
         let best = values
             .chunks_exact(cols.max(1))
             .map(|row| {
+                let row = &row[..classes];
                 // First maximum wins, so ties resolve the same way on every backend.
                 let mut arg = 0;
                 for (i, &x) in row.iter().enumerate() {
@@ -967,11 +972,199 @@ impl Network {
             .collect()
     }
 
-    /// Overwrites one parameter (value and master) from f32 values.
+    /// Overwrites one parameter's model copy and f32 master from f32 values, as
+    /// [`Network::set_weights`] writes them (the master the values, the model copy
+    /// rounded once to nearest even), leaving the moments and step count alone and
+    /// checking nothing else: a probe for tests (finite differences, injected faults).
+    /// Setting a model's weights is [`Network::set_weights`].
     pub fn set_parameter(&self, dev: &dyn Device, index: usize, values: &[f32]) -> Result<()> {
-        let p = &self.param(index)?.buffers;
-        dev.upload(p.master, &HostData::F32(values.to_vec()))?;
-        dev.upload(p.value, &HostData::from_f32(p.value.dtype, values))
+        let n = self.param(index)?.spec.len();
+        if values.len() != n {
+            return Err(Error::LenMismatch {
+                what: format!("values of parameter {index}"),
+                expected: n,
+                found: values.len(),
+            });
+        }
+        let data = HostData::F32(values.to_vec());
+        let (value, master) = weight_copies(&data, self.options.dtype);
+        self.write_weights(dev, index, &value, Some(&master), false)
+    }
+
+    /// Sets every parameter from host tensors named as [`Model::parameters`] names them
+    /// (a tied parameter also under its other name, e.g. GPT-2's `lm_head.weight`): the
+    /// network is then as if built with these weights. Each parameter's f32 master is
+    /// the given values widened exactly (an f16 file into an f16 model: the masters
+    /// equal its values), its model copy the values as given when they are stored in
+    /// the network's dtype, else the f32 values rounded once to nearest even; both
+    /// optimizer moments are zeroed and the count of applied steps is 0 (Adam's bias
+    /// correction and the schedule start again).
+    ///
+    /// All or nothing: every parameter must be given, once, with the model's shape, in
+    /// f32, f16 or bf16, finite and within the storage dtype's range; names the model
+    /// does not have are refused (a file with extra buffers is filtered by the caller,
+    /// see `safetensors_io::read_where`). Everything is checked before the first byte
+    /// is written, and each error names the tensor and what differs.
+    ///
+    /// A data-parallel group (every rank, every ZeRO stage) sets its weights with
+    /// `Trainer::set_weights`; a network whose optimizer state a ZeRO group holds is
+    /// refused here.
+    pub fn set_weights(&mut self, dev: &dyn Device, weights: &[HostTensor]) -> Result<()> {
+        if self.released.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "the optimizer state of this replica of {} is sharded across a ZeRO group; \
+                 set the weights of the whole group with Trainer::set_weights",
+                self.model.describe()
+            )));
+        }
+        let matched = self.match_weights(weights)?;
+        for (i, t) in matched.iter().enumerate() {
+            let (value, master) = weight_copies(&t.data, self.options.dtype);
+            self.write_weights(dev, i, &value, Some(&master), true)?;
+        }
+        self.step = 0;
+        Ok(())
+    }
+
+    /// [`Network::set_weights`] from the safetensors file at `path` (see
+    /// `safetensors_io::read`): a file [`Network::tensors`] was saved to, or any file
+    /// holding exactly this model's tensors under its names. Errors name the file.
+    pub fn load_weights(&mut self, dev: &dyn Device, path: &std::path::Path) -> Result<()> {
+        let weights = crate::device::safetensors_io::read(path)?;
+        self.set_weights(dev, &weights)
+            .map_err(|e| in_file(path, e))
+    }
+
+    /// The given weights in parameter order, one per parameter, after every check
+    /// [`Network::set_weights`] documents; nothing is written.
+    pub(crate) fn match_weights<'a>(
+        &self,
+        weights: &'a [HostTensor],
+    ) -> Result<Vec<&'a HostTensor>> {
+        let what = self.model.describe();
+        let mut index = std::collections::HashMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            index.insert(p.spec.name.as_str(), i);
+            if let Some(alias) = &p.spec.tied {
+                index.insert(alias.as_str(), i);
+            }
+        }
+        let mut found: Vec<Option<&HostTensor>> = vec![None; self.params.len()];
+        for t in weights {
+            let Some(&i) = index.get(t.name.as_str()) else {
+                let names: Vec<&str> = self
+                    .params
+                    .iter()
+                    .take(3)
+                    .map(|p| p.spec.name.as_str())
+                    .collect();
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` is not a parameter of {what} (its {} parameters are named \
+                     like `{}`); weights of another model or naming cannot be set",
+                    t.name,
+                    self.params.len(),
+                    names.join("`, `")
+                )));
+            };
+            let spec = &self.params[i].spec;
+            if t.shape != spec.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` has shape {:?} but {what} has {:?} for it: the weights \
+                     were made for a different model config",
+                    t.name, t.shape, spec.shape
+                )));
+            }
+            if t.data.len() != spec.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` has shape {:?} ({} elements) but holds {} values",
+                    t.name,
+                    t.shape,
+                    spec.len(),
+                    t.data.len()
+                )));
+            }
+            if !t.data.dtype().is_float() {
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` is {}; weights must be f32, f16 or bf16",
+                    t.name,
+                    t.data.dtype()
+                )));
+            }
+            if let Some(first) = found[i] {
+                if first.name == t.name {
+                    return Err(Error::InvalidArgument(format!(
+                        "weights: `{}` is given twice",
+                        t.name
+                    )));
+                }
+                // A file may carry a tied tensor under both names; it is one tensor here.
+                if let Some(e) = widened(&first.data)
+                    .zip(widened(&t.data))
+                    .position(|(a, b)| a.to_bits() != b.to_bits())
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "weights: `{}` and `{}` are both given and differ (element {e}); \
+                         {what} ties them into one tensor, so it can hold only one: give one \
+                         of them (weights with an untied head do not fit a tied model)",
+                        first.name, t.name
+                    )));
+                }
+                continue;
+            }
+            check_range(t, self.options.dtype)?;
+            found[i] = Some(t);
+        }
+        let missing: Vec<&str> = self
+            .params
+            .iter()
+            .zip(&found)
+            .filter(|(_, f)| f.is_none())
+            .map(|(p, _)| p.spec.name.as_str())
+            .collect();
+        if !missing.is_empty() {
+            let shown: Vec<&str> = missing.iter().take(5).copied().collect();
+            return Err(Error::InvalidArgument(format!(
+                "weights: {} of the {} parameters of {what} are missing: `{}`{}; every \
+                 parameter must be given (the weights were made for a different model \
+                 config, or the file is incomplete)",
+                missing.len(),
+                self.params.len(),
+                shown.join("`, `"),
+                if missing.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            )));
+        }
+        Ok(found
+            .into_iter()
+            .map(|f| f.expect("checked above"))
+            .collect())
+    }
+
+    /// Uploads parameter `index`'s model copy and, when given, its f32 master; with
+    /// `reset` also zeroes its moments. The one writer of weights: what
+    /// [`Network::set_parameter`], [`Network::set_weights`] and a group's
+    /// `Trainer::set_weights` use.
+    pub(crate) fn write_weights(
+        &self,
+        dev: &dyn Device,
+        index: usize,
+        value: &HostData,
+        master: Option<&[f32]>,
+        reset: bool,
+    ) -> Result<()> {
+        let b = &self.param(index)?.buffers;
+        if let Some(master) = master {
+            dev.upload(b.master, &HostData::F32(master.to_vec()))?;
+        }
+        if reset {
+            let zeros = HostData::F32(vec![0.0; b.m.len]);
+            dev.upload(b.m, &zeros)?;
+            dev.upload(b.v, &zeros)?;
+        }
+        dev.upload(b.value, value)
     }
 
     fn param(&self, index: usize) -> Result<&Param> {
@@ -1488,5 +1681,74 @@ impl Network {
     /// Sets the count of applied optimizer steps (restoring a checkpoint).
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;
+    }
+}
+
+/// The model copy (storage `dtype`) and f32 master one parameter's weights give: the
+/// master is the values widened exactly to f32; the model copy is the values as given
+/// when they are stored in `dtype` (no second rounding), else the master rounded once
+/// to nearest even.
+pub(crate) fn weight_copies(data: &HostData, dtype: DType) -> (Cow<'_, HostData>, Cow<'_, [f32]>) {
+    let master: Cow<[f32]> = match data {
+        HostData::F32(v) => Cow::Borrowed(v),
+        other => Cow::Owned(other.to_f32()),
+    };
+    let value = if data.dtype() == dtype {
+        Cow::Borrowed(data)
+    } else {
+        Cow::Owned(HostData::from_f32(dtype, &master))
+    };
+    (value, master)
+}
+
+/// The float elements of `data` widened to f32, without a copy of the whole tensor.
+fn widened(data: &HostData) -> Box<dyn Iterator<Item = f32> + '_> {
+    match data {
+        HostData::F32(v) => Box::new(v.iter().copied()),
+        HostData::F16(v) => Box::new(v.iter().map(|x| x.to_f32())),
+        HostData::BF16(v) => Box::new(v.iter().map(|x| x.to_f32())),
+        HostData::U32(v) => Box::new(v.iter().map(|&x| x as f32)),
+    }
+}
+
+/// Refuses weights that cannot train: a value that is not finite, or one the model
+/// copy's 16-bit dtype would round to infinity.
+fn check_range(t: &HostTensor, dtype: DType) -> Result<()> {
+    let limit = match dtype {
+        DType::F16 => half::f16::MAX.to_f32(),
+        DType::BF16 => half::bf16::MAX.to_f32(),
+        _ => f32::MAX,
+    };
+    for (i, x) in widened(&t.data).enumerate() {
+        if !x.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "weights: element {i} of `{}` is {x}: weights must be finite (the file is \
+                 damaged, or was saved from a run that diverged)",
+                t.name
+            )));
+        }
+        // Past the largest finite value by half an ulp or more rounds to infinity.
+        let overflows = match dtype {
+            DType::F16 => half::f16::from_f32(x).is_infinite(),
+            DType::BF16 => half::bf16::from_f32(x).is_infinite(),
+            _ => false,
+        };
+        if overflows {
+            return Err(Error::InvalidArgument(format!(
+                "weights: element {i} of `{}` is {x}, beyond {dtype}'s largest value {limit}, \
+                 so the {dtype} model copy would be infinite: train these weights in bf16 or \
+                 fp32",
+                t.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// An error of weights read from `path`, saying which file.
+pub(crate) fn in_file(path: &std::path::Path, e: Error) -> Error {
+    match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("`{}`: {m}", path.display())),
+        other => other,
     }
 }

@@ -176,6 +176,22 @@ impl Shards {
         Ok(())
     }
 
+    /// Sets parameter `param`'s f32 master on every rank that holds a slice of it
+    /// (each its slice of `master`, the whole tensor) and zeroes those slices' moments:
+    /// a group's weights set afresh.
+    pub fn set_weights(&self, devs: &[&dyn Device], param: usize, master: &[f32]) -> Result<()> {
+        for (segs, dev) in self.ranks.iter().zip(devs) {
+            for s in segs.iter().filter(|s| s.seg.param == param) {
+                let r = s.seg.range.clone();
+                dev.upload(s.buffers.master, &HostData::F32(master[r.clone()].to_vec()))?;
+                let zeros = HostData::F32(vec![0.0; r.len()]);
+                dev.upload(s.buffers.m, &zeros)?;
+                dev.upload(s.buffers.v, &zeros)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Rank `rank`'s shard bytes: master, moments, reduced gradient, updated model
     /// copy and the step's gradient factor.
     pub fn add_bytes(&self, rank: usize, bytes: &mut ModelStateBytes) {

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+pub use crate::device::host::HostTensor;
 use crate::device::safetensors_io::{encode, st_dtype};
 use crate::fsutil::{self, ctx, IoFailure};
 use crate::{DType, HostData};
@@ -165,24 +166,6 @@ impl From<IoFailure> for CheckpointError {
 }
 
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
-
-/// A named host tensor with its shape (row-major; the product is `data.len()`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub data: HostData,
-}
-
-impl HostTensor {
-    pub fn new(name: impl Into<String>, shape: Vec<usize>, data: HostData) -> HostTensor {
-        HostTensor {
-            name: name.into(),
-            shape,
-            data,
-        }
-    }
-}
 
 /// One safetensors file of a checkpoint: a plain file name and its tensors.
 #[derive(Clone, Debug, PartialEq)]

@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision, TrainConfig};
 use crate::device::optim::grad_scale_reference;
-use crate::models::{MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState};
+use crate::models::{
+    in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState,
+};
 use crate::parallel::exchange::{self, During};
 use crate::parallel::zero::Shards;
 use crate::train::checkpoint::{
@@ -526,6 +528,62 @@ impl Trainer {
             }
         }
         shards.scatter(devs, states)
+    }
+
+    /// Sets the whole group's weights from host tensors named as the model's
+    /// parameters are (a tied parameter also under its other name, e.g. GPT-2's
+    /// `lm_head.weight`), as [`Network::set_weights`] does for one network: on every
+    /// rank the model copy (rounded once, to nearest even, where the values are not
+    /// already in the storage dtype) and the f32 master (the values widened exactly),
+    /// or under ZeRO each rank's slice of the masters; every optimizer moment zeroed.
+    /// The engine then starts afresh, as [`Trainer::new_group`] left it: no steps
+    /// taken or applied (the schedule and Adam's bias correction start again), the
+    /// loss scaler at its initial scale, no skips counted. So a fine-tune from
+    /// imported weights trains exactly like a trainer built with them.
+    ///
+    /// All or nothing: every parameter must be given once, with its shape, in f32,
+    /// f16 or bf16, finite and within the storage dtype's range; anything else is
+    /// refused, naming the tensor, before anything is written. `devs` are the group's
+    /// devices, rank 0 first.
+    pub fn set_weights(&mut self, devs: &[&dyn Device], weights: &[HostTensor]) -> Result<()> {
+        self.check_devices(devs)?;
+        let matched = self.model.match_weights(weights)?;
+        let dtype = self.model.options().dtype;
+        for (i, t) in matched.iter().enumerate() {
+            let (value, master) = weight_copies(&t.data, dtype);
+            match &self.shards {
+                None => {
+                    for (m, dev) in self.models().zip(devs) {
+                        m.write_weights(*dev, i, &value, Some(&master), true)?;
+                    }
+                }
+                Some(shards) => {
+                    for (m, dev) in self.models().zip(devs) {
+                        m.write_weights(*dev, i, &value, None, false)?;
+                    }
+                    shards.set_weights(devs, i, &master)?;
+                }
+            }
+        }
+        for m in self.models_mut() {
+            m.set_steps_applied(0);
+        }
+        self.steps = 0;
+        self.scaler = precision(&self.config)?.1;
+        self.consecutive_skips = 0;
+        self.steps_at_min_scale = 0;
+        self.last_comm = CommStats::default();
+        Ok(())
+    }
+
+    /// [`Trainer::set_weights`] from the safetensors file at `path` (read whole, see
+    /// `safetensors_io::read`): a file `safetensors_io::save` wrote from
+    /// [`Network::tensors`], or any file holding exactly this model's tensors under its
+    /// names. Errors name the file.
+    pub fn load_weights(&mut self, devs: &[&dyn Device], path: &std::path::Path) -> Result<()> {
+        let weights = crate::device::safetensors_io::read(path)?;
+        self.set_weights(devs, &weights)
+            .map_err(|e| in_file(path, e))
     }
 
     /// Rank `rank`'s model states on its device as allocated: its replica's model
