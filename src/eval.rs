@@ -26,6 +26,8 @@ pub struct EvalOptions {
     pub devices: Vec<String>,
     /// Sequences per forward pass; `None`: the run's micro-batch.
     pub micro_batch: Option<usize>,
+    /// Run in this dtype; `None`: the checkpoint's own (16-bit for imported files).
+    pub dtype: Option<kiln_engine::DType>,
     /// Draw a progress bar on stderr.
     pub progress: bool,
 }
@@ -33,9 +35,10 @@ pub struct EvalOptions {
 /// What `kiln eval` measured (`--json` prints it).
 #[derive(Clone, Debug, Serialize)]
 pub struct EvalReport {
-    /// The checkpoint scored.
+    /// The checkpoint directory or imported file scored.
     pub checkpoint: PathBuf,
-    pub step: u64,
+    /// The checkpoint's step (`None` for an imported file).
+    pub step: Option<u64>,
     /// What was scored: the run's held-out data, or the file given.
     pub data: String,
     /// Sequences of `seq` positions scored.
@@ -51,12 +54,15 @@ pub struct EvalReport {
     pub device: String,
 }
 
+/// Sequences per forward pass for an imported model (it has no run to say).
+const IMPORT_MICRO_BATCH: usize = 4;
+
 /// Rows of a whole file held in memory at once when it is scored in pieces.
 const ROWS_PER_PIECE: usize = 1024;
 
 /// Loads the checkpoint, builds its data and scores it.
 pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
-    let source = Source::open(&opts.source)?;
+    let source = Source::open(&opts.source, opts.dtype)?;
     for note in &source.notes {
         crate::train::say(format!("note: {note}"));
     }
@@ -66,7 +72,7 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
         Some(b) => b,
         None => source.record["deepspeed"]["batch"]["micro_batch"]
             .as_u64()
-            .map_or(8, |b| b as usize),
+            .map_or(IMPORT_MICRO_BATCH, |b| b as usize),
     };
     // The data first: a missing file is reported before any device compiles kernels.
     let plan = plan(&source, opts.data.as_deref(), t)?;
@@ -130,8 +136,8 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
     };
     bar.finish_and_clear();
     Ok(EvalReport {
-        checkpoint: source.checkpoint.dir.clone(),
-        step: source.checkpoint.step(),
+        checkpoint: source.origin.clone(),
+        step: source.step,
         data: plan.name,
         rows: plan.rows,
         seq: t,
@@ -175,6 +181,13 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
             rows,
         });
     }
+    let Some(run_dir) = &source.run_dir else {
+        bail!(
+            "{}: an imported model has no run whose held-out data could be scored; pass \
+             --data FILE (a `kiln prepare`d .bin)",
+            source.origin.display()
+        );
+    };
     let recorded = source.record["data"]
         .as_str()
         .unwrap_or_default()
@@ -198,8 +211,7 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
         format!(
             "the run's data {recorded:?} (from its {}): run kiln eval from the directory the \
              run was started in, or pass --data FILE",
-            source
-                .run_dir
+            run_dir
                 .join(kiln_engine::train::runs::CONFIG_FILE)
                 .display()
         )

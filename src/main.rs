@@ -184,6 +184,9 @@ struct SampleArgs {
     /// The device (`kiln devices` lists them); default: the best adapter.
     #[arg(long, value_delimiter = ',')]
     devices: Vec<String>,
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    #[arg(long)]
+    dtype: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -200,6 +203,9 @@ struct EvalArgs {
     /// Sequences per forward pass [default: the run's micro-batch].
     #[arg(long)]
     micro_batch: Option<usize>,
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    #[arg(long)]
+    dtype: Option<String>,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
@@ -355,6 +361,7 @@ fn run(cli: Cli) -> Result<()> {
                 },
                 seed: a.seed,
                 devices: a.devices,
+                dtype: a.dtype.map(|d| d.parse()).transpose()?,
             })?;
             Ok(())
         }
@@ -466,6 +473,7 @@ fn eval(a: EvalArgs) -> Result<()> {
         data: a.data,
         devices: a.devices,
         micro_batch: a.micro_batch,
+        dtype: a.dtype.map(|d| d.parse()).transpose()?,
         progress: !a.json,
     })?;
     if a.json {
@@ -484,12 +492,8 @@ fn eval(a: EvalArgs) -> Result<()> {
         r.seq,
         r.data
     );
-    outln!(
-        "checkpoint {} (step {}) on {}",
-        r.checkpoint.display(),
-        r.step,
-        r.device
-    );
+    let step = r.step.map_or(String::new(), |s| format!(" (step {s})"));
+    outln!("{}{step} on {}", r.checkpoint.display(), r.device);
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! `kiln sample`: text from a trained model. A [`Source`] is a model as `kiln train`
 //! left it (a run directory's latest checkpoint, or one checkpoint directory) with the
-//! sizes, precision and tokenizer of its run; [`generate`] feeds a prompt and draws
+//! sizes, precision and tokenizer of its run, or GPT-2 weights imported from a file; [`generate`] feeds a prompt and draws
 //! new tokens one at a time through a [`Decoder`], streaming each as it comes.
 
 use std::io::Write as _;
@@ -14,10 +14,10 @@ use kiln_engine::data::{Addition, Sidecar, Tokenizer};
 use kiln_engine::models::generate::Generator;
 use kiln_engine::models::gpt::Gpt;
 use kiln_engine::models::sample::TokenSampler;
-use kiln_engine::models::{MicroBatch, ModelConfig, Network, NetworkOptions};
-use kiln_engine::train::checkpoint::{self, Checkpoint, MODEL_FILE};
+use kiln_engine::models::{MicroBatch, Model, ModelConfig, Network, NetworkOptions, ParamSpec};
+use kiln_engine::train::checkpoint::{self, HostTensor, MODEL_FILE};
 use kiln_engine::train::runs;
-use kiln_engine::{DType, Device, Optimizer, IGNORE_TARGET};
+use kiln_engine::{DType, Device, HostData, Optimizer, IGNORE_TARGET};
 
 /// How token ids become text and back, as the run's data was tokenized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,32 +126,56 @@ impl TextStream {
     }
 }
 
-/// A trained model as `kiln train` saved it: the weights of one checkpoint and what its
-/// run recorded (sizes, precision, data).
+/// A trained model: the weights of a `kiln train` checkpoint with what its run recorded
+/// (sizes, precision, data), or GPT-2 weights imported from a Hugging Face directory or
+/// an llm.c `.bin`.
 pub struct Source {
-    /// The run directory the checkpoint belongs to.
-    pub run_dir: PathBuf,
-    pub checkpoint: Checkpoint,
+    /// The run directory the checkpoint belongs to; `None` for an imported file.
+    pub run_dir: Option<PathBuf>,
+    /// The checkpoint directory or the imported file.
+    pub origin: PathBuf,
+    /// The checkpoint's step; `None` for an imported file.
+    pub step: Option<u64>,
+    /// One tensor per parameter, under the model's names.
+    pub weights: Vec<HostTensor>,
     pub model: ModelConfig,
-    /// The weights' storage dtype (the run's precision).
+    /// The dtype the model runs in: the run's storage dtype, or what `--dtype` chose.
     pub dtype: DType,
-    /// The run's `config.json`.
+    /// The run's `config.json` (null for an imported file).
     pub record: Value,
     pub codec: TextCodec,
     /// What the user should know (a dangling `latest`, a tokenizer inferred).
     pub notes: Vec<String>,
 }
 
-const SOURCE_HELP: &str = "pass a run directory (runs/NAME, written by `kiln train`) or one of \
-                           its checkpoints (runs/NAME/checkpoints/step-N)";
+const SOURCE_HELP: &str = "pass a run directory (runs/NAME, written by `kiln train`), one of \
+                           its checkpoints (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 \
+                           directory (model.safetensors + config.json) or an llm.c .bin";
+
+/// The dtype imported weights run in when `--dtype` does not say: 16-bit, as training
+/// stores its weights (an f32 GPT-2's embedding is over lavapipe's 128 MiB binding).
+pub const IMPORT_DTYPE: DType = DType::F16;
 
 impl Source {
-    /// Opens a run directory (its latest checkpoint) or a checkpoint directory.
-    pub fn open(path: &Path) -> Result<Source> {
+    /// Opens a run directory (its latest checkpoint), a checkpoint directory, or a model
+    /// file to import. `dtype`: run in this dtype instead of the weights' own (rounded
+    /// once, to nearest even).
+    pub fn open(path: &Path, dtype: Option<DType>) -> Result<Source> {
         let meta = std::fs::metadata(path)
             .with_context(|| format!("{}: cannot read it; {SOURCE_HELP}", path.display()))?;
-        if meta.is_file() {
-            return import_file(path);
+        if let Some(d) = dtype {
+            if !d.is_float() {
+                bail!("--dtype {d}: a model runs in f32, f16 or bf16");
+            }
+        }
+        // A Hugging Face directory has a config.json as a run does, and a
+        // model.safetensors as a checkpoint does, but no manifest.json; a run never holds
+        // a model.safetensors at its top.
+        let hf_dir = meta.is_dir()
+            && path.join(MODEL_FILE).is_file()
+            && !path.join(checkpoint::MANIFEST_FILE).is_file();
+        if meta.is_file() || hf_dir {
+            return import(path, dtype);
         }
         if !meta.is_dir() {
             bail!(
@@ -159,7 +183,17 @@ impl Source {
                 path.display()
             );
         }
-        let (run_dir, ck) = if path.join(runs::CONFIG_FILE).is_file() {
+        let is_run = path.join(runs::CONFIG_FILE).is_file();
+        if !is_run && !path.join(checkpoint::MANIFEST_FILE).is_file() {
+            bail!(
+                "{}: holds neither a run ({}), a checkpoint ({}) nor a model.safetensors; \
+                 {SOURCE_HELP}",
+                path.display(),
+                runs::CONFIG_FILE,
+                checkpoint::MANIFEST_FILE
+            );
+        }
+        let (run_dir, ck) = if is_run {
             let ck = match checkpoint::load_latest(path) {
                 Err(checkpoint::CheckpointError::NoCheckpoint { detail, .. }) => bail!(
                     "{}: the run saved no checkpoint{detail}, so there are no weights to load; \
@@ -170,7 +204,7 @@ impl Source {
                 r => r?,
             };
             (path.to_path_buf(), ck)
-        } else if path.join(checkpoint::MANIFEST_FILE).is_file() {
+        } else {
             // runs/NAME/checkpoints/step-N: the run is two levels up.
             let run = path
                 .parent()
@@ -187,13 +221,6 @@ impl Source {
                 );
             };
             (run.to_path_buf(), checkpoint::load(path)?)
-        } else {
-            bail!(
-                "{}: holds neither a run ({}) nor a checkpoint ({}); {SOURCE_HELP}",
-                path.display(),
-                runs::CONFIG_FILE,
-                checkpoint::MANIFEST_FILE
-            );
         };
         let record = runs::read_config(&run_dir)?;
         let model = ModelConfig::parse(&record["model"].to_string()).map_err(|e| {
@@ -203,19 +230,20 @@ impl Source {
                 run_dir.join(runs::CONFIG_FILE).display()
             )
         })?;
-        let dtype = ck
-            .file(MODEL_FILE)?
-            .tensors
+        let weights = ck.file(MODEL_FILE)?.tensors.clone();
+        let stored = weights
             .first()
             .map(|t| t.data.dtype())
             .ok_or_else(|| anyhow::anyhow!("{}: {MODEL_FILE} holds no tensor", ck.dir.display()))?;
         let mut notes = ck.notes.clone();
         let codec = codec_of(&record, &model, &mut notes)?;
         Ok(Source {
-            run_dir,
-            checkpoint: ck,
+            run_dir: Some(run_dir),
+            origin: ck.dir.clone(),
+            step: Some(ck.step()),
+            weights,
             model,
-            dtype,
+            dtype: dtype.unwrap_or(stored),
             record,
             codec,
             notes,
@@ -227,7 +255,38 @@ impl Source {
         self.model.block_size()
     }
 
-    /// The model on `dev` with the checkpoint's weights, for micro-batches of `batch`
+    /// The weights of `spec` in the source's dtype, checked against its shape.
+    fn weight(&self, spec: &ParamSpec) -> Result<HostData> {
+        let t = self
+            .weights
+            .iter()
+            .find(|t| t.name == spec.name || Some(&t.name) == spec.tied.as_ref())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{}: no tensor `{}` {:?}; it was saved from another model",
+                    self.origin.display(),
+                    spec.name,
+                    spec.shape
+                )
+            })?;
+        if t.shape != spec.shape {
+            bail!(
+                "{}: tensor `{}` is {:?}, but the model expects {:?}",
+                self.origin.display(),
+                t.name,
+                t.shape,
+                spec.shape
+            );
+        }
+        Ok(if t.data.dtype() == self.dtype {
+            t.data.clone()
+        } else {
+            // Widening to f32 is exact, so this rounds once.
+            HostData::from_f32(self.dtype, &t.data.to_f32())
+        })
+    }
+
+    /// The model on `dev` with the source's weights, for micro-batches of `batch`
     /// sequences of `block_size` tokens.
     pub fn network(&self, dev: &dyn Device, batch: usize) -> Result<Network> {
         let options = NetworkOptions {
@@ -240,18 +299,13 @@ impl Source {
         let net = Network::new(dev, self.model.build(self.block_size()), &options)?;
         let specs: Vec<_> = net.specs().cloned().collect();
         for (i, spec) in specs.iter().enumerate() {
-            let t =
-                self.checkpoint
-                    .tensor_checked(MODEL_FILE, &spec.name, self.dtype, &spec.shape)?;
-            net.set_value(dev, i, &t.data)?;
+            net.set_value(dev, i, &self.weight(spec)?)?;
         }
         Ok(net)
     }
-}
 
-impl Source {
-    /// The model on `dev` with the checkpoint's weights, generating with a key/value
-    /// cache on the device (GPT-2 models).
+    /// The model on `dev` with the source's weights, generating with a key/value cache
+    /// on the device (GPT-2 models).
     pub fn generator(&self, dev: &dyn Device) -> Result<Generator> {
         let ModelConfig::Gpt2(cfg) = &self.model else {
             bail!(
@@ -262,14 +316,12 @@ impl Source {
                     .unwrap_or("another architecture")
             );
         };
-        let weights: Vec<(String, Vec<f32>)> = self
-            .checkpoint
-            .file(MODEL_FILE)?
-            .tensors
-            .iter()
-            .map(|t| (t.name.clone(), t.data.to_f32()))
-            .collect();
         let gpt = Gpt::new(cfg.clone(), cfg.block_size);
+        let weights = gpt
+            .parameters()
+            .iter()
+            .map(|spec| Ok((spec.name.clone(), self.weight(spec)?.to_f32())))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Generator::new(
             dev,
             &gpt,
@@ -280,14 +332,35 @@ impl Source {
     }
 }
 
-/// Where a model file (Hugging Face safetensors, llm.c `.bin`) is imported; until the
-/// importer exists, refused with what works today.
-fn import_file(path: &Path) -> Result<Source> {
-    bail!(
-        "{}: a file; importing model files (Hugging Face safetensors, llm.c .bin) is not \
-         supported yet; {SOURCE_HELP}",
-        path.display()
-    )
+/// GPT-2 weights from a Hugging Face directory or `.safetensors` file, or an llm.c
+/// `.bin` (the importer tells them apart); the tokenizer follows the vocabulary.
+fn import(path: &Path, dtype: Option<DType>) -> Result<Source> {
+    let imported = kiln_engine::models::import::read(path)?;
+    let cfg = imported.config.clone();
+    let codec = if cfg.vocab_size == Tokenizer::Gpt2.vocab_size() {
+        TextCodec::Tokens(Tokenizer::Gpt2)
+    } else if cfg.vocab_size == Tokenizer::Bytes.vocab_size() {
+        TextCodec::Tokens(Tokenizer::Bytes)
+    } else {
+        bail!(
+            "{}: a vocabulary of {} is neither GPT-2's ({}) nor bytes' (256), so its text \
+             cannot be decoded",
+            path.display(),
+            cfg.vocab_size,
+            Tokenizer::Gpt2.vocab_size()
+        );
+    };
+    Ok(Source {
+        run_dir: None,
+        origin: imported.path.clone(),
+        step: None,
+        weights: imported.weights,
+        model: ModelConfig::Gpt2(cfg),
+        dtype: dtype.unwrap_or(IMPORT_DTYPE),
+        record: Value::Null,
+        codec,
+        notes: vec![],
+    })
 }
 
 /// The tokenizer of a run's data: the addition task's own; a token file's sidecar; one
@@ -562,6 +635,8 @@ pub struct SampleOptions {
     pub sampling: kiln_engine::models::sample::SamplingOptions,
     pub seed: u64,
     pub devices: Vec<String>,
+    /// Run in this dtype; `None`: the checkpoint's own (16-bit for imported files).
+    pub dtype: Option<DType>,
 }
 
 /// New tokens when `--tokens` is not given, if the context has room for them.
@@ -602,7 +677,7 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
 
 /// Continues each prompt, streaming the text to stdout; returns the time taken.
 pub fn sample(opts: &SampleOptions) -> Result<Timing> {
-    let source = Source::open(&opts.source)?;
+    let source = Source::open(&opts.source, opts.dtype)?;
     for note in &source.notes {
         crate::train::say(format!("note: {note}"));
     }

@@ -24,7 +24,7 @@ fn kiln_eval_gives_the_held_out_loss_and_exact_match_the_trainer_reported() {
         r.loss
     );
     assert_eq!(r.accuracy, Some(want_acc));
-    assert_eq!((r.rows, r.seq, r.step), (256, demo_run::T, 6));
+    assert_eq!((r.rows, r.seq, r.step), (256, demo_run::T, Some(6)));
     assert!((r.perplexity - (want_loss as f64).exp()).abs() < 1e-9);
 
     // The command's JSON says the same.

@@ -335,7 +335,7 @@ fn cached_decoding_matches_full_recomputation_on_the_demo_checkpoint() {
     use kiln::sample::{Cached, Decoder, Recompute, Source};
     let (run, _) = demo_run::run("sample");
     let dev = kiln::cpu::CpuDevice::new();
-    let source = Source::open(run).unwrap();
+    let source = Source::open(run, None).unwrap();
     let mut cached = Cached(source.generator(&dev).unwrap());
     let mut reference = Recompute::new(source.network(&dev, 1).unwrap()).unwrap();
     for prompt in ["47+85=", "0", "99+99=19"] {
@@ -406,4 +406,62 @@ fn kiln_sample_decodes_a_byte_run_and_refuses_a_mismatched_length() {
         "{}",
         stderr(&o)
     );
+}
+
+/// The byte run's weights exported as a Hugging Face directory and an llm.c `.bin`:
+/// both import as SOURCE, and greedy text in the run's dtype equals the run's own.
+#[test]
+fn kiln_sample_and_eval_take_imported_hugging_face_and_llm_c_files() {
+    use kiln::engine::models::{gpt::GptConfig, import};
+    let (run, _) = demo_run::text_run("sample");
+    let dir = run.parent().unwrap();
+    let ck = kiln::engine::train::checkpoint::load_latest(run).unwrap();
+    let weights = &ck.file("model.safetensors").unwrap().tensors;
+    let cfg = GptConfig {
+        vocab_size: 256,
+        ..demo_run::model_config()
+    };
+    let hf = dir.join("hf");
+    import::write_hf(&hf, &cfg, weights).unwrap();
+    let llmc = dir.join("model.bin");
+    import::write_llmc(&llmc, &cfg, weights, kiln::engine::DType::BF16).unwrap();
+    let args = ["--prompt", "the ", "--temperature", "0", "--tokens", "5"];
+    let own = sample(run, &args);
+    assert!(own.status.success(), "{}", stderr(&own));
+    for src in [&hf, &llmc] {
+        let mut with_dtype = args.to_vec();
+        with_dtype.extend(["--dtype", "bf16"]);
+        let o = sample(src, &with_dtype);
+        assert!(o.status.success(), "{}: {}", src.display(), stderr(&o));
+        assert_eq!(o.stdout, own.stdout, "{}", src.display());
+    }
+    // An imported model has no run data: kiln eval needs --data.
+    let o = kiln(&["eval", hf.to_str().unwrap(), "--devices", "cpu"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("pass --data FILE"), "{}", stderr(&o));
+    let text = dir.join("text.txt");
+    let o = kiln(&[
+        "eval",
+        hf.to_str().unwrap(),
+        "--devices",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--micro-batch",
+        "4",
+        "--data",
+        text.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let r = kiln::eval::eval(&kiln::eval::EvalOptions {
+        source: run.clone(),
+        data: Some(text),
+        devices: vec!["cpu".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(j["loss"].as_f64().unwrap() as f32, r.loss);
+    assert!(j["step"].is_null());
 }
