@@ -465,3 +465,50 @@ fn kiln_sample_and_eval_take_imported_hugging_face_and_llm_c_files() {
     assert_eq!(j["loss"].as_f64().unwrap() as f32, r.loss);
     assert!(j["step"].is_null());
 }
+
+/// A padded vocabulary end to end: the byte run's weights with 64 padding rows (as
+/// llm.c pads GPT-2's 50257 to 50304), each three times a real row (ids 64-127, the
+/// letters among them), so that as candidates they would outscore the letters they copy.
+/// Greedy and sampled text equal the unpadded model's: the padding is never drawn.
+#[test]
+fn padding_rows_of_an_imported_vocabulary_are_never_sampled() {
+    use kiln::engine::models::{gpt::GptConfig, import};
+    use kiln::engine::HostData;
+    let (run, _) = demo_run::text_run("sample");
+    let dir = run.parent().unwrap();
+    let ck = kiln::engine::train::checkpoint::load_latest(run).unwrap();
+    let mut weights = ck.file("model.safetensors").unwrap().tensors.clone();
+    let plain = GptConfig {
+        vocab_size: 256,
+        ..demo_run::model_config()
+    };
+    let padded = GptConfig {
+        padded_vocab_size: Some(320),
+        ..plain.clone()
+    };
+    let plain_bin = dir.join("plain.bin");
+    import::write_llmc(&plain_bin, &plain, &weights, kiln::engine::DType::BF16).unwrap();
+    let wte = weights
+        .iter_mut()
+        .find(|t| t.name == "transformer.wte.weight")
+        .unwrap();
+    let mut values = wte.data.to_f32();
+    let copies: Vec<f32> = values[64 * 16..128 * 16].iter().map(|x| 3.0 * x).collect();
+    values.extend(copies);
+    wte.data = HostData::from_f32(kiln::engine::DType::BF16, &values);
+    wte.shape = vec![320, 16];
+    let padded_bin = dir.join("padded.bin");
+    import::write_llmc(&padded_bin, &padded, &weights, kiln::engine::DType::BF16).unwrap();
+    for args in [
+        &["--prompt", "the ", "--temperature", "0", "--tokens", "5"][..],
+        &["--prompt", "fox", "--temperature", "1", "--seed", "4"][..],
+    ] {
+        let mut with_dtype = args.to_vec();
+        with_dtype.extend(["--dtype", "bf16"]);
+        let want = sample(&plain_bin, &with_dtype);
+        assert!(want.status.success(), "{}", stderr(&want));
+        let got = sample(&padded_bin, &with_dtype);
+        assert!(got.status.success(), "{}", stderr(&got));
+        assert_eq!(got.stdout, want.stdout, "{args:?}");
+    }
+}
