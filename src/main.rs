@@ -244,6 +244,38 @@ enum BenchWhat {
     /// Causal attention forward + backward: fused kernels against the straightforward
     /// version (GEMMs through a T x T score matrix), time and device memory.
     Attention(AttentionArgs),
+    /// Generation with the K/V cache: prompt and decode tokens per second, apart, on a
+    /// GPT-2-shaped model with random weights.
+    Sample(BenchSampleArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchSampleArgs {
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Models: `addition` (the demo's shape) and `gpt2-124m`.
+    #[arg(long, value_delimiter = ',', default_value = "addition,gpt2-124m")]
+    models: Vec<String>,
+    /// Storage dtype of weights, activations and the cache.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Prompt tokens (cut to fit a model's block_size with the decoded ones).
+    #[arg(long, default_value_t = 64)]
+    prompt: usize,
+    /// Tokens to decode after the prompt.
+    #[arg(long, default_value_t = 32)]
+    tokens: usize,
+    /// Run every model with this many layers instead of its own (a quicker measure of
+    /// a large model's per-layer cost).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Turn native f16 off on every device (measures the packed path).
+    #[arg(long)]
+    no_f16: bool,
+    /// Write the rows as JSON to this file (`-` for stdout) as well.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -399,6 +431,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Attention(args),
         } => bench_attention(args),
+        Command::Bench {
+            what: BenchWhat::Sample(args),
+        } => bench_sample(args),
     }
 }
 
@@ -785,6 +820,59 @@ fn bench_devices(
         .iter()
         .map(|&i| kiln::wgpu::WgpuDevice::open(i, options))
         .collect::<Result<Vec<_>, _>>()?)
+}
+
+fn bench_sample(args: BenchSampleArgs) -> Result<()> {
+    use kiln::bench_sample::{format_sample, measure, model_by_name};
+    let dtype: kiln::engine::DType = args.dtype.parse()?;
+    if !dtype.is_float() {
+        anyhow::bail!("generation takes f32, f16 or bf16, not {dtype}");
+    }
+    let models = args
+        .models
+        .iter()
+        .map(|m| {
+            let mut cfg = model_by_name(m)?;
+            cfg.n_layer = args.layers.unwrap_or(cfg.n_layer);
+            Ok((m.as_str(), cfg))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let options = kiln::wgpu::DeviceOptions {
+        disable_f16: args.no_f16,
+        ..Default::default()
+    };
+    let devs = bench_devices(&args.devices, &options)?;
+    let mut rows = vec![];
+    for dev in &devs {
+        for (name, cfg) in &models {
+            // A short block (the addition demo's 9: a 6-token problem `47+85=` and its
+            // 3-token answer) gives a third to decoding and the rest to the prompt.
+            let decode = args.tokens.min(cfg.block_size / 3).max(1);
+            let prompt = args.prompt.min(cfg.block_size - decode).max(1);
+            errln!(
+                "kiln bench sample: {} on {}, {dtype}, {prompt} prompt + {decode} decoded tokens",
+                name,
+                dev.caps().name
+            );
+            match measure(dev, name, cfg, dtype, prompt, decode) {
+                Ok(r) => {
+                    errln!(
+                        "  prompt {:.1} tok/s, decode {:.1} tok/s (setup {:.1} s)",
+                        r.prompt_tok_s,
+                        r.decode_tok_s,
+                        r.setup_s
+                    );
+                    rows.push(r);
+                }
+                Err(e) => errln!("  cannot run: {e}"),
+            }
+        }
+    }
+    outln!("{}", format_sample(&rows));
+    if let Some(path) = args.json {
+        kiln::bench::write_json(&rows, &path)?;
+    }
+    Ok(())
 }
 
 fn bench_attention(args: AttentionArgs) -> Result<()> {
