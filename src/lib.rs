@@ -14,6 +14,7 @@ pub mod bench_sample;
 pub mod devices;
 pub mod estimate;
 pub mod eval;
+pub mod init_from;
 pub mod sample;
 pub mod train;
 

@@ -149,6 +149,12 @@ struct TrainArgs {
     /// Continue the run in --out from its latest checkpoint.
     #[arg(long)]
     resume: bool,
+    /// Start from these weights, with a fresh optimizer: a Kiln run directory (its
+    /// latest checkpoint) or checkpoint directory, a Hugging Face GPT-2 directory or
+    /// model.safetensors (config.json beside it), or an llm.c .bin. The model's sizes
+    /// come from it (a --model must agree; only its block_size may be smaller).
+    #[arg(long, value_name = "PATH")]
+    init_from: Option<PathBuf>,
     /// Seed of the weights and the data order [default: a resumed run's own, else
     /// kiln.seed, else 1].
     #[arg(long)]
@@ -465,6 +471,7 @@ fn train(a: TrainArgs) -> Result<()> {
         checkpoint_every: a.checkpoint_every,
         keep_checkpoints: a.keep_checkpoints,
         resume: a.resume,
+        init_from: a.init_from,
         seed: a.seed,
         progress: true,
         interrupt: Some(interrupt),

@@ -28,6 +28,7 @@ use kiln_engine::{Device, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 
 use crate::devices::{default_device, open_device, parse_devices};
+use crate::init_from::InitWeights;
 
 /// The demo's DeepSpeed config and model, used when `--config` / `--model` are absent.
 pub const DEMO_DS_CONFIG: &str = include_str!("../demos/addition.ds_config.json");
@@ -72,6 +73,10 @@ pub struct TrainOptions {
     pub seed: Option<u64>,
     /// Continue the run in `out` from its latest checkpoint.
     pub resume: bool,
+    /// Start from these weights (a fresh optimizer): a Kiln run directory (its latest
+    /// checkpoint) or checkpoint directory, a Hugging Face GPT-2 directory or
+    /// `model.safetensors`, or an llm.c `.bin`. The model's sizes come from it.
+    pub init_from: Option<PathBuf>,
     /// Draw a progress bar and print log lines.
     pub progress: bool,
     /// Set (by Ctrl-C, SIGTERM or SIGHUP) to stop after the current step, checkpointing
@@ -107,6 +112,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         bail!(
             "--steps 0: a run needs at least one optimizer step; pass --steps N with N >= 1 \
              (the total, counting the steps a resumed run has already done)"
+        );
+    }
+    if opts.resume && opts.init_from.is_some() {
+        bail!(
+            "--init-from with --resume: a resumed run continues from its own checkpoint; drop \
+             --init-from to resume, or drop --resume (and give a new --out) to start a new run \
+             from those weights"
         );
     }
     let text = match &opts.config {
@@ -201,14 +213,23 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             );
         }
     }
-    let (mut model, model_from_file) = match &opts.model {
-        Some(path) => {
+    // Weights to start from, read (and checked) before any device opens.
+    let init = match &opts.init_from {
+        Some(path) => Some(InitWeights::load(path)?),
+        None => None,
+    };
+    let (mut model, model_from_file) = match (&opts.model, &init) {
+        (Some(path), _) => {
             let text = read_json_input(path, "the model config")?;
             let m = ModelConfig::parse(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            if let Some(init) = &init {
+                init.check_model(&m, path)?;
+            }
             (m, true)
         }
-        None => (
+        (None, Some(init)) => (init.model.clone(), true),
+        (None, None) => (
             ModelConfig::parse(DEMO_MODEL).map_err(|e| anyhow::anyhow!("the demo model: {e}"))?,
             false,
         ),
@@ -224,6 +245,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 let add = Addition::new(data::DEFAULT_DIGITS, seed)?;
                 if !model_from_file {
                     model.set_vocab_size(Addition::vocab_size());
+                }
+                if let Some(init) = &init {
+                    init.check_vocabulary(
+                        &model,
+                        Some(Addition::vocab_size()),
+                        "the built-in addition task",
+                    )?;
                 }
                 let eval = addition_eval(&add, t)?;
                 let src = add.train_source(ADDITION_LINES);
@@ -241,6 +269,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                             path.display()
                         )
                     })?);
+                }
+                if let Some(init) = &init {
+                    init.check_vocabulary(&model, src.vocab_hint(), &src.name())?;
                 }
                 data::check_source(src.as_ref(), t, model.vocab_size())?;
                 let len = src.len();
@@ -290,9 +321,17 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     };
 
     // What this run is; a resumed run must be the same one.
-    let record = run_record(&ds, &model, &data_name, seed, &device_name);
+    let mut record = run_record(&ds, &model, &data_name, seed, &device_name);
+    if let Some(init) = &init {
+        record["init_from"] = json!(init.source);
+    }
     check_inputs_survive(&dir, opts)?;
     if let Some((recorded, _)) = &resumed {
+        // Where the run's weights started is part of how it began, not of how it goes on:
+        // its checkpoints hold them now.
+        if let Some(from) = recorded.get("init_from") {
+            record["init_from"] = from.clone();
+        }
         check_same_run(&dir, recorded, &record)?;
     }
 
@@ -302,6 +341,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let mut next_sample = 0;
     if let Some((_, ck)) = &resumed {
         next_sample = restore(&mut trainer, &devs, ck)?;
+    }
+    if let Some(init) = init {
+        let weights = init.weights_for(&model)?;
+        trainer
+            .set_weights(&devs, &weights)
+            .with_context(|| format!("--init-from {}", init.source))?;
+        if opts.progress {
+            say(format!("weights from {}; a fresh optimizer", init.describe));
+        }
     }
     let mut step = trainer.state().steps;
 

@@ -381,6 +381,14 @@ fn damaged_and_hostile_hf_files_are_refused_naming_file_and_tensor() {
     // Truncated: the data is shorter than the header says.
     let (file, e) = case("truncated", &bytes[..bytes.len() - 10], &config);
     has(&e, &[&file, "truncated or corrupted"]);
+    // A header claiming a terabyte tensor backed by 64 bytes: refused from the header
+    // and the file's length, before any copy.
+    let header = br#"{"transformer.wte.weight":{"dtype":"F32","shape":[1099511627776,16],"data_offsets":[0,64]}}"#;
+    let mut forged = (header.len() as u64).to_le_bytes().to_vec();
+    forged.extend_from_slice(header);
+    forged.extend_from_slice(&[0u8; 64]);
+    let (file, e) = case("forged-shape", &forged, &config);
+    has(&e, &[&file, "not a valid safetensors file"]);
     // config.json disagrees with the shapes.
     let wider = config.replace("\"n_embd\": 16", "\"n_embd\": 32");
     assert_ne!(wider, config);
@@ -472,6 +480,8 @@ fn damaged_and_hostile_hf_files_are_refused_naming_file_and_tensor() {
     // Another architecture's config.
     let (_, e) = case("llama", &bytes, &config.replace("\"gpt2\"", "\"llama\""));
     has(&e, &["model_type is `llama`", "GPT-2"]);
+    // Not there at all.
+    has(&err(&dir.join("nope")), &["nope", "cannot read it"]);
     // Not a model at all.
     let junk = dir.join("notes.txt");
     std::fs::write(&junk, "hello").unwrap();
@@ -529,4 +539,43 @@ fn damaged_and_hostile_llmc_files_are_refused_naming_the_file() {
         &[&file, "3 layers", "truncated, or its header is damaged"],
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Evaluation's argmax never picks a padding column, even where its logit is the
+/// largest (pad rows of an imported embedding need not be zero).
+#[test]
+fn predictions_of_a_padded_model_are_real_tokens() {
+    let cfg = cfg(true);
+    let mut w = weights(&cfg, 13);
+    let mut wte = w[0].data.to_f32();
+    for j in V..VP {
+        for c in 0..C {
+            wte[j * C + c] = 50.0 * wte[(j % V) * C + c];
+        }
+    }
+    w[0] = HostTensor::new(w[0].name.clone(), w[0].shape.clone(), HostData::F32(wte));
+    let dev = CpuDevice::new();
+    let options = NetworkOptions {
+        batch: B,
+        dtype: DType::F32,
+        optimizer: adamw(),
+        seed: 1,
+    };
+    let model = std::sync::Arc::new(Gpt::new(cfg.clone(), T).with_attention(Attention::Fused));
+    let mut net = Network::new(&dev, model, &options).unwrap();
+    net.set_weights(&dev, &w).unwrap();
+    let (_, predicted) = net.predict(&dev, &batch()).unwrap();
+    let logits = dev
+        .download(net.output(net.prediction()).unwrap())
+        .unwrap()
+        .to_f32();
+    let argmax =
+        |row: &[f32]| (0..row.len()).fold(0, |a, i| if row[i] > row[a] { i } else { a }) as u32;
+    let rows: Vec<&[f32]> = logits.chunks(VP).collect();
+    assert!(
+        rows.iter().any(|r| argmax(r) >= V as u32),
+        "the test needs a row whose largest logit is a padding column"
+    );
+    let want: Vec<u32> = rows.iter().map(|r| argmax(&r[..V])).collect();
+    assert_eq!(predicted, want);
 }

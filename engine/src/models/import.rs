@@ -80,27 +80,41 @@ impl Imported {
     /// embedding keeps its first `block_size` rows (a model trained on 1024 positions
     /// fine-tuned on 256).
     pub fn with_block_size(mut self, block_size: usize) -> Result<Imported> {
-        let have = self.config.block_size;
-        if block_size == 0 || block_size > have {
-            return Err(Error::InvalidArgument(format!(
-                "`{}`: block_size {block_size} is not within the model's 1 to {have} \
-                 positions (its position embedding has {have} rows); pick a block_size of \
-                 at most {have}",
-                self.path.display()
-            )));
-        }
-        let c = self.config.n_embd;
-        for t in &mut self.weights {
-            if t.name == WPE {
-                let e = t.data.dtype().size();
-                let bytes = &t.data.as_bytes()[..block_size * c * e];
-                t.data = HostData::from_bytes(t.data.dtype(), block_size * c, bytes);
-                t.shape = vec![block_size, c];
-            }
-        }
+        cut_positions(&mut self.weights, block_size).map_err(|e| wrap(&self.path, e))?;
         self.config.block_size = block_size;
         Ok(self)
     }
+}
+
+/// Keeps the first `block_size` rows of GPT-2's position embedding among `weights`
+/// (Kiln names): the model fine-tuned on shorter sequences than it was trained on.
+pub fn cut_positions(weights: &mut [HostTensor], block_size: usize) -> Result<()> {
+    let wpe = weights
+        .iter_mut()
+        .find(|t| t.name == WPE)
+        .ok_or_else(|| Error::InvalidArgument(format!("no position embedding `{WPE}`")))?;
+    let (have, c) = match wpe.shape[..] {
+        [rows, cols] if rows.checked_mul(cols) == Some(wpe.data.len()) => (rows, cols),
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "`{WPE}` has shape {:?} and {} values, not (positions, n_embd) with one \
+                 value per element",
+                wpe.shape,
+                wpe.data.len()
+            )))
+        }
+    };
+    if block_size == 0 || block_size > have {
+        return Err(Error::InvalidArgument(format!(
+            "block_size {block_size} is not within the model's 1 to {have} positions (its \
+             position embedding has {have} rows); pick a block_size of at most {have}"
+        )));
+    }
+    let e = wpe.data.dtype().size();
+    let bytes = &wpe.data.as_bytes()[..block_size * c * e];
+    wpe.data = HostData::from_bytes(wpe.data.dtype(), block_size * c, bytes);
+    wpe.shape = vec![block_size, c];
+    Ok(())
 }
 
 const WPE: &str = "transformer.wpe.weight";
@@ -143,7 +157,8 @@ fn map(path: &Path) -> Result<Mmap> {
 /// `config.json`, a `.safetensors` file (its `config.json` beside it), or an llm.c
 /// `.bin` (told by its magic number).
 pub fn read(path: &Path) -> Result<Imported> {
-    if path.is_dir() {
+    let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot read it: {e}")))?;
+    if meta.is_dir() {
         return read_hf(path);
     }
     let mut head = [0u8; 4];
@@ -469,9 +484,9 @@ pub fn write_hf(dir: &Path, config: &GptConfig, weights: &[HostTensor]) -> Resul
     Ok(())
 }
 
-/// llm.c's tensors, in file order: (name, per-layer Kiln names and whether Kiln's
-/// layout is the transpose of llm.c's, llm.c's per-layer shape). Stacked over the
-/// layers where `layered`.
+/// One kind of llm.c tensor: the Kiln parameter it is (per layer where `layered`: llm.c
+/// stacks each kind over the layers), its (rows, cols) as llm.c stores one layer's, and
+/// whether Kiln stores it transposed ((in, out) against llm.c's (out, in)).
 struct LlmcTensor {
     kiln: &'static str,
     layered: bool,

@@ -216,6 +216,43 @@ mod tests {
     }
 
     #[test]
+    fn a_padded_vocabulary_is_read_checked_and_recorded() {
+        let text = r#"{"n_layer": 1, "n_head": 2, "n_embd": 8, "block_size": 4,
+            "vocab_size": 50257, "padded_vocab_size": 50304}"#;
+        let Ok(ModelConfig::Gpt2(c)) = ModelConfig::parse(text) else {
+            panic!("not a gpt");
+        };
+        assert_eq!((c.vocab_size, c.padded_vocab()), (50257, 50304));
+        c.check().unwrap();
+        assert_eq!(
+            ModelConfig::Gpt2(c.clone()).record()["padded_vocab_size"],
+            50304
+        );
+        // The embedding has the padded rows; the parameter count counts them.
+        let unpadded = super::gpt::GptConfig {
+            padded_vocab_size: None,
+            ..c.clone()
+        };
+        assert_eq!(
+            c.parameter_count() - unpadded.parameter_count(),
+            (50304 - 50257) * 8
+        );
+        assert!(ModelConfig::Gpt2(unpadded)
+            .record()
+            .get("padded_vocab_size")
+            .is_none());
+        let below = super::gpt::GptConfig {
+            padded_vocab_size: Some(50000),
+            ..c
+        };
+        let e = below.check().unwrap_err().to_string();
+        assert!(
+            e.contains("padded_vocab_size 50000 is below vocab_size 50257"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn heads_the_fused_kernels_cannot_take_are_refused_in_the_models_terms() {
         use super::{gpt, llama, Model, Network, NetworkOptions};
         use crate::graph::Attention;

@@ -1,0 +1,237 @@
+//! `kiln train --init-from PATH`: the weights a new run starts from, and the model
+//! sizes that come with them.
+//!
+//! PATH is a Kiln run directory (its latest checkpoint), one of its checkpoint
+//! directories, a Hugging Face GPT-2 directory or `model.safetensors` (with its
+//! `config.json`), or an llm.c `.bin`.
+//!
+//! Only the weights are taken, never the optimizer state: a fine-tuning run has its own
+//! learning rate, schedule and data, and Adam's moments and step count from another run
+//! would bias its first steps (their bias correction assumes they were built on this
+//! loss). From a Kiln checkpoint the f32 master weights are taken (not the 16-bit model
+//! copy), so nothing of the earlier run's precision is lost. To continue the *same* run,
+//! optimizer included, there is `--resume`.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use kiln_engine::device::host::HostTensor;
+use kiln_engine::models::import;
+use kiln_engine::models::ModelConfig;
+use kiln_engine::train::checkpoint;
+use kiln_engine::train::runs;
+
+/// GPT-2's BPE vocabulary (`kiln prepare --tokenizer gpt2`).
+const GPT2_VOCAB: usize = 50257;
+/// The bytes tokenizer's vocabulary.
+const BYTES_VOCAB: usize = 256;
+
+/// Weights to start a run from, with the model they belong to.
+#[derive(Clone, Debug)]
+pub struct InitWeights {
+    pub model: ModelConfig,
+    /// One per parameter, under the model's names.
+    pub weights: Vec<HostTensor>,
+    /// The path given.
+    pub source: String,
+    /// What was read, for the log: "the latest checkpoint (step 40) of run …".
+    pub describe: String,
+}
+
+fn vocabulary_name(v: usize) -> &'static str {
+    match v {
+        GPT2_VOCAB => " (GPT-2's BPE)",
+        BYTES_VOCAB => " (bytes)",
+        _ => "",
+    }
+}
+
+impl InitWeights {
+    /// Reads PATH (see the module docs); every size and tensor is checked here, before
+    /// any device opens.
+    pub fn load(path: &Path) -> Result<InitWeights> {
+        let source = path.display().to_string();
+        let meta = std::fs::metadata(path).with_context(|| {
+            format!(
+                "--init-from {source}: cannot read it; give a Kiln run or checkpoint \
+                 directory, a Hugging Face GPT-2 directory (model.safetensors + config.json) \
+                 or an llm.c .bin"
+            )
+        })?;
+        // A Kiln checkpoint holds a model.safetensors too: its manifest tells it apart.
+        let kiln_checkpoint = path.join(checkpoint::MANIFEST_FILE).is_file();
+        if meta.is_dir() && (kiln_checkpoint || !path.join(import::HF_WEIGHTS).exists()) {
+            let (ck, run_dir) = if kiln_checkpoint {
+                let ck = checkpoint::load(path)?;
+                // <run>/checkpoints/step-…/
+                let run = path
+                    .parent()
+                    .and_then(Path::parent)
+                    .map(Path::to_path_buf)
+                    .unwrap_or_default();
+                (ck, run)
+            } else if path.join(checkpoint::CHECKPOINTS_DIR).is_dir() {
+                (checkpoint::load_latest(path)?, path.to_path_buf())
+            } else {
+                bail!(
+                    "--init-from {source}: this directory is neither a Kiln run (no \
+                     checkpoints/), a Kiln checkpoint (no manifest.json) nor a Hugging Face \
+                     model (no model.safetensors); give one of those, or an llm.c .bin"
+                );
+            };
+            return InitWeights::from_checkpoint(&ck, &run_dir, source);
+        }
+        let imported = import::read(path)?;
+        let describe = format!(
+            "{} {source} ({} layers, {} embd, {} heads, {} positions, vocab {})",
+            imported.format,
+            imported.config.n_layer,
+            imported.config.n_embd,
+            imported.config.n_head,
+            imported.config.block_size,
+            imported.config.vocab_size
+        );
+        Ok(InitWeights {
+            model: ModelConfig::Gpt2(imported.config),
+            weights: imported.weights,
+            source,
+            describe,
+        })
+    }
+
+    /// A Kiln checkpoint's weights (its f32 masters where it has them), the sizes from
+    /// its run's config.json.
+    fn from_checkpoint(
+        ck: &checkpoint::Checkpoint,
+        run_dir: &Path,
+        source: String,
+    ) -> Result<InitWeights> {
+        let record = runs::read_config(run_dir).with_context(|| {
+            format!(
+                "--init-from {source}: the model's sizes are recorded in its run's {}, which \
+                 cannot be read; give the run directory that holds the checkpoint",
+                runs::CONFIG_FILE
+            )
+        })?;
+        let model = ModelConfig::parse(&record["model"].to_string()).map_err(|e| {
+            anyhow::anyhow!(
+                "--init-from {source}: the model recorded in {}: {e}",
+                run_dir.join(runs::CONFIG_FILE).display()
+            )
+        })?;
+        let file = ck.file(checkpoint::MODEL_FILE)?;
+        let masters = ck.file(checkpoint::OPTIMIZER_FILE).ok();
+        let weights = file
+            .tensors
+            .iter()
+            .map(|t| {
+                let master = masters.and_then(|m| m.tensor(&format!("master.{}", t.name)));
+                match master {
+                    Some(m) => HostTensor::new(&t.name, t.shape.clone(), m.data.clone()),
+                    None => t.clone(),
+                }
+            })
+            .collect();
+        Ok(InitWeights {
+            describe: format!(
+                "the checkpoint at step {} in {} ({})",
+                ck.step(),
+                ck.dir.display(),
+                model.record()
+            ),
+            model,
+            weights,
+            source,
+        })
+    }
+
+    /// A `--model` given with `--init-from` must describe the same model; only its
+    /// `block_size` may be smaller (the position embedding is cut to it).
+    pub fn check_model(&self, model: &ModelConfig, path: &Path) -> Result<()> {
+        let strip = |m: &ModelConfig| {
+            let mut r = m.record();
+            if let Some(o) = r.as_object_mut() {
+                o.remove("block_size");
+            }
+            r
+        };
+        let (given, have) = (strip(model), strip(&self.model));
+        if given != have {
+            let mut diffs = vec![];
+            let (g, h) = (runs::flatten_json(&given), runs::flatten_json(&have));
+            for key in g.keys().chain(h.keys().filter(|k| !g.contains_key(*k))) {
+                let show = |v: Option<&serde_json::Value>| {
+                    v.map_or("(absent)".to_string(), |v| v.to_string())
+                };
+                if g.get(key) != h.get(key) {
+                    diffs.push(format!(
+                        "{key} {} vs {}",
+                        show(g.get(key)),
+                        show(h.get(key))
+                    ));
+                }
+            }
+            bail!(
+                "--model {} disagrees with the weights of --init-from {}: {}. The sizes come \
+                 from the weights: leave --model out, or give the same sizes (only block_size \
+                 may be smaller)",
+                path.display(),
+                self.source,
+                diffs.join(", ")
+            );
+        }
+        if model.block_size() > self.model.block_size() {
+            bail!(
+                "--model {} asks for block_size {}, but the weights of --init-from {} have {} \
+                 positions; a block_size of at most {} fits them",
+                path.display(),
+                model.block_size(),
+                self.source,
+                self.model.block_size(),
+                self.model.block_size()
+            );
+        }
+        Ok(())
+    }
+
+    /// The data's token ids must be the ones the weights were trained on: the same
+    /// vocabulary (a byte file fed to GPT-2 would train it on nonsense ids).
+    pub fn check_vocabulary(
+        &self,
+        model: &ModelConfig,
+        data_vocab: Option<usize>,
+        data_name: &str,
+    ) -> Result<()> {
+        let v = model.vocab_size();
+        match data_vocab {
+            Some(d) if d != v => bail!(
+                "{data_name} holds token ids of a vocabulary of {d}{}, but the weights of \
+                 --init-from {} have a vocabulary of {v}{}: the ids would stand for other \
+                 tokens. Prepare the data with the model's tokenizer{}",
+                vocabulary_name(d),
+                self.source,
+                vocabulary_name(v),
+                if v == GPT2_VOCAB {
+                    " (`kiln prepare --tokenizer gpt2 TEXT OUT.bin`)"
+                } else {
+                    ""
+                }
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The weights for `model` (checked by [`InitWeights::check_model`]): GPT-2's
+    /// position embedding cut to its block_size.
+    pub fn weights_for(&self, model: &ModelConfig) -> Result<Vec<HostTensor>> {
+        let mut w = self.weights.clone();
+        if let ModelConfig::Gpt2(c) = model {
+            if c.block_size < self.model.block_size() {
+                import::cut_positions(&mut w, c.block_size)
+                    .with_context(|| format!("--init-from {}", self.source))?;
+            }
+        }
+        Ok(w)
+    }
+}
