@@ -424,7 +424,7 @@ pub enum Kernel {
     /// * dim)`. Row `r` (sequence `b = r / (rows / batch)`) goes to
     /// `cache[b][h][positions[r]][i] = src[r][offset + h * dim + i]`. A position at or past
     /// `max_len` writes nothing. `dim` must be even when the cache is 16-bit (rows that
-    /// share no 32-bit word).
+    ///   share no 32-bit word).
     CacheWrite {
         src: Buffer,
         cache: Buffer,
