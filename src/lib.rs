@@ -10,9 +10,12 @@ pub use kiln_wgpu as wgpu;
 
 pub mod bench;
 pub mod bench_dp;
+pub mod bench_sample;
 pub mod devices;
 pub mod estimate;
+pub mod eval;
 pub mod init_from;
+pub mod sample;
 pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

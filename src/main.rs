@@ -59,6 +59,10 @@ enum Command {
     },
     /// Train a GPT from a DeepSpeed config (no arguments: the built-in addition demo).
     Train(TrainArgs),
+    /// Continue a prompt with a trained model, streaming the text to stdout.
+    Sample(SampleArgs),
+    /// Loss and perplexity of a trained model on held-out data or a token file.
+    Eval(EvalArgs),
     /// Check or explain a DeepSpeed config file.
     Config {
         #[command(subcommand)]
@@ -157,6 +161,62 @@ struct TrainArgs {
     seed: Option<u64>,
 }
 
+#[derive(clap::Args)]
+struct SampleArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory
+    /// (runs/NAME/checkpoints/step-N).
+    source: PathBuf,
+    /// The text to continue.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// A file of prompts, one per line, each continued in turn.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// New tokens per prompt [default: as many as the model's context holds, at most 256].
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// 0: always the likeliest token; 1: the model's distribution; higher: flatter.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Draw only from the K likeliest tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Draw only from the likeliest tokens holding this share of the probability (0, 1].
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Seed of the draws: the same seed gives the same text.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The device (`kiln devices` lists them); default: the best adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    #[arg(long)]
+    dtype: Option<String>,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    /// A run directory (its latest checkpoint) or a checkpoint directory.
+    source: PathBuf,
+    /// Score every row of this token file (`kiln prepare`) or text file instead of the
+    /// run's held-out data.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The device (`kiln devices` lists them); default: the best adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Sequences per forward pass [default: the run's micro-batch].
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand)]
 enum ConfigWhat {
     /// Validate a config: every problem, with its key path and fix.
@@ -190,6 +250,38 @@ enum BenchWhat {
     /// Causal attention forward + backward: fused kernels against the straightforward
     /// version (GEMMs through a T x T score matrix), time and device memory.
     Attention(AttentionArgs),
+    /// Generation with the K/V cache: prompt and decode tokens per second, apart, on a
+    /// GPT-2-shaped model with random weights.
+    Sample(BenchSampleArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchSampleArgs {
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Models: `addition` (the demo's shape) and `gpt2-124m`.
+    #[arg(long, value_delimiter = ',', default_value = "addition,gpt2-124m")]
+    models: Vec<String>,
+    /// Storage dtype of weights, activations and the cache.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Prompt tokens (cut to fit a model's block_size with the decoded ones).
+    #[arg(long, default_value_t = 64)]
+    prompt: usize,
+    /// Tokens to decode after the prompt.
+    #[arg(long, default_value_t = 32)]
+    tokens: usize,
+    /// Run every model with this many layers instead of its own (a quicker measure of
+    /// a large model's per-layer cost).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Turn native f16 off on every device (measures the packed path).
+    #[arg(long)]
+    no_f16: bool,
+    /// Write the rows as JSON to this file (`-` for stdout) as well.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -294,6 +386,24 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Devices { json } => devices(json),
         Command::Train(args) => train(args),
+        Command::Sample(a) => {
+            kiln::sample::sample(&kiln::sample::SampleOptions {
+                source: a.source,
+                prompt: a.prompt,
+                prompts: a.prompts,
+                tokens: a.tokens,
+                sampling: kiln::engine::models::sample::SamplingOptions {
+                    temperature: a.temperature,
+                    top_k: a.top_k,
+                    top_p: a.top_p,
+                },
+                seed: a.seed,
+                devices: a.devices,
+                dtype: a.dtype.map(|d| d.parse()).transpose()?,
+            })?;
+            Ok(())
+        }
+        Command::Eval(a) => eval(a),
         Command::Config { what } => config(what),
         Command::Prepare {
             input,
@@ -327,6 +437,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Attention(args),
         } => bench_attention(args),
+        Command::Bench {
+            what: BenchWhat::Sample(args),
+        } => bench_sample(args),
     }
 }
 
@@ -393,6 +506,36 @@ fn train(a: TrainArgs) -> Result<()> {
     if r.interrupted {
         std::process::exit(130);
     }
+    Ok(())
+}
+
+fn eval(a: EvalArgs) -> Result<()> {
+    let r = kiln::eval::eval(&kiln::eval::EvalOptions {
+        source: a.source,
+        data: a.data,
+        devices: a.devices,
+        micro_batch: a.micro_batch,
+        dtype: a.dtype.map(|d| d.parse()).transpose()?,
+        progress: !a.json,
+    })?;
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    let acc = r.accuracy.map_or(String::new(), |a| {
+        format!(", held-out exact match {:.1}%", a * 100.0)
+    });
+    outln!(
+        "loss {:.4}, perplexity {:.3}{acc}: {} tokens scored in {} rows of {}, {}",
+        r.loss,
+        r.perplexity,
+        r.tokens,
+        r.rows,
+        r.seq,
+        r.data
+    );
+    let step = r.step.map_or(String::new(), |s| format!(" (step {s})"));
+    outln!("{}{step} on {}", r.checkpoint.display(), r.device);
     Ok(())
 }
 
@@ -684,6 +827,59 @@ fn bench_devices(
         .iter()
         .map(|&i| kiln::wgpu::WgpuDevice::open(i, options))
         .collect::<Result<Vec<_>, _>>()?)
+}
+
+fn bench_sample(args: BenchSampleArgs) -> Result<()> {
+    use kiln::bench_sample::{format_sample, measure, model_by_name};
+    let dtype: kiln::engine::DType = args.dtype.parse()?;
+    if !dtype.is_float() {
+        anyhow::bail!("generation takes f32, f16 or bf16, not {dtype}");
+    }
+    let models = args
+        .models
+        .iter()
+        .map(|m| {
+            let mut cfg = model_by_name(m)?;
+            cfg.n_layer = args.layers.unwrap_or(cfg.n_layer);
+            Ok((m.as_str(), cfg))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let options = kiln::wgpu::DeviceOptions {
+        disable_f16: args.no_f16,
+        ..Default::default()
+    };
+    let devs = bench_devices(&args.devices, &options)?;
+    let mut rows = vec![];
+    for dev in &devs {
+        for (name, cfg) in &models {
+            // A short block (the addition demo's 9: a 6-token problem `47+85=` and its
+            // 3-token answer) gives a third to decoding and the rest to the prompt.
+            let decode = args.tokens.min(cfg.block_size / 3).max(1);
+            let prompt = args.prompt.min(cfg.block_size - decode).max(1);
+            errln!(
+                "kiln bench sample: {} on {}, {dtype}, {prompt} prompt + {decode} decoded tokens",
+                name,
+                dev.caps().name
+            );
+            match measure(dev, name, cfg, dtype, prompt, decode) {
+                Ok(r) => {
+                    errln!(
+                        "  prompt {:.1} tok/s, decode {:.1} tok/s (setup {:.1} s)",
+                        r.prompt_tok_s,
+                        r.decode_tok_s,
+                        r.setup_s
+                    );
+                    rows.push(r);
+                }
+                Err(e) => errln!("  cannot run: {e}"),
+            }
+        }
+    }
+    outln!("{}", format_sample(&rows));
+    if let Some(path) = args.json {
+        kiln::bench::write_json(&rows, &path)?;
+    }
+    Ok(())
 }
 
 fn bench_attention(args: AttentionArgs) -> Result<()> {

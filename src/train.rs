@@ -19,7 +19,7 @@ use kiln_engine::config::{self, Schedule, TrainConfig};
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
-use kiln_engine::models::{MicroBatch, ModelConfig};
+use kiln_engine::models::{MicroBatch, ModelConfig, Network};
 use kiln_engine::train::checkpoint;
 use kiln_engine::train::loss_scaler::LossScaler;
 use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
@@ -95,7 +95,7 @@ pub struct RunReport {
 }
 
 /// The training data and how it is evaluated.
-enum Dataset {
+pub(crate) enum Dataset {
     /// The built-in task: exact-match accuracy on held-out problems.
     Addition { eval: EvalRows },
     /// A file: loss on windows from its held-out tail (none if it is too short).
@@ -253,10 +253,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                         "the built-in addition task",
                     )?;
                 }
-                // A fixed number of rows, whatever the micro-batch, so a run resumed with
-                // another split of its global batch evaluates on the same problems.
-                let mut eval = add.eval_rows(t, EVAL_ROWS)?;
-                Addition::mask_prompts(&eval.tokens, &mut eval.targets, t);
+                let eval = addition_eval(&add, t)?;
                 let src = add.train_source(ADDITION_LINES);
                 let len = src.len();
                 let name = format!("addition ({} digits)", add.digits());
@@ -290,40 +287,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                         scan.as_secs_f64() * 1e3
                     ));
                 }
-                // Independent of the micro-batch, so a resume with another split of the
-                // global batch keeps the same training windows and held-out rows.
-                let hold = ((len as f64 * HOLDOUT_FRACTION) as u64 / (t as u64 + 1))
-                    .min(EVAL_ROWS as u64) as usize;
-                let train_len = len - (hold * (t + 1)) as u64;
-                let eval = if hold == 0 {
-                    let row = t as u64 + 1;
-                    let mut need = 20 * row;
-                    while ((need as f64 * HOLDOUT_FRACTION) as u64) < row {
-                        need += 1;
-                    }
-                    let why = format!(
-                        "{} holds {len} tokens, and its last {}% is less than one row of T + 1 \
-                         = {row} tokens (that takes at least {need} tokens). Training on all of \
-                         it, without an eval loss",
-                        src.name(),
-                        HOLDOUT_FRACTION * 100.0
-                    );
+                let held = held_out(src.as_ref(), t)?;
+                let train_len = held.train_len;
+                if let Some(why) = &held.none_because {
                     if opts.progress {
                         say(format!("no held-out data: {why}"));
                     }
-                    no_held_out = Some(why);
-                    None
-                } else {
-                    let mut toks = Vec::with_capacity(hold * t);
-                    let mut tgts = Vec::with_capacity(hold * t);
-                    let mut row = vec![0u32; t + 1];
-                    for r in 0..hold {
-                        src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
-                        toks.extend_from_slice(&row[..t]);
-                        tgts.extend_from_slice(&row[1..]);
-                    }
-                    Some((toks, tgts))
-                };
+                    no_held_out = Some(why.clone());
+                }
+                let eval = held.rows;
                 let name = src.name();
                 let head: Arc<dyn TokenSource> = Arc::new(data::Prefix::new(src, train_len)?);
                 (head, train_len, Dataset::File { eval }, name)
@@ -557,7 +529,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             let last = step == total || interrupted;
             let evaluates = !matches!(dataset, Dataset::File { eval: None });
             if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
-                let (loss, acc) = evaluate(&trainer, dev, &dataset, b, t)?;
+                let (loss, acc) = evaluate(&trainer.model, dev, &dataset, b, t, &mut |_, _| {})?;
                 rec.eval_loss = Some(loss);
                 rec.eval_accuracy = acc;
                 let acc = acc.map_or(String::new(), |a| {
@@ -1171,13 +1143,78 @@ fn data_position(ck: &checkpoint::Checkpoint, global: u64) -> Result<u64> {
     Ok(next)
 }
 
-/// Held-out loss, and exact-match accuracy for the addition task.
-fn evaluate(
-    trainer: &Trainer,
+/// A data file's held-out tail: the rows `kiln train` evaluates on and `kiln eval`
+/// scores by default.
+pub(crate) struct HeldOut {
+    /// Tokens before the tail (what is trained on).
+    pub train_len: u64,
+    /// `(tokens, targets)` of whole rows of `t` positions, `None` when the file is too
+    /// short to spare one.
+    pub rows: Option<(Vec<u32>, Vec<u32>)>,
+    /// Why there are no rows, for the user.
+    pub none_because: Option<String>,
+}
+
+/// Splits off the held-out tail of `src` in rows of `t + 1` tokens: independent of the
+/// micro-batch, so a resume with another split of the global batch keeps the same
+/// training windows and held-out rows.
+pub(crate) fn held_out(src: &dyn TokenSource, t: usize) -> Result<HeldOut> {
+    let len = src.len();
+    let hold =
+        ((len as f64 * HOLDOUT_FRACTION) as u64 / (t as u64 + 1)).min(EVAL_ROWS as u64) as usize;
+    let train_len = len - (hold * (t + 1)) as u64;
+    if hold == 0 {
+        let row = t as u64 + 1;
+        let mut need = 20 * row;
+        while ((need as f64 * HOLDOUT_FRACTION) as u64) < row {
+            need += 1;
+        }
+        let why = format!(
+            "{} holds {len} tokens, and its last {}% is less than one row of T + 1 = {row} \
+             tokens (that takes at least {need} tokens). Training on all of it, without an \
+             eval loss",
+            src.name(),
+            HOLDOUT_FRACTION * 100.0
+        );
+        return Ok(HeldOut {
+            train_len,
+            rows: None,
+            none_because: Some(why),
+        });
+    }
+    let mut toks = Vec::with_capacity(hold * t);
+    let mut tgts = Vec::with_capacity(hold * t);
+    let mut row = vec![0u32; t + 1];
+    for r in 0..hold {
+        src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
+        toks.extend_from_slice(&row[..t]);
+        tgts.extend_from_slice(&row[1..]);
+    }
+    Ok(HeldOut {
+        train_len,
+        rows: Some((toks, tgts)),
+        none_because: None,
+    })
+}
+
+/// The held-out addition problems `kiln train` scores: a fixed number of rows, whatever
+/// the micro-batch, so a run resumed with another split of its global batch evaluates
+/// on the same problems; the loss is on the answers only.
+pub(crate) fn addition_eval(add: &Addition, t: usize) -> Result<EvalRows> {
+    let mut eval = add.eval_rows(t, EVAL_ROWS)?;
+    Addition::mask_prompts(&eval.tokens, &mut eval.targets, t);
+    Ok(eval)
+}
+
+/// Held-out loss, and exact-match accuracy for the addition task; `progress` hears
+/// (rows done, rows) after each micro-batch.
+pub(crate) fn evaluate(
+    network: &Network,
     dev: &dyn Device,
     dataset: &Dataset,
     b: usize,
     t: usize,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(f32, Option<f32>)> {
     let (tokens, targets) = match dataset {
         Dataset::Addition { eval } => (&eval.tokens, &eval.targets),
@@ -1190,6 +1227,7 @@ fn evaluate(
     // (IGNORE_TARGET), and each chunk's mean loss is weighted by its scored positions.
     let (mut loss, mut scored) = (0.0, 0usize);
     let mut predictions = Vec::with_capacity(tokens.len());
+    let all_rows = tokens.len() / t.max(1);
     for (tok, tgt) in tokens.chunks(b * t).zip(targets.chunks(b * t)) {
         let rows = tok.len() / t;
         let (mut tok, mut tgt) = (tok.to_vec(), tgt.to_vec());
@@ -1198,12 +1236,11 @@ fn evaluate(
             tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
         }
         let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
-        let (l, p) = trainer
-            .model
-            .predict(dev, &MicroBatch::tokens(&tok, &tgt))?;
+        let (l, p) = network.predict(dev, &MicroBatch::tokens(&tok, &tgt))?;
         loss += l * n as f64;
         scored += n;
         predictions.extend_from_slice(&p[..rows * t]);
+        progress(predictions.len() / t.max(1), all_rows);
     }
     let loss = (loss / scored.max(1) as f64) as f32;
     Ok(match dataset {

@@ -726,6 +726,93 @@ impl Device for CpuDevice {
                 s.put(*dgate, HostData::from_f32(dgate.dtype, &dg), name)?;
                 s.put(*dup, HostData::from_f32(dup.dtype, &du), name)
             }
+            Kernel::CacheWrite {
+                src,
+                cache,
+                positions,
+                heads,
+                dim,
+                width,
+                offset,
+                max_len,
+            } => {
+                let l = kernel.cache_layout().expect("a cache kernel");
+                let pos = s.get(*positions, name)?.bits();
+                let from = s.f32s(*src, name)?;
+                let mut to = s.f32s(*cache, name)?;
+                for (r, &t) in pos.iter().enumerate() {
+                    let t = t as usize;
+                    if t >= *max_len {
+                        continue;
+                    }
+                    for h in 0..*heads {
+                        for i in 0..*dim {
+                            to[l.index(l.sequence(r), h, t, i)] =
+                                from[r * width + offset + h * dim + i];
+                        }
+                    }
+                }
+                s.put(*cache, HostData::from_f32(cache.dtype, &to), name)
+            }
+            Kernel::CachedAttention {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                out,
+                heads,
+                group,
+                dim,
+                width,
+                offset,
+                max_len,
+                scale,
+            } => {
+                let l = kernel.cache_layout().expect("a cache kernel");
+                let pos = s.get(*positions, name)?.bits();
+                let (qs, ks, vs) = (
+                    s.f32s(*q, name)?,
+                    s.f32s(*k_cache, name)?,
+                    s.f32s(*v_cache, name)?,
+                );
+                let d = *dim;
+                let mut o = vec![0f32; l.rows * heads * d];
+                for (r, &t) in pos.iter().enumerate() {
+                    let b = l.sequence(r);
+                    for h in 0..*heads {
+                        let row = &mut o[(r * heads + h) * d..(r * heads + h + 1) * d];
+                        if t as usize >= *max_len {
+                            row.fill(f32::NAN);
+                            continue;
+                        }
+                        // Two passes in f64 (max, then weights): the oracle the
+                        // kernels' one-pass online softmax is held to.
+                        let qr = &qs[r * width + offset + h * d..][..d];
+                        let kv = h / group;
+                        let scores: Vec<f64> = (0..=t as usize)
+                            .map(|j| {
+                                let kr = &ks[l.index(b, kv, j, 0)..][..d];
+                                *scale as f64
+                                    * qr.iter()
+                                        .zip(kr)
+                                        .map(|(&a, &c)| a as f64 * c as f64)
+                                        .sum::<f64>()
+                            })
+                            .collect();
+                        let m = scores.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
+                        let z: f64 = scores.iter().map(|&x| (x - m).exp()).sum();
+                        for (i, out) in row.iter_mut().enumerate() {
+                            let acc: f64 = scores
+                                .iter()
+                                .enumerate()
+                                .map(|(j, &x)| (x - m).exp() * vs[l.index(b, kv, j, i)] as f64)
+                                .sum();
+                            *out = (acc / z) as f32;
+                        }
+                    }
+                }
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)
+            }
         }
     }
 

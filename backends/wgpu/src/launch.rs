@@ -510,6 +510,78 @@ impl WgpuDevice {
                 ],
                 0.0,
             )?,
+            Kernel::CacheWrite {
+                src,
+                cache,
+                positions,
+                heads,
+                dim,
+                width,
+                offset,
+                max_len,
+            } => {
+                let l = kernel.cache_layout().expect("a cache kernel");
+                let total = l.rows * heads * dim;
+                if total > 0 {
+                    let words = pairs(total);
+                    let params = cache_params(
+                        words,
+                        (*heads, *dim, *width, *offset, *max_len),
+                        (l.rows / l.batch, l.kv_heads, 1),
+                        1.0,
+                        total,
+                    );
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::CACHE_WRITE,
+                            vec![self.repr(src.dtype), self.repr(cache.dtype)],
+                            vec![h(src), h(cache), h(positions)],
+                            params,
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
+            Kernel::CachedAttention {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                out,
+                heads,
+                group,
+                dim,
+                width,
+                offset,
+                max_len,
+                scale,
+            } => {
+                let l = kernel.cache_layout().expect("a cache kernel");
+                let items = (l.rows * heads) as u32;
+                if items > 0 {
+                    let params = cache_params(
+                        items,
+                        (*heads, *dim, *width, *offset, *max_len),
+                        (l.rows / l.batch, l.kv_heads, *group),
+                        *scale,
+                        0,
+                    );
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::CACHED_ATTENTION,
+                            [q, k_cache, v_cache, out]
+                                .iter()
+                                .map(|b| self.repr(b.dtype))
+                                .collect(),
+                            vec![h(q), h(k_cache), h(v_cache), h(out), h(positions)],
+                            params,
+                            row_groups(items),
+                        ),
+                    )?;
+                }
+            }
             Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
                 let l = kernel.heads_layout().expect("a heads kernel");
                 if l.rows > 0 && l.heads_buf.len > 0 {
@@ -1004,6 +1076,32 @@ fn gcd(a: usize, b: usize) -> usize {
     } else {
         gcd(b, a % b)
     }
+}
+
+/// The parameter block of `shaders/common/cache_params.wgsl`.
+fn cache_params(
+    n: u32,
+    (heads, dim, width, offset, max_len): (usize, usize, usize, usize, usize),
+    (rows_per_seq, kv_heads, group): (usize, usize, usize),
+    scale: f32,
+    total: usize,
+) -> Vec<u32> {
+    let mut p: Vec<u32> = [
+        heads,
+        dim,
+        width,
+        offset,
+        max_len,
+        rows_per_seq,
+        kv_heads,
+        group,
+    ]
+    .iter()
+    .map(|&v| v as u32)
+    .collect();
+    p.insert(0, n);
+    p.extend([scale.to_bits(), total as u32, 0]);
+    p
 }
 
 /// Pairs of elements an elementwise kernel walks.

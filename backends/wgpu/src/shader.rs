@@ -36,6 +36,7 @@ const ATTENTION_SHARE_SUBGROUP: &str = shader!("common/attention_share_subgroup.
 const ATTENTION_SHARE_NONE: &str = shader!("common/attention_share_none.wgsl");
 const ROPE_PARAMS: &str = shader!("common/rope_params.wgsl");
 const SWIGLU: &str = shader!("common/swiglu.wgsl");
+const CACHE_PARAMS: &str = shader!("common/cache_params.wgsl");
 
 /// How a binding is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -406,6 +407,38 @@ pub const SWIGLU_BACKWARD: KernelSource = KernelSource {
     )
 };
 
+/// Bytes of `shaders/common/cache_params.wgsl`.
+pub const CACHE_PARAMS_SIZE: u64 = 48;
+
+/// Generation: new K or V rows into the cache at positions read from a u32 buffer.
+pub const CACHE_WRITE: KernelSource = KernelSource {
+    prelude: &[CACHE_PARAMS],
+    params_size: CACHE_PARAMS_SIZE,
+    ..elementwise!(
+        "cache_write",
+        &[
+            typed("src", Read),
+            typed("cache", ReadWrite),
+            own("positions", Read)
+        ]
+    )
+};
+/// Generation: attention of new query rows over the cache, one workgroup per row and head.
+pub const CACHED_ATTENTION: KernelSource = KernelSource {
+    prelude: &[CACHE_PARAMS],
+    params_size: CACHE_PARAMS_SIZE,
+    ..elementwise!(
+        "cached_attention",
+        &[
+            typed("q", Read),
+            typed("k", Read),
+            typed("v", Read),
+            typed("out", ReadWrite),
+            own("positions", Read)
+        ]
+    )
+};
+
 const MATMUL_SLOTS: &[Slot] = &[
     typed("a", Read),
     typed("b", Read),
@@ -618,6 +651,8 @@ pub const ALL: &[&KernelSource] = &[
     &ROPE,
     &SWIGLU_FORWARD,
     &SWIGLU_BACKWARD,
+    &CACHE_WRITE,
+    &CACHED_ATTENTION,
     &ADAM,
     &SGD,
     &MATMUL_NAIVE,

@@ -63,6 +63,13 @@ impl Tokenizer {
     /// Text of token ids (invalid UTF-8 from partial byte sequences is replaced by
     /// U+FFFD). Errors on an id outside the vocabulary.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+
+    /// The bytes token ids stand for: a token may end inside a UTF-8 character, so text
+    /// streamed a token at a time is assembled from these. Errors on an id outside the
+    /// vocabulary.
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size()) {
             return Err(DataError::InvalidArgument(format!(
                 "{} tokenizer: id {id} is outside its vocabulary of {}",
@@ -70,13 +77,12 @@ impl Tokenizer {
                 self.vocab_size()
             )));
         }
-        let bytes = match self {
+        Ok(match self {
             Tokenizer::Bytes => ids.iter().map(|&id| id as u8).collect(),
             Tokenizer::Gpt2 => tiktoken_rs::r50k_base_singleton()
                 .decode_bytes(ids)
                 .map_err(|e| DataError::InvalidArgument(format!("gpt2 tokenizer: {e:?}")))?,
-        };
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        })
     }
 }
 

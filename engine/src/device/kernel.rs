@@ -417,6 +417,76 @@ pub enum Kernel {
         dgate: Buffer,
         dup: Buffer,
     },
+    /// Appends new K or V rows to a generation cache at positions read from the device,
+    /// so that one recorded launch serves every step. `src` holds `rows` rows of `width`
+    /// elements (the new tokens, `rows / batch` per sequence, in sequence order); the
+    /// cache is `(batch, heads, max_len, dim)` with `batch = cache.len / (heads * max_len
+    /// * dim)`. Row `r` (sequence `b = r / (rows / batch)`) goes to
+    /// `cache[b][h][positions[r]][i] = src[r][offset + h * dim + i]`. A position at or past
+    /// `max_len` writes nothing. `dim` must be even when the cache is 16-bit (rows that
+    ///   share no 32-bit word).
+    CacheWrite {
+        src: Buffer,
+        cache: Buffer,
+        /// u32, one per row of `src`.
+        positions: Buffer,
+        heads: usize,
+        dim: usize,
+        width: usize,
+        offset: usize,
+        max_len: usize,
+    },
+    /// Attention of new query rows over a generation cache (what decoding runs instead
+    /// of [`Kernel::Attention`]): `q` holds rows of `width` elements with query head `h`
+    /// at columns `offset + h * dim`; row `r` (sequence `b`, as in [`Kernel::CacheWrite`])
+    /// attends K/V head `h / group` of its sequence over cache rows `0..=positions[r]`:
+    /// `out[r][h * dim + i] = softmax_j(q . k_j * scale) v_j[i]`, `out` rows of
+    /// `heads * dim`. Scores, the running max and sum and the accumulators are f32 (the
+    /// online-softmax recurrence, stable for any scores). A position at or past `max_len`
+    /// gives NaN rows. `dim` is 1..=[`ATTENTION_MAX_DIM`], even when `out` is 16-bit.
+    CachedAttention {
+        q: Buffer,
+        k_cache: Buffer,
+        v_cache: Buffer,
+        /// u32, one per query row.
+        positions: Buffer,
+        out: Buffer,
+        /// Query heads.
+        heads: usize,
+        /// Query heads per K/V head (1: multi-head attention).
+        group: usize,
+        dim: usize,
+        width: usize,
+        offset: usize,
+        max_len: usize,
+        scale: f32,
+    },
+}
+
+/// The geometry of a [`Kernel::CacheWrite`] or [`Kernel::CachedAttention`] launch,
+/// worked out once for validation and for every backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// New rows (tokens) in the launch, over all sequences.
+    pub rows: usize,
+    /// Sequences (the cache's first dimension).
+    pub batch: usize,
+    /// K/V heads in the cache.
+    pub kv_heads: usize,
+    pub max_len: usize,
+    pub dim: usize,
+}
+
+impl CacheLayout {
+    /// The sequence row `r` belongs to.
+    pub fn sequence(&self, r: usize) -> usize {
+        r / (self.rows / self.batch).max(1)
+    }
+
+    /// Cache index of element `i` of K/V head `h` at position `t` of sequence `b`.
+    pub fn index(&self, b: usize, h: usize, t: usize, i: usize) -> usize {
+        ((b * self.kv_heads + h) * self.max_len + t) * self.dim + i
+    }
 }
 
 /// The most positions a [`Kernel::Rope`] sequence may have: every position is then an
@@ -492,6 +562,41 @@ impl Kernel {
         })
     }
 
+    /// The geometry of a cache write or cached attention (`None` for other kernels).
+    /// Sizes are only meaningful once [`Kernel::validate`] has passed.
+    pub fn cache_layout(&self) -> Option<CacheLayout> {
+        let (src, cache, kv_heads, dim, width, max_len) = match *self {
+            Kernel::CacheWrite {
+                src,
+                cache,
+                heads,
+                dim,
+                width,
+                max_len,
+                ..
+            } => (src, cache, heads, dim, width, max_len),
+            Kernel::CachedAttention {
+                q,
+                k_cache,
+                heads,
+                group,
+                dim,
+                width,
+                max_len,
+                ..
+            } => (q, k_cache, heads / group.max(1), dim, width, max_len),
+            _ => return None,
+        };
+        let per_sequence = kv_heads * max_len * dim;
+        Some(CacheLayout {
+            rows: src.len / width.max(1),
+            batch: cache.len / per_sequence.max(1),
+            kv_heads,
+            max_len,
+            dim,
+        })
+    }
+
     /// Short name for logs and errors.
     pub fn name(&self) -> &'static str {
         match self {
@@ -551,6 +656,8 @@ impl Kernel {
             Kernel::Rope { inverse: true, .. } => "rope_backward",
             Kernel::SwiGlu { .. } => "swiglu",
             Kernel::SwiGluBackward { .. } => "swiglu_backward",
+            Kernel::CacheWrite { .. } => "cache_write",
+            Kernel::CachedAttention { .. } => "cached_attention",
         }
     }
 
@@ -728,6 +835,20 @@ impl Kernel {
                 dgate,
                 dup,
             } => vec![gate, up, dout, dgate, dup],
+            Kernel::CacheWrite {
+                src,
+                cache,
+                positions,
+                ..
+            } => vec![src, cache, positions],
+            Kernel::CachedAttention {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                out,
+                ..
+            } => vec![q, k_cache, v_cache, positions, out],
         }
     }
 
@@ -779,6 +900,8 @@ impl Kernel {
             Kernel::RmsNormBackward { dx, dweight, .. } => vec![*dx, *dweight],
             Kernel::Rope { out, .. } | Kernel::SwiGlu { out, .. } => vec![*out],
             Kernel::SwiGluBackward { dgate, dup, .. } => vec![*dgate, *dup],
+            Kernel::CacheWrite { cache, .. } => vec![*cache],
+            Kernel::CachedAttention { out, .. } => vec![*out],
         }
     }
 
@@ -1302,6 +1425,73 @@ impl Kernel {
                 }
                 Ok(())
             }
+            Kernel::CacheWrite {
+                src,
+                cache,
+                positions,
+                heads,
+                dim,
+                width,
+                offset,
+                ..
+            } => {
+                let l = self.cache_layout().expect("a cache kernel");
+                float(k, "cache", cache)?;
+                cache_args(k, src, positions, &l, (*heads, *width, *offset), cache)?;
+                if cache.dtype.size() == 2 && !dim.is_multiple_of(2) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: the cache (buffer #{}) is {} but the head dim {dim} is odd; 16-bit \
+                         caches need an even head dim (rows that share no 32-bit word)",
+                        cache.id, cache.dtype
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::CachedAttention {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                out,
+                heads,
+                group,
+                dim,
+                width,
+                offset,
+                scale,
+                ..
+            } => {
+                if *dim == 0 || *dim > ATTENTION_MAX_DIM {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: head dim {dim} is outside 1..={ATTENTION_MAX_DIM} (a query row \
+                         lives in registers)"
+                    )));
+                }
+                if *group == 0 || !heads.is_multiple_of(*group) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: {heads} query heads are not a multiple of group {group} (query \
+                         heads per K/V head, 1 for multi-head attention)"
+                    )));
+                }
+                let l = self.cache_layout().expect("a cache kernel");
+                float(k, "k_cache", k_cache)?;
+                float(k, "v_cache", v_cache)?;
+                same_len(k, "v_cache", v_cache, k_cache.len)?;
+                cache_args(k, q, positions, &l, (*heads, *width, *offset), k_cache)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, l.rows * heads * dim)?;
+                if out.dtype.size() == 2 && !dim.is_multiple_of(2) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: `out` (buffer #{}) is {} but the head dim {dim} is odd; 16-bit \
+                         outputs need an even head dim",
+                        out.id, out.dtype
+                    )));
+                }
+                if !scale.is_finite() {
+                    return Err(Error::InvalidArgument(format!("{k}: scale is {scale}")));
+                }
+                Ok(())
+            }
             Kernel::SwiGlu { gate, up, out } => {
                 for (name, b) in [("gate", gate), ("up", up), ("out", out)] {
                     float(k, name, b)?;
@@ -1404,6 +1594,50 @@ fn attention_args(
     if !scale.is_finite() {
         return Err(Error::InvalidArgument(format!(
             "{kernel}: scale is {scale}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks shared by [`Kernel::CacheWrite`] and [`Kernel::CachedAttention`]: `rows`
+/// (new tokens: `src` rows of `width`, `heads` of `dim` from `offset`) with one u32
+/// position each, and a cache of whole sequences `(batch, kv_heads, max_len, dim)`
+/// that the rows divide evenly between.
+fn cache_args(
+    kernel: &str,
+    rows_buf: &Buffer,
+    positions: &Buffer,
+    l: &CacheLayout,
+    (heads, width, offset): (usize, usize, usize),
+    cache: &Buffer,
+) -> Result<()> {
+    let rows = rows_of(kernel, rows_buf, width)?;
+    if heads == 0 || l.dim == 0 || l.max_len == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: heads ({heads}), dim ({}) and max_len ({}) must be positive",
+            l.dim, l.max_len
+        )));
+    }
+    if offset + heads * l.dim > width {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: columns {offset}..{} run past the row width {width}",
+            offset + heads * l.dim
+        )));
+    }
+    same_dtype(kernel, "positions", positions, DType::U32)?;
+    same_len(kernel, "positions", positions, rows)?;
+    let per_sequence = l.kv_heads * l.max_len * l.dim;
+    if l.batch == 0 || cache.len != l.batch * per_sequence || !rows.is_multiple_of(l.batch) {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: the cache (buffer #{}, {} elements) is not whole sequences of {} K/V \
+             heads x {} positions x {} dims that the {rows} new rows divide evenly between",
+            cache.id, cache.len, l.kv_heads, l.max_len, l.dim
+        )));
+    }
+    if cache.len > u32::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: a cache of {} elements does not fit 32-bit indices; shorten max_len",
+            cache.len
         )));
     }
     Ok(())

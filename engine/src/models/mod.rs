@@ -1,16 +1,20 @@
 //! Models and the contract they meet: a [`Model`] declares its parameters, records its
 //! forward pass and loss on the graph, and names its blocks; a [`Network`] is a model
 //! on a device (parameters in flat buffers, a compiled plan). GPT-2 (`gpt`), a
-//! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations.
+//! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations;
+//! `sample` chooses generated tokens from a language model's logits.
 
 mod config;
+pub mod generate;
 pub mod gpt;
 pub mod import;
 pub mod llama;
 pub mod mlp;
 mod network;
+pub mod sample;
 
 pub use config::ModelConfig;
+pub use generate::Generator;
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,

@@ -1,0 +1,553 @@
+//! Generation with a K/V cache (`Generator`, `Kernel::CacheWrite`,
+//! `Kernel::CachedAttention`):
+//! - the CPU reference of the cached attention against the CPU's causal attention;
+//! - both kernels on every GPU path against the CPU reference over awkward shapes;
+//! - cached generation against full recomputation by the training graph (the network's
+//!   forward over the whole sequence), logits and 64 greedy tokens, on the CPU and
+//!   every GPU path.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use kiln::cpu::CpuDevice;
+use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::{Generator, MicroBatch, Model, Network, NetworkOptions};
+use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer};
+
+/// One cache-kernel case: `rows` new tokens of `batch` sequences.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    rows: usize,
+    heads: usize,
+    group: usize,
+    dim: usize,
+    max_len: usize,
+    dtype: DType,
+}
+
+impl Case {
+    fn kv_heads(&self) -> usize {
+        self.heads / self.group
+    }
+    /// Rows of (q | k | v) as a model's fused projection lays them out.
+    fn width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads()) * self.dim
+    }
+    fn cache_len(&self) -> usize {
+        self.batch * self.kv_heads() * self.max_len * self.dim
+    }
+}
+
+/// Writes the new rows' K and V into caches that already hold random rows, then runs
+/// the cached attention; returns (K cache, V cache, out). Positions: each sequence's
+/// rows end at `last[b]` (so a row attends to earlier rows of its own launch too).
+fn run_cache(dev: &dyn Device, c: &Case, last: &[usize], seed: u64) -> [HostData; 3] {
+    let mut rng = Rng::new(seed);
+    let mut gen = |n: usize, w: f32| -> HostData {
+        HostData::from_f32(
+            c.dtype,
+            &(0..n).map(|_| rng.uniform(-w, w)).collect::<Vec<_>>(),
+        )
+    };
+    let src = put(dev, &gen(c.rows * c.width(), 2.0));
+    let kc = put(dev, &gen(c.cache_len(), 2.0));
+    let vc = put(dev, &gen(c.cache_len(), 1.0));
+    let per = c.rows / c.batch;
+    let positions: Vec<u32> = (0..c.rows)
+        .map(|r| (last[r / per] + 1 + r % per - per) as u32)
+        .collect();
+    let pos = put(dev, &HostData::U32(positions));
+    let out = dev.alloc(c.dtype, c.rows * c.heads * c.dim).unwrap();
+    let kv = c.kv_heads();
+    let write = |cache: Buffer, offset: usize| Kernel::CacheWrite {
+        src,
+        cache,
+        positions: pos,
+        heads: kv,
+        dim: c.dim,
+        width: c.width(),
+        offset,
+        max_len: c.max_len,
+    };
+    dev.launch(&write(kc, c.heads * c.dim)).unwrap();
+    dev.launch(&write(vc, (c.heads + kv) * c.dim)).unwrap();
+    dev.launch(&Kernel::CachedAttention {
+        q: src,
+        k_cache: kc,
+        v_cache: vc,
+        positions: pos,
+        out,
+        heads: c.heads,
+        group: c.group,
+        dim: c.dim,
+        width: c.width(),
+        offset: 0,
+        max_len: c.max_len,
+        scale: 1.0 / (c.dim as f32).sqrt(),
+    })
+    .unwrap();
+    dev.submit().unwrap();
+    let res = [kc, vc, out].map(|b| dev.download(b).unwrap());
+    for b in [src, kc, vc, pos, out] {
+        dev.free(b).unwrap();
+    }
+    res
+}
+
+/// Largest error relative to the tensor's largest |value| (NaN where the reference is
+/// NaN is a match, elsewhere infinitely wrong).
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0.01f64, |a, &x| a.max(x.abs() as f64));
+    got.iter()
+        .zip(want)
+        .map(|(&a, &b)| match (a.is_nan(), b.is_nan()) {
+            (true, true) => 0.0,
+            (false, false) => (a as f64 - b as f64).abs() / scale,
+            _ => f64::INFINITY,
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The kernels' attention against the f64 reference: f32 sums in another order
+/// (~1e-6 relative), then one rounding of the output to the dtype (half an ulp of the
+/// element, at most one ulp of the largest once the f32 error crosses a boundary).
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 2f64.powi(-10) + 1e-5,
+        DType::BF16 => 2f64.powi(-7) + 1e-5,
+        DType::U32 => unreachable!(),
+    }
+}
+
+/// The awkward shapes: one head; prime heads, dims and lengths; head dims that are not
+/// a multiple of the kernel's 64-key tile or of 4; a cache longer than one tile;
+/// positions 0 and max_len - 1; grouped-query heads; two sequences in one launch.
+fn cases(dtype: DType) -> Vec<(Case, Vec<usize>)> {
+    let odd = dtype == DType::F32;
+    let mut v = vec![];
+    let case = |batch, rows, heads, group, dim, max_len| Case {
+        batch,
+        rows,
+        heads,
+        group,
+        dim,
+        max_len,
+        dtype,
+    };
+    v.push((case(1, 1, 1, 1, 6, 1), vec![0]));
+    v.push((case(1, 1, 3, 1, 30, 67), vec![66]));
+    v.push((case(1, 1, 5, 1, 64, 131), vec![100]));
+    v.push((case(1, 3, 4, 2, 2, 7), vec![6]));
+    v.push((case(2, 6, 6, 3, 128, 70), vec![2, 69]));
+    v.push((case(1, 5, 2, 1, 34, 257), vec![256]));
+    if odd {
+        v.push((case(1, 2, 3, 1, 1, 5), vec![4]));
+        v.push((case(1, 1, 7, 7, 13, 65), vec![64]));
+    }
+    v
+}
+
+fn check_cache_kernels(path: &Path, dtypes: &[DType]) {
+    let cpu = CpuDevice::new();
+    for &dtype in dtypes {
+        for (i, (c, last)) in cases(dtype).into_iter().enumerate() {
+            let want = run_cache(&cpu, &c, &last, 40 + i as u64);
+            let got = run_cache(path.dev.as_ref(), &c, &last, 40 + i as u64);
+            // The caches are copies: bit for bit.
+            for (n, name) in [(0, "k cache"), (1, "v cache")] {
+                assert_eq!(
+                    got[n].bits(),
+                    want[n].bits(),
+                    "{} {c:?}: the {name} differs from the CPU's",
+                    path.name
+                );
+            }
+            let e = rel_err(&got[2].to_f32(), &want[2].to_f32());
+            eprintln!("{} {c:?} last {last:?}: out {e:.1e}", path.name);
+            assert!(
+                e <= tolerance(dtype),
+                "{} {c:?}: cached attention off by {e:.1e} (tolerance {:.1e})",
+                path.name,
+                tolerance(dtype)
+            );
+        }
+    }
+}
+
+/// The CPU's cached attention over a cache filled by cache writes equals its causal
+/// attention (`Kernel::Attention`) over the same rows: the oracle checked against the
+/// other oracle. Also a position at max_len: nothing written, a NaN row.
+#[test]
+fn cpu_cached_attention_equals_causal_attention() {
+    let cpu = CpuDevice::new();
+    let (heads, dim, seq, max_len) = (3, 5, 9, 11);
+    let mut rng = Rng::new(3);
+    let mut gen = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-2.0, 2.0)).collect() };
+    // q, k, v heads (heads, seq, dim) and the same values as rows (seq, 3 * heads * dim).
+    let (q, k, v) = (
+        gen(heads * seq * dim),
+        gen(heads * seq * dim),
+        gen(heads * seq * dim),
+    );
+    let width = 3 * heads * dim;
+    let mut rows = vec![0f32; seq * width];
+    for h in 0..heads {
+        for t in 0..seq {
+            for i in 0..dim {
+                let e = (h * seq + t) * dim + i;
+                rows[t * width + h * dim + i] = q[e];
+                rows[t * width + (heads + h) * dim + i] = k[e];
+                rows[t * width + (2 * heads + h) * dim + i] = v[e];
+            }
+        }
+    }
+    let f = |x: &Vec<f32>| put(&cpu, &HostData::F32(x.clone()));
+    let (bq, bk, bv) = (f(&q), f(&k), f(&v));
+    let out = cpu.alloc(DType::F32, heads * seq * dim).unwrap();
+    let lse = cpu.alloc(DType::F32, heads * seq).unwrap();
+    let scale = 0.4;
+    cpu.launch(&Kernel::Attention {
+        q: bq,
+        k: bk,
+        v: bv,
+        out,
+        lse,
+        batch_heads: heads,
+        group: 1,
+        seq,
+        dim,
+        scale,
+        causal: true,
+    })
+    .unwrap();
+    let want = cpu.download(out).unwrap().to_f32();
+    let src = f(&rows);
+    let kc = cpu.alloc(DType::F32, heads * max_len * dim).unwrap();
+    let vc = cpu.alloc(DType::F32, heads * max_len * dim).unwrap();
+    // Rows 0..seq at positions 0..seq, and one more row at max_len.
+    let mut positions: Vec<u32> = (0..seq as u32).collect();
+    positions[seq - 1] = max_len as u32;
+    let pos = put(&cpu, &HostData::U32(positions));
+    let y = cpu.alloc(DType::F32, seq * heads * dim).unwrap();
+    for (cache, offset) in [(kc, heads * dim), (vc, 2 * heads * dim)] {
+        cpu.launch(&Kernel::CacheWrite {
+            src,
+            cache,
+            positions: pos,
+            heads,
+            dim,
+            width,
+            offset,
+            max_len,
+        })
+        .unwrap();
+    }
+    cpu.launch(&Kernel::CachedAttention {
+        q: src,
+        k_cache: kc,
+        v_cache: vc,
+        positions: pos,
+        out: y,
+        heads,
+        group: 1,
+        dim,
+        width,
+        offset: 0,
+        max_len,
+        scale,
+    })
+    .unwrap();
+    let got = cpu.download(y).unwrap().to_f32();
+    for t in 0..seq {
+        for h in 0..heads {
+            for i in 0..dim {
+                let g = got[(t * heads + h) * dim + i];
+                if t == seq - 1 {
+                    assert!(g.is_nan(), "a position at max_len gives NaN, not {g}");
+                } else {
+                    let w = want[(h * seq + t) * dim + i];
+                    assert!((g - w).abs() <= 1e-6, "t {t} h {h} i {i}: {g} vs {w}");
+                }
+            }
+        }
+    }
+    let kcache = cpu.download(kc).unwrap().to_f32();
+    assert!(
+        kcache[(seq - 1) * dim..]
+            .iter()
+            .take(dim)
+            .all(|&x| x == 0.0),
+        "the row at max_len wrote nothing (its slot seq - 1 stays zero)"
+    );
+}
+
+#[test]
+fn cache_kernels_vulkan_native_f16_match_cpu() {
+    check_cache_kernels(&gpu_path(0), &[DType::F32, DType::F16, DType::BF16]);
+}
+
+#[test]
+fn cache_kernels_vulkan_packed_f16_match_cpu() {
+    check_cache_kernels(&gpu_path(1), &[DType::F16, DType::BF16]);
+}
+
+#[test]
+fn cache_kernels_gl_match_cpu() {
+    check_cache_kernels(&gpu_path(2), &[DType::F32, DType::F16]);
+}
+
+#[test]
+fn bad_cache_launches_are_refused() {
+    let cpu = CpuDevice::new();
+    let src = cpu.alloc(DType::F16, 2 * 3 * 5).unwrap();
+    let cache = cpu.alloc(DType::F16, 5 * 4).unwrap();
+    let pos = cpu.alloc(DType::U32, 2).unwrap();
+    let write = |offset: usize, max_len: usize, positions: Buffer| Kernel::CacheWrite {
+        src,
+        cache,
+        positions,
+        heads: 1,
+        dim: 5,
+        width: 15,
+        offset,
+        max_len,
+    };
+    let e = cpu.launch(&write(5, 4, pos)).unwrap_err().to_string();
+    assert!(e.contains("head dim 5 is odd"), "{e}");
+    let e = cpu.launch(&write(11, 4, pos)).unwrap_err().to_string();
+    assert!(e.contains("run past the row width 15"), "{e}");
+    let e = cpu.launch(&write(5, 3, pos)).unwrap_err().to_string();
+    assert!(e.contains("not whole sequences"), "{e}");
+    let short = cpu.alloc(DType::U32, 1).unwrap();
+    let e = cpu.launch(&write(5, 4, short)).unwrap_err().to_string();
+    assert!(e.contains("positions"), "{e}");
+}
+
+// ---- generation against full recomputation ----
+
+/// The tiny GPT of these tests: head dim 8, a vocabulary that is no power of two.
+fn config() -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        block_size: 80,
+        vocab_size: 67,
+        padded_vocab_size: None,
+    }
+}
+
+const PROMPT: [u32; 7] = [5, 60, 12, 0, 33, 66, 7];
+const STEPS: usize = 64;
+
+/// Random weights at a scale that keeps activations O(1) and spreads the logits over a
+/// few units (GPT-2's own 0.02 init gives near-uniform logits whose greedy choice is a
+/// coin toss decided by rounding).
+fn weights(model: &Gpt) -> Vec<(String, Vec<f32>)> {
+    let mut rng = Rng::new(11);
+    model
+        .parameters()
+        .into_iter()
+        .map(|spec| {
+            let n = spec.len();
+            let name = spec.name.clone();
+            let values: Vec<f32> = if name.contains("ln_") && name.ends_with("weight") {
+                (0..n).map(|_| rng.uniform(0.8, 1.2)).collect()
+            } else if spec.shape.len() == 1 {
+                (0..n).map(|_| rng.uniform(-0.1, 0.1)).collect()
+            } else if name.contains("wte") || name.contains("wpe") {
+                (0..n).map(|_| rng.uniform(-0.5, 0.5)).collect()
+            } else {
+                let bound = (3.0 / spec.shape[0] as f32).sqrt();
+                (0..n).map(|_| rng.uniform(-bound, bound)).collect()
+            };
+            (name, values)
+        })
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Prefills the prompt and decodes STEPS greedy tokens; returns the whole sequence and
+/// the logits after each of its positions from the prompt's last on.
+fn generate(dev: &dyn Device, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let cfg = config();
+    let model = Gpt::new(cfg.clone(), 1);
+    let mut gen =
+        Generator::new(dev, &model, &weights(&model), dtype, PROMPT.len() + STEPS).unwrap();
+    let mut seq = PROMPT.to_vec();
+    let mut logits = vec![gen.prefill(dev, &PROMPT).unwrap()];
+    assert_eq!(gen.position(), PROMPT.len());
+    for _ in 0..STEPS - 1 {
+        let next = argmax(logits.last().unwrap());
+        seq.push(next);
+        logits.push(gen.step(dev, next).unwrap());
+    }
+    seq.push(argmax(logits.last().unwrap()));
+    assert_eq!(gen.position(), PROMPT.len() + STEPS - 1);
+    gen.free(dev).unwrap();
+    (seq, logits)
+}
+
+/// The reference: the training graph's forward over the whole sequence, every position
+/// recomputed from the tokens. Causal, so position t's logits see tokens 0..=t only,
+/// exactly what the generator had when it produced them.
+fn recompute(dev: &dyn Device, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
+    let cfg = config();
+    let t = seq.len() - 1;
+    let model = Gpt::new(cfg.clone(), t);
+    let w = weights(&model);
+    let options = NetworkOptions {
+        batch: 1,
+        dtype,
+        optimizer: Optimizer::adamw(1e-3, 0.0),
+        seed: 0,
+    };
+    let net = Network::new(dev, Arc::new(model), &options).unwrap();
+    for (i, (_, values)) in w.iter().enumerate() {
+        net.set_parameter(dev, i, values).unwrap();
+    }
+    net.loss(dev, &MicroBatch::tokens(&seq[..t], &seq[1..]))
+        .unwrap();
+    let logits = dev
+        .download(net.output(net.prediction()).unwrap())
+        .unwrap()
+        .to_f32();
+    logits
+        .chunks_exact(cfg.vocab_size)
+        .skip(PROMPT.len() - 1)
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+/// Tolerance of the logits, relative to the largest |logit| of the run. f32: the two
+/// computations differ only in summation order (matrix products of one row against
+/// many, attention over the cache against the fused or unfused kernels), errors of a
+/// few f32 ulps per op through 2 layers: 1e-4 is ~1000 ulps of room. 16-bit: every
+/// stored activation is rounded (2^-11 relative for f16, 2^-8 for bf16) and a value
+/// summed in another order can round the other way, one ulp, which the next layers
+/// carry forward; 8 ulps of the largest logit bounds what 2 layers accumulate.
+fn logit_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-4,
+        DType::F16 => 8.0 * 2f64.powi(-11),
+        DType::BF16 => 8.0 * 2f64.powi(-8),
+        DType::U32 => unreachable!(),
+    }
+}
+
+fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
+    for &dtype in dtypes {
+        let started = std::time::Instant::now();
+        let (seq, got) = generate(dev, dtype);
+        let want = recompute(dev, dtype, &seq);
+        assert_eq!(got.len(), want.len());
+        let flat = |x: &[Vec<f32>]| x.concat();
+        let e = rel_err(&flat(&got), &flat(&want));
+        // Greedy: the reference's own choice at every position is the token the
+        // generator appended, so greedy decoding by full recomputation would have
+        // produced the same 64 tokens.
+        let chosen: Vec<u32> = want.iter().map(|r| argmax(r)).collect();
+        eprintln!(
+            "{name} {dtype}: logits off by {e:.1e} of the largest (tolerance {:.1e}), \
+             {:.1}s",
+            logit_tolerance(dtype),
+            started.elapsed().as_secs_f64()
+        );
+        assert_eq!(
+            &seq[PROMPT.len()..],
+            &chosen[..],
+            "{name} {dtype}: greedy tokens differ from full recomputation's"
+        );
+        assert!(
+            e <= logit_tolerance(dtype),
+            "{name} {dtype}: cached logits off by {e:.1e} of the largest, over {:.1e}",
+            logit_tolerance(dtype)
+        );
+    }
+}
+
+#[test]
+fn generation_matches_recomputation_cpu() {
+    let cpu = CpuDevice::new();
+    check_generation("cpu", &cpu, &[DType::F32, DType::F16, DType::BF16]);
+}
+
+#[test]
+fn generation_matches_recomputation_vulkan_native_f16() {
+    let p = gpu_path(0);
+    check_generation(
+        p.name,
+        p.dev.as_ref(),
+        &[DType::F32, DType::F16, DType::BF16],
+    );
+}
+
+#[test]
+fn generation_matches_recomputation_vulkan_packed_f16() {
+    let p = gpu_path(1);
+    check_generation(p.name, p.dev.as_ref(), &[DType::F16]);
+}
+
+#[test]
+fn generation_matches_recomputation_gl() {
+    let p = gpu_path(2);
+    check_generation(p.name, p.dev.as_ref(), &[DType::F32, DType::F16]);
+}
+
+/// Bad input is refused with the problem and the fix, before or without a panic.
+#[test]
+fn generator_refuses_bad_input() {
+    let cpu = CpuDevice::new();
+    let model = Gpt::new(config(), 1);
+    let w = weights(&model);
+    let e = Generator::new(&cpu, &model, &w, DType::F32, 81)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_len 81") && e.contains("block_size"), "{e}");
+    let e = Generator::new(&cpu, &model, &w[1..], DType::F32, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no weights for `transformer.wte.weight`"), "{e}");
+    let mut short = w.clone();
+    short[3].1.pop();
+    let e = Generator::new(&cpu, &model, &short, DType::F32, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&short[3].0) && e.contains("values"), "{e}");
+    // The tied name loads the embedding too.
+    let mut tied = w.clone();
+    tied[0].0 = "lm_head.weight".into();
+    let mut gen = Generator::new(&cpu, &model, &tied, DType::F32, 8).unwrap();
+    let e = gen.prefill(&cpu, &[67]).unwrap_err().to_string();
+    assert!(
+        e.contains("token 67") && e.contains("vocabulary of 67"),
+        "{e}"
+    );
+    let e = gen.prefill(&cpu, &[]).unwrap_err().to_string();
+    assert!(e.contains("no tokens"), "{e}");
+    gen.prefill(&cpu, &[1; 8]).unwrap();
+    let e = gen.step(&cpu, 1).unwrap_err().to_string();
+    assert!(e.contains("max_len 8") && e.contains("reset"), "{e}");
+    gen.reset();
+    assert_eq!(gen.position(), 0);
+    gen.step(&cpu, 1).unwrap();
+    gen.free(&cpu).unwrap();
+    assert_eq!(cpu.allocated_bytes(), 0, "free releases every buffer");
+}
