@@ -415,8 +415,9 @@ pub enum Kernel {
     /// Appends new K or V rows to a generation cache at positions read from the device,
     /// so that one recorded launch serves every step. `src` holds `rows` rows of `width`
     /// elements (the new tokens, `rows / batch` per sequence, in sequence order); the
-    /// cache is `(batch, heads, max_len, dim)` with `batch = cache.len / (heads * max_len
-    /// * dim)`. Row `r` (sequence `b = r / (rows / batch)`) goes to
+    /// cache is `(batch, heads, max_len, dim)` with
+    /// `batch = cache.len / (heads * max_len * dim)`. Row `r` (sequence
+    /// `b = r / (rows / batch)`) goes to
     /// `cache[b][h][positions[r]][i] = src[r][offset + h * dim + i]`. A position at or past
     /// `max_len` writes nothing. `dim` must be even when the cache is 16-bit (rows that
     /// share no 32-bit word).
