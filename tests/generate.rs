@@ -579,3 +579,76 @@ fn prefill_in_passes_equals_token_by_token() {
     let passes = format!("{whole:?}");
     assert!(passes.contains("passes: [1, 2, 4, 64]"), "{passes}");
 }
+
+/// `Kernel::RopeAt` (positions from a buffer) on the CPU equals `Kernel::Rope` at the
+/// positions it implies (row r at r % seq), then every GPU path equals the CPU at
+/// scattered positions up to 4095 (f16 and bf16 on the paths, f32 where noted):
+/// the rotation is elementwise after an f32 angle, so the same tolerance as the
+/// existing rope tests: the angle's f32 error at |a| < 4096 (2e-3 rad) times |x| <= 2.
+fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) -> Vec<f32> {
+    let (heads, dim) = (3, 10);
+    let cols = heads * dim;
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = (0..positions.len() * cols)
+        .map(|_| rng.uniform(-2.0, 2.0))
+        .collect();
+    let bx = put(dev, &HostData::from_f32(dtype, &x));
+    let pos = put(dev, &HostData::U32(positions.to_vec()));
+    let out = dev.alloc(dtype, x.len()).unwrap();
+    dev.launch(&Kernel::RopeAt {
+        x: bx,
+        out,
+        positions: pos,
+        cols,
+        dim,
+        theta: 10000.0,
+    })
+    .unwrap();
+    let got = dev.download(out).unwrap().to_f32();
+    for b in [bx, pos, out] {
+        dev.free(b).unwrap();
+    }
+    got
+}
+
+#[test]
+fn rope_at_matches_rope_and_the_cpu() {
+    let cpu = CpuDevice::new();
+    // Against Rope: 2 sequences of 5 rows, positions 0..5 twice.
+    let positions: Vec<u32> = (0..10).map(|r| r % 5).collect();
+    let got = rope_at_case(&cpu, DType::F32, &positions, 5);
+    let mut rng = Rng::new(5);
+    let x: Vec<f32> = (0..10 * 30).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    let bx = put(&cpu, &HostData::F32(x));
+    let out = cpu.alloc(DType::F32, 300).unwrap();
+    cpu.launch(&Kernel::Rope {
+        x: bx,
+        out,
+        cols: 30,
+        dim: 10,
+        seq: 5,
+        theta: 10000.0,
+        inverse: false,
+    })
+    .unwrap();
+    assert_eq!(got, cpu.download(out).unwrap().to_f32());
+    let scattered = [0u32, 4095, 1, 17, 1000, 2, 333];
+    for i in 0..3 {
+        let p = gpu_path(i);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let want = rope_at_case(&cpu, dtype, &scattered, 9);
+            let g = rope_at_case(p.dev.as_ref(), dtype, &scattered, 9);
+            let tol = match dtype {
+                DType::F32 => 4e-3,
+                DType::F16 => 4e-3 + 2f64.powi(-10),
+                _ => 4e-3 + 2f64.powi(-7),
+            };
+            let e = rel_err(&g, &want);
+            assert!(
+                e <= tol,
+                "{} {dtype}: rope_at off by {e:.1e} (tolerance {tol:.1e})",
+                p.name
+            );
+        }
+    }
+}
