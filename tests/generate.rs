@@ -13,6 +13,7 @@ use std::sync::Arc;
 use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::llama::Llama;
 use kiln::engine::models::{Generator, MicroBatch, Model, Network, NetworkOptions};
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer};
 
@@ -350,7 +351,7 @@ const STEPS: usize = 64;
 /// Random weights at a scale that keeps activations O(1) and spreads the logits over a
 /// few units (GPT-2's own 0.02 init gives near-uniform logits whose greedy choice is a
 /// coin toss decided by rounding).
-fn weights(model: &Gpt) -> Vec<(String, Vec<f32>)> {
+fn weights(model: &dyn Model) -> Vec<(String, Vec<f32>)> {
     let mut rng = Rng::new(11);
     model
         .parameters()
@@ -358,7 +359,8 @@ fn weights(model: &Gpt) -> Vec<(String, Vec<f32>)> {
         .map(|spec| {
             let n = spec.len();
             let name = spec.name.clone();
-            let values: Vec<f32> = if name.contains("ln_") && name.ends_with("weight") {
+            let norm = name.contains("ln_") || name.contains("norm");
+            let values: Vec<f32> = if norm && name.ends_with("weight") {
                 (0..n).map(|_| rng.uniform(0.8, 1.2)).collect()
             } else if spec.shape.len() == 1 {
                 (0..n).map(|_| rng.uniform(-0.1, 0.1)).collect()
@@ -383,13 +385,47 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// The two architectures under test, built for a sequence of `seq` tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Arch {
+    Gpt,
+    /// 4 query heads over 2 K/V heads, an untied head.
+    Llama,
+}
+
+fn model(arch: Arch, seq: usize) -> Arc<dyn Model> {
+    match arch {
+        Arch::Gpt => Arc::new(Gpt::new(config(), seq)),
+        Arch::Llama => Arc::new(llama(seq)),
+    }
+}
+
+fn llama(seq: usize) -> Llama {
+    let cfg = serde_json::from_str(
+        r#"{"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 80,
+            "vocab_size": 67, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    Llama::new(cfg, seq)
+}
+
+fn generator(dev: &dyn Device, arch: Arch, dtype: DType, max_len: usize) -> Generator {
+    match arch {
+        Arch::Gpt => {
+            let m = Gpt::new(config(), 1);
+            Generator::new(dev, &m, &weights(&m), dtype, max_len).unwrap()
+        }
+        Arch::Llama => {
+            let m = llama(1);
+            Generator::llama(dev, &m, &weights(&m), dtype, max_len).unwrap()
+        }
+    }
+}
+
 /// Prefills the prompt and decodes STEPS greedy tokens; returns the whole sequence and
 /// the logits after each of its positions from the prompt's last on.
-fn generate(dev: &dyn Device, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let cfg = config();
-    let model = Gpt::new(cfg.clone(), 1);
-    let mut gen =
-        Generator::new(dev, &model, &weights(&model), dtype, PROMPT.len() + STEPS).unwrap();
+fn generate(dev: &dyn Device, arch: Arch, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut gen = generator(dev, arch, dtype, PROMPT.len() + STEPS);
     let mut seq = PROMPT.to_vec();
     let mut logits = vec![gen.prefill(dev, &PROMPT).unwrap()];
     assert_eq!(gen.position(), PROMPT.len());
@@ -407,18 +443,17 @@ fn generate(dev: &dyn Device, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
 /// The reference: the training graph's forward over the whole sequence, every position
 /// recomputed from the tokens. Causal, so position t's logits see tokens 0..=t only,
 /// exactly what the generator had when it produced them.
-fn recompute(dev: &dyn Device, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
-    let cfg = config();
+fn recompute(dev: &dyn Device, arch: Arch, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
     let t = seq.len() - 1;
-    let model = Gpt::new(cfg.clone(), t);
-    let w = weights(&model);
+    let model = model(arch, t);
+    let w = weights(model.as_ref());
     let options = NetworkOptions {
         batch: 1,
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
     };
-    let net = Network::new(dev, Arc::new(model), &options).unwrap();
+    let net = Network::new(dev, model, &options).unwrap();
     for (i, (_, values)) in w.iter().enumerate() {
         net.set_parameter(dev, i, values).unwrap();
     }
@@ -429,7 +464,7 @@ fn recompute(dev: &dyn Device, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
         .unwrap()
         .to_f32();
     logits
-        .chunks_exact(cfg.vocab_size)
+        .chunks_exact(config().vocab_size)
         .skip(PROMPT.len() - 1)
         .map(|r| r.to_vec())
         .collect()
@@ -451,11 +486,11 @@ fn logit_tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
+fn check_generation(name: &str, dev: &dyn Device, arch: Arch, dtypes: &[DType]) {
     for &dtype in dtypes {
         let started = std::time::Instant::now();
-        let (seq, got) = generate(dev, dtype);
-        let want = recompute(dev, dtype, &seq);
+        let (seq, got) = generate(dev, arch, dtype);
+        let want = recompute(dev, arch, dtype, &seq);
         assert_eq!(got.len(), want.len());
         let flat = |x: &[Vec<f32>]| x.concat();
         let e = rel_err(&flat(&got), &flat(&want));
@@ -464,19 +499,19 @@ fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
         // produced the same 64 tokens.
         let chosen: Vec<u32> = want.iter().map(|r| argmax(r)).collect();
         eprintln!(
-            "{name} {dtype}: logits off by {e:.1e} of the largest (tolerance {:.1e}), \
-             {:.1}s",
+            "{name} {arch:?} {dtype}: logits off by {e:.1e} of the largest (tolerance \
+             {:.1e}), {:.1}s",
             logit_tolerance(dtype),
             started.elapsed().as_secs_f64()
         );
         assert_eq!(
             &seq[PROMPT.len()..],
             &chosen[..],
-            "{name} {dtype}: greedy tokens differ from full recomputation's"
+            "{name} {arch:?} {dtype}: greedy tokens differ from full recomputation's"
         );
         assert!(
             e <= logit_tolerance(dtype),
-            "{name} {dtype}: cached logits off by {e:.1e} of the largest, over {:.1e}",
+            "{name} {arch:?} {dtype}: cached logits off by {e:.1e} of the largest, over {:.1e}",
             logit_tolerance(dtype)
         );
     }
@@ -485,29 +520,36 @@ fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
 #[test]
 fn generation_matches_recomputation_cpu() {
     let cpu = CpuDevice::new();
-    check_generation("cpu", &cpu, &[DType::F32, DType::F16, DType::BF16]);
+    let all = [DType::F32, DType::F16, DType::BF16];
+    check_generation("cpu", &cpu, Arch::Gpt, &all);
+    check_generation("cpu", &cpu, Arch::Llama, &all);
 }
 
 #[test]
 fn generation_matches_recomputation_vulkan_native_f16() {
     let p = gpu_path(0);
+    let all = [DType::F32, DType::F16, DType::BF16];
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &all);
     check_generation(
         p.name,
         p.dev.as_ref(),
-        &[DType::F32, DType::F16, DType::BF16],
+        Arch::Llama,
+        &[DType::F32, DType::F16],
     );
 }
 
 #[test]
 fn generation_matches_recomputation_vulkan_packed_f16() {
     let p = gpu_path(1);
-    check_generation(p.name, p.dev.as_ref(), &[DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &[DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama, &[DType::F16]);
 }
 
 #[test]
 fn generation_matches_recomputation_gl() {
     let p = gpu_path(2);
-    check_generation(p.name, p.dev.as_ref(), &[DType::F32, DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &[DType::F32, DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama, &[DType::F16]);
 }
 
 /// Bad input is refused with the problem and the fix, before or without a panic.
