@@ -2,17 +2,22 @@
 //! for its own position only, attending to the keys and values every earlier position
 //! left in the cache, instead of recomputing the whole prefix.
 //!
-//! A [`Generator`] holds one sequence: the weights in the activation dtype, a K and a V
-//! cache per layer, `(1, H, max_len, D)`, and one forward pass per row count ("pass"),
-//! recorded once as a list of kernel launches over fixed buffers and replayed for every
-//! call: the token ids and their positions are uploaded into small u32 buffers that the
+//! A [`Generator`] (a GPT-2, [`Generator::new`], or a Llama, [`Generator::llama`])
+//! holds one sequence: the weights in the activation dtype, a K and a V cache per
+//! layer, `(1, KV, max_len, D)` (KV: the K/V heads; H for GPT-2), and one forward pass
+//! per row count ("pass"), recorded once as a list of kernel launches over fixed
+//! buffers and replayed for every call: the token ids and their positions are uploaded into small u32 buffers that the
 //! launches read ([`Kernel::CacheWrite`], [`Kernel::CachedAttention`] and the position
 //! embedding), so nothing is recompiled per token and the backend's pipelines and bind
 //! groups are made once. A prompt runs as passes of 64, 32, … 1 rows (its binary
 //! decomposition): every row of a pass writes its K/V first, then attends over the
 //! cache up to its own position, which is causal attention within the pass.
 //!
-//! Shapes: C = n_embd, H heads, D = C / H, V vocabulary, R rows of a pass.
+//! A Llama's positions reach RoPE through [`Kernel::RopeAt`], which reads them from the
+//! same u32 buffer.
+//!
+//! Shapes: C = n_embd, H heads, KV K/V heads, D = C / H, V vocabulary, R rows of a
+//! pass.
 
 use std::collections::BTreeMap;
 
