@@ -694,3 +694,51 @@ fn rope_at_matches_rope_and_the_cpu() {
         }
     }
 }
+
+/// `kiln bench sample` on the demo's shape: both rates measured and reported apart,
+/// as JSON and as the table; zero tokens or an unknown model are clear errors.
+#[test]
+fn bench_sample_reports_prompt_and_decode_rates() {
+    let kiln = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = kiln(&[
+        "bench",
+        "sample",
+        "--devices",
+        "vulkan",
+        "--models",
+        "addition",
+        "--json",
+        "-",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("prompt tok/s") && stdout.contains("decode tok/s"),
+        "{stdout}"
+    );
+    let json = &stdout[stdout.find('[').unwrap()..];
+    let rows: serde_json::Value = serde_json::from_str(json).unwrap();
+    let r = &rows[0];
+    assert_eq!(
+        (r["prompt_tokens"].as_u64(), r["decode_tokens"].as_u64()),
+        (Some(6), Some(3))
+    );
+    assert!(r["prompt_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["adapter"].as_str().unwrap().contains("vulkan"), "{r}");
+    let out = kiln(&["bench", "sample", "--tokens", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 1"));
+    let out = kiln(&["bench", "sample", "--models", "gpt5"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use addition or gpt2-124m"));
+}
