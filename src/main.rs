@@ -835,6 +835,13 @@ fn bench_sample(args: BenchSampleArgs) -> Result<()> {
     if !dtype.is_float() {
         anyhow::bail!("generation takes f32, f16 or bf16, not {dtype}");
     }
+    if args.prompt == 0 || args.tokens == 0 {
+        anyhow::bail!(
+            "--prompt {} --tokens {}: both must be at least 1 (there is no rate of nothing)",
+            args.prompt,
+            args.tokens
+        );
+    }
     let models = args
         .models
         .iter()

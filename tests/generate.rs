@@ -13,6 +13,7 @@ use std::sync::Arc;
 use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::llama::Llama;
 use kiln::engine::models::{Generator, MicroBatch, Model, Network, NetworkOptions};
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer};
 
@@ -351,7 +352,7 @@ const STEPS: usize = 64;
 /// Random weights at a scale that keeps activations O(1) and spreads the logits over a
 /// few units (GPT-2's own 0.02 init gives near-uniform logits whose greedy choice is a
 /// coin toss decided by rounding).
-fn weights(model: &Gpt) -> Vec<(String, Vec<f32>)> {
+fn weights(model: &dyn Model) -> Vec<(String, Vec<f32>)> {
     let mut rng = Rng::new(11);
     model
         .parameters()
@@ -359,7 +360,8 @@ fn weights(model: &Gpt) -> Vec<(String, Vec<f32>)> {
         .map(|spec| {
             let n = spec.len();
             let name = spec.name.clone();
-            let values: Vec<f32> = if name.contains("ln_") && name.ends_with("weight") {
+            let norm = name.contains("ln_") || name.contains("norm");
+            let values: Vec<f32> = if norm && name.ends_with("weight") {
                 (0..n).map(|_| rng.uniform(0.8, 1.2)).collect()
             } else if spec.shape.len() == 1 {
                 (0..n).map(|_| rng.uniform(-0.1, 0.1)).collect()
@@ -384,13 +386,47 @@ fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// The two architectures under test, built for a sequence of `seq` tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Arch {
+    Gpt,
+    /// 4 query heads over 2 K/V heads, an untied head.
+    Llama,
+}
+
+fn model(arch: Arch, seq: usize) -> Arc<dyn Model> {
+    match arch {
+        Arch::Gpt => Arc::new(Gpt::new(config(), seq)),
+        Arch::Llama => Arc::new(llama(seq)),
+    }
+}
+
+fn llama(seq: usize) -> Llama {
+    let cfg = serde_json::from_str(
+        r#"{"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 80,
+            "vocab_size": 67, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    Llama::new(cfg, seq)
+}
+
+fn generator(dev: &dyn Device, arch: Arch, dtype: DType, max_len: usize) -> Generator {
+    match arch {
+        Arch::Gpt => {
+            let m = Gpt::new(config(), 1);
+            Generator::new(dev, &m, &weights(&m), dtype, max_len).unwrap()
+        }
+        Arch::Llama => {
+            let m = llama(1);
+            Generator::llama(dev, &m, &weights(&m), dtype, max_len).unwrap()
+        }
+    }
+}
+
 /// Prefills the prompt and decodes STEPS greedy tokens; returns the whole sequence and
 /// the logits after each of its positions from the prompt's last on.
-fn generate(dev: &dyn Device, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let cfg = config();
-    let model = Gpt::new(cfg.clone(), 1);
-    let mut gen =
-        Generator::new(dev, &model, &weights(&model), dtype, PROMPT.len() + STEPS).unwrap();
+fn generate(dev: &dyn Device, arch: Arch, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut gen = generator(dev, arch, dtype, PROMPT.len() + STEPS);
     let mut seq = PROMPT.to_vec();
     let mut logits = vec![gen.prefill(dev, &PROMPT).unwrap()];
     assert_eq!(gen.position(), PROMPT.len());
@@ -408,18 +444,17 @@ fn generate(dev: &dyn Device, dtype: DType) -> (Vec<u32>, Vec<Vec<f32>>) {
 /// The reference: the training graph's forward over the whole sequence, every position
 /// recomputed from the tokens. Causal, so position t's logits see tokens 0..=t only,
 /// exactly what the generator had when it produced them.
-fn recompute(dev: &dyn Device, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
-    let cfg = config();
+fn recompute(dev: &dyn Device, arch: Arch, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
     let t = seq.len() - 1;
-    let model = Gpt::new(cfg.clone(), t);
-    let w = weights(&model);
+    let model = model(arch, t);
+    let w = weights(model.as_ref());
     let options = NetworkOptions {
         batch: 1,
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
     };
-    let net = Network::new(dev, Arc::new(model), &options).unwrap();
+    let net = Network::new(dev, model, &options).unwrap();
     for (i, (_, values)) in w.iter().enumerate() {
         net.set_parameter(dev, i, values).unwrap();
     }
@@ -430,7 +465,7 @@ fn recompute(dev: &dyn Device, dtype: DType, seq: &[u32]) -> Vec<Vec<f32>> {
         .unwrap()
         .to_f32();
     logits
-        .chunks_exact(cfg.vocab_size)
+        .chunks_exact(config().vocab_size)
         .skip(PROMPT.len() - 1)
         .map(|r| r.to_vec())
         .collect()
@@ -452,11 +487,11 @@ fn logit_tolerance(dtype: DType) -> f64 {
     }
 }
 
-fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
+fn check_generation(name: &str, dev: &dyn Device, arch: Arch, dtypes: &[DType]) {
     for &dtype in dtypes {
         let started = std::time::Instant::now();
-        let (seq, got) = generate(dev, dtype);
-        let want = recompute(dev, dtype, &seq);
+        let (seq, got) = generate(dev, arch, dtype);
+        let want = recompute(dev, arch, dtype, &seq);
         assert_eq!(got.len(), want.len());
         let flat = |x: &[Vec<f32>]| x.concat();
         let e = rel_err(&flat(&got), &flat(&want));
@@ -465,19 +500,19 @@ fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
         // produced the same 64 tokens.
         let chosen: Vec<u32> = want.iter().map(|r| argmax(r)).collect();
         eprintln!(
-            "{name} {dtype}: logits off by {e:.1e} of the largest (tolerance {:.1e}), \
-             {:.1}s",
+            "{name} {arch:?} {dtype}: logits off by {e:.1e} of the largest (tolerance \
+             {:.1e}), {:.1}s",
             logit_tolerance(dtype),
             started.elapsed().as_secs_f64()
         );
         assert_eq!(
             &seq[PROMPT.len()..],
             &chosen[..],
-            "{name} {dtype}: greedy tokens differ from full recomputation's"
+            "{name} {arch:?} {dtype}: greedy tokens differ from full recomputation's"
         );
         assert!(
             e <= logit_tolerance(dtype),
-            "{name} {dtype}: cached logits off by {e:.1e} of the largest, over {:.1e}",
+            "{name} {arch:?} {dtype}: cached logits off by {e:.1e} of the largest, over {:.1e}",
             logit_tolerance(dtype)
         );
     }
@@ -486,29 +521,36 @@ fn check_generation(name: &str, dev: &dyn Device, dtypes: &[DType]) {
 #[test]
 fn generation_matches_recomputation_cpu() {
     let cpu = CpuDevice::new();
-    check_generation("cpu", &cpu, &[DType::F32, DType::F16, DType::BF16]);
+    let all = [DType::F32, DType::F16, DType::BF16];
+    check_generation("cpu", &cpu, Arch::Gpt, &all);
+    check_generation("cpu", &cpu, Arch::Llama, &all);
 }
 
 #[test]
 fn generation_matches_recomputation_vulkan_native_f16() {
     let p = gpu_path(0);
+    let all = [DType::F32, DType::F16, DType::BF16];
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &all);
     check_generation(
         p.name,
         p.dev.as_ref(),
-        &[DType::F32, DType::F16, DType::BF16],
+        Arch::Llama,
+        &[DType::F32, DType::F16],
     );
 }
 
 #[test]
 fn generation_matches_recomputation_vulkan_packed_f16() {
     let p = gpu_path(1);
-    check_generation(p.name, p.dev.as_ref(), &[DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &[DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama, &[DType::F16]);
 }
 
 #[test]
 fn generation_matches_recomputation_gl() {
     let p = gpu_path(2);
-    check_generation(p.name, p.dev.as_ref(), &[DType::F32, DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &[DType::F32, DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama, &[DType::F16]);
 }
 
 /// Bad input is refused with the problem and the fix, before or without a panic.
@@ -550,4 +592,154 @@ fn generator_refuses_bad_input() {
     gen.step(&cpu, 1).unwrap();
     gen.free(&cpu).unwrap();
     assert_eq!(cpu.allocated_bytes(), 0, "free releases every buffer");
+}
+
+/// A 70-token prompt runs as passes of 64, 4 and 2 rows (each row attending to the
+/// earlier rows of its own pass through the cache); fed one token at a time it runs 70
+/// one-row passes. Both leave the same cache: the logits after the prompt and after one
+/// more token agree.
+#[test]
+fn prefill_in_passes_equals_token_by_token() {
+    let cpu = CpuDevice::new();
+    let model = Gpt::new(config(), 1);
+    let w = weights(&model);
+    let prompt: Vec<u32> = (0..70u32).map(|i| (i * 29 + 3) % 67).collect();
+    let mut whole = Generator::new(&cpu, &model, &w, DType::F32, 72).unwrap();
+    let mut single = Generator::new(&cpu, &model, &w, DType::F32, 72).unwrap();
+    let a = [
+        whole.prefill(&cpu, &prompt).unwrap(),
+        whole.step(&cpu, 9).unwrap(),
+    ];
+    let mut last = vec![];
+    for &t in &prompt {
+        last = single.step(&cpu, t).unwrap();
+    }
+    let b = [last, single.step(&cpu, 9).unwrap()];
+    for (x, y) in a.iter().zip(&b) {
+        let e = rel_err(x, y);
+        assert!(e <= 1e-6, "prefill in passes vs token by token: {e:.1e}");
+    }
+    let passes = format!("{whole:?}");
+    assert!(passes.contains("passes: [1, 2, 4, 64]"), "{passes}");
+}
+
+/// `Kernel::RopeAt` (positions from a buffer) on the CPU equals `Kernel::Rope` at the
+/// positions it implies (row r at r % seq), then every GPU path equals the CPU at
+/// scattered positions up to 4095 (f16 and bf16 on the paths, f32 where noted):
+/// the rotation is elementwise after an f32 angle, so the same tolerance as the
+/// existing rope tests: the angle's f32 error at |a| < 4096 (2e-3 rad) times |x| <= 2.
+fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) -> Vec<f32> {
+    let (heads, dim) = (3, 10);
+    let cols = heads * dim;
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = (0..positions.len() * cols)
+        .map(|_| rng.uniform(-2.0, 2.0))
+        .collect();
+    let bx = put(dev, &HostData::from_f32(dtype, &x));
+    let pos = put(dev, &HostData::U32(positions.to_vec()));
+    let out = dev.alloc(dtype, x.len()).unwrap();
+    dev.launch(&Kernel::RopeAt {
+        x: bx,
+        out,
+        positions: pos,
+        cols,
+        dim,
+        theta: 10000.0,
+    })
+    .unwrap();
+    let got = dev.download(out).unwrap().to_f32();
+    for b in [bx, pos, out] {
+        dev.free(b).unwrap();
+    }
+    got
+}
+
+#[test]
+fn rope_at_matches_rope_and_the_cpu() {
+    let cpu = CpuDevice::new();
+    // Against Rope: 2 sequences of 5 rows, positions 0..5 twice.
+    let positions: Vec<u32> = (0..10).map(|r| r % 5).collect();
+    let got = rope_at_case(&cpu, DType::F32, &positions, 5);
+    let mut rng = Rng::new(5);
+    let x: Vec<f32> = (0..10 * 30).map(|_| rng.uniform(-2.0, 2.0)).collect();
+    let bx = put(&cpu, &HostData::F32(x));
+    let out = cpu.alloc(DType::F32, 300).unwrap();
+    cpu.launch(&Kernel::Rope {
+        x: bx,
+        out,
+        cols: 30,
+        dim: 10,
+        seq: 5,
+        theta: 10000.0,
+        inverse: false,
+    })
+    .unwrap();
+    assert_eq!(got, cpu.download(out).unwrap().to_f32());
+    let scattered = [0u32, 4095, 1, 17, 1000, 2, 333];
+    for i in 0..3 {
+        let p = gpu_path(i);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let want = rope_at_case(&cpu, dtype, &scattered, 9);
+            let g = rope_at_case(p.dev.as_ref(), dtype, &scattered, 9);
+            let tol = match dtype {
+                DType::F32 => 4e-3,
+                DType::F16 => 4e-3 + 2f64.powi(-10),
+                _ => 4e-3 + 2f64.powi(-7),
+            };
+            let e = rel_err(&g, &want);
+            assert!(
+                e <= tol,
+                "{} {dtype}: rope_at off by {e:.1e} (tolerance {tol:.1e})",
+                p.name
+            );
+        }
+    }
+}
+
+/// `kiln bench sample` on the demo's shape: both rates measured and reported apart,
+/// as JSON and as the table; zero tokens or an unknown model are clear errors.
+#[test]
+fn bench_sample_reports_prompt_and_decode_rates() {
+    let kiln = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = kiln(&[
+        "bench",
+        "sample",
+        "--devices",
+        "vulkan",
+        "--models",
+        "addition",
+        "--json",
+        "-",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("prompt tok/s") && stdout.contains("decode tok/s"),
+        "{stdout}"
+    );
+    let json = &stdout[stdout.find('[').unwrap()..];
+    let rows: serde_json::Value = serde_json::from_str(json).unwrap();
+    let r = &rows[0];
+    assert_eq!(
+        (r["prompt_tokens"].as_u64(), r["decode_tokens"].as_u64()),
+        (Some(6), Some(3))
+    );
+    assert!(r["prompt_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(r["adapter"].as_str().unwrap().contains("vulkan"), "{r}");
+    let out = kiln(&["bench", "sample", "--tokens", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 1"));
+    let out = kiln(&["bench", "sample", "--models", "gpt5"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use addition or gpt2-124m"));
 }

@@ -726,6 +726,19 @@ impl Device for CpuDevice {
                 s.put(*dgate, HostData::from_f32(dgate.dtype, &dg), name)?;
                 s.put(*dup, HostData::from_f32(dup.dtype, &du), name)
             }
+            Kernel::RopeAt {
+                x,
+                out,
+                positions,
+                cols,
+                dim,
+                theta,
+            } => {
+                let xs = s.f32s(*x, name)?;
+                let pos = s.get(*positions, name)?.bits();
+                let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, *theta as f64, false);
+                s.put(*out, HostData::from_f32(out.dtype, &o), name)
+            }
             Kernel::CacheWrite {
                 src,
                 cache,
@@ -1121,11 +1134,22 @@ fn rmsnorm_backward(s: &mut State, b: [Buffer; 6], cols: usize, name: &str) -> R
 /// f32): rows of `cols`, row r at position r % seq, each head's halves rotated
 /// pairwise; `inverse` rotates by the negative angle.
 fn rope(x: &[f32], (cols, dim, seq): (usize, usize, usize), theta: f64, inverse: bool) -> Vec<f32> {
+    rope_rows(x, (cols, dim), |r| (r % seq) as f64, theta, inverse)
+}
+
+/// Rotary embedding with row `r` at position `position(r)`.
+fn rope_rows(
+    x: &[f32],
+    (cols, dim): (usize, usize),
+    position: impl Fn(usize) -> f64,
+    theta: f64,
+    inverse: bool,
+) -> Vec<f32> {
     let half = dim / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
     let mut out = vec![0f32; x.len()];
     for (r, row) in x.chunks(cols).enumerate() {
-        let t = (r % seq) as f64;
+        let t = position(r);
         for h in (0..cols).step_by(dim) {
             for i in 0..half {
                 let a = t * theta.powf(-2.0 * i as f64 / dim as f64);

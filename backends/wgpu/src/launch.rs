@@ -510,6 +510,38 @@ impl WgpuDevice {
                 ],
                 0.0,
             )?,
+            Kernel::RopeAt {
+                x,
+                out,
+                positions,
+                cols,
+                dim,
+                theta,
+            } => {
+                if x.len > 0 {
+                    let [step_hi, step_lo] = rope_step(*theta, *dim);
+                    let words = (x.len / 2) as u32;
+                    self.dispatch(
+                        s,
+                        Dispatch::new(
+                            &shader::ROPE_AT,
+                            vec![self.repr(x.dtype), self.repr(out.dtype)],
+                            vec![h(x), h(out), h(positions)],
+                            vec![
+                                x.len as u32,
+                                words,
+                                *cols as u32,
+                                *dim as u32,
+                                1,
+                                1f32.to_bits(),
+                                step_hi.to_bits(),
+                                step_lo.to_bits(),
+                            ],
+                            (groups(words), 1, 1),
+                        ),
+                    )?;
+                }
+            }
             Kernel::CacheWrite {
                 src,
                 cache,

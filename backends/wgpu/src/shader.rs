@@ -35,6 +35,7 @@ const ATTENTION_LOAD: &str = shader!("common/attention_load.wgsl");
 const ATTENTION_SHARE_SUBGROUP: &str = shader!("common/attention_share_subgroup.wgsl");
 const ATTENTION_SHARE_NONE: &str = shader!("common/attention_share_none.wgsl");
 const ROPE_PARAMS: &str = shader!("common/rope_params.wgsl");
+const ROPE_ANGLE: &str = shader!("common/rope_angle.wgsl");
 const SWIGLU: &str = shader!("common/swiglu.wgsl");
 const CACHE_PARAMS: &str = shader!("common/cache_params.wgsl");
 
@@ -378,9 +379,22 @@ pub const RMSNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
 );
 /// Rotary embedding, forward and inverse (32-byte parameter block).
 pub const ROPE: KernelSource = KernelSource {
-    prelude: &[ROPE_PARAMS],
+    prelude: &[ROPE_PARAMS, ROPE_ANGLE],
     params_size: 32,
     ..elementwise!("rope", &[typed("x", Read), typed("out", ReadWrite)])
+};
+/// Rotary embedding at positions read from a u32 buffer (generation).
+pub const ROPE_AT: KernelSource = KernelSource {
+    prelude: &[ROPE_PARAMS, ROPE_ANGLE],
+    params_size: 32,
+    ..elementwise!(
+        "rope_at",
+        &[
+            typed("x", Read),
+            typed("out", ReadWrite),
+            own("positions", Read)
+        ]
+    )
 };
 pub const SWIGLU_FORWARD: KernelSource = KernelSource {
     prelude: &[ELEMENTWISE_PARAMS, SWIGLU],
@@ -651,6 +665,7 @@ pub const ALL: &[&KernelSource] = &[
     &ROPE,
     &SWIGLU_FORWARD,
     &SWIGLU_BACKWARD,
+    &ROPE_AT,
     &CACHE_WRITE,
     &CACHED_ATTENTION,
     &ADAM,

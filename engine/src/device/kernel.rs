@@ -417,11 +417,25 @@ pub enum Kernel {
         dgate: Buffer,
         dup: Buffer,
     },
+    /// [`Kernel::Rope`] (forward) with each row's position read from the device: row `r`
+    /// of `x` (rows of `cols` = heads x `dim`) turns by its angles at position
+    /// `positions[r]`, so one recorded launch serves every generation step. Same angle
+    /// computation and accuracy as [`Kernel::Rope`].
+    RopeAt {
+        x: Buffer,
+        out: Buffer,
+        /// u32, one per row of `x`.
+        positions: Buffer,
+        cols: usize,
+        dim: usize,
+        theta: f32,
+    },
     /// Appends new K or V rows to a generation cache at positions read from the device,
     /// so that one recorded launch serves every step. `src` holds `rows` rows of `width`
     /// elements (the new tokens, `rows / batch` per sequence, in sequence order); the
-    /// cache is `(batch, heads, max_len, dim)` with `batch = cache.len / (heads * max_len
-    /// * dim)`. Row `r` (sequence `b = r / (rows / batch)`) goes to
+    /// cache is `(batch, heads, max_len, dim)` with
+    /// `batch = cache.len / (heads * max_len * dim)`. Row `r` (sequence
+    /// `b = r / (rows / batch)`) goes to
     /// `cache[b][h][positions[r]][i] = src[r][offset + h * dim + i]`. A position at or past
     /// `max_len` writes nothing. `dim` must be even when the cache is 16-bit (rows that
     ///   share no 32-bit word).
@@ -656,6 +670,7 @@ impl Kernel {
             Kernel::Rope { inverse: true, .. } => "rope_backward",
             Kernel::SwiGlu { .. } => "swiglu",
             Kernel::SwiGluBackward { .. } => "swiglu_backward",
+            Kernel::RopeAt { .. } => "rope_at",
             Kernel::CacheWrite { .. } => "cache_write",
             Kernel::CachedAttention { .. } => "cached_attention",
         }
@@ -835,6 +850,9 @@ impl Kernel {
                 dgate,
                 dup,
             } => vec![gate, up, dout, dgate, dup],
+            Kernel::RopeAt {
+                x, out, positions, ..
+            } => vec![x, out, positions],
             Kernel::CacheWrite {
                 src,
                 cache,
@@ -900,6 +918,7 @@ impl Kernel {
             Kernel::RmsNormBackward { dx, dweight, .. } => vec![*dx, *dweight],
             Kernel::Rope { out, .. } | Kernel::SwiGlu { out, .. } => vec![*out],
             Kernel::SwiGluBackward { dgate, dup, .. } => vec![*dgate, *dup],
+            Kernel::RopeAt { out, .. } => vec![*out],
             Kernel::CacheWrite { cache, .. } => vec![*cache],
             Kernel::CachedAttention { out, .. } => vec![*out],
         }
@@ -1417,6 +1436,33 @@ impl Kernel {
                          must be 1..={ROPE_MAX_SEQ} and divide the rows)"
                     )));
                 }
+                if !(*theta > 0.0 && theta.is_finite()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: theta (the frequency base, 10000 in Llama) must be positive, \
+                         not {theta}"
+                    )));
+                }
+                Ok(())
+            }
+            Kernel::RopeAt {
+                x,
+                out,
+                positions,
+                cols,
+                dim,
+                theta,
+            } => {
+                if *dim == 0 || !dim.is_multiple_of(2) || *cols == 0 || !cols.is_multiple_of(*dim) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{k}: rows of {cols} elements must be whole heads of an even, positive \
+                         head dim {dim} (pass cols = heads x dim)"
+                    )));
+                }
+                let rows = rows_of(k, x, *cols)?;
+                float(k, "out", out)?;
+                same_len(k, "out", out, x.len)?;
+                same_dtype(k, "positions", positions, DType::U32)?;
+                same_len(k, "positions", positions, rows)?;
                 if !(*theta > 0.0 && theta.is_finite()) {
                     return Err(Error::InvalidArgument(format!(
                         "{k}: theta (the frequency base, 10000 in Llama) must be positive, \

@@ -2,21 +2,28 @@
 //! for its own position only, attending to the keys and values every earlier position
 //! left in the cache, instead of recomputing the whole prefix.
 //!
-//! A [`Generator`] holds one sequence: the weights in the activation dtype, a K and a V
-//! cache per layer, `(1, H, max_len, D)`, and one forward pass per row count ("pass"),
-//! recorded once as a list of kernel launches over fixed buffers and replayed for every
-//! call: the token ids and their positions are uploaded into small u32 buffers that the
+//! A [`Generator`] (a GPT-2, [`Generator::new`], or a Llama, [`Generator::llama`])
+//! holds one sequence: the weights in the activation dtype, a K and a V cache per
+//! layer, `(1, KV, max_len, D)` (KV: the K/V heads; H for GPT-2), and one forward pass
+//! per row count ("pass"), recorded once as a list of kernel launches over fixed
+//! buffers and replayed for every call: the token ids and their positions are uploaded into small u32 buffers that the
 //! launches read ([`Kernel::CacheWrite`], [`Kernel::CachedAttention`] and the position
 //! embedding), so nothing is recompiled per token and the backend's pipelines and bind
 //! groups are made once. A prompt runs as passes of 64, 32, … 1 rows (its binary
 //! decomposition): every row of a pass writes its K/V first, then attends over the
 //! cache up to its own position, which is causal attention within the pass.
 //!
-//! Shapes: C = n_embd, H heads, D = C / H, V vocabulary, R rows of a pass.
+//! A Llama's positions reach RoPE through [`Kernel::RopeAt`], which reads them from the
+//! same u32 buffer.
+//!
+//! Shapes: C = n_embd, H heads, KV K/V heads, D = C / H, V vocabulary, R rows of a
+//! pass.
 
 use std::collections::BTreeMap;
 
-use super::gpt::Gpt;
+use super::gpt::{Gpt, GptConfig};
+use super::llama::{Llama, LlamaConfig};
+use super::Model;
 use crate::device::kernel::BinaryOp;
 use crate::{Buffer, DType, Device, Error, HostData, Kernel, Matmul, Result};
 
@@ -39,9 +46,40 @@ struct Pass {
     owned: Vec<Buffer>,
 }
 
-/// A GPT-2 on one device that generates one sequence token by token.
+/// The architectures a generator runs, with the sizes it needs.
+#[derive(Clone, Debug)]
+enum Arch {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+}
+
+impl Arch {
+    /// (n_embd, query heads, K/V heads, vocabulary, block_size, layers).
+    fn sizes(&self) -> (usize, usize, usize, usize, usize, usize) {
+        match self {
+            Arch::Gpt(c) => (
+                c.n_embd,
+                c.n_head,
+                c.n_head,
+                c.vocab_size,
+                c.block_size,
+                c.n_layer,
+            ),
+            Arch::Llama(c) => (
+                c.n_embd,
+                c.n_head,
+                c.kv_heads(),
+                c.vocab_size,
+                c.block_size,
+                c.n_layer,
+            ),
+        }
+    }
+}
+
+/// A GPT-2 or a Llama on one device that generates one sequence token by token.
 pub struct Generator {
-    model: Gpt,
+    arch: Arch,
     dtype: DType,
     max_len: usize,
     /// Parameters in [`Model::parameters`](super::Model::parameters) order, in `dtype`.
@@ -64,38 +102,64 @@ impl Generator {
         dtype: DType,
         max_len: usize,
     ) -> Result<Generator> {
-        use super::Model;
-        let cfg = &model.config;
-        cfg.check()?;
+        model.config.check()?;
+        let arch = Arch::Gpt(model.config.clone());
+        Generator::build(dev, arch, model, weights, dtype, max_len)
+    }
+
+    /// [`Generator::new`] for a Llama: RoPE at each token's position, grouped-query
+    /// attention over a cache of the K/V heads, `max_len` at most `block_size` (the
+    /// positions it was trained on).
+    pub fn llama(
+        dev: &dyn Device,
+        model: &Llama,
+        weights: &[(String, Vec<f32>)],
+        dtype: DType,
+        max_len: usize,
+    ) -> Result<Generator> {
+        model.config.check()?;
+        let arch = Arch::Llama(model.config.clone());
+        Generator::build(dev, arch, model, weights, dtype, max_len)
+    }
+
+    fn build(
+        dev: &dyn Device,
+        arch: Arch,
+        model: &dyn Model,
+        weights: &[(String, Vec<f32>)],
+        dtype: DType,
+        max_len: usize,
+    ) -> Result<Generator> {
         if !dtype.is_float() {
             return Err(Error::InvalidArgument(format!(
                 "generate: activations must be f32, f16 or bf16, not {dtype}"
             )));
         }
-        let (c, h) = (cfg.n_embd, cfg.n_head);
-        if h == 0 || c % h != 0 || c % 2 != 0 {
+        let (c, h, kvh, _, block_size, n_layer) = arch.sizes();
+        if h == 0 || c % h != 0 || c % 2 != 0 || kvh == 0 || h % kvh != 0 {
             return Err(Error::InvalidArgument(format!(
-                "generate: n_embd {c} must be even and divisible by n_head {h}"
+                "generate: n_embd {c} must be even and divisible by n_head {h}, and n_head \
+                 a multiple of the {kvh} K/V heads"
             )));
         }
         let dim = c / h;
-        if dim > crate::ATTENTION_MAX_DIM || (dtype.size() == 2 && dim % 2 != 0) {
+        let rope = matches!(arch, Arch::Llama(_));
+        if dim > crate::ATTENTION_MAX_DIM || ((dtype.size() == 2 || rope) && dim % 2 != 0) {
             return Err(Error::InvalidArgument(format!(
                 "generate: the cached attention takes head dims up to {} (even for 16-bit \
-                 activations), not {dim} (n_embd {c} / n_head {h})",
+                 activations and RoPE), not {dim} (n_embd {c} / n_head {h})",
                 crate::ATTENTION_MAX_DIM
             )));
         }
-        if max_len == 0 || max_len > cfg.block_size {
+        if max_len == 0 || max_len > block_size {
             return Err(Error::InvalidArgument(format!(
-                "generate: max_len {max_len} must be 1..={} (the model's block_size: its \
-                 position embedding has that many rows)",
-                cfg.block_size
+                "generate: max_len {max_len} must be 1..={block_size} (the model's \
+                 block_size: the positions it has weights or training for)"
             )));
         }
         super::tensor_elements(
             "generate: a layer's K/V cache (n_head × max_len × head dim)",
-            &[h, max_len, dim],
+            &[kvh, max_len, dim],
         )?;
         let specs = model.parameters();
         let limit = dev.caps().max_storage_binding;
@@ -137,7 +201,7 @@ impl Generator {
             found.push(values);
         }
         let mut gen = Generator {
-            model: model.clone(),
+            arch,
             dtype,
             max_len,
             weights: vec![],
@@ -151,9 +215,9 @@ impl Generator {
                 gen.weights.push(b);
                 dev.upload(b, &HostData::from_f32(dtype, values))?;
             }
-            for _ in 0..cfg.n_layer {
-                let k = dev.alloc(dtype, h * max_len * dim)?;
-                match dev.alloc(dtype, h * max_len * dim) {
+            for _ in 0..n_layer {
+                let k = dev.alloc(dtype, kvh * max_len * dim)?;
+                match dev.alloc(dtype, kvh * max_len * dim) {
                     Ok(v) => gen.caches.push((k, v)),
                     Err(e) => {
                         let _ = dev.free(k);
@@ -185,7 +249,7 @@ impl Generator {
                     .into(),
             ));
         }
-        let vocab = self.model.config.vocab_size;
+        let (.., vocab, block_size, _) = self.arch.sizes();
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::InvalidArgument(format!(
                 "generate: token {t} is outside the vocabulary of {vocab}; check the \
@@ -199,7 +263,7 @@ impl Generator {
                 tokens.len(),
                 self.position,
                 self.max_len,
-                self.model.config.block_size
+                block_size
             )));
         }
         let mut rest = tokens;
@@ -237,7 +301,7 @@ impl Generator {
 
     /// Logits per position.
     pub fn vocab(&self) -> usize {
-        self.model.config.vocab_size
+        self.arch.sizes().3
     }
 
     /// The activation (and weight, and cache) dtype.
@@ -309,21 +373,102 @@ impl Generator {
         }
     }
 
-    /// The launches of GPT-2's forward for `rows` new tokens, mirroring
-    /// [`Gpt`]'s recorded forward op for op (so that the same roundings happen), with
-    /// attention over the cache and the head applied to the last row only.
+    /// The launches of the model's forward for `rows` new tokens, mirroring its
+    /// recorded forward op for op (so that the same roundings happen), with attention
+    /// over the cache and the final norm and head applied to the last row only.
     fn record(&self, dev: &dyn Device, rows: usize, owned: &mut Vec<Buffer>) -> Result<Pass> {
-        let cfg = &self.model.config;
-        let (c, h, v) = (cfg.n_embd, cfg.n_head, cfg.vocab_size);
+        let (c, _, _, v, _, _) = self.arch.sizes();
+        let act = self.dtype;
+        let tokens = alloc(dev, owned, DType::U32, rows)?;
+        let positions = alloc(dev, owned, DType::U32, rows)?;
+        let (mut launches, x) = match &self.arch {
+            Arch::Gpt(_) => self.gpt_layers(dev, rows, tokens, positions, owned)?,
+            Arch::Llama(cfg) => self.llama_layers(dev, cfg, rows, tokens, positions, owned)?,
+        };
+        // Only the last row's logits are needed: gather it (an embedding lookup of row
+        // R - 1 of x) so that the final norm and the V-wide head run on one row.
+        let last = if rows > 1 {
+            let index = alloc(dev, owned, DType::U32, 1)?;
+            dev.upload(index, &HostData::U32(vec![rows as u32 - 1]))?;
+            let row = alloc(dev, owned, act, c)?;
+            launches.push(Kernel::Embedding {
+                tokens: index,
+                table: x,
+                out: row,
+                dim: c,
+            });
+            row
+        } else {
+            x
+        };
+        let xf = alloc(dev, owned, act, c)?;
+        let rstd = alloc(dev, owned, DType::F32, 1)?;
+        let w = &self.weights;
+        let n = w.len();
+        let head = match &self.arch {
+            Arch::Gpt(_) => {
+                let mean = alloc(dev, owned, DType::F32, 1)?;
+                launches.push(Kernel::LayerNorm {
+                    x: last,
+                    weight: w[n - 2],
+                    bias: w[n - 1],
+                    out: xf,
+                    mean,
+                    rstd,
+                    cols: c,
+                    eps: LN_EPS,
+                });
+                w[0]
+            }
+            Arch::Llama(cfg) => {
+                let norm = 1 + LLAMA_PER_BLOCK * cfg.n_layer;
+                launches.push(Kernel::RmsNorm {
+                    x: last,
+                    weight: w[norm],
+                    out: xf,
+                    rstd,
+                    cols: c,
+                    eps: cfg.rms_norm_eps,
+                });
+                if cfg.tie_word_embeddings {
+                    w[0]
+                } else {
+                    w[norm + 1]
+                }
+            }
+        };
+        // The head, (V, C) in both models: logits (1, V) = xf head^T.
+        let logits = alloc(dev, owned, act, v)?;
+        launches.push(Kernel::Matmul(
+            Matmul::new(xf, head, logits, 1, v, c).transpose(false, true),
+        ));
+        for k in &launches {
+            k.validate()?;
+        }
+        Ok(Pass {
+            rows,
+            tokens,
+            positions,
+            logits,
+            launches,
+            owned: std::mem::take(owned),
+        })
+    }
+
+    /// GPT-2's embeddings and blocks over `rows` tokens; returns the launches and the
+    /// buffer holding the residual stream after the last block.
+    fn gpt_layers(
+        &self,
+        dev: &dyn Device,
+        rows: usize,
+        tokens: Buffer,
+        positions: Buffer,
+        owned: &mut Vec<Buffer>,
+    ) -> Result<(Vec<Kernel>, Buffer)> {
+        let (c, h, _, _, _, _) = self.arch.sizes();
         let dim = c / h;
         let act = self.dtype;
-        let mut alloc = |dtype: DType, len: usize| -> Result<Buffer> {
-            let b = dev.alloc(dtype, len)?;
-            owned.push(b);
-            Ok(b)
-        };
-        let tokens = alloc(DType::U32, rows)?;
-        let positions = alloc(DType::U32, rows)?;
+        let mut alloc = |dtype: DType, len: usize| alloc(dev, owned, dtype, len);
         let tok = alloc(act, rows * c)?;
         let pe = alloc(act, rows * c)?;
         let x0 = alloc(act, rows * c)?;
@@ -338,7 +483,6 @@ impl Generator {
         let g = alloc(act, rows * 4 * c)?;
         let mean = alloc(DType::F32, rows)?;
         let rstd = alloc(DType::F32, rows)?;
-        let logits = alloc(act, v)?;
         let w = &self.weights;
         let (wte, wpe) = (w[0], w[1]);
         let ln = |x: Buffer, weight: Buffer, bias: Buffer, out: Buffer| Kernel::LayerNorm {
@@ -423,57 +567,138 @@ impl Generator {
                 add(x1, f2, x0),
             ]);
         }
-        // Only the last row's logits are needed: gather it (an embedding lookup of row
-        // R - 1 of x) so that the final norm and the V-wide head run on one row.
-        let n = w.len();
-        let last = if rows > 1 {
-            let index = alloc(DType::U32, 1)?;
-            dev.upload(index, &HostData::U32(vec![rows as u32 - 1]))?;
-            let row = alloc(act, c)?;
-            launches.push(Kernel::Embedding {
-                tokens: index,
-                table: x0,
-                out: row,
-                dim: c,
-            });
-            row
-        } else {
-            x0
-        };
-        let xf = alloc(act, c)?;
-        let (mean1, rstd1) = (alloc(DType::F32, 1)?, alloc(DType::F32, 1)?);
-        launches.push(Kernel::LayerNorm {
-            x: last,
-            weight: w[n - 2],
-            bias: w[n - 1],
-            out: xf,
-            mean: mean1,
-            rstd: rstd1,
-            cols: c,
-            eps: LN_EPS,
-        });
-        // Tied head: logits (1, V) = xf wte^T.
-        launches.push(Kernel::Matmul(
-            Matmul::new(xf, wte, logits, 1, v, c).transpose(false, true),
-        ));
-        for k in &launches {
-            k.validate()?;
-        }
-        Ok(Pass {
-            rows,
-            tokens,
-            positions,
-            logits,
-            launches,
-            owned: std::mem::take(owned),
-        })
+        Ok((launches, x0))
     }
+
+    /// A Llama's embedding and blocks over `rows` tokens (RoPE at the rows' positions,
+    /// grouped-query attention over the cache); returns the launches and the residual
+    /// stream after the last block.
+    fn llama_layers(
+        &self,
+        dev: &dyn Device,
+        cfg: &LlamaConfig,
+        rows: usize,
+        tokens: Buffer,
+        positions: Buffer,
+        owned: &mut Vec<Buffer>,
+    ) -> Result<(Vec<Kernel>, Buffer)> {
+        let (c, h, kvh, _, _, _) = self.arch.sizes();
+        let (dim, inter) = (c / h, cfg.intermediate());
+        let act = self.dtype;
+        let mut alloc = |dtype: DType, len: usize| alloc(dev, owned, dtype, len);
+        let x0 = alloc(act, rows * c)?;
+        let x1 = alloc(act, rows * c)?;
+        let n = alloc(act, rows * c)?;
+        let q = alloc(act, rows * c)?;
+        let qr = alloc(act, rows * c)?;
+        let k = alloc(act, rows * kvh * dim)?;
+        let kr = alloc(act, rows * kvh * dim)?;
+        let v = alloc(act, rows * kvh * dim)?;
+        let y = alloc(act, rows * c)?;
+        let o = alloc(act, rows * c)?;
+        let gate = alloc(act, rows * inter)?;
+        let up = alloc(act, rows * inter)?;
+        let f = alloc(act, rows * inter)?;
+        let d = alloc(act, rows * c)?;
+        let rstd = alloc(DType::F32, rows)?;
+        let w = &self.weights;
+        let eps = cfg.rms_norm_eps;
+        let norm = |x: Buffer, weight: Buffer, out: Buffer| Kernel::RmsNorm {
+            x,
+            weight,
+            out,
+            rstd,
+            cols: c,
+            eps,
+        };
+        // Every Llama linear reads its weight (out, in) transposed, with no bias.
+        let linear = |x: Buffer, w: Buffer, out: Buffer, n_out: usize, k_in: usize| {
+            Kernel::Matmul(Matmul::new(x, w, out, rows, n_out, k_in).transpose(false, true))
+        };
+        let add = |a: Buffer, b: Buffer, out: Buffer| Kernel::Binary {
+            op: BinaryOp::Add,
+            a,
+            b,
+            out,
+        };
+        let rope = |x: Buffer, out: Buffer, heads: usize| Kernel::RopeAt {
+            x,
+            out,
+            positions,
+            cols: heads * dim,
+            dim,
+            theta: cfg.rope_theta,
+        };
+        let mut launches = vec![Kernel::Embedding {
+            tokens,
+            table: w[0],
+            out: x0,
+            dim: c,
+        }];
+        for (l, &(kc, vc)) in self.caches.iter().enumerate() {
+            let p = &w[1 + LLAMA_PER_BLOCK * l..1 + LLAMA_PER_BLOCK * (l + 1)];
+            let write = |src: Buffer, cache: Buffer| Kernel::CacheWrite {
+                src,
+                cache,
+                positions,
+                heads: kvh,
+                dim,
+                width: kvh * dim,
+                offset: 0,
+                max_len: self.max_len,
+            };
+            launches.extend([
+                norm(x0, p[0], n),
+                linear(n, p[1], q, c, c),
+                linear(n, p[2], k, kvh * dim, c),
+                linear(n, p[3], v, kvh * dim, c),
+                rope(q, qr, h),
+                rope(k, kr, kvh),
+                write(kr, kc),
+                write(v, vc),
+                Kernel::CachedAttention {
+                    q: qr,
+                    k_cache: kc,
+                    v_cache: vc,
+                    positions,
+                    out: y,
+                    heads: h,
+                    group: h / kvh,
+                    dim,
+                    width: c,
+                    offset: 0,
+                    max_len: self.max_len,
+                    scale: 1.0 / (dim as f32).sqrt(),
+                },
+                linear(y, p[4], o, c, c),
+                add(x0, o, x1),
+                norm(x1, p[5], n),
+                linear(n, p[6], gate, inter, c),
+                linear(n, p[7], up, inter, c),
+                Kernel::SwiGlu { gate, up, out: f },
+                linear(f, p[8], d, c, inter),
+                add(x1, d, x0),
+            ]);
+        }
+        Ok((launches, x0))
+    }
+}
+
+/// Parameters per Llama block (input norm, q, k, v, o, post-attention norm, gate, up,
+/// down), as `llama.rs` declares them.
+const LLAMA_PER_BLOCK: usize = 9;
+
+/// Allocates a buffer that `owned` keeps (and frees if recording fails).
+fn alloc(dev: &dyn Device, owned: &mut Vec<Buffer>, dtype: DType, len: usize) -> Result<Buffer> {
+    let b = dev.alloc(dtype, len)?;
+    owned.push(b);
+    Ok(b)
 }
 
 impl std::fmt::Debug for Generator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Generator")
-            .field("model", &self.model.config)
+            .field("model", &self.arch)
             .field("dtype", &self.dtype)
             .field("max_len", &self.max_len)
             .field("position", &self.position)
