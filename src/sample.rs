@@ -13,8 +13,9 @@ use serde_json::Value;
 use kiln_engine::data::{Addition, Sidecar, Tokenizer};
 use kiln_engine::models::generate::Generator;
 use kiln_engine::models::gpt::Gpt;
+use kiln_engine::models::llama::Llama;
 use kiln_engine::models::sample::TokenSampler;
-use kiln_engine::models::{MicroBatch, Model, ModelConfig, Network, NetworkOptions, ParamSpec};
+use kiln_engine::models::{MicroBatch, ModelConfig, Network, NetworkOptions, ParamSpec};
 use kiln_engine::train::checkpoint::{self, HostTensor, MODEL_FILE};
 use kiln_engine::train::runs;
 use kiln_engine::{DType, Device, HostData, Optimizer, IGNORE_TARGET};
@@ -305,30 +306,25 @@ impl Source {
     }
 
     /// The model on `dev` with the source's weights, generating with a key/value cache
-    /// on the device (GPT-2 models).
+    /// on the device (GPT-2 and Llama models).
     pub fn generator(&self, dev: &dyn Device) -> Result<Generator> {
-        let ModelConfig::Gpt2(cfg) = &self.model else {
-            bail!(
-                "kiln sample generates with GPT-2 models (a key/value cache on the device); \
-                 this run's model is {}, which has no cached decoder yet",
-                self.model.record()["architecture"]
-                    .as_str()
-                    .unwrap_or("another architecture")
-            );
-        };
-        let gpt = Gpt::new(cfg.clone(), cfg.block_size);
-        let weights = gpt
+        let block_size = self.block_size();
+        let model = self.model.build(block_size);
+        let weights = model
             .parameters()
             .iter()
             .map(|spec| Ok((spec.name.clone(), self.weight(spec)?.to_f32())))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Generator::new(
-            dev,
-            &gpt,
-            &weights,
-            self.dtype,
-            cfg.block_size,
-        )?)
+        Ok(match &self.model {
+            ModelConfig::Gpt2(cfg) => {
+                let gpt = Gpt::new(cfg.clone(), block_size);
+                Generator::new(dev, &gpt, &weights, self.dtype, block_size)?
+            }
+            ModelConfig::Llama(cfg) => {
+                let llama = Llama::new(cfg.clone(), block_size);
+                Generator::llama(dev, &llama, &weights, self.dtype, block_size)?
+            }
+        })
     }
 }
 

@@ -512,3 +512,81 @@ fn padding_rows_of_an_imported_vocabulary_are_never_sampled() {
         assert_eq!(got.stdout, want.stdout, "{args:?}");
     }
 }
+
+/// A Llama run samples through its own cached decoder (RoPE at each token's position,
+/// grouped-query heads over the cache) and answers as Network::predict's argmax does.
+#[test]
+fn kiln_sample_decodes_a_llama_run_as_network_predict_does() {
+    use kiln::engine::models::llama::{Llama, LlamaConfig};
+    use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
+    use kiln::engine::train::checkpoint::{self, MODEL_FILE};
+    use kiln::engine::{Optimizer, IGNORE_TARGET};
+    use kiln::train::{train, TrainOptions};
+
+    const T: usize = demo_run::T;
+    let sizes = format!(
+        r#""n_layer": 1, "n_head": 4, "n_kv_head": 2, "n_embd": 16, "block_size": {T}, "vocab_size": 13"#
+    );
+    let model_json = format!(r#"{{"architecture": "llama", {sizes}}}"#);
+    let dir = std::env::temp_dir().join(format!("kiln-sample-llama-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.json");
+    std::fs::write(&model, &model_json).unwrap();
+    let config = dir.join("ds_config.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 32, "fp16": {"enabled": true, "initial_scale_power": 12},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    train(&TrainOptions {
+        config: Some(config),
+        model: Some(model),
+        devices: vec!["cpu".into()],
+        out: Some(run.clone()),
+        steps: Some(6),
+        eval_every: Some(0),
+        checkpoint_every: Some(0),
+        progress: false,
+        ..TrainOptions::default()
+    })
+    .unwrap();
+    let out = sample(
+        &run,
+        &["--prompt", "47+85=", "--temperature", "0", "--tokens", "4"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    // The reference: the checkpoint in the training graph, greedy by recomputation.
+    let cfg: LlamaConfig = serde_json::from_str(&format!("{{{sizes}}}")).unwrap();
+    let dev = kiln::cpu::CpuDevice::new();
+    let options = NetworkOptions {
+        batch: 1,
+        dtype: kiln::engine::DType::F16,
+        optimizer: Optimizer::adamw(0.0, 0.0),
+        seed: 0,
+    };
+    let net = Network::new(&dev, std::sync::Arc::new(Llama::new(cfg, T)), &options).unwrap();
+    let ck = checkpoint::load_latest(&run).unwrap();
+    let names: Vec<String> = net.specs().map(|s| s.name.clone()).collect();
+    for (i, name) in names.iter().enumerate() {
+        net.set_value(&dev, i, &ck.tensor(MODEL_FILE, name).unwrap().data)
+            .unwrap();
+    }
+    let mut ids = kiln::engine::data::Addition::encode("47+85=").unwrap();
+    for _ in 0..4 {
+        let mut tok = ids.clone();
+        tok.resize(T, 0);
+        let (_, pred) = net
+            .predict(&dev, &MicroBatch::tokens(&tok, &[IGNORE_TARGET; T]))
+            .unwrap();
+        ids.push(pred[ids.len() - 1]);
+    }
+    let mut want = kiln::engine::data::Addition::decode(&ids);
+    if !want.ends_with('\n') {
+        want.push('\n');
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want);
+}
