@@ -142,6 +142,42 @@ fn a_run_started_from_another_runs_weights_goes_on_from_its_loss() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A Llama run is a source as well: its sizes, architecture included, come from the
+/// run, and the second run starts from the first one's loss.
+#[test]
+fn a_llama_run_started_from_another_llama_runs_weights_goes_on_from_its_loss() {
+    let dir = scratch("llama");
+    let llama = r#"{"architecture": "llama", "n_layer": 1, "n_head": 4, "n_kv_head": 2,
+        "n_embd": 32, "block_size": 9, "vocab_size": 13}"#;
+    let first = train(&TrainOptions {
+        steps: Some(60),
+        ..options(&dir, "first", llama)
+    })
+    .unwrap();
+    let a = losses(&first.dir);
+    let end = a[a.len() - 5..].iter().sum::<f32>() / 5.0;
+    assert!(
+        end < (13f32).ln() - 0.8,
+        "the first run did not learn: {a:?}"
+    );
+    let second = train(&TrainOptions {
+        steps: Some(3),
+        init_from: Some(first.dir.clone()),
+        model: None,
+        ..options(&dir, "second", llama)
+    })
+    .unwrap();
+    let b = losses(&second.dir);
+    assert!(
+        (b[0] - end).abs() < 0.3,
+        "the second run's first loss {} does not continue the first run's {end}",
+        b[0]
+    );
+    let recorded = runs::read_config(&second.dir).unwrap();
+    assert_eq!(recorded["model"]["architecture"], "llama", "{recorded}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A GPT-2 with GPT-2's vocabulary (tiny otherwise), written as a Hugging Face
 /// directory.
 fn gpt2_vocab_model(dir: &Path) -> GptConfig {
