@@ -26,18 +26,16 @@ impl WgpuDevice {
         match kernel {
             Kernel::Fill { dst, value } => {
                 let bands = self.bands("fill", dst.len, dst.dtype.size())?;
-                for &band in &bands {
-                    let words = (dst.dtype.padded_bytes(band.1) / 4) as u32;
+                for band in bands {
+                    let words = (dst.dtype.padded_bytes(band.len) / 4) as u32;
                     let mut d = Dispatch::new(
                         &shader::FILL,
                         vec![],
                         vec![h(dst)],
-                        vec![band.1 as u32, words, 0, fill_pattern(dst.dtype, *value)],
+                        vec![band.len as u32, words, 0, fill_pattern(dst.dtype, *value)],
                         (groups(words), 1, 1),
                     );
-                    if bands.len() > 1 {
-                        d.ranges = vec![range(0, dst, band)];
-                    }
+                    d.ranges = band.ranges([(0, dst)]);
                     self.dispatch(s, d)?;
                 }
             }
@@ -117,28 +115,27 @@ impl WgpuDevice {
                     });
                 }
                 let partial_bytes = DType::F32.padded_bytes(REDUCE_GROUPS as usize);
-                let partials = if bands.len() == 1 {
+                let whole = bands[0].whole;
+                let partials = if whole {
                     (SCRATCH_ID, &self.scratch)
                 } else {
                     (BAND_PARTIALS_ID, &self.band_partials)
                 };
                 let mut g = 0;
                 for (i, &band) in bands.iter().enumerate() {
-                    let words = pairs(band.1);
+                    let words = pairs(band.len);
                     let mut d = Dispatch::new(
                         &shader::REDUCE,
                         vec![self.repr(src.dtype)],
                         vec![h(src), partials],
-                        vec![band.1 as u32, words, 0, 0],
+                        vec![band.len as u32, words, 0, 0],
                         (groups(words).min(REDUCE_GROUPS), 1, 1),
                     )
                     .with_overrides(vec![("OP", code), ("SQUARE", square)]);
-                    if bands.len() > 1 {
+                    if !band.whole {
                         d.groups.0 = REDUCE_GROUPS;
-                        d.ranges = vec![
-                            range(0, src, band),
-                            (1, i as u64 * partial_bytes, partial_bytes),
-                        ];
+                        d.ranges = band.ranges([(0, src)]);
+                        d.ranges.push((1, i as u64 * partial_bytes, partial_bytes));
                     }
                     g += d.groups.0;
                     self.dispatch(s, d)?;
@@ -151,7 +148,7 @@ impl WgpuDevice {
                     (1, 1, 1),
                 )
                 .with_overrides(vec![("OP", code)]);
-                if bands.len() > 1 {
+                if !whole {
                     d.ranges = vec![(0, 0, DType::F32.padded_bytes(g as usize))];
                 }
                 self.dispatch(s, d)?;
@@ -824,9 +821,12 @@ impl WgpuDevice {
                         vec![tokens.len as u32, first as u32, n as u32, *dim as u32],
                         (groups(*dim as u32), 1, 1),
                     );
-                    if band < rows {
-                        d.ranges = vec![range(2, dtable, (first * dim, n * dim))];
-                    }
+                    let rows_band = Band {
+                        start: first * dim,
+                        len: n * dim,
+                        whole: band >= rows,
+                    };
+                    d.ranges = rows_band.ranges([(2, dtable)]);
                     self.dispatch(s, d)?;
                 }
             }
@@ -923,22 +923,20 @@ impl WgpuDevice {
                         _ => 2,
                     };
                     let bands = self.bands("nonfinite", src.len, src.dtype.size())?;
-                    for &band in &bands {
+                    for band in bands {
                         let words = match src.dtype {
-                            DType::F32 => band.1 as u32,
-                            _ => pairs(band.1),
+                            DType::F32 => band.len as u32,
+                            _ => pairs(band.len),
                         };
                         let mut d = Dispatch::new(
                             &shader::NONFINITE,
                             vec![],
                             vec![h(src), h(flag)],
-                            vec![band.1 as u32, words, 0, 0],
+                            vec![band.len as u32, words, 0, 0],
                             (groups(words), 1, 1),
                         )
                         .with_overrides(vec![("KIND", kind)]);
-                        if bands.len() > 1 {
-                            d.ranges = vec![range(0, src, band)];
-                        }
+                        d.ranges = band.ranges([(0, src)]);
                         self.dispatch(s, d)?;
                     }
                 }
@@ -966,23 +964,18 @@ impl WgpuDevice {
             return Ok(());
         }
         let widest = typed.iter().map(|b| b.dtype.size()).max().unwrap_or(4);
-        let bands = self.bands(kernel.name, n, widest)?;
-        for &band in &bands {
-            let words = pairs(band.1);
-            let mut params = vec![band.1 as u32, words];
+        for band in self.bands(kernel.name, n, widest)? {
+            let words = pairs(band.len);
+            let mut params = vec![band.len as u32, words];
             params.extend(values.iter().map(|v| v.to_bits()));
             params.extend([0, 0]);
             // An absent optional slot is bound to the scratch buffer, not banded.
-            let ranges = if bands.len() == 1 {
-                vec![]
-            } else {
+            let ranges = band.ranges(
                 typed
                     .iter()
                     .enumerate()
-                    .filter(|(i, _)| buffers[*i].0 != SCRATCH_ID)
-                    .map(|(i, b)| range(i, b, band))
-                    .collect()
-            };
+                    .filter(|(i, _)| buffers[*i].0 != SCRATCH_ID),
+            );
             self.dispatch(
                 s,
                 Dispatch {
@@ -1014,18 +1007,9 @@ impl WgpuDevice {
             return Ok(());
         }
         let widest = slots.iter().map(|(b, _)| b.dtype.size()).max().unwrap_or(4);
-        let bands = self.bands(kernel.name, len, widest)?;
-        for &band in &bands {
-            let words = pairs(band.1);
-            let ranges = if bands.len() == 1 {
-                vec![]
-            } else {
-                slots
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (b, _))| range(i, b, band))
-                    .collect()
-            };
+        for band in self.bands(kernel.name, len, widest)? {
+            let words = pairs(band.len);
+            let ranges = band.ranges(slots.iter().enumerate().map(|(i, (b, _))| (i, *b)));
             self.dispatch(
                 s,
                 Dispatch {
@@ -1035,7 +1019,7 @@ impl WgpuDevice {
                     overrides: constant.into_iter().collect(),
                     buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
                     ranges,
-                    params: vec![band.1 as u32, words, alpha.to_bits(), 0],
+                    params: vec![band.len as u32, words, alpha.to_bits(), 0],
                     groups: (groups(words), 1, 1),
                 },
             )?;
@@ -1147,26 +1131,53 @@ const BAND_GRANULE: usize = 128;
 /// The most bands one reduction folds; its partials live in the scratch buffer.
 pub(crate) const MAX_BANDS: usize = 64;
 
-/// The byte range `(slot, offset, size)` of elements `[start, start + n)` of `b`.
-fn range(slot: usize, b: &Buffer, (start, n): (usize, usize)) -> (usize, u64, u64) {
-    (
-        slot,
-        (start * b.dtype.size()) as u64,
-        b.dtype.padded_bytes(n),
-    )
+/// Elements `[start, start + len)` of a kernel's buffers, one pass of it; `whole` when
+/// the pass covers them all and they fit one binding, so they are bound whole.
+#[derive(Clone, Copy)]
+struct Band {
+    start: usize,
+    len: usize,
+    whole: bool,
+}
+
+impl Band {
+    /// The `(slot, byte offset, byte size)` ranges that bind `slots` to this band; none
+    /// for a band bound whole.
+    fn ranges<'b>(
+        self,
+        slots: impl IntoIterator<Item = (usize, &'b Buffer)>,
+    ) -> Vec<(usize, u64, u64)> {
+        if self.whole {
+            return vec![];
+        }
+        slots
+            .into_iter()
+            .map(|(slot, b)| {
+                (
+                    slot,
+                    (self.start * b.dtype.size()) as u64,
+                    b.dtype.padded_bytes(self.len),
+                )
+            })
+            .collect()
+    }
 }
 
 impl WgpuDevice {
     /// How an elementwise kernel over `len` elements, of which the widest buffer holds
     /// `widest` bytes each, walks its buffers within the adapter's per-binding limit:
-    /// `[(start, len)]` bands, one when everything fits. A flat buffer of parameters
+    /// bands, one bound whole when everything fits. A flat buffer of parameters
     /// or moments is larger than lavapipe's 128 MiB binding from GPT-2 small up, and
     /// these kernels touch each element alone, so a buffer bound band by band gives the
     /// same values as one bound whole.
-    fn bands(&self, what: &str, len: usize, widest: usize) -> Result<Vec<(usize, usize)>> {
+    fn bands(&self, what: &str, len: usize, widest: usize) -> Result<Vec<Band>> {
         let limit = self.caps.max_storage_binding;
         if (len * widest) as u64 <= limit {
-            return Ok(vec![(0, len)]);
+            return Ok(vec![Band {
+                start: 0,
+                len,
+                whole: true,
+            }]);
         }
         let band = (limit as usize / widest) / BAND_GRANULE * BAND_GRANULE;
         if band == 0 {
@@ -1180,7 +1191,11 @@ impl WgpuDevice {
         }
         Ok((0..len)
             .step_by(band)
-            .map(|start| (start, band.min(len - start)))
+            .map(|start| Band {
+                start,
+                len: band.min(len - start),
+                whole: false,
+            })
             .collect())
     }
 }
