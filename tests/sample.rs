@@ -518,9 +518,6 @@ fn padding_rows_of_an_imported_vocabulary_are_never_sampled() {
 #[test]
 fn kiln_sample_decodes_a_llama_run_as_network_predict_does() {
     use kiln::engine::models::llama::{Llama, LlamaConfig};
-    use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
-    use kiln::engine::train::checkpoint::{self, MODEL_FILE};
-    use kiln::engine::{Optimizer, IGNORE_TARGET};
     use kiln::train::{train, TrainOptions};
 
     const T: usize = demo_run::T;
@@ -561,29 +558,8 @@ fn kiln_sample_decodes_a_llama_run_as_network_predict_does() {
     // The reference: the checkpoint in the training graph, greedy by recomputation.
     let cfg: LlamaConfig = serde_json::from_str(&format!("{{{sizes}}}")).unwrap();
     let dev = kiln::cpu::CpuDevice::new();
-    let options = NetworkOptions {
-        batch: 1,
-        dtype: kiln::engine::DType::F16,
-        optimizer: Optimizer::adamw(0.0, 0.0),
-        seed: 0,
-    };
-    let net = Network::new(&dev, std::sync::Arc::new(Llama::new(cfg, T)), &options).unwrap();
-    let ck = checkpoint::load_latest(&run).unwrap();
-    let names: Vec<String> = net.specs().map(|s| s.name.clone()).collect();
-    for (i, name) in names.iter().enumerate() {
-        net.set_value(&dev, i, &ck.tensor(MODEL_FILE, name).unwrap().data)
-            .unwrap();
-    }
-    let mut ids = kiln::engine::data::Addition::encode("47+85=").unwrap();
-    for _ in 0..4 {
-        let mut tok = ids.clone();
-        tok.resize(T, 0);
-        let (_, pred) = net
-            .predict(&dev, &MicroBatch::tokens(&tok, &[IGNORE_TARGET; T]))
-            .unwrap();
-        ids.push(pred[ids.len() - 1]);
-    }
-    let mut want = kiln::engine::data::Addition::decode(&ids);
+    let net = demo_run::network_of(&run, &dev, std::sync::Arc::new(Llama::new(cfg, T)));
+    let mut want = format!("47+85={}", demo_run::greedy(&net, &dev, "47+85=", 4));
     if !want.ends_with('\n') {
         want.push('\n');
     }

@@ -83,8 +83,17 @@ pub fn stderr(o: &Output) -> String {
 /// The latest checkpoint's weights in a batch-1 network built here, apart from the
 /// code under test.
 pub fn network(run: &Path, dev: &dyn Device) -> Network {
-    let ck = checkpoint::load_latest(run).unwrap();
     let model = std::sync::Arc::new(gpt::Gpt::new(model_config(), T));
+    network_of(run, dev, model)
+}
+
+/// [`network`] for any model of the run's sizes.
+pub fn network_of(
+    run: &Path,
+    dev: &dyn Device,
+    model: std::sync::Arc<dyn kiln::engine::models::Model>,
+) -> Network {
+    let ck = checkpoint::load_latest(run).unwrap();
     let options = NetworkOptions {
         batch: 1,
         dtype: kiln::engine::DType::F16,
