@@ -5,7 +5,13 @@
 //! [`after_backward`] exchanges once every device is done; [`during_backward`]
 //! overlaps the exchange with backward, block by block (`overlap_comm`), and also
 //! serves ZeRO stage 2, whose blocks share gradient buffers.
+//!
+//! In a multi-process job ([`Processes`]) each process sums its own devices' copies
+//! first, then the processes add their partial sums in process order (bucketed by
+//! `reduce_bucket_size`, on a thread of its own during backward) and every process
+//! divides by the global world size.
 
+use super::collective::Processes;
 use crate::models::{MicroBatch, Network};
 use crate::{Buffer, Device, Error, HostData, PendingDownload, Result};
 
@@ -85,11 +91,12 @@ pub fn fold(acc: &mut Vec<f32>, parts: &[Vec<f32>], scale: Option<f32>) {
     }
 }
 
-/// The mean of the ranks' copies of one tensor.
-pub fn average(parts: &[Vec<f32>]) -> Vec<f32> {
-    let mut acc = vec![];
-    fold(&mut acc, parts, Some(1.0 / parts.len() as f32));
-    acc
+/// Multiplies by the averaging factor: the last operation of a [`fold`] when the
+/// processes' sums came in between.
+pub fn scale_in_place(a: &mut [f32], scale: f32) {
+    for x in a {
+        *x *= scale;
+    }
 }
 
 /// A tensor's overflow flag and squared norm. Both exchange paths add the tensors'
@@ -108,15 +115,27 @@ pub fn combine(parts: &[(bool, f64)]) -> (bool, f64) {
         .fold((false, 0.0), |(o, s), &(a, b)| (o | a, s + b))
 }
 
+/// The mean loss over the global world from this process's ranks' summed losses.
+fn mean_loss(local_sum: f64, world: usize, procs: Option<&Processes>) -> Result<f32> {
+    let mut sum = [local_sum];
+    if let Some(procs) = procs {
+        procs.comm.sum_f64(&mut sum)?;
+    }
+    Ok((sum[0] / world as f64) as f32)
+}
+
 /// The exchange after backward (`overlap_comm` off): every device finishes, then
-/// each one's gradients come down and the average is formed.
+/// each one's gradients come down and the average is formed (with the other
+/// processes' in `procs`, in buckets of `bucket` elements).
 pub fn after_backward(
     mut models: Vec<&mut Network>,
     devs: &[&dyn Device],
     micro: &[Vec<MicroBatch>],
     loss_scale: f32,
+    procs: Option<&Processes>,
+    bucket: usize,
 ) -> Result<Exchanged> {
-    let world = models.len();
+    let world = procs.map_or(models.len(), Processes::world);
     // Every device computes at once: accumulate submits without waiting.
     for (r, (m, dev)) in models.iter_mut().zip(devs).enumerate() {
         m.accumulate(*dev, &micro[r], loss_scale)?;
@@ -134,18 +153,28 @@ pub fn after_backward(
         per_rank.push(m.gradient_values(*dev)?);
         bytes += m.gradient_bytes();
     }
-    let avg: Vec<Vec<f32>> = (0..per_rank[0].len())
+    let scale = 1.0 / world as f32;
+    let mut avg: Vec<Vec<f32>> = (0..per_rank[0].len())
         .map(|p| {
             let parts: Vec<Vec<f32>> = per_rank
                 .iter_mut()
                 .map(|g| std::mem::take(&mut g[p]))
                 .collect();
-            average(&parts)
+            let mut acc = vec![];
+            fold(&mut acc, &parts, procs.is_none().then_some(scale));
+            acc
         })
         .collect();
+    if let Some(procs) = procs {
+        procs.sum_tensors(&mut avg, bucket.max(1))?;
+        for a in &mut avg {
+            scale_in_place(a, scale);
+        }
+        bytes += 2 * avg.iter().map(|a| a.len() as u64 * 4).sum::<u64>();
+    }
     let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
     Ok(Exchanged {
-        loss: (loss / world as f64) as f32,
+        loss: mean_loss(loss, world, procs)?,
         avg,
         overflow,
         sum_squares,
@@ -169,15 +198,22 @@ pub fn after_backward(
 /// micro-batches too and each rank later receives only its shard. Without
 /// `overlap_comm` its recorder fetches each block's copies itself before recording
 /// the next block: nothing overlaps, and that time is exchange time.
+///
+/// With other processes (`procs`), each tensor's local sum goes to a communication
+/// thread, which adds the processes' sums in buckets as the tensors become final —
+/// while backward goes on — and hands back the average.
 pub fn during_backward(
     mut models: Vec<&mut Network>,
     devs: &[&dyn Device],
     micro: &[Vec<MicroBatch>],
     how: &During,
+    procs: Option<&Processes>,
 ) -> Result<Exchanged> {
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     use std::sync::mpsc;
-    let world = models.len();
+    let local = models.len();
+    let world = procs.map_or(local, Processes::world);
+    let scale = 1.0 / world as f32;
     let bucket = how.bucket.max(1);
     let n_params = models[0].parameter_tensors();
     let upload = how.upload;
@@ -191,22 +227,63 @@ pub fn during_backward(
         .map(|m| (0..n_params).map(|i| m.gradient_buffer(i)).collect())
         .collect();
     let lens: Vec<usize> = (0..n_params).map(|i| models[0].parameter_len(i)).collect();
-    let in_backward = AtomicUsize::new(world);
+    let in_backward = AtomicUsize::new(local);
     // When the last device finished backward: exchange time after it is exposed.
     let backward_done = std::sync::Mutex::new(None::<std::time::Instant>);
     // Per rank, nanoseconds its recorder spent fetching (blocking only).
-    let blocked: Vec<AtomicU64> = (0..world).map(|_| AtomicU64::new(0)).collect();
+    let blocked: Vec<AtomicU64> = (0..local).map(|_| AtomicU64::new(0)).collect();
     type Bucket = Vec<(usize, Vec<f32>)>;
+    // From a rank's downloader or recorder: (rank, tensors, during backward); from the
+    // communication thread: (ACROSS, averaged tensors, during backward).
     let (to_reducer, from_ranks) = mpsc::channel::<Result<(usize, Bucket, bool)>>();
+    const ACROSS: usize = usize::MAX;
     // slots[p][round][rank]; a round is folded into sums[p] once complete.
     let mut slots: Vec<Vec<Vec<Option<Vec<f32>>>>> =
-        vec![vec![vec![None; world]; rounds]; n_params];
-    let mut arrived = vec![vec![0usize; world]; n_params];
+        vec![vec![vec![None; local]; rounds]; n_params];
+    let mut arrived = vec![vec![0usize; local]; n_params];
     let mut folded = vec![0usize; n_params];
     let mut sums: Vec<Vec<f32>> = vec![vec![]; n_params];
     let mut inspected = vec![(false, 0f64); n_params];
     let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
+    let (mut cross_during, mut cross_total, mut uploaded_bytes) = (0u64, 0u64, 0u64);
+    let (to_comm, for_comm) = mpsc::channel::<(usize, Vec<f32>)>();
     std::thread::scope(|s| -> Result<()> {
+        if let Some(procs) = procs {
+            // The communication thread: the processes' sums, in the order the tensors
+            // become final (the same on every process: backward's order), bucketed.
+            let (to_reducer, in_backward) = (to_reducer.clone(), &in_backward);
+            s.spawn(move || {
+                let (mut pending, mut elems, mut received) = (vec![], 0, 0);
+                for (p, v) in for_comm {
+                    received += 1;
+                    elems += v.len();
+                    pending.push((p, v));
+                    if elems < bucket && received < n_params {
+                        continue;
+                    }
+                    let mut tensors: Vec<Vec<f32>> =
+                        pending.iter_mut().map(|(_, v)| std::mem::take(v)).collect();
+                    let summed = procs.sum_tensors(&mut tensors, bucket);
+                    let during = in_backward.load(Ordering::SeqCst) > 0;
+                    let msg = summed.map(|()| {
+                        let out: Bucket = pending
+                            .drain(..)
+                            .zip(tensors)
+                            .map(|((p, _), mut t)| {
+                                scale_in_place(&mut t, scale);
+                                (p, t)
+                            })
+                            .collect();
+                        (ACROSS, out, during)
+                    });
+                    let failed = msg.is_err();
+                    elems = 0;
+                    if to_reducer.send(msg).is_err() || failed || received == n_params {
+                        break;
+                    }
+                }
+            });
+        }
         for (r, m) in models.iter_mut().enumerate() {
             let dev = devs[r];
             let (to_downloader, ready) = mpsc::channel::<Vec<(usize, PendingDownload)>>();
@@ -299,6 +376,19 @@ pub fn during_backward(
             });
         }
         drop(to_reducer);
+        // A tensor's average is final: its overflow flag and squared norm, and (stage 0)
+        // its upload into every rank's gradient buffers.
+        let mut finish = |p: usize, a: &[f32], inspected: &mut [(bool, f64)]| -> Result<()> {
+            inspected[p] = inspect(a);
+            if upload {
+                for (rank, dev) in devs.iter().enumerate() {
+                    let buf = grads[rank][p];
+                    dev.upload(buf, &HostData::from_f32(buf.dtype, a))?;
+                    uploaded_bytes += buf.bytes();
+                }
+            }
+            Ok(())
+        };
         let mut done = 0;
         while done < n_params {
             let (r, bucket, during) = match from_ranks.recv() {
@@ -309,6 +399,21 @@ pub fn during_backward(
                     ))
                 }
             };
+            if r == ACROSS {
+                for (p, avg) in bucket {
+                    // Sent and received once each, as f32.
+                    let b = 2 * avg.len() as u64 * 4;
+                    bytes += b;
+                    cross_total += b;
+                    if during {
+                        cross_during += b;
+                    }
+                    sums[p] = avg;
+                    finish(p, &sums[p], &mut inspected)?;
+                    done += 1;
+                }
+                continue;
+            }
             for (p, g) in bucket {
                 let b = grads[r][p].bytes();
                 bytes += b;
@@ -332,25 +437,36 @@ pub fn during_backward(
                         .collect();
                     folded[p] += 1;
                     let last = folded[p] == rounds;
-                    fold(&mut sums[p], &parts, last.then_some(1.0 / world as f32));
+                    let average_here = last && procs.is_none();
+                    fold(&mut sums[p], &parts, average_here.then_some(scale));
                     if !last {
                         continue;
                     }
-                    let a = &sums[p];
-                    inspected[p] = inspect(a);
-                    if upload {
-                        for (rank, dev) in devs.iter().enumerate() {
-                            let buf = grads[rank][p];
-                            dev.upload(buf, &HostData::from_f32(buf.dtype, a))?;
-                            bytes += buf.bytes();
-                        }
+                    if procs.is_some() {
+                        to_comm
+                            .send((p, std::mem::take(&mut sums[p])))
+                            .map_err(|_| {
+                                Error::InvalidArgument(
+                                    "the communication thread stopped before every gradient \
+                                 was summed across processes"
+                                        .into(),
+                                )
+                            })?;
+                        continue;
                     }
+                    finish(p, &sums[p], &mut inspected)?;
                     done += 1;
                 }
             }
         }
+        drop(to_comm);
         Ok(())
     })?;
+    bytes += uploaded_bytes;
+    // Across processes, the overlap that matters is the processes' exchange.
+    if procs.is_some() {
+        (overlapped_bytes, total_bytes) = (cross_during, cross_total);
+    }
     let (overflow, sum_squares) = combine(&inspected);
     let mut loss = 0.0;
     for (m, dev) in models.iter().zip(devs) {
@@ -369,7 +485,7 @@ pub fn during_backward(
         .unwrap_or(0) as f64
         / 1e6;
     Ok(Exchanged {
-        loss: (loss / world as f64) as f32,
+        loss: mean_loss(loss, world, procs)?,
         avg: sums,
         overflow,
         sum_squares,

@@ -1,6 +1,11 @@
 //! Training on several devices: data parallelism's gradient exchange through host
-//! memory (`exchange`) and ZeRO's partitioning of the optimizer state and gradients
-//! across the data-parallel ranks (`zero`).
+//! memory (`exchange`), ZeRO's partitioning of the optimizer state and gradients
+//! across the data-parallel ranks (`zero`), and the collective operations between the
+//! processes of a multi-process job (`collective`; over MPI in `mpi`, with the `mpi`
+//! feature).
 
+pub mod collective;
 pub mod exchange;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 pub mod zero;

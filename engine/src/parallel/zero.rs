@@ -9,9 +9,13 @@
 //!
 //! [`Shards`] holds every rank's slice of the f32 master weights and moments on its
 //! device, updates them from the reduced gradients and gathers the updated weights.
+//! In a multi-process job the flat partitioning spans every device of every process
+//! (ranks numbered process by process); a process holds its own devices' slices, and
+//! the updated weights and checkpointed states are gathered between processes.
 
 use std::ops::Range;
 
+use super::collective::Processes;
 use crate::device::optim::ParamBuffers;
 use crate::models::{ModelStateBytes, Network, ParamState};
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
@@ -61,22 +65,31 @@ struct ShardSegment {
 /// ZeRO stages 1 and 2: every rank's optimizer-state segments on its device, and the
 /// f32[1] gradient factor its updates read.
 pub struct Shards {
+    /// This process's ranks' segments, in rank order.
     ranks: Vec<Vec<ShardSegment>>,
     scale: Vec<Buffer>,
+    procs: Option<Processes>,
 }
 
 impl Shards {
     /// Takes the optimizer state off every replica (they start from the same weights)
     /// and gives each rank its slice.
-    pub fn new(models: &mut [&mut Network], devs: &[&dyn Device]) -> Result<Shards> {
-        let world = devs.len();
+    /// With `procs`, the partitioning spans every process's devices and these are
+    /// this process's.
+    pub fn new(
+        models: &mut [&mut Network],
+        devs: &[&dyn Device],
+        procs: Option<&Processes>,
+    ) -> Result<Shards> {
+        let world = procs.map_or(devs.len(), Processes::world);
+        let first = procs.map_or(0, Processes::first_rank);
         let layout = models[0].parameter_layout();
         let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
         let (mut ranks, mut scale) = (vec![], vec![]);
         for (rank, (m, &dev)) in models.iter_mut().zip(devs).enumerate() {
             let masters = m.release_optimizer_state(dev)?;
             let mut segs = vec![];
-            for seg in segments(&sizes, world, rank) {
+            for seg in segments(&sizes, world, first + rank) {
                 let init = &masters[seg.param][seg.range.clone()];
                 let buffers = ParamBuffers::new(dev, init, layout[seg.param].2, DType::F32)?;
                 segs.push(ShardSegment { seg, buffers });
@@ -84,7 +97,11 @@ impl Shards {
             ranks.push(segs);
             scale.push(dev.alloc(DType::F32, 1)?);
         }
-        Ok(Shards { ranks, scale })
+        Ok(Shards {
+            ranks,
+            scale,
+            procs: procs.cloned(),
+        })
     }
 
     /// Each rank updates its own segments from the reduced gradients `sum` (a
@@ -120,11 +137,31 @@ impl Shards {
         }
         // All-gather: each tensor's slices, in rank order, make the whole tensor.
         let mut parts: Vec<Vec<u8>> = vec![vec![]; layout.len()];
+        let mut mine = vec![];
         for (segs, dev) in self.ranks.iter().zip(devs) {
             for s in segs {
                 let v = dev.download(s.buffers.value)?;
                 bytes += v.as_bytes().len() as u64;
-                parts[s.seg.param].extend_from_slice(v.as_bytes());
+                match self.procs {
+                    None => parts[s.seg.param].extend_from_slice(v.as_bytes()),
+                    Some(_) => mine.extend_from_slice(v.as_bytes()),
+                }
+            }
+        }
+        if let Some(procs) = &self.procs {
+            // A process's ranks own one contiguous run of the flat model: the
+            // processes' runs, in process order, are the whole model.
+            let flat: Vec<u8> = procs.comm.all_gather(&mine)?.concat();
+            bytes += (mine.len() + flat.len()) as u64;
+            let mut off = 0;
+            for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
+                let n = shape.iter().product::<usize>() * dtype.size();
+                parts[i] = flat.get(off..off + n).map(<[u8]>::to_vec).ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "the processes' updated weights do not add up to this model".into(),
+                    )
+                })?;
+                off += n;
             }
         }
         for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
@@ -149,13 +186,52 @@ impl Shards {
             st.m = vec![0.0; n];
             st.v = vec![0.0; n];
         }
+        let mut mine = vec![];
         for (segs, dev) in self.ranks.iter().zip(devs) {
             for s in segs {
                 let st = &mut states[s.seg.param];
                 let r = s.seg.range.clone();
-                st.master[r.clone()].copy_from_slice(&dev.download(s.buffers.master)?.to_f32());
-                st.m[r.clone()].copy_from_slice(&dev.download(s.buffers.m)?.to_f32());
-                st.v[r].copy_from_slice(&dev.download(s.buffers.v)?.to_f32());
+                let (master, m, v) = (
+                    dev.download(s.buffers.master)?.to_f32(),
+                    dev.download(s.buffers.m)?.to_f32(),
+                    dev.download(s.buffers.v)?.to_f32(),
+                );
+                if self.procs.is_some() {
+                    for x in [&master, &m, &v] {
+                        mine.extend_from_slice(bytemuck::cast_slice(x));
+                    }
+                }
+                st.master[r.clone()].copy_from_slice(&master);
+                st.m[r.clone()].copy_from_slice(&m);
+                st.v[r].copy_from_slice(&v);
+            }
+        }
+        let Some(procs) = &self.procs else {
+            return Ok(());
+        };
+        // Every process's slices: each in its segments' order, master, then moments.
+        let sizes: Vec<usize> = states.iter().map(|s| s.master.len()).collect();
+        let world = procs.world();
+        for (p, bytes) in procs.comm.all_gather(&mine)?.iter().enumerate() {
+            let values: &[f32] = bytemuck::try_cast_slice(bytes).map_err(|_| {
+                Error::InvalidArgument(format!("process {p} sent a malformed optimizer state"))
+            })?;
+            let mut off = 0;
+            let first: usize = procs.devices[..p].iter().sum();
+            for rank in first..first + procs.devices[p] {
+                for seg in segments(&sizes, world, rank) {
+                    let st = &mut states[seg.param];
+                    let n = seg.range.len();
+                    let part = values.get(off..off + 3 * n).ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "process {p} sent less optimizer state than its shard holds"
+                        ))
+                    })?;
+                    st.master[seg.range.clone()].copy_from_slice(&part[..n]);
+                    st.m[seg.range.clone()].copy_from_slice(&part[n..2 * n]);
+                    st.v[seg.range].copy_from_slice(&part[2 * n..]);
+                    off += 3 * n;
+                }
             }
         }
         Ok(())

@@ -18,6 +18,7 @@ use crate::device::optim::grad_scale_reference;
 use crate::models::{
     in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState,
 };
+use crate::parallel::collective::Processes;
 use crate::parallel::exchange::{self, During};
 use crate::parallel::zero::Shards;
 use crate::train::checkpoint::{
@@ -120,6 +121,8 @@ pub struct Trainer {
     /// micro-batch's gradients are reduced during backward, and a rank keeps only its
     /// shard of the result (in its segments' gradient buffers).
     partitioned: bool,
+    /// A multi-process job: the other processes' ranks join every exchange.
+    procs: Option<Processes>,
 }
 
 /// The storage dtype and loss scaler a config's precision section asks for.
@@ -157,12 +160,40 @@ impl Trainer {
         config: TrainConfig,
         seed: u64,
     ) -> Result<Trainer> {
-        if devs.is_empty() || config.batch.world != devs.len() {
+        Trainer::new_processes(devs, model, config, seed, None)
+    }
+
+    /// This process's part of a multi-process data-parallel job (`procs`): one replica
+    /// per local device, `config` resolved for every process's devices together. Every
+    /// process calls this with the same config, model and seed (checked: a process
+    /// started differently is refused on every process).
+    pub fn new_processes(
+        devs: &[&dyn Device],
+        model: Arc<dyn Model>,
+        config: TrainConfig,
+        seed: u64,
+        procs: Option<Processes>,
+    ) -> Result<Trainer> {
+        let world = procs.as_ref().map_or(devs.len(), Processes::world);
+        if let Some(p) = &procs {
+            if p.devices.get(p.rank()) != Some(&devs.len()) {
+                return Err(Error::InvalidArgument(format!(
+                    "process {} drives {} devices but told the job {:?}",
+                    p.rank(),
+                    devs.len(),
+                    p.devices.get(p.rank())
+                )));
+            }
+            p.check_same(
+                "configs, models or seeds",
+                &format!("{config:?}\n{}\n{seed}", model.describe()),
+            )?;
+        }
+        if devs.is_empty() || config.batch.world != world {
             return Err(Error::InvalidArgument(format!(
-                "the config was resolved for {} data-parallel ranks but {} devices were given; \
-                 resolve it with the number of devices",
+                "the config was resolved for {} data-parallel ranks but {world} devices were \
+                 given; resolve it with the number of devices",
                 config.batch.world,
-                devs.len()
             )));
         }
         if config.zero.stage > 2 {
@@ -190,15 +221,16 @@ impl Trainer {
             .iter()
             .map(|&dev| Network::new(dev, model.clone(), &options))
             .collect::<Result<Vec<_>>>()?;
+        let first = procs.as_ref().map_or(0, Processes::first_rank);
         for (rank, m) in models.iter_mut().enumerate() {
-            m.set_micro_offset(rank * config.batch.grad_accum);
+            m.set_micro_offset((first + rank) * config.batch.grad_accum);
         }
         let mut shards = None;
         // On one device the single shard is the whole state: stage 0's layout.
-        let partitioned = config.zero.stage == 2 && devs.len() > 1;
-        if config.zero.stage >= 1 && devs.len() > 1 {
+        let partitioned = config.zero.stage == 2 && world > 1;
+        if config.zero.stage >= 1 && world > 1 {
             let mut refs: Vec<&mut Network> = models.iter_mut().collect();
-            shards = Some(Shards::new(&mut refs, devs)?);
+            shards = Some(Shards::new(&mut refs, devs, procs.as_ref())?);
             if partitioned {
                 for (m, &dev) in models.iter_mut().zip(devs) {
                     m.share_block_gradients(dev)?;
@@ -217,16 +249,30 @@ impl Trainer {
             last_comm: CommStats::default(),
             shards,
             partitioned,
+            procs,
         })
     }
 
-    /// Devices in the group.
+    /// Devices in the group (this process's, in a multi-process job).
     pub fn world(&self) -> usize {
         1 + self.replicas.len()
     }
 
+    /// Data-parallel ranks in the whole job: every process's devices.
+    pub fn global_world(&self) -> usize {
+        self.procs.as_ref().map_or(self.world(), Processes::world)
+    }
+
+    /// The other processes of a multi-process job, if any.
+    pub fn processes(&self) -> Option<&Processes> {
+        self.procs.as_ref()
+    }
+
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn step(&mut self, dev: &dyn Device, micro: &[MicroBatch]) -> Result<StepStats> {
+        if self.procs.is_some() {
+            return self.step_group(&[dev], &[micro.to_vec()]);
+        }
         if self.world() > 1 {
             return Err(Error::InvalidArgument(format!(
                 "this engine drives {} devices: step it with step_group",
@@ -279,7 +325,7 @@ impl Trainer {
                 micro.len()
             )));
         }
-        if world == 1 {
+        if world == 1 && self.procs.is_none() {
             return self.step(devs[0], &micro[0]);
         }
         let want = self.config.batch.grad_accum;
@@ -301,12 +347,20 @@ impl Trainer {
             overlap: zero.overlap_comm,
             loss_scale,
         };
+        if let Some(p) = &self.procs {
+            // Every process reaches the step before any waits inside a collective: a
+            // process that died or hangs is named here.
+            p.comm
+                .arrive(&format!("step {}'s gradient exchange", self.steps + 1))?;
+        }
+        let procs = self.procs.clone();
         let ex = {
             let models = self.models_mut();
             if during.overlap || during.partitioned {
-                exchange::during_backward(models, devs, micro, &during)?
+                exchange::during_backward(models, devs, micro, &during, procs.as_ref())?
             } else {
-                exchange::after_backward(models, devs, micro, loss_scale)?
+                let bucket = during.bucket;
+                exchange::after_backward(models, devs, micro, loss_scale, procs.as_ref(), bucket)?
             }
         };
         let (t0, mut bytes) = (ex.started, ex.bytes);
@@ -678,6 +732,11 @@ impl Trainer {
     /// (`master.`, `exp_avg.`, `exp_avg_sq.` + name) in `optimizer.safetensors`, and in
     /// the manifest the trainer's counters and loss scaler under `"trainer"` beside the
     /// caller's own keys (a data position, say). `step` names it.
+    ///
+    /// In a multi-process job every process calls it (the ZeRO shards are gathered
+    /// from all of them) and process 0 alone writes, whole tensors: the checkpoint
+    /// resumes on any number of processes and devices. The others are told where
+    /// process 0 put it.
     pub fn save_checkpoint(
         &self,
         devs: &[&dyn Device],
@@ -686,9 +745,19 @@ impl Trainer {
         mut state: serde_json::Map<String, serde_json::Value>,
         keep: usize,
     ) -> checkpoint::Result<checkpoint::Saved> {
+        let states = self.param_states(devs)?;
+        if self.procs.as_ref().is_some_and(|p| p.rank() != 0) {
+            return Ok(checkpoint::Saved {
+                dir: run_dir
+                    .join(checkpoint::CHECKPOINTS_DIR)
+                    .join(checkpoint::dir_name(step)),
+                removed: vec![],
+                notes: vec![],
+            });
+        }
         let mut model = vec![];
         let mut optimizer = vec![];
-        for p in self.param_states(devs)? {
+        for p in states {
             let f32s = |v: Vec<f32>| crate::HostData::F32(v);
             model.push(HostTensor::new(&p.name, p.shape.clone(), p.value));
             for (what, v) in [("master", p.master), ("exp_avg", p.m), ("exp_avg_sq", p.v)] {

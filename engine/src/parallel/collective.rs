@@ -1,0 +1,345 @@
+//! Training across processes: the few collective operations the data-parallel exchange
+//! and ZeRO need between processes ([`Collective`]), and [`Processes`], which says how
+//! the global data-parallel world is spread over them.
+//!
+//! Every process drives its own local devices and reduces their gradients on the host
+//! first, as a single-process group does; only then do the processes combine their
+//! partial sums. Sums are formed in process order, so every process gets the same bits
+//! and a topology gives the same result every run. Transports: [`ThreadProcesses`]
+//! (threads of one program standing in for processes: tests and embedding) and, with
+//! the `mpi` feature, MPI (`parallel::mpi`).
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// The collective operations between the processes of one training job. Every
+/// process calls the same operations in the same order; each one returns only when
+/// every process has taken part (or fails naming the processes that did not).
+pub trait Collective: Send + Sync {
+    /// This process's index, 0-based.
+    fn rank(&self) -> usize;
+    /// Processes in the job.
+    fn size(&self) -> usize;
+    /// Replaces `data` by its element-wise sum over the processes, added in process
+    /// order (`(p0 + p1) + p2 …`): the same bits on every process.
+    fn sum_f32(&self, data: &mut [f32]) -> Result<()>;
+    /// [`Collective::sum_f32`] in f64 (losses, norms, counters).
+    fn sum_f64(&self, data: &mut [f64]) -> Result<()>;
+    /// Every process's `data`, in process order (lengths may differ).
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Waits until every process has reached the point `what` names; a process that
+    /// has not within the transport's timeout (it died or hangs) is named in the error.
+    fn arrive(&self, what: &str) -> Result<()>;
+    /// Stops every process of the job after a fatal error on this one, so none waits
+    /// for it in a collective.
+    fn abort(&self, code: i32);
+}
+
+/// How the global data-parallel world is spread over the processes of a job.
+#[derive(Clone)]
+pub struct Processes {
+    pub comm: Arc<dyn Collective>,
+    /// Devices each process drives, in process order.
+    pub devices: Vec<usize>,
+}
+
+impl std::fmt::Debug for Processes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processes")
+            .field("rank", &self.comm.rank())
+            .field("devices", &self.devices)
+            .finish()
+    }
+}
+
+impl Processes {
+    /// Learns every process's device count (a collective: every process calls it).
+    pub fn new(comm: Arc<dyn Collective>, local_devices: usize) -> Result<Processes> {
+        if local_devices == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "process {} drives no device; give every process at least one (--devices)",
+                comm.rank()
+            )));
+        }
+        let all = comm.all_gather(&(local_devices as u64).to_le_bytes())?;
+        let devices = all
+            .iter()
+            .map(|b| {
+                b.as_slice()
+                    .try_into()
+                    .map(|a: [u8; 8]| u64::from_le_bytes(a) as usize)
+                    .map_err(|_| Error::InvalidArgument("a malformed device count".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Processes { comm, devices })
+    }
+
+    /// This process's index.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Data-parallel ranks in the whole job: every process's devices.
+    pub fn world(&self) -> usize {
+        self.devices.iter().sum()
+    }
+
+    /// The global rank of this process's first device: ranks are numbered process by
+    /// process, each process's devices in its own order.
+    pub fn first_rank(&self) -> usize {
+        self.devices[..self.rank()].iter().sum()
+    }
+
+    /// Checks that every process describes the job the same way (`what` lists what
+    /// must agree: config, model, seed), refusing a job whose processes were started
+    /// differently, with the processes that differ from process 0.
+    pub fn check_same(&self, what: &str, description: &str) -> Result<()> {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(description.as_bytes());
+        let all = self.comm.all_gather(&digest)?;
+        let differ: Vec<usize> = (1..all.len()).filter(|&p| all[p] != all[0]).collect();
+        if !differ.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "the processes of this job were started with different {what}: process(es) \
+                 {differ:?} differ from process 0. Start every process with the same config, \
+                 model and seed (one mpirun command line for all of them)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sums host tensors over the processes, several tensors per collective (up to
+    /// `bucket` elements, `reduce_bucket_size`), each in place.
+    pub fn sum_tensors(&self, tensors: &mut [Vec<f32>], bucket: usize) -> Result<()> {
+        let mut start = 0;
+        while start < tensors.len() {
+            let mut end = start;
+            let mut elems = 0;
+            while end < tensors.len() && (end == start || elems + tensors[end].len() <= bucket) {
+                elems += tensors[end].len();
+                end += 1;
+            }
+            if end - start == 1 {
+                self.comm.sum_f32(&mut tensors[start])?;
+            } else {
+                let mut flat = Vec::with_capacity(elems);
+                for t in &tensors[start..end] {
+                    flat.extend_from_slice(t);
+                }
+                self.comm.sum_f32(&mut flat)?;
+                let mut off = 0;
+                for t in &mut tensors[start..end] {
+                    let n = t.len();
+                    t.copy_from_slice(&flat[off..off + n]);
+                    off += n;
+                }
+            }
+            start = end;
+        }
+        Ok(())
+    }
+}
+
+/// Threads of one program standing in for processes: each thread builds its own
+/// trainer on its own devices and is given one of these. The operations meet at a
+/// shared rendezvous; a thread that does not arrive within `timeout` is named.
+pub struct ThreadProcesses {
+    rank: usize,
+    shared: Arc<Rendezvous>,
+}
+
+struct Rendezvous {
+    size: usize,
+    timeout: Duration,
+    state: Mutex<RoundState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct RoundState {
+    /// Operations completed so far; a round's contributions belong to `round`.
+    round: u64,
+    parts: Vec<Option<Vec<u8>>>,
+    /// The last completed round's contributions, kept until every process read them.
+    done: Vec<Vec<u8>>,
+    readers: usize,
+    aborted: Option<usize>,
+}
+
+impl ThreadProcesses {
+    /// `size` handles, one per thread-process.
+    pub fn group(size: usize, timeout: Duration) -> Vec<Arc<dyn Collective>> {
+        let shared = Arc::new(Rendezvous {
+            size,
+            timeout,
+            state: Mutex::new(RoundState {
+                parts: vec![None; size],
+                ..Default::default()
+            }),
+            changed: Condvar::new(),
+        });
+        (0..size)
+            .map(|rank| {
+                Arc::new(ThreadProcesses {
+                    rank,
+                    shared: shared.clone(),
+                }) as Arc<dyn Collective>
+            })
+            .collect()
+    }
+
+    /// Contributes `data` to the next round and returns every process's contribution.
+    fn exchange(&self, what: &str, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let r = &self.shared;
+        let mut st = r.state.lock().unwrap_or_else(|e| e.into_inner());
+        let deadline = Instant::now() + r.timeout;
+        // The previous round's results must be read by everyone before a new one starts.
+        while st.readers > 0 {
+            st = wait(&r.changed, st, deadline, r, what)?;
+        }
+        let round = st.round;
+        st.parts[self.rank] = Some(data);
+        if st.parts.iter().all(Option::is_some) {
+            st.done = st.parts.iter_mut().map(|p| p.take().unwrap()).collect();
+            st.readers = r.size;
+            st.round += 1;
+            r.changed.notify_all();
+        }
+        while st.round == round {
+            if let Some(p) = st.aborted {
+                return Err(Error::InvalidArgument(format!(
+                    "process {p} aborted the job"
+                )));
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<usize> = (0..r.size).filter(|&p| st.parts[p].is_none()).collect();
+                return Err(Error::InvalidArgument(format!(
+                    "process(es) {missing:?} did not reach {what} within {:.0} s: they died or \
+                     hang",
+                    r.timeout.as_secs_f64()
+                )));
+            }
+            st = wait(&r.changed, st, deadline, r, what)?;
+        }
+        let out = st.done.clone();
+        st.readers -= 1;
+        if st.readers == 0 {
+            r.changed.notify_all();
+        }
+        Ok(out)
+    }
+}
+
+fn wait<'a>(
+    cv: &Condvar,
+    st: std::sync::MutexGuard<'a, RoundState>,
+    deadline: Instant,
+    r: &Rendezvous,
+    what: &str,
+) -> Result<std::sync::MutexGuard<'a, RoundState>> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() && st.readers > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "the processes did not all finish the operation before {what} within {:.0} s",
+            r.timeout.as_secs_f64()
+        )));
+    }
+    let (st, _) = cv
+        .wait_timeout(st, left.max(Duration::from_millis(1)))
+        .unwrap_or_else(|e| e.into_inner());
+    Ok(st)
+}
+
+/// Adds every process's copy of `T`-typed elements in process order.
+fn fold_parts<T: Copy + std::ops::AddAssign + bytemuck::Pod>(data: &mut [T], parts: &[Vec<u8>]) {
+    for (p, part) in parts.iter().enumerate() {
+        let v: &[T] = bytemuck::cast_slice(part);
+        if p == 0 {
+            data.copy_from_slice(v);
+        } else {
+            for (a, b) in data.iter_mut().zip(v) {
+                *a += *b;
+            }
+        }
+    }
+}
+
+impl Collective for ThreadProcesses {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn sum_f32(&self, data: &mut [f32]) -> Result<()> {
+        let parts = self.exchange("a gradient sum", bytemuck::cast_slice(data).to_vec())?;
+        fold_parts(data, &parts);
+        Ok(())
+    }
+
+    fn sum_f64(&self, data: &mut [f64]) -> Result<()> {
+        let parts = self.exchange("a sum", bytemuck::cast_slice(data).to_vec())?;
+        fold_parts(data, &parts);
+        Ok(())
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.exchange("an all-gather", data.to_vec())
+    }
+
+    fn arrive(&self, what: &str) -> Result<()> {
+        self.exchange(what, vec![]).map(|_| ())
+    }
+
+    fn abort(&self, _code: i32) {
+        let r = &self.shared;
+        let mut st = r.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.aborted = Some(self.rank);
+        r.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_processes_sum_in_process_order_and_name_the_missing_one() {
+        let comms = ThreadProcesses::group(3, Duration::from_secs(10));
+        let out: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .iter()
+                .enumerate()
+                .map(|(p, c)| {
+                    s.spawn(move || {
+                        // (1e8 + 1) + -1e8 is 0 in f32 (1e8 + 1 rounds to 1e8);
+                        // adding the first and last first would give 1.
+                        let mut v = vec![[1e8f32, 1.0, -1e8][p], p as f32];
+                        c.sum_f32(&mut v).unwrap();
+                        let mut again = vec![p as f32 * 2.0];
+                        c.sum_f32(&mut again).unwrap();
+                        v.push(again[0]);
+                        v
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for v in &out {
+            assert_eq!(v, &[0.0, 3.0, 6.0]);
+        }
+        let comms = ThreadProcesses::group(2, Duration::from_millis(300));
+        let err = comms[0]
+            .arrive("step 5's exchange")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("[1]") && err.contains("step 5's exchange"),
+            "{err}"
+        );
+    }
+}
