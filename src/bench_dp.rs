@@ -1,7 +1,8 @@
 //! `kiln bench dp`: data-parallel step time on 1, 2, 4… devices of one adapter, the
 //! time the host-staged gradient exchange takes and how much of it overlaps compute,
 //! and — from those measurements — the scaling a group of real GPUs would get over
-//! PCIe.
+//! PCIe. Under `mpirun` (the `mpi` feature) it measures the processes' exchange and
+//! models the scaling over a network.
 
 use std::time::Instant;
 
@@ -13,6 +14,7 @@ use std::sync::Arc;
 
 use kiln_engine::models::gpt::{Gpt, GptConfig};
 use kiln_engine::models::MicroBatch;
+use kiln_engine::parallel::collective::Processes;
 use kiln_engine::train::trainer::Trainer;
 use kiln_engine::Device;
 use kiln_wgpu::{DeviceOptions, WgpuDevice};
@@ -31,8 +33,12 @@ pub struct DpRow {
     /// Share of the exchanged bytes fetched while backward was still running.
     pub overlap: f64,
     pub bytes_per_step: u64,
+    /// Of those, bytes sent to and received from other processes (MPI).
+    pub process_bytes_per_step: u64,
     /// Samples per second over the whole group.
     pub samples_per_s: f64,
+    /// Processes in the job (1 without MPI).
+    pub processes: usize,
 }
 
 /// Times `steps` steps (after one warm-up) of a GPT on `n` devices of `adapter`, for
@@ -56,57 +62,98 @@ pub fn dp_table(
             crate::devices::MAX_DEVICES
         );
     }
-    let t = model.block_size;
-    let mut rows = vec![];
-    for &n in counts {
-        let opened = (0..n)
-            .map(|_| WgpuDevice::open(adapter, &DeviceOptions::default()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let devs: Vec<&dyn Device> = opened.iter().map(|d| d as &dyn Device).collect();
-        let ds = parse(
-            &format!(
-                r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
-                     "zero_optimization": {{"overlap_comm": {overlap}}}}}"#
-            ),
-            n,
-        )?;
-        let gpt = Arc::new(Gpt::new(model.clone(), t));
-        let mut trainer = Trainer::new_group(&devs, gpt, ds, 1)?;
-        let v = model.vocab_size as u32;
-        let batch: Vec<(Vec<u32>, Vec<u32>)> = (0..n)
-            .map(|r| {
-                let tok: Vec<u32> = (0..micro * t)
-                    .map(|i| (i as u32 * 7 + r as u32) % v)
-                    .collect();
-                let tgt = tok.iter().map(|x| (x + 1) % v).collect();
-                (tok, tgt)
-            })
-            .collect();
-        let micro_batches: Vec<Vec<MicroBatch>> = batch
-            .iter()
-            .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
-            .collect();
-        trainer.step_group(&devs, &micro_batches)?;
-        let (mut comm, mut bytes, mut hidden) = (0.0, 0, 0.0);
-        let t0 = Instant::now();
-        for _ in 0..steps {
-            trainer.step_group(&devs, &micro_batches)?;
-            comm += trainer.last_comm.ms;
-            bytes += trainer.last_comm.bytes;
-            hidden += trainer.last_comm.overlap;
-        }
-        let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
-        rows.push(DpRow {
-            adapter: devs[0].caps().name.clone(),
-            devices: n,
-            step_ms,
-            comm_ms: comm / steps as f64,
-            overlap: hidden / steps as f64,
-            bytes_per_step: bytes / steps as u64,
-            samples_per_s: (n * micro) as f64 / (step_ms / 1e3),
-        });
+    counts
+        .iter()
+        .map(|&n| measure(adapter, model, micro, n, steps, overlap, None, None))
+        .collect()
+}
+
+/// Times `steps` steps (after one warm-up) of this process's part of a multi-process
+/// job: `local` devices of `adapter` here, the other processes' in `procs`; the
+/// processes sum buckets of `bucket` elements (`reduce_bucket_size`).
+#[allow(clippy::too_many_arguments)]
+pub fn dp_processes(
+    adapter: usize,
+    model: &GptConfig,
+    micro: usize,
+    local: usize,
+    steps: usize,
+    overlap: bool,
+    bucket: usize,
+    procs: Processes,
+) -> Result<DpRow> {
+    if steps == 0 || bucket == 0 {
+        anyhow::bail!("bench dp needs at least one timed step and a bucket of 1 element or more");
     }
-    Ok(rows)
+    let (procs, bucket) = (Some(procs), Some(bucket));
+    measure(adapter, model, micro, local, steps, overlap, bucket, procs)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    adapter: usize,
+    model: &GptConfig,
+    micro: usize,
+    n: usize,
+    steps: usize,
+    overlap: bool,
+    bucket: Option<usize>,
+    procs: Option<Processes>,
+) -> Result<DpRow> {
+    let t = model.block_size;
+    let opened = (0..n)
+        .map(|_| WgpuDevice::open(adapter, &DeviceOptions::default()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let devs: Vec<&dyn Device> = opened.iter().map(|d| d as &dyn Device).collect();
+    let world = procs.as_ref().map_or(n, Processes::world);
+    let first = procs.as_ref().map_or(0, Processes::first_rank);
+    let processes = procs.as_ref().map_or(1, |p| p.devices.len());
+    let bucket = bucket.map_or(String::new(), |b| format!(r#", "reduce_bucket_size": {b}"#));
+    let ds = parse(
+        &format!(
+            r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
+                 "zero_optimization": {{"overlap_comm": {overlap}{bucket}}}}}"#
+        ),
+        world,
+    )?;
+    let gpt = Arc::new(Gpt::new(model.clone(), t));
+    let mut trainer = Trainer::new_processes(&devs, gpt, ds, 1, procs)?;
+    let v = model.vocab_size as u32;
+    let batch: Vec<(Vec<u32>, Vec<u32>)> = (first..first + n)
+        .map(|r| {
+            let tok: Vec<u32> = (0..micro * t)
+                .map(|i| (i as u32 * 7 + r as u32) % v)
+                .collect();
+            let tgt = tok.iter().map(|x| (x + 1) % v).collect();
+            (tok, tgt)
+        })
+        .collect();
+    let micro_batches: Vec<Vec<MicroBatch>> = batch
+        .iter()
+        .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
+        .collect();
+    trainer.step_group(&devs, &micro_batches)?;
+    let (mut comm, mut bytes, mut across, mut hidden) = (0.0, 0, 0, 0.0);
+    let t0 = Instant::now();
+    for _ in 0..steps {
+        trainer.step_group(&devs, &micro_batches)?;
+        comm += trainer.last_comm.ms;
+        bytes += trainer.last_comm.bytes;
+        across += trainer.last_comm.process_bytes;
+        hidden += trainer.last_comm.overlap;
+    }
+    let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
+    Ok(DpRow {
+        adapter: devs[0].caps().name.clone(),
+        devices: world,
+        step_ms,
+        comm_ms: comm / steps as f64,
+        overlap: hidden / steps as f64,
+        bytes_per_step: bytes / steps as u64,
+        process_bytes_per_step: across / steps as u64,
+        samples_per_s: (world * micro) as f64 / (step_ms / 1e3),
+        processes,
+    })
 }
 
 /// Checks a bandwidth flag of the model: a positive, finite number of GB/s (at 0 the
@@ -141,9 +188,51 @@ pub fn modelled_efficiency(
     compute_ms / (compute_ms + exposed)
 }
 
+/// Modelled efficiency of `p` processes (one GPU each), each computing for
+/// `compute_ms` per step, whose `grad_bytes` of f32 gradients are summed over a
+/// network of `gbps` GB/s per process and `latency_us` per message, in buckets of
+/// `bucket_bytes`, with `overlap` of it hidden behind backward. The sum is a
+/// reduce-scatter and an all-gather, as Kiln's MPI exchange does it: each moves
+/// (p-1)/p of the bytes and takes p-1 messages per bucket.
+pub fn modelled_network_efficiency(
+    p: usize,
+    compute_ms: f64,
+    grad_bytes: f64,
+    bucket_bytes: f64,
+    gbps: f64,
+    latency_us: f64,
+    overlap: f64,
+) -> f64 {
+    if p <= 1 {
+        return 1.0;
+    }
+    let steps = 2.0 * (p - 1) as f64;
+    let buckets = (grad_bytes / bucket_bytes.max(1.0)).ceil().max(1.0);
+    let wire_ms = steps / p as f64 * grad_bytes / (gbps * 1e9) * 1e3;
+    let latency_ms = steps * buckets * latency_us / 1e3;
+    let exposed = (wire_ms + latency_ms) * (1.0 - overlap);
+    compute_ms / (compute_ms + exposed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_network_model_is_hand_checkable() {
+        // 4 processes, 400 MB in 4 buckets, 10 GB/s, 10 µs: 2·3/4 of 400 MB = 300 MB
+        // on the wire, 30 ms; 6 messages × 4 buckets × 10 µs = 0.24 ms; 100 ms of
+        // compute, nothing hidden: 100 / 130.24.
+        let e = modelled_network_efficiency(4, 100.0, 4e8, 1e8, 10.0, 10.0, 0.0);
+        assert!((e - 100.0 / 130.24).abs() < 1e-12, "{e}");
+        // Three quarters hidden.
+        let e = modelled_network_efficiency(4, 100.0, 4e8, 1e8, 10.0, 10.0, 0.75);
+        assert!((e - 100.0 / (100.0 + 30.24 / 4.0)).abs() < 1e-12, "{e}");
+        assert_eq!(
+            modelled_network_efficiency(1, 1.0, 1e9, 1.0, 1.0, 1.0, 0.0),
+            1.0
+        );
+    }
 
     #[test]
     fn the_model_is_hand_checkable() {

@@ -310,6 +310,17 @@ struct DpArgs {
     /// Exchange after backward instead of overlapping it (`overlap_comm: false`).
     #[arg(long)]
     no_overlap: bool,
+    /// Under mpirun: network bandwidth per process for the model, GB/s (100 Gb/s
+    /// Ethernet or InfiniBand EDR moves ~12).
+    #[arg(long, default_value_t = 12.0)]
+    net_gbps: f64,
+    /// Under mpirun: network latency per message for the model, µs.
+    #[arg(long, default_value_t = 5.0)]
+    net_latency_us: f64,
+    /// Under mpirun: elements per bucket the processes sum (`reduce_bucket_size`);
+    /// smaller buckets overlap more of the exchange with backward.
+    #[arg(long, default_value_t = 1 << 18)]
+    bucket: usize,
 }
 
 #[derive(clap::Args)]
@@ -444,6 +455,50 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn train(a: TrainArgs) -> Result<()> {
+    #[cfg(feature = "mpi")]
+    if kiln::engine::parallel::collective::launched_by_mpirun() {
+        let session = kiln::engine::parallel::mpi::MpiSession::init()?;
+        let comm = session.collective();
+        let result = train_with(a, Some(comm.clone()));
+        return match result {
+            // Every process has finished its last collective: MPI can end.
+            Ok(code) => {
+                drop(session);
+                if code != 0 {
+                    std::process::exit(code);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // The other processes would wait for this one in the next collective:
+                // stop the whole job, after saying why.
+                errln!("error (process {} of {}): {e:#}", comm.rank(), comm.size());
+                comm.abort(1);
+                Err(e)
+            }
+        };
+    }
+    #[cfg(not(feature = "mpi"))]
+    if kiln::engine::parallel::collective::launched_by_mpirun() {
+        bail!(
+            "this kiln was started by mpirun but built without MPI: every process would train \
+             alone. Build it with `cargo build --release --features mpi` (it needs \
+             libopenmpi-dev, openmpi-bin and libclang-dev: `bash scripts/setup.sh` installs \
+             them)"
+        );
+    }
+    match train_with(a, None)? {
+        0 => Ok(()),
+        code => std::process::exit(code),
+    }
+}
+
+/// `kiln train`; returns the exit status (130 after an interrupt).
+fn train_with(
+    a: TrainArgs,
+    processes: Option<Arc<dyn kiln::engine::parallel::collective::Collective>>,
+) -> Result<i32> {
+    let writer = processes.as_ref().is_none_or(|c| c.rank() == 0);
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
     // Ctrl-C, SIGTERM (a scheduler or `kill`) and SIGHUP (the terminal went away) all
@@ -475,8 +530,12 @@ fn train(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         progress: true,
         interrupt: Some(interrupt),
+        processes,
     };
     let r = kiln::train::train(&opts)?;
+    if !writer {
+        return Ok(if r.interrupted { 130 } else { 0 });
+    }
     let s = &r.summary;
     let acc = s.final_eval_accuracy.map_or(String::new(), |a| {
         format!(", held-out exact match {:.1}%", a * 100.0)
@@ -503,10 +562,7 @@ fn train(a: TrainArgs) -> Result<()> {
     for note in &s.non_finite {
         kiln::train::say(format_args!("warning: {note}"));
     }
-    if r.interrupted {
-        std::process::exit(130);
-    }
-    Ok(())
+    Ok(if r.interrupted { 130 } else { 0 })
 }
 
 fn eval(a: EvalArgs) -> Result<()> {
@@ -735,6 +791,10 @@ fn bench_dp(a: DpArgs) -> Result<()> {
     let adapter = spec
         .adapter_index()?
         .ok_or_else(|| anyhow::anyhow!("bench dp groups devices of a GPU adapter, not `cpu`"))?;
+    #[cfg(feature = "mpi")]
+    if kiln::engine::parallel::collective::launched_by_mpirun() {
+        return bench_dp_mpi(&a, adapter, &model);
+    }
     let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps, !a.no_overlap)?;
     outln!(
         "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per device",
@@ -800,6 +860,109 @@ fn bench_dp(a: DpArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `kiln bench dp` under mpirun: every process drives `--counts` devices (one number)
+/// of the adapter; process 0 prints the job's step, its exchange between processes,
+/// and the scaling modelled for a network from the measured compute time.
+#[cfg(feature = "mpi")]
+fn bench_dp_mpi(
+    a: &DpArgs,
+    adapter: usize,
+    model: &kiln::engine::models::gpt::GptConfig,
+) -> Result<()> {
+    use kiln::bench_dp::{check_bandwidth, dp_processes, modelled_network_efficiency};
+    use kiln::engine::parallel::collective::Processes;
+    check_bandwidth("net-gbps", a.net_gbps)?;
+    if !(a.net_latency_us.is_finite() && a.net_latency_us >= 0.0) {
+        bail!(
+            "--net-latency-us {}: a latency is a number of µs, 0 or more",
+            a.net_latency_us
+        );
+    }
+    let [local] = a.counts[..] else {
+        bail!(
+            "under mpirun --counts is the number of devices each process drives (one number, \
+             e.g. --counts 1); the job's size is mpirun's -np"
+        );
+    };
+    let session = kiln::engine::parallel::mpi::MpiSession::init()?;
+    let comm = session.collective();
+    let rank = comm.rank();
+    let run = || -> Result<()> {
+        let procs = Processes::new(comm.clone(), local)?;
+        let p = procs.devices.len();
+        let overlap = !a.no_overlap;
+        let r = dp_processes(
+            adapter, model, a.micro, local, a.steps, overlap, a.bucket, procs,
+        )?;
+        if rank != 0 {
+            return Ok(());
+        }
+        outln!(
+            "kiln bench dp (MPI): GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch \
+             {} per device, {p} processes × {local} device(s) of {}",
+            model.n_layer,
+            model.n_embd,
+            model.block_size,
+            model.vocab_size,
+            model.parameter_count(),
+            a.micro,
+            r.adapter
+        );
+        outln!(
+            "step {:.1} ms, exchange {:.1} ms exposed, {:.0}% of the processes' exchange \
+             overlapped with backward, {:.2} MB/step between processes (process 0), {:.1} \
+             samples/s",
+            r.step_ms,
+            r.comm_ms,
+            r.overlap * 100.0,
+            r.process_bytes_per_step as f64 / 1e6,
+            r.samples_per_s
+        );
+        // The f32 gradients the processes sum, and the compute one GPU per process
+        // would do: the measured step less its exposed exchange.
+        let grads = r.process_bytes_per_step as f64 / 2.0;
+        let compute_ms = (r.step_ms - r.comm_ms).max(0.0);
+        let bucket = a.bucket as f64 * 4.0;
+        outln!(
+            "modelled for one GPU per process on a network of {} GB/s and {} µs per message: \
+             compute {compute_ms:.1} ms/step (measured), {:.2} MB of f32 gradients in buckets \
+             of {} elements, overlap {:.0}% (measured)",
+            a.net_gbps,
+            a.net_latency_us,
+            grads / 1e6,
+            a.bucket,
+            r.overlap * 100.0
+        );
+        for n in [2, 4, 8, 16, 64] {
+            outln!(
+                "  {n} processes: scaling efficiency {:.1}%",
+                100.0
+                    * modelled_network_efficiency(
+                        n,
+                        compute_ms,
+                        grads,
+                        bucket,
+                        a.net_gbps,
+                        a.net_latency_us,
+                        r.overlap
+                    )
+            );
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => {
+            drop(session);
+            Ok(())
+        }
+        Err(e) => {
+            errln!("error (process {rank}): {e:#}");
+            comm.abort(1);
+            Err(e)
+        }
+    }
 }
 
 /// The adapters `--devices` names (default: all), opened.

@@ -20,6 +20,7 @@ use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
 use kiln_engine::models::{MicroBatch, ModelConfig, Network};
+use kiln_engine::parallel::collective::{Collective, Processes};
 use kiln_engine::train::checkpoint;
 use kiln_engine::train::loss_scaler::LossScaler;
 use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
@@ -82,6 +83,11 @@ pub struct TrainOptions {
     /// Set (by Ctrl-C, SIGTERM or SIGHUP) to stop after the current step, checkpointing
     /// and writing the summary first.
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// This process's part in a multi-process job (`mpirun`): its devices are the
+    /// ranks after the earlier processes' devices; the job trains one model. Process 0
+    /// writes the run directory, logs and evaluates; every process reads its own shard
+    /// of each global batch. Every process must be given the same settings.
+    pub processes: Option<Arc<dyn Collective>>,
 }
 
 /// What a finished (or interrupted) run reports.
@@ -108,6 +114,9 @@ pub(crate) enum Dataset {
 /// checkpoint to resume), so a run that fails to start leaves no run directory behind.
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let started = Instant::now();
+    // In a multi-process job, process 0 writes the run and speaks for the job.
+    let writer = opts.processes.as_ref().is_none_or(|c| c.rank() == 0);
+    let progress = opts.progress && writer;
     if opts.steps == Some(0) {
         bail!(
             "--steps 0: a run needs at least one optimizer step; pass --steps N with N >= 1 \
@@ -137,7 +146,11 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     } else {
         parse_devices(&device_items)?
     };
-    let world = specs.len();
+    let procs = match &opts.processes {
+        Some(comm) => Some(Processes::new(comm.clone(), specs.len())?),
+        None => None,
+    };
+    let world = procs.as_ref().map_or(specs.len(), Processes::world);
     let ds = match (&opts.config, &text) {
         (Some(path), Some(text)) => config::parse(text, world).map_err(|mut e| {
             e.file = Some(path.clone());
@@ -146,9 +159,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         _ => config::parse(DEMO_DS_CONFIG, world).context("the built-in demo config")?,
     };
     let k = &ds.kiln;
+    if let Some(p) = &procs {
+        p.comm
+            .set_timeout(Duration::from_secs(k.collective_timeout_s));
+    }
 
     // The run directory: checked here, written only once everything below is valid.
-    let dir = match &opts.out {
+    let mut dir = match &opts.out {
         Some(d) => d.clone(),
         None => {
             let stamp = runs::format_utc(std::time::SystemTime::now())
@@ -157,14 +174,21 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             PathBuf::from("runs").join(stamp)
         }
     };
-    check_run_dir(&dir, opts.resume)?;
+    if let Some(p) = &procs {
+        // Process 0's (their clocks may name different seconds).
+        let named = p.comm.all_gather(dir.to_string_lossy().as_bytes())?;
+        dir = PathBuf::from(String::from_utf8_lossy(&named[0]).into_owned());
+    }
+    if writer || opts.resume {
+        check_run_dir(&dir, opts.resume)?;
+    }
     // A resumed run continues with its own settings: its checkpoint holds them, and its
     // config.json the seed. Loaded before any device opens, so a damaged checkpoint is
     // reported at once.
     let resumed = if opts.resume {
         let recorded = runs::read_config(&dir)?;
         let ck = checkpoint::load_latest(&dir)?;
-        for note in &ck.notes {
+        for note in ck.notes.iter().filter(|_| writer) {
             say(format!("note: {note}"));
         }
         // Checked now, before anything is opened: the manifest's step, the training
@@ -183,7 +207,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         &ds,
         resumed.as_ref().map(|(rec, ck)| (rec, ck.state())),
     );
-    for note in &settings.notes {
+    for note in settings.notes.iter().filter(|_| writer) {
         say(format!("note: {note}"));
     }
     let RunSettings {
@@ -278,7 +302,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 // Every id, once: a bad one anywhere is found now, with its position,
                 // rather than when (or if) a batch happens to sample it.
                 let scan = data::check_ids(src.as_ref(), model.vocab_size())?;
-                if opts.progress {
+                if progress {
                     say(format!(
                         "checked all {len} token ids of {} against the vocabulary of {} in \
                          {:.1} ms",
@@ -290,7 +314,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 let held = held_out(src.as_ref(), t)?;
                 let train_len = held.train_len;
                 if let Some(why) = &held.none_because {
-                    if opts.progress {
+                    if progress {
                         say(format!("no held-out data: {why}"));
                     }
                     no_held_out = Some(why.clone());
@@ -314,10 +338,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         .iter()
         .map(|d| format!("{} ({})", d.caps().name, d.caps().backend))
         .collect();
-    let device_name = if world == 1 {
-        device_names[0].clone()
-    } else {
-        format!("{world} devices: {}", device_names.join(", "))
+    let device_name = match &procs {
+        Some(p) => format!(
+            "{} processes, {world} devices (process 0: {})",
+            p.devices.len(),
+            device_names.join(", ")
+        ),
+        None if world == 1 => device_names[0].clone(),
+        None => format!("{world} devices: {}", device_names.join(", ")),
     };
 
     // What this run is; a resumed run must be the same one.
@@ -336,8 +364,11 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     }
 
     let network = model.build(t);
-    let mut trainer = Trainer::new_group(&devs, network.clone(), ds.clone(), seed)?;
-    let model_states: Vec<_> = (0..world).map(|r| trainer.model_state_bytes(r)).collect();
+    let first_rank = procs.as_ref().map_or(0, Processes::first_rank);
+    let mut trainer = Trainer::new_processes(&devs, network.clone(), ds.clone(), seed, procs)?;
+    let model_states: Vec<_> = (0..devs.len())
+        .map(|r| trainer.model_state_bytes(r))
+        .collect();
     let mut next_sample = 0;
     if let Some((_, ck)) = &resumed {
         next_sample = restore(&mut trainer, &devs, ck)?;
@@ -347,7 +378,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         trainer
             .set_weights(&devs, &weights)
             .with_context(|| format!("--init-from {}", init.source))?;
-        if opts.progress {
+        if progress {
             say(format!("weights from {}; a fresh optimizer", init.describe));
         }
     }
@@ -355,7 +386,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 
     // One loader per rank, each reading its disjoint share of every global batch.
     let layout = BatchLayout::new(b, ds.batch.grad_accum, world)?;
-    let mut loaders = (0..world)
+    let mut loaders = (first_rank..first_rank + devs.len())
         .map(|rank| {
             let mut cfg = LoaderConfig::new(layout, rank, model.vocab_size());
             cfg.start_sample = next_sample;
@@ -367,7 +398,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 
     // Everything is valid: only now does the run directory get written.
     let mut metrics = match &resumed {
-        Some((_, ck)) => {
+        _ if !writer => None,
+        Some((_, ck)) => Some({
             say(format!(
                 "resuming {} from step {} ({})",
                 dir.display(),
@@ -384,14 +416,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 ));
             }
             w
-        }
+        }),
         None => {
             create_run_dir(&dir, &record)?;
-            MetricsWriter::create(&dir)?
+            Some(MetricsWriter::create(&dir)?)
         }
     };
     drop(resumed);
-    if opts.progress {
+    if progress {
         for (r, m) in model_states.iter().enumerate() {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             say(format!(
@@ -408,14 +440,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 
     // The bar is drawn only on a terminal; elsewhere (CI, pipes) log lines go to stderr.
     let log = |bar: &ProgressBar, line: String| {
-        if !opts.progress {
+        if !progress {
         } else if bar.is_hidden() {
             say(line);
         } else {
             bar.println(line);
         }
     };
-    let bar = if opts.progress {
+    let bar = if progress {
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
         bar.set_style(
             ProgressStyle::with_template(
@@ -447,6 +479,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     }
 
     let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;
+    let stopping = |interrupted: bool| -> Result<bool> {
+        // Every process stops after the same step (a signal may reach them apart).
+        let mut any = [f64::from(u8::from(interrupted))];
+        if let Some(p) = opts.processes.as_deref() {
+            p.sum_f64(&mut any)?;
+        }
+        Ok(any[0] > 0.0)
+    };
     let mut interrupted = false;
     let mut since_print = (0.0f64, 0u32);
     let mut first_step = true;
@@ -476,7 +516,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 .iter()
                 .map(|mine| mine.iter().map(MicroBatch::from).collect())
                 .collect();
-            let result = if first_step && opts.progress {
+            let result = if first_step && progress {
                 // The first step compiles every kernel it runs: minutes on a software
                 // renderer, with nothing else to show meanwhile.
                 let (done, finished) = mpsc::channel::<()>();
@@ -519,15 +559,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 comm_bytes: comm.bytes,
                 ..Default::default()
             };
-            if opts
-                .interrupt
-                .as_ref()
-                .is_some_and(|f| f.load(Ordering::SeqCst))
-            {
+            if stopping(
+                opts.interrupt
+                    .as_ref()
+                    .is_some_and(|f| f.load(Ordering::SeqCst)),
+            )? {
                 interrupted = true;
             }
             let last = step == total || interrupted;
-            let evaluates = !matches!(dataset, Dataset::File { eval: None });
+            let evaluates = writer && !matches!(dataset, Dataset::File { eval: None });
             if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
                 let (loss, acc) = evaluate(&trainer.model, dev, &dataset, b, t, &mut |_, _| {})?;
                 rec.eval_loss = Some(loss);
@@ -537,7 +577,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 });
                 log(&bar, format!("step {step}: eval loss {loss:.4}{acc}"));
             }
-            metrics.append(&rec)?;
+            if let Some(metrics) = &mut metrics {
+                metrics.append(&rec)?;
+            }
             since_print.0 += s.loss as f64;
             since_print.1 += 1;
             if step.is_multiple_of(ds.steps_per_print.max(1)) || last {
@@ -588,6 +630,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         Ok(())
     })();
     bar.finish_and_clear();
+    let Some(metrics) = metrics else {
+        outcome?;
+        return Ok(RunReport {
+            dir,
+            steps: step,
+            interrupted,
+            summary: Summary::default(),
+        });
+    };
     let synced = metrics.sync();
     let summary = (|| -> Result<Summary> {
         let records = runs::read_metrics(&dir)?;

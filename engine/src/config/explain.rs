@@ -202,6 +202,10 @@ impl TrainConfig {
             "kiln.max_consecutive_skips",
             k.max_consecutive_skips.to_string(),
         );
+        line(
+            "kiln.collective_timeout_s",
+            k.collective_timeout_s.to_string(),
+        );
 
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");

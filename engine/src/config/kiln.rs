@@ -33,6 +33,10 @@ pub struct KilnSettings {
     /// adapts after non-finite gradients, so this many skipped steps in a row stop
     /// training with an error instead of skipping forever.
     pub max_consecutive_skips: u64,
+    /// A multi-process job (`mpirun`) stops, naming the process, when another has not
+    /// reached a step's exchange or completed a collective within this many seconds
+    /// (a process that died or hangs). The first step compiles kernels: allow for it.
+    pub collective_timeout_s: u64,
 }
 
 impl Default for KilnSettings {
@@ -47,6 +51,7 @@ impl Default for KilnSettings {
             keep_checkpoints: 3,
             seed: 1,
             max_consecutive_skips: 3,
+            collective_timeout_s: 900,
         }
     }
 }
@@ -61,6 +66,7 @@ const KILN: Spec = Spec::keys(&[
     "keep_checkpoints",
     "seed",
     "max_consecutive_skips",
+    "collective_timeout_s",
 ]);
 
 impl Reader {
@@ -148,6 +154,13 @@ impl Reader {
                 "max_consecutive_skips",
                 (1, 1_000_000),
                 d.max_consecutive_skips,
+            ),
+            collective_timeout_s: self.uint_or(
+                k,
+                kp,
+                "collective_timeout_s",
+                (1, 7 * 24 * 3600),
+                d.collective_timeout_s,
             ),
         }
     }

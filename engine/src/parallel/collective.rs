@@ -35,6 +35,22 @@ pub trait Collective: Send + Sync {
     /// Stops every process of the job after a fatal error on this one, so none waits
     /// for it in a collective.
     fn abort(&self, code: i32);
+    /// How long an operation waits for the other processes before it gives up (the
+    /// transport's default until set).
+    fn set_timeout(&self, timeout: Duration);
+}
+
+impl std::fmt::Debug for dyn Collective {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "process {} of {}", self.rank(), self.size())
+    }
+}
+
+/// Whether this process was started by an MPI launcher (Open MPI, MPICH, PMIx).
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
 }
 
 /// How the global data-parallel world is spread over the processes of a job.
@@ -48,7 +64,7 @@ pub struct Processes {
 impl std::fmt::Debug for Processes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Processes")
-            .field("rank", &self.comm.rank())
+            .field("comm", &self.comm)
             .field("devices", &self.devices)
             .finish()
     }
@@ -152,7 +168,7 @@ pub struct ThreadProcesses {
 
 struct Rendezvous {
     size: usize,
-    timeout: Duration,
+    timeout_ms: std::sync::atomic::AtomicU64,
     state: Mutex<RoundState>,
     changed: Condvar,
 }
@@ -173,7 +189,7 @@ impl ThreadProcesses {
     pub fn group(size: usize, timeout: Duration) -> Vec<Arc<dyn Collective>> {
         let shared = Arc::new(Rendezvous {
             size,
-            timeout,
+            timeout_ms: (timeout.as_millis() as u64).into(),
             state: Mutex::new(RoundState {
                 parts: vec![None; size],
                 ..Default::default()
@@ -194,7 +210,8 @@ impl ThreadProcesses {
     fn exchange(&self, what: &str, data: Vec<u8>) -> Result<Vec<Vec<u8>>> {
         let r = &self.shared;
         let mut st = r.state.lock().unwrap_or_else(|e| e.into_inner());
-        let deadline = Instant::now() + r.timeout;
+        let timeout = r.timeout();
+        let deadline = Instant::now() + timeout;
         // The previous round's results must be read by everyone before a new one starts.
         while st.readers > 0 {
             st = wait(&r.changed, st, deadline, r, what)?;
@@ -218,7 +235,7 @@ impl ThreadProcesses {
                 return Err(Error::InvalidArgument(format!(
                     "process(es) {missing:?} did not reach {what} within {:.0} s: they died or \
                      hang",
-                    r.timeout.as_secs_f64()
+                    timeout.as_secs_f64()
                 )));
             }
             st = wait(&r.changed, st, deadline, r, what)?;
@@ -229,6 +246,12 @@ impl ThreadProcesses {
             r.changed.notify_all();
         }
         Ok(out)
+    }
+}
+
+impl Rendezvous {
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms.load(std::sync::atomic::Ordering::SeqCst))
     }
 }
 
@@ -243,7 +266,7 @@ fn wait<'a>(
     if left.is_zero() && st.readers > 0 {
         return Err(Error::InvalidArgument(format!(
             "the processes did not all finish the operation before {what} within {:.0} s",
-            r.timeout.as_secs_f64()
+            r.timeout().as_secs_f64()
         )));
     }
     let (st, _) = cv
@@ -300,6 +323,11 @@ impl Collective for ThreadProcesses {
         let mut st = r.state.lock().unwrap_or_else(|e| e.into_inner());
         st.aborted = Some(self.rank);
         r.changed.notify_all();
+    }
+
+    fn set_timeout(&self, timeout: Duration) {
+        let ms = timeout.as_millis().max(1) as u64;
+        (self.shared.timeout_ms).store(ms, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -49,6 +49,8 @@ pub struct Exchanged {
     pub overlap: f64,
     /// The average is already in every rank's gradient buffers.
     pub uploaded: bool,
+    /// Bytes this process sent to and received from the other processes.
+    pub process_bytes: u64,
 }
 
 /// Adds the ranks' copies of one tensor into `acc` in rank order (an empty `acc` starts
@@ -165,12 +167,14 @@ pub fn after_backward(
             acc
         })
         .collect();
+    let mut process_bytes = 0;
     if let Some(procs) = procs {
         procs.sum_tensors(&mut avg, bucket.max(1))?;
         for a in &mut avg {
             scale_in_place(a, scale);
         }
-        bytes += 2 * avg.iter().map(|a| a.len() as u64 * 4).sum::<u64>();
+        process_bytes = 2 * avg.iter().map(|a| a.len() as u64 * 4).sum::<u64>();
+        bytes += process_bytes;
     }
     let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
     Ok(Exchanged {
@@ -183,6 +187,7 @@ pub fn after_backward(
         blocked_ms: 0.0,
         overlap: 0.0,
         uploaded: false,
+        process_bytes,
     })
 }
 
@@ -498,5 +503,6 @@ pub fn during_backward(
             overlapped_bytes as f64 / total_bytes as f64
         },
         uploaded: upload,
+        process_bytes: cross_total,
     })
 }

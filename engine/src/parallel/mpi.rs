@@ -22,13 +22,6 @@ use super::collective::Collective;
 use super::zero::shard_range;
 use crate::{Error, Result};
 
-/// Whether this process was started by an MPI launcher (Open MPI, MPICH, PMIx).
-pub fn launched_by_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
 /// MPI, initialised for this process; finalised when dropped (every process must drop
 /// it, after its last collective).
 pub struct MpiSession {
@@ -67,13 +60,6 @@ impl MpiSession {
 
     pub fn collective(&self) -> Arc<dyn Collective> {
         self.comm.clone()
-    }
-
-    /// The timeout after which a collective that has not completed stops the job.
-    pub fn set_timeout(&self, timeout: Duration) {
-        self.comm
-            .timeout_ms
-            .store(timeout.as_millis().max(1) as u64, Ordering::SeqCst);
     }
 }
 
@@ -308,5 +294,11 @@ impl Collective for MpiComm {
 
     fn abort(&self, code: i32) {
         world().abort(code)
+    }
+
+    /// The timeout after which a collective that has not completed stops the job.
+    fn set_timeout(&self, timeout: Duration) {
+        let ms = timeout.as_millis().max(1) as u64;
+        self.timeout_ms.store(ms, Ordering::SeqCst);
     }
 }

@@ -97,8 +97,12 @@ pub struct CommStats {
     pub ms: f64,
     /// Bytes copied between devices and host (both directions, all devices).
     pub bytes: u64,
-    /// Share of the exchanged bytes reduced while some device was still in backward.
+    /// Share of the exchanged bytes reduced while some device was still in backward
+    /// (in a multi-process job: of the bytes exchanged between processes).
     pub overlap: f64,
+    /// Bytes this process sent to and received from the other processes of a
+    /// multi-process job.
+    pub process_bytes: u64,
 }
 
 pub struct Trainer {
@@ -370,6 +374,7 @@ impl Trainer {
             ms: t0.elapsed().as_secs_f64() * 1e3 + ex.blocked_ms,
             bytes,
             overlap: ex.overlap,
+            process_bytes: ex.process_bytes,
         };
         if decision == StepDecision::Skip {
             self.last_comm = comm(bytes);
