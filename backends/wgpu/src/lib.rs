@@ -6,6 +6,7 @@ mod attention;
 mod device;
 mod launch;
 mod matmul;
+mod profile;
 pub mod shader;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
