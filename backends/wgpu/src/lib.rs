@@ -6,6 +6,7 @@ mod attention;
 mod device;
 mod launch;
 mod matmul;
+mod peak;
 mod profile;
 pub mod shader;
 
@@ -13,3 +14,4 @@ pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAP
 pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
 pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
+pub use peak::Peak;

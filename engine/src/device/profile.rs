@@ -78,7 +78,8 @@ thread_local! {
     static THREAD: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
-fn thread_index() -> usize {
+/// This thread's index among the names [`thread_names`] returns.
+pub fn thread_index() -> usize {
     THREAD.with(|t| {
         if let Some(i) = t.get() {
             return i;

@@ -34,6 +34,8 @@ pub struct Profile {
     pub epoch: Instant,
     /// Each profiled step: its number and wall-time frame.
     pub steps: Vec<(u64, Instant, Instant)>,
+    /// The host thread that ran the steps (their frames go on its track).
+    pub step_thread: usize,
     pub devices: Vec<DeviceTrack>,
     pub spans: Vec<Span>,
     /// Host thread names, indexed by [`Span::thread`].
@@ -222,6 +224,21 @@ impl Profile {
             events.push(json!({"ph": "M", "pid": 2, "tid": t, "name": "thread_name",
                                "args": {"name": name}}));
         }
+        if !self.steps.is_empty() && !self.spans.iter().any(|s| s.thread == self.step_thread) {
+            let name = self
+                .threads
+                .get(self.step_thread)
+                .map_or("thread", String::as_str);
+            events.push(json!({"ph": "M", "pid": 2, "tid": self.step_thread,
+                               "name": "thread_name", "args": {"name": name}}));
+        }
+        for &(step, start, end) in &self.steps {
+            events.push(json!({
+                "ph": "X", "pid": 2, "tid": self.step_thread, "cat": "step",
+                "name": format!("step {step}"),
+                "ts": us(start), "dur": end.saturating_duration_since(start).as_secs_f64() * 1e6,
+            }));
+        }
         for s in &self.spans {
             events.push(json!({
                 "ph": "X", "pid": 2, "tid": s.thread, "cat": s.kind.name(), "name": s.name,
@@ -342,6 +359,7 @@ mod tests {
         let p = Profile {
             epoch,
             steps: vec![(1, t(0), t(100))],
+            step_thread: 0,
             devices: vec![DeviceTrack {
                 name: "gpu".into(),
                 timings: vec![kernel(20, 50), kernel(45, 60)],
