@@ -285,14 +285,24 @@ impl Profiler {
             }
             match d.profile_begin() {
                 Ok(()) => {}
-                Err(Error::Unsupported { device, what }) => {
-                    say(format!(
-                        "note: `{device}` cannot time its kernels ({what}): no GPU \
-                         timestamps, the profile has CPU spans only for it"
-                    ));
+                Err(e @ Error::Unsupported { .. }) => {
+                    say(format!("note: {e}; its kernel times show as idle"));
                     self.timed[i] = false;
                 }
                 Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits, in a profiled step, for the devices to finish the step's work (its
+    /// optimizer launches run after the loss is read), so that the step's frame holds
+    /// all of it: a profiled step is timed from its start to its devices' last kernel.
+    pub fn drain(&mut self, step: u64, devs: &[&dyn Device]) -> Result<()> {
+        if self.covers(step) {
+            for d in devs {
+                d.submit()?;
+                d.wait()?;
             }
         }
         Ok(())

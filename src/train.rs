@@ -521,6 +521,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             first_step = false;
             let s = result.map_err(|e| step_failure(e, step + 1, &dir, opts))?;
             step += 1;
+            if let Some(p) = &mut profiler {
+                p.drain(step, &devs)?;
+            }
             let t1 = Instant::now();
             let step_ms = (t1 - t0).as_secs_f64() * 1e3;
             if let Some(p) = &mut profiler {
