@@ -200,6 +200,30 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
         );
         assert!(parts[0] > 0.0, "no compute in step {step}\n{table}");
     }
+    // One in-order queue runs one kernel at a time, so a step's kernels add up to its
+    // compute part when the frame holds them all (their optimizer kernels included,
+    // which run after the loss is read): within 0.1 ms (printed to 0.01 ms; the rest is
+    // the clock calibration's error at the frame's edges).
+    let kernel_ms = |step: u64| {
+        let (a, b) = if step == 2 {
+            (0.0, split)
+        } else {
+            (split, f64::MAX)
+        };
+        complete
+            .iter()
+            .filter(|e| e["pid"] == 1 && e["cat"] == "kernel")
+            .filter(|e| (a..b).contains(&e["ts"].as_f64().unwrap()))
+            .map(|e| e["dur"].as_f64().unwrap() / 1e3)
+            .sum::<f64>()
+    };
+    for (step, [_, compute, ..]) in step_lines(&table) {
+        let kernels = kernel_ms(step);
+        assert!(
+            (kernels - compute).abs() <= 0.1,
+            "step {step}: kernels {kernels:.2} ms, compute {compute} ms\n{table}"
+        );
+    }
     assert!(table.contains("% of 1.0 GFLOP/s peak"), "{table}");
 }
 
