@@ -369,3 +369,58 @@ impl Profiler {
         Ok(Some(table))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(edit: impl FnOnce(&mut TrainConfig)) -> TrainConfig {
+        let mut c = TrainConfig::default_for(1);
+        edit(&mut c);
+        c
+    }
+
+    #[test]
+    fn the_profiled_steps_skip_the_compiling_step_and_follow_the_config() {
+        let plain = config(|_| {});
+        assert_eq!(profiled_steps(None, &plain, 0, 100).unwrap(), None);
+        assert_eq!(
+            profiled_steps(Some(3), &plain, 0, 100).unwrap(),
+            Some((2, 4))
+        );
+        // A run too short to skip its first step profiles what there is.
+        assert_eq!(profiled_steps(Some(3), &plain, 0, 1).unwrap(), Some((1, 1)));
+        assert_eq!(profiled_steps(Some(5), &plain, 0, 3).unwrap(), Some((2, 3)));
+        // A resumed run compiles again: its first step is skipped too.
+        assert_eq!(
+            profiled_steps(Some(2), &plain, 10, 20).unwrap(),
+            Some((12, 13))
+        );
+        assert_eq!(profiled_steps(Some(2), &plain, 20, 20).unwrap(), None);
+        let e = profiled_steps(Some(0), &plain, 0, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at least 1 step"), "{e}");
+
+        let wall = config(|c| c.wall_clock_breakdown = true);
+        assert_eq!(profiled_steps(None, &wall, 0, 100).unwrap(), Some((2, 4)));
+        let flops = config(|c| {
+            c.flops_profiler.enabled = true;
+            c.flops_profiler.profile_step = 7;
+        });
+        assert_eq!(profiled_steps(None, &flops, 0, 100).unwrap(), Some((7, 9)));
+        assert_eq!(profiled_steps(None, &flops, 0, 5).unwrap(), Some((5, 5)));
+    }
+
+    #[test]
+    fn a_corrupt_peak_cache_reads_as_empty() {
+        let dir = std::env::temp_dir().join(format!("kiln-peak-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("peak.json");
+        std::fs::write(&path, [0xff, 0xfe, b'{']).unwrap();
+        assert!(read_peak_cache(&path).peaks.is_empty());
+        std::fs::write(&path, r#"{"peaks": {"a": {"adapter": 3}}}"#).unwrap();
+        assert!(read_peak_cache(&path).peaks.is_empty());
+        assert!(read_peak_cache(&dir.join("absent.json")).peaks.is_empty());
+    }
+}

@@ -363,6 +363,34 @@ fn without_gpu_timestamps_the_profile_says_so_and_keeps_host_spans() {
         .any(|e| e["ph"] == "X" && e["pid"] == 2 && e["cat"] == "transfer"));
 }
 
+#[test]
+fn the_cpu_reference_times_each_launch_on_the_host() {
+    let dev = kiln::cpu::CpuDevice::new();
+    let n = 1 << 16;
+    let a = put(&dev, &HostData::F32(vec![1.0; n]));
+    let b = put(&dev, &HostData::F32(vec![2.0; n]));
+    let out = dev.alloc(DType::F32, n).unwrap();
+    let before = Instant::now();
+    dev.profile_begin().unwrap();
+    let add = Kernel::Binary {
+        op: kiln::engine::BinaryOp::Add,
+        a,
+        b,
+        out,
+    };
+    dev.launch(&add).unwrap();
+    dev.launch(&add).unwrap();
+    let t = dev.profile_end().unwrap();
+    let after = Instant::now();
+    assert_eq!(t.len(), 2);
+    assert_eq!(t[0].cost, add.cost());
+    assert!(t[0].start >= before && t[1].start >= t[0].start + t[0].dur);
+    assert!(t[1].start + t[1].dur <= after);
+    // Off again: launches are not timed.
+    dev.launch(&add).unwrap();
+    assert!(dev.profile_end().is_err());
+}
+
 fn kiln_cmd(cache: &Path, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)

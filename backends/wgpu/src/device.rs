@@ -545,6 +545,22 @@ impl WgpuDevice {
         Ok(())
     }
 
+    /// Records a launch, with timestamps around it when a profile is open.
+    fn record_profiled(
+        &self,
+        s: &mut State,
+        kernel: &Kernel,
+        handles: &HashMap<u64, wgpu::Buffer>,
+    ) -> Result<()> {
+        let Some(before) = self.launch_queries_begin(s) else {
+            return self.record_kernel(s, kernel, handles);
+        };
+        let _span = span("record", SpanKind::Record);
+        self.record_kernel(s, kernel, handles)?;
+        self.launch_queries_end(s, before, kernel.cost());
+        Ok(())
+    }
+
     pub(crate) fn repr(&self, dtype: DType) -> Repr {
         Repr::of(dtype, self.caps.f16_arithmetic)
     }
@@ -866,18 +882,12 @@ impl Device for WgpuDevice {
         // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
         let handles = self.handles(&s, kernel.name(), &kernel.buffers())?;
         let Some(profile) = &self.profile else {
-            let Some(before) = self.launch_queries_begin(&mut s) else {
-                return self.record_kernel(&mut s, kernel, &handles);
-            };
-            let _span = span("record", SpanKind::Record);
-            self.record_kernel(&mut s, kernel, &handles)?;
-            self.launch_queries_end(&mut s, before, kernel.cost());
-            return Ok(());
+            return self.record_profiled(&mut s, kernel, &handles);
         };
         self.flush(&mut s)?;
         self.wait()?;
         let t0 = std::time::Instant::now();
-        self.record_kernel(&mut s, kernel, &handles)?;
+        self.record_profiled(&mut s, kernel, &handles)?;
         self.flush(&mut s)?;
         self.wait()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
