@@ -245,10 +245,17 @@ impl Profiler {
             last,
             epoch: Instant::now(),
             timed: vec![true; devs.len()],
+            // Devices of a group are often one adapter opened several times: their
+            // tracks are told apart by rank.
             tracks: devs
                 .iter()
-                .map(|d| DeviceTrack {
-                    name: d.caps().name.clone(),
+                .enumerate()
+                .map(|(rank, d)| DeviceTrack {
+                    name: if devs.len() > 1 {
+                        format!("rank {rank}: {}", d.caps().name)
+                    } else {
+                        d.caps().name.clone()
+                    },
                     timings: vec![],
                 })
                 .collect(),
