@@ -15,6 +15,7 @@ pub mod devices;
 pub mod estimate;
 pub mod eval;
 pub mod init_from;
+pub mod profile;
 pub mod sample;
 pub mod train;
 

@@ -159,6 +159,15 @@ struct TrainArgs {
     /// kiln.seed, else 1].
     #[arg(long)]
     seed: Option<u64>,
+    /// Profile N steps after the first (which compiles the kernels): a Chrome/Perfetto
+    /// trace.json and profile.txt in the run directory, and a table of where each
+    /// step's time went, kernel by kernel.
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
+    profile: Option<u64>,
+    /// One device's peak TFLOP/s for the profile's MFU [default: `kiln bench peak`'s
+    /// cached measure of the adapter].
+    #[arg(long, value_name = "TFLOPS")]
+    peak_tflops: Option<f64>,
 }
 
 #[derive(clap::Args)]
@@ -253,6 +262,19 @@ enum BenchWhat {
     /// Generation with the K/V cache: prompt and decode tokens per second, apart, on a
     /// GPT-2-shaped model with random weights.
     Sample(BenchSampleArgs),
+    /// An adapter's peak: f32 FMA GFLOP/s and copy GB/s, cached per adapter and host as
+    /// the denominator of `kiln train --profile`'s MFU.
+    Peak(PeakArgs),
+}
+
+#[derive(clap::Args)]
+struct PeakArgs {
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Print JSON (one object per adapter) instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -451,6 +473,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Sample(args),
         } => bench_sample(args),
+        Command::Bench {
+            what: BenchWhat::Peak(args),
+        } => bench_peak(args),
     }
 }
 
@@ -531,6 +556,8 @@ fn train_with(
         progress: true,
         interrupt: Some(interrupt),
         processes,
+        profile: a.profile,
+        peak_tflops: a.peak_tflops,
     };
     let r = kiln::train::train(&opts)?;
     if !writer {
@@ -990,6 +1017,24 @@ fn bench_devices(
         .iter()
         .map(|&i| kiln::wgpu::WgpuDevice::open(i, options))
         .collect::<Result<Vec<_>, _>>()?)
+}
+
+fn bench_peak(args: PeakArgs) -> Result<()> {
+    use kiln::profile::{format_peaks, measure_peak, store_peaks};
+    let devs = bench_devices(&args.devices, &Default::default())?;
+    let mut rows = vec![];
+    for dev in &devs {
+        errln!("kiln bench peak: {}", dev.caps().name);
+        rows.push(measure_peak(dev)?);
+    }
+    if args.json {
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        out!("{}", format_peaks(&rows));
+    }
+    let path = store_peaks(&rows)?;
+    errln!("cached in {}", path.display());
+    Ok(())
 }
 
 fn bench_sample(args: BenchSampleArgs) -> Result<()> {

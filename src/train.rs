@@ -19,6 +19,7 @@ use kiln_engine::config::{self, Schedule, TrainConfig};
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
+use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::models::{MicroBatch, ModelConfig, Network};
 use kiln_engine::parallel::collective::{Collective, Processes};
 use kiln_engine::train::checkpoint;
@@ -88,6 +89,12 @@ pub struct TrainOptions {
     /// writes the run directory, logs and evaluates; every process reads its own shard
     /// of each global batch. Every process must be given the same settings.
     pub processes: Option<Arc<dyn Collective>>,
+    /// Profile this many steps (after the first, which compiles): `trace.json` and
+    /// `profile.txt` in the run directory, and the table printed.
+    pub profile: Option<u64>,
+    /// One device's peak in TFLOP/s, for the profile's MFU; default: `kiln bench peak`'s
+    /// cached measure.
+    pub peak_tflops: Option<f64>,
 }
 
 /// What a finished (or interrupted) run reports.
@@ -487,6 +494,16 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         }
         Ok(any[0] > 0.0)
     };
+    let profiled = crate::profile::profiled_steps(opts.profile, &ds, step, total)?;
+    // One process speaks for a multi-process job: process 0 profiles.
+    let mut profiler = match profiled.filter(|_| writer) {
+        Some(steps) => Some(crate::profile::Profiler::new(
+            steps,
+            &devs,
+            opts.peak_tflops,
+        )?),
+        None => None,
+    };
     let mut interrupted = false;
     let mut since_print = (0.0f64, 0u32);
     let mut first_step = true;
@@ -494,13 +511,18 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     // leaves a summary of the steps done before it is returned.
     let outcome = (|| -> Result<()> {
         while step < total {
+            if let Some(p) = &mut profiler {
+                p.before_step(step + 1, &devs)?;
+            }
             let t0 = Instant::now();
             let mut batches = vec![];
             let mut stall = 0.0;
             for (rank, loader) in loaders.iter_mut().enumerate() {
                 let mut mine = Vec::with_capacity(ds.batch.grad_accum);
                 for _ in 0..ds.batch.grad_accum {
+                    let input = span("next batch", SpanKind::Input);
                     let mut f = loader.next()?;
+                    drop(input);
                     stall += f.stall.as_secs_f64() * 1e3;
                     if rank == 0 {
                         next_sample = f.next_sample;
@@ -541,7 +563,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             first_step = false;
             let s = result.map_err(|e| step_failure(e, step + 1, &dir, opts))?;
             step += 1;
-            let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+            if let Some(p) = &mut profiler {
+                p.drain(step, &devs)?;
+            }
+            let t1 = Instant::now();
+            let step_ms = (t1 - t0).as_secs_f64() * 1e3;
+            if let Some(p) = &mut profiler {
+                p.after_step(step, t0, t1, &devs)?;
+            }
             let comm = trainer.last_comm;
             let mut rec = StepRecord {
                 step,
@@ -618,6 +647,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 s.loss, rec.tokens_per_s, s.loss_scale
             ));
             if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
+                let _span = span("checkpoint", SpanKind::Checkpoint);
                 let saved = save(&trainer, &devs, &dir, step, next_sample, &settings.run)?;
                 for note in saved.notes {
                     log(&bar, format!("note: {note}"));
@@ -630,6 +660,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         Ok(())
     })();
     bar.finish_and_clear();
+    if let Some(p) = profiler {
+        if let Some(table) = p.finish(&dir, &devs)? {
+            say(format!(
+                "profile (trace: {}):\n{table}",
+                dir.join("trace.json").display()
+            ));
+        }
+    }
     let Some(metrics) = metrics else {
         outcome?;
         return Ok(RunReport {

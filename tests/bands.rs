@@ -29,6 +29,7 @@ fn limited(backend: &str, disable_f16: bool) -> WgpuDevice {
         &DeviceOptions {
             disable_f16,
             max_storage_binding: Some(LIMIT),
+            ..Default::default()
         },
     )
     .unwrap_or_else(|e| panic!("opening {backend}: {e}"))

@@ -512,6 +512,7 @@ fn limited_paths() -> Vec<(&'static str, WgpuDevice)> {
             &DeviceOptions {
                 disable_f16,
                 max_storage_binding: Some(SMALL_BINDING),
+                ..Default::default()
             },
         )
         .unwrap();

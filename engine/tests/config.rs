@@ -388,12 +388,49 @@ fn logging_sections_are_ignored_with_a_warning() {
     let c = ok(r#"{
         "train_batch_size": 32,
         "tensorboard": {"enabled": true, "output_path": "runs/"},
-        "flops_profiler": {"enabled": true, "profile_step": 5},
         "wandb": {"enabled": false}
     }"#);
-    assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
-    assert!(c.warnings[0].starts_with("ignored by Kiln: flops_profiler"));
-    assert!(c.warnings[1].starts_with("ignored by Kiln: tensorboard"));
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert!(c.warnings[0].starts_with("ignored by Kiln: tensorboard"));
+}
+
+#[test]
+fn flops_profiler_is_honoured_and_checked_like_any_section() {
+    let c = ok(r#"{
+        "train_batch_size": 32,
+        "wall_clock_breakdown": true,
+        "flops_profiler": {"enabled": true, "profile_step": 5, "module_depth": -1, "detailed": true}
+    }"#);
+    assert!(c.wall_clock_breakdown);
+    assert!(c.flops_profiler.enabled);
+    assert_eq!(c.flops_profiler.profile_step, 5);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    assert!(
+        c.notes
+            .iter()
+            .any(|n| n.contains("flops_profiler.detailed")),
+        "{:?}",
+        c.notes
+    );
+    // Off by default, from step 2 (step 1 compiles the kernels).
+    let c = ok(r#"{"train_batch_size": 32}"#);
+    assert!(!c.flops_profiler.enabled);
+    assert_eq!(c.flops_profiler.profile_step, 2);
+
+    let e = err(
+        r#"{"train_batch_size": 32, "flops_profiler": {"enabled": "yes", "profile_stp": 2, "profile_step": 0}}"#,
+    );
+    let enabled = problem(&e, "flops_profiler.enabled");
+    assert!(enabled.message.contains("\"yes\""), "{}", enabled.message);
+    let typo = problem(&e, "flops_profiler.profile_stp");
+    assert!(typo.fix.contains("profile_step"), "{}", typo.fix);
+    problem(&e, "flops_profiler.profile_step");
+
+    let e = err(
+        r#"{"train_batch_size": 32, "flops_profiler": {"enabled": true, "output_file": "p.txt"}}"#,
+    );
+    let p = problem(&e, "flops_profiler.output_file");
+    assert!(p.message.contains("trace.json"), "{}", p.message);
 }
 
 #[test]

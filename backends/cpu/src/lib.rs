@@ -15,7 +15,7 @@ use kiln_engine::device::kernel::{
     dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor,
 };
 use kiln_engine::device::matmul::{gelu_f64, gelu_grad_f64};
-use kiln_engine::device::{check_upload, check_view};
+use kiln_engine::device::{check_upload, check_view, KernelTiming};
 use kiln_engine::{
     device::PendingDownload, Activation, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device,
     Error, HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
@@ -26,6 +26,8 @@ pub struct CpuDevice {
     state: Mutex<State>,
     /// Begun downloads: next ticket, and each ticket's data.
     staged: Mutex<(u64, HashMap<u64, HostData>)>,
+    /// Launch timings between `profile_begin` and `profile_end`.
+    profile: Mutex<Option<Vec<KernelTiming>>>,
 }
 
 #[derive(Default)]
@@ -59,6 +61,7 @@ impl CpuDevice {
                 memory_budget: None,
             },
             staged: Mutex::new((0, HashMap::new())),
+            profile: Mutex::new(None),
             state: Mutex::new(State {
                 next_id: 1,
                 ..State::default()
@@ -122,95 +125,9 @@ impl State {
     }
 }
 
-impl Device for CpuDevice {
-    fn caps(&self) -> &Capabilities {
-        &self.caps
-    }
-
-    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        let mut s = self.lock();
-        let id = s.next_id;
-        s.next_id += 1;
-        s.buffers.insert(id, HostData::zeros(dtype, len));
-        Ok(Buffer { id, dtype, len })
-    }
-
-    fn free(&self, buf: Buffer) -> Result<()> {
-        let mut s = self.lock();
-        if s.views.remove(&buf.id).is_some() {
-            return Ok(());
-        }
-        if s.views.values().any(|&(parent, _)| parent == buf.id) {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{} still has views on `{}`: free them first",
-                buf.id, self.caps.name
-            )));
-        }
-        s.buffers
-            .remove(&buf.id)
-            .map(|_| ())
-            .ok_or_else(|| Error::UnknownBuffer {
-                id: buf.id,
-                device: self.caps.name.clone(),
-            })
-    }
-
-    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
-        check_view(parent, offset, len)?;
-        let mut s = self.lock();
-        if s.views.contains_key(&parent.id) {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{} is itself a view: take views of the buffer it views",
-                parent.id
-            )));
-        }
-        let whole = s.get(parent, &self.caps.name)?;
-        if whole.dtype() != parent.dtype || whole.len() != parent.len {
-            return Err(Error::InvalidArgument(format!(
-                "handle for buffer #{} does not describe it (a handle from another device?)",
-                parent.id
-            )));
-        }
-        let id = s.next_id;
-        s.next_id += 1;
-        s.views.insert(id, (parent.id, offset));
-        Ok(Buffer {
-            id,
-            dtype: parent.dtype,
-            len,
-        })
-    }
-
-    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
-        check_upload(buf, data)?;
-        self.lock().put(buf, data.clone(), &self.caps.name)
-    }
-
-    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
-        // Launches run as they are recorded here, so the copy is the data as of now.
-        let data = self.lock().get(buf, &self.caps.name)?.into_owned();
-        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        let ticket = staged.0;
-        staged.0 += 1;
-        staged.1.insert(ticket, data);
-        Ok(PendingDownload {
-            ticket,
-            buffer: buf,
-        })
-    }
-
-    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
-        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        staged.1.remove(&pending.ticket).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "download ticket {} is not pending on `{}` (already finished, or begun on \
-                 another device)",
-                pending.ticket, self.caps.name
-            ))
-        })
-    }
-
-    fn launch(&self, kernel: &Kernel) -> Result<()> {
+impl CpuDevice {
+    /// Runs one launch now (the CPU has no stream to defer it to).
+    fn execute(&self, kernel: &Kernel) -> Result<()> {
         kernel.validate()?;
         let name = self.caps.name.as_str();
         let mut s = self.lock();
@@ -827,6 +744,136 @@ impl Device for CpuDevice {
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
         }
+    }
+}
+
+impl Device for CpuDevice {
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        let mut s = self.lock();
+        let id = s.next_id;
+        s.next_id += 1;
+        s.buffers.insert(id, HostData::zeros(dtype, len));
+        Ok(Buffer { id, dtype, len })
+    }
+
+    fn free(&self, buf: Buffer) -> Result<()> {
+        let mut s = self.lock();
+        if s.views.remove(&buf.id).is_some() {
+            return Ok(());
+        }
+        if s.views.values().any(|&(parent, _)| parent == buf.id) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} still has views on `{}`: free them first",
+                buf.id, self.caps.name
+            )));
+        }
+        s.buffers
+            .remove(&buf.id)
+            .map(|_| ())
+            .ok_or_else(|| Error::UnknownBuffer {
+                id: buf.id,
+                device: self.caps.name.clone(),
+            })
+    }
+
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        check_view(parent, offset, len)?;
+        let mut s = self.lock();
+        if s.views.contains_key(&parent.id) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} is itself a view: take views of the buffer it views",
+                parent.id
+            )));
+        }
+        let whole = s.get(parent, &self.caps.name)?;
+        if whole.dtype() != parent.dtype || whole.len() != parent.len {
+            return Err(Error::InvalidArgument(format!(
+                "handle for buffer #{} does not describe it (a handle from another device?)",
+                parent.id
+            )));
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        s.views.insert(id, (parent.id, offset));
+        Ok(Buffer {
+            id,
+            dtype: parent.dtype,
+            len,
+        })
+    }
+
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        check_upload(buf, data)?;
+        self.lock().put(buf, data.clone(), &self.caps.name)
+    }
+
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        // Launches run as they are recorded here, so the copy is the data as of now.
+        let data = self.lock().get(buf, &self.caps.name)?.into_owned();
+        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let ticket = staged.0;
+        staged.0 += 1;
+        staged.1.insert(ticket, data);
+        Ok(PendingDownload {
+            ticket,
+            buffer: buf,
+        })
+    }
+
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        let mut staged = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        staged.1.remove(&pending.ticket).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "download ticket {} is not pending on `{}` (already finished, or begun on \
+                 another device)",
+                pending.ticket, self.caps.name
+            ))
+        })
+    }
+
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        if self
+            .profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none()
+        {
+            return self.execute(kernel);
+        }
+        // Launches run as they are recorded here, so the host clock times them.
+        let start = std::time::Instant::now();
+        self.execute(kernel)?;
+        let dur = start.elapsed();
+        if let Some(t) = &mut *self.profile.lock().unwrap_or_else(|e| e.into_inner()) {
+            t.push(KernelTiming {
+                cost: kernel.cost(),
+                start,
+                dur,
+            });
+        }
+        Ok(())
+    }
+
+    fn profile_begin(&self) -> Result<()> {
+        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(vec![]);
+        Ok(())
+    }
+
+    fn profile_end(&self) -> Result<Vec<KernelTiming>> {
+        self.profile
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "profile_end on `{}` without profile_begin",
+                    self.caps.name
+                ))
+            })
     }
 
     fn submit(&self) -> Result<()> {

@@ -14,6 +14,9 @@ pub struct DeviceOptions {
     /// instead of the adapter's, when smaller: kernels that split operands over the
     /// limit are tested this way with megabytes instead of gigabytes.
     pub max_storage_binding: Option<u64>,
+    /// Open the device without GPU timestamp queries, as on an adapter that lacks them
+    /// (the profiler's host-only fallback is tested this way).
+    pub disable_timestamps: bool,
 }
 
 /// One adapter as `kiln devices` shows it.
@@ -128,7 +131,7 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabi
             .then_some((info.subgroup_min_size, info.subgroup_max_size)),
         timestamp_queries: features.contains(
             wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
-        ),
+        ) && !options.disable_timestamps,
         max_storage_binding: options
             .max_storage_binding
             .map_or(limits.max_storage_buffer_binding_size, |l| {

@@ -13,7 +13,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kiln_engine::device::{check_upload, check_view};
+use kiln_engine::device::profile::{span, SpanKind};
+use kiln_engine::device::{check_upload, check_view, KernelTiming};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
@@ -34,7 +35,7 @@ pub(crate) const BAND_PARTIALS_ID: u64 = u64::MAX - 3;
 pub struct WgpuDevice {
     pub(crate) caps: Capabilities,
     pub(crate) device: wgpu::Device,
-    queue: wgpu::Queue,
+    pub(crate) queue: wgpu::Queue,
     /// Alignment of dynamic uniform offsets.
     arena_stride: u64,
     arena: wgpu::Buffer,
@@ -99,6 +100,8 @@ pub(crate) struct State {
     pub(crate) partials: Option<wgpu::Buffer>,
     /// Begun downloads: the staging buffer and the submission that fills it.
     staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
+    /// Timestamp queries of an open profile (`Device::profile_begin`).
+    pub(crate) profiling: Option<crate::profile::Profiling>,
 }
 
 impl State {
@@ -281,10 +284,11 @@ impl WgpuDevice {
     }
 
     /// Submits the open stream, if any, with its parameters.
-    fn flush(&self, s: &mut State) -> Result<Option<wgpu::SubmissionIndex>> {
+    pub(crate) fn flush(&self, s: &mut State) -> Result<Option<wgpu::SubmissionIndex>> {
         let Some(encoder) = s.encoder.take() else {
             return Ok(None);
         };
+        let _span = span("submit", SpanKind::Submit);
         if !s.params.is_empty() {
             self.queue.write_buffer(&self.arena, 0, &s.params);
             s.params.clear();
@@ -522,14 +526,38 @@ impl WgpuDevice {
         // Take what the pass needs out of `s` before borrowing the encoder mutably.
         let pipeline = s.pipelines[&key].clone();
         let bind_group = s.bind_groups[&bind_key].clone();
+        let stamps = self.pass_timestamps(s);
+        let timestamp_writes = stamps
+            .as_ref()
+            .map(|(set, i)| wgpu::ComputePassTimestampWrites {
+                query_set: set,
+                beginning_of_pass_write_index: Some(*i),
+                end_of_pass_write_index: Some(*i + 1),
+            });
         let encoder = self.encoder(s);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some(d.kernel.file),
-            timestamp_writes: None,
+            timestamp_writes,
         });
         pass.set_pipeline(&pipeline);
         pass.set_bind_group(0, &bind_group, &[offset]);
         pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+        Ok(())
+    }
+
+    /// Records a launch, with timestamps around it when a profile is open.
+    fn record_profiled(
+        &self,
+        s: &mut State,
+        kernel: &Kernel,
+        handles: &HashMap<u64, wgpu::Buffer>,
+    ) -> Result<()> {
+        let Some(before) = self.launch_queries_begin(s) else {
+            return self.record_kernel(s, kernel, handles);
+        };
+        let _span = span("record", SpanKind::Record);
+        self.record_kernel(s, kernel, handles)?;
+        self.launch_queries_end(s, before, kernel.cost());
         Ok(())
     }
 
@@ -737,6 +765,7 @@ impl Device for WgpuDevice {
 
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
         check_upload(buf, data)?;
+        let _span = span("upload", SpanKind::Transfer);
         let mut s = self.lock();
         let base = s.base(buf.id);
         let target = &s
@@ -784,6 +813,7 @@ impl Device for WgpuDevice {
     }
 
     fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        let _span = span("begin download", SpanKind::Transfer);
         let mut s = self.lock();
         let base = s.base(buf.id);
         let src = s
@@ -812,6 +842,7 @@ impl Device for WgpuDevice {
     }
 
     fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        let _span = span("download", SpanKind::Transfer);
         let (readback, index) = self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "download ticket {} is not pending on `{}` (already finished, or begun on \
@@ -851,12 +882,12 @@ impl Device for WgpuDevice {
         // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
         let handles = self.handles(&s, kernel.name(), &kernel.buffers())?;
         let Some(profile) = &self.profile else {
-            return self.record_kernel(&mut s, kernel, &handles);
+            return self.record_profiled(&mut s, kernel, &handles);
         };
         self.flush(&mut s)?;
         self.wait()?;
         let t0 = std::time::Instant::now();
-        self.record_kernel(&mut s, kernel, &handles)?;
+        self.record_profiled(&mut s, kernel, &handles)?;
         self.flush(&mut s)?;
         self.wait()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -877,6 +908,7 @@ impl Device for WgpuDevice {
     }
 
     fn wait(&self) -> Result<()> {
+        let _span = span("wait", SpanKind::Wait);
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
@@ -885,5 +917,13 @@ impl Device for WgpuDevice {
 
     fn allocated_bytes(&self) -> u64 {
         self.lock().allocated
+    }
+
+    fn profile_begin(&self) -> Result<()> {
+        self.begin_profile()
+    }
+
+    fn profile_end(&self) -> Result<Vec<KernelTiming>> {
+        self.end_profile()
     }
 }

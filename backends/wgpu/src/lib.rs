@@ -6,9 +6,12 @@ mod attention;
 mod device;
 mod launch;
 mod matmul;
+mod peak;
+mod profile;
 pub mod shader;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
 pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
+pub use peak::Peak;

@@ -154,6 +154,14 @@ impl TrainConfig {
             "wall_clock_breakdown",
             self.wall_clock_breakdown.to_string(),
         );
+        line(
+            "flops_profiler.enabled",
+            self.flops_profiler.enabled.to_string(),
+        );
+        line(
+            "flops_profiler.profile_step",
+            self.flops_profiler.profile_step.to_string(),
+        );
         line("memory_breakdown", self.memory_breakdown.to_string());
         line("dump_state", self.dump_state.to_string());
 

@@ -15,7 +15,6 @@ pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
     ("csv_monitor", Inert::Disabled, LOGGING),
     ("comet", Inert::Disabled, LOGGING),
     ("comms_logger", Inert::Disabled, LOGGING),
-    ("flops_profiler", Inert::Disabled, LOGGING),
     (
         "timers",
         Inert::Any,

@@ -52,6 +52,7 @@
 //!   and collects problems, warnings and provenance.
 //! - `keys.rs`: the keys one object may hold (`Spec`) and the check of an object
 //!   against them.
+//! - `flops_profiler.rs`: the `flops_profiler` section, which the profiler honours.
 //! - `ignored.rs`: top-level keys accepted with a warning (logging and monitoring);
 //!   `unsupported.rs`: top-level features rejected unless switched off.
 //! - One file per section, with its resolved type and how the section is read:
@@ -69,6 +70,7 @@ mod auto;
 mod batch;
 mod error;
 mod explain;
+mod flops_profiler;
 mod ignored;
 mod keys;
 mod kiln;
@@ -91,6 +93,7 @@ use serde_json::{Map, Value};
 pub use crate::device::optim::Optimizer;
 pub use batch::{BatchConfig, MAX_BATCH};
 pub use error::{ConfigError, Problem};
+pub use flops_profiler::FlopsProfiler;
 pub use kiln::KilnSettings;
 pub use precision::{DynamicScaling, LossScaling, Precision};
 pub use provenance::Provenance;
@@ -124,8 +127,11 @@ pub struct TrainConfig {
     pub gradient_clipping: f32,
     /// Log every this many optimizer steps.
     pub steps_per_print: u64,
-    /// Print per-phase timings (forward, backward, step).
+    /// Profile a few steps (as `kiln train --profile`): a trace of every kernel and host
+    /// span, and where each step's time went.
     pub wall_clock_breakdown: bool,
+    /// DeepSpeed's FLOPs profiler, honoured by the same profile.
+    pub flops_profiler: FlopsProfiler,
     /// Print memory use at each logging step.
     pub memory_breakdown: bool,
     /// Print the full engine state at start-up.
@@ -185,6 +191,7 @@ impl TrainConfig {
             gradient_clipping: 0.0,
             steps_per_print: 10,
             wall_clock_breakdown: false,
+            flops_profiler: FlopsProfiler::default(),
             memory_breakdown: false,
             dump_state: false,
             zero: ZeroConfig::default(),
@@ -295,6 +302,7 @@ const TOP: Spec = Spec {
         "gradient_clipping",
         "steps_per_print",
         "wall_clock_breakdown",
+        "flops_profiler",
         "memory_breakdown",
         "dump_state",
         "zero_optimization",
@@ -320,6 +328,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
     };
     let steps_per_print = r.uint_or(root, "", "steps_per_print", (1, u64::MAX), 10);
     let wall_clock_breakdown = r.bool_or(root, "", "wall_clock_breakdown", false);
+    let flops_profiler = r.flops_profiler(root);
     let memory_breakdown = r.bool_or(root, "", "memory_breakdown", false);
     let dump_state = r.bool_or(root, "", "dump_state", false);
     let zero = r.zero(root);
@@ -350,6 +359,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         gradient_clipping,
         steps_per_print,
         wall_clock_breakdown,
+        flops_profiler,
         memory_breakdown,
         dump_state,
         zero,

@@ -7,16 +7,19 @@
 //! object-safe, so a device group can hold `Box<dyn Device>`s of different backends side
 //! by side.
 
+pub mod cost;
 pub mod dtype;
 pub mod host;
 pub mod kernel;
 pub mod matmul;
 pub mod optim;
+pub mod profile;
 pub mod safetensors_io;
 
 use serde::Serialize;
 
 use crate::{DType, HostData, Kernel, Result};
+pub use profile::KernelTiming;
 
 /// A handle to a device buffer. Cheap to copy; only meaningful on the device that
 /// allocated it. Using it after [`Device::free`] is an error, never undefined behaviour.
@@ -142,6 +145,26 @@ pub trait Device: Send + Sync {
 
     /// Bytes of device memory held by live buffers allocated through this trait.
     fn allocated_bytes(&self) -> u64;
+
+    /// Starts timing every launch recorded from now on, each on its own (GPU
+    /// timestamps around it where the adapter has them), until
+    /// [`Device::profile_end`]. Waits for the device first. Changes no results. An
+    /// error where the device cannot time its launches, saying so.
+    fn profile_begin(&self) -> Result<()> {
+        Err(crate::Error::Unsupported {
+            device: self.caps().name.clone(),
+            what: "timing kernel launches (the profile has host spans only)".to_string(),
+        })
+    }
+
+    /// Waits for the launches recorded since [`Device::profile_begin`] and returns their
+    /// timings, in launch order, on the host's clock; timing stops.
+    fn profile_end(&self) -> Result<Vec<KernelTiming>> {
+        Err(crate::Error::Unsupported {
+            device: self.caps().name.clone(),
+            what: "timing kernel launches (the profile has host spans only)".to_string(),
+        })
+    }
 }
 
 impl Buffer {

@@ -12,6 +12,7 @@
 //! divides by the global world size.
 
 use super::collective::Processes;
+use crate::device::profile::{span, SpanKind};
 use crate::models::{MicroBatch, Network};
 use crate::{Buffer, Device, Error, HostData, PendingDownload, Result};
 
@@ -57,6 +58,7 @@ pub struct Exchanged {
 /// as the first copy), then multiplies by `scale` when given (the last round): so any
 /// schedule gives the same bits. Split across threads when large.
 pub fn fold(acc: &mut Vec<f32>, parts: &[Vec<f32>], scale: Option<f32>) {
+    let _span = span("reduce", SpanKind::Reduce);
     let (first, rest) = if acc.is_empty() {
         *acc = vec![0f32; parts[0].len()];
         (Some(&parts[0]), &parts[1..])

@@ -3,5 +3,6 @@
 
 pub mod checkpoint;
 pub mod loss_scaler;
+pub mod profile;
 pub mod runs;
 pub mod trainer;

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::{LossScaling, Precision, TrainConfig};
 use crate::device::optim::grad_scale_reference;
+use crate::device::profile::{span, SpanKind};
 use crate::models::{
     in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState,
 };
@@ -297,6 +298,7 @@ impl Trainer {
         let (overflow, loss) = self.model.check(dev, self.config.gradient_clipping)?;
         let skipped = self.decide(overflow)? == StepDecision::Skip;
         if !skipped {
+            let _span = span("optimizer", SpanKind::Optimizer);
             self.model.update(dev, lr)?;
         }
         self.steps += 1;
@@ -395,6 +397,7 @@ impl Trainer {
         let optimizer = self.config.optimizer.clone();
         let shards = self.shards.take();
         let mut models = self.models_mut();
+        let optimizer_span = span("optimizer", SpanKind::Optimizer);
         let applied_ok = match &shards {
             None => models.iter_mut().zip(devs).try_for_each(|(m, dev)| {
                 if !ex.uploaded {
@@ -410,6 +413,7 @@ impl Trainer {
                     .map(|b| bytes += b)
             }
         };
+        drop(optimizer_span);
         self.shards = shards;
         applied_ok?;
         self.last_comm = comm(bytes);
