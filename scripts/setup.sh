@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs what Kiln needs beyond a Rust toolchain on Debian/Ubuntu: Vulkan and GL
-# drivers. On a machine without a GPU these are Mesa's software drivers (lavapipe for
-# Vulkan, llvmpipe for GL), which is how the test suite runs everywhere.
+# drivers, and Open MPI for the multi-process (`mpi` feature) build and tests. On a
+# machine without a GPU the drivers are Mesa's software ones (lavapipe for Vulkan,
+# llvmpipe for GL), which is how the test suite runs everywhere.
 set -euo pipefail
 
-packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri)
+# Open MPI and libclang: the `mpi` feature (multi-process training) and its tests.
+packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
+    libopenmpi-dev openmpi-bin libclang-dev)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -949,7 +949,7 @@ fn bench_dp_mpi(
         );
         // The f32 gradients the processes sum, and the compute one GPU per process
         // would do: the measured step less its exposed exchange.
-        let grads = r.process_bytes_per_step as f64 / 2.0;
+        let grads = 4.0 * model.parameter_count() as f64;
         let compute_ms = (r.step_ms - r.comm_ms).max(0.0);
         let bucket = a.bucket as f64 * 4.0;
         outln!(

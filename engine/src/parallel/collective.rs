@@ -126,6 +126,13 @@ impl Processes {
         Ok(())
     }
 
+    /// Bytes this process sends and receives to sum `elems` f32 over the processes
+    /// (a reduce-scatter and an all-gather each move (p-1)/p of them each way).
+    pub fn sum_bytes(&self, elems: usize) -> u64 {
+        let p = self.devices.len() as u64;
+        4 * (p - 1) * elems as u64 * 4 / p
+    }
+
     /// Sums host tensors over the processes, several tensors per collective (up to
     /// `bucket` elements, `reduce_bucket_size`), each in place.
     pub fn sum_tensors(&self, tensors: &mut [Vec<f32>], bucket: usize) -> Result<()> {
@@ -360,6 +367,14 @@ mod tests {
         for v in &out {
             assert_eq!(v, &[0.0, 3.0, 6.0]);
         }
+        // 300 f32 over 3 processes: 200 of them leave and 200 arrive in each of the
+        // two phases, 4 bytes each.
+        let procs = Processes {
+            comm: comms[0].clone(),
+            devices: vec![1, 2, 1],
+        };
+        assert_eq!(procs.sum_bytes(300), 4 * 200 * 4);
+        assert_eq!((procs.world(), procs.first_rank()), (4, 0));
         let comms = ThreadProcesses::group(2, Duration::from_millis(300));
         let err = comms[0]
             .arrive("step 5's exchange")

@@ -175,7 +175,7 @@ pub fn after_backward(
         for a in &mut avg {
             scale_in_place(a, scale);
         }
-        process_bytes = 2 * avg.iter().map(|a| a.len() as u64 * 4).sum::<u64>();
+        process_bytes = procs.sum_bytes(avg.iter().map(Vec::len).sum());
         bytes += process_bytes;
     }
     let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
@@ -408,8 +408,7 @@ pub fn during_backward(
             };
             if r == ACROSS {
                 for (p, avg) in bucket {
-                    // Sent and received once each, as f32.
-                    let b = 2 * avg.len() as u64 * 4;
+                    let b = procs.map_or(0, |procs| procs.sum_bytes(avg.len()));
                     bytes += b;
                     cross_total += b;
                     if during {

@@ -81,6 +81,20 @@ fn world() -> SimpleCommunicator {
     SimpleCommunicator::world()
 }
 
+/// Waits for a non-blocking collective while leaving the cores to the devices: a
+/// blocking MPI call spins on shared memory, and on a machine whose cores also run
+/// the devices (lavapipe, an integrated GPU's driver threads) that spinning slows the
+/// very backward the exchange overlaps.
+fn patient<'a, D: ?Sized, S: mpi::request::Scope<'a>>(mut req: mpi::request::Request<'a, D, S>) {
+    loop {
+        match req.test() {
+            Ok(_) => return,
+            Err(pending) => req = pending,
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
 impl MpiComm {
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms.load(Ordering::SeqCst))
@@ -143,7 +157,10 @@ impl MpiComm {
                 let send = Partition::new(&piece[..], &counts[..], &displs[..]);
                 let mut recv =
                     PartitionMut::new(&mut slices[..], &recv_counts[..], &recv_displs[..]);
-                world().all_to_all_varcount_into(&send, &mut recv);
+                let world = world();
+                mpi::request::scope(|scope| {
+                    patient(world.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
+                });
             });
             let mut acc: Vec<T> = slices[..mine].to_vec();
             for j in 1..p {
@@ -153,7 +170,10 @@ impl MpiComm {
             }
             self.watched("a gradient sum (all-gather)", || {
                 let mut recv = PartitionMut::new(&mut piece[..], &counts[..], &displs[..]);
-                world().all_gather_varcount_into(&acc[..], &mut recv);
+                let world = world();
+                mpi::request::scope(|scope| {
+                    patient(world.immediate_all_gather_varcount_into(scope, &acc[..], &mut recv))
+                });
             });
         }
         Ok(())
