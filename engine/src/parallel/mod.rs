@@ -2,10 +2,11 @@
 //! memory (`exchange`), ZeRO's partitioning of the optimizer state and gradients
 //! across the data-parallel ranks (`zero`), and the collective operations between the
 //! processes of a multi-process job (`collective`; over MPI in `mpi`, with the `mpi`
-//! feature).
+//! feature), and the pipeline's 1F1B schedule (`pipeline_schedule`).
 
 pub mod collective;
 pub mod exchange;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod pipeline_schedule;
 pub mod zero;
