@@ -96,6 +96,18 @@ fn processes(
     config: impl Fn(usize) -> TrainConfig + Sync,
     seed: impl Fn(usize) -> u64 + Sync,
 ) -> Vec<Result<Run, String>> {
+    processes_and_bytes(layout, config, seed)
+        .into_iter()
+        .map(|r| r.map(|(run, _)| run))
+        .collect()
+}
+
+/// [`processes`], with the bytes each process exchanged with the others in its last step.
+fn processes_and_bytes(
+    layout: &[usize],
+    config: impl Fn(usize) -> TrainConfig + Sync,
+    seed: impl Fn(usize) -> u64 + Sync,
+) -> Vec<Result<(Run, u64), String>> {
     let world: usize = layout.iter().sum();
     let comms = ThreadProcesses::group(layout.len(), Duration::from_secs(120));
     std::thread::scope(|s| {
@@ -104,7 +116,7 @@ fn processes(
             .enumerate()
             .map(|(p, comm)| {
                 let (config, seed) = (&config, &seed);
-                s.spawn(move || -> Result<Run, String> {
+                s.spawn(move || -> Result<(Run, u64), String> {
                     let devs: Vec<Box<dyn Device>> =
                         (0..layout[p]).map(|_| gpu("vulkan", false)).collect();
                     let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
@@ -122,7 +134,8 @@ fn processes(
                         let s = t.step_group(&refs, &mine).map_err(|e| e.to_string())?;
                         losses.push(s.loss);
                     }
-                    Ok((losses, t.param_states(&refs).map_err(|e| e.to_string())?))
+                    let states = t.param_states(&refs).map_err(|e| e.to_string())?;
+                    Ok(((losses, states), t.last_comm.process_bytes))
                 })
             })
             .collect();
@@ -166,10 +179,35 @@ fn processes_of_one_device_each_train_bit_identically_to_one_process() {
 fn zero_shards_span_the_processes_and_train_like_one_process() {
     // Three ranks (uneven slices), spread 2 + 1 and 1 + 1 + 1: the first process's
     // two devices are summed before the third's, the order one process uses too.
+    let psi: u64 = {
+        let (_, states) = one_process(config("", 1, 0, true), 1);
+        states.iter().map(|s| s.master.len() as u64).sum()
+    };
     for (stage, layout) in [(1u8, &[2usize, 1][..]), (2, &[1, 1, 1][..])] {
         let want = one_process(config("", 3, stage, true), 3);
-        let got = processes(layout, |w| config("", w, stage, true), |_| 3);
-        assert_same(&format!("{layout:?}, ZeRO stage {stage}"), &got, &want);
+        let got = processes_and_bytes(layout, |w| config("", w, stage, true), |_| 3);
+        let bytes: Vec<u64> = got.iter().map(|r| r.as_ref().map_or(0, |r| r.1)).collect();
+        let runs: Vec<_> = got.into_iter().map(|r| r.map(|(run, _)| run)).collect();
+        assert_same(&format!("{layout:?}, ZeRO stage {stage}"), &runs, &want);
+        // The gradients only go to their owners (a reduce-scatter): each process
+        // sends the 4Ψ bytes it does not own and receives its own part from every
+        // other process; the updated weights come back in the all-gather instead.
+        let world = 3;
+        let mut rank = 0;
+        for (p, &n) in layout.iter().enumerate() {
+            let owned: u64 = (rank..rank + n)
+                .map(|r| {
+                    kiln::engine::parallel::zero::shard_range(psi as usize, world, r).len() as u64
+                })
+                .sum();
+            rank += n;
+            let others = (layout.len() - 1) as u64;
+            assert_eq!(
+                bytes[p],
+                4 * (psi - owned) + 4 * owned * others,
+                "{layout:?} stage {stage}: process {p}'s gradient bytes"
+            );
+        }
     }
 }
 

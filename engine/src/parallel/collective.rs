@@ -9,6 +9,7 @@
 //! (threads of one program standing in for processes: tests and embedding) and, with
 //! the `mpi` feature, MPI (`parallel::mpi`).
 
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +30,9 @@ pub trait Collective: Send + Sync {
     fn sum_f64(&self, data: &mut [f64]) -> Result<()>;
     /// Every process's `data`, in process order (lengths may differ).
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+    /// Sends `parts[j]` to process `j`; returns what every process sent this one, in
+    /// process order (lengths may differ).
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> Result<Vec<Vec<u8>>>;
     /// Waits until every process has reached the point `what` names; a process that
     /// has not within the transport's timeout (it died or hangs) is named in the error.
     fn arrive(&self, what: &str) -> Result<()>;
@@ -59,6 +63,42 @@ pub struct Processes {
     pub comm: Arc<dyn Collective>,
     /// Devices each process drives, in process order.
     pub devices: Vec<usize>,
+    /// ZeRO: which process owns which part of each tensor. Gradients are then only
+    /// reduce-scattered to their owners, not summed everywhere.
+    pub owners: Option<Arc<Ownership>>,
+}
+
+/// ZeRO's partitioning seen by process: per tensor, the (process, element range)
+/// pieces, in element order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ownership {
+    pub by_param: Vec<Vec<(usize, Range<usize>)>>,
+}
+
+impl Ownership {
+    /// The owners of tensors of `sizes` elements when the flat partitioning of
+    /// `zero::segments` spans the devices of `devices[p]` per process.
+    pub fn new(sizes: &[usize], devices: &[usize]) -> Ownership {
+        let world = devices.iter().sum();
+        let mut by_param = vec![vec![]; sizes.len()];
+        let mut rank = 0;
+        for (p, &n) in devices.iter().enumerate() {
+            for r in rank..rank + n {
+                for seg in super::zero::segments(sizes, world, r) {
+                    let pieces: &mut Vec<(usize, Range<usize>)> = &mut by_param[seg.param];
+                    match pieces.last_mut() {
+                        // A process's ranks own adjacent ranges: one piece.
+                        Some((q, range)) if *q == p && range.end == seg.range.start => {
+                            range.end = seg.range.end
+                        }
+                        _ => pieces.push((p, seg.range)),
+                    }
+                }
+            }
+            rank += n;
+        }
+        Ownership { by_param }
+    }
 }
 
 impl std::fmt::Debug for Processes {
@@ -89,7 +129,76 @@ impl Processes {
                     .map_err(|_| Error::InvalidArgument("a malformed device count".into()))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Processes { comm, devices })
+        Ok(Processes {
+            comm,
+            devices,
+            owners: None,
+        })
+    }
+
+    /// The element ranges of tensor `param` this process owns (all of it without ZeRO).
+    pub fn owned(&self, param: usize, len: usize) -> Vec<Range<usize>> {
+        match &self.owners {
+            None => std::iter::once(0..len).collect(),
+            Some(o) => o.by_param[param]
+                .iter()
+                .filter(|(p, _)| *p == self.rank())
+                .map(|(_, r)| r.clone())
+                .collect(),
+        }
+    }
+
+    /// ZeRO: replaces the parts of tensors `ids` this process owns by their sum over the
+    /// processes (in process order); the rest is left as it was. Returns the bytes sent
+    /// and received.
+    fn sum_owned(
+        &self,
+        owners: &Ownership,
+        ids: &[usize],
+        tensors: &mut [Vec<f32>],
+    ) -> Result<u64> {
+        let me = self.rank();
+        let procs = self.devices.len();
+        let mut send = vec![vec![]; procs];
+        for (&p, t) in ids.iter().zip(tensors.iter()) {
+            for (q, r) in &owners.by_param[p] {
+                send[*q].extend_from_slice(bytemuck::cast_slice(&t[r.clone()]));
+            }
+        }
+        let got = self.comm.all_to_all(&send)?;
+        let mut bytes = 0u64;
+        for (q, (s, g)) in send.iter().zip(&got).enumerate() {
+            if q != me {
+                bytes += (s.len() + g.len()) as u64;
+            }
+        }
+        let parts = f32_parts(&got, "gradient part")?;
+        let mut off = 0;
+        for (&p, t) in ids.iter().zip(tensors.iter_mut()) {
+            for (q, r) in &owners.by_param[p] {
+                if *q != me {
+                    continue;
+                }
+                let n = r.len();
+                for (j, part) in parts.iter().enumerate() {
+                    let piece = part.get(off..off + n).ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "process {j} sent less gradient than this process owns"
+                        ))
+                    })?;
+                    let out = &mut t[r.clone()];
+                    if j == 0 {
+                        out.copy_from_slice(piece);
+                    } else {
+                        for (a, b) in out.iter_mut().zip(piece) {
+                            *a += *b;
+                        }
+                    }
+                }
+                off += n;
+            }
+        }
+        Ok(bytes)
     }
 
     /// This process's index.
@@ -133,9 +242,19 @@ impl Processes {
         4 * (p - 1) * elems as u64 * 4 / p
     }
 
-    /// Sums host tensors over the processes, several tensors per collective (up to
-    /// `bucket` elements, `reduce_bucket_size`), each in place.
-    pub fn sum_tensors(&self, tensors: &mut [Vec<f32>], bucket: usize) -> Result<()> {
+    /// Sums host tensors (model tensors `ids`) over the processes, several tensors per
+    /// collective (up to `bucket` elements, `reduce_bucket_size`), each in place —
+    /// under ZeRO only the parts this process owns. Returns the bytes sent and received.
+    pub fn sum_tensors(
+        &self,
+        ids: &[usize],
+        tensors: &mut [Vec<f32>],
+        bucket: usize,
+    ) -> Result<u64> {
+        if let Some(owners) = &self.owners {
+            return self.sum_owned(owners, ids, tensors);
+        }
+        let elems: usize = tensors.iter().map(Vec::len).sum();
         let mut start = 0;
         while start < tensors.len() {
             let mut end = start;
@@ -161,8 +280,39 @@ impl Processes {
             }
             start = end;
         }
-        Ok(())
+        Ok(self.sum_bytes(elems))
     }
+
+    /// The step's overflow flag and squared norm from this process's: under ZeRO each
+    /// process inspected only what it owns, and the parts are added in process order.
+    pub fn combine(&self, local: (bool, f64)) -> Result<(bool, f64)> {
+        if self.owners.is_none() {
+            return Ok(local);
+        }
+        let mut v = [local.1, f64::from(u8::from(local.0))];
+        self.comm.sum_f64(&mut v)?;
+        Ok((v[1] > 0.0, v[0]))
+    }
+}
+
+/// Every process's bytes as f32 values (copied: received bytes need not be aligned
+/// for f32); a length that is not whole values is an error naming the process.
+pub fn f32_parts(parts: &[Vec<u8>], what: &str) -> Result<Vec<Vec<f32>>> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(q, b)| {
+            if b.len() % 4 != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "process {q} sent a malformed {what} ({} bytes)",
+                    b.len()
+                )));
+            }
+            Ok(b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect())
+        })
+        .collect()
 }
 
 /// Threads of one program standing in for processes: each thread builds its own
@@ -321,6 +471,32 @@ impl Collective for ThreadProcesses {
         self.exchange("an all-gather", data.to_vec())
     }
 
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
+        let mut packed = vec![];
+        for p in parts {
+            packed.extend_from_slice(&(p.len() as u64).to_le_bytes());
+            packed.extend_from_slice(p);
+        }
+        let all = self.exchange("an all-to-all", packed)?;
+        Ok(all
+            .iter()
+            .map(|packed| {
+                // Process q's part for this process: the rank-th of its parts.
+                let mut at = 0;
+                let mut part = vec![];
+                for q in 0..=self.rank {
+                    let n = u64::from_le_bytes(packed[at..at + 8].try_into().unwrap()) as usize;
+                    at += 8;
+                    if q == self.rank {
+                        part = packed[at..at + n].to_vec();
+                    }
+                    at += n;
+                }
+                part
+            })
+            .collect())
+    }
+
     fn arrive(&self, what: &str) -> Result<()> {
         self.exchange(what, vec![]).map(|_| ())
     }
@@ -372,9 +548,20 @@ mod tests {
         let procs = Processes {
             comm: comms[0].clone(),
             devices: vec![1, 2, 1],
+            owners: None,
         };
         assert_eq!(procs.sum_bytes(300), 4 * 200 * 4);
         assert_eq!((procs.world(), procs.first_rank()), (4, 0));
+        // ZeRO's owners: 27 elements over 3 ranks (9 each), ranks 0-1 on process 0.
+        let o = Ownership::new(&[5, 1, 7, 3, 11], &[2, 1]);
+        let want: Vec<Vec<(usize, Range<usize>)>> = vec![
+            vec![(0, 0..5)],
+            vec![(0, 0..1)],
+            vec![(0, 0..7)],
+            vec![(0, 0..3)],
+            vec![(0, 0..2), (1, 2..11)],
+        ];
+        assert_eq!(o.by_param, want);
         let comms = ThreadProcesses::group(2, Duration::from_millis(300));
         let err = comms[0]
             .arrive("step 5's exchange")

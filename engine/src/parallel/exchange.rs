@@ -112,6 +112,22 @@ pub fn inspect(avg: &[f32]) -> (bool, f64) {
     })
 }
 
+/// [`inspect`] of the parts of a tensor this process owns (all of it without ZeRO
+/// across processes).
+fn inspect_owned(avg: &[f32], p: usize, procs: Option<&Processes>) -> (bool, f64) {
+    match procs {
+        Some(procs) if procs.owners.is_some() => {
+            let parts: Vec<(bool, f64)> = procs
+                .owned(p, avg.len())
+                .into_iter()
+                .map(|r| inspect(&avg[r]))
+                .collect();
+            combine(&parts)
+        }
+        _ => inspect(avg),
+    }
+}
+
 /// The step's overflow flag and squared norm from the tensors', in index order.
 pub fn combine(parts: &[(bool, f64)]) -> (bool, f64) {
     parts
@@ -171,14 +187,23 @@ pub fn after_backward(
         .collect();
     let mut process_bytes = 0;
     if let Some(procs) = procs {
-        procs.sum_tensors(&mut avg, bucket.max(1))?;
+        let ids: Vec<usize> = (0..avg.len()).collect();
+        process_bytes = procs.sum_tensors(&ids, &mut avg, bucket.max(1))?;
         for a in &mut avg {
             scale_in_place(a, scale);
         }
-        process_bytes = procs.sum_bytes(avg.iter().map(Vec::len).sum());
         bytes += process_bytes;
     }
-    let (overflow, sum_squares) = combine(&avg.iter().map(|a| inspect(a)).collect::<Vec<_>>());
+    let inspected: Vec<(bool, f64)> = avg
+        .iter()
+        .enumerate()
+        .map(|(p, a)| inspect_owned(a, p, procs))
+        .collect();
+    let mut local = combine(&inspected);
+    if let Some(procs) = procs {
+        local = procs.combine(local)?;
+    }
+    let (overflow, sum_squares) = local;
     Ok(Exchanged {
         loss: mean_loss(loss, world, procs)?,
         avg,
@@ -252,13 +277,15 @@ pub fn during_backward(
     let mut sums: Vec<Vec<f32>> = vec![vec![]; n_params];
     let mut inspected = vec![(false, 0f64); n_params];
     let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
-    let (mut cross_during, mut cross_total, mut uploaded_bytes) = (0u64, 0u64, 0u64);
+    let (cross_during, cross_total) = (AtomicU64::new(0), AtomicU64::new(0));
+    let mut uploaded_bytes = 0u64;
     let (to_comm, for_comm) = mpsc::channel::<(usize, Vec<f32>)>();
     std::thread::scope(|s| -> Result<()> {
         if let Some(procs) = procs {
             // The communication thread: the processes' sums, in the order the tensors
             // become final (the same on every process: backward's order), bucketed.
             let (to_reducer, in_backward) = (to_reducer.clone(), &in_backward);
+            let (cross_total, cross_during) = (&cross_total, &cross_during);
             s.spawn(move || {
                 let (mut pending, mut elems, mut received) = (vec![], 0, 0);
                 for (p, v) in for_comm {
@@ -270,9 +297,14 @@ pub fn during_backward(
                     }
                     let mut tensors: Vec<Vec<f32>> =
                         pending.iter_mut().map(|(_, v)| std::mem::take(v)).collect();
-                    let summed = procs.sum_tensors(&mut tensors, bucket);
+                    let ids: Vec<usize> = pending.iter().map(|(p, _)| *p).collect();
+                    let summed = procs.sum_tensors(&ids, &mut tensors, bucket);
                     let during = in_backward.load(Ordering::SeqCst) > 0;
-                    let msg = summed.map(|()| {
+                    let msg = summed.map(|b| {
+                        cross_total.fetch_add(b, Ordering::SeqCst);
+                        if during {
+                            cross_during.fetch_add(b, Ordering::SeqCst);
+                        }
                         let out: Bucket = pending
                             .drain(..)
                             .zip(tensors)
@@ -386,7 +418,7 @@ pub fn during_backward(
         // A tensor's average is final: its overflow flag and squared norm, and (stage 0)
         // its upload into every rank's gradient buffers.
         let mut finish = |p: usize, a: &[f32], inspected: &mut [(bool, f64)]| -> Result<()> {
-            inspected[p] = inspect(a);
+            inspected[p] = inspect_owned(a, p, procs);
             if upload {
                 for (rank, dev) in devs.iter().enumerate() {
                     let buf = grads[rank][p];
@@ -408,12 +440,6 @@ pub fn during_backward(
             };
             if r == ACROSS {
                 for (p, avg) in bucket {
-                    let b = procs.map_or(0, |procs| procs.sum_bytes(avg.len()));
-                    bytes += b;
-                    cross_total += b;
-                    if during {
-                        cross_during += b;
-                    }
                     sums[p] = avg;
                     finish(p, &sums[p], &mut inspected)?;
                     done += 1;
@@ -469,11 +495,17 @@ pub fn during_backward(
         Ok(())
     })?;
     bytes += uploaded_bytes;
+    let (cross_during, cross_total) = (cross_during.into_inner(), cross_total.into_inner());
+    bytes += cross_total;
     // Across processes, the overlap that matters is the processes' exchange.
     if procs.is_some() {
         (overlapped_bytes, total_bytes) = (cross_during, cross_total);
     }
-    let (overflow, sum_squares) = combine(&inspected);
+    let mut local = combine(&inspected);
+    if let Some(procs) = procs {
+        local = procs.combine(local)?;
+    }
+    let (overflow, sum_squares) = local;
     let mut loss = 0.0;
     for (m, dev) in models.iter().zip(devs) {
         loss += m.accumulated_loss(*dev)? as f64;

@@ -81,6 +81,17 @@ fn world() -> SimpleCommunicator {
     SimpleCommunicator::world()
 }
 
+/// An empty byte slice's address is 1, which Open MPI reads as `MPI_IN_PLACE`: give
+/// it a real one (the counts say 0 either way).
+fn unaliased(s: &[u8]) -> &[u8] {
+    static ONE: [u8; 1] = [0];
+    if s.is_empty() {
+        &ONE[..0]
+    } else {
+        s
+    }
+}
+
 /// Waits for a non-blocking collective while leaving the cores to the devices: a
 /// blocking MPI call spins on shared memory, and on a machine whose cores also run
 /// the devices (lavapipe, an integrated GPU's driver threads) that spinning slows the
@@ -224,9 +235,9 @@ impl Collective for MpiComm {
                 })
                 .collect();
             let total: usize = counts.iter().map(|&c| c as usize).sum();
-            let mut buf = vec![0u8; total];
+            let mut buf = vec![0u8; total.max(1)];
             let lo = done.min(data.len());
-            let send = &data[lo..(done + cap).min(data.len())];
+            let send = unaliased(&data[lo..(done + cap).min(data.len())]);
             self.watched("an all-gather", || {
                 let mut recv = PartitionMut::new(&mut buf[..], &counts[..], &displs[..]);
                 world().all_gather_varcount_into(send, &mut recv);
@@ -234,6 +245,73 @@ impl Collective for MpiComm {
             for j in 0..p {
                 let d = displs[j] as usize;
                 out[j].extend_from_slice(&buf[d..d + counts[j] as usize]);
+            }
+            done += cap;
+        }
+        Ok(out)
+    }
+
+    fn all_to_all(&self, parts: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
+        let p = self.size;
+        let sizes: Vec<u64> = parts.iter().map(|v| v.len() as u64).collect();
+        let mut lens = vec![0u64; p];
+        self.watched("an all-to-all of sizes", || {
+            world().all_to_all_into(&sizes[..], &mut lens[..])
+        });
+        let mut out: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&l| Vec::with_capacity(l as usize))
+            .collect();
+        // Rounds of at most MAX_COUNT bytes each way, so counts and displacements fit
+        // C ints.
+        let cap = (MAX_COUNT / p).max(1);
+        let mut done = 0usize;
+        while (0..p).any(|j| sizes[j] as usize > done || lens[j] as usize > done) {
+            let left = |len: u64| (len as usize).saturating_sub(done).min(cap);
+            let send_counts: Vec<Count> = sizes.iter().map(|&l| left(l) as Count).collect();
+            let recv_counts: Vec<Count> = lens.iter().map(|&l| left(l) as Count).collect();
+            let displs = |counts: &[Count]| -> Vec<Count> {
+                counts
+                    .iter()
+                    .scan(0, |acc, &c| {
+                        let d = *acc;
+                        *acc += c;
+                        Some(d)
+                    })
+                    .collect()
+            };
+            let (send_displs, recv_displs) = (displs(&send_counts), displs(&recv_counts));
+            let mut send: Vec<u8> = parts
+                .iter()
+                .flat_map(|v| {
+                    v[done.min(v.len())..(done + cap).min(v.len())]
+                        .iter()
+                        .copied()
+                })
+                .collect();
+            let mut buf = vec![
+                0u8;
+                recv_counts
+                    .iter()
+                    .map(|&c| c as usize)
+                    .sum::<usize>()
+                    .max(1)
+            ];
+            if send.is_empty() {
+                // See `unaliased`; the counts still say 0.
+                send.push(0);
+            }
+            self.watched("a gradient reduce-scatter", || {
+                let send = Partition::new(&send[..], &send_counts[..], &send_displs[..]);
+                let mut recv = PartitionMut::new(&mut buf[..], &recv_counts[..], &recv_displs[..]);
+                let world = world();
+                mpi::request::scope(|scope| {
+                    patient(world.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
+                });
+            });
+            for j in 0..p {
+                let d = recv_displs[j] as usize;
+                out[j].extend_from_slice(&buf[d..d + recv_counts[j] as usize]);
             }
             done += cap;
         }

@@ -10,12 +10,13 @@
 //! [`Shards`] holds every rank's slice of the f32 master weights and moments on its
 //! device, updates them from the reduced gradients and gathers the updated weights.
 //! In a multi-process job the flat partitioning spans every device of every process
-//! (ranks numbered process by process); a process holds its own devices' slices, and
-//! the updated weights and checkpointed states are gathered between processes.
+//! (ranks numbered process by process); a process holds its own devices' slices,
+//! receives only their gradients (`collective::Ownership`), and the updated weights
+//! and checkpointed states are gathered between processes.
 
 use std::ops::Range;
 
-use super::collective::Processes;
+use super::collective::{f32_parts, Processes};
 use crate::device::optim::ParamBuffers;
 use crate::models::{ModelStateBytes, Network, ParamState};
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
@@ -212,10 +213,8 @@ impl Shards {
         // Every process's slices: each in its segments' order, master, then moments.
         let sizes: Vec<usize> = states.iter().map(|s| s.master.len()).collect();
         let world = procs.world();
-        for (p, bytes) in procs.comm.all_gather(&mine)?.iter().enumerate() {
-            let values: &[f32] = bytemuck::try_cast_slice(bytes).map_err(|_| {
-                Error::InvalidArgument(format!("process {p} sent a malformed optimizer state"))
-            })?;
+        let gathered = procs.comm.all_gather(&mine)?;
+        for (p, values) in f32_parts(&gathered, "optimizer state")?.iter().enumerate() {
             let mut off = 0;
             let first: usize = procs.devices[..p].iter().sum();
             for rank in first..first + procs.devices[p] {

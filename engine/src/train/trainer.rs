@@ -19,7 +19,7 @@ use crate::device::profile::{span, SpanKind};
 use crate::models::{
     in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState,
 };
-use crate::parallel::collective::Processes;
+use crate::parallel::collective::{Ownership, Processes};
 use crate::parallel::exchange::{self, During};
 use crate::parallel::zero::Shards;
 use crate::train::checkpoint::{
@@ -177,7 +177,7 @@ impl Trainer {
         model: Arc<dyn Model>,
         config: TrainConfig,
         seed: u64,
-        procs: Option<Processes>,
+        mut procs: Option<Processes>,
     ) -> Result<Trainer> {
         let world = procs.as_ref().map_or(devs.len(), Processes::world);
         if let Some(p) = &procs {
@@ -236,6 +236,13 @@ impl Trainer {
         if config.zero.stage >= 1 && world > 1 {
             let mut refs: Vec<&mut Network> = models.iter_mut().collect();
             shards = Some(Shards::new(&mut refs, devs, procs.as_ref())?);
+            if let Some(p) = &mut procs {
+                // Each process then receives only the gradients its ranks update.
+                let sizes: Vec<usize> = (0..models[0].parameter_tensors())
+                    .map(|i| models[0].parameter_len(i))
+                    .collect();
+                p.owners = Some(Arc::new(Ownership::new(&sizes, &p.devices)));
+            }
             if partitioned {
                 for (m, &dev) in models.iter_mut().zip(devs) {
                     m.share_block_gradients(dev)?;
