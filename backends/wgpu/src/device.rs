@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use kiln_engine::device::compiling;
 use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::device::{check_upload, check_view, KernelTiming};
 use kiln_engine::{
@@ -55,6 +56,8 @@ pub struct WgpuDevice {
     /// added up per kernel; the table is printed when the device is dropped. Slows
     /// everything down (no batching), so it is for finding hot spots, not for totals.
     profile: Option<Mutex<HashMap<String, (u32, f64)>>>,
+    /// Compiled pipelines kept across runs, where the backend supports it.
+    disk_cache: Option<crate::pipeline_cache::DiskCache>,
 }
 
 struct Slot {
@@ -102,6 +105,44 @@ pub(crate) struct State {
     staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
     /// Timestamp queries of an open profile (`Device::profile_begin`).
     pub(crate) profiling: Option<crate::profile::Profiling>,
+    /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
+    /// here instead of recorded.
+    collect: Option<Vec<Wanted>>,
+    /// Prepared pipelines a software driver has not run yet, so not compiled yet
+    /// (lavapipe compiles a pipeline on its first dispatch, on its one queue thread).
+    first_runs: std::collections::HashSet<PipelineKey>,
+}
+
+/// A pipeline a prepared launch needs.
+struct Wanted {
+    key: PipelineKey,
+    kernel: &'static KernelSource,
+}
+
+/// `KILN_COMPILE_LOG=1`: each pipeline's build and (software drivers) first-run time
+/// on stderr, to see where a first step's compile time goes.
+fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")) {
+        eprintln!(
+            "kiln: {what} {} {:?} {:?} {:?}: {:.2} s",
+            key.name,
+            key.reprs,
+            key.consts,
+            key.overrides,
+            since.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Worker threads that compile a plan's pipelines: one per core unless
+/// `KILN_COMPILE_THREADS` says otherwise (1: one after another, as before).
+fn compile_threads() -> usize {
+    std::env::var("KILN_COMPILE_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 impl State {
@@ -178,6 +219,11 @@ impl WgpuDevice {
         if caps.subgroup_sizes.is_some() {
             features |= wgpu::Features::SUBGROUP;
         }
+        let keep_pipelines = adapter.features().contains(wgpu::Features::PIPELINE_CACHE)
+            && !options.no_pipeline_cache;
+        if keep_pipelines {
+            features |= wgpu::Features::PIPELINE_CACHE;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kiln"),
             required_features: features,
@@ -228,7 +274,11 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let disk_cache = keep_pipelines
+            .then(|| crate::pipeline_cache::open(&device, adapter, options))
+            .flatten();
         Ok(WgpuDevice {
+            disk_cache,
             dummy,
             band_partials,
             caps,
@@ -353,63 +403,185 @@ impl WgpuDevice {
         if s.pipelines.contains_key(key) {
             return Ok(());
         }
+        self.check_kernel(kernel)?;
+        let module = self.module(s, key, kernel);
+        let layout = self.layout(s, kernel).1.clone();
+        let pipeline = self.build_pipeline(key, kernel, &module, &layout)?;
+        s.pipelines.insert(key.clone(), pipeline);
+        Ok(())
+    }
+
+    fn check_kernel(&self, kernel: &KernelSource) -> Result<()> {
         if kernel.subgroups && self.caps.subgroup_sizes.is_none() {
             return Err(Error::Unsupported {
                 device: self.caps.name.clone(),
                 what: format!("subgroup operations, which kernel {} needs", kernel.name),
             });
         }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        Ok(())
+    }
+
+    /// The module of a pipeline key (created on first use: naga parses and validates
+    /// the WGSL, which is quick; the driver compiles at pipeline creation).
+    fn module(
+        &self,
+        s: &mut State,
+        key: &PipelineKey,
+        kernel: &KernelSource,
+    ) -> wgpu::ShaderModule {
         let module_key = (kernel.name, key.reprs.clone(), key.consts.clone());
-        let module = match s.modules.get(&module_key) {
-            Some(m) => m.clone(),
-            None => {
-                let source = shader::assemble(kernel, &key.reprs, &key.consts);
-                let desc = wgpu::ShaderModuleDescriptor {
-                    label: Some(kernel.name),
-                    source: wgpu::ShaderSource::Wgsl(source.into()),
-                };
-                let module = if kernel.trusted {
-                    // SAFETY: `trusted` kernels clamp every buffer index into range
-                    // themselves (see their sources) and their loops are bounded by launch
-                    // parameters, so the checks the compiler would add can never fire.
-                    unsafe {
-                        self.device.create_shader_module_trusted(
-                            desc,
-                            wgpu::ShaderRuntimeChecks::unchecked(),
-                        )
-                    }
-                } else {
-                    self.device.create_shader_module(desc)
-                };
-                s.modules.insert(module_key, module.clone());
-                module
-            }
+        if let Some(m) = s.modules.get(&module_key) {
+            return m.clone();
+        }
+        let source = shader::assemble(kernel, &key.reprs, &key.consts);
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
         };
+        let module = if kernel.trusted {
+            // SAFETY: `trusted` kernels clamp every buffer index into range
+            // themselves (see their sources) and their loops are bounded by launch
+            // parameters, so the checks the compiler would add can never fire.
+            unsafe {
+                self.device
+                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            self.device.create_shader_module(desc)
+        };
+        s.modules.insert(module_key, module.clone());
+        module
+    }
+
+    /// Compiles one pipeline; needs no lock, so several can compile at once (wgpu
+    /// devices are `Sync` and error scopes are per thread).
+    fn build_pipeline(
+        &self,
+        key: &PipelineKey,
+        kernel: &KernelSource,
+        module: &wgpu::ShaderModule,
+        layout: &wgpu::PipelineLayout,
+    ) -> Result<wgpu::ComputePipeline> {
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let constants: Vec<(&str, f64)> = key
             .overrides
             .iter()
             .map(|&(name, v)| (name, v as f64))
             .collect();
-        let layout = &self.layout(s, kernel).1;
         let pipeline = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(kernel.name),
                 layout: Some(layout),
-                module: &module,
+                module,
                 entry_point: Some("main"),
                 compilation_options: wgpu::PipelineCompilationOptions {
                     constants: &constants,
                     zero_initialize_workgroup_memory: false,
                 },
-                cache: None,
+                cache: self.disk_cache.as_ref().map(|c| &c.cache),
             });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)));
         }
-        s.pipelines.insert(key.clone(), pipeline);
+        if let Some(c) = &self.disk_cache {
+            c.dirty.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(pipeline)
+    }
+
+    /// The pipelines `kernels` need that are not built yet, found by recording them
+    /// into a scratch encoder that is dropped unsubmitted (copies included), with the
+    /// parameter arena restored: nothing runs and the open stream is untouched.
+    fn missing_pipelines(&self, s: &mut State, kernels: &[Kernel]) -> Result<Vec<Wanted>> {
+        let stream = s.encoder.take();
+        let params = s.params.len();
+        s.collect = Some(vec![]);
+        let mut result = Ok(());
+        for k in kernels {
+            result = k
+                .validate()
+                .and_then(|()| self.handles(s, k.name(), &k.buffers()))
+                .and_then(|h| self.record_kernel(s, k, &h));
+            if result.is_err() {
+                break;
+            }
+        }
+        let wanted = s.collect.take().unwrap_or_default();
+        s.encoder = stream;
+        s.params.truncate(params);
+        result.map(|()| wanted)
+    }
+
+    /// Compiles `wanted` on worker threads (one per core, `KILN_COMPILE_THREADS` to
+    /// override), counting each into [`compiling`], and keeps them.
+    fn compile_all(&self, s: &mut State, wanted: Vec<Wanted>) -> Result<()> {
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        for w in &wanted {
+            self.check_kernel(w.kernel)?;
+        }
+        // A software driver compiles in two halves, each counted: the pipeline's
+        // creation (its IR passes; on the workers) and its first run (machine code).
+        let compiles_on_first_run = self.caps.device_type == "cpu";
+        compiling::queued(wanted.len() * if compiles_on_first_run { 2 } else { 1 });
+        // Modules and layouts need the state; they are cheap next to the driver's
+        // compile, which happens in the workers.
+        let jobs: Vec<(Wanted, wgpu::ShaderModule, wgpu::PipelineLayout)> = wanted
+            .into_iter()
+            .map(|w| {
+                let module = self.module(s, &w.key, w.kernel);
+                let layout = self.layout(s, w.kernel).1.clone();
+                (w, module, layout)
+            })
+            .collect();
+        let threads = compile_threads().min(jobs.len()).max(1);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let built: Vec<Result<Vec<(usize, wgpu::ComputePipeline)>>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut mine = vec![];
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some((w, module, layout)) = jobs.get(i) else {
+                                return Ok(mine);
+                            };
+                            let t = std::time::Instant::now();
+                            let p = self.build_pipeline(&w.key, w.kernel, module, layout);
+                            compiling::finished();
+                            if compiles_on_first_run && p.is_err() {
+                                compiling::finished();
+                            }
+                            log_compile("built", &w.key, t);
+                            mine.push((i, p?));
+                        }
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        });
+        for r in built {
+            for (i, p) in r? {
+                if compiles_on_first_run {
+                    s.first_runs.insert(jobs[i].0.key.clone());
+                }
+                s.pipelines.insert(jobs[i].0.key.clone(), p);
+            }
+        }
+        if let Some(c) = &self.disk_cache {
+            c.save();
+        }
         Ok(())
+    }
+
+    /// Pipelines built so far (tests check that a prepared plan compiles nothing more).
+    pub fn pipeline_count(&self) -> usize {
+        self.lock().pipelines.len()
     }
 
     /// Records one compute dispatch into the stream.
@@ -475,6 +647,15 @@ impl WgpuDevice {
             consts: d.consts,
             overrides: d.overrides,
         };
+        if let Some(wanted) = &mut s.collect {
+            if !s.pipelines.contains_key(&key) && !wanted.iter().any(|w| w.key == key) {
+                wanted.push(Wanted {
+                    key,
+                    kernel: d.kernel,
+                });
+            }
+            return Ok(());
+        }
         self.pipeline(s, &key, d.kernel)?;
         if s.params.len() as u64 + self.arena_stride > self.arena.size() {
             self.flush(s)?;
@@ -534,14 +715,28 @@ impl WgpuDevice {
                 beginning_of_pass_write_index: Some(*i),
                 end_of_pass_write_index: Some(*i + 1),
             });
-        let encoder = self.encoder(s);
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some(d.kernel.file),
-            timestamp_writes,
-        });
-        pass.set_pipeline(&pipeline);
-        pass.set_bind_group(0, &bind_group, &[offset]);
-        pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+        {
+            let encoder = self.encoder(s);
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(d.kernel.file),
+                timestamp_writes,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind_group, &[offset]);
+            pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+        }
+        // A software driver compiles a pipeline when it first runs it: run that launch
+        // now, so the first step can count its kernels as they become ready. (Off
+        // while a profile is open: its timestamps resolve per submit of a whole step.)
+        if s.profiling.is_none() && s.first_runs.remove(&key) {
+            let t = std::time::Instant::now();
+            self.flush(s)?;
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+            compiling::finished();
+            log_compile("first run of", &key, t);
+        }
         Ok(())
     }
 
@@ -618,6 +813,10 @@ impl WgpuDevice {
 
 impl Drop for WgpuDevice {
     fn drop(&mut self) {
+        // Pipelines built after the plan's (evaluation, later micro-batches).
+        if let Some(c) = &self.disk_cache {
+            c.save();
+        }
         let Some(profile) = &self.profile else { return };
         let p = profile.lock().unwrap_or_else(|e| e.into_inner());
         let mut rows: Vec<_> = p.iter().collect();
@@ -900,6 +1099,12 @@ impl Device for WgpuDevice {
         e.0 += 1;
         e.1 += ms;
         Ok(())
+    }
+
+    fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
+        let mut s = self.lock();
+        let wanted = self.missing_pipelines(&mut s, kernels)?;
+        self.compile_all(&mut s, wanted)
     }
 
     fn submit(&self) -> Result<()> {
