@@ -57,7 +57,8 @@ pub struct WgpuDevice {
     /// everything down (no batching), so it is for finding hot spots, not for totals.
     profile: Option<Mutex<HashMap<String, (u32, f64)>>>,
     /// Compiled pipelines kept across runs, where the backend supports it.
-    disk_cache: Option<crate::pipeline_cache::DiskCache>,
+    disk_cache: Option<Arc<crate::pipeline_cache::DiskCache>>,
+    built: Built,
 }
 
 struct Slot {
@@ -111,6 +112,61 @@ pub(crate) struct State {
     /// Prepared pipelines a software driver has not run yet, so not compiled yet
     /// (lavapipe compiles a pipeline on its first dispatch, on its one queue thread).
     first_runs: std::collections::HashSet<PipelineKey>,
+    /// Pipelines the compile workers are building (see [`WgpuDevice::take_built`]).
+    building: std::collections::HashSet<PipelineKey>,
+}
+
+/// One pipeline for the compile workers.
+struct Job {
+    /// Expected build time, by proxy: the assembled source's length (unrolled GEMM
+    /// blocks are long and slow to build).
+    cost: usize,
+    key: PipelineKey,
+    module: wgpu::ShaderModule,
+    layout: wgpu::PipelineLayout,
+}
+
+/// Pipelines the compile workers finished (or failed to build), and a signal for a
+/// dispatch waiting for one.
+type Built = Arc<(
+    Mutex<HashMap<PipelineKey, std::result::Result<wgpu::ComputePipeline, String>>>,
+    std::sync::Condvar,
+)>;
+
+/// Builds one pipeline; needs no state, so workers build several at once (wgpu
+/// devices are `Sync` and error scopes are per thread). Marks the disk cache for
+/// saving.
+fn build(
+    device: &wgpu::Device,
+    cache: Option<&crate::pipeline_cache::DiskCache>,
+    key: &PipelineKey,
+    module: &wgpu::ShaderModule,
+    layout: &wgpu::PipelineLayout,
+) -> std::result::Result<wgpu::ComputePipeline, String> {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let constants: Vec<(&str, f64)> = key
+        .overrides
+        .iter()
+        .map(|&(name, v)| (name, v as f64))
+        .collect();
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(key.name),
+        layout: Some(layout),
+        module,
+        entry_point: Some("main"),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants: &constants,
+            zero_initialize_workgroup_memory: false,
+        },
+        cache: cache.map(|c| &c.cache),
+    });
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(e.to_string());
+    }
+    if let Some(c) = cache {
+        c.dirty.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    Ok(pipeline)
 }
 
 /// A pipeline a prepared launch needs.
@@ -276,9 +332,11 @@ impl WgpuDevice {
         });
         let disk_cache = keep_pipelines
             .then(|| crate::pipeline_cache::open(&device, adapter, options))
-            .flatten();
+            .flatten()
+            .map(Arc::new);
         Ok(WgpuDevice {
             disk_cache,
+            built: Arc::default(),
             dummy,
             band_partials,
             caps,
@@ -403,6 +461,9 @@ impl WgpuDevice {
         if s.pipelines.contains_key(key) {
             return Ok(());
         }
+        if s.building.contains(key) {
+            return self.take_built(s, key);
+        }
         self.check_kernel(kernel)?;
         let module = self.module(s, key, kernel);
         let layout = self.layout(s, kernel).1.clone();
@@ -453,8 +514,6 @@ impl WgpuDevice {
         module
     }
 
-    /// Compiles one pipeline; needs no lock, so several can compile at once (wgpu
-    /// devices are `Sync` and error scopes are per thread).
     fn build_pipeline(
         &self,
         key: &PipelineKey,
@@ -462,32 +521,14 @@ impl WgpuDevice {
         module: &wgpu::ShaderModule,
         layout: &wgpu::PipelineLayout,
     ) -> Result<wgpu::ComputePipeline> {
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let constants: Vec<(&str, f64)> = key
-            .overrides
-            .iter()
-            .map(|&(name, v)| (name, v as f64))
-            .collect();
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel.name),
-                layout: Some(layout),
-                module,
-                entry_point: Some("main"),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &constants,
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: self.disk_cache.as_ref().map(|c| &c.cache),
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)));
-        }
-        if let Some(c) = &self.disk_cache {
-            c.dirty.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-        Ok(pipeline)
+        build(
+            &self.device,
+            self.disk_cache.as_deref(),
+            key,
+            module,
+            layout,
+        )
+        .map_err(|e| self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)))
     }
 
     /// The pipelines `kernels` need that are not built yet, found by recording them
@@ -513,8 +554,10 @@ impl WgpuDevice {
         result.map(|()| wanted)
     }
 
-    /// Compiles `wanted` on worker threads (one per core, `KILN_COMPILE_THREADS` to
-    /// override), counting each into [`compiling`], and keeps them.
+    /// Starts building `wanted` on worker threads (one per core, `KILN_COMPILE_THREADS`
+    /// to override) in launch order, and returns: a dispatch that needs one of them
+    /// waits for it alone, so the first launches run — and a software driver compiles
+    /// their machine code on its queue thread — while later pipelines still build.
     fn compile_all(&self, s: &mut State, wanted: Vec<Wanted>) -> Result<()> {
         if wanted.is_empty() {
             return Ok(());
@@ -528,60 +571,100 @@ impl WgpuDevice {
         compiling::queued(wanted.len() * if compiles_on_first_run { 2 } else { 1 });
         // Modules and layouts need the state; they are cheap next to the driver's
         // compile, which happens in the workers.
-        let jobs: Vec<(Wanted, wgpu::ShaderModule, wgpu::PipelineLayout)> = wanted
+        let jobs: Vec<Job> = wanted
             .into_iter()
             .map(|w| {
-                let module = self.module(s, &w.key, w.kernel);
-                let layout = self.layout(s, w.kernel).1.clone();
-                (w, module, layout)
+                s.building.insert(w.key.clone());
+                if compiles_on_first_run {
+                    s.first_runs.insert(w.key.clone());
+                }
+                Job {
+                    cost: shader::assemble(w.kernel, &w.key.reprs, &w.key.consts).len(),
+                    module: self.module(s, &w.key, w.kernel),
+                    layout: self.layout(s, w.kernel).1.clone(),
+                    key: w.key,
+                }
             })
             .collect();
         let threads = compile_threads().min(jobs.len()).max(1);
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let built: Vec<Result<Vec<(usize, wgpu::ComputePipeline)>>> = std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    scope.spawn(|| {
-                        let mut mine = vec![];
-                        loop {
-                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let Some((w, module, layout)) = jobs.get(i) else {
-                                return Ok(mine);
-                            };
-                            let t = std::time::Instant::now();
-                            let p = self.build_pipeline(&w.key, w.kernel, module, layout);
-                            compiling::finished();
-                            if compiles_on_first_run && p.is_err() {
-                                compiling::finished();
-                            }
-                            log_compile("built", &w.key, t);
-                            mine.push((i, p?));
+        // With two workers or more, worker 0 takes the costliest pipeline left (the big
+        // unrolled GEMMs are the critical path: a software driver spends tens of
+        // seconds on each) and the others take them in launch order, so the first
+        // launches run (and a software driver compiles their machine code) early.
+        let queue = Arc::new(Mutex::new(jobs));
+        for worker in 0..threads {
+            let (queue, built) = (queue.clone(), self.built.clone());
+            let device = self.device.clone();
+            let cache = self.disk_cache.clone();
+            let spawned = std::thread::Builder::new()
+                .name("kiln-compile".into())
+                .spawn(move || loop {
+                    let job = {
+                        let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                        let pick = if worker == 0 && threads > 1 {
+                            (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
+                        } else {
+                            (!q.is_empty()).then_some(0)
+                        };
+                        match pick {
+                            Some(i) => q.remove(i),
+                            None => return,
                         }
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect()
-        });
-        for r in built {
-            for (i, p) in r? {
-                if compiles_on_first_run {
-                    s.first_runs.insert(jobs[i].0.key.clone());
-                }
-                s.pipelines.insert(jobs[i].0.key.clone(), p);
+                    };
+                    let t = std::time::Instant::now();
+                    let p = build(
+                        &device,
+                        cache.as_deref(),
+                        &job.key,
+                        &job.module,
+                        &job.layout,
+                    );
+                    log_compile("built", &job.key, t);
+                    compiling::finished();
+                    let (ready, cv) = &*built;
+                    ready
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(job.key.clone(), p);
+                    cv.notify_all();
+                });
+            if let Err(e) = spawned {
+                return Err(self.backend_error(format!("could not start a compile thread: {e}")));
             }
-        }
-        if let Some(c) = &self.disk_cache {
-            c.save();
         }
         Ok(())
     }
 
-    /// Pipelines built so far (tests check that a prepared plan compiles nothing more).
+    /// Takes a pipeline the workers build, waiting for it if it is not ready yet.
+    fn take_built(&self, s: &mut State, key: &PipelineKey) -> Result<()> {
+        let (ready, cv) = &*self.built;
+        let mut done = ready.lock().unwrap_or_else(|e| e.into_inner());
+        let result = loop {
+            if let Some(r) = done.remove(key) {
+                break r;
+            }
+            done = cv.wait(done).unwrap_or_else(|e| e.into_inner());
+        };
+        drop(done);
+        s.building.remove(key);
+        let pipeline = result.map_err(|e| {
+            s.first_runs.remove(key);
+            self.backend_error(format!("kernel {} failed to build: {e}", key.name))
+        })?;
+        s.pipelines.insert(key.clone(), pipeline);
+        if s.building.is_empty() {
+            if let Some(c) = &self.disk_cache {
+                c.save();
+            }
+        }
+        Ok(())
+    }
+
+    /// Pipelines built or being built (tests check that a prepared plan's launches add
+    /// none).
     pub fn pipeline_count(&self) -> usize {
-        self.lock().pipelines.len()
+        let s = self.lock();
+        s.pipelines.len() + s.building.len()
     }
 
     /// Records one compute dispatch into the stream.
@@ -648,7 +731,10 @@ impl WgpuDevice {
             overrides: d.overrides,
         };
         if let Some(wanted) = &mut s.collect {
-            if !s.pipelines.contains_key(&key) && !wanted.iter().any(|w| w.key == key) {
+            if !s.pipelines.contains_key(&key)
+                && !s.building.contains(&key)
+                && !wanted.iter().any(|w| w.key == key)
+            {
                 wanted.push(Wanted {
                     key,
                     kernel: d.kernel,
