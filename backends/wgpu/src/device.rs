@@ -593,14 +593,14 @@ impl WgpuDevice {
         // launches run (and a software driver compiles their machine code) early.
         let queue = Arc::new(Mutex::new(jobs));
         for worker in 0..threads {
-            let (queue, built) = (queue.clone(), self.built.clone());
+            let (mine, built) = (queue.clone(), self.built.clone());
             let device = self.device.clone();
             let cache = self.disk_cache.clone();
             let spawned = std::thread::Builder::new()
                 .name("kiln-compile".into())
                 .spawn(move || loop {
                     let job = {
-                        let mut q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                        let mut q = mine.lock().unwrap_or_else(|e| e.into_inner());
                         let pick = if worker == 0 && threads > 1 {
                             (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
                         } else {
@@ -612,13 +612,18 @@ impl WgpuDevice {
                         }
                     };
                     let t = std::time::Instant::now();
-                    let p = build(
-                        &device,
-                        cache.as_deref(),
-                        &job.key,
-                        &job.module,
-                        &job.layout,
-                    );
+                    // A dispatch waits for this result: a panic must become an error,
+                    // not a wait that never ends.
+                    let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        build(
+                            &device,
+                            cache.as_deref(),
+                            &job.key,
+                            &job.module,
+                            &job.layout,
+                        )
+                    }))
+                    .unwrap_or_else(|_| Err("the driver panicked while building it".into()));
                     log_compile("built", &job.key, t);
                     compiling::finished();
                     let (ready, cv) = &*built;
@@ -629,6 +634,15 @@ impl WgpuDevice {
                     cv.notify_all();
                 });
             if let Err(e) = spawned {
+                if worker == 0 {
+                    // Nobody builds them: they compile on first use, as without
+                    // `prepare`.
+                    let q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                    for job in q.iter() {
+                        s.building.remove(&job.key);
+                        s.first_runs.remove(&job.key);
+                    }
+                }
                 return Err(self.backend_error(format!("could not start a compile thread: {e}")));
             }
         }
