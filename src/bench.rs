@@ -173,7 +173,11 @@ pub struct Row {
 
 /// Runs `f` once to warm up, then until `budget` has passed (at least `min_reps`
 /// times); returns the mean seconds per run.
-fn time_it(budget: Duration, min_reps: u32, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+pub(crate) fn time_it(
+    budget: Duration,
+    min_reps: u32,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
     f()?;
     let start = Instant::now();
     let mut reps = 0;

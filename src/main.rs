@@ -265,6 +265,38 @@ enum BenchWhat {
     /// An adapter's peak: f32 FMA GFLOP/s and copy GB/s, cached per adapter and host as
     /// the denominator of `kiln train --profile`'s MFU.
     Peak(PeakArgs),
+    /// A training step of a named model size per adapter and precision: tokens/s, step
+    /// time, MFU, device memory, and step time ÷ the step's GEMM-bound time.
+    Train(TrainBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct TrainBenchArgs {
+    /// Models: `small` (5.29M GPT, T 128, micro-batch 8), `demo` (the addition demo),
+    /// `gpt2` (124M at T 1024, micro-batch 1), or model JSON files.
+    #[arg(long, value_delimiter = ',', default_value = "small")]
+    model: Vec<String>,
+    /// Devices to measure (`kiln devices` lists them); default: every adapter.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Precisions: fp32, fp16, bf16 (fp16/bf16 keep fp32 master weights).
+    #[arg(long, value_delimiter = ',', default_value = "fp32")]
+    precision: Vec<String>,
+    /// Sequences per step instead of the model's own micro-batch.
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Timed steps after the warm-up step (which compiles).
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Time each distinct GEMM of the step for about this many milliseconds.
+    #[arg(long, default_value_t = 200)]
+    gemm_budget_ms: u64,
+    /// One device's peak TFLOP/s for the MFU [default: `kiln bench peak`'s cache].
+    #[arg(long)]
+    peak_tflops: Option<f64>,
+    /// Write the rows as JSON to this file (`-` for stdout) instead of a table.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -476,6 +508,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Peak(args),
         } => bench_peak(args),
+        Command::Bench {
+            what: BenchWhat::Train(args),
+        } => bench_train(args),
     }
 }
 
@@ -1034,6 +1069,49 @@ fn bench_peak(args: PeakArgs) -> Result<()> {
     }
     let path = store_peaks(&rows)?;
     errln!("cached in {}", path.display());
+    Ok(())
+}
+
+fn bench_train(a: TrainBenchArgs) -> Result<()> {
+    use kiln::bench_train::{bench_model, format_table, measure, precision_config};
+    // Every argument is checked before anything compiles or runs.
+    let models = a
+        .model
+        .iter()
+        .map(|m| bench_model(m, a.micro_batch))
+        .collect::<Result<Vec<_>>>()?;
+    for p in &a.precision {
+        precision_config(p)?;
+    }
+    if let Some(t) = a.peak_tflops.filter(|t| !(t.is_finite() && *t > 0.0)) {
+        anyhow::bail!("--peak-tflops {t}: give the device's peak as a positive number");
+    }
+    let devs = bench_devices(&a.devices, &Default::default())?;
+    let opts = kiln::bench_train::TrainBenchOptions {
+        steps: a.steps,
+        gemm_budget: std::time::Duration::from_millis(a.gemm_budget_ms),
+        peak_tflops: a.peak_tflops,
+    };
+    let mut rows = vec![];
+    for model in &models {
+        for dev in &devs {
+            for p in &a.precision {
+                errln!(
+                    "kiln bench train: {} on {} at {p}",
+                    model.name,
+                    dev.caps().name
+                );
+                rows.push(measure(dev, model, p, &opts)?);
+            }
+        }
+    }
+    if rows.iter().any(|r| r.mfu.is_none()) {
+        errln!("MFU needs the adapter's peak: run `kiln bench peak` once, or pass --peak-tflops");
+    }
+    match &a.json {
+        Some(path) => kiln::bench::write_json(&rows, path)?,
+        None => outln!("{}", format_table(&rows)),
+    }
     Ok(())
 }
 

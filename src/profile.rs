@@ -19,48 +19,7 @@ use crate::train::say;
 /// Steps `--profile` covers when no count is given.
 pub const DEFAULT_PROFILE_STEPS: u64 = 3;
 
-/// The user cache directory Kiln keeps measured data in: `$KILN_CACHE_DIR`, else the
-/// platform's (`$XDG_CACHE_HOME/kiln` or `~/.cache/kiln`, `~/Library/Caches/kiln`,
-/// `%LOCALAPPDATA%\kiln`).
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    if cfg!(windows) {
-        return std::env::var_os("LOCALAPPDATA").map(|d| PathBuf::from(d).join("kiln"));
-    }
-    if cfg!(target_os = "macos") {
-        return std::env::var_os("HOME").map(|h| PathBuf::from(h).join("Library/Caches/kiln"));
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
-        return Some(PathBuf::from(d).join("kiln"));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln"))
-}
-
-/// The host CPU's model and vector width: a CPU adapter's speed depends on it (lavapipe
-/// reports one adapter name on every host), so it is part of a peak's cache key.
-pub fn host_cpu() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let model = info
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .and_then(|l| l.split_once(':'))
-        .map(|(_, m)| m.trim().to_string())
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let flags = info
-        .lines()
-        .find(|l| l.starts_with("flags"))
-        .unwrap_or_default();
-    let vector = if flags.contains(" avx512f") {
-        ", AVX-512"
-    } else if flags.contains(" avx2") {
-        ", AVX2"
-    } else {
-        ""
-    };
-    format!("{model}{vector}")
-}
+pub use kiln_engine::fsutil::{cache_dir, host_cpu};
 
 /// One adapter's measured peak, as `kiln bench peak` reports and caches it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

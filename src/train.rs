@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kiln_engine::device::compiling;
 use serde_json::{json, Value};
 
 use kiln_engine::config::{self, Schedule, TrainConfig};
@@ -708,15 +709,28 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     })
 }
 
-/// Draws "compiling kernels" with the elapsed time until `finished` closes: on the
-/// bar's message on a terminal, else as a log line now and then.
+/// Draws "compiling kernels (n/N)" with the elapsed time until `finished` closes: on
+/// the bar's message on a terminal, else as a log line now and then. n/N counts the
+/// pipelines the devices compile ahead of the step (see `Device::prepare`).
 fn show_compiling(bar: &ProgressBar, finished: mpsc::Receiver<()>, since: Instant) {
     const WHAT: &str = "compiling kernels for the first step";
+    // Pipelines already listed (a software driver compiles them as they first run, in
+    // this step) count, as do those the step lists.
+    let (done_before, _) = compiling::snapshot();
+    let counts = || {
+        let (done, queued) = compiling::snapshot();
+        let total = queued - done_before;
+        if total == 0 {
+            String::new()
+        } else {
+            format!(" ({}/{total})", (done - done_before).min(total))
+        }
+    };
     let every = if bar.is_hidden() {
         say(format!(
             "{WHAT} (it can take minutes on a software renderer such as lavapipe)…"
         ));
-        Duration::from_secs(30)
+        Duration::from_secs(10)
     } else {
         bar.set_message(format!("{WHAT}…"));
         Duration::from_secs(1)
@@ -724,9 +738,9 @@ fn show_compiling(bar: &ProgressBar, finished: mpsc::Receiver<()>, since: Instan
     while let Err(mpsc::RecvTimeoutError::Timeout) = finished.recv_timeout(every) {
         let s = since.elapsed().as_secs();
         if bar.is_hidden() {
-            say(format!("still {WHAT} ({s} s)…"));
+            say(format!("still {WHAT}{} ({s} s)…", counts()));
         } else {
-            bar.set_message(format!("{WHAT}… {s} s"));
+            bar.set_message(format!("{WHAT}{}… {s} s", counts()));
         }
     }
 }

@@ -81,3 +81,58 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> IoResult<()> {
     }
     sync_dir(parent_dir(path))
 }
+
+/// The user cache directory Kiln keeps measured data in: `$KILN_CACHE_DIR`, else the
+/// platform's (`$XDG_CACHE_HOME/kiln` or `~/.cache/kiln`, `~/Library/Caches/kiln`,
+/// `%LOCALAPPDATA%\kiln`).
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if cfg!(windows) {
+        return std::env::var_os("LOCALAPPDATA").map(|d| PathBuf::from(d).join("kiln"));
+    }
+    if cfg!(target_os = "macos") {
+        return std::env::var_os("HOME").map(|h| PathBuf::from(h).join("Library/Caches/kiln"));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME").filter(|d| !d.is_empty()) {
+        return Some(PathBuf::from(d).join("kiln"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln"))
+}
+
+/// The host CPU's model and vector width: a CPU adapter's speed depends on it (lavapipe
+/// reports one adapter name on every host), so it is part of the key of what is
+/// cached per adapter (a peak, compiled pipelines, which hold host machine code).
+pub fn host_cpu() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = info
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, m)| m.trim().to_string())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let flags = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .unwrap_or_default();
+    let vector = if flags.contains(" avx512f") {
+        ", AVX-512"
+    } else if flags.contains(" avx2") {
+        ", AVX2"
+    } else {
+        ""
+    };
+    format!("{model}{vector}")
+}
+
+/// Replaces `path` with `bytes` atomically (a reader sees the old file or the new one,
+/// never a mix), for caches that other processes may read meanwhile.
+pub fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic(path, bytes).map_err(|f| {
+        std::io::Error::new(
+            f.err.kind(),
+            format!("{} {}: {}", f.action, f.path.display(), f.err),
+        )
+    })
+}

@@ -7,7 +7,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod error;
-mod fsutil;
+pub mod fsutil;
 pub mod graph;
 pub mod models;
 pub mod parallel;

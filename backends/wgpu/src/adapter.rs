@@ -17,6 +17,11 @@ pub struct DeviceOptions {
     /// Open the device without GPU timestamp queries, as on an adapter that lacks them
     /// (the profiler's host-only fallback is tested this way).
     pub disable_timestamps: bool,
+    /// Keep compiled pipelines here across runs instead of in the user cache
+    /// directory (`$KILN_CACHE_DIR/pipelines`, else `~/.cache/kiln/pipelines`).
+    pub pipeline_cache_dir: Option<std::path::PathBuf>,
+    /// Compile every pipeline from source, reading and writing no pipeline cache.
+    pub no_pipeline_cache: bool,
 }
 
 /// One adapter as `kiln devices` shows it.

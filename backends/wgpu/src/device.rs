@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use kiln_engine::device::compiling;
 use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::device::{check_upload, check_view, KernelTiming};
 use kiln_engine::{
@@ -55,6 +56,9 @@ pub struct WgpuDevice {
     /// added up per kernel; the table is printed when the device is dropped. Slows
     /// everything down (no batching), so it is for finding hot spots, not for totals.
     profile: Option<Mutex<HashMap<String, (u32, f64)>>>,
+    /// Compiled pipelines kept across runs, where the backend supports it.
+    disk_cache: Option<Arc<crate::pipeline_cache::DiskCache>>,
+    built: Built,
 }
 
 struct Slot {
@@ -102,6 +106,99 @@ pub(crate) struct State {
     staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
     /// Timestamp queries of an open profile (`Device::profile_begin`).
     pub(crate) profiling: Option<crate::profile::Profiling>,
+    /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
+    /// here instead of recorded.
+    collect: Option<Vec<Wanted>>,
+    /// Prepared pipelines a software driver has not run yet, so not compiled yet
+    /// (lavapipe compiles a pipeline on its first dispatch, on its one queue thread).
+    first_runs: std::collections::HashSet<PipelineKey>,
+    /// Pipelines the compile workers are building (see [`WgpuDevice::take_built`]).
+    building: std::collections::HashSet<PipelineKey>,
+}
+
+/// One pipeline for the compile workers.
+struct Job {
+    /// Expected build time, by proxy: the assembled source's length (unrolled GEMM
+    /// blocks are long and slow to build).
+    cost: usize,
+    key: PipelineKey,
+    module: wgpu::ShaderModule,
+    layout: wgpu::PipelineLayout,
+}
+
+/// Pipelines the compile workers finished (or failed to build), and a signal for a
+/// dispatch waiting for one.
+type Built = Arc<(
+    Mutex<HashMap<PipelineKey, std::result::Result<wgpu::ComputePipeline, String>>>,
+    std::sync::Condvar,
+)>;
+
+/// Builds one pipeline; needs no state, so workers build several at once (wgpu
+/// devices are `Sync` and error scopes are per thread). Marks the disk cache for
+/// saving.
+fn build(
+    device: &wgpu::Device,
+    cache: Option<&crate::pipeline_cache::DiskCache>,
+    key: &PipelineKey,
+    module: &wgpu::ShaderModule,
+    layout: &wgpu::PipelineLayout,
+) -> std::result::Result<wgpu::ComputePipeline, String> {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let constants: Vec<(&str, f64)> = key
+        .overrides
+        .iter()
+        .map(|&(name, v)| (name, v as f64))
+        .collect();
+    let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(key.name),
+        layout: Some(layout),
+        module,
+        entry_point: Some("main"),
+        compilation_options: wgpu::PipelineCompilationOptions {
+            constants: &constants,
+            zero_initialize_workgroup_memory: false,
+        },
+        cache: cache.map(|c| &c.cache),
+    });
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(e.to_string());
+    }
+    if let Some(c) = cache {
+        c.dirty.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    Ok(pipeline)
+}
+
+/// A pipeline a prepared launch needs.
+struct Wanted {
+    key: PipelineKey,
+    kernel: &'static KernelSource,
+}
+
+/// `KILN_COMPILE_LOG=1`: each pipeline's build and (software drivers) first-run time
+/// on stderr, to see where a first step's compile time goes.
+fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")) {
+        eprintln!(
+            "kiln: {what} {} {:?} {:?} {:?}: {:.2} s",
+            key.name,
+            key.reprs,
+            key.consts,
+            key.overrides,
+            since.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Worker threads that compile a plan's pipelines: one per core unless
+/// `KILN_COMPILE_THREADS` says otherwise (1: one after another, as before).
+fn compile_threads() -> usize {
+    std::env::var("KILN_COMPILE_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 impl State {
@@ -178,6 +275,11 @@ impl WgpuDevice {
         if caps.subgroup_sizes.is_some() {
             features |= wgpu::Features::SUBGROUP;
         }
+        let keep_pipelines = adapter.features().contains(wgpu::Features::PIPELINE_CACHE)
+            && !options.no_pipeline_cache;
+        if keep_pipelines {
+            features |= wgpu::Features::PIPELINE_CACHE;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("kiln"),
             required_features: features,
@@ -228,7 +330,13 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
+        let disk_cache = keep_pipelines
+            .then(|| crate::pipeline_cache::open(&device, adapter, options))
+            .flatten()
+            .map(Arc::new);
         Ok(WgpuDevice {
+            disk_cache,
+            built: Arc::default(),
             dummy,
             band_partials,
             caps,
@@ -353,63 +461,224 @@ impl WgpuDevice {
         if s.pipelines.contains_key(key) {
             return Ok(());
         }
+        if s.building.contains(key) {
+            return self.take_built(s, key);
+        }
+        self.check_kernel(kernel)?;
+        let module = self.module(s, key, kernel);
+        let layout = self.layout(s, kernel).1.clone();
+        let pipeline = self.build_pipeline(key, kernel, &module, &layout)?;
+        s.pipelines.insert(key.clone(), pipeline);
+        Ok(())
+    }
+
+    fn check_kernel(&self, kernel: &KernelSource) -> Result<()> {
         if kernel.subgroups && self.caps.subgroup_sizes.is_none() {
             return Err(Error::Unsupported {
                 device: self.caps.name.clone(),
                 what: format!("subgroup operations, which kernel {} needs", kernel.name),
             });
         }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module_key = (kernel.name, key.reprs.clone(), key.consts.clone());
-        let module = match s.modules.get(&module_key) {
-            Some(m) => m.clone(),
-            None => {
-                let source = shader::assemble(kernel, &key.reprs, &key.consts);
-                let desc = wgpu::ShaderModuleDescriptor {
-                    label: Some(kernel.name),
-                    source: wgpu::ShaderSource::Wgsl(source.into()),
-                };
-                let module = if kernel.trusted {
-                    // SAFETY: `trusted` kernels clamp every buffer index into range
-                    // themselves (see their sources) and their loops are bounded by launch
-                    // parameters, so the checks the compiler would add can never fire.
-                    unsafe {
-                        self.device.create_shader_module_trusted(
-                            desc,
-                            wgpu::ShaderRuntimeChecks::unchecked(),
-                        )
-                    }
-                } else {
-                    self.device.create_shader_module(desc)
-                };
-                s.modules.insert(module_key, module.clone());
-                module
-            }
-        };
-        let constants: Vec<(&str, f64)> = key
-            .overrides
-            .iter()
-            .map(|&(name, v)| (name, v as f64))
-            .collect();
-        let layout = &self.layout(s, kernel).1;
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel.name),
-                layout: Some(layout),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &constants,
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: None,
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)));
-        }
-        s.pipelines.insert(key.clone(), pipeline);
         Ok(())
+    }
+
+    /// The module of a pipeline key (created on first use: naga parses and validates
+    /// the WGSL, which is quick; the driver compiles at pipeline creation).
+    fn module(
+        &self,
+        s: &mut State,
+        key: &PipelineKey,
+        kernel: &KernelSource,
+    ) -> wgpu::ShaderModule {
+        let module_key = (kernel.name, key.reprs.clone(), key.consts.clone());
+        if let Some(m) = s.modules.get(&module_key) {
+            return m.clone();
+        }
+        let source = shader::assemble(kernel, &key.reprs, &key.consts);
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        };
+        let module = if kernel.trusted {
+            // SAFETY: `trusted` kernels clamp every buffer index into range
+            // themselves (see their sources) and their loops are bounded by launch
+            // parameters, so the checks the compiler would add can never fire.
+            unsafe {
+                self.device
+                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            self.device.create_shader_module(desc)
+        };
+        s.modules.insert(module_key, module.clone());
+        module
+    }
+
+    fn build_pipeline(
+        &self,
+        key: &PipelineKey,
+        kernel: &KernelSource,
+        module: &wgpu::ShaderModule,
+        layout: &wgpu::PipelineLayout,
+    ) -> Result<wgpu::ComputePipeline> {
+        build(
+            &self.device,
+            self.disk_cache.as_deref(),
+            key,
+            module,
+            layout,
+        )
+        .map_err(|e| self.backend_error(format!("kernel {} failed to build: {e}", kernel.name)))
+    }
+
+    /// The pipelines `kernels` need that are not built yet, found by recording them
+    /// into a scratch encoder that is dropped unsubmitted (copies included), with the
+    /// parameter arena restored: nothing runs and the open stream is untouched.
+    fn missing_pipelines(&self, s: &mut State, kernels: &[Kernel]) -> Result<Vec<Wanted>> {
+        let stream = s.encoder.take();
+        let params = s.params.len();
+        s.collect = Some(vec![]);
+        let mut result = Ok(());
+        for k in kernels {
+            result = k
+                .validate()
+                .and_then(|()| self.handles(s, k.name(), &k.buffers()))
+                .and_then(|h| self.record_kernel(s, k, &h));
+            if result.is_err() {
+                break;
+            }
+        }
+        let wanted = s.collect.take().unwrap_or_default();
+        s.encoder = stream;
+        s.params.truncate(params);
+        result.map(|()| wanted)
+    }
+
+    /// Starts building `wanted` on worker threads (one per core, `KILN_COMPILE_THREADS`
+    /// to override) in launch order, and returns: a dispatch that needs one of them
+    /// waits for it alone, so the first launches run — and a software driver compiles
+    /// their machine code on its queue thread — while later pipelines still build.
+    fn compile_all(&self, s: &mut State, wanted: Vec<Wanted>) -> Result<()> {
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        for w in &wanted {
+            self.check_kernel(w.kernel)?;
+        }
+        // A software driver compiles in two halves, each counted: the pipeline's
+        // creation (its IR passes; on the workers) and its first run (machine code).
+        let compiles_on_first_run = self.caps.device_type == "cpu";
+        compiling::queued(wanted.len() * if compiles_on_first_run { 2 } else { 1 });
+        // Modules and layouts need the state; they are cheap next to the driver's
+        // compile, which happens in the workers.
+        let jobs: Vec<Job> = wanted
+            .into_iter()
+            .map(|w| {
+                s.building.insert(w.key.clone());
+                if compiles_on_first_run {
+                    s.first_runs.insert(w.key.clone());
+                }
+                Job {
+                    cost: shader::assemble(w.kernel, &w.key.reprs, &w.key.consts).len(),
+                    module: self.module(s, &w.key, w.kernel),
+                    layout: self.layout(s, w.kernel).1.clone(),
+                    key: w.key,
+                }
+            })
+            .collect();
+        let threads = compile_threads().min(jobs.len()).max(1);
+        // With two workers or more, worker 0 takes the costliest pipeline left (the big
+        // unrolled GEMMs are the critical path: a software driver spends tens of
+        // seconds on each) and the others take them in launch order, so the first
+        // launches run (and a software driver compiles their machine code) early.
+        let queue = Arc::new(Mutex::new(jobs));
+        for worker in 0..threads {
+            let (mine, built) = (queue.clone(), self.built.clone());
+            let device = self.device.clone();
+            let cache = self.disk_cache.clone();
+            let spawned = std::thread::Builder::new()
+                .name("kiln-compile".into())
+                .spawn(move || loop {
+                    let job = {
+                        let mut q = mine.lock().unwrap_or_else(|e| e.into_inner());
+                        let pick = if worker == 0 && threads > 1 {
+                            (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
+                        } else {
+                            (!q.is_empty()).then_some(0)
+                        };
+                        match pick {
+                            Some(i) => q.remove(i),
+                            None => return,
+                        }
+                    };
+                    let t = std::time::Instant::now();
+                    // A dispatch waits for this result: a panic must become an error,
+                    // not a wait that never ends.
+                    let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        build(
+                            &device,
+                            cache.as_deref(),
+                            &job.key,
+                            &job.module,
+                            &job.layout,
+                        )
+                    }))
+                    .unwrap_or_else(|_| Err("the driver panicked while building it".into()));
+                    log_compile("built", &job.key, t);
+                    compiling::finished();
+                    let (ready, cv) = &*built;
+                    ready
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(job.key.clone(), p);
+                    cv.notify_all();
+                });
+            if let Err(e) = spawned {
+                if worker == 0 {
+                    // Nobody builds them: they compile on first use, as without
+                    // `prepare`.
+                    let q = queue.lock().unwrap_or_else(|e| e.into_inner());
+                    for job in q.iter() {
+                        s.building.remove(&job.key);
+                        s.first_runs.remove(&job.key);
+                    }
+                }
+                return Err(self.backend_error(format!("could not start a compile thread: {e}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes a pipeline the workers build, waiting for it if it is not ready yet.
+    fn take_built(&self, s: &mut State, key: &PipelineKey) -> Result<()> {
+        let (ready, cv) = &*self.built;
+        let mut done = ready.lock().unwrap_or_else(|e| e.into_inner());
+        let result = loop {
+            if let Some(r) = done.remove(key) {
+                break r;
+            }
+            done = cv.wait(done).unwrap_or_else(|e| e.into_inner());
+        };
+        drop(done);
+        s.building.remove(key);
+        let pipeline = result.map_err(|e| {
+            s.first_runs.remove(key);
+            self.backend_error(format!("kernel {} failed to build: {e}", key.name))
+        })?;
+        s.pipelines.insert(key.clone(), pipeline);
+        if s.building.is_empty() {
+            if let Some(c) = &self.disk_cache {
+                c.save();
+            }
+        }
+        Ok(())
+    }
+
+    /// Pipelines built or being built (tests check that a prepared plan's launches add
+    /// none).
+    pub fn pipeline_count(&self) -> usize {
+        let s = self.lock();
+        s.pipelines.len() + s.building.len()
     }
 
     /// Records one compute dispatch into the stream.
@@ -475,6 +744,18 @@ impl WgpuDevice {
             consts: d.consts,
             overrides: d.overrides,
         };
+        if let Some(wanted) = &mut s.collect {
+            if !s.pipelines.contains_key(&key)
+                && !s.building.contains(&key)
+                && !wanted.iter().any(|w| w.key == key)
+            {
+                wanted.push(Wanted {
+                    key,
+                    kernel: d.kernel,
+                });
+            }
+            return Ok(());
+        }
         self.pipeline(s, &key, d.kernel)?;
         if s.params.len() as u64 + self.arena_stride > self.arena.size() {
             self.flush(s)?;
@@ -534,14 +815,28 @@ impl WgpuDevice {
                 beginning_of_pass_write_index: Some(*i),
                 end_of_pass_write_index: Some(*i + 1),
             });
-        let encoder = self.encoder(s);
-        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some(d.kernel.file),
-            timestamp_writes,
-        });
-        pass.set_pipeline(&pipeline);
-        pass.set_bind_group(0, &bind_group, &[offset]);
-        pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+        {
+            let encoder = self.encoder(s);
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(d.kernel.file),
+                timestamp_writes,
+            });
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind_group, &[offset]);
+            pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
+        }
+        // A software driver compiles a pipeline when it first runs it: run that launch
+        // now, so the first step can count its kernels as they become ready. (Off
+        // while a profile is open: its timestamps resolve per submit of a whole step.)
+        if s.profiling.is_none() && s.first_runs.remove(&key) {
+            let t = std::time::Instant::now();
+            self.flush(s)?;
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+            compiling::finished();
+            log_compile("first run of", &key, t);
+        }
         Ok(())
     }
 
@@ -618,6 +913,10 @@ impl WgpuDevice {
 
 impl Drop for WgpuDevice {
     fn drop(&mut self) {
+        // Pipelines built after the plan's (evaluation, later micro-batches).
+        if let Some(c) = &self.disk_cache {
+            c.save();
+        }
         let Some(profile) = &self.profile else { return };
         let p = profile.lock().unwrap_or_else(|e| e.into_inner());
         let mut rows: Vec<_> = p.iter().collect();
@@ -900,6 +1199,12 @@ impl Device for WgpuDevice {
         e.0 += 1;
         e.1 += ms;
         Ok(())
+    }
+
+    fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
+        let mut s = self.lock();
+        let wanted = self.missing_pipelines(&mut s, kernels)?;
+        self.compile_all(&mut s, wanted)
     }
 
     fn submit(&self) -> Result<()> {

@@ -7,6 +7,7 @@ mod device;
 mod launch;
 mod matmul;
 mod peak;
+mod pipeline_cache;
 mod profile;
 pub mod shader;
 

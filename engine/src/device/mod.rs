@@ -7,6 +7,7 @@
 //! object-safe, so a device group can hold `Box<dyn Device>`s of different backends side
 //! by side.
 
+pub mod compiling;
 pub mod cost;
 pub mod dtype;
 pub mod host;
@@ -145,6 +146,16 @@ pub trait Device: Send + Sync {
 
     /// Bytes of device memory held by live buffers allocated through this trait.
     fn allocated_bytes(&self) -> u64;
+
+    /// Compiles ahead of time what launching `kernels` will need (a backend's
+    /// pipelines), without recording or running any of them, so that their first launch
+    /// does not stop to compile. A plan calls it with all its launches before its first
+    /// run; a backend that can compiles them concurrently and reports each finished one
+    /// to [`compiling`]. Devices with nothing to compile do nothing.
+    fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
+        let _ = kernels;
+        Ok(())
+    }
 
     /// Starts timing every launch recorded from now on, each on its own (GPU
     /// timestamps around it where the adapter has them), until

@@ -236,6 +236,10 @@ pub struct Plan {
     flag: Buffer,
     grad_scale: Buffer,
     memory: PlanMemory,
+    /// Whether the device was asked to compile every launch's pipelines (before the
+    /// first run, all at once: a backend compiles them concurrently).
+    prepared: std::sync::atomic::AtomicBool,
+    eval_prepared: std::sync::atomic::AtomicBool,
 }
 
 impl Graph {
@@ -411,6 +415,8 @@ impl Graph {
             flag,
             grad_scale,
             memory: PlanMemory::default(),
+            prepared: Default::default(),
+            eval_prepared: Default::default(),
         };
         Ok((e, plan))
     }
@@ -742,6 +748,7 @@ impl Plan {
     /// Records launches `from..to` and submits them; `later_micro` skips what only a
     /// step's first micro-batch runs.
     fn run(&self, dev: &dyn Device, from: usize, to: usize, later_micro: bool) -> Result<()> {
+        self.prepare_device(dev)?;
         for (k, &only) in self.launches[from..to]
             .iter()
             .zip(&self.first_only[from..to])
@@ -753,6 +760,17 @@ impl Plan {
         dev.submit()
     }
 
+    /// Has `dev` compile what every launch of the plan needs, once, before the first
+    /// one is recorded. Launches a micro-batch after the first varies (GEMMs that add
+    /// into their output) compile when first run: without accumulation none do.
+    fn prepare_device(&self, dev: &dyn Device) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.prepared.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
+        dev.prepare(&self.launches)
+    }
+
     /// Records and submits the forward pass alone, as training runs it (dropout
     /// included, with the current random state).
     pub fn forward(&self, dev: &dyn Device) -> Result<()> {
@@ -762,14 +780,25 @@ impl Plan {
     /// The forward pass for evaluation: as [`Plan::forward`], but every dropout is the
     /// identity (its output is a copy of its input). One submit.
     pub fn evaluate(&self, dev: &dyn Device) -> Result<()> {
-        for k in &self.launches[..self.forward_end] {
-            match *k {
+        let launches: Vec<Kernel> = self.launches[..self.forward_end]
+            .iter()
+            .map(|k| match *k {
                 Kernel::Dropout { x, out, .. } if x.dtype == out.dtype => {
-                    dev.launch(&Kernel::Copy { src: x, dst: out })?
+                    Kernel::Copy { src: x, dst: out }
                 }
-                Kernel::Dropout { x, out, .. } => dev.launch(&Kernel::Cast { src: x, dst: out })?,
-                _ => dev.launch(k)?,
-            }
+                Kernel::Dropout { x, out, .. } => Kernel::Cast { src: x, dst: out },
+                _ => k.clone(),
+            })
+            .collect();
+        // Evaluation alone (`kiln eval`) compiles the forward pass only.
+        if !self
+            .eval_prepared
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            dev.prepare(&launches)?;
+        }
+        for k in &launches {
+            dev.launch(k)?;
         }
         dev.submit()
     }
@@ -900,6 +929,7 @@ impl Plan {
             *c = clip;
         }
         // Without clipping GradScale ignores the norm: its launches are skipped.
+        self.prepare_device(dev)?;
         let skip = if clip > 0.0 { 0..0 } else { self.norm.clone() };
         for (i, k) in self.launches[self.backward_end..self.check_end]
             .iter()
