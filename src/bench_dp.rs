@@ -220,14 +220,15 @@ mod tests {
 
     #[test]
     fn the_network_model_is_hand_checkable() {
-        // 4 processes, 400 MB in 4 buckets, 10 GB/s, 10 µs: 2·3/4 of 400 MB = 300 MB
-        // on the wire, 30 ms; 6 messages × 4 buckets × 10 µs = 0.24 ms; 100 ms of
-        // compute, nothing hidden: 100 / 130.24.
+        // 4 processes, 400 MB in 4 buckets, 10 GB/s, 10 µs: each process sends 3/4
+        // of 400 MB in the reduce-scatter and again in the all-gather, 600 MB, 60 ms;
+        // 6 messages × 4 buckets × 10 µs = 0.24 ms; 100 ms of compute, nothing hidden:
+        // 100 / 160.24.
         let e = modelled_network_efficiency(4, 100.0, 4e8, 1e8, 10.0, 10.0, 0.0);
-        assert!((e - 100.0 / 130.24).abs() < 1e-12, "{e}");
+        assert!((e - 100.0 / 160.24).abs() < 1e-12, "{e}");
         // Three quarters hidden.
         let e = modelled_network_efficiency(4, 100.0, 4e8, 1e8, 10.0, 10.0, 0.75);
-        assert!((e - 100.0 / (100.0 + 30.24 / 4.0)).abs() < 1e-12, "{e}");
+        assert!((e - 100.0 / (100.0 + 60.24 / 4.0)).abs() < 1e-12, "{e}");
         assert_eq!(
             modelled_network_efficiency(1, 1.0, 1e9, 1.0, 1.0, 1.0, 0.0),
             1.0
