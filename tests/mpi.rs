@@ -200,7 +200,7 @@ fn two_processes_train_bit_identically_to_one_process_with_two_devices() {
 }
 
 #[test]
-fn three_processes_with_zero_1_and_2_train_like_one_process_at_stage_0() {
+fn three_processes_at_zero_0_1_and_2_train_like_one_process_at_stage_0() {
     let _one = one_job();
     let dir = scratch("three");
     let m = model(&dir);
@@ -209,7 +209,7 @@ fn three_processes_with_zero_1_and_2_train_like_one_process_at_stage_0() {
     let mut single = Command::new(KILN);
     single.args(train_args(&c0, &m, &base, "vulkan:0x3", 8));
     ok(&finish(single, Duration::from_secs(300)).0);
-    for stage in [1, 2] {
+    for stage in [0, 1, 2] {
         let c = config(&dir, &format!("z{stage}.json"), stage, false, 120);
         let run = dir.join(format!("zero{stage}"));
         let mut job = mpirun();
