@@ -813,7 +813,12 @@ fn step_failure(
 
 /// The command that continues the run in `dir` with the same inputs.
 fn resume_command(opts: &TrainOptions, dir: &Path) -> String {
-    let mut cmd = format!("kiln train --resume --out {}", shell_word(dir));
+    // A multi-process job continues as one again (or on any other topology).
+    let launcher = opts
+        .processes
+        .as_ref()
+        .map_or(String::new(), |c| format!("mpirun -np {} ", c.size()));
+    let mut cmd = format!("{launcher}kiln train --resume --out {}", shell_word(dir));
     for (flag, path) in [
         ("--config", &opts.config),
         ("--model", &opts.model),

@@ -426,3 +426,42 @@ fn bench_dp_under_mpirun_measures_the_processes_exchange() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sigterm_stops_every_process_after_the_same_step_with_a_checkpoint() {
+    let _one = one_job();
+    let dir = scratch("interrupt");
+    let (c, m) = (config(&dir, "c.json", 1, false, 60), model(&dir));
+    let run = dir.join("run");
+    let job = start_long_job(&c, &m, &run);
+    // The processes' own signal (as a scheduler sends it), one after the other: each
+    // sees it at its own step, and they still stop after the same one.
+    for rank in [1, 0] {
+        kill(rank_pid(&run, rank).expect("a rank's process"), "-TERM");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (out, took) = wait_out(job, Duration::from_secs(120));
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    let step: u64 = text
+        .split("interrupted after step ")
+        .nth(1)
+        .and_then(|s| s.split(';').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no interruption line: {text}"));
+    assert!(
+        text.contains("Continue with: mpirun -np 2 kiln train --resume"),
+        "{text}"
+    );
+    // Process 0 checkpointed the step every process stopped after, and recorded it.
+    assert!(
+        run.join(format!("checkpoints/step-{step:08}")).is_dir(),
+        "{text}"
+    );
+    assert_eq!(losses(&run).len() as u64, step);
+    eprintln!(
+        "stopped after step {step}, {:.1} s after the signal",
+        took.as_secs_f64()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
