@@ -81,17 +81,6 @@ fn world() -> SimpleCommunicator {
     SimpleCommunicator::world()
 }
 
-/// An empty byte slice's address is 1, which Open MPI reads as `MPI_IN_PLACE`: give
-/// it a real one (the counts say 0 either way).
-fn unaliased(s: &[u8]) -> &[u8] {
-    static ONE: [u8; 1] = [0];
-    if s.is_empty() {
-        &ONE[..0]
-    } else {
-        s
-    }
-}
-
 /// Waits for a non-blocking collective while leaving the cores to the devices: a
 /// blocking MPI call spins on shared memory, and on a machine whose cores also run
 /// the devices (lavapipe, an integrated GPU's driver threads) that spinning slows the
@@ -209,46 +198,9 @@ impl Collective for MpiComm {
     }
 
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let p = self.size;
-        let mut lens = vec![0u64; p];
-        self.watched("an all-gather of sizes", || {
-            world().all_gather_into(&(data.len() as u64), &mut lens[..])
-        });
-        let mut out: Vec<Vec<u8>> = lens
-            .iter()
-            .map(|&l| Vec::with_capacity(l as usize))
-            .collect();
-        // Rounds of at most MAX_COUNT bytes in all, so every count and displacement
-        // fits a C int.
-        let cap = (MAX_COUNT / p).max(1);
-        let mut done = 0usize;
-        while (0..p).any(|j| (lens[j] as usize) > done) {
-            let counts: Vec<Count> = (0..p)
-                .map(|j| (lens[j] as usize).saturating_sub(done).min(cap) as Count)
-                .collect();
-            let displs: Vec<Count> = counts
-                .iter()
-                .scan(0, |acc, &c| {
-                    let d = *acc;
-                    *acc += c;
-                    Some(d)
-                })
-                .collect();
-            let total: usize = counts.iter().map(|&c| c as usize).sum();
-            let mut buf = vec![0u8; total.max(1)];
-            let lo = done.min(data.len());
-            let send = unaliased(&data[lo..(done + cap).min(data.len())]);
-            self.watched("an all-gather", || {
-                let mut recv = PartitionMut::new(&mut buf[..], &counts[..], &displs[..]);
-                world().all_gather_varcount_into(send, &mut recv);
-            });
-            for j in 0..p {
-                let d = displs[j] as usize;
-                out[j].extend_from_slice(&buf[d..d + counts[j] as usize]);
-            }
-            done += cap;
-        }
-        Ok(out)
+        // The same part for every process: an all-to-all moves exactly the bytes an
+        // all-gather does, and keeps one place that splits large transfers.
+        self.all_to_all(&vec![data.to_vec(); self.size])
     }
 
     fn all_to_all(&self, parts: &[Vec<u8>]) -> Result<Vec<Vec<u8>>> {
@@ -298,7 +250,8 @@ impl Collective for MpiComm {
                     .max(1)
             ];
             if send.is_empty() {
-                // See `unaliased`; the counts still say 0.
+                // An empty buffer's address is 1, which Open MPI reads as
+                // `MPI_IN_PLACE`; the counts still say 0.
                 send.push(0);
             }
             self.watched("a gradient reduce-scatter", || {

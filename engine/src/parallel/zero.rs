@@ -198,9 +198,11 @@ impl Shards {
                     dev.download(s.buffers.v)?.to_f32(),
                 );
                 if self.procs.is_some() {
+                    // Placed below with every other process's slices.
                     for x in [&master, &m, &v] {
                         mine.extend_from_slice(bytemuck::cast_slice(x));
                     }
+                    continue;
                 }
                 st.master[r.clone()].copy_from_slice(&master);
                 st.m[r.clone()].copy_from_slice(&m);
