@@ -90,12 +90,17 @@ fn train_args(config: &Path, model: &Path, out: &Path, devices: &str, steps: u64
 
 /// Runs `cmd` to completion within `limit`, or kills it and fails.
 fn finish(mut cmd: Command, limit: Duration) -> (Output, Duration) {
-    let started = Instant::now();
-    let mut child = cmd
+    let child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("mpirun (install openmpi-bin: bash scripts/setup.sh)");
+    wait_out(child, limit)
+}
+
+/// Waits up to `limit` for `child` to exit, or kills it and fails with its stderr.
+fn wait_out(mut child: std::process::Child, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
     while child.try_wait().unwrap().is_none() {
         if started.elapsed() > limit {
             let _ = child.kill();
@@ -264,18 +269,6 @@ fn start_long_job(c: &Path, m: &Path, out: &Path) -> std::process::Child {
         std::thread::sleep(Duration::from_millis(50));
     }
     child
-}
-
-fn wait_out(mut child: std::process::Child, limit: Duration) -> (Output, Duration) {
-    let started = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            panic!("the job did not stop within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (child.wait_with_output().unwrap(), started.elapsed())
 }
 
 fn kill(pid: u32, signal: &str) {
