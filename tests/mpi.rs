@@ -198,10 +198,10 @@ fn two_processes_train_bit_identically_to_one_process_with_two_devices() {
             let overlap: Vec<f64> = metrics(&two)[1..10].iter().map(|m| m.1).collect();
             let mean = overlap.iter().sum::<f64>() / overlap.len() as f64;
             eprintln!("overlap per step {overlap:?}, mean {mean:.3}");
-            // The issue's bar is 0.8; measured 0.73-0.93 over CI runs on this 2-core
-            // host (the processes and lavapipe share the cores), so the test holds the
-            // level every run reached and the note on the issue says the bar is not met.
-            assert!(mean >= 0.6, "mean overlap {mean:.3}: {overlap:?}");
+            // The issue's bar. Each block is handed over in two parts and a bucket is
+            // summed where a part ends, so only the embeddings' gradients (0.4 %) wait
+            // for the end of backward: measured 0.99 with other builds loading the cores.
+            assert!(mean >= 0.8, "mean overlap {mean:.3}: {overlap:?}");
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

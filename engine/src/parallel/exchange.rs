@@ -47,6 +47,8 @@ pub struct Exchanged {
     pub started: std::time::Instant,
     /// Exchange time spent inside backward before `started` (stage 2 without overlap).
     pub blocked_ms: f64,
+    /// The share of the gradient bytes summed while backward ran (across processes:
+    /// the processes' sums, while any process was still in backward).
     pub overlap: f64,
     /// The average is already in every rank's gradient buffers.
     pub uploaded: bool,
@@ -248,6 +250,15 @@ pub fn during_backward(
     let scale = 1.0 / world as f32;
     let bucket = how.bucket.max(1);
     let n_params = models[0].parameter_tensors();
+    // Where backward's hand-over groups end: a bucket that has not filled is summed
+    // there rather than held until the next group's compute is done (the same groups,
+    // so the same buckets, on every process).
+    let mut group_ends = vec![false; n_params];
+    for g in models[0].ready_groups() {
+        if let Some(&p) = g.last() {
+            group_ends[p] = true;
+        }
+    }
     let upload = how.upload;
     // How many times each tensor comes over from each rank.
     let rounds = if how.partitioned { micro[0].len() } else { 1 };
@@ -286,13 +297,14 @@ pub fn during_backward(
             // become final (the same on every process: backward's order), bucketed.
             let (to_reducer, in_backward) = (to_reducer.clone(), &in_backward);
             let (cross_total, cross_during) = (&cross_total, &cross_during);
+            let group_ends = &group_ends;
             s.spawn(move || {
                 let (mut pending, mut elems, mut received) = (vec![], 0, 0);
                 for (p, v) in for_comm {
                     received += 1;
                     elems += v.len();
                     pending.push((p, v));
-                    if elems < bucket && received < n_params {
+                    if elems < bucket && received < n_params && !group_ends[p] {
                         continue;
                     }
                     let mut tensors: Vec<Vec<f32>> =
@@ -522,19 +534,37 @@ pub fn during_backward(
         .max()
         .unwrap_or(0) as f64
         / 1e6;
+    let mut overlap = if total_bytes == 0 {
+        0.0
+    } else {
+        overlapped_bytes as f64 / total_bytes as f64
+    };
+    let loss = match procs {
+        None => (loss / world as f64) as f32,
+        Some(procs) => {
+            // One collective for the loss and every process's overlap. The job's
+            // backward lasts until its slowest process is done, and a bucket is summed
+            // at about the same moment everywhere, so the process that finished last
+            // counted every bucket summed during the job's backward, and the others
+            // fewer: the job's overlap is the largest. (A process that finished early
+            // waits for the slow one's buckets: load imbalance, not exchange.)
+            let mut v = vec![0.0; 1 + procs.devices.len()];
+            v[0] = loss;
+            v[1 + procs.rank()] = overlap;
+            procs.comm.sum_f64(&mut v)?;
+            overlap = v[1..].iter().copied().fold(0.0, f64::max);
+            (v[0] / world as f64) as f32
+        }
+    };
     Ok(Exchanged {
-        loss: mean_loss(loss, world, procs)?,
+        loss,
         avg: sums,
         overflow,
         sum_squares,
         bytes,
         started,
         blocked_ms,
-        overlap: if total_bytes == 0 {
-            0.0
-        } else {
-            overlapped_bytes as f64 / total_bytes as f64
-        },
+        overlap,
         uploaded: upload,
         process_bytes: cross_total,
     })
