@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::engine::models::{host_memory_available, MAX_TENSOR_ELEMENTS};
 use crate::engine::{Buffer, Capabilities, DType, Device, HostData, Kernel, Matmul};
-use crate::wgpu::{MatmulVariant, WgpuDevice};
+use crate::wgpu::{MatmulVariant, SpirvGemm, SpirvMatmul, SpirvTile, WgpuDevice};
 
 /// One GEMM shape: `C(m×n) = op(A)·op(B)` with op given by the transposes.
 #[derive(Clone, Copy, Debug)]
@@ -264,6 +264,39 @@ pub fn gpu_gflops(
     Ok((mm.flops() / secs? / 1e9, name))
 }
 
+/// Times the SPIR-V GEMM the same way as [`gpu_gflops`]: one product per submission,
+/// waited for.
+pub fn spirv_gflops(
+    gemm: &SpirvMatmul,
+    s: &Shape,
+    dtype: DType,
+    budget: Duration,
+) -> Result<(f64, String)> {
+    let g = SpirvGemm {
+        batch: 1,
+        m: s.m,
+        n: s.n,
+        k: s.k,
+        trans_a: s.trans_a,
+        trans_b: s.trans_b,
+        alpha: 1.0,
+        beta: 0.0,
+        tile: SpirvTile::for_shape(1, s.m, s.n, s.k),
+    };
+    let secs = gemm.time(&g, dtype, budget)?;
+    Ok((g.flops() / secs / 1e9, g.tile.name()))
+}
+
+/// What [`matmul_table`] runs beside the planner's choice.
+pub struct Runs<'a> {
+    /// The naive kernel, on shapes up to this size.
+    pub naive_up_to: usize,
+    /// These WGSL variants.
+    pub extra: &'a [MatmulVariant],
+    /// The SPIR-V GEMM on the adapters named (Vulkan ones; f32 and f16).
+    pub spirv: &'a [(String, SpirvMatmul)],
+}
+
 /// The whole table for `devices` × `dtypes` × `shapes`; `naive_up_to` bounds the
 /// sizes the (slow) baseline kernel runs on.
 pub fn matmul_table(
@@ -271,10 +304,15 @@ pub fn matmul_table(
     dtypes: &[DType],
     shapes: &[Shape],
     budget: Duration,
-    naive_up_to: usize,
-    extra: &[MatmulVariant],
+    runs: &Runs,
     mut progress: impl FnMut(&Row),
 ) -> Result<Vec<Row>> {
+    let Runs {
+        naive_up_to,
+        extra,
+        spirv,
+    } = runs;
+    let naive_up_to = *naive_up_to;
     let caps: Vec<&Capabilities> = devices.iter().map(|d| d.caps()).collect();
     let host = host_memory_available();
     for s in shapes {
@@ -291,11 +329,20 @@ pub fn matmul_table(
                 if s.m.max(s.n).max(s.k) <= naive_up_to {
                     variants.push(Some(MatmulVariant::Naive));
                 }
-                for v in variants {
-                    let (gflops, variant) =
-                        gpu_gflops(dev, s, dtype, v, budget).with_context(|| {
-                            format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k)
-                        })?;
+                let mut runs: Vec<Option<Option<MatmulVariant>>> =
+                    variants.into_iter().map(Some).collect();
+                // The SPIR-V GEMM on this adapter, where it stores this dtype.
+                let twin = spirv.iter().find(|(name, _)| *name == caps.name);
+                if twin.is_some() && matches!(dtype, DType::F32 | DType::F16) {
+                    runs.push(None);
+                }
+                for run in runs {
+                    let (gflops, variant) = match (run, twin) {
+                        (Some(v), _) => gpu_gflops(dev, s, dtype, v, budget),
+                        (None, Some((_, gemm))) => spirv_gflops(gemm, s, dtype, budget),
+                        (None, None) => unreachable!("SPIR-V runs only where a twin exists"),
+                    }
+                    .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
                     let row = Row {
                         adapter: caps.name.clone(),
                         backend: caps.backend.clone(),

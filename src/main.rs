@@ -433,6 +433,10 @@ struct MatmulArgs {
     /// Also measure these kernel variants (e.g. `cpu24x8,tiled32x64x8,gemv128`) beside the planner's choice.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
+    /// Also measure the hand-written SPIR-V GEMM (shaders/vulkan/matmul_cpu.comp) on
+    /// every Vulkan device, through wgpu's SPIR-V passthrough (f32 and f16).
+    #[arg(long)]
+    spirv: bool,
     /// Write the rows as JSON to this file (`-` for stdout) as well.
     #[arg(long)]
     json: Option<String>,
@@ -1233,6 +1237,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
         naive_up_to,
         no_f16,
         variants,
+        spirv,
         json,
     } = args;
     use kiln::bench::{default_shapes, format_table, matmul_table, Shape};
@@ -1269,6 +1274,23 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
     if let Some(bad) = dtypes.iter().find(|d| !d.is_float()) {
         anyhow::bail!("matmul takes f32, f16 or bf16, not {bad}");
     }
+    let spirv_devs = if spirv {
+        let vulkan: Vec<(usize, &WgpuDevice)> = indices
+            .iter()
+            .copied()
+            .zip(&devs)
+            .filter(|(_, d)| d.caps().backend == "vulkan")
+            .collect();
+        if vulkan.is_empty() {
+            anyhow::bail!("--spirv runs the SPIR-V GEMM on Vulkan devices, and none is benchmarked (add --devices vulkan)");
+        }
+        vulkan
+            .into_iter()
+            .map(|(i, d)| Ok((d.caps().name.clone(), kiln::wgpu::SpirvMatmul::open(i)?)))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        vec![]
+    };
     let extra = variants
         .iter()
         .map(|v| v.parse::<kiln::wgpu::MatmulVariant>())
@@ -1290,8 +1312,11 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
         &dtypes,
         &shapes,
         std::time::Duration::from_millis(budget_ms),
-        naive_up_to,
-        &extra,
+        &kiln::bench::Runs {
+            naive_up_to,
+            extra: &extra,
+            spirv: &spirv_devs,
+        },
         |r| {
             errln!(
                 "  {} {} {}x{}x{} {} {}: {:.2} GFLOP/s (cpu {:.1}, ratio {:.3})",

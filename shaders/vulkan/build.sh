@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Compiles the hand-written GLSL kernels to the SPIR-V modules committed beside them
+# (spv/), so users build without a shader compiler. tests/spirv.rs runs this into a
+# scratch directory and fails when a committed module differs (a stale .spv).
+#   bash shaders/vulkan/build.sh [OUT_DIR]      (Debian/Ubuntu: apt-get install glslang-tools)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:-$here/spv}"
+mkdir -p "$out"
+command -v glslangValidator >/dev/null || {
+    echo "glslangValidator not found: sudo apt-get install -y glslang-tools" >&2
+    exit 1
+}
+# matmul_cpu: two tile shapes (TM rows x NV vec4 column groups per lane: 16x2, and 64x4
+# for large products) x f32 or f16 storage x A and B each as stored or transposed, and
+# B as stored read 4 values at a time (VEC_B, for N a multiple of 4: `_vec`).
+for tile in 16x2 64x4; do
+    for dtype in f32 f16; do
+        for ops in nn nn_vec nt tn tn_vec tt; do
+            defs=(-DTILE_M="${tile%x*}" -DTILE_NV="${tile#*x}")
+            [ "$dtype" = f16 ] && defs+=(-DSTORE_F16)
+            [ "${ops:0:1}" = t ] && defs+=(-DTRANS_A)
+            [ "${ops:1:1}" = t ] && defs+=(-DTRANS_B)
+            [ "${ops:2}" = _vec ] && defs+=(-DVEC_B)
+            glslangValidator -V --target-env vulkan1.2 "${defs[@]}" \
+                -o "$out/matmul_cpu_${tile}_${dtype}_${ops}.spv" "$here/matmul_cpu.comp" >/dev/null
+        done
+    done
+done

@@ -1,0 +1,146 @@
+#version 450
+// GEMM for CPU-class Vulkan drivers (Mesa lavapipe), the SPIR-V twin of
+// shaders/matmul_cpu.wgsl: such a driver runs a subgroup as one SIMD vector and turns
+// each buffer load into a loop over the lanes, so loads set the speed. One workgroup is
+// one subgroup and owns TM rows x SG*4*NV columns of C; lane l owns the column groups
+// j0 + 4*(l + SG*v), v < NV. Each lane loads one A value per row and SG values of k,
+// and the subgroup shares them by shuffles.
+//
+//   C[g](i, j) = alpha * sum_k A[g](i, k) * B[g](k, j) + beta * C[g](i, j)
+//
+// Storage is f32 or (STORE_F16) f16; products and sums are f32. The transposes are
+// compiled in (TRANS_A, TRANS_B: one module each); tile shapes are specialization
+// constants with the defaults below, so a driver that specializes may pick others.
+
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_shuffle : require
+#extension GL_EXT_control_flow_attributes : require
+#ifdef STORE_F16
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#define STORE float16_t
+#else
+#define STORE float
+#endif
+
+// Lanes per workgroup: one subgroup of a CPU-class driver (lavapipe's is 8). A literal
+// size, not a specialization constant: a `local_size_x_id` workgroup left at its
+// default ran as one invocation here (lavapipe, through wgpu's passthrough, which
+// cannot specialize).
+#define SG 8u
+layout(local_size_x = 8) in;
+#ifndef TILE_M
+#define TILE_M 16
+#define TILE_NV 2
+#endif
+layout(constant_id = 1) const uint TM = TILE_M;
+layout(constant_id = 2) const uint NV = TILE_NV;
+
+layout(set = 0, binding = 0) readonly buffer BufA { STORE a[]; };
+layout(set = 0, binding = 1) readonly buffer BufB { STORE b[]; };
+#ifdef VEC_B
+// The same B as 4-value groups: with VEC_B (B as stored, N a multiple of 4) each
+// lane's four columns are one load, where four scalars cost four on a CPU driver.
+#ifdef STORE_F16
+layout(set = 0, binding = 1) readonly buffer BufB4 { f16vec4 b4[]; };
+#else
+layout(set = 0, binding = 1) readonly buffer BufB4 { vec4 b4[]; };
+#endif
+#endif
+layout(set = 0, binding = 2) buffer BufC { STORE c[]; };
+// Row strides (elements between rows as stored), batch strides, and the epilogue.
+layout(set = 0, binding = 3) uniform Params {
+    uint m, n, k;
+    uint lda, ldb, ldc;
+    uint stride_a, stride_b, stride_c;
+    float alpha, beta;
+} P;
+
+// A(i, kk) of matrix g; A is stored M x K, or K x M when transposed.
+float a_at(uint g, uint i, uint kk) {
+#ifdef TRANS_A
+    return float(a[g * P.stride_a + kk * P.lda + i]);
+#else
+    return float(a[g * P.stride_a + i * P.lda + kk]);
+#endif
+}
+
+// B(kk, j) of matrix g; B is stored K x N, or N x K when transposed.
+float b_at(uint g, uint kk, uint j) {
+#ifdef TRANS_B
+    return float(b[g * P.stride_b + j * P.ldb + kk]);
+#else
+    return float(b[g * P.stride_b + kk * P.ldb + j]);
+#endif
+}
+
+// B(kk, j..j+3), zero past K (an inf in B's last row must not meet a zero A and make
+// NaN); indices are clamped so that every load stays inside the buffer.
+// With VEC_B, j is clamped to the last whole group (columns past N that it then reads
+// are never stored).
+vec4 load_b4(uint g, uint kk, uint j) {
+    uint kc = min(kk, P.k - 1u);
+#ifdef VEC_B
+    vec4 v = vec4(b4[(g * P.stride_b + kc * P.ldb) / 4u + min(j, P.n - 4u) / 4u]);
+#else
+    uint jm = P.n - 1u;
+    vec4 v = vec4(b_at(g, kc, min(j, jm)), b_at(g, kc, min(j + 1u, jm)),
+                  b_at(g, kc, min(j + 2u, jm)), b_at(g, kc, min(j + 3u, jm)));
+#endif
+    return kk < P.k ? v : vec4(0.0);
+}
+
+void main() {
+    uint lane = gl_SubgroupInvocationID;
+    uint g = gl_WorkGroupID.z;
+    uint i0 = gl_WorkGroupID.y * TM;
+    uint j0 = gl_WorkGroupID.x * (SG * 4u * NV) + 4u * lane;
+    uint im = P.m - 1u;
+    vec4 acc[TM * NV];
+    [[unroll]] for (uint x = 0u; x < TM * NV; x++) {
+        acc[x] = vec4(0.0);
+    }
+    for (uint kk = 0u; kk < P.k; kk += SG) {
+        // This lane's A value of every row (zero past K), shared below by shuffles.
+        uint kl = kk + lane;
+        float al[TM];
+        [[unroll]] for (uint r = 0u; r < TM; r++) {
+            float v = a_at(g, min(i0 + r, im), min(kl, P.k - 1u));
+            al[r] = kl < P.k ? v : 0.0;
+        }
+        vec4 bv[SG * NV];
+        [[unroll]] for (uint t = 0u; t < SG; t++) {
+            [[unroll]] for (uint v = 0u; v < NV; v++) {
+                bv[t * NV + v] = load_b4(g, kk + t, j0 + v * SG * 4u);
+            }
+        }
+        // Row by row, each accumulator takes all SG steps of k while in a register.
+        [[unroll]] for (uint r = 0u; r < TM; r++) {
+            [[unroll]] for (uint v = 0u; v < NV; v++) {
+                vec4 s = acc[r * NV + v];
+                [[unroll]] for (uint t = 0u; t < SG; t++) {
+                    s = fma(vec4(subgroupShuffle(al[r], t)), bv[t * NV + v], s);
+                }
+                acc[r * NV + v] = s;
+            }
+        }
+    }
+    [[unroll]] for (uint r = 0u; r < TM; r++) {
+        [[unroll]] for (uint v = 0u; v < NV; v++) {
+            uint i = i0 + r;
+            uint j = j0 + v * SG * 4u;
+            if (i < P.m) {
+                [[unroll]] for (uint e = 0u; e < 4u; e++) {
+                    if (j + e < P.n) {
+                        uint at = g * P.stride_c + i * P.ldc + j + e;
+                        float out_v = P.alpha * acc[r * NV + v][e];
+                        if (P.beta != 0.0) {
+                            out_v += P.beta * float(c[at]);
+                        }
+                        c[at] = STORE(out_v);
+                    }
+                }
+            }
+        }
+    }
+}
