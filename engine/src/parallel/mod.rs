@@ -9,6 +9,7 @@ pub mod collective;
 pub mod exchange;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod pipeline;
 pub mod pipeline_partition;
 pub mod pipeline_schedule;
 pub mod zero;

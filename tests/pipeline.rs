@@ -1,0 +1,410 @@
+//! Pipeline parallelism (`engine::parallel::pipeline`): a GPT split over 2 and 3
+//! devices, trained with the 1F1B schedule, against the same model on one device; an
+//! overflow on one stage; a stage failing mid-step.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kiln::cpu::CpuDevice;
+use kiln::engine::graph::Attention;
+use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
+use kiln::engine::parallel::pipeline::{Pipeline, StepOptions};
+use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+use kiln::engine::{
+    Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
+};
+
+const VOCAB: usize = 13;
+const T: usize = 8;
+const B: usize = 2;
+const LR: f32 = 1e-2;
+
+fn config() -> GptConfig {
+    GptConfig {
+        n_layer: 4,
+        n_head: 2,
+        n_embd: 32,
+        block_size: T,
+        vocab_size: VOCAB,
+        padded_vocab_size: None,
+    }
+}
+
+fn model() -> Arc<Gpt> {
+    Arc::new(Gpt::new(config(), T).with_attention(Attention::Straightforward))
+}
+
+fn options() -> NetworkOptions {
+    NetworkOptions {
+        batch: B,
+        dtype: DType::F32,
+        optimizer: common::adamw(),
+        seed: 5,
+    }
+}
+
+/// `m` micro-batches of step `step`: token sequences counting up from varying starts.
+fn batches(step: usize, m: usize) -> Vec<MicroBatch> {
+    (0..m)
+        .map(|i| {
+            let start = (step * 7 + i * 3) as u32;
+            let tokens: Vec<u32> = (0..B * T)
+                .map(|k| (start + k as u32 * (1 + (k / T) as u32)) % VOCAB as u32)
+                .collect();
+            let targets: Vec<u32> = tokens.iter().map(|&t| (t + 1) % VOCAB as u32).collect();
+            MicroBatch::tokens(&tokens, &targets)
+        })
+        .collect()
+}
+
+/// One device taking `steps` steps of `m` micro-batches: per step, the loss and the
+/// masters after it.
+fn one_device(dev: &dyn Device, m: usize, steps: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
+    let mut net = Network::new(dev, model(), &options()).unwrap();
+    let mut out = vec![];
+    for step in 0..steps {
+        net.accumulate(dev, &batches(step, m), 1.0).unwrap();
+        let (overflow, loss) = net.check(dev, 0.0).unwrap();
+        assert!(!overflow);
+        net.update(dev, LR).unwrap();
+        let masters = net.parameters(dev).unwrap().into_iter().map(|(_, v)| v);
+        out.push((loss, masters.collect()));
+    }
+    out
+}
+
+fn step_options() -> StepOptions {
+    StepOptions {
+        loss_scale: 1.0,
+        clip: 0.0,
+        lr: LR,
+    }
+}
+
+/// Within `tol` of `want`'s scale, as the data-parallel tests compare weights.
+fn close(got: f32, want: f32, tol: f32) -> bool {
+    (got - want).abs() <= tol * (1.0 + want.abs())
+}
+
+/// The attention key bias is left out of the weight comparison after the first step:
+/// its true gradient is zero (softmax ignores a shift shared by a whole row of scores),
+/// so Adam, dividing by the root of the second moment, takes full-size steps on
+/// rounding noise alone, and two valid summation orders walk it apart (as in
+/// tests/data_parallel.rs).
+fn key_bias(name: &str, i: usize) -> bool {
+    let c = config().n_embd;
+    name.ends_with("attn.c_attn.bias") && (c..2 * c).contains(&i)
+}
+
+/// Every copy of every parameter the stages hold more than once is bit-identical.
+fn assert_copies_identical(pipe: &Pipeline, what: &str) {
+    for (i, h) in pipe.holders().iter().enumerate() {
+        if h.len() < 2 {
+            continue;
+        }
+        let copies = pipe.copies(i).unwrap();
+        for c in &copies[1..] {
+            assert_eq!(
+                c.1, copies[0].1,
+                "{what}: parameter {i}'s model copy differs between stage {} and {}",
+                copies[0].0, c.0
+            );
+            let same =
+                c.2.iter()
+                    .zip(&copies[0].2)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{what}: parameter {i}'s master differs between stage {} and {}",
+                copies[0].0, c.0
+            );
+        }
+    }
+}
+
+/// `p` stages on `devs` against one device on `reference`, for each `m`, `steps`
+/// steps: losses and weights within 1e-5 relative, tied copies bit-identical.
+fn check_equivalence(
+    open: &dyn Fn() -> Box<dyn Device>,
+    reference: &dyn Device,
+    p: usize,
+    ms: &[usize],
+    steps: usize,
+) {
+    for &m in ms {
+        let want = one_device(reference, m, steps);
+        let devs: Vec<Box<dyn Device>> = (0..p).map(|_| open()).collect();
+        let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+        assert_eq!(pipe.stages(), p);
+        // GPT's tied embedding: on the first and the last stage.
+        assert_eq!(pipe.holders()[0], vec![0, p - 1]);
+        let what = format!("{p} stages, {m} micro-batches");
+        for (step, (want_loss, want)) in want.iter().enumerate() {
+            let r = pipe.step(&batches(step, m), step_options()).unwrap();
+            assert!(!r.overflow, "{what}: step {step} overflowed");
+            // The first step's forward is the same arithmetic as one device's.
+            assert!(
+                close(r.loss, *want_loss, 1e-5) && (step > 0 || r.loss == *want_loss),
+                "{what}: step {step} loss {} vs one device {want_loss}",
+                r.loss
+            );
+            assert_copies_identical(&pipe, &format!("{what}, step {step}"));
+            let got = pipe.parameters().unwrap();
+            assert_eq!(got.len(), want.len());
+            for (k, ((name, g), w)) in got.iter().zip(want).enumerate() {
+                // After the first step only the tied embedding may differ: its two
+                // gradients are summed in another order (every lookup's rows on the
+                // first stage, then the head's from the last, instead of the head's
+                // first and each micro-batch's in turn). Later steps inherit that
+                // rounding.
+                let exact = step == 0 && pipe.holders()[k].len() == 1;
+                for (i, (&a, &b)) in g.iter().zip(w).enumerate() {
+                    let ok = if exact {
+                        a.to_bits() == b.to_bits()
+                    } else {
+                        close(a, b, 1e-5) || (step > 0 && key_bias(name, i))
+                    };
+                    assert!(
+                        ok,
+                        "{what}, step {step}: `{name}`[{i}] is {a}, one device {b} \
+                         (bit-identical expected: {exact})"
+                    );
+                }
+            }
+        }
+        assert_eq!(pipe.steps_applied(), steps as u32);
+    }
+}
+
+#[test]
+fn two_and_three_cpu_stages_train_like_one_device() {
+    let cpu = CpuDevice::new();
+    let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
+    check_equivalence(&open, &cpu, 2, &[1, 2, 5], 3);
+    check_equivalence(&open, &cpu, 3, &[1, 3, 7], 3);
+}
+
+#[test]
+fn two_and_three_vulkan_stages_train_like_one_device() {
+    let reference = common::gpu("vulkan", false);
+    let open = || common::gpu("vulkan", false);
+    check_equivalence(&open, reference.as_ref(), 2, &[5], 3);
+    check_equivalence(&open, reference.as_ref(), 3, &[3], 2);
+}
+
+#[test]
+fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
+    let devs: Vec<Box<dyn Device>> = (0..3)
+        .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+        .collect();
+    let pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+    assert_eq!(pipe.slots(), vec![3, 2, 1]);
+    assert_eq!(pipe.stage_blocks(), &[0..2, 2..3, 3..4]);
+}
+
+/// A device that can be told to fail its next launch, or to poison its next upload of
+/// `len` f32 values with an infinity.
+struct Faulty {
+    inner: CpuDevice,
+    fail: AtomicBool,
+    poison: Option<usize>,
+    armed: AtomicBool,
+}
+
+impl Faulty {
+    fn new(poison: Option<usize>) -> Faulty {
+        Faulty {
+            inner: CpuDevice::new(),
+            fail: AtomicBool::new(false),
+            poison,
+            armed: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Device for Faulty {
+    fn caps(&self) -> &Capabilities {
+        self.inner.caps()
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        self.inner.alloc(dtype, len)
+    }
+    fn free(&self, buf: Buffer) -> Result<()> {
+        self.inner.free(buf)
+    }
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        self.inner.view(parent, offset, len)
+    }
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        if let (Some(len), HostData::F32(v)) = (self.poison, data) {
+            if v.len() == len && self.armed.swap(false, Ordering::SeqCst) {
+                let mut v = v.clone();
+                v[0] = f32::INFINITY;
+                return self.inner.upload(buf, &HostData::F32(v));
+            }
+        }
+        self.inner.upload(buf, data)
+    }
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        self.inner.begin_download(buf)
+    }
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        self.inner.finish_download(pending)
+    }
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        if self.fail.load(Ordering::SeqCst) {
+            // Slow enough that the other stages are mid-step when it goes.
+            std::thread::sleep(Duration::from_millis(50));
+            return Err(Error::InvalidArgument(
+                "simulated device loss (the adapter went away)".into(),
+            ));
+        }
+        self.inner.launch(kernel)
+    }
+    fn submit(&self) -> Result<()> {
+        self.inner.submit()
+    }
+    fn wait(&self) -> Result<()> {
+        self.inner.wait()
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.inner.allocated_bytes()
+    }
+}
+
+/// Shares a [`Faulty`] so the test can arm it while the pipeline owns it.
+struct Shared(Arc<Faulty>);
+
+impl Device for Shared {
+    fn caps(&self) -> &Capabilities {
+        self.0.caps()
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        self.0.alloc(dtype, len)
+    }
+    fn free(&self, buf: Buffer) -> Result<()> {
+        self.0.free(buf)
+    }
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        self.0.view(parent, offset, len)
+    }
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        self.0.upload(buf, data)
+    }
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        self.0.begin_download(buf)
+    }
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        self.0.finish_download(pending)
+    }
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        self.0.launch(kernel)
+    }
+    fn submit(&self) -> Result<()> {
+        self.0.submit()
+    }
+    fn wait(&self) -> Result<()> {
+        self.0.wait()
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.0.allocated_bytes()
+    }
+}
+
+#[test]
+fn an_overflow_on_one_stage_makes_every_stage_skip() {
+    // Stage 0's only f32 uploads of B × T × C values are the activation gradients
+    // coming back from stage 1: one of them made infinite overflows stage 0 alone.
+    let first = Arc::new(Faulty::new(Some(B * T * config().n_embd)));
+    let devs: Vec<Box<dyn Device>> = vec![
+        Box::new(Shared(first.clone())),
+        Box::new(CpuDevice::new()),
+        Box::new(CpuDevice::new()),
+    ];
+    let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+    let r = pipe.step(&batches(0, 3), step_options()).unwrap();
+    assert!(!r.overflow && r.sum_squares.is_finite() && r.grad_scale == 1.0);
+    let before = pipe.param_states().unwrap();
+    first.armed.store(true, Ordering::SeqCst);
+    let r = pipe.step(&batches(1, 3), step_options()).unwrap();
+    assert!(
+        !first.armed.load(Ordering::SeqCst),
+        "the poison was not used"
+    );
+    assert!(
+        r.overflow,
+        "an infinite gradient on stage 0 was not seen: {r:?}"
+    );
+    assert_eq!(r.grad_scale, 0.0);
+    assert_eq!(pipe.steps_applied(), 1);
+    // No stage updated: weights, masters and moments as they were, on every copy.
+    assert_eq!(pipe.param_states().unwrap(), before);
+    assert_copies_identical(&pipe, "after the skipped step");
+    // The next step trains again.
+    let r = pipe.step(&batches(2, 3), step_options()).unwrap();
+    assert!(!r.overflow);
+    assert_eq!(pipe.steps_applied(), 2);
+    assert_ne!(pipe.param_states().unwrap(), before);
+}
+
+#[test]
+fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
+    let middle = Arc::new(Faulty::new(None));
+    let devs: Vec<Box<dyn Device>> = vec![
+        Box::new(CpuDevice::new()),
+        Box::new(Shared(middle.clone())),
+        Box::new(CpuDevice::new()),
+    ];
+    let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+    pipe.step(&batches(0, 5), step_options()).unwrap();
+    let before = pipe.param_states().unwrap();
+    // Fails once the step is under way: the other stages are waiting on it or have
+    // work queued for it.
+    let arm = {
+        let middle = middle.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            middle.fail.store(true, Ordering::SeqCst);
+        })
+    };
+    let started = Instant::now();
+    let e = pipe
+        .step(&batches(1, 5), step_options())
+        .unwrap_err()
+        .to_string();
+    let took = started.elapsed();
+    arm.join().unwrap();
+    assert!(
+        took < Duration::from_secs(5),
+        "the step took {took:?} to fail"
+    );
+    assert!(
+        e.contains("failed on 3 of 3 stages") && e.contains("simulated device loss"),
+        "{e}"
+    );
+    // The failing stage is named first, with its cause; the others say why they stopped.
+    let first = e
+        .split("stages, so no stage updated: ")
+        .nth(1)
+        .unwrap_or("");
+    assert!(
+        first.starts_with("stage 1: invalid argument: simulated device loss"),
+        "{e}"
+    );
+    for s in [0, 2] {
+        assert!(
+            e.contains(&format!(
+                "stage {s}: invalid argument: stopped: stage 1 stopped during the step"
+            )),
+            "{e}"
+        );
+    }
+    // Nothing was updated, so a checkpoint of the last good state is what remains.
+    middle.fail.store(false, Ordering::SeqCst);
+    assert_eq!(pipe.param_states().unwrap(), before);
+    assert_eq!(pipe.steps_applied(), 1);
+}
