@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use kiln::cpu::CpuDevice;
 use kiln::engine::graph::Attention;
 use kiln::engine::models::gpt::{Gpt, GptConfig};
-use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
+use kiln::engine::models::llama::{Llama, LlamaConfig};
+use kiln::engine::models::{MicroBatch, Model, Network, NetworkOptions};
 use kiln::engine::parallel::pipeline::{Pipeline, StepOptions};
 use kiln::engine::parallel::pipeline_partition::PartitionMethod;
 use kiln::engine::{
@@ -34,8 +35,19 @@ fn config() -> GptConfig {
     }
 }
 
-fn model() -> Arc<Gpt> {
+fn model() -> Arc<dyn Model> {
     Arc::new(Gpt::new(config(), T).with_attention(Attention::Straightforward))
+}
+
+/// A Llama with grouped-query attention and untied embeddings: no parameter on two
+/// stages, so a pipeline is the same arithmetic as one device, step after step.
+fn llama() -> Arc<dyn Model> {
+    let c: LlamaConfig = serde_json::from_str(
+        r#"{"n_layer": 3, "n_head": 4, "n_kv_head": 2, "n_embd": 16, "block_size": 8,
+            "vocab_size": 13}"#,
+    )
+    .unwrap();
+    Arc::new(Llama::new(c, T).with_attention(Attention::Straightforward))
 }
 
 fn options() -> NetworkOptions {
@@ -63,18 +75,33 @@ fn batches(step: usize, m: usize) -> Vec<MicroBatch> {
 
 /// One device taking `steps` steps of `m` micro-batches: per step, the loss and the
 /// masters after it.
-fn one_device(dev: &dyn Device, m: usize, steps: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
-    let mut net = Network::new(dev, model(), &options()).unwrap();
+fn one_device(dev: &dyn Device, case: &Case, m: usize) -> Vec<Stepped> {
+    let mut net = Network::new(dev, (case.model)(), &options()).unwrap();
     let mut out = vec![];
-    for step in 0..steps {
+    for step in 0..case.steps {
         net.accumulate(dev, &batches(step, m), 1.0).unwrap();
-        let (overflow, loss) = net.check(dev, 0.0).unwrap();
+        let (overflow, loss) = net.check(dev, case.clip).unwrap();
         assert!(!overflow);
         net.update(dev, LR).unwrap();
+        let grad_scale = net.last_grad_scale(dev).unwrap();
         let masters = net.parameters(dev).unwrap().into_iter().map(|(_, v)| v);
-        out.push((loss, masters.collect()));
+        out.push((loss, grad_scale, masters.collect()));
     }
     out
+}
+
+/// A step's loss, gradient factor and masters after it.
+type Stepped = (f32, f32, Vec<Vec<f32>>);
+
+/// What an equivalence run trains.
+struct Case {
+    model: fn() -> Arc<dyn Model>,
+    steps: usize,
+    /// Gradient clipping (0: none).
+    clip: f32,
+    /// No parameter on two stages: without clipping every step is bit-identical to
+    /// one device (with it, the norm is summed per stage first: rounding apart).
+    exact: bool,
 }
 
 fn step_options() -> StepOptions {
@@ -84,6 +111,13 @@ fn step_options() -> StepOptions {
         lr: LR,
     }
 }
+
+const GPT: Case = Case {
+    model,
+    steps: 3,
+    clip: 0.0,
+    exact: false,
+};
 
 /// Within `tol` of `want`'s scale, as the data-parallel tests compare weights.
 fn close(got: f32, want: f32, tol: f32) -> bool {
@@ -131,26 +165,44 @@ fn assert_copies_identical(pipe: &Pipeline, what: &str) {
 fn check_equivalence(
     open: &dyn Fn() -> Box<dyn Device>,
     reference: &dyn Device,
+    case: &Case,
     p: usize,
     ms: &[usize],
-    steps: usize,
 ) {
     for &m in ms {
-        let want = one_device(reference, m, steps);
+        let want = one_device(reference, case, m);
         let devs: Vec<Box<dyn Device>> = (0..p).map(|_| open()).collect();
-        let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+        let mut pipe =
+            Pipeline::new(devs, (case.model)(), &options(), &PartitionMethod::Uniform).unwrap();
         assert_eq!(pipe.stages(), p);
-        // GPT's tied embedding: on the first and the last stage.
-        assert_eq!(pipe.holders()[0], vec![0, p - 1]);
-        let what = format!("{p} stages, {m} micro-batches");
-        for (step, (want_loss, want)) in want.iter().enumerate() {
-            let r = pipe.step(&batches(step, m), step_options()).unwrap();
+        let tied = pipe.holders().iter().any(|h| h.len() > 1);
+        assert_eq!(tied, !case.exact);
+        if tied {
+            // GPT's tied embedding: on the first and the last stage.
+            assert_eq!(pipe.holders()[0], vec![0, p - 1]);
+        }
+        let what = format!("{p} stages, {m} micro-batches, clip {}", case.clip);
+        let o = StepOptions {
+            clip: case.clip,
+            ..step_options()
+        };
+        for (step, (want_loss, want_scale, want)) in want.iter().enumerate() {
+            let r = pipe.step(&batches(step, m), o).unwrap();
             assert!(!r.overflow, "{what}: step {step} overflowed");
             // The first step's forward is the same arithmetic as one device's.
+            let all_exact = case.exact && case.clip == 0.0;
+            let exact = step == 0 || all_exact;
             assert!(
-                close(r.loss, *want_loss, 1e-5) && (step > 0 || r.loss == *want_loss),
+                close(r.loss, *want_loss, 1e-5) && (!exact || r.loss == *want_loss),
                 "{what}: step {step} loss {} vs one device {want_loss}",
                 r.loss
+            );
+            // One factor for the whole pipeline, from a norm counting the tied
+            // embedding once (counted twice, clipping would scale differently).
+            assert!(
+                (r.grad_scale - want_scale).abs() <= 1e-5 * want_scale,
+                "{what}: step {step} gradient factor {} vs one device {want_scale}",
+                r.grad_scale
             );
             assert_copies_identical(&pipe, &format!("{what}, step {step}"));
             let got = pipe.parameters().unwrap();
@@ -161,7 +213,8 @@ fn check_equivalence(
                 // first stage, then the head's from the last, instead of the head's
                 // first and each micro-batch's in turn). Later steps inherit that
                 // rounding.
-                let exact = step == 0 && pipe.holders()[k].len() == 1;
+                let exact =
+                    (step == 0 && pipe.holders()[k].len() == 1 && case.clip == 0.0) || all_exact;
                 for (i, (&a, &b)) in g.iter().zip(w).enumerate() {
                     let ok = if exact {
                         a.to_bits() == b.to_bits()
@@ -176,7 +229,7 @@ fn check_equivalence(
                 }
             }
         }
-        assert_eq!(pipe.steps_applied(), steps as u32);
+        assert_eq!(pipe.steps_applied(), case.steps as u32);
     }
 }
 
@@ -184,16 +237,51 @@ fn check_equivalence(
 fn two_and_three_cpu_stages_train_like_one_device() {
     let cpu = CpuDevice::new();
     let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
-    check_equivalence(&open, &cpu, 2, &[1, 2, 5], 3);
-    check_equivalence(&open, &cpu, 3, &[1, 3, 7], 3);
+    check_equivalence(&open, &cpu, &GPT, 2, &[1, 2, 5]);
+    check_equivalence(&open, &cpu, &GPT, 3, &[1, 3, 7]);
+}
+
+#[test]
+fn clipping_uses_one_norm_over_every_stage() {
+    let cpu = CpuDevice::new();
+    let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
+    let clipped = Case { clip: 0.05, ..GPT };
+    check_equivalence(&open, &cpu, &clipped, 3, &[3]);
+    // The clip was active: the factor was below 1 at loss scale 1.
+    let want = one_device(&cpu, &clipped, 3);
+    assert!(
+        want.iter().all(|s| s.1 < 0.9),
+        "{:?}",
+        want.iter().map(|s| s.1).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn a_llama_pipeline_is_bit_identical_to_one_device() {
+    let cpu = CpuDevice::new();
+    let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
+    let case = Case {
+        model: llama,
+        steps: 3,
+        clip: 0.0,
+        exact: true,
+    };
+    check_equivalence(&open, &cpu, &case, 3, &[4]);
+    check_equivalence(&open, &cpu, &Case { clip: 0.5, ..case }, 2, &[2]);
 }
 
 #[test]
 fn two_and_three_vulkan_stages_train_like_one_device() {
     let reference = common::gpu("vulkan", false);
     let open = || common::gpu("vulkan", false);
-    check_equivalence(&open, reference.as_ref(), 2, &[5], 3);
-    check_equivalence(&open, reference.as_ref(), 3, &[3], 2);
+    check_equivalence(&open, reference.as_ref(), &GPT, 2, &[5]);
+    check_equivalence(
+        &open,
+        reference.as_ref(),
+        &Case { steps: 2, ..GPT },
+        3,
+        &[3],
+    );
 }
 
 #[test]
@@ -206,21 +294,19 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
     assert_eq!(pipe.stage_blocks(), &[0..2, 2..3, 3..4]);
 }
 
-/// A device that can be told to fail its next launch, or to poison its next upload of
-/// `len` f32 values with an infinity.
+/// A device that can be told to fail every launch, or to make its next overflow check
+/// find an infinity in the first gradient it checks (as if backward had overflowed).
 struct Faulty {
     inner: CpuDevice,
     fail: AtomicBool,
-    poison: Option<usize>,
     armed: AtomicBool,
 }
 
 impl Faulty {
-    fn new(poison: Option<usize>) -> Faulty {
+    fn new() -> Faulty {
         Faulty {
             inner: CpuDevice::new(),
             fail: AtomicBool::new(false),
-            poison,
             armed: AtomicBool::new(false),
         }
     }
@@ -240,13 +326,6 @@ impl Device for Faulty {
         self.inner.view(parent, offset, len)
     }
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
-        if let (Some(len), HostData::F32(v)) = (self.poison, data) {
-            if v.len() == len && self.armed.swap(false, Ordering::SeqCst) {
-                let mut v = v.clone();
-                v[0] = f32::INFINITY;
-                return self.inner.upload(buf, &HostData::F32(v));
-            }
-        }
         self.inner.upload(buf, data)
     }
     fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
@@ -262,6 +341,15 @@ impl Device for Faulty {
             return Err(Error::InvalidArgument(
                 "simulated device loss (the adapter went away)".into(),
             ));
+        }
+        if let Kernel::NonFinite { srcs, .. } = kernel {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                let grad = srcs[0];
+                let mut values = self.inner.download(grad)?.to_f32();
+                values[0] = f32::INFINITY;
+                self.inner
+                    .upload(grad, &HostData::from_f32(grad.dtype, &values))?;
+            }
         }
         self.inner.launch(kernel)
     }
@@ -317,27 +405,27 @@ impl Device for Shared {
 
 #[test]
 fn an_overflow_on_one_stage_makes_every_stage_skip() {
-    // Stage 0's only f32 uploads of B × T × C values are the activation gradients
-    // coming back from stage 1: one of them made infinite overflows stage 0 alone.
-    let first = Arc::new(Faulty::new(Some(B * T * config().n_embd)));
+    // The middle stage holds no tied parameter: its overflow reaches the others only
+    // through the pipeline's one decision.
+    let middle = Arc::new(Faulty::new());
     let devs: Vec<Box<dyn Device>> = vec![
-        Box::new(Shared(first.clone())),
         Box::new(CpuDevice::new()),
+        Box::new(Shared(middle.clone())),
         Box::new(CpuDevice::new()),
     ];
     let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
     let r = pipe.step(&batches(0, 3), step_options()).unwrap();
     assert!(!r.overflow && r.sum_squares.is_finite() && r.grad_scale == 1.0);
     let before = pipe.param_states().unwrap();
-    first.armed.store(true, Ordering::SeqCst);
+    middle.armed.store(true, Ordering::SeqCst);
     let r = pipe.step(&batches(1, 3), step_options()).unwrap();
     assert!(
-        !first.armed.load(Ordering::SeqCst),
+        !middle.armed.load(Ordering::SeqCst),
         "the poison was not used"
     );
     assert!(
         r.overflow,
-        "an infinite gradient on stage 0 was not seen: {r:?}"
+        "an infinite gradient on stage 1 was not seen: {r:?}"
     );
     assert_eq!(r.grad_scale, 0.0);
     assert_eq!(pipe.steps_applied(), 1);
@@ -353,7 +441,7 @@ fn an_overflow_on_one_stage_makes_every_stage_skip() {
 
 #[test]
 fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
-    let middle = Arc::new(Faulty::new(None));
+    let middle = Arc::new(Faulty::new());
     let devs: Vec<Box<dyn Device>> = vec![
         Box::new(CpuDevice::new()),
         Box::new(Shared(middle.clone())),
