@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use kiln::cpu::CpuDevice;
 use kiln::engine::graph::Attention;
+use kiln::engine::graph::{Graph, Tensor};
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::llama::{Llama, LlamaConfig};
-use kiln::engine::models::{MicroBatch, Model, Network, NetworkOptions};
+use kiln::engine::models::{Forward, Init, MicroBatch, Model, Network, NetworkOptions, ParamSpec};
 use kiln::engine::parallel::pipeline::{Pipeline, StepOptions};
 use kiln::engine::parallel::pipeline_partition::PartitionMethod;
 use kiln::engine::{
@@ -79,7 +80,7 @@ fn one_device(dev: &dyn Device, case: &Case, m: usize) -> Vec<Stepped> {
     let mut net = Network::new(dev, (case.model)(), &options()).unwrap();
     let mut out = vec![];
     for step in 0..case.steps {
-        net.accumulate(dev, &batches(step, m), 1.0).unwrap();
+        net.accumulate(dev, &(case.data)(step, m), 1.0).unwrap();
         let (overflow, loss) = net.check(dev, case.clip).unwrap();
         assert!(!overflow);
         net.update(dev, LR).unwrap();
@@ -96,6 +97,8 @@ type Stepped = (f32, f32, Vec<Vec<f32>>);
 /// What an equivalence run trains.
 struct Case {
     model: fn() -> Arc<dyn Model>,
+    /// Step `step`'s `m` micro-batches.
+    data: fn(usize, usize) -> Vec<MicroBatch>,
     steps: usize,
     /// Gradient clipping (0: none).
     clip: f32,
@@ -114,6 +117,7 @@ fn step_options() -> StepOptions {
 
 const GPT: Case = Case {
     model,
+    data: batches,
     steps: 3,
     clip: 0.0,
     exact: false,
@@ -187,7 +191,7 @@ fn check_equivalence(
             ..step_options()
         };
         for (step, (want_loss, want_scale, want)) in want.iter().enumerate() {
-            let r = pipe.step(&batches(step, m), o).unwrap();
+            let r = pipe.step(&(case.data)(step, m), o).unwrap();
             assert!(!r.overflow, "{what}: step {step} overflowed");
             // The first step's forward is the same arithmetic as one device's.
             let all_exact = case.exact && case.clip == 0.0;
@@ -262,6 +266,7 @@ fn a_llama_pipeline_is_bit_identical_to_one_device() {
     let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
     let case = Case {
         model: llama,
+        data: batches,
         steps: 3,
         clip: 0.0,
         exact: true,
@@ -495,4 +500,77 @@ fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
     middle.fail.store(false, Ordering::SeqCst);
     assert_eq!(pipe.param_states().unwrap(), before);
     assert_eq!(pipe.steps_applied(), 1);
+}
+
+/// An MLP whose head also reads the first hidden layer: over 3 stages that tensor
+/// leaves stage 0 and reaches stage 2 through stage 1, which passes it on (and its
+/// gradient back). Blocks: [w0, w1], [w2], [w3, w4].
+struct Skip;
+
+impl Model for Skip {
+    fn describe(&self) -> String {
+        "skip MLP".into()
+    }
+
+    fn parameters(&self) -> Vec<ParamSpec> {
+        let init = Init::Uniform(0.3);
+        [[4, 8], [8, 8], [8, 8], [8, 3], [8, 3]]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ParamSpec::new(format!("w{i}"), s, init).decayed())
+            .collect()
+    }
+
+    fn forward(&self, g: &mut Graph, p: &[Tensor], batch: usize, dtype: DType) -> Result<Forward> {
+        let x = g.input("x", &[batch, 4], dtype);
+        let y = g.input("y", &[batch], DType::U32);
+        let h0 = g.linear(x, p[0], None)?;
+        let h0 = g.gelu(h0)?;
+        let h1 = g.linear(h0, p[1], None)?;
+        let h1 = g.gelu(h1)?;
+        let h2 = g.linear(h1, p[2], None)?;
+        let h2 = g.gelu(h2)?;
+        let a = g.linear(h2, p[3], None)?;
+        let b = g.linear(h0, p[4], None)?;
+        let logits = g.add(a, b)?;
+        g.cross_entropy(logits, y)?;
+        Ok(Forward {
+            inputs: vec![x, y],
+            prediction: logits,
+        })
+    }
+
+    fn blocks(&self) -> Vec<Vec<usize>> {
+        vec![vec![0, 1], vec![2], vec![3, 4]]
+    }
+}
+
+fn skip() -> Arc<dyn Model> {
+    Arc::new(Skip)
+}
+
+/// `m` micro-batches of `B` feature rows for [`Skip`].
+fn features(step: usize, m: usize) -> Vec<MicroBatch> {
+    (0..m)
+        .map(|i| {
+            let k = (step * 5 + i) as f32;
+            let x: Vec<f32> = (0..B * 4).map(|j| ((j as f32 + k) * 0.37).sin()).collect();
+            let y: Vec<u32> = (0..B).map(|j| ((j + step + i) % 3) as u32).collect();
+            MicroBatch::features(&x, &y)
+        })
+        .collect()
+}
+
+#[test]
+fn a_tensor_read_two_stages_later_is_passed_on_by_the_stage_between() {
+    let cpu = CpuDevice::new();
+    let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
+    let case = Case {
+        model: skip,
+        data: features,
+        steps: 3,
+        clip: 0.0,
+        exact: true,
+    };
+    check_equivalence(&open, &cpu, &case, 3, &[1, 4]);
 }

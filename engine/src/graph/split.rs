@@ -189,10 +189,11 @@ impl Graph {
                     params.push(p);
                 }
             }
-            if params.is_empty() {
+            if params.is_empty() || !op_stage.contains(&s) {
                 return Err(Error::InvalidArgument(format!(
-                    "graph split: stage {s} of {stages} trains no parameters; every stage \
-                     needs part of the model (use fewer stages)"
+                    "graph split: stage {s} of {stages} runs no part of the forward pass (no \
+                     op reads its parameters before a later stage's do); every stage needs \
+                     part of the model: use fewer stages or another partition"
                 )));
             }
             let mut activations_in = vec![];
@@ -287,5 +288,113 @@ impl Graph {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Graph, Tensor};
+    use crate::DType;
+
+    /// x -> w0 (stage 0) -> h0 -> w1 (stage 1) -> h1; the head reads h1 and h0 with
+    /// w2, w3 (stage 2): h0 crosses two boundaries, passed on by stage 1.
+    fn graph() -> (Graph, Vec<Tensor>) {
+        let mut g = Graph::new();
+        let f = DType::F32;
+        let w: Vec<Tensor> = [[4, 8], [8, 8], [8, 3], [8, 3]]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| g.param(&format!("w{i}"), s, f, f, true).unwrap())
+            .collect();
+        let x = g.input("x", &[2, 4], f);
+        let y = g.input("y", &[2], DType::U32);
+        let h0 = g.linear(x, w[0], None).unwrap();
+        let h0 = g.gelu(h0).unwrap();
+        let h1 = g.linear(h0, w[1], None).unwrap();
+        let a = g.linear(h1, w[2], None).unwrap();
+        let b = g.linear(h0, w[3], None).unwrap();
+        let logits = g.add(a, b).unwrap();
+        g.cross_entropy(logits, y).unwrap();
+        (g, vec![x, y, h0])
+    }
+
+    #[test]
+    fn ops_follow_their_latest_operand_and_crossing_tensors_are_passed_on() {
+        let (g, t) = graph();
+        let (x, y, h0) = (t[0], t[1], t[2]);
+        let parts = g.split(&[Some(0), Some(1), Some(2), Some(2)], 3).unwrap();
+        let ops: Vec<usize> = parts.iter().map(|p| p.graph.ops.len()).collect();
+        // linear + gelu | linear | two linears, the add, the loss.
+        assert_eq!(ops, vec![2, 1, 4]);
+        assert_eq!(parts[0].params, vec![0]);
+        assert_eq!(parts[2].params, vec![2, 3]);
+        assert_eq!(
+            parts[0].inputs.iter().map(|i| i.0).collect::<Vec<_>>(),
+            vec![x]
+        );
+        assert_eq!(
+            parts[2].inputs.iter().map(|i| i.0).collect::<Vec<_>>(),
+            vec![y]
+        );
+        // h0 leaves stage 0, passes through stage 1 (an input it sends on), reaches 2.
+        assert_eq!(parts[0].activations_out.len(), 1);
+        assert_eq!(parts[0].activations_out[0].tensor, h0);
+        let middle = &parts[1];
+        let through = middle
+            .activations_in
+            .iter()
+            .find(|b| b.tensor == h0)
+            .unwrap();
+        let on = middle
+            .activations_out
+            .iter()
+            .find(|b| b.tensor == h0)
+            .unwrap();
+        assert_eq!(through.local, on.local);
+        assert_eq!(middle.activations_out.len(), 2);
+        assert_eq!(
+            middle
+                .activations_out
+                .iter()
+                .map(|b| b.tensor)
+                .collect::<Vec<_>>(),
+            parts[2]
+                .activations_in
+                .iter()
+                .map(|b| b.tensor)
+                .collect::<Vec<_>>()
+        );
+        // Gradients flow back through every crossing, seeded on the way out.
+        for p in &parts {
+            assert!(p.activations_in.iter().all(|b| b.grad == Some(b.local)));
+            assert!(p.activations_out.iter().all(|b| b.grad.is_some()));
+            assert_eq!(p.graph.grad_seeds.len(), p.activations_out.len());
+            assert_eq!(p.graph.grad_inputs.len(), p.activations_in.len());
+        }
+        assert!(parts[0].graph.loss.is_none() && parts[2].graph.loss.is_some());
+        // Ops keep their index in the whole graph (dropout masks derive from it).
+        assert_eq!(parts[2].graph.op_ids, vec![3, 4, 5, 6]);
+    }
+
+    #[test]
+    fn a_stage_without_work_or_a_loss_before_the_end_is_refused() {
+        let (g, _) = graph();
+        let e = g
+            .split(&[Some(0), Some(0), Some(0), Some(0)], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("stage 1 of 2 runs no part of the forward pass"),
+            "{e}"
+        );
+        let e = g
+            .split(&[Some(0), Some(1), Some(3), Some(2)], 3)
+            .unwrap_err();
+        assert!(e.to_string().contains("placed on stage 3 of 3"), "{e}");
+        let e = g.split(&[Some(0)], 2).unwrap_err().to_string();
+        assert!(
+            e.contains("1 parameter stages given for 4 parameters"),
+            "{e}"
+        );
     }
 }
