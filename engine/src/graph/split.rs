@@ -383,10 +383,13 @@ mod tests {
             .split(&[Some(0), Some(0), Some(0), Some(0)], 2)
             .unwrap_err()
             .to_string();
-        assert!(
-            e.contains("stage 1 of 2 runs no part of the forward pass"),
-            "{e}"
-        );
+        assert!(e.contains("the loss lands on stage 0"), "{e}");
+        // w2 is placed on stage 1, but it reads w1's output, made on stage 2.
+        let e = g
+            .split(&[Some(0), Some(2), Some(1), Some(2)], 3)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("stage 1 of 3 runs no part of the forward pass"), "{e}");
         let e = g
             .split(&[Some(0), Some(1), Some(3), Some(2)], 3)
             .unwrap_err();
