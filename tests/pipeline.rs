@@ -294,9 +294,18 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
     let devs: Vec<Box<dyn Device>> = (0..3)
         .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
         .collect();
-    let pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+    let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
     assert_eq!(pipe.slots(), vec![3, 2, 1]);
     assert_eq!(pipe.stage_blocks(), &[0..2, 2..3, 3..4]);
+    // Every buffer is allocated up front: m from p to 4p allocates nothing more.
+    let bytes = |pipe: &Pipeline| -> Vec<u64> {
+        pipe.devices().iter().map(|d| d.allocated_bytes()).collect()
+    };
+    let built = bytes(&pipe);
+    for (step, m) in [3, 12, 1].into_iter().enumerate() {
+        pipe.step(&batches(step, m), step_options()).unwrap();
+        assert_eq!(bytes(&pipe), built, "after a step of {m} micro-batches");
+    }
 }
 
 /// A device that can be told to fail every launch, or to make its next overflow check
@@ -504,7 +513,8 @@ fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
 
 /// An MLP whose head also reads the first hidden layer: over 3 stages that tensor
 /// leaves stage 0 and reaches stage 2 through stage 1, which passes it on (and its
-/// gradient back). Blocks: [w0, w1], [w2], [w3, w4].
+/// gradient back). Blocks: [w0, w1], [w2], [w3, w4]. Dropout on two stages: each
+/// stage must draw the masks one device draws.
 struct Skip;
 
 impl Model for Skip {
@@ -528,8 +538,10 @@ impl Model for Skip {
         let h0 = g.gelu(h0)?;
         let h1 = g.linear(h0, p[1], None)?;
         let h1 = g.gelu(h1)?;
+        let h1 = g.dropout(h1, 0.25)?;
         let h2 = g.linear(h1, p[2], None)?;
         let h2 = g.gelu(h2)?;
+        let h2 = g.dropout(h2, 0.25)?;
         let a = g.linear(h2, p[3], None)?;
         let b = g.linear(h0, p[4], None)?;
         let logits = g.add(a, b)?;
@@ -573,4 +585,55 @@ fn a_tensor_read_two_stages_later_is_passed_on_by_the_stage_between() {
         exact: true,
     };
     check_equivalence(&open, &cpu, &case, 3, &[1, 4]);
+}
+
+#[test]
+fn a_pipelined_checkpoint_resumes_on_one_device_and_on_another_cut() {
+    let cpu = CpuDevice::new();
+    let stages = |p: usize| -> Vec<Box<dyn Device>> {
+        (0..p)
+            .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+            .collect()
+    };
+    let uniform = &PartitionMethod::Uniform;
+    let mut pp3 = Pipeline::new(stages(3), model(), &options(), uniform).unwrap();
+    for step in 0..2 {
+        pp3.step(&batches(step, 3), step_options()).unwrap();
+    }
+    // Whole tensors, whatever the cut: one device and a 2-stage pipeline resume them.
+    let states = pp3.param_states().unwrap();
+    let mut one = Network::new(&cpu, model(), &options()).unwrap();
+    one.load_param_states(&cpu, &states).unwrap();
+    one.set_steps_applied(2);
+    let mut pp2 = Pipeline::new(stages(2), model(), &options(), uniform).unwrap();
+    pp2.load_param_states(&states, 2).unwrap();
+    assert_copies_identical(&pp2, "after loading");
+    for step in 2..4 {
+        let a = pp3.step(&batches(step, 3), step_options()).unwrap().loss;
+        let c = pp2.step(&batches(step, 3), step_options()).unwrap().loss;
+        one.accumulate(&cpu, &batches(step, 3), 1.0).unwrap();
+        let (_, b) = one.check(&cpu, 0.0).unwrap();
+        one.update(&cpu, LR).unwrap();
+        // The first step after the resume starts from the same weights everywhere.
+        if step == 2 {
+            assert!(
+                a == b && c == b,
+                "step {step}: losses {a} (3 stages), {c} (2), {b} (1)"
+            );
+        }
+        assert!(
+            close(a, b, 1e-5) && close(c, b, 1e-5),
+            "step {step}: {a} {c} {b}"
+        );
+    }
+    assert_eq!(pp2.steps_applied(), 4);
+    // A checkpoint of another shape is refused before anything is written.
+    let mut other = states.clone();
+    other[2].shape = vec![7];
+    let e = pp2.load_param_states(&other, 0).unwrap_err().to_string();
+    assert!(
+        e.contains("`transformer.h.0.ln_1.weight` has shape [7]"),
+        "{e}"
+    );
+    assert_eq!(pp2.steps_applied(), 4);
 }

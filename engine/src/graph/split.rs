@@ -389,7 +389,10 @@ mod tests {
             .split(&[Some(0), Some(2), Some(1), Some(2)], 3)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("stage 1 of 3 runs no part of the forward pass"), "{e}");
+        assert!(
+            e.contains("stage 1 of 3 runs no part of the forward pass"),
+            "{e}"
+        );
         let e = g
             .split(&[Some(0), Some(1), Some(3), Some(2)], 3)
             .unwrap_err();

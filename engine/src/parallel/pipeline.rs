@@ -240,6 +240,11 @@ impl Pipeline {
         })
     }
 
+    /// The devices, one per stage.
+    pub fn devices(&self) -> &[Box<dyn Device>] {
+        &self.devs
+    }
+
     /// Number of stages.
     pub fn stages(&self) -> usize {
         self.stages.len()
@@ -401,8 +406,15 @@ impl Pipeline {
                 .partition(|e| !e.contains(": stopped: "));
             let count = failed.len();
             first.extend(stopped);
+            // Before the decision no stage updates; after it, some may have.
+            let state = if decided.is_ok() {
+                "after the update was decided, so some stages may have updated and others \
+                 not: resume from the last checkpoint"
+            } else {
+                "so no stage updated"
+            };
             return Err(Error::InvalidArgument(format!(
-                "pipeline step failed on {count} of {p} stages, so no stage updated: {}",
+                "pipeline step failed on {count} of {p} stages, {state}: {}",
                 first.join("; ")
             )));
         }
@@ -430,6 +442,83 @@ impl Pipeline {
             });
         }
         Ok(out)
+    }
+
+    /// Restores what [`Pipeline::param_states`] or [`Network::param_states`] saved
+    /// (whole tensors: a checkpoint of any topology) into every copy of every
+    /// parameter, and the count of applied steps (Adam's bias correction and the
+    /// schedule continue from it). Checked in full before the first byte is written:
+    /// every parameter present under its name (or its tied name) with its shape, the
+    /// storage dtype and every vector's length.
+    ///
+    /// [`Network::param_states`]: crate::models::Network::param_states
+    pub fn load_param_states(&mut self, states: &[ParamState], steps: u32) -> Result<()> {
+        let what = self.model.describe();
+        if states.len() != self.specs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint holds {} parameters but {what} has {}: it was saved from a \
+                 different model config",
+                states.len(),
+                self.specs.len()
+            )));
+        }
+        let mut found = vec![];
+        for spec in &self.specs {
+            let s = states
+                .iter()
+                .find(|s| s.name == spec.name || spec.tied.as_ref() == Some(&s.name))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the checkpoint has no parameter `{}`: it was saved from a different \
+                         model config than {what}",
+                        spec.name
+                    ))
+                })?;
+            let n = spec.len();
+            if s.shape != spec.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` has shape {:?} in the checkpoint but {:?} in {what}: the model \
+                     config differs from the one the checkpoint was saved with",
+                    spec.name, s.shape, spec.shape
+                )));
+            }
+            if s.value.dtype() != self.options.dtype {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` is stored as {} in the checkpoint but this run trains in {}: resume \
+                     with the precision the checkpoint was saved with",
+                    spec.name,
+                    s.value.dtype(),
+                    self.options.dtype
+                )));
+            }
+            for (part, len) in [
+                ("value", s.value.len()),
+                ("master", s.master.len()),
+                ("exp_avg", s.m.len()),
+                ("exp_avg_sq", s.v.len()),
+            ] {
+                if len != n {
+                    return Err(Error::LenMismatch {
+                        what: format!("checkpoint {part} of `{}`", spec.name),
+                        expected: n,
+                        found: len,
+                    });
+                }
+            }
+            found.push(s);
+        }
+        for (i, s) in found.into_iter().enumerate() {
+            for k in 0..self.holders[i].len() {
+                let (stage, b) = self.buffers(i, k)?;
+                let dev = self.devs[stage].as_ref();
+                dev.upload(b.value, &s.value)?;
+                dev.upload(b.master, &HostData::F32(s.master.clone()))?;
+                dev.upload(b.m, &HostData::F32(s.m.clone()))?;
+                dev.upload(b.v, &HostData::F32(s.v.clone()))?;
+            }
+        }
+        self.steps = steps;
+        Ok(())
     }
 
     /// (name, f32 master values) of every parameter, in model order.
