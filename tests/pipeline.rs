@@ -334,6 +334,11 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
         pipe.devices().iter().map(|d| d.allocated_bytes()).collect()
     };
     let built = bytes(&pipe);
+    // As estimated without a device, stage by stage.
+    let m = Pipeline::memory(model().as_ref(), &options(), &PartitionMethod::Uniform, 3).unwrap();
+    let want: Vec<u64> = m.iter().map(|m| m.total()).collect();
+    assert_eq!(built, want);
+    assert!(m[0].activations > m[2].activations, "{m:?}");
     for (step, m) in [3, 12, 1].into_iter().enumerate() {
         pipe.step(&batches(step, m), step_options()).unwrap();
         assert_eq!(bytes(&pipe), built, "after a step of {m} micro-batches");
@@ -344,14 +349,18 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
 /// find an infinity in the first gradient it checks (as if backward had overflowed).
 struct Faulty {
     inner: CpuDevice,
+    /// The inner device's, or a smaller memory budget.
+    caps: Capabilities,
     fail: AtomicBool,
     armed: AtomicBool,
 }
 
 impl Faulty {
     fn new() -> Faulty {
+        let inner = CpuDevice::new();
         Faulty {
-            inner: CpuDevice::new(),
+            caps: inner.caps().clone(),
+            inner,
             fail: AtomicBool::new(false),
             armed: AtomicBool::new(false),
         }
@@ -360,7 +369,7 @@ impl Faulty {
 
 impl Device for Faulty {
     fn caps(&self) -> &Capabilities {
-        self.inner.caps()
+        &self.caps
     }
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
         self.inner.alloc(dtype, len)
@@ -669,4 +678,39 @@ fn a_pipelined_checkpoint_resumes_on_one_device_and_on_another_cut() {
         "{e}"
     );
     assert_eq!(pp2.steps_applied(), 4);
+}
+
+#[test]
+fn a_stage_that_cannot_fit_its_device_is_refused_before_anything_is_allocated() {
+    let need =
+        Pipeline::memory(model().as_ref(), &options(), &PartitionMethod::Uniform, 3).unwrap();
+    let mut small = Faulty::new();
+    small.caps.memory_budget = Some(need[2].total() - 1);
+    let small = Arc::new(small);
+    let devs: Vec<Box<dyn Device>> = vec![
+        Box::new(CpuDevice::new()),
+        Box::new(CpuDevice::new()),
+        Box::new(Shared(small.clone())),
+    ];
+    let e = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform)
+        .err()
+        .expect("a stage over its device's budget")
+        .to_string();
+    assert!(
+        e.contains("pipeline stage 2 of GPT-2") && e.contains("does not fit"),
+        "{e}"
+    );
+    assert_eq!(small.allocated_bytes(), 0);
+    // More stages than blocks: named, with the fix.
+    let devs: Vec<Box<dyn Device>> = (0..5)
+        .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+        .collect();
+    let e = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform)
+        .err()
+        .expect("5 stages for 4 blocks")
+        .to_string();
+    assert!(
+        e.contains("5 pipeline stages for a model of 4 blocks"),
+        "{e}"
+    );
 }

@@ -33,8 +33,8 @@ use super::pipeline_schedule::{Instr, Schedule};
 use crate::device::optim::{grad_scale_reference, ParamBuffers};
 use crate::graph::{Bindings, Loss, Plan, StageGraph, Tensor};
 use crate::models::{
-    check_specs, draw_initial, random_key, record, MicroBatch, Model, NetworkOptions, ParamSpec,
-    ParamState,
+    check_specs, draw_initial, host_memory_available, random_key, record, MicroBatch, Model,
+    NetworkMemory, NetworkOptions, ParamSpec, ParamState,
 };
 use crate::rng::SplitMix;
 use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
@@ -140,39 +140,23 @@ impl Pipeline {
         method: &PartitionMethod,
     ) -> Result<Pipeline> {
         let p = devs.len();
-        if p == 0 {
-            return Err(Error::InvalidArgument(
-                "pipeline: no devices; give one device per stage".into(),
-            ));
-        }
-        model.check_sizes()?;
-        let specs = model.parameters();
-        check_specs(model.as_ref(), &specs)?;
-        let blocks = model.blocks();
-        if blocks.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "pipeline: {} names no blocks (Model::blocks), so there is nothing to cut \
-                 into stages; train it data-parallel instead",
-                model.describe()
-            )));
-        }
-        let costs = stage_costs(&specs, &blocks);
-        let ranges = partition(method, &costs, p)?;
-        let mut param_stage = vec![None; specs.len()];
-        for (s, r) in ranges.iter().enumerate() {
-            for b in r.clone() {
-                for &i in &blocks[b] {
-                    param_stage[i] = Some(s);
-                }
-            }
-        }
-        let recorded = record(model.as_ref(), &specs, options)?;
-        let parts = recorded.graph.split(&param_stage, p)?;
-        let mut holders = vec![vec![]; specs.len()];
-        for (s, part) in parts.iter().enumerate() {
-            for &i in &part.params {
-                holders[i].push(s);
-            }
+        let Cut {
+            specs,
+            inputs: forward_inputs,
+            parts,
+            holders,
+            ranges,
+        } = cut(model.as_ref(), options, method, p)?;
+        // Before the first buffer: a stage that cannot fit its device is refused with
+        // what it needs, not found out by an allocation that aborts.
+        let memory = stage_memory(&specs, &parts, options)?;
+        for (s, (m, dev)) in memory.iter().zip(&devs).enumerate() {
+            m.check_fit(
+                &format!("pipeline stage {s} of {}", model.describe()),
+                options.dtype,
+                &[dev.caps()],
+                host_memory_available(),
+            )?;
         }
         // Every parameter drawn in model order, as one device would.
         let mut rng = SplitMix(options.seed);
@@ -197,9 +181,7 @@ impl Pipeline {
                 .inputs
                 .iter()
                 .map(|(t, _)| {
-                    recorded
-                        .forward
-                        .inputs
+                    forward_inputs
                         .iter()
                         .position(|i| i == t)
                         .expect("a stage's inputs are the model's")
@@ -238,6 +220,19 @@ impl Pipeline {
             blocks: ranges,
             steps: 0,
         })
+    }
+
+    /// What [`Pipeline::new`] allocates on each of `stages` devices, computed without
+    /// a device: parameters (model copy, gradient, f32 master and moments) of every
+    /// parameter the stage holds, and its activation slots' plans and input buffers.
+    pub fn memory(
+        model: &dyn Model,
+        options: &NetworkOptions,
+        method: &PartitionMethod,
+        stages: usize,
+    ) -> Result<Vec<NetworkMemory>> {
+        let c = cut(model, options, method, stages)?;
+        stage_memory(&c.specs, &c.parts, options)
     }
 
     /// The devices, one per stage.
@@ -564,6 +559,140 @@ impl Pipeline {
             .expect("holders list the stages declaring it");
         Ok((s, stage.params[at]))
     }
+}
+
+/// A model cut into stages, before any device is touched.
+struct Cut {
+    specs: Vec<ParamSpec>,
+    /// The model's inputs, in [`MicroBatch`] order.
+    inputs: Vec<Tensor>,
+    parts: Vec<StageGraph>,
+    /// Per parameter: the stages holding it.
+    holders: Vec<Vec<usize>>,
+    /// Per stage: its blocks.
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+/// Checks `model`, records its forward pass and cuts it into `p` stages by `method`.
+fn cut(
+    model: &dyn Model,
+    options: &NetworkOptions,
+    method: &PartitionMethod,
+    p: usize,
+) -> Result<Cut> {
+    if p == 0 {
+        return Err(Error::InvalidArgument(
+            "pipeline: no devices; give one device per stage".into(),
+        ));
+    }
+    model.check_sizes()?;
+    let specs = model.parameters();
+    check_specs(model, &specs)?;
+    let blocks = model.blocks();
+    if blocks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "pipeline: {} names no blocks (Model::blocks), so there is nothing to cut into \
+             stages; train it data-parallel instead",
+            model.describe()
+        )));
+    }
+    let costs = stage_costs(&specs, &blocks);
+    let ranges = partition(method, &costs, p)?;
+    let mut param_stage = vec![None; specs.len()];
+    for (s, r) in ranges.iter().enumerate() {
+        for b in r.clone() {
+            for &i in &blocks[b] {
+                param_stage[i] = Some(s);
+            }
+        }
+    }
+    let recorded = record(model, &specs, options)?;
+    let parts = recorded.graph.split(&param_stage, p)?;
+    let mut holders = vec![vec![]; specs.len()];
+    for (s, part) in parts.iter().enumerate() {
+        for &i in &part.params {
+            holders[i].push(s);
+        }
+    }
+    Ok(Cut {
+        specs,
+        inputs: recorded.forward.inputs,
+        parts,
+        holders,
+        ranges,
+    })
+}
+
+/// Per stage, the bytes [`Pipeline::new`] allocates: each held parameter's five
+/// buffers, and per activation slot its plan (as compiling would share its buffers,
+/// over stand-ins) and its input buffers.
+fn stage_memory(
+    specs: &[ParamSpec],
+    parts: &[StageGraph],
+    options: &NetworkOptions,
+) -> Result<Vec<NetworkMemory>> {
+    let act = options.dtype;
+    let p = parts.len();
+    let f = |n: usize| DType::F32.padded_bytes(n);
+    // The initial values are drawn on the host for every parameter at once.
+    let drawn: u64 = specs.iter().map(|s| f(s.len())).sum();
+    let mut out = vec![];
+    for (s, part) in parts.iter().enumerate() {
+        let mut m = NetworkMemory::default();
+        let mut ids = 0;
+        let mut stand_in = |dtype: DType, len: usize| {
+            ids += 1;
+            Buffer {
+                id: ids,
+                dtype,
+                len,
+            }
+        };
+        let mut params = vec![];
+        for &i in &part.params {
+            let n = specs[i].len();
+            let grad = if specs[i].f32_grad { DType::F32 } else { act };
+            m.weights += act.padded_bytes(n);
+            m.gradients += grad.padded_bytes(n);
+            m.gradient_tensors += (grad.size() * n) as u64;
+            m.optimizer += 3 * f(n);
+            m.largest_parameter_buffer = m.largest_parameter_buffer.max(f(n));
+            params.push(ParamBuffers {
+                value: stand_in(act, n),
+                master: stand_in(DType::F32, n),
+                grad: stand_in(grad, n),
+                m: stand_in(DType::F32, n),
+                v: stand_in(DType::F32, n),
+            });
+        }
+        m.shared_gradients = m.gradients;
+        let g = &part.graph;
+        let mut inputs = vec![];
+        let mut input_bytes = 0;
+        for t in g.inputs() {
+            let (_, shape, dtype) = g.describe(t);
+            let n: usize = shape.iter().product();
+            input_bytes += dtype.padded_bytes(n);
+            inputs.push((t, stand_in(dtype, n)));
+        }
+        let bindings = Bindings {
+            params,
+            inputs,
+            groups: vec![],
+        };
+        let (mut largest, mut bound) = (0, 0);
+        for k in 0..p - s {
+            let plan = g.memory(&bindings, (k == 0).then_some(&options.optimizer))?;
+            m.activations += plan.total() + input_bytes;
+            largest = plan.largest.max(largest);
+            bound = plan.largest_bound.max(bound);
+        }
+        m.largest_buffer = largest.max(m.largest_parameter_buffer);
+        m.largest_binding = bound;
+        m.host = drawn.max(m.weights + m.optimizer);
+        out.push(m);
+    }
+    Ok(out)
 }
 
 /// Parameters per block and outside them: those declared before the first block's
