@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -345,13 +345,16 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
     }
 }
 
-/// A device that can be told to fail every launch, or to make its next overflow check
-/// find an infinity in the first gradient it checks (as if backward had overflowed).
+/// A device that can be told to fail every launch from its `n`-th on (as if the adapter
+/// went away), or to make its next overflow check find an infinity in the first
+/// gradient it checks (as if backward had overflowed).
 struct Faulty {
     inner: CpuDevice,
     /// The inner device's, or a smaller memory budget.
     caps: Capabilities,
-    fail: AtomicBool,
+    /// Launches left before it fails; 0: it never does.
+    fail_in: AtomicUsize,
+    lost: AtomicBool,
     armed: AtomicBool,
 }
 
@@ -361,7 +364,8 @@ impl Faulty {
         Faulty {
             caps: inner.caps().clone(),
             inner,
-            fail: AtomicBool::new(false),
+            fail_in: AtomicUsize::new(0),
+            lost: AtomicBool::new(false),
             armed: AtomicBool::new(false),
         }
     }
@@ -390,9 +394,14 @@ impl Device for Faulty {
         self.inner.finish_download(pending)
     }
     fn launch(&self, kernel: &Kernel) -> Result<()> {
-        if self.fail.load(Ordering::SeqCst) {
-            // Slow enough that the other stages are mid-step when it goes.
-            std::thread::sleep(Duration::from_millis(50));
+        let left = self.fail_in.load(Ordering::SeqCst);
+        if left == 1 {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+        if left > 0 {
+            self.fail_in.store(left - 1, Ordering::SeqCst);
+        }
+        if self.lost.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument(
                 "simulated device loss (the adapter went away)".into(),
             ));
@@ -505,22 +514,17 @@ fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
     let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
     pipe.step(&batches(0, 5), step_options()).unwrap();
     let before = pipe.param_states().unwrap();
-    // Fails once the step is under way: the other stages are waiting on it or have
-    // work queued for it.
-    let arm = {
-        let middle = middle.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(30));
-            middle.fail.store(true, Ordering::SeqCst);
-        })
-    };
+    // Fails once the step is under way (a micro-batch's forward and backward on the
+    // middle stage take about 40 launches, a step of 5 about 200): the other stages
+    // are waiting on it or have sent it work.
+    middle.fail_in.store(100, Ordering::SeqCst);
     let started = Instant::now();
     let e = pipe
         .step(&batches(1, 5), step_options())
         .unwrap_err()
         .to_string();
     let took = started.elapsed();
-    arm.join().unwrap();
+    assert!(middle.lost.load(Ordering::SeqCst));
     assert!(
         took < Duration::from_secs(5),
         "the step took {took:?} to fail"
@@ -547,7 +551,7 @@ fn a_stage_failing_mid_step_stops_every_stage_with_an_error() {
         );
     }
     // Nothing was updated, so a checkpoint of the last good state is what remains.
-    middle.fail.store(false, Ordering::SeqCst);
+    middle.lost.store(false, Ordering::SeqCst);
     assert_eq!(pipe.param_states().unwrap(), before);
     assert_eq!(pipe.steps_applied(), 1);
 }

@@ -9,7 +9,10 @@
 //! per slot, all sharing the stage's parameters, gradients and optimizer state, so
 //! memory does not grow with the micro-batches. One thread per stage runs its
 //! instruction list; activations go forward and their gradients back device → host →
-//! device, each message carrying the tensors' shapes, which the receiver checks.
+//! device, each message carrying the tensors' shapes, which the receiver checks. A
+//! stage queues each outgoing copy behind the launch that produced it and goes on
+//! recording its next work; a courier thread of its own waits for the copy and sends
+//! it, so the transfer overlaps the stage's next compute.
 //!
 //! The step's end is decided once for the whole pipeline: a parameter several stages
 //! hold (a tied embedding) has its gradients summed on the host in stage order and
@@ -37,7 +40,7 @@ use crate::models::{
     NetworkMemory, NetworkOptions, ParamSpec, ParamState,
 };
 use crate::rng::SplitMix;
-use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
+use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result, IGNORE_TARGET};
 
 /// How one step is taken: the caller's loss scaler and clipping decide these.
 #[derive(Clone, Copy, Debug)]
@@ -897,32 +900,86 @@ fn check_transfer(
     Ok(())
 }
 
-/// Downloads `bufs` (all queued first, then waited for) with their shapes.
-fn download_all(
+/// Downloads queued on a stage's device for one neighbour: towards the next stage
+/// (activations) or the one before (their gradients), of a micro-batch.
+type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>);
+
+/// A stage's courier: waits for each queued download and sends it on, while the stage
+/// thread records its next work (the transfer overlaps the next compute).
+fn courier(
+    s: usize,
     dev: &dyn Device,
-    bufs: Vec<(Vec<usize>, Buffer)>,
-) -> Result<Vec<(Vec<usize>, HostData)>> {
-    let mut pending = vec![];
-    for (shape, b) in bufs {
-        pending.push((shape, dev.begin_download(b)?));
+    parcels: Receiver<Parcel>,
+    act_out: Option<Sender<Transfer>>,
+    grad_out: Option<Sender<Transfer>>,
+) -> Result<()> {
+    for (forward, micro, pending) in parcels {
+        let tensors = pending
+            .into_iter()
+            .map(|(shape, p)| Ok((shape, dev.finish_download(p)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let (tx, peer) = if forward {
+            (act_out.as_ref(), s + 1)
+        } else {
+            (grad_out.as_ref(), s.wrapping_sub(1))
+        };
+        tx.expect("a stage sends only to the neighbours it has")
+            .send((micro, tensors))
+            .map_err(|_| peer_stopped(s, &format!("stage {peer}")))?;
     }
-    pending
-        .into_iter()
-        .map(|(shape, p)| Ok((shape, dev.finish_download(p)?)))
-        .collect()
+    Ok(())
 }
 
 impl Run<'_> {
-    /// Runs stage `s`'s instructions, then its part of the step's end.
+    /// Runs stage `s`: its instructions and its part of the step's end on this thread,
+    /// the outgoing transfers on a courier thread.
     fn stage(
         self,
         stage: &mut Stage,
         dev: &dyn Device,
         ticks: &[Vec<Instr>],
         end: &[Instr],
-        links: Links,
+        mut links: Links,
+    ) -> Result<()> {
+        let (act_out, grad_out) = (links.act_out.take(), links.grad_out.take());
+        let (parcels, inbox) = channel::<Parcel>();
+        std::thread::scope(|scope| {
+            let s = self.s;
+            let sent = scope.spawn(move || courier(s, dev, inbox, act_out, grad_out));
+            // Ends the courier's loop when this returns, whichever way.
+            let ran = self.run(stage, dev, (ticks, end), &links, parcels);
+            let sent = sent.join().unwrap_or_else(|_| {
+                Err(Error::InvalidArgument(format!(
+                    "stage {s}'s transfer thread panicked"
+                )))
+            });
+            match (ran, sent) {
+                // A courier that failed is why the stage stopped: its error says why.
+                (Err(e), Err(c)) if e.to_string().contains("stopped: ") => Err(c),
+                (Err(e), _) => Err(e),
+                (Ok(()), sent) => sent,
+            }
+        })
+    }
+
+    fn run(
+        self,
+        stage: &mut Stage,
+        dev: &dyn Device,
+        (ticks, end): (&[Vec<Instr>], &[Instr]),
+        links: &Links,
+        parcels: Sender<Parcel>,
     ) -> Result<()> {
         let s = self.s;
+        let post = |forward: bool, micro: usize, bufs: Vec<(Vec<usize>, Buffer)>| {
+            let mut pending = vec![];
+            for (shape, b) in bufs {
+                pending.push((shape, dev.begin_download(b)?));
+            }
+            parcels
+                .send((forward, micro, pending))
+                .map_err(|_| peer_stopped(s, &format!("stage {s}'s transfer thread")))
+        };
         let slots = stage.slots.len().min(self.m);
         let g = &stage.part.graph;
         let described = |t: Tensor| (g.describe(t).0.to_string(), g.shape(t).to_vec());
@@ -985,10 +1042,7 @@ impl Run<'_> {
                         };
                         bufs.push((g.shape(a.local).to_vec(), b));
                     }
-                    let tensors = download_all(dev, bufs)?;
-                    let tx = links.act_out.as_ref().expect("an earlier stage sends");
-                    tx.send((micro, tensors))
-                        .map_err(|_| peer_stopped(s, &format!("stage {}", s + 1)))?;
+                    post(true, micro, bufs)?;
                 }
                 Instr::RecvGrad { micro } => {
                     let rx = links.grad_in.as_ref().expect("an earlier stage receives");
@@ -1025,10 +1079,7 @@ impl Run<'_> {
                             bufs.push((g.shape(a.local).to_vec(), b));
                         }
                     }
-                    let tensors = download_all(dev, bufs)?;
-                    let tx = links.grad_out.as_ref().expect("a later stage sends");
-                    tx.send((micro, tensors))
-                        .map_err(|_| peer_stopped(s, &format!("stage {}", s - 1)))?;
+                    post(false, micro, bufs)?;
                 }
                 Instr::ReduceTiedGrads | Instr::ReduceGrads | Instr::OptimizerStep => {
                     unreachable!("end instructions come after the ticks")
@@ -1040,7 +1091,7 @@ impl Run<'_> {
             // (one exchange with the coordinator); a data-parallel exchange within a
             // stage has nothing to do with one replica.
             if *instr == Instr::OptimizerStep {
-                self.finish(stage, dev, &links)?;
+                self.finish(stage, dev, links)?;
             }
         }
         Ok(())
