@@ -357,8 +357,17 @@ fn a_stage_holds_at_most_p_minus_s_micro_batches_whatever_m() {
     assert_eq!(built, want);
     assert!(m[0].activations > m[2].activations, "{m:?}");
     for (step, m) in [3, 12, 1].into_iter().enumerate() {
-        pipe.step(&batches(step, m), step_options()).unwrap();
+        let r = pipe.step(&batches(step, m), step_options()).unwrap();
         assert_eq!(bytes(&pipe), built, "after a step of {m} micro-batches");
+        // Per micro-batch and boundary: the residual stream (B, T, C) f32 forward and
+        // its gradient back, nothing else.
+        let per = (B * T * config().n_embd * 4) as u64;
+        assert_eq!(r.bytes_moved, 2 * 2 * m as u64 * per);
+        assert_eq!(r.waited.len(), 3);
+        assert!(
+            r.waited.iter().all(|&w| (0.0..=r.seconds).contains(&w)),
+            "{r:?}"
+        );
     }
 }
 

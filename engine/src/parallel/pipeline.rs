@@ -54,7 +54,7 @@ pub struct StepOptions {
 }
 
 /// What a step did.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepReport {
     /// Mean loss over the step's micro-batches (the last stage's).
     pub loss: f32,
@@ -65,6 +65,20 @@ pub struct StepReport {
     /// The factor the optimizer multiplied the gradients by (1 / (loss scale × clip
     /// factor)); 0 when the step was skipped.
     pub grad_scale: f32,
+    /// Wall time of the step.
+    pub seconds: f64,
+    /// Per stage: seconds it waited for a neighbour's activations or gradients (the
+    /// measured bubble; the schedule's is `(p - 1) / (m + p - 1)` of the step).
+    pub waited: Vec<f64>,
+    /// Bytes of activations and activation gradients sent between stages.
+    pub bytes_moved: u64,
+}
+
+/// What one stage measured during a step.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageStats {
+    waited: f64,
+    sent: u64,
 }
 
 /// One activation slot: a compiled plan and the buffers bound to its inputs.
@@ -325,6 +339,7 @@ impl Pipeline {
         grad_rx.push(None);
         let (seed, steps) = (self.options.seed, self.steps);
         let holders = &self.holders;
+        let started = std::time::Instant::now();
         let (results, decided) = std::thread::scope(|scope| {
             let mut handles = vec![];
             let mut report_rx = vec![];
@@ -378,7 +393,7 @@ impl Pipeline {
             }
             // Without a decision every stage waiting for one stops.
             drop(decision_tx);
-            let results: Vec<Result<()>> = handles
+            let results: Vec<Result<StageStats>> = handles
                 .into_iter()
                 .enumerate()
                 .map(|(s, h)| {
@@ -416,7 +431,11 @@ impl Pipeline {
                 first.join("; ")
             )));
         }
-        let (_, _, report) = decided?;
+        let (_, _, mut report) = decided?;
+        let stats: Vec<StageStats> = results.into_iter().flatten().collect();
+        report.seconds = started.elapsed().as_secs_f64();
+        report.waited = stats.iter().map(|s| s.waited).collect();
+        report.bytes_moved = stats.iter().map(|s| s.sent).sum();
         if !report.overflow {
             self.steps += 1;
         }
@@ -940,7 +959,7 @@ impl Run<'_> {
         ticks: &[Vec<Instr>],
         end: &[Instr],
         mut links: Links,
-    ) -> Result<()> {
+    ) -> Result<StageStats> {
         let (act_out, grad_out) = (links.act_out.take(), links.grad_out.take());
         let (parcels, inbox) = channel::<Parcel>();
         std::thread::scope(|scope| {
@@ -957,7 +976,7 @@ impl Run<'_> {
                 // A courier that failed is why the stage stopped: its error says why.
                 (Err(e), Err(c)) if e.to_string().contains("stopped: ") => Err(c),
                 (Err(e), _) => Err(e),
-                (Ok(()), sent) => sent,
+                (Ok(stats), sent) => sent.map(|()| stats),
             }
         })
     }
@@ -969,11 +988,14 @@ impl Run<'_> {
         (ticks, end): (&[Vec<Instr>], &[Instr]),
         links: &Links,
         parcels: Sender<Parcel>,
-    ) -> Result<()> {
+    ) -> Result<StageStats> {
         let s = self.s;
+        let sent = std::cell::Cell::new(0u64);
+        let mut waited = 0f64;
         let post = |forward: bool, micro: usize, bufs: Vec<(Vec<usize>, Buffer)>| {
             let mut pending = vec![];
             for (shape, b) in bufs {
+                sent.set(sent.get() + (b.len * b.dtype.size()) as u64);
                 pending.push((shape, dev.begin_download(b)?));
             }
             parcels
@@ -1008,9 +1030,11 @@ impl Run<'_> {
                 }
                 Instr::RecvActivation { micro } => {
                     let rx = links.act_in.as_ref().expect("a later stage receives");
+                    let wait = std::time::Instant::now();
                     let msg = rx
                         .recv()
                         .map_err(|_| peer_stopped(s, &format!("stage {}", s - 1)))?;
+                    waited += wait.elapsed().as_secs_f64();
                     check_transfer(s, "activations", &msg, micro, &ins)?;
                     let slot = &stage.slots[micro % slots];
                     for (&b, (_, d)) in slot.acts_in.iter().zip(&msg.1) {
@@ -1046,9 +1070,11 @@ impl Run<'_> {
                 }
                 Instr::RecvGrad { micro } => {
                     let rx = links.grad_in.as_ref().expect("an earlier stage receives");
+                    let wait = std::time::Instant::now();
                     let msg = rx
                         .recv()
                         .map_err(|_| peer_stopped(s, &format!("stage {}", s + 1)))?;
+                    waited += wait.elapsed().as_secs_f64();
                     check_transfer(s, "activation gradients", &msg, micro, &grads_in)?;
                     let slot = &stage.slots[micro % slots];
                     for (&b, (_, d)) in slot.seeds.iter().flatten().zip(&msg.1) {
@@ -1094,7 +1120,10 @@ impl Run<'_> {
                 self.finish(stage, dev, links)?;
             }
         }
-        Ok(())
+        Ok(StageStats {
+            waited,
+            sent: sent.get(),
+        })
     }
 
     /// The step's end on this stage: report overflow, squared norm, replicated
@@ -1197,6 +1226,9 @@ fn decide(
             overflow,
             sum_squares,
             grad_scale: grad_scale.unwrap_or(0.0),
+            seconds: 0.0,
+            waited: vec![],
+            bytes_moved: 0,
         },
     ))
 }
