@@ -16,6 +16,8 @@ use kiln::engine::models::llama::{Llama, LlamaConfig};
 use kiln::engine::models::{Forward, Init, MicroBatch, Model, Network, NetworkOptions, ParamSpec};
 use kiln::engine::parallel::pipeline::{Pipeline, StepOptions};
 use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+use kiln::engine::train::pipeline_trainer::PipelineTrainer;
+use kiln::engine::train::trainer::Trainer;
 use kiln::engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
@@ -743,4 +745,55 @@ fn a_stage_that_cannot_fit_its_device_is_refused_before_anything_is_allocated() 
         e.contains("5 pipeline stages for a model of 4 blocks"),
         "{e}"
     );
+}
+
+/// The trainer's config drives a pipeline as it drives one device: fp16 with DeepSpeed's
+/// dynamic loss scaling (skipped steps and scale changes on the same steps), the
+/// schedule's learning rate, the losses within the fp16 tolerance.
+#[test]
+fn a_training_config_drives_a_pipeline_like_one_device() {
+    let cpu = CpuDevice::new();
+    let m = 3;
+    // A high first scale (2^20), so the first steps overflow and the scale comes down.
+    let config = || {
+        kiln::engine::config::parse(
+            &format!(
+                r#"{{"train_micro_batch_size_per_gpu": {B}, "gradient_accumulation_steps": {m},
+                    "fp16": {{"enabled": true, "initial_scale_power": 20}},
+                    "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01}}}}}}"#
+            ),
+            1,
+        )
+        .unwrap()
+    };
+    let mut one = Trainer::new(&cpu, model(), config(), 5).unwrap();
+    let devs: Vec<Box<dyn Device>> = (0..3)
+        .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+        .collect();
+    let mut pipe =
+        PipelineTrainer::new(devs, model(), config(), 5, &PartitionMethod::Parameters).unwrap();
+    let mut skipped = 0;
+    for step in 0..6 {
+        let a = one.step(&cpu, &batches(step, m)).unwrap();
+        let b = pipe.step(&batches(step, m)).unwrap();
+        assert_eq!(
+            (a.skipped, a.loss_scale, a.lr, a.applied),
+            (b.skipped, b.loss_scale, b.lr, b.applied),
+            "step {step}"
+        );
+        assert!(
+            close(b.loss, a.loss, 2e-2),
+            "step {step}: {} vs {}",
+            b.loss,
+            a.loss
+        );
+        skipped += usize::from(a.skipped);
+    }
+    // DeepSpeed's initial scale of 2^16 overflows fp16 gradients at first.
+    assert!(
+        skipped > 0,
+        "no step was skipped: the scaler was not exercised"
+    );
+    let e = pipe.step(&batches(9, m + 1)).unwrap_err().to_string();
+    assert!(e.contains("gradient_accumulation_steps = 3"), "{e}");
 }
