@@ -269,6 +269,8 @@ fn two_and_three_cpu_stages_train_like_one_device() {
     let open = || -> Box<dyn Device> { Box::new(CpuDevice::new()) };
     check_equivalence(&open, &cpu, &GPT, 2, &[1, 2, 5]);
     check_equivalence(&open, &cpu, &GPT, 3, &[1, 3, 7]);
+    // One stage is one device: no copies, the same arithmetic every step.
+    check_equivalence(&open, &cpu, &Case { exact: true, ..GPT }, 1, &[2]);
 }
 
 #[test]
