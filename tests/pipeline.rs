@@ -799,3 +799,35 @@ fn a_training_config_drives_a_pipeline_like_one_device() {
     let e = pipe.step(&batches(9, m + 1)).unwrap_err().to_string();
     assert!(e.contains("gradient_accumulation_steps = 3"), "{e}");
 }
+
+#[test]
+fn a_bad_micro_batch_is_refused_before_any_stage_runs() {
+    let devs: Vec<Box<dyn Device>> = (0..2)
+        .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+        .collect();
+    let mut pipe = Pipeline::new(devs, model(), &options(), &PartitionMethod::Uniform).unwrap();
+    let before = pipe.param_states().unwrap();
+    let mut bad = batches(0, 3);
+    let mut tokens = vec![1u32; B * T];
+    tokens[5] = VOCAB as u32;
+    bad[1] = MicroBatch::tokens(&tokens, &tokens.iter().map(|_| 0).collect::<Vec<_>>());
+    let e = pipe.step(&bad, step_options()).unwrap_err().to_string();
+    assert!(
+        e.contains("pipeline stage 0, micro-batch 1")
+            && e.contains("token 13 at position 5 of `tokens` is outside the vocabulary of 13"),
+        "{e}"
+    );
+    let short = vec![MicroBatch::tokens(&[1, 2], &[2, 3])];
+    let e = pipe.step(&short, step_options()).unwrap_err().to_string();
+    assert!(
+        e.contains("`tokens` of a micro-batch holds 16 values"),
+        "{e}"
+    );
+    let e = pipe.step(&[], step_options()).unwrap_err().to_string();
+    assert!(e.contains("at least one stage and one micro-batch"), "{e}");
+    assert_eq!(pipe.param_states().unwrap(), before);
+    assert_eq!(pipe.steps_applied(), 0);
+    // The pipeline still trains after refusing them.
+    pipe.step(&batches(0, 3), step_options()).unwrap();
+    assert_eq!(pipe.steps_applied(), 1);
+}

@@ -26,6 +26,19 @@
 //! Dropout draws what one device would: every op keeps the index it had in the whole
 //! graph, and micro-batch `i` of a step runs under the key a [`Network`] would use.
 //!
+//! Not here yet, and where it goes: `dp` replicas of the pipeline (pp × dp) run one
+//! `Pipeline` per replica with the same cut; each stage's gradients are exchanged with
+//! the same stage of the other replicas between the last backward and the decision
+//! (`exchange::fold` over the stage's parameters, in replica order), the replicated
+//! tied copies summed within each replica first, and the coordinator takes one
+//! decision from every replica's reports. ZeRO stage 1 then shards each stage's
+//! optimizer state over its dp group (`zero.rs` per stage: the stage's parameters are
+//! a model of their own to it); stage 2 shares the alike blocks' gradient buffers
+//! within a stage, which needs every micro-batch's block gradients handed over during
+//! backward (`Plan::accumulate_with`'s ready groups, per stage plan), not only at the
+//! step's end. Activation checkpointing per stage would recompute a slot's forward
+//! before its backward instead of keeping `p - s` slots.
+//!
 //! [`Network`]: crate::models::Network
 
 use std::sync::mpsc::{channel, Receiver, Sender};
