@@ -67,6 +67,9 @@ impl Grads {
             gr.needs[t.0] = true;
             gr.external[t.0] = true;
         }
+        for &t in &g.grad_inputs {
+            gr.needs[t.0] = true;
+        }
         for (i, op) in g.ops.iter().enumerate() {
             let (ins, out) = operands(op);
             gr.needs[out.0] = ins.iter().any(|t| gr.needs[t.0]);
@@ -287,18 +290,27 @@ pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
     }
 }
 
-/// Emits the backward of every op that leads to the loss, last op first, then zeroes
-/// the gradients of parameters the loss does not depend on.
+/// Emits the backward of every op that leads to the loss or to a seeded tensor
+/// ([`Graph::grad_seeds`]), last op first, then zeroes the gradients of parameters
+/// nothing depends on. Returns, per [`Graph::grad_inputs`] entry, the pinned buffer
+/// its gradient is copied to (zeros where nothing depends on it).
 pub(super) fn backward(
     g: &Graph,
     e: &mut Emitter,
     saved: &[Saved],
     param_grads: &HashMap<Tensor, Buffer>,
-) -> Result<()> {
+) -> Result<Vec<(Tensor, Buffer)>> {
     let mut gr = Grads::new(g, param_grads);
+    // A seed is the first contribution, copied: later ones (the tensor may also be
+    // read within this graph) add to the copy, never to the caller's upload.
+    for &(t, seed) in &g.grad_seeds {
+        if gr.needs(t) {
+            gr.add_from(e, t, e.val(seed), false)?;
+        }
+    }
     for (i, (op, s)) in g.ops.iter().zip(saved).enumerate().rev() {
         gr.op = i;
-        e.op = i;
+        e.op = g.op_id(i);
         let (_, out) = operands(op);
         if let Op::CrossEntropy { .. } | Op::Mse { .. } = op {
             // The loss: its gradient is the seed, not a buffer.
@@ -312,5 +324,17 @@ pub(super) fn backward(
             gr.zero(e, p.tensor, param_grads[&p.tensor])?;
         }
     }
-    Ok(())
+    // Copied out of the shared buffers, so the caller can read them after the step.
+    let mut out = vec![];
+    for &t in &g.grad_inputs {
+        let i = g.t(t);
+        let dst = e.pinned(i.dtype, i.len());
+        match gr.get(t) {
+            Some(src) if src.dtype == dst.dtype => e.launch(Kernel::Copy { src, dst })?,
+            Some(src) => e.launch(Kernel::Cast { src, dst })?,
+            None => e.launch(Kernel::Fill { dst, value: 0.0 })?,
+        }
+        out.push((t, dst));
+    }
+    Ok(out)
 }

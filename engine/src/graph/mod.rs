@@ -17,8 +17,10 @@
 mod autodiff;
 mod ops;
 mod plan;
+mod split;
 
 pub use plan::{Bindings, Group, Plan, PlanMemory};
+pub use split::{Boundary, StageGraph};
 
 use crate::{Activation, DType, Error, HostData, Result};
 
@@ -265,6 +267,16 @@ pub struct Graph {
     pub(crate) outputs: Vec<Tensor>,
     /// The values of constant tensors.
     pub(crate) constants: Vec<HostData>,
+    /// (tensor, input): the gradient of `tensor` comes from outside, uploaded into
+    /// `input` before backward (a pipeline stage's outputs, whose gradients the next
+    /// stage computes). A graph may have these instead of, or besides, a loss.
+    pub(crate) grad_seeds: Vec<(Tensor, Tensor)>,
+    /// Inputs whose gradient backward produces ([`Plan::input_gradient`]): a pipeline
+    /// stage's incoming activations, whose gradients go back to the stage before.
+    pub(crate) grad_inputs: Vec<Tensor>,
+    /// Per op, the index it had in the graph it was cut from (empty: its own): dropout
+    /// masks derive from it, so a stage draws the masks the whole model would.
+    pub(crate) op_ids: Vec<usize>,
 }
 
 impl Graph {
@@ -356,6 +368,12 @@ impl Graph {
         let t = self.push(name.into(), shape.to_vec(), data.dtype(), source);
         self.constants.push(data);
         Ok(t)
+    }
+
+    /// The index op `i` had in the graph this one was cut from (its own index when it
+    /// was recorded here).
+    pub(crate) fn op_id(&self, i: usize) -> usize {
+        self.op_ids.get(i).copied().unwrap_or(i)
     }
 
     /// Every input, in the order they were declared.

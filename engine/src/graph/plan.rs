@@ -155,7 +155,7 @@ impl<'g> Emitter<'g> {
     }
 
     /// A new placeholder that keeps its own buffer.
-    fn pinned(&mut self, dtype: DType, len: usize) -> Buffer {
+    pub(super) fn pinned(&mut self, dtype: DType, len: usize) -> Buffer {
         let b = self.scratch(dtype, len);
         self.pinned.push(b);
         b
@@ -214,8 +214,10 @@ pub struct Plan {
     /// Per launch: runs on a step's first micro-batch only.
     first_only: Vec<bool>,
     first_betas: Vec<usize>,
-    /// `loss_acc += loss_weight * losses`, and the accumulator (f32, one per row).
-    loss_axpy: usize,
+    /// `loss_acc += loss_weight * losses`, and the accumulator (f32, one per row); a
+    /// graph without a loss (a pipeline stage before the last) has neither launch and
+    /// an accumulator of one zero.
+    loss_axpy: Option<usize>,
     loss_acc: Buffer,
     /// The loss scale of the step being accumulated (the gradient factor divides by it).
     loss_scale: f32,
@@ -232,6 +234,10 @@ pub struct Plan {
     slots: Vec<Buffer>,
     /// Graph outputs (losses included) by tensor.
     outputs: HashMap<Tensor, Buffer>,
+    /// The gradients of [`Graph::grad_inputs`], by tensor, copied out after backward.
+    input_grads: HashMap<Tensor, Buffer>,
+    /// The sum of squares of every gradient (f32, one element), kept readable.
+    sum_squares: Buffer,
     losses: Buffer,
     flag: Buffer,
     grad_scale: Buffer,
@@ -272,39 +278,55 @@ impl Graph {
         bindings: &Bindings,
         optimizer: Option<&Optimizer>,
     ) -> Result<(Emitter<'_>, Plan)> {
-        let loss = self.loss.ok_or_else(|| {
-            Error::InvalidArgument(
+        if self.loss.is_none() && self.grad_seeds.is_empty() {
+            return Err(Error::InvalidArgument(
                 "graph: nothing to differentiate; end the forward pass with a loss: \
                  cross_entropy or mse"
                     .into(),
-            )
-        })?;
+            ));
+        }
+        if self.params.is_empty() {
+            return Err(Error::InvalidArgument(
+                "graph: no parameters to train; declare them with Graph::param".into(),
+            ));
+        }
         let mut e = Emitter::new(self);
         let (param_grads, fresh) = bind(self, bindings, optimizer.is_some(), &mut e)?;
         // Forward, in recording order.
         let mut saved: Vec<Saved> = vec![];
         for (i, op) in self.ops.iter().enumerate() {
-            e.op = i;
+            e.op = self.op_id(i);
             saved.push(ops::forward(op, &mut e)?);
         }
         let forward_end = e.launches.len();
         // The step's loss, summed on the device over micro-batches, each row weighted.
-        let losses = e.val(loss);
-        let loss_acc = e.pinned(DType::F32, losses.len);
+        let losses = match self.loss {
+            Some(loss) => e.val(loss),
+            None => e.pinned(DType::F32, 1),
+        };
+        let loss_acc = match self.loss {
+            Some(_) => e.pinned(DType::F32, losses.len),
+            None => losses,
+        };
         e.first_only.push(e.launches.len());
         e.launch(Kernel::Fill {
             dst: loss_acc,
             value: 0.0,
         })?;
-        let loss_axpy = e.launches.len();
-        e.launch(Kernel::Axpy {
-            alpha: 1.0,
-            x: losses,
-            y: loss_acc,
-        })?;
+        let loss_axpy = match self.loss {
+            Some(_) => {
+                e.launch(Kernel::Axpy {
+                    alpha: 1.0,
+                    x: losses,
+                    y: loss_acc,
+                })?;
+                Some(e.launches.len() - 1)
+            }
+            None => None,
+        };
         // Backward, derived.
         let proxies: Vec<Buffer> = self.params.iter().map(|p| param_grads[&p.tensor]).collect();
-        autodiff::backward(self, &mut e, &saved, &param_grads)?;
+        let input_grads = autodiff::backward(self, &mut e, &saved, &param_grads)?;
         let backward_end = e.launches.len();
         // First and last backward launch writing each buffer, in one pass: scanning the
         // launches once per parameter grows with layers squared (minutes at 1000 layers).
@@ -362,10 +384,18 @@ impl Graph {
             });
         }
         let norm = norm_start..e.launches.len();
+        let sum_squares = sum_squares.expect("a graph with parameters has gradients");
+        // Kept readable for a caller that decides the step across devices.
+        let kept = e.pinned(DType::F32, 1);
+        e.launch(Kernel::Copy {
+            src: sum_squares,
+            dst: kept,
+        })?;
+        let norm = norm.start..e.launches.len();
         let grad_scale = e.pinned(DType::F32, 1);
         let grad_scale_launch = e.launches.len();
         e.launch(Kernel::GradScale {
-            sum_squares: sum_squares.expect("a graph with a loss has parameters"),
+            sum_squares,
             out: grad_scale,
             loss_scale: 1.0,
             clip: 0.0,
@@ -411,6 +441,8 @@ impl Graph {
             owned: vec![],
             slots: vec![],
             outputs: outputs.into_iter().collect(),
+            input_grads: input_grads.into_iter().collect(),
+            sum_squares: kept,
             losses,
             flag,
             grad_scale,
@@ -687,7 +719,12 @@ fn allocate(dev: &dyn Device, e: Emitter, sharing: Sharing, mut plan: Plan) -> R
     plan.loss_acc = map(plan.loss_acc);
     plan.flag = map(plan.flag);
     plan.grad_scale = map(plan.grad_scale);
-    for b in plan.outputs.values_mut() {
+    plan.sum_squares = map(plan.sum_squares);
+    for b in plan
+        .outputs
+        .values_mut()
+        .chain(plan.input_grads.values_mut())
+    {
         *b = map(*b);
     }
     plan.memory = sharing.memory;
@@ -873,6 +910,41 @@ impl Plan {
         Ok(())
     }
 
+    /// Forward alone of a micro-batch whose backward runs later ([`Plan::backward`]),
+    /// as a pipeline stage runs them: nothing else may run on this plan in between (its
+    /// shared buffers hold the activations backward reads). One submit.
+    pub fn forward_only(&self, dev: &dyn Device) -> Result<()> {
+        self.run(dev, 0, self.forward_end, false)
+    }
+
+    /// Backward of micro-batch `micro` of a step, after its [`Plan::forward_only`]: the
+    /// loss accumulation (if the graph has a loss) and the derived backward, from the
+    /// loss seed and the uploaded seeds of [`Graph::grad_seeds`]. Micro-batch 0 writes
+    /// the parameter gradients, later ones add to them (several plans may share the
+    /// gradients: micro-batch 0 must then be the first backward of the step among
+    /// them). One submit.
+    pub fn backward(
+        &mut self,
+        dev: &dyn Device,
+        (loss_scale, loss_weight, micro): (f32, f32, usize),
+    ) -> Result<()> {
+        self.prepare(loss_scale, loss_weight, micro)?;
+        self.run(dev, self.forward_end, self.backward_end, micro > 0)
+    }
+
+    /// Starts a step at `loss_scale` without running anything: for a plan whose first
+    /// backward of the step is not micro-batch 0 (a pipeline stage's other activation
+    /// slots), so its micro-batches are held to the step's scale.
+    pub fn start_step(&mut self, loss_scale: f32) {
+        self.loss_scale = loss_scale;
+    }
+
+    /// The buffer backward copies the gradient of input `t` to (a
+    /// [`Graph::grad_inputs`] entry; scaled like every gradient).
+    pub fn input_gradient(&self, t: Tensor) -> Option<Buffer> {
+        self.input_grads.get(&t).copied()
+    }
+
     /// Sets a micro-batch's scalars: the loss seed, the loss weight, the GEMM betas.
     fn prepare(&mut self, loss_scale: f32, loss_weight: f32, micro: usize) -> Result<()> {
         let seed = loss_scale * loss_weight;
@@ -898,7 +970,7 @@ impl Plan {
                 _ => unreachable!("seed launches are loss backwards"),
             }
         }
-        if let Kernel::Axpy { alpha, .. } = &mut self.launches[self.loss_axpy] {
+        if let Some(Kernel::Axpy { alpha, .. }) = self.loss_axpy.map(|i| &mut self.launches[i]) {
             *alpha = loss_weight;
         }
         let beta = if micro == 0 { 0.0 } else { 1.0 };
@@ -914,6 +986,10 @@ impl Plan {
     /// factor the update multiplies them by (unscaling, and clipping the unscaled
     /// gradients to global L2 norm `clip` when it is above 0). One submit.
     pub fn check(&mut self, dev: &dyn Device, clip: f32) -> Result<()> {
+        self.check_with(dev, clip, clip > 0.0)
+    }
+
+    fn check_with(&mut self, dev: &dyn Device, clip: f32, norm: bool) -> Result<()> {
         if !(clip.is_finite() && clip >= 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "plan: gradient clipping at {clip}; give a finite norm, or 0 for none"
@@ -928,9 +1004,14 @@ impl Plan {
             *loss_scale = self.loss_scale;
             *c = clip;
         }
-        // Without clipping GradScale ignores the norm: its launches are skipped.
+        self.run_check(dev, norm)
+    }
+
+    /// The check segment; without `norm` the sum of squares is not computed (without
+    /// clipping GradScale ignores it).
+    fn run_check(&mut self, dev: &dyn Device, norm: bool) -> Result<()> {
         self.prepare_device(dev)?;
-        let skip = if clip > 0.0 { 0..0 } else { self.norm.clone() };
+        let skip = if norm { 0..0 } else { self.norm.clone() };
         for (i, k) in self.launches[self.backward_end..self.check_end]
             .iter()
             .enumerate()
@@ -940,6 +1021,20 @@ impl Plan {
             }
         }
         dev.submit()
+    }
+
+    /// For a caller that decides the step across devices (a pipeline's stages): the
+    /// overflow flag and the sum of squares of this plan's gradients, at the loss
+    /// scale they were accumulated at, read by [`Plan::overflowed`] and
+    /// [`Plan::sum_squares`]; the step is then [`Plan::apply`]. One submit.
+    pub fn measure(&mut self, dev: &dyn Device) -> Result<()> {
+        self.check_with(dev, 0.0, true)
+    }
+
+    /// The sum of squares of every gradient measured by the last [`Plan::measure`] (or
+    /// [`Plan::check`] with clipping); waits for the device.
+    pub fn sum_squares(&self, dev: &dyn Device) -> Result<f32> {
+        Ok(dev.download(self.sum_squares)?.to_f32()[0])
     }
 
     /// Whether the gradients checked by the last [`Plan::check`] hold an inf or NaN

@@ -15,11 +15,11 @@ pub mod sample;
 
 pub use config::ModelConfig;
 pub use generate::Generator;
+pub(crate) use network::{check_specs, draw_initial, in_file, random_key, record, weight_copies};
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,
 };
-pub(crate) use network::{in_file, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};

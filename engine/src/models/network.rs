@@ -406,12 +406,16 @@ struct Param {
 }
 
 /// The recorded graph of a model, with its parameters declared from the specs.
-struct Recorded {
-    graph: Graph,
-    forward: Forward,
+pub(crate) struct Recorded {
+    pub(crate) graph: Graph,
+    pub(crate) forward: Forward,
 }
 
-fn record(model: &dyn Model, specs: &[ParamSpec], options: &NetworkOptions) -> Result<Recorded> {
+pub(crate) fn record(
+    model: &dyn Model,
+    specs: &[ParamSpec],
+    options: &NetworkOptions,
+) -> Result<Recorded> {
     let act = options.dtype;
     if !act.is_float() {
         return Err(Error::InvalidArgument(format!(
@@ -449,7 +453,7 @@ fn record(model: &dyn Model, specs: &[ParamSpec], options: &NetworkOptions) -> R
 /// Checks a model's parameter table before anything is recorded or allocated: every
 /// shape's element count computed without overflow and within what a tensor may hold,
 /// the total within [`MAX_PARAMETERS`], names unique, blocks in range.
-fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
+pub(crate) fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> {
     let mut names = HashSet::new();
     let mut total = 0usize;
     for s in specs {
@@ -685,21 +689,7 @@ impl Network {
         // written at its place in its arena; the gaps stay zero for good.
         let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
         for (spec, &(arena, at)) in specs.iter().zip(&layout.places) {
-            let place = &mut inits[arena][at..at + spec.len()];
-            match spec.init {
-                Init::Const(x) => place.fill(x),
-                Init::Uniform(s) => place
-                    .iter_mut()
-                    .for_each(|x| *x = rng.symmetric() * s * 3f32.sqrt()),
-                // Both draws of each pair; scaled in f64 and rounded to f32 once.
-                Init::Normal(s) => place.chunks_mut(2).for_each(|pair| {
-                    let (a, b) = rng.normal_pair();
-                    pair[0] = (a * s as f64) as f32;
-                    if let Some(x) = pair.get_mut(1) {
-                        *x = (b * s as f64) as f32;
-                    }
-                }),
-            }
+            draw_initial(spec, &mut rng, &mut inits[arena][at..at + spec.len()]);
         }
         let mut arenas = vec![];
         for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
@@ -1361,9 +1351,7 @@ impl Network {
     /// taken: a function of the seed, the steps applied and the micro-batch's place in
     /// the global batch, so a resumed run draws the masks it would have drawn.
     pub fn random_key(&self, micro: usize) -> u64 {
-        let step = u64::from(self.step).wrapping_mul(0xD1B5_4A32_D192_ED03);
-        let at = ((self.micro_offset + micro) as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
-        SplitMix(self.options.seed ^ step ^ at).next_u64()
+        random_key(self.options.seed, self.step, self.micro_offset + micro)
     }
 
     /// After [`Network::accumulate`]: the overflow check over every gradient and the
@@ -1724,6 +1712,33 @@ impl Network {
     /// Sets the count of applied optimizer steps (restoring a checkpoint).
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;
+    }
+}
+
+/// The key dropout masks derive from for micro-batch `micro` (its place in the global
+/// batch) of the step after `steps` applied ones, for a network seeded `seed`.
+pub(crate) fn random_key(seed: u64, steps: u32, micro: usize) -> u64 {
+    let step = u64::from(steps).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let at = (micro as u64).wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
+    SplitMix(seed ^ step ^ at).next_u64()
+}
+
+/// Draws one parameter's initial values into `place` (its elements), continuing
+/// `rng`: parameters drawn in model order give every layout the same values.
+pub(crate) fn draw_initial(spec: &ParamSpec, rng: &mut SplitMix, place: &mut [f32]) {
+    match spec.init {
+        Init::Const(x) => place.fill(x),
+        Init::Uniform(s) => place
+            .iter_mut()
+            .for_each(|x| *x = rng.symmetric() * s * 3f32.sqrt()),
+        // Both draws of each pair; scaled in f64 and rounded to f32 once.
+        Init::Normal(s) => place.chunks_mut(2).for_each(|pair| {
+            let (a, b) = rng.normal_pair();
+            pair[0] = (a * s as f64) as f32;
+            if let Some(x) = pair.get_mut(1) {
+                *x = (b * s as f64) as f32;
+            }
+        }),
     }
 }
 

@@ -2,13 +2,15 @@
 //! memory (`exchange`), ZeRO's partitioning of the optimizer state and gradients
 //! across the data-parallel ranks (`zero`), and the collective operations between the
 //! processes of a multi-process job (`collective`; over MPI in `mpi`, with the `mpi`
-//! feature), and for pipeline parallelism the 1F1B schedule (`pipeline_schedule`) and
-//! the cut of a model's blocks into stages (`pipeline_partition`).
+//! feature), and for pipeline parallelism the 1F1B schedule (`pipeline_schedule`),
+//! the cut of a model's blocks into stages (`pipeline_partition`) and the executor
+//! that trains a model over several devices with them (`pipeline`).
 
 pub mod collective;
 pub mod exchange;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod pipeline;
 pub mod pipeline_partition;
 pub mod pipeline_schedule;
 pub mod zero;

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod loss_scaler;
+pub mod pipeline_trainer;
 pub mod profile;
 pub mod runs;
 pub mod trainer;

@@ -1,0 +1,1247 @@
+//! Pipeline parallelism: one model split over `p` devices, trained with the
+//! synchronous 1F1B schedule ([`Schedule`]).
+//!
+//! The model's forward is recorded once and cut at the graph level
+//! ([`Graph::split`]): each block's parameters go to the stage the partition gives
+//! its block, every other op runs on the latest stage among its operands. Each stage
+//! is a compiled plan on its own device, in as many activation slots as it holds
+//! micro-batches at once (at most `p - s` on stage `s`, never more than `m`): one plan
+//! per slot, all sharing the stage's parameters, gradients and optimizer state, so
+//! memory does not grow with the micro-batches. One thread per stage runs its
+//! instruction list; activations go forward and their gradients back device → host →
+//! device, each message carrying the tensors' shapes, which the receiver checks. A
+//! stage queues each outgoing copy behind the launch that produced it and goes on
+//! recording its next work; a courier thread of its own waits for the copy and sends
+//! it, so the transfer overlaps the stage's next compute.
+//!
+//! The step's end is decided once for the whole pipeline: a parameter several stages
+//! hold (a tied embedding) has its gradients summed on the host in stage order and
+//! written back to every copy, so the copies stay bit-identical; the overflow flag is
+//! any stage's; the squared norm is every stage's, with each replicated parameter
+//! counted once (its summed gradient); the clip factor and the loss scale give one
+//! gradient factor every stage's optimizer applies. A stage that fails closes its
+//! channels, so every other stage stops at its next transfer with an error instead
+//! of waiting.
+//!
+//! Dropout draws what one device would: every op keeps the index it had in the whole
+//! graph, and micro-batch `i` of a step runs under the key a [`Network`] would use.
+//!
+//! Not here yet, and where it goes: `dp` replicas of the pipeline (pp × dp) run one
+//! `Pipeline` per replica with the same cut; each stage's gradients are exchanged with
+//! the same stage of the other replicas between the last backward and the decision
+//! (`exchange::fold` over the stage's parameters, in replica order), the replicated
+//! tied copies summed within each replica first, and the coordinator takes one
+//! decision from every replica's reports. ZeRO stage 1 then shards each stage's
+//! optimizer state over its dp group (`zero.rs` per stage: the stage's parameters are
+//! a model of their own to it); stage 2 shares the alike blocks' gradient buffers
+//! within a stage, which needs every micro-batch's block gradients handed over during
+//! backward (`Plan::accumulate_with`'s ready groups, per stage plan), not only at the
+//! step's end. Activation checkpointing per stage would recompute a slot's forward
+//! before its backward instead of keeping `p - s` slots.
+//!
+//! [`Network`]: crate::models::Network
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+use super::pipeline_partition::{partition, PartitionMethod, StageCosts};
+use super::pipeline_schedule::{Instr, Schedule};
+use crate::device::optim::{grad_scale_reference, ParamBuffers};
+use crate::graph::{Bindings, Loss, Plan, StageGraph, Tensor};
+use crate::models::{
+    check_specs, draw_initial, host_memory_available, random_key, record, MicroBatch, Model,
+    NetworkMemory, NetworkOptions, ParamSpec, ParamState,
+};
+use crate::rng::SplitMix;
+use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result, IGNORE_TARGET};
+
+/// How one step is taken: the caller's loss scaler and clipping decide these.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    /// The scale the loss is multiplied by before backward (1 in fp32).
+    pub loss_scale: f32,
+    /// Clip the unscaled gradients to this global L2 norm; 0: no clipping.
+    pub clip: f32,
+    /// The learning rate of this step.
+    pub lr: f32,
+}
+
+/// What a step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the step's micro-batches (the last stage's).
+    pub loss: f32,
+    /// Some stage's gradients held an inf or NaN: no stage updated.
+    pub overflow: bool,
+    /// Squared L2 norm of the whole model's (scaled) gradients, each parameter once.
+    pub sum_squares: f64,
+    /// The factor the optimizer multiplied the gradients by (1 / (loss scale × clip
+    /// factor)); 0 when the step was skipped.
+    pub grad_scale: f32,
+    /// Wall time of the step.
+    pub seconds: f64,
+    /// Per stage: seconds it waited for a neighbour's activations or gradients (the
+    /// measured bubble; the schedule's is `(p - 1) / (m + p - 1)` of the step).
+    pub waited: Vec<f64>,
+    /// Bytes of activations and activation gradients sent between stages.
+    pub bytes_moved: u64,
+}
+
+/// What one stage measured during a step.
+#[derive(Clone, Copy, Debug, Default)]
+struct StageStats {
+    waited: f64,
+    sent: u64,
+}
+
+/// One activation slot: a compiled plan and the buffers bound to its inputs.
+struct Slot {
+    plan: Plan,
+    /// Per [`StageGraph::inputs`] entry.
+    inputs: Vec<Buffer>,
+    /// Per [`StageGraph::activations_in`] entry.
+    acts_in: Vec<Buffer>,
+    /// Per [`StageGraph::activations_out`] entry with a gradient.
+    seeds: Vec<Option<Buffer>>,
+    /// Rows trained on in the micro-batch held (last stage: its loss weight).
+    trained: usize,
+}
+
+/// One stage: its part of the graph, its parameters and its slots.
+struct Stage {
+    part: StageGraph,
+    /// Per `part.params` entry.
+    params: Vec<ParamBuffers>,
+    slots: Vec<Slot>,
+    /// Per `part.inputs` entry: its place in a [`MicroBatch`].
+    input_pos: Vec<usize>,
+    /// The `part.inputs` entry holding the loss's targets, if this stage has the loss.
+    targets: Option<usize>,
+    /// Rows of the loss (a regression loss weighs each 1 / rows).
+    loss_rows: usize,
+}
+
+/// A message between neighbouring stages: micro-batch, then (shape, data) per tensor.
+type Transfer = (usize, Vec<(Vec<usize>, HostData)>);
+
+/// What a stage reports at the end of its ticks.
+struct Report {
+    overflow: bool,
+    sum_squares: f64,
+    /// (parameter index in the model, gradient) of every parameter other stages hold too.
+    replicas: Vec<(usize, Vec<f32>)>,
+    loss: Option<f64>,
+}
+
+/// The pipeline's decision, sent to every stage.
+struct Decision {
+    /// The summed gradient of every replicated parameter the stage holds.
+    replicas: Vec<(usize, Vec<f32>)>,
+    /// The gradient factor, or `None`: skip the update.
+    grad_scale: Option<f32>,
+}
+
+/// A model trained over several devices as a pipeline.
+pub struct Pipeline {
+    model: Arc<dyn Model>,
+    options: NetworkOptions,
+    specs: Vec<ParamSpec>,
+    devs: Vec<Box<dyn Device>>,
+    stages: Vec<Stage>,
+    /// Per model parameter: the stages that hold it, in order (the first is the one
+    /// read for the weights).
+    holders: Vec<Vec<usize>>,
+    /// Per stage: the block range the partition gave it.
+    blocks: Vec<std::ops::Range<usize>>,
+    steps: u32,
+}
+
+impl Pipeline {
+    /// Builds `model` over `devs`, one stage per device, cut by `method` between the
+    /// model's blocks ([`Model::blocks`]). Weights start as a [`Network`] seeded
+    /// `options.seed` would start them; every stage's slots are compiled for
+    /// micro-batches of `options.batch` examples.
+    ///
+    /// [`Network`]: crate::models::Network
+    pub fn new(
+        devs: Vec<Box<dyn Device>>,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+        method: &PartitionMethod,
+    ) -> Result<Pipeline> {
+        let p = devs.len();
+        let Cut {
+            specs,
+            inputs: forward_inputs,
+            parts,
+            holders,
+            ranges,
+        } = cut(model.as_ref(), options, method, p)?;
+        // Before the first buffer: a stage that cannot fit its device is refused with
+        // what it needs, not found out by an allocation that aborts.
+        let memory = stage_memory(&specs, &parts, options)?;
+        for (s, (m, dev)) in memory.iter().zip(&devs).enumerate() {
+            m.check_fit(
+                &format!("pipeline stage {s} of {}", model.describe()),
+                options.dtype,
+                &[dev.caps()],
+                host_memory_available(),
+            )?;
+        }
+        // Every parameter drawn in model order, as one device would.
+        let mut rng = SplitMix(options.seed);
+        let inits: Vec<Vec<f32>> = specs
+            .iter()
+            .map(|spec| {
+                let mut v = vec![0.0; spec.len()];
+                draw_initial(spec, &mut rng, &mut v);
+                v
+            })
+            .collect();
+        let act = options.dtype;
+        let mut stages = vec![];
+        for (s, part) in parts.into_iter().enumerate() {
+            let dev = devs[s].as_ref();
+            let mut params = vec![];
+            for &i in &part.params {
+                let grad = if specs[i].f32_grad { DType::F32 } else { act };
+                params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
+            }
+            let input_pos = part
+                .inputs
+                .iter()
+                .map(|(t, _)| {
+                    forward_inputs
+                        .iter()
+                        .position(|i| i == t)
+                        .expect("a stage's inputs are the model's")
+                })
+                .collect();
+            let g = &part.graph;
+            let targets = match g.loss() {
+                Some(Loss::CrossEntropy { targets }) => {
+                    part.inputs.iter().position(|&(_, l)| l == targets)
+                }
+                _ => None,
+            };
+            let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
+            // At most p - s micro-batches are alive on stage s (see Schedule).
+            let count = p - s;
+            let mut slots = vec![];
+            for k in 0..count {
+                slots.push(compile_slot(dev, &part, &params, options, k == 0)?);
+            }
+            stages.push(Stage {
+                part,
+                params,
+                slots,
+                input_pos,
+                targets,
+                loss_rows,
+            });
+        }
+        Ok(Pipeline {
+            model,
+            options: options.clone(),
+            specs,
+            devs,
+            stages,
+            holders,
+            blocks: ranges,
+            steps: 0,
+        })
+    }
+
+    /// What [`Pipeline::new`] allocates on each of `stages` devices, computed without
+    /// a device: parameters (model copy, gradient, f32 master and moments) of every
+    /// parameter the stage holds, and its activation slots' plans and input buffers.
+    pub fn memory(
+        model: &dyn Model,
+        options: &NetworkOptions,
+        method: &PartitionMethod,
+        stages: usize,
+    ) -> Result<Vec<NetworkMemory>> {
+        let c = cut(model, options, method, stages)?;
+        stage_memory(&c.specs, &c.parts, options)
+    }
+
+    /// The devices, one per stage.
+    pub fn devices(&self) -> &[Box<dyn Device>] {
+        &self.devs
+    }
+
+    /// Number of stages.
+    pub fn stages(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// Per stage: the model's blocks it runs.
+    pub fn stage_blocks(&self) -> &[std::ops::Range<usize>] {
+        &self.blocks
+    }
+
+    /// Per model parameter: the stages holding a copy of it, in order.
+    pub fn holders(&self) -> &[Vec<usize>] {
+        &self.holders
+    }
+
+    /// Activation slots (micro-batches held at once) per stage.
+    pub fn slots(&self) -> Vec<usize> {
+        self.stages.iter().map(|s| s.slots.len()).collect()
+    }
+
+    /// Optimizer steps applied (skipped steps do not count).
+    pub fn steps_applied(&self) -> u32 {
+        self.steps
+    }
+
+    pub fn model(&self) -> &Arc<dyn Model> {
+        &self.model
+    }
+
+    /// One training step over `micro` (the step's micro-batches, in order): the 1F1B
+    /// schedule, the replicated parameters' gradients summed, one overflow check, norm
+    /// and gradient factor for all stages, then every stage's optimizer (skipped
+    /// everywhere on overflow). Each micro-batch's mean loss weighs 1 / micro.len().
+    pub fn step(&mut self, micro: &[MicroBatch], o: StepOptions) -> Result<StepReport> {
+        let m = micro.len();
+        let p = self.stages.len();
+        if !(o.loss_scale.is_finite() && o.loss_scale > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "pipeline: loss scale {}; it must be finite and positive",
+                o.loss_scale
+            )));
+        }
+        if !(o.clip.is_finite() && o.clip >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "pipeline: gradient clipping at {}; give a finite norm, or 0 for none",
+                o.clip
+            )));
+        }
+        let tied = self.holders.iter().any(|h| h.len() > 1);
+        let schedule = Schedule::one_forward_one_backward(p, m, tied)?;
+        // Every micro-batch's inputs are checked before anything runs.
+        let mut data = vec![];
+        for (s, stage) in self.stages.iter_mut().enumerate() {
+            let mut per = vec![];
+            for (i, b) in micro.iter().enumerate() {
+                per.push(stage_data(stage, b).map_err(|e| {
+                    Error::InvalidArgument(format!("pipeline stage {s}, micro-batch {i}: {e}"))
+                })?);
+            }
+            data.push(per);
+            for slot in &mut stage.slots {
+                slot.plan.start_step(o.loss_scale);
+            }
+        }
+        // Channels: activations s -> s + 1, gradients s + 1 -> s, reports to the
+        // coordinator (this thread) and its decision back.
+        let mut act_tx: Vec<Option<Sender<Transfer>>> = vec![];
+        let mut act_rx: Vec<Option<Receiver<Transfer>>> = vec![None];
+        let mut grad_tx: Vec<Option<Sender<Transfer>>> = vec![None];
+        let mut grad_rx: Vec<Option<Receiver<Transfer>>> = vec![];
+        for _ in 1..p {
+            let (tx, rx) = channel();
+            act_tx.push(Some(tx));
+            act_rx.push(Some(rx));
+            let (tx, rx) = channel();
+            grad_tx.push(Some(tx));
+            grad_rx.push(Some(rx));
+        }
+        act_tx.push(None);
+        grad_rx.push(None);
+        let (seed, steps) = (self.options.seed, self.steps);
+        let holders = &self.holders;
+        let started = std::time::Instant::now();
+        let (results, decided) = std::thread::scope(|scope| {
+            let mut handles = vec![];
+            let mut report_rx = vec![];
+            let mut decision_tx = vec![];
+            for (s, ((stage, dev), data)) in self
+                .stages
+                .iter_mut()
+                .zip(&self.devs)
+                .zip(&data)
+                .enumerate()
+            {
+                let (rtx, rrx) = channel::<Report>();
+                let (dtx, drx) = channel::<Decision>();
+                report_rx.push(rrx);
+                decision_tx.push(dtx);
+                let links = Links {
+                    act_in: act_rx[s].take(),
+                    act_out: act_tx[s].take(),
+                    grad_in: grad_rx[s].take(),
+                    grad_out: grad_tx[s].take(),
+                    report: rtx,
+                    decision: drx,
+                };
+                let run = Run {
+                    s,
+                    m,
+                    data,
+                    o,
+                    seed,
+                    steps,
+                    holders,
+                };
+                let (ticks, end) = (&schedule.ticks[s], &schedule.end[s]);
+                let dev = dev.as_ref();
+                handles.push(scope.spawn(move || run.stage(stage, dev, ticks, end, links)));
+            }
+            let decided = decide(&report_rx, holders, o);
+            if let Ok((grad_scale, summed, _)) = &decided {
+                for (s, tx) in decision_tx.iter().enumerate() {
+                    let replicas = summed
+                        .iter()
+                        .filter(|(i, _)| holders[*i].contains(&s))
+                        .cloned()
+                        .collect();
+                    // A stage that stopped meanwhile has its own error to report.
+                    let _ = tx.send(Decision {
+                        replicas,
+                        grad_scale: *grad_scale,
+                    });
+                }
+            }
+            // Without a decision every stage waiting for one stops.
+            drop(decision_tx);
+            let results: Vec<Result<StageStats>> = handles
+                .into_iter()
+                .enumerate()
+                .map(|(s, h)| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::InvalidArgument(format!(
+                            "pipeline stage {s} panicked"
+                        )))
+                    })
+                })
+                .collect();
+            (results, decided)
+        });
+        let failed: Vec<String> = results
+            .iter()
+            .enumerate()
+            .filter_map(|(s, r)| r.as_ref().err().map(|e| format!("stage {s}: {e}")))
+            .collect();
+        if !failed.is_empty() {
+            // The stages that failed first, then those that stopped because of them.
+            let (mut first, stopped): (Vec<String>, Vec<String>) = failed
+                .iter()
+                .cloned()
+                .partition(|e| !e.contains(": stopped: "));
+            let count = failed.len();
+            first.extend(stopped);
+            // Before the decision no stage updates; after it, some may have.
+            let state = if decided.is_ok() {
+                "after the update was decided, so some stages may have updated and others \
+                 not: resume from the last checkpoint"
+            } else {
+                "so no stage updated"
+            };
+            return Err(Error::InvalidArgument(format!(
+                "pipeline step failed on {count} of {p} stages, {state}: {}",
+                first.join("; ")
+            )));
+        }
+        let (_, _, mut report) = decided?;
+        let stats: Vec<StageStats> = results.into_iter().flatten().collect();
+        report.seconds = started.elapsed().as_secs_f64();
+        report.waited = stats.iter().map(|s| s.waited).collect();
+        report.bytes_moved = stats.iter().map(|s| s.sent).sum();
+        if !report.overflow {
+            self.steps += 1;
+        }
+        Ok(report)
+    }
+
+    /// Every parameter's full training state, whole tensors in model order, from the
+    /// first stage holding each: what a checkpoint saves, whatever the topology.
+    pub fn param_states(&self) -> Result<Vec<ParamState>> {
+        let mut out = vec![];
+        for (i, spec) in self.specs.iter().enumerate() {
+            let (s, b) = self.buffers(i, 0)?;
+            let dev = self.devs[s].as_ref();
+            out.push(ParamState {
+                name: spec.name.clone(),
+                shape: spec.shape.clone(),
+                value: dev.download(b.value)?,
+                master: dev.download(b.master)?.to_f32(),
+                m: dev.download(b.m)?.to_f32(),
+                v: dev.download(b.v)?.to_f32(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Restores what [`Pipeline::param_states`] or [`Network::param_states`] saved
+    /// (whole tensors: a checkpoint of any topology) into every copy of every
+    /// parameter, and the count of applied steps (Adam's bias correction and the
+    /// schedule continue from it). Checked in full before the first byte is written:
+    /// every parameter present under its name (or its tied name) with its shape, the
+    /// storage dtype and every vector's length.
+    ///
+    /// [`Network::param_states`]: crate::models::Network::param_states
+    pub fn load_param_states(&mut self, states: &[ParamState], steps: u32) -> Result<()> {
+        let what = self.model.describe();
+        if states.len() != self.specs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint holds {} parameters but {what} has {}: it was saved from a \
+                 different model config",
+                states.len(),
+                self.specs.len()
+            )));
+        }
+        let mut found = vec![];
+        for spec in &self.specs {
+            let s = states
+                .iter()
+                .find(|s| s.name == spec.name || spec.tied.as_ref() == Some(&s.name))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the checkpoint has no parameter `{}`: it was saved from a different \
+                         model config than {what}",
+                        spec.name
+                    ))
+                })?;
+            let n = spec.len();
+            if s.shape != spec.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` has shape {:?} in the checkpoint but {:?} in {what}: the model \
+                     config differs from the one the checkpoint was saved with",
+                    spec.name, s.shape, spec.shape
+                )));
+            }
+            if s.value.dtype() != self.options.dtype {
+                return Err(Error::InvalidArgument(format!(
+                    "`{}` is stored as {} in the checkpoint but this run trains in {}: resume \
+                     with the precision the checkpoint was saved with",
+                    spec.name,
+                    s.value.dtype(),
+                    self.options.dtype
+                )));
+            }
+            for (part, len) in [
+                ("value", s.value.len()),
+                ("master", s.master.len()),
+                ("exp_avg", s.m.len()),
+                ("exp_avg_sq", s.v.len()),
+            ] {
+                if len != n {
+                    return Err(Error::LenMismatch {
+                        what: format!("checkpoint {part} of `{}`", spec.name),
+                        expected: n,
+                        found: len,
+                    });
+                }
+            }
+            found.push(s);
+        }
+        for (i, s) in found.into_iter().enumerate() {
+            for k in 0..self.holders[i].len() {
+                let (stage, b) = self.buffers(i, k)?;
+                let dev = self.devs[stage].as_ref();
+                dev.upload(b.value, &s.value)?;
+                dev.upload(b.master, &HostData::F32(s.master.clone()))?;
+                dev.upload(b.m, &HostData::F32(s.m.clone()))?;
+                dev.upload(b.v, &HostData::F32(s.v.clone()))?;
+            }
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// (name, f32 master values) of every parameter, in model order.
+    pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        Ok(self
+            .param_states()?
+            .into_iter()
+            .map(|s| (s.name, s.master))
+            .collect())
+    }
+
+    /// Parameter `index`'s model copy and f32 master on every stage holding it, in
+    /// stage order (a tied parameter's copies must be equal).
+    pub fn copies(&self, index: usize) -> Result<Vec<(usize, HostData, Vec<f32>)>> {
+        let n = self.holders.get(index).map_or(0, |h| h.len());
+        (0..n)
+            .map(|k| {
+                let (s, b) = self.buffers(index, k)?;
+                let dev = self.devs[s].as_ref();
+                Ok((s, dev.download(b.value)?, dev.download(b.master)?.to_f32()))
+            })
+            .collect()
+    }
+
+    /// The buffers of parameter `index` on the `k`-th stage holding it.
+    fn buffers(&self, index: usize, k: usize) -> Result<(usize, ParamBuffers)> {
+        let s = *self
+            .holders
+            .get(index)
+            .and_then(|h| h.get(k))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "pipeline: parameter {index} (copy {k}) does not exist; the model has {}",
+                    self.specs.len()
+                ))
+            })?;
+        let stage = &self.stages[s];
+        let at = stage
+            .part
+            .params
+            .iter()
+            .position(|&p| p == index)
+            .expect("holders list the stages declaring it");
+        Ok((s, stage.params[at]))
+    }
+}
+
+/// A model cut into stages, before any device is touched.
+struct Cut {
+    specs: Vec<ParamSpec>,
+    /// The model's inputs, in [`MicroBatch`] order.
+    inputs: Vec<Tensor>,
+    parts: Vec<StageGraph>,
+    /// Per parameter: the stages holding it.
+    holders: Vec<Vec<usize>>,
+    /// Per stage: its blocks.
+    ranges: Vec<std::ops::Range<usize>>,
+}
+
+/// Checks `model`, records its forward pass and cuts it into `p` stages by `method`.
+fn cut(
+    model: &dyn Model,
+    options: &NetworkOptions,
+    method: &PartitionMethod,
+    p: usize,
+) -> Result<Cut> {
+    if p == 0 {
+        return Err(Error::InvalidArgument(
+            "pipeline: no devices; give one device per stage".into(),
+        ));
+    }
+    model.check_sizes()?;
+    let specs = model.parameters();
+    check_specs(model, &specs)?;
+    let blocks = model.blocks();
+    if blocks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "pipeline: {} names no blocks (Model::blocks), so there is nothing to cut into \
+             stages; train it data-parallel instead",
+            model.describe()
+        )));
+    }
+    let costs = stage_costs(&specs, &blocks);
+    let ranges = partition(method, &costs, p)?;
+    let mut param_stage = vec![None; specs.len()];
+    for (s, r) in ranges.iter().enumerate() {
+        for b in r.clone() {
+            for &i in &blocks[b] {
+                param_stage[i] = Some(s);
+            }
+        }
+    }
+    let recorded = record(model, &specs, options)?;
+    let parts = recorded.graph.split(&param_stage, p)?;
+    let mut holders = vec![vec![]; specs.len()];
+    for (s, part) in parts.iter().enumerate() {
+        for &i in &part.params {
+            holders[i].push(s);
+        }
+    }
+    Ok(Cut {
+        specs,
+        inputs: recorded.forward.inputs,
+        parts,
+        holders,
+        ranges,
+    })
+}
+
+/// Per stage, the bytes [`Pipeline::new`] allocates: each held parameter's five
+/// buffers, and per activation slot its plan (as compiling would share its buffers,
+/// over stand-ins) and its input buffers.
+fn stage_memory(
+    specs: &[ParamSpec],
+    parts: &[StageGraph],
+    options: &NetworkOptions,
+) -> Result<Vec<NetworkMemory>> {
+    let act = options.dtype;
+    let p = parts.len();
+    let f = |n: usize| DType::F32.padded_bytes(n);
+    // The initial values are drawn on the host for every parameter at once.
+    let drawn: u64 = specs.iter().map(|s| f(s.len())).sum();
+    let mut out = vec![];
+    for (s, part) in parts.iter().enumerate() {
+        let mut m = NetworkMemory::default();
+        let mut ids = 0;
+        let mut stand_in = |dtype: DType, len: usize| {
+            ids += 1;
+            Buffer {
+                id: ids,
+                dtype,
+                len,
+            }
+        };
+        let mut params = vec![];
+        for &i in &part.params {
+            let n = specs[i].len();
+            let grad = if specs[i].f32_grad { DType::F32 } else { act };
+            m.weights += act.padded_bytes(n);
+            m.gradients += grad.padded_bytes(n);
+            m.gradient_tensors += (grad.size() * n) as u64;
+            m.optimizer += 3 * f(n);
+            m.largest_parameter_buffer = m.largest_parameter_buffer.max(f(n));
+            params.push(ParamBuffers {
+                value: stand_in(act, n),
+                master: stand_in(DType::F32, n),
+                grad: stand_in(grad, n),
+                m: stand_in(DType::F32, n),
+                v: stand_in(DType::F32, n),
+            });
+        }
+        m.shared_gradients = m.gradients;
+        let g = &part.graph;
+        let mut inputs = vec![];
+        let mut input_bytes = 0;
+        for t in g.inputs() {
+            let (_, shape, dtype) = g.describe(t);
+            let n: usize = shape.iter().product();
+            input_bytes += dtype.padded_bytes(n);
+            inputs.push((t, stand_in(dtype, n)));
+        }
+        let bindings = Bindings {
+            params,
+            inputs,
+            groups: vec![],
+        };
+        let (mut largest, mut bound) = (0, 0);
+        for k in 0..p - s {
+            let plan = g.memory(&bindings, (k == 0).then_some(&options.optimizer))?;
+            m.activations += plan.total() + input_bytes;
+            largest = plan.largest.max(largest);
+            bound = plan.largest_bound.max(bound);
+        }
+        m.largest_buffer = largest.max(m.largest_parameter_buffer);
+        m.largest_binding = bound;
+        m.host = drawn.max(m.weights + m.optimizer);
+        out.push(m);
+    }
+    Ok(out)
+}
+
+/// Parameters per block and outside them: those declared before the first block's
+/// count for the first stage, the rest (and tied ones, read at both ends) the last.
+fn stage_costs(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> StageCosts {
+    let in_block: std::collections::HashSet<usize> = blocks.iter().flatten().copied().collect();
+    let first = blocks.iter().flatten().copied().min().unwrap_or(0);
+    let (mut embedding_params, mut head_params) = (0u64, 0u64);
+    for (i, s) in specs.iter().enumerate() {
+        if in_block.contains(&i) {
+            continue;
+        }
+        if i < first {
+            embedding_params += s.len() as u64;
+        }
+        if i > first || s.tied.is_some() {
+            head_params += s.len() as u64;
+        }
+    }
+    StageCosts {
+        block_params: blocks
+            .iter()
+            .map(|b| b.iter().map(|&i| specs[i].len() as u64).sum())
+            .collect(),
+        embedding_params,
+        head_params,
+    }
+}
+
+/// Compiles one activation slot of `part`: its own input buffers and intermediates,
+/// the stage's parameters; the update only in the first slot.
+fn compile_slot(
+    dev: &dyn Device,
+    part: &StageGraph,
+    params: &[ParamBuffers],
+    options: &NetworkOptions,
+    update: bool,
+) -> Result<Slot> {
+    let g = &part.graph;
+    let alloc = |t: Tensor| -> Result<Buffer> {
+        let (_, shape, dtype) = g.describe(t);
+        dev.alloc(dtype, shape.iter().product())
+    };
+    let mut bound = vec![];
+    let mut inputs = vec![];
+    for &(_, l) in &part.inputs {
+        let b = alloc(l)?;
+        inputs.push(b);
+        bound.push((l, b));
+    }
+    let mut acts_in = vec![];
+    for a in &part.activations_in {
+        let b = alloc(a.local)?;
+        acts_in.push(b);
+        bound.push((a.local, b));
+    }
+    let mut seeds = vec![];
+    for a in &part.activations_out {
+        seeds.push(match a.grad {
+            Some(t) => {
+                let b = alloc(t)?;
+                bound.push((t, b));
+                Some(b)
+            }
+            None => None,
+        });
+    }
+    let bindings = Bindings {
+        params: params.to_vec(),
+        inputs: bound,
+        groups: vec![],
+    };
+    let plan = g.compile(dev, &bindings, update.then_some(&options.optimizer))?;
+    Ok(Slot {
+        plan,
+        inputs,
+        acts_in,
+        seeds,
+        trained: 0,
+    })
+}
+
+/// A micro-batch's data for `stage`'s inputs, checked (count, lengths, dtypes, ids in
+/// range) and converted to the inputs' dtypes; and the rows trained on.
+fn stage_data(stage: &Stage, batch: &MicroBatch) -> Result<(Vec<HostData>, usize)> {
+    let g = &stage.part.graph;
+    let mut data = vec![];
+    for (&(_, l), &pos) in stage.part.inputs.iter().zip(&stage.input_pos) {
+        let (name, shape, dtype) = g.describe(l);
+        let given = batch.0.get(pos).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a micro-batch holds {} inputs, but `{name}` is input {}",
+                batch.0.len(),
+                pos + 1
+            ))
+        })?;
+        let len: usize = shape.iter().product();
+        if given.len() != len {
+            return Err(Error::InvalidArgument(format!(
+                "`{name}` of a micro-batch holds {len} values ({shape:?} {dtype}), got {}",
+                given.len()
+            )));
+        }
+        let d = match (given, dtype.is_float()) {
+            (HostData::F32(x), true) if dtype != DType::F32 => HostData::from_f32(dtype, x),
+            _ if given.dtype() == dtype => given.clone(),
+            _ => {
+                return Err(Error::DTypeMismatch {
+                    what: format!("`{name}` of a micro-batch"),
+                    expected: dtype,
+                    found: given.dtype(),
+                })
+            }
+        };
+        data.push(d);
+    }
+    for (t, bound, what, ignore) in g.id_limits() {
+        let Some(k) = stage.part.inputs.iter().position(|&(_, l)| l == t) else {
+            continue;
+        };
+        let HostData::U32(ids) = &data[k] else {
+            continue;
+        };
+        let bad = ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= bound && !(ignore && id == IGNORE_TARGET));
+        if let Some((i, &id)) = bad {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
+                g.describe(t).0
+            )));
+        }
+    }
+    let trained = match stage.targets.map(|k| &data[k]) {
+        Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
+        _ => stage.loss_rows,
+    };
+    Ok((data, trained))
+}
+
+/// A stage's channels for one step.
+struct Links {
+    act_in: Option<Receiver<Transfer>>,
+    act_out: Option<Sender<Transfer>>,
+    grad_in: Option<Receiver<Transfer>>,
+    grad_out: Option<Sender<Transfer>>,
+    report: Sender<Report>,
+    decision: Receiver<Decision>,
+}
+
+/// What every stage thread of a step shares.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    s: usize,
+    /// Micro-batches in the step.
+    m: usize,
+    /// Per micro-batch: this stage's inputs and the rows trained on.
+    data: &'a [(Vec<HostData>, usize)],
+    o: StepOptions,
+    seed: u64,
+    steps: u32,
+    holders: &'a [Vec<usize>],
+}
+
+/// The error of a stage whose neighbour (or the coordinator) stopped.
+fn peer_stopped(s: usize, peer: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "stopped: {peer} stopped during the step (its own error says why), so stage {s} \
+         cannot go on"
+    ))
+}
+
+/// Checks a received message against what `s` expects: the micro-batch and each
+/// tensor's shape.
+fn check_transfer(
+    s: usize,
+    what: &str,
+    (micro, tensors): &Transfer,
+    want_micro: usize,
+    want: &[(String, Vec<usize>)],
+) -> Result<()> {
+    let shapes: Vec<&Vec<usize>> = tensors.iter().map(|(shape, _)| shape).collect();
+    let wanted: Vec<&Vec<usize>> = want.iter().map(|(_, shape)| shape).collect();
+    if *micro != want_micro || shapes != wanted {
+        let names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
+        return Err(Error::InvalidArgument(format!(
+            "stage {s} received {what} of micro-batch {micro} shaped {shapes:?}, but expected \
+             micro-batch {want_micro}'s {names:?} shaped {wanted:?}: the stages were built for \
+             different micro-batch shapes"
+        )));
+    }
+    for ((shape, data), (name, _)) in tensors.iter().zip(want) {
+        let len: usize = shape.iter().product();
+        if data.len() != len {
+            return Err(Error::InvalidArgument(format!(
+                "stage {s} received `{name}` shaped {shape:?} holding {} values",
+                data.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Downloads queued on a stage's device for one neighbour: towards the next stage
+/// (activations) or the one before (their gradients), of a micro-batch.
+type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>);
+
+/// A stage's courier: waits for each queued download and sends it on, while the stage
+/// thread records its next work (the transfer overlaps the next compute).
+fn courier(
+    s: usize,
+    dev: &dyn Device,
+    parcels: Receiver<Parcel>,
+    act_out: Option<Sender<Transfer>>,
+    grad_out: Option<Sender<Transfer>>,
+) -> Result<()> {
+    for (forward, micro, pending) in parcels {
+        let tensors = pending
+            .into_iter()
+            .map(|(shape, p)| Ok((shape, dev.finish_download(p)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let (tx, peer) = if forward {
+            (act_out.as_ref(), s + 1)
+        } else {
+            (grad_out.as_ref(), s.wrapping_sub(1))
+        };
+        tx.expect("a stage sends only to the neighbours it has")
+            .send((micro, tensors))
+            .map_err(|_| peer_stopped(s, &format!("stage {peer}")))?;
+    }
+    Ok(())
+}
+
+impl Run<'_> {
+    /// Runs stage `s`: its instructions and its part of the step's end on this thread,
+    /// the outgoing transfers on a courier thread.
+    fn stage(
+        self,
+        stage: &mut Stage,
+        dev: &dyn Device,
+        ticks: &[Vec<Instr>],
+        end: &[Instr],
+        mut links: Links,
+    ) -> Result<StageStats> {
+        let (act_out, grad_out) = (links.act_out.take(), links.grad_out.take());
+        let (parcels, inbox) = channel::<Parcel>();
+        std::thread::scope(|scope| {
+            let s = self.s;
+            let sent = scope.spawn(move || courier(s, dev, inbox, act_out, grad_out));
+            // Ends the courier's loop when this returns, whichever way.
+            let ran = self.run(stage, dev, (ticks, end), &links, parcels);
+            let sent = sent.join().unwrap_or_else(|_| {
+                Err(Error::InvalidArgument(format!(
+                    "stage {s}'s transfer thread panicked"
+                )))
+            });
+            match (ran, sent) {
+                // A courier that failed is why the stage stopped: its error says why.
+                (Err(e), Err(c)) if e.to_string().contains("stopped: ") => Err(c),
+                (Err(e), _) => Err(e),
+                (Ok(stats), sent) => sent.map(|()| stats),
+            }
+        })
+    }
+
+    fn run(
+        self,
+        stage: &mut Stage,
+        dev: &dyn Device,
+        (ticks, end): (&[Vec<Instr>], &[Instr]),
+        links: &Links,
+        parcels: Sender<Parcel>,
+    ) -> Result<StageStats> {
+        let s = self.s;
+        let sent = std::cell::Cell::new(0u64);
+        let mut waited = 0f64;
+        let post = |forward: bool, micro: usize, bufs: Vec<(Vec<usize>, Buffer)>| {
+            let mut pending = vec![];
+            for (shape, b) in bufs {
+                sent.set(sent.get() + (b.len * b.dtype.size()) as u64);
+                pending.push((shape, dev.begin_download(b)?));
+            }
+            parcels
+                .send((forward, micro, pending))
+                .map_err(|_| peer_stopped(s, &format!("stage {s}'s transfer thread")))
+        };
+        let slots = stage.slots.len().min(self.m);
+        let g = &stage.part.graph;
+        let described = |t: Tensor| (g.describe(t).0.to_string(), g.shape(t).to_vec());
+        let ins: Vec<(String, Vec<usize>)> = stage
+            .part
+            .activations_in
+            .iter()
+            .map(|a| described(a.local))
+            .collect();
+        let grads_in: Vec<(String, Vec<usize>)> = stage
+            .part
+            .activations_out
+            .iter()
+            .filter_map(|a| a.grad.map(described))
+            .collect();
+        let has_loss = g.losses().is_some();
+        for instr in ticks.iter().flatten() {
+            match *instr {
+                Instr::Load { micro } => {
+                    let (data, trained) = &self.data[micro];
+                    let slot = &mut stage.slots[micro % slots];
+                    for (&b, d) in slot.inputs.iter().zip(data) {
+                        dev.upload(b, d)?;
+                    }
+                    slot.trained = *trained;
+                }
+                Instr::RecvActivation { micro } => {
+                    let rx = links.act_in.as_ref().expect("a later stage receives");
+                    let wait = std::time::Instant::now();
+                    let msg = rx
+                        .recv()
+                        .map_err(|_| peer_stopped(s, &format!("stage {}", s - 1)))?;
+                    waited += wait.elapsed().as_secs_f64();
+                    check_transfer(s, "activations", &msg, micro, &ins)?;
+                    let slot = &stage.slots[micro % slots];
+                    for (&b, (_, d)) in slot.acts_in.iter().zip(&msg.1) {
+                        dev.upload(b, d)?;
+                    }
+                }
+                Instr::Forward { micro, buffer } => {
+                    let slot = &mut stage.slots[buffer % slots];
+                    slot.plan
+                        .set_random_state(random_key(self.seed, self.steps, micro));
+                    slot.plan.forward_only(dev)?;
+                }
+                Instr::SendActivation { micro } => {
+                    let slot = &stage.slots[micro % slots];
+                    let mut bufs = vec![];
+                    for a in &stage.part.activations_out {
+                        let b = match slot.plan.buffer(a.local) {
+                            Some(b) => b,
+                            // Passed on: an input of this stage too.
+                            None => {
+                                let k = stage
+                                    .part
+                                    .activations_in
+                                    .iter()
+                                    .position(|i| i.local == a.local)
+                                    .expect("an outgoing tensor is made here or passed on");
+                                slot.acts_in[k]
+                            }
+                        };
+                        bufs.push((g.shape(a.local).to_vec(), b));
+                    }
+                    post(true, micro, bufs)?;
+                }
+                Instr::RecvGrad { micro } => {
+                    let rx = links.grad_in.as_ref().expect("an earlier stage receives");
+                    let wait = std::time::Instant::now();
+                    let msg = rx
+                        .recv()
+                        .map_err(|_| peer_stopped(s, &format!("stage {}", s + 1)))?;
+                    waited += wait.elapsed().as_secs_f64();
+                    check_transfer(s, "activation gradients", &msg, micro, &grads_in)?;
+                    let slot = &stage.slots[micro % slots];
+                    for (&b, (_, d)) in slot.seeds.iter().flatten().zip(&msg.1) {
+                        dev.upload(b, d)?;
+                    }
+                }
+                Instr::Backward { micro, buffer } => {
+                    let slot = &mut stage.slots[buffer % slots];
+                    // The loss of each micro-batch is its trained rows' mean; the step's
+                    // the micro-batches' mean. Other stages start from the seeds.
+                    let weight = if has_loss {
+                        1.0 / slot.trained.max(1) as f32 / self.m as f32
+                    } else {
+                        1.0
+                    };
+                    slot.plan
+                        .backward(dev, (self.o.loss_scale, weight, micro))?;
+                }
+                Instr::SendGrad { micro } => {
+                    let slot = &stage.slots[micro % slots];
+                    let mut bufs = vec![];
+                    for a in &stage.part.activations_in {
+                        if a.grad.is_some() {
+                            let b = slot
+                                .plan
+                                .input_gradient(a.local)
+                                .expect("the plan copies out every input gradient");
+                            bufs.push((g.shape(a.local).to_vec(), b));
+                        }
+                    }
+                    post(false, micro, bufs)?;
+                }
+                Instr::ReduceTiedGrads | Instr::ReduceGrads | Instr::OptimizerStep => {
+                    unreachable!("end instructions come after the ticks")
+                }
+            }
+        }
+        for instr in end {
+            // The tied gradients are summed in the same round as the step's decision
+            // (one exchange with the coordinator); a data-parallel exchange within a
+            // stage has nothing to do with one replica.
+            if *instr == Instr::OptimizerStep {
+                self.finish(stage, dev, links)?;
+            }
+        }
+        Ok(StageStats {
+            waited,
+            sent: sent.get(),
+        })
+    }
+
+    /// The step's end on this stage: report overflow, squared norm, replicated
+    /// gradients and loss; take the decision; write the summed gradients back; update.
+    fn finish(&self, stage: &mut Stage, dev: &dyn Device, links: &Links) -> Result<()> {
+        let s = self.s;
+        let has_loss = stage.part.graph.losses().is_some();
+        let plan = &mut stage.slots[0].plan;
+        plan.measure(dev)?;
+        let overflow = plan.overflowed(dev)?;
+        let sum_squares = plan.sum_squares(dev)? as f64;
+        let loss = if has_loss {
+            Some(plan.step_loss(dev)?)
+        } else {
+            None
+        };
+        let mut replicas = vec![];
+        for (k, &i) in stage.part.params.iter().enumerate() {
+            if self.holders[i].len() > 1 {
+                replicas.push((i, dev.download(stage.params[k].grad)?.to_f32()));
+            }
+        }
+        links
+            .report
+            .send(Report {
+                overflow,
+                sum_squares,
+                replicas,
+                loss,
+            })
+            .map_err(|_| peer_stopped(s, "the coordinator"))?;
+        let decision = links
+            .decision
+            .recv()
+            .map_err(|_| peer_stopped(s, "another stage"))?;
+        for (i, grad) in &decision.replicas {
+            let k = stage
+                .part
+                .params
+                .iter()
+                .position(|p| p == i)
+                .expect("decisions carry the stage's own replicas");
+            let b = stage.params[k].grad;
+            dev.upload(b, &HostData::from_f32(b.dtype, grad))?;
+        }
+        if let Some(grad_scale) = decision.grad_scale {
+            let plan = &mut stage.slots[0].plan;
+            plan.apply(dev, self.o.lr, self.steps + 1, grad_scale)?;
+        }
+        dev.wait()
+    }
+}
+
+/// The coordinator's part: every stage's report (in stage order), the replicated
+/// parameters' gradients summed in stage order, one overflow flag, one squared norm
+/// counting each parameter once, one gradient factor (`None`: skip).
+#[allow(clippy::type_complexity)]
+fn decide(
+    reports: &[Receiver<Report>],
+    holders: &[Vec<usize>],
+    o: StepOptions,
+) -> Result<(Option<f32>, Vec<(usize, Vec<f32>)>, StepReport)> {
+    let mut got = vec![];
+    for (s, rx) in reports.iter().enumerate() {
+        got.push(rx.recv().map_err(|_| {
+            Error::InvalidArgument(format!("stage {s} stopped before the step's end"))
+        })?);
+    }
+    let mut overflow = got.iter().any(|r| r.overflow);
+    let mut sum_squares: f64 = got.iter().map(|r| r.sum_squares).sum();
+    let mut summed: Vec<(usize, Vec<f32>)> = vec![];
+    for r in &got {
+        for (i, g) in &r.replicas {
+            // Each copy's own share leaves the norm; the sum enters it once below.
+            sum_squares -= g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            match summed.iter_mut().find(|(j, _)| j == i) {
+                Some((_, acc)) => acc.iter_mut().zip(g).for_each(|(a, b)| *a += b),
+                None => summed.push((*i, g.clone())),
+            }
+        }
+    }
+    for (i, acc) in &summed {
+        debug_assert!(holders[*i].len() > 1);
+        sum_squares += acc.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        overflow |= acc.iter().any(|x| !x.is_finite());
+    }
+    // Subtracting the copies' shares can leave rounding below zero.
+    let sum_squares = if overflow {
+        f64::NAN
+    } else {
+        sum_squares.max(0.0)
+    };
+    let grad_scale = (!overflow).then(|| grad_scale_reference(sum_squares, o.loss_scale, o.clip));
+    let loss = got.iter().find_map(|r| r.loss).unwrap_or(0.0) as f32;
+    Ok((
+        grad_scale,
+        summed,
+        StepReport {
+            loss,
+            overflow,
+            sum_squares,
+            grad_scale: grad_scale.unwrap_or(0.0),
+            seconds: 0.0,
+            waited: vec![],
+            bytes_moved: 0,
+        },
+    ))
+}
