@@ -5,6 +5,7 @@ mod adapter;
 mod attention;
 mod device;
 mod launch;
+pub mod lower;
 mod matmul;
 mod peak;
 mod pipeline_cache;

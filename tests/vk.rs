@@ -1,0 +1,114 @@
+//! The raw Vulkan backend (`vk:N`, kiln-vulkan) against the wgpu backend on the same
+//! Vulkan device, and its errors. (The kernel tests run on it through
+//! `common::gpu_paths`.)
+
+mod common;
+
+use common::*;
+use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::models::MicroBatch;
+use kiln::engine::{DType, Device, Error};
+use kiln::{open_device, DeviceSpec};
+
+/// Trains a small GPT `steps` steps on `dev`; the losses and the final weights.
+fn train(dev: &dyn Device, dtype: DType, steps: usize) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 16,
+        vocab_size: 61,
+        padded_vocab_size: None,
+    };
+    let (b, t) = (2, 16);
+    let mut trainer = gpt_trainer(dev, &cfg, (b, t), dtype, 1);
+    let mut rng = Rng::new(11);
+    let mut losses = vec![];
+    for _ in 0..steps {
+        let tokens: Vec<u32> = (0..b * t + 1).map(|_| rng.next_u32() % 61).collect();
+        let mb = MicroBatch::tokens(&tokens[..b * t], &tokens[1..]);
+        losses.push(trainer.step(dev, &[mb]).unwrap().loss);
+    }
+    (losses, trainer.model.parameters(dev).unwrap())
+}
+
+fn compare(dtype: DType, loss_tol: f32, weight_tol: f32) {
+    let vk = vk(false);
+    let wgpu = gpu("vulkan", false);
+    let (lv, pv) = train(vk.as_ref(), dtype, 5);
+    let (lw, pw) = train(wgpu.as_ref(), dtype, 5);
+    for (i, (a, b)) in lv.iter().zip(&lw).enumerate() {
+        assert!(
+            (a - b).abs() <= loss_tol * b.abs(),
+            "{dtype} step {i}: loss vk {a}, wgpu {b}"
+        );
+    }
+    for ((name, a), (_, b)) in pv.iter().zip(&pw) {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= weight_tol,
+            "{dtype}: {name}: weights differ by up to {worst} after 5 steps"
+        );
+    }
+}
+
+#[test]
+fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp32() {
+    // The same kernels in the same order: only the compilers' floating-point contraction
+    // may differ, far inside the GPU-vs-CPU tolerances.
+    compare(DType::F32, 1e-4, 1e-3);
+}
+
+#[test]
+fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp16() {
+    compare(DType::F16, 2e-3, 1e-2);
+}
+
+#[test]
+fn vk_devices_are_named_and_listed() {
+    assert_eq!("vk:0".parse::<DeviceSpec>().unwrap(), DeviceSpec::Vk(0));
+    assert_eq!("vk".parse::<DeviceSpec>().unwrap(), DeviceSpec::Vk(0));
+    assert_eq!(DeviceSpec::Vk(3).to_string(), "vk:3");
+    let list = kiln::vulkan::physical_devices();
+    assert!(
+        !list.is_empty(),
+        "no Vulkan device for kiln-vulkan: {}",
+        kiln::vulkan::NO_VULKAN_HINT
+    );
+    let dev = open_device(&DeviceSpec::Vk(0), &Default::default()).unwrap();
+    assert_eq!(dev.caps().name, list[0].caps.name);
+    assert_eq!(dev.caps().backend, "vk");
+}
+
+#[test]
+fn a_missing_vk_device_is_a_clear_error() {
+    let n = kiln::vulkan::physical_devices().len();
+    let err = open_device(&DeviceSpec::Vk(n + 7), &Default::default())
+        .err()
+        .expect("no such device");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!("vk:{}", n + 7)) && msg.contains("kiln devices"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn an_allocation_over_the_largest_buffer_is_out_of_memory() {
+    let dev = vk(false);
+    let max = dev.caps().max_buffer;
+    let len = (max / 4 + 1) as usize;
+    match dev.alloc(DType::F32, len.min(u32::MAX as usize)) {
+        Err(Error::OutOfMemory { detail, .. }) => {
+            assert!(detail.contains("bytes"), "{detail}")
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    // The device still works.
+    let b = put(dev.as_ref(), &data(DType::F32, 64, 1, false));
+    assert_eq!(dev.download(b).unwrap().len(), 64);
+}
