@@ -661,6 +661,7 @@ impl VkDevice {
                 ),
             });
         }
+        let t0 = std::time::Instant::now();
         let words = crate::spirv::translate(
             kernel,
             &key.reprs,
@@ -695,6 +696,16 @@ impl VkDevice {
         let pipeline = made
             .map_err(|(_, e)| self.vk_error(&format!("building kernel {}", kernel.name), e))?[0];
         s.pipelines.insert(key.clone(), pipeline);
+        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+            eprintln!(
+                "kiln: vk built {} {:?} {:?} {:?}: {:.2} s",
+                key.name,
+                key.reprs,
+                key.consts,
+                key.overrides,
+                t0.elapsed().as_secs_f64()
+            );
+        }
         Ok(pipeline)
     }
 
