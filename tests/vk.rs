@@ -112,3 +112,55 @@ fn an_allocation_over_the_largest_buffer_is_out_of_memory() {
     let b = put(dev.as_ref(), &data(DType::F32, 64, 1, false));
     assert_eq!(dev.download(b).unwrap().len(), 64);
 }
+
+/// Runs one kernel on a `vk:0` opened with its pipeline cache in `dir`; checks the result.
+fn axpy_with_cache_in(dir: &std::path::Path) {
+    let dev = kiln::vulkan::VkDevice::open(
+        0,
+        &kiln::wgpu::DeviceOptions {
+            pipeline_cache_dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let x = put(&dev, &kiln::engine::HostData::F32(vec![1.5; 100]));
+    let y = put(&dev, &kiln::engine::HostData::F32(vec![2.0; 100]));
+    dev.launch(&kiln::engine::Kernel::Axpy { alpha: 2.0, x, y })
+        .unwrap();
+    assert_eq!(
+        dev.download(y).unwrap(),
+        kiln::engine::HostData::F32(vec![5.0; 100])
+    );
+}
+
+/// The one cache file in `dir`, and its bytes.
+fn cache_file(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>) {
+    let files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let bytes = std::fs::read(&files[0]).unwrap();
+    (files[0].clone(), bytes)
+}
+
+#[test]
+fn the_pipeline_cache_is_kept_on_disk_and_a_damaged_one_is_ignored() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    axpy_with_cache_in(&dir);
+    let (path, good) = cache_file(&dir);
+    assert!(
+        good.starts_with(b"KILNPC1\n") && good.len() > 32,
+        "{path:?}"
+    );
+    // A truncated file (a crash mid-write elsewhere, a full disk) never reaches the
+    // driver: the run compiles from source and writes a whole file again.
+    std::fs::write(&path, &good[..good.len() / 2]).unwrap();
+    axpy_with_cache_in(&dir);
+    let (_, again) = cache_file(&dir);
+    assert!(again.starts_with(b"KILNPC1\n") && again.len() > 32);
+    std::fs::write(&path, b"garbage").unwrap();
+    axpy_with_cache_in(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -114,6 +114,10 @@ pub struct VkDevice {
     pool: vk::CommandPool,
     timeline: vk::Semaphore,
     cache: vk::PipelineCache,
+    /// Where the pipeline cache is saved when the device is dropped, and its key.
+    disk_cache: Option<(std::path::PathBuf, u64)>,
+    /// Pipelines were built since the cache was loaded.
+    built: std::sync::atomic::AtomicBool,
     arena_stride: u64,
     state: Mutex<State>,
     /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
@@ -199,10 +203,10 @@ impl VkDevice {
             (
                 device.create_command_pool(&pool_info, None),
                 device.create_semaphore(&sem_info, None),
-                device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None),
+                open_cache(&device, &features, options),
             )
         };
-        let (pool, timeline, cache) = match made {
+        let (pool, timeline, (cache, disk_cache)) = match made {
             (Ok(p), Ok(t), Ok(c)) => (p, t, c),
             (p, t, c) => {
                 let e = [p.err(), t.err(), c.err()].into_iter().flatten().next();
@@ -238,6 +242,8 @@ impl VkDevice {
             pool,
             timeline,
             cache,
+            disk_cache,
+            built: Default::default(),
             arena_stride,
             state: Mutex::new(State {
                 next_id: 1,
@@ -696,6 +702,7 @@ impl VkDevice {
         let pipeline = made
             .map_err(|(_, e)| self.vk_error(&format!("building kernel {}", kernel.name), e))?[0];
         s.pipelines.insert(key.clone(), pipeline);
+        self.built.store(true, std::sync::atomic::Ordering::Relaxed);
         if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
             eprintln!(
                 "kiln: vk built {} {:?} {:?} {:?}: {:.2} s",
@@ -821,6 +828,101 @@ impl VkDevice {
         unsafe { self.device.cmd_copy_buffer(cmd, from, to, &[region]) };
         self.barrier(cmd);
         Ok(())
+    }
+}
+
+/// What the cache file is keyed by: the device, driver, host CPU (a CPU device's
+/// pipelines are the host's machine code) and kernel sources.
+fn cache_key(f: &Features) -> u64 {
+    let host = if f.device_type == "cpu" {
+        kiln_engine::fsutil::host_cpu()
+    } else {
+        String::new()
+    };
+    kiln_wgpu::pipeline_cache::fnv(
+        format!(
+            "vk|{}|{}|{}|{}|{:?}|{}|{}|{}|kiln-vulkan {}",
+            f.name,
+            f.vendor,
+            f.device_id,
+            f.driver_version,
+            f.cache_uuid,
+            f.driver,
+            host,
+            kiln_wgpu::SHADER_HASH,
+            env!("CARGO_PKG_VERSION")
+        )
+        .as_bytes(),
+    )
+}
+
+/// The device's `VkPipelineCache`, loaded from the cache directory (the wgpu
+/// backend's file format: only whole files this driver wrote for this key reach it;
+/// anything else is ignored with a note), and where to save it.
+fn open_cache(
+    device: &ash::Device,
+    features: &Features,
+    options: &DeviceOptions,
+) -> std::result::Result<(vk::PipelineCache, Option<(std::path::PathBuf, u64)>), vk::Result> {
+    let place = (!options.no_pipeline_cache)
+        .then(|| kiln_wgpu::pipeline_cache::dir(options))
+        .flatten()
+        .map(|dir| {
+            let key = cache_key(features);
+            (dir.join(format!("vk-{key:016x}.bin")), key)
+        });
+    let file = place
+        .as_ref()
+        .and_then(|(path, _)| std::fs::read(path).ok());
+    let data = match (&file, &place) {
+        (Some(f), Some((path, key))) => match kiln_wgpu::pipeline_cache::payload(f, *key) {
+            Ok(d) => d,
+            Err(why) => {
+                eprintln!(
+                    "kiln: note: ignoring the pipeline cache {}: {why}; it is rebuilt as kernels compile",
+                    path.display()
+                );
+                &[]
+            }
+        },
+        _ => &[],
+    };
+    let info = vk::PipelineCacheCreateInfo::default().initial_data(data);
+    // SAFETY: `data` is empty or bytes this driver returned for this very device,
+    // driver and host (key and checksum checked); a driver also checks its own header.
+    match unsafe { device.create_pipeline_cache(&info, None) } {
+        Ok(c) => Ok((c, place)),
+        // SAFETY: as above, with no initial data.
+        Err(_) if !data.is_empty() => unsafe {
+            device
+                .create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None)
+                .map(|c| (c, place))
+        },
+        Err(e) => Err(e),
+    }
+}
+
+impl VkDevice {
+    /// Writes the pipeline cache if pipelines were built. Failures are notes: the next
+    /// run compiles again.
+    fn save_cache(&self) {
+        let Some((path, key)) = &self.disk_cache else {
+            return;
+        };
+        if !self.built.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        // SAFETY: the cache belongs to this live device.
+        let Ok(data) = (unsafe { self.device.get_pipeline_cache_data(self.cache) }) else {
+            return;
+        };
+        let file = kiln_wgpu::pipeline_cache::encode(*key, &data);
+        if let Err(e) = kiln_wgpu::pipeline_cache::write(path, &file) {
+            eprintln!(
+                "kiln: note: could not save compiled kernels to {} ({e}); the next run compiles them again",
+                path.display()
+            );
+        }
     }
 }
 
@@ -1211,6 +1313,7 @@ impl Drop for VkDevice {
                 self.device.destroy_descriptor_set_layout(set, None);
             }
             drop(s.allocator.take());
+            self.save_cache();
             self.device.destroy_pipeline_cache(self.cache, None);
             self.device.destroy_semaphore(self.timeline, None);
             self.device.destroy_command_pool(self.pool, None);

@@ -176,6 +176,9 @@ impl Instance {
                 _ => "other",
             },
             vendor: props.vendor_id,
+            device_id: props.device_id,
+            driver_version: props.driver_version,
+            cache_uuid: props.pipeline_cache_uuid,
             driver: format!(
                 "{} {}",
                 driver
@@ -250,6 +253,10 @@ pub(crate) struct Features {
     pub name: String,
     pub device_type: &'static str,
     pub vendor: u32,
+    pub device_id: u32,
+    pub driver_version: u32,
+    /// Pipeline cache data is only valid for drivers with this UUID.
+    pub cache_uuid: [u8; 16],
     pub driver: String,
     pub max_storage_binding: u64,
     pub max_buffer: u64,

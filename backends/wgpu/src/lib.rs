@@ -8,7 +8,8 @@ mod launch;
 pub mod lower;
 mod matmul;
 mod peak;
-mod pipeline_cache;
+/// The on-disk pipeline cache file format and place, shared with the raw Vulkan backend.
+pub mod pipeline_cache;
 mod profile;
 pub mod shader;
 
@@ -17,3 +18,6 @@ pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
 pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
 pub use peak::Peak;
+
+/// A fingerprint of every kernel source in `shaders/` (pipeline caches are keyed by it).
+pub const SHADER_HASH: &str = env!("KILN_SHADER_HASH");
