@@ -222,7 +222,9 @@ fn gl_matches_cpu() {
 #[test]
 fn vk_matches_cpu() {
     let path = gpu_path(3);
-    sweep(&path, DType::F32, &[32], &[7]);
+    sweep(&path, DType::F32, &[32], &[7, 129]);
+    sweep(&path, DType::F16, &[64], &[7]);
+    sweep(&path, DType::BF16, &[32], &[7]);
 }
 
 /// Central finite differences of L = sum(dout * out) through the CPU forward (f64 inside,
