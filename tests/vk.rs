@@ -164,3 +164,25 @@ fn the_pipeline_cache_is_kept_on_disk_and_a_damaged_one_is_ignored() {
     axpy_with_cache_in(&dir);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// One stream of more launches than a parameter arena holds (4096) is submitted in
+/// parts, in order; a second round reuses the arenas the first one released.
+#[test]
+fn launches_past_one_parameter_arena_keep_their_order() {
+    let dev = vk(false);
+    let x = put(dev.as_ref(), &kiln::engine::HostData::F32(vec![1.0; 9]));
+    let y = put(dev.as_ref(), &kiln::engine::HostData::F32(vec![0.0; 9]));
+    for round in 1..=2 {
+        for _ in 0..9000 {
+            dev.launch(&kiln::engine::Kernel::Axpy { alpha: 1.0, x, y })
+                .unwrap();
+        }
+        dev.submit().unwrap();
+        dev.wait().unwrap();
+        assert_eq!(
+            dev.download(y).unwrap(),
+            kiln::engine::HostData::F32(vec![9000.0 * round as f32; 9]),
+            "round {round}"
+        );
+    }
+}

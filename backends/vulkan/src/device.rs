@@ -44,6 +44,8 @@ struct Mem {
     buffer: vk::Buffer,
     alloc: Allocation,
     size: u64,
+    /// A parameter arena, reused by later streams once its submission is done.
+    arena: bool,
 }
 
 struct Slot {
@@ -377,6 +379,7 @@ impl VkDevice {
             buffer,
             alloc,
             size,
+            arena: false,
         })
     }
 
@@ -424,7 +427,7 @@ impl VkDevice {
         s.retired = waiting;
         for (_, r) in ready {
             for m in r.mems {
-                if m.alloc.mapped_slice().is_some() && m.size == self.arena_stride * ARENA_SLOTS {
+                if m.arena {
                     s.free_arenas.push(m);
                 } else {
                     self.destroy(s, m);
@@ -465,12 +468,15 @@ impl VkDevice {
             };
             let arena = match s.free_arenas.pop() {
                 Some(a) => a,
-                None => self.make(
-                    s,
-                    self.arena_stride * ARENA_SLOTS,
-                    vk::BufferUsageFlags::UNIFORM_BUFFER,
-                    MemoryLocation::CpuToGpu,
-                )?,
+                None => Mem {
+                    arena: true,
+                    ..self.make(
+                        s,
+                        self.arena_stride * ARENA_SLOTS,
+                        vk::BufferUsageFlags::UNIFORM_BUFFER,
+                        MemoryLocation::CpuToGpu,
+                    )?
+                },
             };
             let begin = vk::CommandBufferBeginInfo::default()
                 .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
