@@ -6,8 +6,10 @@
 set -euo pipefail
 
 # Open MPI and libclang: the `mpi` feature (multi-process training) and its tests.
+# spirv-tools: `spirv-val`, which tests/vk.rs runs on every SPIR-V module the raw
+# Vulkan backend builds.
 packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
-    libopenmpi-dev openmpi-bin libclang-dev)
+    libopenmpi-dev openmpi-bin libclang-dev spirv-tools)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -186,3 +186,38 @@ fn launches_past_one_parameter_arena_keep_their_order() {
         );
     }
 }
+
+/// Every SPIR-V module a GPT step builds on `vk:0` (GEMMs, fused attention, layer norm,
+/// softmax and cross-entropy, embedding, AdamW, casts, reductions; fp16 training, so
+/// f16 and f32 operands) passes
+/// `spirv-val` for Vulkan 1.3: naga's output is valid SPIR-V, not merely accepted by
+/// lavapipe.
+#[test]
+fn every_spirv_module_of_a_gpt_step_passes_spirv_val() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-spirv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dev = kiln::vulkan::VkDevice::open(0, &Default::default()).unwrap();
+    dev.dump_spirv_to(&dir).unwrap();
+    train(&dev, DType::F16, 1);
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(files.len() >= 20, "only {} modules", files.len());
+    for f in &files {
+        let out = std::process::Command::new("spirv-val")
+            .args(["--target-env", "vulkan1.3"])
+            .arg(f)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("running spirv-val ({e}): install spirv-tools (scripts/setup.sh)")
+            });
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -120,6 +120,8 @@ pub struct VkDevice {
     disk_cache: Option<(std::path::PathBuf, u64)>,
     /// Pipelines were built since the cache was loaded.
     built: std::sync::atomic::AtomicBool,
+    /// Where to write each kernel's SPIR-V as it is built ([`VkDevice::dump_spirv_to`]).
+    dump: Mutex<Option<std::path::PathBuf>>,
     arena_stride: u64,
     state: Mutex<State>,
     /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
@@ -246,6 +248,7 @@ impl VkDevice {
             cache,
             disk_cache,
             built: Default::default(),
+            dump: Mutex::new(None),
             arena_stride,
             state: Mutex::new(State {
                 next_id: 1,
@@ -281,6 +284,30 @@ impl VkDevice {
             s.dummy = Some(dev.make(&mut s, DUMMY_BYTES, storage, MemoryLocation::GpuOnly)?);
         }
         Ok(dev)
+    }
+
+    /// From now on, writes the SPIR-V of every pipeline this device builds into `dir`
+    /// (one `.spv` file per kernel, dtype representation, constants and overrides), so
+    /// that tools (`spirv-val`, `spirv-dis`) can check what the device runs.
+    pub fn dump_spirv_to(&self, dir: &std::path::Path) -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::InvalidArgument(format!("cannot create {}: {e}", dir.display())))?;
+        *self.dump.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir.to_path_buf());
+        Ok(())
+    }
+
+    fn dump_spirv(&self, key: &PipelineKey, words: &[u32]) -> Result<()> {
+        let dir = self.dump.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(dir) = dir else { return Ok(()) };
+        let what = format!("{:?}{:?}{:?}", key.reprs, key.consts, key.overrides);
+        let name = format!(
+            "{}-{:016x}.spv",
+            key.name,
+            kiln_wgpu::pipeline_cache::fnv(what.as_bytes())
+        );
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        std::fs::write(dir.join(&name), bytes)
+            .map_err(|e| self.backend_error(format!("writing {name} into {}: {e}", dir.display())))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -685,6 +712,7 @@ impl VkDevice {
             device: self.caps.name.clone(),
             what: format!("kernel {} ({:?}): {e}", kernel.name, key.reprs),
         })?;
+        self.dump_spirv(key, &words)?;
         let (_, layout) = self.layout(s, kernel)?;
         let module_info = vk::ShaderModuleCreateInfo::default().code(&words);
         // SAFETY: naga's validated SPIR-V for the capabilities the device has.
