@@ -21,8 +21,9 @@ use gpu_allocator::vulkan::{
     Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc,
 };
 use gpu_allocator::MemoryLocation;
+use kiln_engine::device::cost::KernelCost;
 use kiln_engine::device::profile::{span, SpanKind};
-use kiln_engine::device::{check_upload, check_view};
+use kiln_engine::device::{check_upload, check_view, KernelTiming};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
@@ -104,6 +105,26 @@ pub struct State {
     dummy: Option<Mem>,
     /// Begun downloads: their staging buffer and the timeline value that fills it.
     staged: HashMap<u64, (Mem, u64)>,
+    /// Timestamps of an open profile (`Device::profile_begin`).
+    profiling: Option<Profiling>,
+}
+
+/// Timestamps per query pool of a profile.
+const PER_POOL: u32 = 4096;
+/// Calibration round trips at `profile_begin`.
+const CALIBRATIONS: usize = 3;
+
+/// GPU timestamps around every launch of a profiled stretch: one written after
+/// everything before a launch and one after the launch (each command is followed by a
+/// full barrier, so the launch runs between them), read back once at `profile_end`.
+/// Ticks are put on the host's clock by calibration stamps at `profile_begin`, as the
+/// wgpu backend does: the midpoint of the tightest of a few submit-and-wait round trips.
+struct Profiling {
+    pools: Vec<vk::QueryPool>,
+    used: u32,
+    launches: Vec<(KernelCost, u32, u32)>,
+    /// A calibration stamp and the host instants around its submission and completion.
+    calibration: (u32, std::time::Instant, std::time::Instant),
 }
 
 pub struct VkDevice {
@@ -267,6 +288,7 @@ impl VkDevice {
                 band_partials: None,
                 dummy: None,
                 staged: HashMap::new(),
+                profiling: None,
             }),
             _instance: instance,
         };
@@ -844,6 +866,39 @@ impl VkDevice {
         Ok(())
     }
 
+    /// When a profile is open, writes a timestamp after everything recorded so far and
+    /// returns its index.
+    fn stamp(&self, s: &mut State) -> Result<Option<u32>> {
+        let Some(used) = s.profiling.as_ref().map(|p| p.used) else {
+            return Ok(None);
+        };
+        let cmd = self.stream(s)?.cmd;
+        let p = s.profiling.as_mut().expect("checked above");
+        if used / PER_POOL == p.pools.len() as u32 {
+            let info = vk::QueryPoolCreateInfo::default()
+                .query_type(vk::QueryType::TIMESTAMP)
+                .query_count(PER_POOL);
+            // SAFETY: a valid create info on a live device.
+            let pool = unsafe { self.device.create_query_pool(&info, None) }
+                .map_err(|e| self.vk_error("creating a timestamp query pool", e))?;
+            // SAFETY: `cmd` is recording; a new pool's queries start unavailable.
+            unsafe { self.device.cmd_reset_query_pool(cmd, pool, 0, PER_POOL) };
+            p.pools.push(pool);
+        }
+        let pool = p.pools[(used / PER_POOL) as usize];
+        p.used += 1;
+        // SAFETY: `cmd` is recording; the query was reset and is written once.
+        unsafe {
+            self.device.cmd_write_timestamp(
+                cmd,
+                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                pool,
+                used % PER_POOL,
+            )
+        };
+        Ok(Some(used))
+    }
+
     /// Records a copy between two ranges of buffers (`(buffer, offset)`), then a barrier.
     fn record_copy(
         &self,
@@ -1282,7 +1337,17 @@ impl Device for VkDevice {
         kernel.validate()?;
         let mut s = self.lock();
         self.check_live(&s, kernel.name(), &kernel.buffers())?;
-        lower::record_kernel(self, &mut s, kernel)
+        let Some(first) = self.stamp(&mut s)? else {
+            return lower::record_kernel(self, &mut s, kernel);
+        };
+        let _span = span("record", SpanKind::Record);
+        lower::record_kernel(self, &mut s, kernel)?;
+        if let Some(last) = self.stamp(&mut s)? {
+            if let Some(p) = s.profiling.as_mut() {
+                p.launches.push((kernel.cost(), first, last));
+            }
+        }
+        Ok(())
     }
 
     fn submit(&self) -> Result<()> {
@@ -1300,6 +1365,118 @@ impl Device for VkDevice {
 
     fn allocated_bytes(&self) -> u64 {
         self.lock().allocated
+    }
+
+    fn profile_begin(&self) -> Result<()> {
+        if !self.caps.timestamp_queries {
+            return Err(Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: "timestamps on its compute queue, so its kernels cannot be timed: a \
+                       profile has host spans only"
+                    .to_string(),
+            });
+        }
+        let mut s = self.lock();
+        if s.profiling.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "profile_begin on `{}` while a profile is already open: call profile_end first",
+                self.caps.name
+            )));
+        }
+        // Everything before the profiled stretch runs first, so it is not counted.
+        self.flush(&mut s)?;
+        drop(s);
+        self.wait()?;
+        let now = std::time::Instant::now();
+        self.lock().profiling = Some(Profiling {
+            pools: vec![],
+            used: 0,
+            launches: vec![],
+            calibration: (0, now, now),
+        });
+        // The tightest of a few round trips: a thread wake-up on the way can stretch one.
+        let mut best: Option<(u32, std::time::Instant, std::time::Instant)> = None;
+        for _ in 0..CALIBRATIONS {
+            let mut s = self.lock();
+            let Some(query) = self.stamp(&mut s)? else {
+                break;
+            };
+            let before = std::time::Instant::now();
+            let value = self.flush(&mut s)?;
+            drop(s);
+            self.wait_for(value)?;
+            let after = std::time::Instant::now();
+            if best.is_none_or(|b| after - before < b.2 - b.1) {
+                best = Some((query, before, after));
+            }
+        }
+        if let (Some(p), Some(best)) = (self.lock().profiling.as_mut(), best) {
+            p.calibration = best;
+        }
+        Ok(())
+    }
+
+    fn profile_end(&self) -> Result<Vec<KernelTiming>> {
+        let mut s = self.lock();
+        let Some(p) = s.profiling.take() else {
+            return Err(Error::InvalidArgument(format!(
+                "profile_end on `{}` without profile_begin",
+                self.caps.name
+            )));
+        };
+        let value = self.flush(&mut s);
+        drop(s);
+        let waited = value.and_then(|v| self.wait_for(v));
+        let mut ticks = vec![0u64; p.used as usize];
+        let mut read = Ok(());
+        for (i, pool) in p.pools.iter().enumerate() {
+            let first = i * PER_POOL as usize;
+            let count = (p.used as usize)
+                .saturating_sub(first)
+                .min(PER_POOL as usize);
+            if read.is_ok() && waited.is_ok() && count > 0 {
+                // SAFETY: queries 0..count of the pool were reset and written by work
+                // that has completed.
+                read = unsafe {
+                    self.device.get_query_pool_results(
+                        *pool,
+                        0,
+                        &mut ticks[first..first + count],
+                        vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT,
+                    )
+                }
+                .map_err(|e| self.vk_error("reading the profile's timestamps", e));
+            }
+            // SAFETY: the device is done with the pool (waited above, or lost).
+            unsafe { self.device.destroy_query_pool(*pool, None) };
+        }
+        waited?;
+        read?;
+        let bits = self.features.timestamp_bits;
+        let mask = if bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        };
+        let ns_per_tick = self.features.timestamp_period as f64;
+        let (query, before, after) = p.calibration;
+        let anchor = before + (after - before) / 2;
+        let zero = ticks.get(query as usize).map_or(0, |t| t & mask);
+        let at = |q: u32| {
+            let ns = (ticks[q as usize] & mask).saturating_sub(zero) as f64 * ns_per_tick;
+            anchor + std::time::Duration::from_nanos(ns as u64)
+        };
+        Ok(p.launches
+            .into_iter()
+            .map(|(cost, first, last)| {
+                let (start, stop) = (at(first), at(last));
+                KernelTiming {
+                    cost,
+                    start,
+                    dur: stop.saturating_duration_since(start),
+                }
+            })
+            .collect())
     }
 }
 
@@ -1338,6 +1515,11 @@ impl Drop for VkDevice {
             );
             for m in mems {
                 self.destroy(&mut s, m);
+            }
+            if let Some(p) = s.profiling.take() {
+                for pool in p.pools {
+                    self.device.destroy_query_pool(pool, None);
+                }
             }
             for (_, p) in s.pipelines.drain() {
                 self.device.destroy_pipeline(p, None);

@@ -192,6 +192,15 @@ impl Instance {
             )
             .trim()
             .to_string(),
+            timestamp_bits: self.compute_family(pd).map_or(0, |f| {
+                // SAFETY: `pd` came from this instance.
+                let families = unsafe {
+                    self.instance
+                        .get_physical_device_queue_family_properties(pd)
+                };
+                families[f as usize].timestamp_valid_bits
+            }),
+            timestamp_period: props.limits.timestamp_period,
             max_storage_binding: props.limits.max_storage_buffer_range as u64,
             max_buffer,
             min_uniform_align: props.limits.min_uniform_buffer_offset_alignment,
@@ -258,6 +267,9 @@ pub(crate) struct Features {
     /// Pipeline cache data is only valid for drivers with this UUID.
     pub cache_uuid: [u8; 16],
     pub driver: String,
+    /// Valid bits of the compute queue's timestamps (0: none) and ns per tick.
+    pub timestamp_bits: u32,
+    pub timestamp_period: f32,
     pub max_storage_binding: u64,
     pub max_buffer: u64,
     pub min_uniform_align: u64,
@@ -275,7 +287,7 @@ impl Features {
             driver: self.driver.clone(),
             f16_arithmetic: self.f16 && !disable_f16,
             subgroup_sizes: (!self.subgroup_ops.is_empty()).then_some(self.subgroup_range),
-            timestamp_queries: false,
+            timestamp_queries: self.timestamp_bits > 0 && self.timestamp_period > 0.0,
             max_storage_binding: self.max_storage_binding,
             max_buffer: self.max_buffer,
             memory_budget: self.memory_budget,
