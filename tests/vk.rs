@@ -221,3 +221,38 @@ fn every_spirv_module_of_a_gpt_step_passes_spirv_val() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `kiln train --devices vk:0,vulkan:0`: both host APIs in one data-parallel group,
+/// through the CLI's device parsing and opening.
+#[test]
+fn kiln_train_runs_a_group_of_vk_and_vulkan() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let config = dir.join("ds_config.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
+    )
+    .unwrap();
+    let report = kiln::train::train(&kiln::train::TrainOptions {
+        config: Some(config),
+        model: Some(model),
+        devices: vec!["vk:0".into(), "vulkan:0".into()],
+        out: Some(dir.join("run")),
+        steps: Some(3),
+        eval_every: Some(0),
+        checkpoint_every: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(report.steps, 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
