@@ -264,3 +264,54 @@ fn kiln_train_runs_a_group_of_vk_and_vulkan() {
     assert_eq!(report.steps, 3);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `prepare` builds every pipeline a list of launches needs, so launching them builds
+/// none; the results are those of unprepared launches.
+#[test]
+fn prepared_launches_build_no_more_pipelines() {
+    let dev = kiln::vulkan::VkDevice::open(0, &Default::default()).unwrap();
+    let mut rng = Rng::new(3);
+    let mut small = |n: usize| {
+        let v: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        kiln::engine::HostData::from_f32(DType::F16, &v)
+    };
+    let a = put(&dev, &small(24 * 40));
+    let b = put(&dev, &small(40 * 16));
+    let c = dev.alloc(DType::F16, 24 * 16).unwrap();
+    let sum = dev.alloc(DType::F32, 1).unwrap();
+    let kernels = [
+        kiln::engine::Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, 24, 16, 40)),
+        kiln::engine::Kernel::Reduce {
+            op: kiln::engine::ReduceOp::SumSquares,
+            src: c,
+            dst: sum,
+        },
+    ];
+    assert_eq!(dev.pipeline_count(), 0);
+    dev.prepare(&kernels).unwrap();
+    let prepared = dev.pipeline_count();
+    assert!(prepared >= 3, "{prepared} pipelines");
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    dev.submit().unwrap();
+    assert_eq!(dev.pipeline_count(), prepared);
+    // The same launches on the CPU reference.
+    let cpu = kiln::cpu::CpuDevice::new();
+    let (ca, cb) = (
+        put(&cpu, &dev.download(a).unwrap()),
+        put(&cpu, &dev.download(b).unwrap()),
+    );
+    let cc = cpu.alloc(DType::F16, 24 * 16).unwrap();
+    cpu.launch(&kiln::engine::Kernel::Matmul(kiln::engine::Matmul::new(
+        ca, cb, cc, 24, 16, 40,
+    )))
+    .unwrap();
+    let (got, want) = (
+        dev.download(c).unwrap().to_f32(),
+        cpu.download(cc).unwrap().to_f32(),
+    );
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 2e-2 * w.abs().max(1.0), "{g} vs {w}");
+    }
+}

@@ -21,6 +21,7 @@ use gpu_allocator::vulkan::{
     Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc,
 };
 use gpu_allocator::MemoryLocation;
+use kiln_engine::device::compiling;
 use kiln_engine::device::cost::KernelCost;
 use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::device::{check_upload, check_view, KernelTiming};
@@ -107,6 +108,9 @@ pub struct State {
     staged: HashMap<u64, (Mem, u64)>,
     /// Timestamps of an open profile (`Device::profile_begin`).
     profiling: Option<Profiling>,
+    /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
+    /// here instead of recorded, and nothing else is recorded.
+    collect: Option<Vec<(PipelineKey, &'static KernelSource)>>,
 }
 
 /// Timestamps per query pool of a profile.
@@ -289,6 +293,7 @@ impl VkDevice {
                 dummy: None,
                 staged: HashMap::new(),
                 profiling: None,
+                collect: None,
             }),
             _instance: instance,
         };
@@ -330,6 +335,11 @@ impl VkDevice {
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         std::fs::write(dir.join(&name), bytes)
             .map_err(|e| self.backend_error(format!("writing {name} into {}: {e}", dir.display())))
+    }
+
+    /// Pipelines built so far (tests check that a prepared plan's launches add none).
+    pub fn pipeline_count(&self) -> usize {
+        self.lock().pipelines.len()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -773,6 +783,18 @@ impl VkDevice {
     }
 
     fn record_dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {
+        if let Some(wanted) = &mut s.collect {
+            let key = PipelineKey {
+                name: d.kernel.name,
+                reprs: d.reprs,
+                consts: d.consts,
+                overrides: d.overrides,
+            };
+            if !s.pipelines.contains_key(&key) && !wanted.iter().any(|w| w.0 == key) {
+                wanted.push((key, d.kernel));
+            }
+            return Ok(());
+        }
         // Each slot's buffer, offset and size: a view's range of its parent, a range
         // asked of a view relative to the view's start.
         let mut bound = vec![];
@@ -1027,6 +1049,9 @@ impl Recorder for VkDevice {
     }
 
     fn copy(&self, s: &mut State, src: &Buffer, dst: &Buffer) -> Result<()> {
+        if s.collect.is_some() {
+            return Ok(());
+        }
         let (a, a_off, _) = self.resolve(s, src.id)?;
         let (b, b_off, _) = self.resolve(s, dst.id)?;
         let size = src.bytes();
@@ -1053,6 +1078,9 @@ impl Recorder for VkDevice {
     }
 
     fn clear(&self, s: &mut State, buf: &Buffer) -> Result<()> {
+        if s.collect.is_some() {
+            return Ok(());
+        }
         let (b, off, size) = self.resolve(s, buf.id)?;
         let cmd = self.stream(s)?.cmd;
         // SAFETY: `cmd` is recording; the range lies in the buffer, in whole words.
@@ -1062,7 +1090,7 @@ impl Recorder for VkDevice {
     }
 
     fn partials(&self, s: &mut State, bytes: u64) -> Result<()> {
-        if s.partials.as_ref().is_some_and(|p| p.size >= bytes) {
+        if s.collect.is_some() || s.partials.as_ref().is_some_and(|p| p.size >= bytes) {
             return Ok(());
         }
         let new = self.make(
@@ -1365,6 +1393,36 @@ impl Device for VkDevice {
 
     fn allocated_bytes(&self) -> u64 {
         self.lock().allocated
+    }
+
+    /// Builds the pipelines `kernels` need that are not built yet, found by lowering
+    /// them with recording off, reporting each to `compiling`. (A software driver such
+    /// as lavapipe still compiles machine code on a pipeline's first run.)
+    fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
+        let mut s = self.lock();
+        s.collect = Some(vec![]);
+        let mut result = Ok(());
+        for k in kernels {
+            result = k
+                .validate()
+                .and_then(|()| self.check_live(&s, k.name(), &k.buffers()))
+                .and_then(|()| lower::record_kernel(self, &mut s, k));
+            if result.is_err() {
+                break;
+            }
+        }
+        let wanted = s.collect.take().unwrap_or_default();
+        result?;
+        compiling::queued(wanted.len());
+        let mut result = Ok(());
+        for (key, kernel) in wanted {
+            // After a failure the rest are counted off unbuilt: nobody waits for them.
+            if result.is_ok() {
+                result = self.pipeline(&mut s, &key, kernel).map(drop);
+            }
+            compiling::finished();
+        }
+        result
     }
 
     fn profile_begin(&self) -> Result<()> {
