@@ -92,6 +92,9 @@ pub struct State {
     allocator: Option<Allocator>,
     layouts: HashMap<(Vec<Access>, u64), (vk::DescriptorSetLayout, vk::PipelineLayout)>,
     pipelines: HashMap<PipelineKey, vk::Pipeline>,
+    /// Hand-written GLSL kernels (shaders/vulkan), by name: pipeline, set and pipeline
+    /// layouts.
+    glsl: HashMap<&'static str, (vk::Pipeline, vk::DescriptorSetLayout, vk::PipelineLayout)>,
     stream: Option<Stream>,
     /// Last timeline value submitted.
     submitted: u64,
@@ -282,6 +285,7 @@ impl VkDevice {
                 allocator: Some(allocator),
                 layouts: HashMap::new(),
                 pipelines: HashMap::new(),
+                glsl: HashMap::new(),
                 stream: None,
                 submitted: 0,
                 retired: vec![],
@@ -1037,6 +1041,186 @@ impl VkDevice {
     }
 }
 
+/// The committed SPIR-V of a hand-written kernel (`shaders/vulkan/NAME.spv`), as words;
+/// an error names a damaged file and how to rebuild it.
+fn spirv_words(name: &str, bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
+    if bytes.len() % 4 != 0 || bytes.len() < 20 || bytes[..4] != 0x0723_0203u32.to_le_bytes() {
+        return Err(format!(
+            "shaders/vulkan/{name}.spv is not a SPIR-V module ({} bytes): rebuild it with \
+             scripts/compile-vulkan-shaders.sh",
+            bytes.len()
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect())
+}
+
+const GEMM_F32_SPV: &[u8] = include_bytes!("../../../shaders/vulkan/gemm_f32.spv");
+
+impl VkDevice {
+    /// The pipeline of a hand-written kernel with `buffers` storage bindings and
+    /// `push` bytes of push constants, built on first use.
+    fn glsl_pipeline(
+        &self,
+        s: &mut State,
+        name: &'static str,
+        spv: &[u8],
+        buffers: u32,
+        push: u32,
+    ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
+        if let Some(&(p, _, l)) = s.glsl.get(name) {
+            return Ok((p, l));
+        }
+        let words = spirv_words(name, spv).map_err(|e| self.backend_error(e))?;
+        let bindings: Vec<_> = (0..buffers)
+            .map(|i| {
+                vk::DescriptorSetLayoutBinding::default()
+                    .binding(i)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(1)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            })
+            .collect();
+        let info = vk::DescriptorSetLayoutCreateInfo::default()
+            .flags(vk::DescriptorSetLayoutCreateFlags::PUSH_DESCRIPTOR_KHR)
+            .bindings(&bindings);
+        // SAFETY: valid create infos on a live device; every object made is kept in
+        // `s.glsl` or destroyed on the error paths below.
+        unsafe {
+            let set = self
+                .device
+                .create_descriptor_set_layout(&info, None)
+                .map_err(|e| self.vk_error("creating a descriptor set layout", e))?;
+            let sets = [set];
+            let ranges = [vk::PushConstantRange::default()
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                .size(push)];
+            let pl_info = vk::PipelineLayoutCreateInfo::default()
+                .set_layouts(&sets)
+                .push_constant_ranges(&ranges);
+            let layout = match self.device.create_pipeline_layout(&pl_info, None) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.device.destroy_descriptor_set_layout(set, None);
+                    return Err(self.vk_error("creating a pipeline layout", e));
+                }
+            };
+            let fail = |e: vk::Result| {
+                self.device.destroy_pipeline_layout(layout, None);
+                self.device.destroy_descriptor_set_layout(set, None);
+                self.vk_error(&format!("building kernel {name}"), e)
+            };
+            let module = self
+                .device
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+                .map_err(fail)?;
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main");
+            let made = self.device.create_compute_pipelines(
+                self.cache,
+                &[vk::ComputePipelineCreateInfo::default()
+                    .stage(stage)
+                    .layout(layout)],
+                None,
+            );
+            self.device.destroy_shader_module(module, None);
+            let pipeline = made.map_err(|(_, e)| fail(e))?[0];
+            s.glsl.insert(name, (pipeline, set, layout));
+            Ok((pipeline, layout))
+        }
+    }
+
+    /// Records `mm` with the hand-written GLSL GEMM (`shaders/vulkan/gemm_f32.comp`): f32
+    /// operands, no transposes, one matrix, `alpha` 1 and `beta` 0, no epilogue — the
+    /// start of the SPIR-V kernel family of issue 13, pinned by tests. Other products
+    /// are an error naming what the kernel lacks.
+    pub fn launch_glsl_gemm(&self, mm: &kiln_engine::Matmul) -> Result<()> {
+        let kernel = Kernel::Matmul(mm.clone());
+        kernel.validate()?;
+        let plain = [mm.a, mm.b, mm.c].iter().all(|b| b.dtype == DType::F32)
+            && !mm.trans_a
+            && !mm.trans_b
+            && mm.batch == 1
+            && mm.alpha == 1.0
+            && mm.beta == 0.0
+            && mm.bias.is_none()
+            && !mm.gelu
+            && mm.c_f32.is_none();
+        if !plain {
+            return Err(Error::InvalidArgument(format!(
+                "the GLSL GEMM computes C = A B for one f32 matrix without transposes, \
+                 alpha, beta or epilogue; launch this product as Kernel::Matmul on `{}`",
+                self.caps.name
+            )));
+        }
+        if mm.m == 0 || mm.n == 0 {
+            return Ok(());
+        }
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        if n.div_ceil(16) > 65535 || m.div_ceil(16) > 65535 {
+            return Err(Error::InvalidArgument(format!(
+                "the GLSL GEMM: {m} x {n} needs more than 65535 workgroups in a dimension"
+            )));
+        }
+        let mut s = self.lock();
+        self.check_live(&s, "matmul", &mm.buffers())?;
+        let (pipeline, layout) = self.glsl_pipeline(&mut s, "gemm_f32", GEMM_F32_SPV, 3, 12)?;
+        let mut infos = vec![];
+        for b in [mm.a, mm.b, mm.c] {
+            let (buffer, offset, range) = self.resolve(&s, b.id)?;
+            if range > self.caps.max_storage_binding {
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "the GLSL GEMM on a {range}-byte operand, over the per-binding limit \
+                         (Kernel::Matmul splits such products)"
+                    ),
+                });
+            }
+            infos.push(vk::DescriptorBufferInfo {
+                buffer,
+                offset,
+                range,
+            });
+        }
+        let writes: Vec<_> = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                vk::WriteDescriptorSet::default()
+                    .dst_binding(i as u32)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(std::slice::from_ref(info))
+            })
+            .collect();
+        let push: Vec<u8> = [m, n, k].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let cmd = self.stream(&mut s)?.cmd;
+        // SAFETY: `cmd` is recording; pipeline, layout and buffers are live until the
+        // submission has run (freed buffers are retired).
+        unsafe {
+            self.device
+                .cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+            self.push.cmd_push_descriptor_set(
+                cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                layout,
+                0,
+                &writes,
+            );
+            self.device
+                .cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, &push);
+            self.device
+                .cmd_dispatch(cmd, n.div_ceil(16), m.div_ceil(16), 1);
+        }
+        self.barrier(cmd);
+        Ok(())
+    }
+}
+
 impl Recorder for VkDevice {
     type State = State;
 
@@ -1579,6 +1763,11 @@ impl Drop for VkDevice {
                     self.device.destroy_query_pool(pool, None);
                 }
             }
+            for (_, (p, set, pl)) in s.glsl.drain() {
+                self.device.destroy_pipeline(p, None);
+                self.device.destroy_pipeline_layout(pl, None);
+                self.device.destroy_descriptor_set_layout(set, None);
+            }
             for (_, p) in s.pipelines.drain() {
                 self.device.destroy_pipeline(p, None);
             }
@@ -1593,5 +1782,29 @@ impl Drop for VkDevice {
             self.device.destroy_command_pool(self.pool, None);
             self.device.destroy_device(None);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_damaged_spv_is_an_error_naming_the_file_and_the_fix() {
+        for bad in [
+            &b""[..],
+            b"garbage!",
+            &GEMM_F32_SPV[..GEMM_F32_SPV.len() - 1],
+        ] {
+            let e = spirv_words("gemm_f32", bad).unwrap_err();
+            assert!(
+                e.contains("shaders/vulkan/gemm_f32.spv") && e.contains("compile-vulkan-shaders"),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            spirv_words("gemm_f32", GEMM_F32_SPV).unwrap().len() * 4,
+            GEMM_F32_SPV.len()
+        );
     }
 }
