@@ -1044,7 +1044,10 @@ impl VkDevice {
 /// The committed SPIR-V of a hand-written kernel (`shaders/vulkan/NAME.spv`), as words;
 /// an error names a damaged file and how to rebuild it.
 fn spirv_words(name: &str, bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
-    if bytes.len() % 4 != 0 || bytes.len() < 20 || bytes[..4] != 0x0723_0203u32.to_le_bytes() {
+    if !bytes.len().is_multiple_of(4)
+        || bytes.len() < 20
+        || bytes[..4] != 0x0723_0203u32.to_le_bytes()
+    {
         return Err(format!(
             "shaders/vulkan/{name}.spv is not a SPIR-V module ({} bytes): rebuild it with \
              scripts/compile-vulkan-shaders.sh",
