@@ -6,8 +6,12 @@
 set -euo pipefail
 
 # Open MPI and libclang: the `mpi` feature (multi-process training) and its tests.
+# spirv-tools: `spirv-val`, which the tests run on every SPIR-V module the raw Vulkan
+# backend builds or ships; glslang-tools: `glslangValidator`, which compiles its GLSL
+# kernels (shaders/vulkan/build.sh; tests/spirv.rs checks the committed
+# .spv files are current).
 packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
-    libopenmpi-dev openmpi-bin libclang-dev)
+    libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools)
 
 missing=()
 for p in "${packages[@]}"; do

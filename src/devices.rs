@@ -1,5 +1,6 @@
 //! Choosing devices by name: `cpu`, an adapter index (`0`), a backend (`vulkan`, `gl`),
-//! or the n-th adapter of a backend (`vulkan:1`). See `kiln devices` for the list.
+//! the n-th adapter of a backend (`vulkan:1`), or the n-th Vulkan device through Kiln's
+//! raw Vulkan backend (`vk:0`, beside wgpu's `vulkan:0`). See `kiln devices` for the list.
 
 use std::fmt;
 use std::str::FromStr;
@@ -16,6 +17,8 @@ pub enum DeviceSpec {
     Index(usize),
     /// The `nth` adapter on a wgpu backend (`vulkan`, `gl`, `metal`, `dx12`).
     Backend { backend: String, nth: usize },
+    /// The `nth` Vulkan device through the raw Vulkan backend (`vk:N`, kiln-vulkan).
+    Vk(usize),
 }
 
 const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
@@ -81,10 +84,13 @@ impl FromStr for DeviceSpec {
             ),
             None => (s.as_str(), 0),
         };
+        if name == "vk" {
+            return Ok(DeviceSpec::Vk(nth));
+        }
         if !BACKENDS.contains(&name) {
             return Err(Error::InvalidArgument(format!(
-                "unknown device `{s}`: use `cpu`, an adapter index from `kiln devices`, or a backend \
-                 ({}) optionally followed by `:N`",
+                "unknown device `{s}`: use `cpu`, an adapter index from `kiln devices`, a backend \
+                 ({}) optionally followed by `:N`, or `vk:N` (raw Vulkan)",
                 os_backends().join(", ")
             )));
         }
@@ -104,6 +110,7 @@ impl fmt::Display for DeviceSpec {
             DeviceSpec::Cpu => f.write_str("cpu"),
             DeviceSpec::Index(i) => write!(f, "{i}"),
             DeviceSpec::Backend { backend, nth } => write!(f, "{backend}:{nth}"),
+            DeviceSpec::Vk(n) => write!(f, "vk:{n}"),
         }
     }
 }
@@ -113,6 +120,10 @@ impl DeviceSpec {
     pub fn adapter_index(&self) -> Result<Option<usize>> {
         match self {
             DeviceSpec::Cpu => Ok(None),
+            DeviceSpec::Vk(_) => Err(Error::InvalidArgument(format!(
+                "`{self}` is a raw Vulkan device; this command takes wgpu adapters (`vulkan:N`, \
+                 `gl`, an index from `kiln devices`) or `cpu`"
+            ))),
             DeviceSpec::Index(i) => Ok(Some(*i)),
             DeviceSpec::Backend { backend, nth } => {
                 let all = kiln_wgpu::adapters();
@@ -145,6 +156,9 @@ impl DeviceSpec {
 
 /// Opens the device a spec names. Each call opens a new, independent device.
 pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn Device>> {
+    if let DeviceSpec::Vk(n) = spec {
+        return Ok(Box::new(kiln_vulkan::VkDevice::open(*n, options)?));
+    }
     match spec.adapter_index()? {
         None => Ok(Box::new(kiln_cpu::CpuDevice::new())),
         Some(i) => Ok(Box::new(WgpuDevice::open(i, options)?)),

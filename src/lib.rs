@@ -2,10 +2,12 @@
 //!
 //! The engine ([`engine`]) is generic over one small device contract
 //! ([`engine::Device`]); [`cpu`] is the reference backend and [`wgpu`] reaches every
-//! adapter wgpu can open. [`open_device`] turns a device spec into a device.
+//! adapter wgpu can open; [`vulkan`] is the raw Vulkan backend (`vk:N`) running the same
+//! kernels as SPIR-V. [`open_device`] turns a device spec into a device.
 
 pub use kiln_cpu as cpu;
 pub use kiln_engine as engine;
+pub use kiln_vulkan as vulkan;
 pub use kiln_wgpu as wgpu;
 
 pub mod bench;

@@ -680,6 +680,14 @@ fn estimate(
             // One entry per device, as training would open them.
             let mut caps = vec![];
             for s in &specs {
+                if let kiln::DeviceSpec::Vk(n) = s {
+                    let vk = kiln::vulkan::physical_devices();
+                    let d = vk.get(*n).ok_or_else(|| {
+                        anyhow::anyhow!("no Vulkan device vk:{n}: see `kiln devices`")
+                    })?;
+                    caps.push(d.caps.clone());
+                    continue;
+                }
                 match s.adapter_index()? {
                     None => caps.push(cpu.caps().clone()),
                     Some(i) => caps.push(
@@ -762,6 +770,8 @@ fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()> {
 fn devices(json: bool) -> Result<()> {
     let mut rows = kiln::wgpu::adapters();
     let cpu = kiln::cpu::CpuDevice::new();
+    // The raw Vulkan backend's devices, `vk:N`, listed after wgpu's adapters.
+    let vk = kiln::vulkan::physical_devices();
     if json {
         let mut list: Vec<serde_json::Value> = rows
             .iter()
@@ -771,6 +781,11 @@ fn devices(json: bool) -> Result<()> {
                 v
             })
             .collect();
+        for d in &vk {
+            let mut v = serde_json::to_value(&d.caps)?;
+            v["spec"] = format!("vk:{}", d.index).into();
+            list.push(v);
+        }
         let mut c = serde_json::to_value(cpu.caps())?;
         c["spec"] = "cpu".into();
         list.push(c);
@@ -797,6 +812,7 @@ fn devices(json: bool) -> Result<()> {
     let caps = rows
         .iter()
         .map(|a| (a.index.to_string(), &a.caps))
+        .chain(vk.iter().map(|d| (format!("vk:{}", d.index), &d.caps)))
         .chain(std::iter::once(("cpu".to_string(), cpu.caps())));
     for (spec, c) in caps {
         table.push(vec![

@@ -217,6 +217,16 @@ fn gl_matches_cpu() {
     sweep(&path, DType::BF16, &[128], &[7]);
 }
 
+/// The raw Vulkan backend (`vk:0`): the same subgroup kernels as naga's SPIR-V, kept
+/// small (lavapipe compiles each shape's kernels anew).
+#[test]
+fn vk_matches_cpu() {
+    let path = gpu_path(3);
+    sweep(&path, DType::F32, &[32], &[7, 129]);
+    sweep(&path, DType::F16, &[64], &[7]);
+    sweep(&path, DType::BF16, &[32], &[7]);
+}
+
 /// Central finite differences of L = sum(dout * out) through the CPU forward (f64 inside,
 /// f32 results) against the CPU backward, so that the oracle itself is checked.
 #[test]

@@ -32,6 +32,13 @@ fn devices_json_lists_the_lavapipe_and_gl_adapters() {
     let vk = list.iter().find(|d| d["backend"] == "vulkan").unwrap();
     assert_eq!(vk["f16_arithmetic"], true);
     assert!(vk["max_storage_binding"].as_u64().unwrap() >= 1 << 27);
+    // The same device through the raw Vulkan backend, named `vk:0`.
+    let raw = list
+        .iter()
+        .find(|d| d["spec"] == "vk:0")
+        .unwrap_or_else(|| panic!("no vk:0 in {backends:?}"));
+    assert_eq!(raw["backend"], "vk");
+    assert_eq!(raw["name"], vk["name"]);
 }
 
 #[test]

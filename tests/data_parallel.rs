@@ -192,6 +192,20 @@ fn a_vulkan_and_a_gl_device_train_together() {
     );
 }
 
+/// Both host APIs in one group: the raw Vulkan backend (`vk:0`) beside wgpu's device
+/// on the same Vulkan adapter.
+#[test]
+fn a_vk_and_a_wgpu_device_train_together() {
+    let devs: Vec<Box<dyn Device>> = vec![vk(false), gpu("vulkan", false)];
+    let refs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
+    check(&refs, "", FP32_TOL);
+    check(
+        &refs,
+        r#""fp16": {"enabled": true, "initial_scale_power": 10},"#,
+        FP16_TOL,
+    );
+}
+
 #[test]
 fn an_overflow_on_one_device_makes_every_device_skip() {
     let devs: Vec<Box<dyn Device>> = (0..2).map(|_| gpu("vulkan", false)).collect();

@@ -55,6 +55,18 @@ struct Case {
 /// Runs `case` on `dev` (optionally pinning a kernel) and on the CPU, and checks every
 /// element of C (and of the f32 copy) against the bound above.
 fn check(what: &str, dev: &WgpuDevice, case: &Case, variant: Option<MatmulVariant>) {
+    check_on(what, dev, case, &|mm| {
+        dev.launch_matmul(mm, variant).map(drop)
+    })
+}
+
+/// [`check`] on any device, `launch` recording the GEMM there.
+fn check_on(
+    what: &str,
+    dev: &dyn Device,
+    case: &Case,
+    launch: &dyn Fn(&Matmul) -> kiln::engine::Result<()>,
+) {
     let cpu = kiln::cpu::CpuDevice::new();
     let run = |d: &dyn Device, gpu: bool| -> (HostData, Option<HostData>) {
         let a = put(d, &case.a);
@@ -72,8 +84,7 @@ fn check(what: &str, dev: &WgpuDevice, case: &Case, variant: Option<MatmulVarian
             .c_f32
             .map(|cf| put(d, &HostData::F32(vec![0.0; cf.len])));
         if gpu {
-            dev.launch_matmul(&mm, variant)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            launch(&mm).unwrap_or_else(|e| panic!("{what}: {e}"));
         } else {
             d.launch(&Kernel::Matmul(mm.clone())).unwrap();
         }
@@ -189,42 +200,73 @@ fn random_shapes_match_cpu_on_every_path() {
     let mut rng = Rng::new(2024);
     let mut shapes = 0;
     for (name, dev) in wgpu_paths() {
-        let dtype_sets = [
-            [DType::F32, DType::F32, DType::F32],
-            [DType::F16, DType::F16, DType::F16],
-            [DType::BF16, DType::BF16, DType::BF16],
-            [DType::F16, DType::F16, DType::F32],
-        ];
-        for dtypes in dtype_sets {
-            for trans in [(false, false), (false, true), (true, false), (true, true)] {
-                for _ in 0..5 {
-                    let dims = (
-                        pick(&mut rng, &AWKWARD),
-                        pick(&mut rng, &AWKWARD),
-                        pick(&mut rng, &AWKWARD),
-                    );
-                    let c = case(&mut rng, dims, trans, dtypes);
-                    let what = format!("{name}: {dims:?} trans {trans:?} {dtypes:?}");
-                    check(&what, &dev, &c, None);
-                    shapes += 1;
-                }
-            }
-        }
-        // The edge shapes every kernel must get right.
-        for dims in [
-            (1, 1, 1),
-            (1, 1, 2000),
-            (97, 89, 1),
-            (2, 3, 1031),
-            (65, 1, 300),
-            (1, 67, 129),
-        ] {
-            let c = case(&mut rng, dims, (false, false), [DType::F16; 3]);
-            check(&format!("{name}: edge {dims:?}"), &dev, &c, None);
-            shapes += 1;
-        }
+        shapes += random_shapes(
+            &mut rng,
+            name,
+            &dev,
+            &|mm| dev.launch_matmul(mm, None).map(drop),
+            5,
+        );
     }
     assert!(shapes >= 200, "only {shapes} shapes");
+}
+
+/// The raw Vulkan backend (`vk:0`): the same WGSL GEMMs as naga's SPIR-V, planned as on
+/// wgpu, on the same dtype mixes and transposes, one random shape of each (lavapipe
+/// compiles each kernel anew for this device).
+#[test]
+fn random_shapes_match_cpu_on_vk() {
+    let mut rng = Rng::new(2025);
+    let dev = vk(false);
+    let launch = |mm: &Matmul| dev.launch(&Kernel::Matmul(mm.clone()));
+    let shapes = random_shapes(&mut rng, "vk (raw Vulkan)", dev.as_ref(), &launch, 1);
+    assert!(shapes >= 20, "only {shapes} shapes");
+}
+
+/// `per` random shapes of every dtype mix and transpose, then the edge shapes every
+/// kernel must get right, each checked against the CPU; how many were checked.
+fn random_shapes(
+    rng: &mut Rng,
+    name: &str,
+    dev: &dyn Device,
+    launch: &dyn Fn(&Matmul) -> kiln::engine::Result<()>,
+    per: usize,
+) -> usize {
+    let mut shapes = 0;
+    let dtype_sets = [
+        [DType::F32, DType::F32, DType::F32],
+        [DType::F16, DType::F16, DType::F16],
+        [DType::BF16, DType::BF16, DType::BF16],
+        [DType::F16, DType::F16, DType::F32],
+    ];
+    for dtypes in dtype_sets {
+        for trans in [(false, false), (false, true), (true, false), (true, true)] {
+            for _ in 0..per {
+                let dims = (
+                    pick(rng, &AWKWARD),
+                    pick(rng, &AWKWARD),
+                    pick(rng, &AWKWARD),
+                );
+                let c = case(rng, dims, trans, dtypes);
+                let what = format!("{name}: {dims:?} trans {trans:?} {dtypes:?}");
+                check_on(&what, dev, &c, launch);
+                shapes += 1;
+            }
+        }
+    }
+    for dims in [
+        (1, 1, 1),
+        (1, 1, 2000),
+        (97, 89, 1),
+        (2, 3, 1031),
+        (65, 1, 300),
+        (1, 67, 129),
+    ] {
+        let c = case(rng, dims, (false, false), [DType::F16; 3]);
+        check_on(&format!("{name}: edge {dims:?}"), dev, &c, launch);
+        shapes += 1;
+    }
+    shapes
 }
 
 #[test]

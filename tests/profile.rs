@@ -278,8 +278,18 @@ impl Device for Counting {
 
 #[test]
 fn every_launch_of_a_step_gets_a_gpu_timing_in_order_within_the_step() {
+    every_launch_timed(gpu("vulkan", false));
+}
+
+/// The same on the raw Vulkan backend (`vk:0`), whose timestamps are its own.
+#[test]
+fn every_launch_of_a_step_gets_a_gpu_timing_on_vk() {
+    every_launch_timed(vk(false));
+}
+
+fn every_launch_timed(inner: Box<dyn Device>) {
     let dev = Counting {
-        inner: gpu("vulkan", false),
+        inner,
         launches: AtomicUsize::new(0),
     };
     let cfg: GptConfig = serde_json::from_str(

@@ -49,7 +49,7 @@ fn committed_spirv_is_what_the_sources_compile_to() {
         "build.sh makes {built} modules, spv/ holds {}",
         modules.len()
     );
-    assert_eq!(modules.len(), 24);
+    assert_eq!(modules.len(), 25);
     for path in modules {
         let name = path.file_name().unwrap();
         let fresh = std::fs::read(out.join(name)).unwrap();

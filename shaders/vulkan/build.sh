@@ -27,3 +27,5 @@ for tile in 16x2 64x4; do
         done
     done
 done
+# gemm_f32: the raw Vulkan backend's plain tiled f32 GEMM (kiln-vulkan).
+glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null

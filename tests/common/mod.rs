@@ -28,10 +28,26 @@ pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
     )
 }
 
-/// Both f16 paths: Vulkan with native f16, the same adapter with f16 forced off, and
-/// the GL adapter, which has no SHADER_F16 at all.
+/// Opens `vk:0`, the first device of the raw Vulkan backend (kiln-vulkan). No device
+/// is a test failure, never a skip.
+pub fn vk(disable_f16: bool) -> Box<dyn Device> {
+    Box::new(
+        kiln::vulkan::VkDevice::open(
+            0,
+            &DeviceOptions {
+                disable_f16,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("opening vk:0: {e}")),
+    )
+}
+
+/// Both f16 paths: Vulkan with native f16, the same adapter with f16 forced off, the
+/// GL adapter, which has no SHADER_F16 at all, and the same Vulkan device through
+/// the raw Vulkan backend (`vk:0`: the same WGSL kernels as naga's SPIR-V).
 pub fn gpu_paths() -> Vec<Path> {
-    (0..3).map(gpu_path).collect()
+    (0..4).map(gpu_path).collect()
 }
 
 /// One of [`gpu_paths`], opened alone. A test that runs long GL work should open only
@@ -60,11 +76,23 @@ pub fn gpu_path(index: usize) -> Path {
                 dev,
             }
         }
-        _ => {
+        2 => {
             let dev = gpu("gl", false);
             assert!(!dev.caps().f16_arithmetic);
             Path {
                 name: "gl (packed f16)",
+                dev,
+            }
+        }
+        _ => {
+            let dev = vk(false);
+            assert!(
+                dev.caps().f16_arithmetic,
+                "the Vulkan device `{}` has no native f16 through kiln-vulkan; lavapipe should",
+                dev.caps().name
+            );
+            Path {
+                name: "vk (raw Vulkan, native f16)",
                 dev,
             }
         }

@@ -5,11 +5,9 @@
 //! Grouped-query attention (`group` query heads per K/V head) is a launch parameter:
 //! forward and dq walk the query heads, dk/dv the K/V heads, each summing its group.
 
-use std::collections::HashMap;
-
 use kiln_engine::{Buffer, Capabilities, Error, Kernel, Result};
 
-use crate::device::{Dispatch, State, WgpuDevice, PARTIALS_ID};
+use crate::lower::{Dispatch, Recorder, PARTIALS_ID};
 use crate::shader::{self, KernelSource};
 
 /// Work per dispatch, in multiply-adds: ~0.1 s on lavapipe, so that no dispatch runs
@@ -87,14 +85,10 @@ fn kernels(shared: bool) -> [&'static KernelSource; 3] {
     }
 }
 
-impl WgpuDevice {
+/// How fused attention becomes dispatches, for any backend that records them.
+pub(crate) trait LowerAttention: Recorder {
     /// Records a validated `Kernel::Attention` or `Kernel::AttentionBackward`.
-    pub(crate) fn attention(
-        &self,
-        s: &mut State,
-        kernel: &Kernel,
-        handles: &HashMap<u64, wgpu::Buffer>,
-    ) -> Result<()> {
+    fn attention(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
         let (heads, group, seq, dim, scale, causal) = match *kernel {
             Kernel::Attention {
                 batch_heads,
@@ -119,10 +113,10 @@ impl WgpuDevice {
         if heads == 0 || seq == 0 {
             return Ok(());
         }
-        let limit = self.caps.max_storage_binding;
+        let limit = self.caps().max_storage_binding;
         if let Some(b) = kernel.buffers().iter().find(|b| b.bytes() > limit) {
             return Err(Error::Unsupported {
-                device: self.caps.name.clone(),
+                device: self.caps().name.clone(),
                 what: format!(
                     "{}: buffer #{} of {} bytes, over the {limit}-byte binding limit; split the heads",
                     kernel.name(),
@@ -131,7 +125,7 @@ impl WgpuDevice {
                 ),
             });
         }
-        let plan = plan(&self.caps, dim);
+        let plan = plan(self.caps(), dim);
         let [fwd, dq, dkv] = kernels(plan.shared);
         let consts = vec![
             ("SG", plan.sg),
@@ -141,7 +135,7 @@ impl WgpuDevice {
             ("D4", dim.div_ceil(4) as u32),
             ("VEC", dim.is_multiple_of(4) as u32),
         ];
-        let h = |b: &Buffer| (b.id, &handles[&b.id]);
+        let h = |b: &Buffer| b.id;
         let rows = heads * seq;
         // Causal rows see half the keys on average; the band size is a bound, not exact.
         let fmas_per_block =
@@ -165,9 +159,9 @@ impl WgpuDevice {
                 0,
             ]
         };
-        let run = |s: &mut State,
+        let run = |s: &mut Self::State,
                    k: &'static KernelSource,
-                   buffers: Vec<(u64, &wgpu::Buffer)>,
+                   buffers: Vec<u64>,
                    reprs: Vec<Buffer>,
                    (walked, per): (usize, u32)|
          -> Result<()> {
@@ -217,8 +211,9 @@ impl WgpuDevice {
             } => {
                 // rowsum(dout * out), one f32 per row, lives in the device's reusable
                 // scratch (`partials`) between the two passes.
-                let delta = self.partials(s, rows as u64 * 4);
-                let d = (PARTIALS_ID, &delta);
+                self.partials(s, rows as u64 * 4)?;
+                let delta = PARTIALS_ID;
+                let d = delta;
                 run(
                     s,
                     dq,
@@ -238,3 +233,5 @@ impl WgpuDevice {
         }
     }
 }
+
+impl<R: Recorder + ?Sized> LowerAttention for R {}

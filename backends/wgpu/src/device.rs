@@ -21,17 +21,16 @@ use kiln_engine::{
 };
 
 use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
+use crate::lower::{
+    band_partials_bytes, scratch_bytes, Dispatch, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES,
+    DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+};
 use crate::shader::{self, Access, KernelSource, Repr};
 
 /// Bytes of the largest launch parameters (`shaders/common/matmul_params.wgsl`).
 const PARAMS_MAX: u64 = shader::MATMUL_PARAMS_SIZE;
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
 const ARENA_SLOTS: u64 = 4096;
-/// Internal buffer ids live at the top of the id space, apart from user buffers.
-pub(crate) const SCRATCH_ID: u64 = u64::MAX;
-pub(crate) const PARTIALS_ID: u64 = u64::MAX - 1;
-pub(crate) const DUMMY_ID: u64 = u64::MAX - 2;
-pub(crate) const BAND_PARTIALS_ID: u64 = u64::MAX - 3;
 
 pub struct WgpuDevice {
     pub(crate) caps: Capabilities,
@@ -87,7 +86,8 @@ struct BindKey {
 }
 
 #[derive(Default)]
-pub(crate) struct State {
+#[doc(hidden)]
+pub struct State {
     next_id: u64,
     buffers: HashMap<u64, Slot>,
     allocated: u64,
@@ -211,49 +211,6 @@ impl State {
     }
 }
 
-/// One dispatch, before it is recorded.
-pub(crate) struct Dispatch<'a> {
-    pub kernel: &'static KernelSource,
-    pub reprs: Vec<Repr>,
-    /// Assembly-time constants (tile shapes); each set is its own module.
-    pub consts: Vec<(&'static str, u32)>,
-    /// Pipeline-overridable constants (`override` in WGSL), as u32 (bools: 0 or 1).
-    pub overrides: Vec<(&'static str, u32)>,
-    /// (id, buffer) per slot, in slot order.
-    pub buffers: Vec<(u64, &'a wgpu::Buffer)>,
-    /// (slot, byte offset, byte size) for slots bound to part of their buffer.
-    pub ranges: Vec<(usize, u64, u64)>,
-    pub params: Vec<u32>,
-    pub groups: (u32, u32, u32),
-}
-
-impl<'a> Dispatch<'a> {
-    /// A dispatch with no assembly constants, overrides or partial bindings.
-    pub fn new(
-        kernel: &'static KernelSource,
-        reprs: Vec<Repr>,
-        buffers: Vec<(u64, &'a wgpu::Buffer)>,
-        params: Vec<u32>,
-        groups: (u32, u32, u32),
-    ) -> Dispatch<'a> {
-        Dispatch {
-            kernel,
-            reprs,
-            consts: vec![],
-            overrides: vec![],
-            buffers,
-            ranges: vec![],
-            params,
-            groups,
-        }
-    }
-
-    pub fn with_overrides(mut self, overrides: Vec<(&'static str, u32)>) -> Dispatch<'a> {
-        self.overrides = overrides;
-        self
-    }
-}
-
 impl WgpuDevice {
     /// Opens a new, independent device on adapter `index` (see `kiln devices`).
     /// Opening the same adapter again gives another device with its own memory and queue.
@@ -313,20 +270,19 @@ impl WgpuDevice {
         });
         let scratch = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln reduce partials"),
-            size: DType::F32.padded_bytes(crate::launch::REDUCE_GROUPS as usize),
+            size: scratch_bytes(),
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
         let band_partials = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln banded reduce partials"),
-            size: DType::F32
-                .padded_bytes(crate::launch::REDUCE_GROUPS as usize * crate::launch::MAX_BANDS),
+            size: band_partials_bytes(),
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
         let dummy = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kiln absent operand"),
-            size: 16,
+            size: DUMMY_BYTES,
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
@@ -542,8 +498,8 @@ impl WgpuDevice {
         for k in kernels {
             result = k
                 .validate()
-                .and_then(|()| self.handles(s, k.name(), &k.buffers()))
-                .and_then(|h| self.record_kernel(s, k, &h));
+                .and_then(|()| self.check_live(s, k.name(), &k.buffers()))
+                .and_then(|()| crate::lower::record_kernel(self, s, k));
             if result.is_err() {
                 break;
             }
@@ -682,10 +638,10 @@ impl WgpuDevice {
     }
 
     /// Records one compute dispatch into the stream.
-    pub(crate) fn dispatch(&self, s: &mut State, mut d: Dispatch<'_>) -> Result<()> {
+    fn record_dispatch(&self, s: &mut State, mut d: Dispatch) -> Result<()> {
         // A view binds its range of the buffer it views; a range asked of a view is
         // relative to the view's start.
-        for (i, (id, _)) in d.buffers.iter().enumerate() {
+        for (i, id) in d.buffers.iter().enumerate() {
             let Some(slot) = s.buffers.get(id) else {
                 continue;
             };
@@ -704,8 +660,8 @@ impl WgpuDevice {
                 .and_then(|slot| slot.view_of)
                 .map_or(*id, |(parent, _)| parent)
         };
-        for (i, (a, _)) in d.buffers.iter().enumerate() {
-            for (j, (b, _)) in d.buffers.iter().enumerate().skip(i + 1) {
+        for (i, a) in d.buffers.iter().enumerate() {
+            for (j, b) in d.buffers.iter().enumerate().skip(i + 1) {
                 let access = |k: usize| d.kernel.slots.get(k).map(|slot| slot.access);
                 if under(a) == under(b) && access(i) != access(j) {
                     return Err(Error::InvalidArgument(format!(
@@ -719,7 +675,12 @@ impl WgpuDevice {
         // A whole buffer bound past the adapter's per-binding limit would be a wgpu
         // validation error at submit; say which kernel and what to do instead.
         let limit = self.caps.max_storage_binding;
-        for (slot, (_, buffer)) in d.buffers.iter().enumerate() {
+        let buffers: Vec<wgpu::Buffer> = d
+            .buffers
+            .iter()
+            .map(|&id| self.resolve(s, id))
+            .collect::<Result<_>>()?;
+        for (slot, buffer) in buffers.iter().enumerate() {
             let size = match d.ranges.iter().find(|r| r.0 == slot) {
                 Some(r) => r.2,
                 None => buffer.size(),
@@ -768,7 +729,7 @@ impl WgpuDevice {
 
         let bind_key = BindKey {
             pipeline: key.clone(),
-            buffers: d.buffers.iter().map(|(id, _)| *id).collect(),
+            buffers: d.buffers.clone(),
             ranges: d.ranges.clone(),
         };
         if !s.bind_groups.contains_key(&bind_key) {
@@ -780,7 +741,7 @@ impl WgpuDevice {
                     size: wgpu::BufferSize::new(d.kernel.params_size),
                 }),
             }];
-            for (i, (_, b)) in d.buffers.iter().enumerate() {
+            for (i, b) in buffers.iter().enumerate() {
                 let resource = match d.ranges.iter().find(|r| r.0 == i) {
                     Some(&(_, offset, size)) => {
                         wgpu::BindingResource::Buffer(wgpu::BufferBinding {
@@ -841,37 +802,22 @@ impl WgpuDevice {
     }
 
     /// Records a launch, with timestamps around it when a profile is open.
-    fn record_profiled(
-        &self,
-        s: &mut State,
-        kernel: &Kernel,
-        handles: &HashMap<u64, wgpu::Buffer>,
-    ) -> Result<()> {
+    fn record_profiled(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
         let Some(before) = self.launch_queries_begin(s) else {
-            return self.record_kernel(s, kernel, handles);
+            return crate::lower::record_kernel(self, s, kernel);
         };
         let _span = span("record", SpanKind::Record);
-        self.record_kernel(s, kernel, handles)?;
+        crate::lower::record_kernel(self, s, kernel)?;
         self.launch_queries_end(s, before, kernel.cost());
         Ok(())
-    }
-
-    pub(crate) fn repr(&self, dtype: DType) -> Repr {
-        Repr::of(dtype, self.caps.f16_arithmetic)
     }
 }
 
 impl WgpuDevice {
-    /// The wgpu buffers behind `buffers`, after checking that each handle is live on
-    /// this device and describes the buffer it names (a handle from another device can
-    /// carry a valid id with the wrong size, and kernels trust the size).
-    pub(crate) fn handles(
-        &self,
-        s: &State,
-        kernel: &str,
-        buffers: &[Buffer],
-    ) -> Result<HashMap<u64, wgpu::Buffer>> {
-        let mut handles = HashMap::new();
+    /// Checks that each handle is live on this device and describes the buffer it
+    /// names (a handle from another device can carry a valid id with the wrong size,
+    /// and kernels trust the size).
+    pub(crate) fn check_live(&self, s: &State, kernel: &str, buffers: &[Buffer]) -> Result<()> {
         for b in buffers {
             let slot = s.buffers.get(&b.id).ok_or_else(|| self.unknown(b.id))?;
             if slot.meta != *b {
@@ -880,22 +826,78 @@ impl WgpuDevice {
                     b.id, b.len, b.dtype, slot.meta.len, slot.meta.dtype
                 )));
             }
-            handles.insert(b.id, slot.buffer.clone());
         }
-        Ok(handles)
+        Ok(())
     }
 
-    /// Byte alignment a partial binding's offset needs.
-    pub(crate) fn storage_offset_alignment(&self) -> u64 {
+    /// The wgpu buffer a dispatch binds for `id`: a user buffer (a view's parent) or
+    /// one of the device's own.
+    fn resolve(&self, s: &State, id: u64) -> Result<wgpu::Buffer> {
+        Ok(match id {
+            SCRATCH_ID => self.scratch.clone(),
+            DUMMY_ID => self.dummy.clone(),
+            BAND_PARTIALS_ID => self.band_partials.clone(),
+            PARTIALS_ID => s
+                .partials
+                .clone()
+                .ok_or_else(|| self.backend_error("a dispatch binds partials never sized"))?,
+            _ => s
+                .buffers
+                .get(&id)
+                .ok_or_else(|| self.unknown(id))?
+                .buffer
+                .clone(),
+        })
+    }
+}
+
+impl Recorder for WgpuDevice {
+    type State = State;
+
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {
+        self.record_dispatch(s, d)
+    }
+
+    fn copy(&self, s: &mut State, src: &Buffer, dst: &Buffer) -> Result<()> {
+        let (a, b) = (self.resolve(s, src.id)?, self.resolve(s, dst.id)?);
+        let (from, to) = (s.base(src.id), s.base(dst.id));
+        if a == b {
+            // Views of one buffer: WebGPU copies only between distinct buffers.
+            let tmp = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kiln copy"),
+                size: src.bytes(),
+                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let e = self.encoder(s);
+            e.copy_buffer_to_buffer(&a, from, &tmp, 0, src.bytes());
+            e.copy_buffer_to_buffer(&tmp, 0, &b, to, src.bytes());
+        } else {
+            self.encoder(s)
+                .copy_buffer_to_buffer(&a, from, &b, to, src.bytes());
+        }
+        Ok(())
+    }
+
+    fn clear(&self, s: &mut State, buf: &Buffer) -> Result<()> {
+        let f = self.resolve(s, buf.id)?;
+        let base = s.base(buf.id);
+        self.encoder(s).clear_buffer(&f, base, Some(buf.bytes()));
+        Ok(())
+    }
+
+    fn storage_offset_alignment(&self) -> u64 {
         self.device.limits().min_storage_buffer_offset_alignment as u64
     }
 
     /// The GEMM partials buffer, at least `bytes` long.
-    pub(crate) fn partials(&self, s: &mut State, bytes: u64) -> wgpu::Buffer {
-        if let Some(p) = &s.partials {
-            if p.size() >= bytes {
-                return p.clone();
-            }
+    fn partials(&self, s: &mut State, bytes: u64) -> Result<()> {
+        if s.partials.as_ref().is_some_and(|p| p.size() >= bytes) {
+            return Ok(());
         }
         // Bind groups of the old buffer would keep it alive and bind the wrong size.
         s.bind_groups
@@ -906,8 +908,8 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
-        s.partials = Some(p.clone());
-        p
+        s.partials = Some(p);
+        Ok(())
     }
 }
 
@@ -1178,15 +1180,14 @@ impl Device for WgpuDevice {
     fn launch(&self, kernel: &Kernel) -> Result<()> {
         kernel.validate()?;
         let mut s = self.lock();
-        // Clone the handles (cheap, reference-counted) so `s` stays free to mutate.
-        let handles = self.handles(&s, kernel.name(), &kernel.buffers())?;
+        self.check_live(&s, kernel.name(), &kernel.buffers())?;
         let Some(profile) = &self.profile else {
-            return self.record_profiled(&mut s, kernel, &handles);
+            return self.record_profiled(&mut s, kernel);
         };
         self.flush(&mut s)?;
         self.wait()?;
         let t0 = std::time::Instant::now();
-        self.record_profiled(&mut s, kernel, &handles)?;
+        self.record_profiled(&mut s, kernel)?;
         self.flush(&mut s)?;
         self.wait()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;

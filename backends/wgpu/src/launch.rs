@@ -1,11 +1,11 @@
 //! Kernel launches: how each engine `Kernel` becomes the dispatches that run it.
 
-use std::collections::HashMap;
-
 use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
 use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
 
-use crate::device::{Dispatch, State, WgpuDevice, BAND_PARTIALS_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::attention::LowerAttention;
+use crate::lower::{Dispatch, Recorder, BAND_PARTIALS_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::matmul::LowerMatmul;
 use crate::shader::{self, KernelSource, Repr};
 
 /// Workgroup size of the elementwise kernels, and the most workgroups in one dimension.
@@ -14,15 +14,11 @@ const MAX_GROUPS: u32 = 65535;
 /// Workgroups in the first pass of a reduction, so also the partials the second folds.
 pub(crate) const REDUCE_GROUPS: u32 = 256;
 
-impl WgpuDevice {
-    /// Records `kernel` (already validated, its buffers resolved to `handles`).
-    pub(crate) fn record_kernel(
-        &self,
-        s: &mut State,
-        kernel: &Kernel,
-        handles: &HashMap<u64, wgpu::Buffer>,
-    ) -> Result<()> {
-        let h = |b: &Buffer| (b.id, &handles[&b.id]);
+/// How each engine kernel becomes dispatches, for any backend that records them.
+pub(crate) trait Lower: Recorder {
+    /// Records `kernel` (already validated: its buffers are live on the device).
+    fn record_kernel(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
+        let h = |b: &Buffer| b.id;
         match kernel {
             Kernel::Fill { dst, value } => {
                 let bands = self.bands("fill", dst.len, dst.dtype.size())?;
@@ -39,59 +35,23 @@ impl WgpuDevice {
                     self.dispatch(s, d)?;
                 }
             }
-            Kernel::Copy { src, dst } => {
-                let (a, b) = (handles[&src.id].clone(), handles[&dst.id].clone());
-                let (from, to) = (s.base(src.id), s.base(dst.id));
-                if a == b {
-                    // Views of one buffer: WebGPU copies only between distinct buffers.
-                    let tmp = self.device.create_buffer(&wgpu::BufferDescriptor {
-                        label: Some("kiln copy"),
-                        size: src.bytes(),
-                        usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-                        mapped_at_creation: false,
-                    });
-                    let e = self.encoder(s);
-                    e.copy_buffer_to_buffer(&a, from, &tmp, 0, src.bytes());
-                    e.copy_buffer_to_buffer(&tmp, 0, &b, to, src.bytes());
-                } else {
-                    self.encoder(s)
-                        .copy_buffer_to_buffer(&a, from, &b, to, src.bytes());
-                }
+            Kernel::Copy { src, dst } => self.copy(s, src, dst)?,
+            Kernel::Cast { src, dst } => {
+                self.elementwise(s, &shader::CAST, None, &[src, dst], 0.0)?
             }
-            Kernel::Cast { src, dst } => self.elementwise(
-                s,
-                &shader::CAST,
-                None,
-                &[(src, handles), (dst, handles)],
-                0.0,
-            )?,
             Kernel::Binary { op, a, b, out } => {
                 let code = match op {
                     BinaryOp::Add => 0,
                     BinaryOp::Mul => 1,
                 };
-                self.elementwise(
-                    s,
-                    &shader::BINARY,
-                    Some(("OP", code)),
-                    &[(a, handles), (b, handles), (out, handles)],
-                    0.0,
-                )?
+                self.elementwise(s, &shader::BINARY, Some(("OP", code)), &[a, b, out], 0.0)?
             }
-            Kernel::Scale { alpha, x, out } => self.elementwise(
-                s,
-                &shader::SCALE,
-                None,
-                &[(x, handles), (out, handles)],
-                *alpha,
-            )?,
-            Kernel::Axpy { alpha, x, y } => self.elementwise(
-                s,
-                &shader::AXPY,
-                None,
-                &[(x, handles), (y, handles)],
-                *alpha,
-            )?,
+            Kernel::Scale { alpha, x, out } => {
+                self.elementwise(s, &shader::SCALE, None, &[x, out], *alpha)?
+            }
+            Kernel::Axpy { alpha, x, y } => {
+                self.elementwise(s, &shader::AXPY, None, &[x, y], *alpha)?
+            }
             Kernel::Reduce { op, src, dst } => {
                 let code = match op {
                     ReduceOp::Sum | ReduceOp::SumSquares => 0,
@@ -105,7 +65,7 @@ impl WgpuDevice {
                 let bands = self.bands("reduce", src.len, src.dtype.size())?;
                 if bands.len() > MAX_BANDS {
                     return Err(kiln_engine::Error::Unsupported {
-                        device: self.caps.name.clone(),
+                        device: self.caps().name.clone(),
                         what: format!(
                             "a reduction over {} elements: {} bands of the per-binding \
                              limit, over the {MAX_BANDS} one reduction folds",
@@ -116,11 +76,7 @@ impl WgpuDevice {
                 }
                 let partial_bytes = DType::F32.padded_bytes(REDUCE_GROUPS as usize);
                 let whole = bands[0].whole;
-                let partials = if whole {
-                    (SCRATCH_ID, &self.scratch)
-                } else {
-                    (BAND_PARTIALS_ID, &self.band_partials)
-                };
+                let partials = if whole { SCRATCH_ID } else { BAND_PARTIALS_ID };
                 let mut g = 0;
                 for (i, &band) in bands.iter().enumerate() {
                     let words = pairs(band.len);
@@ -154,35 +110,27 @@ impl WgpuDevice {
                 self.dispatch(s, d)?;
             }
             Kernel::Matmul(mm) => {
-                let plan = crate::matmul::plan(mm, &self.caps, None)?;
-                self.matmul(s, mm, &plan, handles)?;
+                let plan = crate::matmul::plan(mm, self.caps(), None)?;
+                self.matmul(s, mm, &plan)?;
             }
-            Kernel::Gelu { x, out } => self.elementwise(
-                s,
-                &shader::GELU_FORWARD,
-                None,
-                &[(x, handles), (out, handles)],
-                0.0,
-            )?,
-            Kernel::GeluBackward { x, dout, dx } => self.elementwise(
-                s,
-                &shader::GELU_BACKWARD,
-                None,
-                &[(x, handles), (dout, handles), (dx, handles)],
-                0.0,
-            )?,
+            Kernel::Gelu { x, out } => {
+                self.elementwise(s, &shader::GELU_FORWARD, None, &[x, out], 0.0)?
+            }
+            Kernel::GeluBackward { x, dout, dx } => {
+                self.elementwise(s, &shader::GELU_BACKWARD, None, &[x, dout, dx], 0.0)?
+            }
             Kernel::Activation { kind, x, out } => self.elementwise(
                 s,
                 &shader::ACTIVATION,
                 Some(("KIND", activation_code(*kind))),
-                &[(x, handles), (out, handles)],
+                &[x, out],
                 0.0,
             )?,
             Kernel::ActivationBackward { kind, x, dout, dx } => self.elementwise(
                 s,
                 &shader::ACTIVATION_BACKWARD,
                 Some(("KIND", activation_code(*kind))),
-                &[(x, handles), (dout, handles), (dx, handles)],
+                &[x, dout, dx],
                 0.0,
             )?,
             Kernel::Dropout {
@@ -250,7 +198,7 @@ impl WgpuDevice {
                 s,
                 &shader::MSE_BACKWARD,
                 None,
-                &[(pred, handles), (target, handles), (dpred, handles)],
+                &[pred, target, dpred],
                 mse_grad_factor(*scale, *cols),
             )?,
             Kernel::LayerNorm {
@@ -306,8 +254,9 @@ impl WgpuDevice {
             } => {
                 let (n, cols) = (x.len as u32, *cols as u32);
                 let rows = n / cols;
-                let stats = self.partials(s, rows as u64 * 8);
-                let st = (PARTIALS_ID, &stats);
+                self.partials(s, rows as u64 * 8)?;
+                let stats = PARTIALS_ID;
+                let st = stats;
                 let (lanes, grid) = self.row_plan(rows, cols);
                 self.dispatch(
                     s,
@@ -405,8 +354,9 @@ impl WgpuDevice {
                 let rows = n / cols;
                 // Pass 1: per row -> mean(dy w xhat) in partials; pass 2: dx by pairs;
                 // pass 3: dweight by columns.
-                let stats = self.partials(s, rows as u64 * 4);
-                let st = (PARTIALS_ID, &stats);
+                self.partials(s, rows as u64 * 4)?;
+                let stats = PARTIALS_ID;
+                let st = stats;
                 let (lanes, grid) = self.row_plan(rows, cols);
                 self.dispatch(
                     s,
@@ -481,13 +431,9 @@ impl WgpuDevice {
                     )?;
                 }
             }
-            Kernel::SwiGlu { gate, up, out } => self.elementwise(
-                s,
-                &shader::SWIGLU_FORWARD,
-                None,
-                &[(gate, handles), (up, handles), (out, handles)],
-                0.0,
-            )?,
+            Kernel::SwiGlu { gate, up, out } => {
+                self.elementwise(s, &shader::SWIGLU_FORWARD, None, &[gate, up, out], 0.0)?
+            }
             Kernel::SwiGluBackward {
                 gate,
                 up,
@@ -498,13 +444,7 @@ impl WgpuDevice {
                 s,
                 &shader::SWIGLU_BACKWARD,
                 None,
-                &[
-                    (gate, handles),
-                    (up, handles),
-                    (dout, handles),
-                    (dgate, handles),
-                    (dup, handles),
-                ],
+                &[gate, up, dout, dgate, dup],
                 0.0,
             )?,
             Kernel::RopeAt {
@@ -711,7 +651,7 @@ impl WgpuDevice {
                 )?;
             }
             Kernel::Attention { .. } | Kernel::AttentionBackward { .. } => {
-                self.attention(s, kernel, handles)?
+                self.attention(s, kernel)?
             }
             Kernel::CrossEntropy {
                 logits,
@@ -797,7 +737,7 @@ impl WgpuDevice {
                 // each band on a 256-byte boundary; each walk skips other bands' rows.
                 let rows = dtable.len / dim;
                 let step = 64 / gcd(*dim, 64);
-                let limit = self.caps.max_storage_binding as usize;
+                let limit = self.caps().max_storage_binding as usize;
                 let band = if dtable.bytes() as usize <= limit {
                     rows.max(1)
                 } else {
@@ -805,7 +745,7 @@ impl WgpuDevice {
                 };
                 if band == 0 {
                     return Err(kiln_engine::Error::Unsupported {
-                        device: self.caps.name.clone(),
+                        device: self.caps().name.clone(),
                         what: format!(
                             "the embedding backward of a {rows} x {dim} table: the \
                              per-binding limit of {limit} bytes holds no band of {step} rows"
@@ -849,7 +789,7 @@ impl WgpuDevice {
             }
             Kernel::Adam(a) => {
                 let (bias1, bias2) = a.bias_corrections();
-                let optional = a.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                let optional = a.params.map_or(SCRATCH_ID, |p| h(&p));
                 self.optimizer(
                     s,
                     &shader::ADAM,
@@ -879,7 +819,7 @@ impl WgpuDevice {
                 )?;
             }
             Kernel::Sgd(step) => {
-                let optional = step.params.map_or((SCRATCH_ID, &self.scratch), |p| h(&p));
+                let optional = step.params.map_or(SCRATCH_ID, |p| h(&p));
                 self.optimizer(
                     s,
                     &shader::SGD,
@@ -910,9 +850,7 @@ impl WgpuDevice {
                 )?;
             }
             Kernel::NonFinite { srcs, flag } => {
-                let f = handles[&flag.id].clone();
-                let base = s.base(flag.id);
-                self.encoder(s).clear_buffer(&f, base, Some(flag.bytes()));
+                self.clear(s, flag)?;
                 for src in srcs {
                     if src.len == 0 {
                         continue;
@@ -944,17 +882,15 @@ impl WgpuDevice {
         }
         Ok(())
     }
-}
 
-impl WgpuDevice {
     /// An optimizer step: `typed` gives the dtypes of the typed slots (an absent
     /// optional slot repeats the master, f32, and is never written); `values` are
     /// lr, beta1, beta2, eps, weight_decay, bias1, bias2, momentum.
     fn optimizer(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         kernel: &'static KernelSource,
-        buffers: Vec<(u64, &wgpu::Buffer)>,
+        buffers: Vec<u64>,
         typed: Vec<Buffer>,
         overrides: Vec<(&'static str, u32)>,
         values: [f32; 8],
@@ -974,7 +910,7 @@ impl WgpuDevice {
                 typed
                     .iter()
                     .enumerate()
-                    .filter(|(i, _)| buffers[*i].0 != SCRATCH_ID),
+                    .filter(|(i, _)| buffers[*i] != SCRATCH_ID),
             );
             self.dispatch(
                 s,
@@ -996,28 +932,28 @@ impl WgpuDevice {
     /// An elementwise kernel over typed slots that all have the first slot's length.
     fn elementwise(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         kernel: &'static KernelSource,
         constant: Option<(&'static str, u32)>,
-        slots: &[(&Buffer, &HashMap<u64, wgpu::Buffer>)],
+        slots: &[&Buffer],
         alpha: f32,
     ) -> Result<()> {
-        let len = slots[0].0.len;
+        let len = slots[0].len;
         if len == 0 {
             return Ok(());
         }
-        let widest = slots.iter().map(|(b, _)| b.dtype.size()).max().unwrap_or(4);
+        let widest = slots.iter().map(|b| b.dtype.size()).max().unwrap_or(4);
         for band in self.bands(kernel.name, len, widest)? {
             let words = pairs(band.len);
-            let ranges = band.ranges(slots.iter().enumerate().map(|(i, (b, _))| (i, *b)));
+            let ranges = band.ranges(slots.iter().enumerate().map(|(i, b)| (i, *b)));
             self.dispatch(
                 s,
                 Dispatch {
                     kernel,
-                    reprs: slots.iter().map(|(b, _)| self.repr(b.dtype)).collect(),
+                    reprs: slots.iter().map(|b| self.repr(b.dtype)).collect(),
                     consts: vec![],
                     overrides: constant.into_iter().collect(),
-                    buffers: slots.iter().map(|(b, h)| (b.id, &h[&b.id])).collect(),
+                    buffers: slots.iter().map(|b| b.id).collect(),
                     ranges,
                     params: vec![band.len as u32, words, alpha.to_bits(), 0],
                     groups: (groups(words), 1, 1),
@@ -1026,7 +962,68 @@ impl WgpuDevice {
         }
         Ok(())
     }
+
+    /// How a row kernel (`common/row_reduce.wgsl`) covers `rows` rows of `cols`: its
+    /// ROW_LANES override and grid. CPU adapters walk a row per invocation when there
+    /// are rows enough to fill the workgroups: a barrier there costs a switch through
+    /// every invocation of the workgroup, which dominated the GPT's step on lavapipe
+    /// (measured with KILN_PROFILE: softmax and layer norm were 45% of it). GPUs give a
+    /// short row one warp-sized group and a long row the whole workgroup.
+    fn row_plan(&self, rows: u32, cols: u32) -> (Overrides, (u32, u32, u32)) {
+        let lanes = if self.caps().device_type == "cpu" {
+            if rows >= 128 {
+                1
+            } else {
+                256
+            }
+        } else if cols <= 256 {
+            32
+        } else {
+            256
+        };
+        (
+            vec![("ROW_LANES", lanes)],
+            row_groups(rows.div_ceil(256 / lanes)),
+        )
+    }
+
+    /// How an elementwise kernel over `len` elements, of which the widest buffer holds
+    /// `widest` bytes each, walks its buffers within the adapter's per-binding limit:
+    /// bands, one bound whole when everything fits. A flat buffer of parameters
+    /// or moments is larger than lavapipe's 128 MiB binding from GPT-2 small up, and
+    /// these kernels touch each element alone, so a buffer bound band by band gives the
+    /// same values as one bound whole.
+    fn bands(&self, what: &str, len: usize, widest: usize) -> Result<Vec<Band>> {
+        let limit = self.caps().max_storage_binding;
+        if (len * widest) as u64 <= limit {
+            return Ok(vec![Band {
+                start: 0,
+                len,
+                whole: true,
+            }]);
+        }
+        let band = (limit as usize / widest) / BAND_GRANULE * BAND_GRANULE;
+        if band == 0 {
+            return Err(kiln_engine::Error::Unsupported {
+                device: self.caps().name.clone(),
+                what: format!(
+                    "`{what}` over {len} elements in bands: a per-binding limit of {limit} \
+                     bytes holds fewer than {BAND_GRANULE} elements of {widest} bytes"
+                ),
+            });
+        }
+        Ok((0..len)
+            .step_by(band)
+            .map(|start| Band {
+                start,
+                len: band.min(len - start),
+                whole: false,
+            })
+            .collect())
+    }
 }
+
+impl<R: Recorder + ?Sized> Lower for R {}
 
 /// The KIND override of the activation kernels (common/activation.wgsl).
 fn activation_code(kind: Activation) -> u32 {
@@ -1045,32 +1042,6 @@ pub(crate) fn groups(words: u32) -> u32 {
 /// A 2-D grid of at least `rows` workgroups (one per row; 65535 per dimension).
 /// Pipeline-overridable constants of one dispatch.
 type Overrides = Vec<(&'static str, u32)>;
-
-impl WgpuDevice {
-    /// How a row kernel (`common/row_reduce.wgsl`) covers `rows` rows of `cols`: its
-    /// ROW_LANES override and grid. CPU adapters walk a row per invocation when there
-    /// are rows enough to fill the workgroups: a barrier there costs a switch through
-    /// every invocation of the workgroup, which dominated the GPT's step on lavapipe
-    /// (measured with KILN_PROFILE: softmax and layer norm were 45% of it). GPUs give a
-    /// short row one warp-sized group and a long row the whole workgroup.
-    fn row_plan(&self, rows: u32, cols: u32) -> (Overrides, (u32, u32, u32)) {
-        let lanes = if self.caps.device_type == "cpu" {
-            if rows >= 128 {
-                1
-            } else {
-                256
-            }
-        } else if cols <= 256 {
-            32
-        } else {
-            256
-        };
-        (
-            vec![("ROW_LANES", lanes)],
-            row_groups(rows.div_ceil(256 / lanes)),
-        )
-    }
-}
 
 fn row_groups(rows: u32) -> (u32, u32, u32) {
     let x = rows.clamp(1, MAX_GROUPS);
@@ -1134,7 +1105,7 @@ pub(crate) const MAX_BANDS: usize = 64;
 /// Elements `[start, start + len)` of a kernel's buffers, one pass of it; `whole` when
 /// the pass covers them all and they fit one binding, so they are bound whole.
 #[derive(Clone, Copy)]
-struct Band {
+pub(crate) struct Band {
     start: usize,
     len: usize,
     whole: bool,
@@ -1160,43 +1131,6 @@ impl Band {
                 )
             })
             .collect()
-    }
-}
-
-impl WgpuDevice {
-    /// How an elementwise kernel over `len` elements, of which the widest buffer holds
-    /// `widest` bytes each, walks its buffers within the adapter's per-binding limit:
-    /// bands, one bound whole when everything fits. A flat buffer of parameters
-    /// or moments is larger than lavapipe's 128 MiB binding from GPT-2 small up, and
-    /// these kernels touch each element alone, so a buffer bound band by band gives the
-    /// same values as one bound whole.
-    fn bands(&self, what: &str, len: usize, widest: usize) -> Result<Vec<Band>> {
-        let limit = self.caps.max_storage_binding;
-        if (len * widest) as u64 <= limit {
-            return Ok(vec![Band {
-                start: 0,
-                len,
-                whole: true,
-            }]);
-        }
-        let band = (limit as usize / widest) / BAND_GRANULE * BAND_GRANULE;
-        if band == 0 {
-            return Err(kiln_engine::Error::Unsupported {
-                device: self.caps.name.clone(),
-                what: format!(
-                    "`{what}` over {len} elements in bands: a per-binding limit of {limit} \
-                     bytes holds fewer than {BAND_GRANULE} elements of {widest} bytes"
-                ),
-            });
-        }
-        Ok((0..len)
-            .step_by(band)
-            .map(|start| Band {
-                start,
-                len: band.min(len - start),
-                whole: false,
-            })
-            .collect())
     }
 }
 

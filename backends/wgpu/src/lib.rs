@@ -5,9 +5,11 @@ mod adapter;
 mod attention;
 mod device;
 mod launch;
+pub mod lower;
 mod matmul;
 mod peak;
-mod pipeline_cache;
+/// The on-disk pipeline cache file format and place, shared with the raw Vulkan backend.
+pub mod pipeline_cache;
 mod profile;
 pub mod shader;
 mod spirv;
@@ -18,3 +20,6 @@ pub use device::WgpuDevice;
 pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
 pub use peak::Peak;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
+
+/// A fingerprint of every kernel source in `shaders/` (pipeline caches are keyed by it).
+pub const SHADER_HASH: &str = env!("KILN_SHADER_HASH");

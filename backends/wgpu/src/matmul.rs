@@ -9,12 +9,11 @@
 //! matrices, a larger matrix in blocks of rows, columns and K, each dispatch binding
 //! only its block of every large buffer (`WgpuDevice::matmul`).
 
-use std::collections::HashMap;
-
 use kiln_engine::{Capabilities, Error, Matmul, Result};
 
-use crate::device::{Dispatch, State, WgpuDevice, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::device::WgpuDevice;
 use crate::launch::groups;
+use crate::lower::{Dispatch, Recorder, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
 use crate::shader::{self, KernelSource, Repr};
 
 /// The GEMM kernels, for `kiln bench` and tests that pin one.
@@ -328,25 +327,22 @@ impl WgpuDevice {
         }
         let plan = plan(mm, &self.caps, variant)?;
         let mut s = self.lock();
-        let handles = self.handles(&s, "matmul", &mm.buffers())?;
-        self.matmul(&mut s, mm, &plan, &handles)?;
+        self.check_live(&s, "matmul", &mm.buffers())?;
+        LowerMatmul::matmul(self, &mut s, mm, &plan)?;
         Ok(plan)
     }
+}
 
-    pub(crate) fn matmul(
-        &self,
-        s: &mut State,
-        mm: &Matmul,
-        plan: &MatmulPlan,
-        handles: &HashMap<u64, wgpu::Buffer>,
-    ) -> Result<()> {
+/// How a GEMM becomes dispatches, for any backend that records them.
+pub(crate) trait LowerMatmul: Recorder {
+    fn matmul(&self, s: &mut Self::State, mm: &Matmul, plan: &MatmulPlan) -> Result<()> {
         if mm.m == 0 || mm.n == 0 {
             return Ok(());
         }
-        let limit = self.caps.max_storage_binding;
+        let limit = self.caps().max_storage_binding;
         let partials_fit = !plan.partial || partial_bytes(mm, plan.splits) <= limit;
         if partials_fit && mm.buffers().iter().all(|b| b.bytes() <= limit) {
-            return self.record(s, mm, plan, handles, &View::whole(mm));
+            return self.record(s, mm, plan, &View::whole(mm));
         }
         // Some operand is larger than one binding can show a kernel: run the product in
         // blocks, each binding only the part of every large buffer it reads or writes.
@@ -382,15 +378,15 @@ impl WgpuDevice {
                         ..whole
                     };
                     let (sub, view) = self.block(mm, &b);
-                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
-                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                    let sub_plan = plan_for(&sub, self.caps(), plan)?;
+                    self.record(s, &sub, &sub_plan, &view)?;
                 }
                 return Ok(());
             }
         }
         // One matrix alone does not fit: split each one by rows, columns and K.
         for g0 in 0..mm.batch {
-            self.matmul_in_blocks(s, mm, plan, handles, Block { g0, gb: 1, ..whole })?;
+            self.matmul_in_blocks(s, mm, plan, Block { g0, gb: 1, ..whole })?;
         }
         Ok(())
     }
@@ -401,10 +397,9 @@ impl WgpuDevice {
     /// beta, bias, GELU, rounding) once, to the complete sum.
     fn matmul_in_blocks(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         mm: &Matmul,
         plan: &MatmulPlan,
-        handles: &HashMap<u64, wgpu::Buffer>,
         whole: Block,
     ) -> Result<()> {
         let mut b = whole;
@@ -427,12 +422,12 @@ impl WgpuDevice {
                 halve(second);
             } else {
                 return Err(Error::Unsupported {
-                    device: self.caps.name.clone(),
+                    device: self.caps().name.clone(),
                     what: format!(
                         "a matmul whose 1 x 1 x 1 block still binds more than the \
                          {}-byte binding limit (offsets aligned to {} bytes); open the \
                          device with a larger `max_storage_binding`",
-                        self.caps.max_storage_binding,
+                        self.caps().max_storage_binding,
                         self.storage_offset_alignment()
                     ),
                 });
@@ -468,8 +463,8 @@ impl WgpuDevice {
                 };
                 if b.kb == mm.k {
                     let (sub, view) = self.block(mm, &cell);
-                    let sub_plan = plan_for(&sub, &self.caps, plan)?;
-                    self.record(s, &sub, &sub_plan, handles, &view)?;
+                    let sub_plan = plan_for(&sub, self.caps(), plan)?;
+                    self.record(s, &sub, &sub_plan, &view)?;
                     continue;
                 }
                 let (sub, view) = self.block(
@@ -480,7 +475,8 @@ impl WgpuDevice {
                         ..cell
                     },
                 );
-                let partials = self.partials(s, partial_bytes(&sub, 1));
+                self.partials(s, partial_bytes(&sub, 1))?;
+                let partials = PARTIALS_ID;
                 for k0 in (0..mm.k).step_by(b.kb) {
                     let band = Block {
                         k0,
@@ -492,16 +488,16 @@ impl WgpuDevice {
                         splits: 1,
                         k_chunk: sub_k.k as u32,
                         partial: true,
-                        ..plan_for(&sub_k, &self.caps, plan)?
+                        ..plan_for(&sub_k, self.caps(), plan)?
                     };
-                    self.record_main(s, &sub_k, &band_plan, handles, &view_k, &partials, k0 > 0)?;
+                    self.record_main(s, &sub_k, &band_plan, &view_k, partials, k0 > 0)?;
                 }
                 let finish_plan = MatmulPlan {
                     splits: 1,
                     partial: true,
-                    ..plan_for(&sub, &self.caps, plan)?
+                    ..plan_for(&sub, self.caps(), plan)?
                 };
-                self.record_finish(s, &sub, &finish_plan, handles, &view, &partials)?;
+                self.record_finish(s, &sub, &finish_plan, &view, partials)?;
             }
         }
         Ok(())
@@ -555,7 +551,7 @@ impl WgpuDevice {
     /// one binding, else a window from the aligned offset at or before the first element.
     fn bind(&self, buf: kiln_engine::Buffer, first: u64, span: u64) -> Bind {
         let size = buf.dtype.size() as u64;
-        if buf.bytes() <= self.caps.max_storage_binding {
+        if buf.bytes() <= self.caps().max_storage_binding {
             return Bind {
                 window: None,
                 base: first as u32,
@@ -575,7 +571,7 @@ impl WgpuDevice {
     /// The first operand of block `b` whose binding would exceed the limit (or whose
     /// plan fails: a block too large for one dispatch's grid).
     fn first_over(&self, mm: &Matmul, b: &Block, whole: &MatmulPlan) -> Option<Over> {
-        let limit = self.caps.max_storage_binding;
+        let limit = self.caps().max_storage_binding;
         let (sub, view) = self.block(mm, b);
         // Blocks at other offsets start up to one alignment unit further past their
         // binding's aligned start than this one.
@@ -585,7 +581,7 @@ impl WgpuDevice {
         let slabs = if b.kb < mm.k {
             Some(1)
         } else {
-            match plan_for(&sub, &self.caps, whole) {
+            match plan_for(&sub, self.caps(), whole) {
                 Ok(p) if p.partial || self.needs_partials(&sub, &p, &view) => Some(p.splits),
                 Ok(_) => None,
                 Err(_) => return Some(Over::Partials),
@@ -610,46 +606,50 @@ impl WgpuDevice {
     /// its `matmul_finish` when it goes through partials.
     fn record(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         mm: &Matmul,
         plan: &MatmulPlan,
-        handles: &HashMap<u64, wgpu::Buffer>,
         view: &View,
     ) -> Result<()> {
-        let limit = self.caps.max_storage_binding;
+        let limit = self.caps().max_storage_binding;
         let mut plan = plan.clone();
         if plan.partial && partial_bytes(mm, plan.splits) > limit {
             // A small block of a split product may plan more K splits than the block
             // the split was sized with: take as many as the binding holds.
             let most = (limit / partial_bytes(mm, 1)).max(1) as u32;
-            (plan.splits, plan.k_chunk) =
-                split_k(mm.k as u32, most.min(plan.splits), plan.variant, &self.caps);
+            (plan.splits, plan.k_chunk) = split_k(
+                mm.k as u32,
+                most.min(plan.splits),
+                plan.variant,
+                self.caps(),
+            );
             plan.partial = plan.splits > 1;
         }
         plan.partial |= self.needs_partials(mm, &plan, view);
         let plan = &plan;
         if !plan.partial {
-            return self.record_main(s, mm, plan, handles, view, &self.dummy, false);
+            return self.record_main(s, mm, plan, view, DUMMY_ID, false);
         }
         let bytes = partial_bytes(mm, plan.splits);
         if bytes > limit {
             return Err(Error::Unsupported {
-                device: self.caps.name.clone(),
+                device: self.caps().name.clone(),
                 what: format!(
                     "{bytes} bytes of f32 matmul partials (over the {limit}-byte binding limit); use fewer K splits or a smaller batch"
                 ),
             });
         }
-        let partials = self.partials(s, bytes);
-        self.record_main(s, mm, plan, handles, view, &partials, false)?;
-        self.record_finish(s, mm, plan, handles, view, &partials)
+        self.partials(s, bytes)?;
+        let partials = PARTIALS_ID;
+        self.record_main(s, mm, plan, view, partials, false)?;
+        self.record_finish(s, mm, plan, view, partials)
     }
 
     /// Whether a packed 16-bit C must go through partials here: the CPU-class kernel
     /// stores whole 4-element groups only where no two workgroups share a word.
     fn needs_partials(&self, mm: &Matmul, plan: &MatmulPlan, view: &View) -> bool {
         let packed_c = matches!(
-            Repr::of(mm.c.dtype, self.caps.f16_arithmetic),
+            Repr::of(mm.c.dtype, self.caps().f16_arithmetic),
             Repr::F16Packed | Repr::BF16
         );
         packed_c && !(matches!(plan.variant, MatmulVariant::Cpu { .. }) && vec_c(mm, view))
@@ -705,24 +705,23 @@ impl WgpuDevice {
     #[allow(clippy::too_many_arguments)]
     fn record_main(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         mm: &Matmul,
         plan: &MatmulPlan,
-        handles: &HashMap<u64, wgpu::Buffer>,
         view: &View,
-        partials: &wgpu::Buffer,
+        partials: u64,
         accumulate: bool,
     ) -> Result<()> {
-        let caps = &self.caps;
+        let caps = self.caps();
         let (m, n) = (mm.m as u32, mm.n as u32);
         let kernel = kernel_for(plan.variant, caps);
         let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
-        let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
-        let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
+        let h = |b: kiln_engine::Buffer| b.id;
+        let bias = mm.bias.map_or(DUMMY_ID, h);
         let cf = if plan.partial {
-            (PARTIALS_ID, partials)
+            partials
         } else {
-            mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h)
+            mm.c_f32.map_or(SCRATCH_ID, h)
         };
         let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
@@ -805,17 +804,16 @@ impl WgpuDevice {
     /// `matmul_finish`: sums the partials' slabs into C with the epilogue.
     fn record_finish(
         &self,
-        s: &mut State,
+        s: &mut Self::State,
         mm: &Matmul,
         plan: &MatmulPlan,
-        handles: &HashMap<u64, wgpu::Buffer>,
         view: &View,
-        partials: &wgpu::Buffer,
+        partials: u64,
     ) -> Result<()> {
         let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
-        let h = |b: kiln_engine::Buffer| (b.id, &handles[&b.id]);
-        let bias = mm.bias.map_or((DUMMY_ID, &self.dummy), h);
-        let cf_user = mm.c_f32.map_or((SCRATCH_ID, &self.scratch), h);
+        let h = |b: kiln_engine::Buffer| b.id;
+        let bias = mm.bias.map_or(DUMMY_ID, h);
+        let cf_user = mm.c_f32.map_or(SCRATCH_ID, h);
         // C's words from the start of its binding to the last output.
         let span = view.c.base as u64
             + (mm.batch as u64 - 1) * mm.stride_c as u64
@@ -836,13 +834,7 @@ impl WgpuDevice {
                 consts: vec![],
                 overrides: epilogue_overrides(mm, false),
                 // Slot b is not read here: a stand-in keeps a large B out of the binding.
-                buffers: vec![
-                    (PARTIALS_ID, partials),
-                    (DUMMY_ID, &self.dummy),
-                    h(mm.c),
-                    bias,
-                    cf_user,
-                ],
+                buffers: vec![partials, DUMMY_ID, h(mm.c), bias, cf_user],
                 ranges: view.finish(),
                 params: self.params(mm, plan, view, 0, mm.m as u32, words),
                 groups: (groups(words), 1, 1),
@@ -850,6 +842,8 @@ impl WgpuDevice {
         )
     }
 }
+
+impl<R: Recorder + ?Sized> LowerMatmul for R {}
 
 /// The epilogue's overrides, shared by the GEMM kernels and `matmul_finish`.
 fn epilogue_overrides(mm: &Matmul, partial: bool) -> Vec<(&'static str, u32)> {
@@ -883,7 +877,7 @@ fn partial_bytes(mm: &Matmul, splits: u32) -> u64 {
 
 /// Part of a product: matrices g0.., rows i0.., columns j0.. and K k0.. of it.
 #[derive(Clone, Copy, Debug)]
-struct Block {
+pub(crate) struct Block {
     g0: usize,
     gb: usize,
     i0: usize,
@@ -896,7 +890,7 @@ struct Block {
 
 /// Which binding of a block is over the limit.
 #[derive(Clone, Copy, Debug)]
-enum Over {
+pub(crate) enum Over {
     A,
     B,
     C,
@@ -907,14 +901,14 @@ enum Over {
 /// How one slot is bound: a byte window of its buffer (none: the whole buffer) and the
 /// element offset, within the binding, of the operand's first element.
 #[derive(Clone, Copy, Debug, Default)]
-struct Bind {
+pub(crate) struct Bind {
     window: Option<(u64, u64)>,
     base: u32,
 }
 
 /// Where one recorded product's operands lie, and their stored row lengths.
 #[derive(Clone, Copy, Debug)]
-struct View {
+pub(crate) struct View {
     lda: u32,
     ldb: u32,
     ldc: u32,
@@ -980,6 +974,6 @@ fn plan_for(sub: &Matmul, caps: &Capabilities, whole: &MatmulPlan) -> Result<Mat
     plan(sub, caps, Some(whole.variant))
 }
 
-fn repr_of_bias(dev: &WgpuDevice, mm: &Matmul) -> Repr {
+fn repr_of_bias<R: Recorder + ?Sized>(dev: &R, mm: &Matmul) -> Repr {
     mm.bias.map_or(Repr::F32, |b| dev.repr(b.dtype))
 }

@@ -28,7 +28,7 @@ pub(crate) struct DiskCache {
 }
 
 /// FNV-1a: stable across builds and platforms (std's hasher is not).
-fn fnv(bytes: &[u8]) -> u64 {
+pub fn fnv(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
         h ^= b as u64;
@@ -66,7 +66,7 @@ fn note(what: String) {
 
 /// The driver's bytes in `file`, if it is a whole cache file written for `key`;
 /// otherwise why not.
-fn payload(file: &[u8], key: u64) -> Result<&[u8], &'static str> {
+pub fn payload(file: &[u8], key: u64) -> Result<&[u8], &'static str> {
     let word = |i: usize| u64::from_le_bytes(file[i..i + 8].try_into().expect("8 bytes"));
     if file.len() < HEADER || &file[..8] != MAGIC {
         return Err("not a Kiln pipeline cache (damaged?)");
@@ -92,10 +92,7 @@ pub(crate) fn open(
     if options.no_pipeline_cache {
         return None;
     }
-    let dir = match &options.pipeline_cache_dir {
-        Some(d) => d.clone(),
-        None => kiln_engine::fsutil::cache_dir()?.join("pipelines"),
-    };
+    let dir = dir(options)?;
     let info = adapter.get_info();
     let key = key(&info);
     let path = dir.join(format!("{key:016x}.bin"));
@@ -138,6 +135,26 @@ pub(crate) fn open(
     })
 }
 
+/// The directory cache files live in: the options' `pipeline_cache_dir`, else the
+/// user cache directory's `pipelines` (also the raw Vulkan backend's).
+pub fn dir(options: &DeviceOptions) -> Option<PathBuf> {
+    match &options.pipeline_cache_dir {
+        Some(d) => Some(d.clone()),
+        None => Some(kiln_engine::fsutil::cache_dir()?.join("pipelines")),
+    }
+}
+
+/// A cache file: the header (magic, `key`, length, checksum) and the driver's `data`.
+pub fn encode(key: u64, data: &[u8]) -> Vec<u8> {
+    let mut file = Vec::with_capacity(HEADER + data.len());
+    file.extend_from_slice(MAGIC);
+    file.extend_from_slice(&key.to_le_bytes());
+    file.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    file.extend_from_slice(&fnv(data).to_le_bytes());
+    file.extend_from_slice(data);
+    file
+}
+
 impl DiskCache {
     /// Writes the cache if pipelines were built since the last save. Failures are
     /// notes: the run goes on, the next one compiles again.
@@ -148,13 +165,7 @@ impl DiskCache {
         let Some(data) = self.cache.get_data() else {
             return;
         };
-        let mut file = Vec::with_capacity(HEADER + data.len());
-        file.extend_from_slice(MAGIC);
-        file.extend_from_slice(&self.key.to_le_bytes());
-        file.extend_from_slice(&(data.len() as u64).to_le_bytes());
-        file.extend_from_slice(&fnv(&data).to_le_bytes());
-        file.extend_from_slice(&data);
-        if let Err(e) = write(&self.path, &file) {
+        if let Err(e) = write(&self.path, &encode(self.key, &data)) {
             note(format!(
                 "could not save compiled kernels to {} ({e}); the next run compiles them again",
                 self.path.display()
@@ -163,7 +174,8 @@ impl DiskCache {
     }
 }
 
-fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Replaces `path` with `bytes` atomically, making its directory first.
+pub fn write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -175,12 +187,7 @@ mod tests {
     use super::*;
 
     fn file(key: u64, data: &[u8]) -> Vec<u8> {
-        let mut f = MAGIC.to_vec();
-        f.extend_from_slice(&key.to_le_bytes());
-        f.extend_from_slice(&(data.len() as u64).to_le_bytes());
-        f.extend_from_slice(&fnv(data).to_le_bytes());
-        f.extend_from_slice(data);
-        f
+        encode(key, data)
     }
 
     #[test]

@@ -1,0 +1,1814 @@
+//! A raw Vulkan device behind Kiln's device contract.
+//!
+//! Resource lifetimes, explicitly:
+//! - buffers are gpu-allocator allocations from `alloc` to `free`; a freed buffer (and
+//!   every staging buffer, parameter arena and command buffer) is retired with the
+//!   timeline value of the last submission that can use it, and released once the
+//!   device's timeline semaphore has passed that value;
+//! - pipelines (one per kernel, dtype representation, constants and overrides) and
+//!   their layouts are created on first use and kept for the device's life, all
+//!   through one `VkPipelineCache`;
+//! - launches are recorded into one open command buffer (the stream); their
+//!   parameters go into a host-visible arena bound as a uniform buffer by push
+//!   descriptor, and the stream is submitted as one batch that signals the next value
+//!   of the timeline semaphore.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use ash::vk;
+use gpu_allocator::vulkan::{
+    Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc,
+};
+use gpu_allocator::MemoryLocation;
+use kiln_engine::device::compiling;
+use kiln_engine::device::cost::KernelCost;
+use kiln_engine::device::profile::{span, SpanKind};
+use kiln_engine::device::{check_upload, check_view, KernelTiming};
+use kiln_engine::{
+    Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
+};
+use kiln_wgpu::lower::{
+    self, band_partials_bytes, scratch_bytes, Dispatch, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES,
+    DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+};
+use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
+use kiln_wgpu::DeviceOptions;
+use naga::back::spv::Capability;
+
+use crate::instance::{Features, Instance};
+
+/// Launches whose parameters fit one arena; past that the stream is submitted early.
+const ARENA_SLOTS: u64 = 4096;
+
+/// A buffer and its memory.
+struct Mem {
+    buffer: vk::Buffer,
+    alloc: Allocation,
+    size: u64,
+    /// A parameter arena, reused by later streams once its submission is done.
+    arena: bool,
+}
+
+struct Slot {
+    meta: Buffer,
+    /// A buffer of its own, or a view: the buffer it views and its first byte.
+    kind: SlotKind,
+}
+
+enum SlotKind {
+    Own(Mem),
+    View { parent: u64, base: u64 },
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PipelineKey {
+    name: &'static str,
+    reprs: Vec<Repr>,
+    consts: Vec<(&'static str, u32)>,
+    overrides: Vec<(&'static str, u32)>,
+}
+
+/// What a submission holds until the device has run it.
+#[derive(Default)]
+struct Retired {
+    mems: Vec<Mem>,
+    commands: Vec<vk::CommandBuffer>,
+}
+
+/// The open stream.
+struct Stream {
+    cmd: vk::CommandBuffer,
+    arena: Mem,
+    /// Bytes of the arena used.
+    used: u64,
+}
+
+#[doc(hidden)]
+pub struct State {
+    next_id: u64,
+    buffers: HashMap<u64, Slot>,
+    allocated: u64,
+    allocator: Option<Allocator>,
+    layouts: HashMap<(Vec<Access>, u64), (vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    pipelines: HashMap<PipelineKey, vk::Pipeline>,
+    /// Hand-written GLSL kernels (shaders/vulkan), by name: pipeline, set and pipeline
+    /// layouts.
+    glsl: HashMap<&'static str, (vk::Pipeline, vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    stream: Option<Stream>,
+    /// Last timeline value submitted.
+    submitted: u64,
+    /// Resources waiting for the timeline to pass a value.
+    retired: Vec<(u64, Retired)>,
+    /// Command buffers and arenas free for reuse.
+    free_commands: Vec<vk::CommandBuffer>,
+    free_arenas: Vec<Mem>,
+    partials: Option<Mem>,
+    scratch: Option<Mem>,
+    band_partials: Option<Mem>,
+    dummy: Option<Mem>,
+    /// Begun downloads: their staging buffer and the timeline value that fills it.
+    staged: HashMap<u64, (Mem, u64)>,
+    /// Timestamps of an open profile (`Device::profile_begin`).
+    profiling: Option<Profiling>,
+    /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
+    /// here instead of recorded, and nothing else is recorded.
+    collect: Option<Vec<(PipelineKey, &'static KernelSource)>>,
+}
+
+/// Timestamps per query pool of a profile.
+const PER_POOL: u32 = 4096;
+/// Calibration round trips at `profile_begin`.
+const CALIBRATIONS: usize = 3;
+
+/// GPU timestamps around every launch of a profiled stretch: one written after
+/// everything before a launch and one after the launch (each command is followed by a
+/// full barrier, so the launch runs between them), read back once at `profile_end`.
+/// Ticks are put on the host's clock by calibration stamps at `profile_begin`, as the
+/// wgpu backend does: the midpoint of the tightest of a few submit-and-wait round trips.
+struct Profiling {
+    pools: Vec<vk::QueryPool>,
+    used: u32,
+    launches: Vec<(KernelCost, u32, u32)>,
+    /// A calibration stamp and the host instants around its submission and completion.
+    calibration: (u32, std::time::Instant, std::time::Instant),
+}
+
+pub struct VkDevice {
+    caps: Capabilities,
+    features: Features,
+    allowed: naga::FastHashSet<Capability>,
+    device: ash::Device,
+    push: ash::khr::push_descriptor::Device,
+    queue: vk::Queue,
+    pool: vk::CommandPool,
+    timeline: vk::Semaphore,
+    cache: vk::PipelineCache,
+    /// Where the pipeline cache is saved when the device is dropped, and its key.
+    disk_cache: Option<(std::path::PathBuf, u64)>,
+    /// Pipelines were built since the cache was loaded.
+    built: std::sync::atomic::AtomicBool,
+    /// Where to write each kernel's SPIR-V as it is built ([`VkDevice::dump_spirv_to`]).
+    dump: Mutex<Option<std::path::PathBuf>>,
+    arena_stride: u64,
+    state: Mutex<State>,
+    /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
+    /// instance last.
+    _instance: Instance,
+}
+
+impl VkDevice {
+    /// Opens a new, independent device on `vk:index` (see `kiln devices`).
+    pub fn open(index: usize, options: &DeviceOptions) -> Result<VkDevice> {
+        let instance = Instance::new()?;
+        let pds = instance.physical_devices();
+        let pd = *pds.get(index).ok_or_else(|| {
+            if pds.is_empty() {
+                Error::NoAdapter {
+                    hint: format!("no Vulkan device found. {}", crate::NO_VULKAN_HINT),
+                }
+            } else {
+                Error::InvalidArgument(format!(
+                    "device `vk:{index}`: only {} Vulkan device(s) found (numbered from 0); \
+                     run `kiln devices` to list them",
+                    pds.len()
+                ))
+            }
+        })?;
+        let features = instance.features(pd);
+        let caps = features.caps(options.disable_f16);
+        let unsupported = |what: &str| Error::Unsupported {
+            device: caps.name.clone(),
+            what: what.to_string(),
+        };
+        if !features.timeline {
+            return Err(unsupported(
+                "timeline semaphores (Vulkan 1.2 `timelineSemaphore`), which Kiln's `vk` \
+                 backend submits with: update the driver, or use its wgpu device (`vulkan:N`)",
+            ));
+        }
+        if !features.push_descriptor {
+            return Err(unsupported(
+                "VK_KHR_push_descriptor, which Kiln's `vk` backend binds buffers with: update \
+                 the driver, or use its wgpu device (`vulkan:N`)",
+            ));
+        }
+        let family = instance
+            .compute_family(pd)
+            .ok_or_else(|| unsupported("a compute queue"))?;
+        let f16 = caps.f16_arithmetic;
+        let mut f11 = vk::PhysicalDeviceVulkan11Features::default()
+            .storage_buffer16_bit_access(f16)
+            .uniform_and_storage_buffer16_bit_access(f16);
+        let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
+            .shader_float16(f16)
+            .timeline_semaphore(true);
+        let priorities = [1.0];
+        let queues = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(family)
+            .queue_priorities(&priorities)];
+        let extensions = [ash::khr::push_descriptor::NAME.as_ptr()];
+        let info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queues)
+            .enabled_extension_names(&extensions)
+            .push_next(&mut f11)
+            .push_next(&mut f12);
+        let backend = |what: &str, e: vk::Result| Error::Backend {
+            device: caps.name.clone(),
+            detail: format!("{what}: {e}"),
+        };
+        // SAFETY: every feature and extension asked for was checked above.
+        let device = unsafe { instance.instance.create_device(pd, &info, None) }
+            .map_err(|e| backend("could not open a Vulkan device", e))?;
+        let push = ash::khr::push_descriptor::Device::new(&instance.instance, &device);
+        // SAFETY: the family and index exist (one queue asked for).
+        let queue = unsafe { device.get_device_queue(family, 0) };
+        let pool_info = vk::CommandPoolCreateInfo::default()
+            .queue_family_index(family)
+            .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+        let mut sem_type = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
+        let sem_info = vk::SemaphoreCreateInfo::default().push_next(&mut sem_type);
+        // SAFETY: valid create infos on a live device.
+        let made = unsafe {
+            (
+                device.create_command_pool(&pool_info, None),
+                device.create_semaphore(&sem_info, None),
+                open_cache(&device, &features, options),
+            )
+        };
+        let (pool, timeline, (cache, disk_cache)) = match made {
+            (Ok(p), Ok(t), Ok(c)) => (p, t, c),
+            (p, t, c) => {
+                let e = [p.err(), t.err(), c.err()].into_iter().flatten().next();
+                // SAFETY: nothing was made from the device yet that outlives it.
+                unsafe { device.destroy_device(None) };
+                return Err(backend(
+                    "could not create the command pool, semaphore or pipeline cache",
+                    e.unwrap_or(vk::Result::ERROR_UNKNOWN),
+                ));
+            }
+        };
+        let allocator = Allocator::new(&AllocatorCreateDesc {
+            instance: instance.instance.clone(),
+            device: device.clone(),
+            physical_device: pd,
+            debug_settings: Default::default(),
+            buffer_device_address: false,
+            allocation_sizes: Default::default(),
+        })
+        .map_err(|e| Error::Backend {
+            device: caps.name.clone(),
+            detail: format!("could not create the memory allocator: {e}"),
+        })?;
+        let allowed = crate::spirv::capabilities(&features, f16);
+        let arena_stride = MATMUL_PARAMS_SIZE.next_multiple_of(features.min_uniform_align.max(16));
+        let dev = VkDevice {
+            caps,
+            features,
+            allowed,
+            device,
+            push,
+            queue,
+            pool,
+            timeline,
+            cache,
+            disk_cache,
+            built: Default::default(),
+            dump: Mutex::new(None),
+            arena_stride,
+            state: Mutex::new(State {
+                next_id: 1,
+                buffers: HashMap::new(),
+                allocated: 0,
+                allocator: Some(allocator),
+                layouts: HashMap::new(),
+                pipelines: HashMap::new(),
+                glsl: HashMap::new(),
+                stream: None,
+                submitted: 0,
+                retired: vec![],
+                free_commands: vec![],
+                free_arenas: vec![],
+                partials: None,
+                scratch: None,
+                band_partials: None,
+                dummy: None,
+                staged: HashMap::new(),
+                profiling: None,
+                collect: None,
+            }),
+            _instance: instance,
+        };
+        {
+            let mut s = dev.lock();
+            let storage = vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::TRANSFER_DST;
+            s.scratch =
+                Some(dev.make(&mut s, scratch_bytes(), storage, MemoryLocation::GpuOnly)?);
+            s.band_partials = Some(dev.make(
+                &mut s,
+                band_partials_bytes(),
+                storage,
+                MemoryLocation::GpuOnly,
+            )?);
+            s.dummy = Some(dev.make(&mut s, DUMMY_BYTES, storage, MemoryLocation::GpuOnly)?);
+        }
+        Ok(dev)
+    }
+
+    /// From now on, writes the SPIR-V of every pipeline this device builds into `dir`
+    /// (one `.spv` file per kernel, dtype representation, constants and overrides), so
+    /// that tools (`spirv-val`, `spirv-dis`) can check what the device runs.
+    pub fn dump_spirv_to(&self, dir: &std::path::Path) -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::InvalidArgument(format!("cannot create {}: {e}", dir.display())))?;
+        *self.dump.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir.to_path_buf());
+        Ok(())
+    }
+
+    fn dump_spirv(&self, key: &PipelineKey, words: &[u32]) -> Result<()> {
+        let dir = self.dump.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(dir) = dir else { return Ok(()) };
+        let what = format!("{:?}{:?}{:?}", key.reprs, key.consts, key.overrides);
+        let name = format!(
+            "{}-{:016x}.spv",
+            key.name,
+            kiln_wgpu::pipeline_cache::fnv(what.as_bytes())
+        );
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        std::fs::write(dir.join(&name), bytes)
+            .map_err(|e| self.backend_error(format!("writing {name} into {}: {e}", dir.display())))
+    }
+
+    /// Pipelines built so far (tests check that a prepared plan's launches add none).
+    pub fn pipeline_count(&self) -> usize {
+        self.lock().pipelines.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn backend_error(&self, detail: impl Into<String>) -> Error {
+        Error::Backend {
+            device: self.caps.name.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    /// A Vulkan error as Kiln reports it: a lost device and exhausted memory by name,
+    /// with what to do.
+    fn vk_error(&self, what: &str, e: vk::Result) -> Error {
+        match e {
+            vk::Result::ERROR_DEVICE_LOST => self.backend_error(format!(
+                "{what}: the Vulkan device was lost (the driver reset it or crashed; a \
+                 kernel that ran too long can cause it). Its buffers are gone: reopen the \
+                 device and resume from a checkpoint"
+            )),
+            vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
+                Error::OutOfMemory {
+                    device: self.caps.name.clone(),
+                    detail: format!("{what}: {e}"),
+                }
+            }
+            e => self.backend_error(format!("{what}: {e}")),
+        }
+    }
+
+    fn unknown(&self, id: u64) -> Error {
+        Error::UnknownBuffer {
+            id,
+            device: self.caps.name.clone(),
+        }
+    }
+
+    /// A buffer with memory at `location`.
+    fn make(
+        &self,
+        s: &mut State,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+        location: MemoryLocation,
+    ) -> Result<Mem> {
+        let size = size.max(16);
+        let info = vk::BufferCreateInfo::default()
+            .size(size)
+            .usage(usage)
+            .sharing_mode(vk::SharingMode::EXCLUSIVE);
+        // SAFETY: a valid create info on a live device.
+        let buffer = unsafe { self.device.create_buffer(&info, None) }
+            .map_err(|e| self.vk_error("creating a buffer", e))?;
+        // SAFETY: `buffer` was just created on this device.
+        let requirements = unsafe { self.device.get_buffer_memory_requirements(buffer) };
+        let allocator = s.allocator.as_mut().expect("allocator lives until drop");
+        let alloc = match allocator.allocate(&AllocationCreateDesc {
+            name: "kiln",
+            requirements,
+            location,
+            linear: true,
+            allocation_scheme: AllocationScheme::GpuAllocatorManaged,
+        }) {
+            Ok(a) => a,
+            Err(e) => {
+                // SAFETY: the buffer has no memory and is used nowhere.
+                unsafe { self.device.destroy_buffer(buffer, None) };
+                return Err(match e {
+                    gpu_allocator::AllocationError::OutOfMemory => Error::OutOfMemory {
+                        device: self.caps.name.clone(),
+                        detail: format!(
+                            "allocating {size} bytes ({} bytes already allocated). Try a \
+                             smaller micro-batch (with more gradient accumulation) or \
+                             sequence, fp16/bf16 storage or a smaller model; `kiln estimate` \
+                             shows what each needs",
+                            s.allocated
+                        ),
+                    },
+                    e => self.backend_error(format!("allocating {size} bytes: {e}")),
+                });
+            }
+        };
+        // SAFETY: the allocation satisfies the buffer's requirements.
+        if let Err(e) = unsafe {
+            self.device
+                .bind_buffer_memory(buffer, alloc.memory(), alloc.offset())
+        } {
+            // SAFETY: as above; the allocation goes back unused.
+            unsafe { self.device.destroy_buffer(buffer, None) };
+            let _ = allocator.free(alloc);
+            return Err(self.vk_error("binding buffer memory", e));
+        }
+        Ok(Mem {
+            buffer,
+            alloc,
+            size,
+            arena: false,
+        })
+    }
+
+    /// Releases a buffer the device no longer uses.
+    fn destroy(&self, s: &mut State, mem: Mem) {
+        // SAFETY: callers pass buffers no pending submission uses.
+        unsafe { self.device.destroy_buffer(mem.buffer, None) };
+        if let Some(a) = s.allocator.as_mut() {
+            let _ = a.free(mem.alloc);
+        }
+    }
+
+    /// The timeline value after which something used by the stream so far is unused.
+    fn tag(s: &State) -> u64 {
+        s.submitted + s.stream.is_some() as u64
+    }
+
+    fn retire(s: &mut State, mem: Mem) {
+        let tag = Self::tag(s);
+        match s.retired.last_mut() {
+            Some((t, r)) if *t == tag => r.mems.push(mem),
+            _ => s.retired.push((
+                tag,
+                Retired {
+                    mems: vec![mem],
+                    commands: vec![],
+                },
+            )),
+        }
+    }
+
+    /// The timeline's value now.
+    fn completed(&self) -> Result<u64> {
+        // SAFETY: a timeline semaphore of this device.
+        unsafe { self.device.get_semaphore_counter_value(self.timeline) }
+            .map_err(|e| self.vk_error("reading the timeline", e))
+    }
+
+    /// Releases what finished submissions held.
+    fn reclaim(&self, s: &mut State) -> Result<()> {
+        let done = self.completed()?;
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut s.retired)
+            .into_iter()
+            .partition(|(t, _)| *t <= done);
+        s.retired = waiting;
+        for (_, r) in ready {
+            for m in r.mems {
+                if m.arena {
+                    s.free_arenas.push(m);
+                } else {
+                    self.destroy(s, m);
+                }
+            }
+            s.free_commands.extend(r.commands);
+        }
+        Ok(())
+    }
+
+    /// Waits until the timeline reaches `value`.
+    fn wait_for(&self, value: u64) -> Result<()> {
+        let semaphores = [self.timeline];
+        let values = [value];
+        let info = vk::SemaphoreWaitInfo::default()
+            .semaphores(&semaphores)
+            .values(&values);
+        // SAFETY: a timeline semaphore of this device.
+        unsafe { self.device.wait_semaphores(&info, u64::MAX) }
+            .map_err(|e| self.vk_error("waiting for the device", e))
+    }
+
+    /// The open stream, begun on first use.
+    fn stream<'s>(&self, s: &'s mut State) -> Result<&'s mut Stream> {
+        if s.stream.is_none() {
+            self.reclaim(s)?;
+            let cmd = match s.free_commands.pop() {
+                Some(c) => c,
+                None => {
+                    let info = vk::CommandBufferAllocateInfo::default()
+                        .command_pool(self.pool)
+                        .level(vk::CommandBufferLevel::PRIMARY)
+                        .command_buffer_count(1);
+                    // SAFETY: the pool belongs to this device; access is under the lock.
+                    unsafe { self.device.allocate_command_buffers(&info) }
+                        .map_err(|e| self.vk_error("allocating a command buffer", e))?[0]
+                }
+            };
+            let arena = match s.free_arenas.pop() {
+                Some(a) => a,
+                None => Mem {
+                    arena: true,
+                    ..self.make(
+                        s,
+                        self.arena_stride * ARENA_SLOTS,
+                        vk::BufferUsageFlags::UNIFORM_BUFFER,
+                        MemoryLocation::CpuToGpu,
+                    )?
+                },
+            };
+            let begin = vk::CommandBufferBeginInfo::default()
+                .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+            // SAFETY: the command buffer is not in use (fresh, or its submission done).
+            unsafe {
+                self.device
+                    .reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty())
+                    .and_then(|()| self.device.begin_command_buffer(cmd, &begin))
+            }
+            .map_err(|e| self.vk_error("beginning a command buffer", e))?;
+            s.stream = Some(Stream {
+                cmd,
+                arena,
+                used: 0,
+            });
+        }
+        Ok(s.stream.as_mut().expect("opened above"))
+    }
+
+    /// Makes every earlier command's writes visible to every later command.
+    fn barrier(&self, cmd: vk::CommandBuffer) {
+        let all = vk::AccessFlags::SHADER_READ
+            | vk::AccessFlags::SHADER_WRITE
+            | vk::AccessFlags::TRANSFER_READ
+            | vk::AccessFlags::TRANSFER_WRITE
+            | vk::AccessFlags::UNIFORM_READ;
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(all);
+        let stages = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        // SAFETY: `cmd` is recording.
+        unsafe {
+            self.device.cmd_pipeline_barrier(
+                cmd,
+                stages,
+                stages,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            )
+        };
+    }
+
+    /// Submits the open stream, if any; returns the timeline value it signals.
+    fn flush(&self, s: &mut State) -> Result<u64> {
+        let Some(stream) = s.stream.take() else {
+            return Ok(s.submitted);
+        };
+        let _span = span("submit", SpanKind::Submit);
+        let value = s.submitted + 1;
+        // SAFETY: the command buffer is recording; ending and submitting it under the
+        // lock, with a signal value above every earlier one.
+        let result = unsafe {
+            self.device.end_command_buffer(stream.cmd).and_then(|()| {
+                let cmds = [stream.cmd];
+                let signals = [self.timeline];
+                let values = [value];
+                let mut timeline =
+                    vk::TimelineSemaphoreSubmitInfo::default().signal_semaphore_values(&values);
+                let submit = vk::SubmitInfo::default()
+                    .command_buffers(&cmds)
+                    .signal_semaphores(&signals)
+                    .push_next(&mut timeline);
+                self.device
+                    .queue_submit(self.queue, &[submit], vk::Fence::null())
+            })
+        };
+        // Whatever the stream used is retired with its value (it was tagged with it).
+        s.submitted = value;
+        match s.retired.last_mut() {
+            Some((t, r)) if *t == value => {
+                r.commands.push(stream.cmd);
+                r.mems.push(stream.arena);
+            }
+            _ => s.retired.push((
+                value,
+                Retired {
+                    mems: vec![stream.arena],
+                    commands: vec![stream.cmd],
+                },
+            )),
+        }
+        if let Err(e) = result {
+            // Nothing will signal `value`: a wait for it would never end.
+            // SAFETY: a host signal of a timeline semaphore to a higher value.
+            let _ = unsafe {
+                self.device.signal_semaphore(
+                    &vk::SemaphoreSignalInfo::default()
+                        .semaphore(self.timeline)
+                        .value(value),
+                )
+            };
+            return Err(self.vk_error("submitting work", e));
+        }
+        Ok(value)
+    }
+
+    /// The Vulkan buffer, byte offset and size bound for `id`.
+    fn resolve(&self, s: &State, id: u64) -> Result<(vk::Buffer, u64, u64)> {
+        let own = |m: &Option<Mem>| {
+            m.as_ref()
+                .map(|m| (m.buffer, 0, m.size))
+                .ok_or_else(|| self.backend_error("an internal buffer is missing"))
+        };
+        match id {
+            SCRATCH_ID => own(&s.scratch),
+            DUMMY_ID => own(&s.dummy),
+            BAND_PARTIALS_ID => own(&s.band_partials),
+            PARTIALS_ID => own(&s.partials),
+            _ => {
+                let slot = s.buffers.get(&id).ok_or_else(|| self.unknown(id))?;
+                match &slot.kind {
+                    SlotKind::Own(m) => Ok((m.buffer, 0, slot.meta.bytes())),
+                    SlotKind::View { parent, base } => {
+                        let p = s.buffers.get(parent).ok_or_else(|| self.unknown(*parent))?;
+                        match &p.kind {
+                            SlotKind::Own(m) => Ok((m.buffer, *base, slot.meta.bytes())),
+                            SlotKind::View { .. } => Err(self.backend_error("a view of a view")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn check_live(&self, s: &State, kernel: &str, buffers: &[Buffer]) -> Result<()> {
+        for b in buffers {
+            let slot = s.buffers.get(&b.id).ok_or_else(|| self.unknown(b.id))?;
+            if slot.meta != *b {
+                return Err(Error::InvalidArgument(format!(
+                    "{kernel}: handle for buffer #{} says {} x {} but it holds {} x {} (a handle from another device?)",
+                    b.id, b.len, b.dtype, slot.meta.len, slot.meta.dtype
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn layout(
+        &self,
+        s: &mut State,
+        kernel: &KernelSource,
+    ) -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout)> {
+        let accesses: Vec<Access> = kernel.slots.iter().map(|slot| slot.access).collect();
+        let key = (accesses, kernel.params_size);
+        if let Some(l) = s.layouts.get(&key) {
+            return Ok(*l);
+        }
+        let mut bindings = vec![vk::DescriptorSetLayoutBinding::default()
+            .binding(0)
+            .descriptor_type(vk::DescriptorType::UNIFORM_BUFFER)
+            .descriptor_count(1)
+            .stage_flags(vk::ShaderStageFlags::COMPUTE)];
+        for i in 0..kernel.slots.len() {
+            bindings.push(
+                vk::DescriptorSetLayoutBinding::default()
+                    .binding(i as u32 + 1)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(1)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE),
+            );
+        }
+        let info = vk::DescriptorSetLayoutCreateInfo::default()
+            .flags(vk::DescriptorSetLayoutCreateFlags::PUSH_DESCRIPTOR_KHR)
+            .bindings(&bindings);
+        // SAFETY: valid create infos on a live device.
+        let set = unsafe { self.device.create_descriptor_set_layout(&info, None) }
+            .map_err(|e| self.vk_error("creating a descriptor set layout", e))?;
+        let sets = [set];
+        let pl_info = vk::PipelineLayoutCreateInfo::default().set_layouts(&sets);
+        // SAFETY: as above.
+        let pl = unsafe { self.device.create_pipeline_layout(&pl_info, None) }
+            .map_err(|e| self.vk_error("creating a pipeline layout", e))?;
+        s.layouts.insert(key, (set, pl));
+        Ok((set, pl))
+    }
+
+    fn pipeline(
+        &self,
+        s: &mut State,
+        key: &PipelineKey,
+        kernel: &KernelSource,
+    ) -> Result<vk::Pipeline> {
+        if let Some(p) = s.pipelines.get(key) {
+            return Ok(*p);
+        }
+        if kernel.subgroups && self.caps.subgroup_sizes.is_none() {
+            return Err(Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: format!(
+                    "subgroup operations in compute shaders, which kernel {} needs",
+                    kernel.name
+                ),
+            });
+        }
+        let t0 = std::time::Instant::now();
+        let words = crate::spirv::translate(
+            kernel,
+            &key.reprs,
+            &key.consts,
+            &key.overrides,
+            &self.allowed,
+        )
+        .map_err(|e| Error::Unsupported {
+            device: self.caps.name.clone(),
+            what: format!("kernel {} ({:?}): {e}", kernel.name, key.reprs),
+        })?;
+        self.dump_spirv(key, &words)?;
+        let (_, layout) = self.layout(s, kernel)?;
+        let module_info = vk::ShaderModuleCreateInfo::default().code(&words);
+        // SAFETY: naga's validated SPIR-V for the capabilities the device has.
+        let module = unsafe { self.device.create_shader_module(&module_info, None) }
+            .map_err(|e| self.vk_error(&format!("creating kernel {}", kernel.name), e))?;
+        let stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main");
+        let info = vk::ComputePipelineCreateInfo::default()
+            .stage(stage)
+            .layout(layout);
+        // SAFETY: module and layout are live; the module is destroyed once the pipeline
+        // holds what it needs.
+        let made = unsafe {
+            self.device
+                .create_compute_pipelines(self.cache, &[info], None)
+        };
+        // SAFETY: no pipeline creation uses the module any more.
+        unsafe { self.device.destroy_shader_module(module, None) };
+        let pipeline = made
+            .map_err(|(_, e)| self.vk_error(&format!("building kernel {}", kernel.name), e))?[0];
+        s.pipelines.insert(key.clone(), pipeline);
+        self.built.store(true, std::sync::atomic::Ordering::Relaxed);
+        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+            eprintln!(
+                "kiln: vk built {} {:?} {:?} {:?}: {:.2} s",
+                key.name,
+                key.reprs,
+                key.consts,
+                key.overrides,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Ok(pipeline)
+    }
+
+    fn record_dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {
+        if let Some(wanted) = &mut s.collect {
+            let key = PipelineKey {
+                name: d.kernel.name,
+                reprs: d.reprs,
+                consts: d.consts,
+                overrides: d.overrides,
+            };
+            if !s.pipelines.contains_key(&key) && !wanted.iter().any(|w| w.0 == key) {
+                wanted.push((key, d.kernel));
+            }
+            return Ok(());
+        }
+        // Each slot's buffer, offset and size: a view's range of its parent, a range
+        // asked of a view relative to the view's start.
+        let mut bound = vec![];
+        for (i, &id) in d.buffers.iter().enumerate() {
+            let (buffer, base, size) = self.resolve(s, id)?;
+            let (offset, size) = match d.ranges.iter().find(|r| r.0 == i) {
+                Some(&(_, off, size)) => (base + off, size),
+                None => (base, size),
+            };
+            let limit = self.caps.max_storage_binding;
+            if size > limit {
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "`{}` on a {size}-byte buffer: over the device's per-binding limit of \
+                         {limit} bytes (GEMMs, elementwise kernels, reductions, the optimizers \
+                         and the embedding's backward split such operands; this kernel cannot). \
+                         Use smaller tensors, e.g. a smaller batch or sequence",
+                        d.kernel.name
+                    ),
+                });
+            }
+            bound.push(vk::DescriptorBufferInfo {
+                buffer,
+                offset,
+                range: size,
+            });
+        }
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs,
+            consts: d.consts,
+            overrides: d.overrides,
+        };
+        let pipeline = self.pipeline(s, &key, d.kernel)?;
+        let (_, layout) = self.layout(s, d.kernel)?;
+        if s.stream
+            .as_ref()
+            .is_some_and(|st| st.used + self.arena_stride > st.arena.size)
+        {
+            self.flush(s)?;
+        }
+        let stride = self.arena_stride;
+        let stream = self.stream(s)?;
+        let offset = stream.used;
+        let bytes: Vec<u8> = d.params.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mapped = stream
+            .arena
+            .alloc
+            .mapped_slice_mut()
+            .ok_or_else(|| Error::Backend {
+                device: String::new(),
+                detail: "the parameter arena is not host-visible".into(),
+            })?;
+        mapped[offset as usize..offset as usize + bytes.len()].copy_from_slice(&bytes);
+        stream.used += stride;
+        let cmd = stream.cmd;
+        let params = [vk::DescriptorBufferInfo {
+            buffer: stream.arena.buffer,
+            offset,
+            range: d.kernel.params_size,
+        }];
+        let mut writes = vec![vk::WriteDescriptorSet::default()
+            .dst_binding(0)
+            .descriptor_type(vk::DescriptorType::UNIFORM_BUFFER)
+            .buffer_info(&params)];
+        for (i, info) in bound.iter().enumerate() {
+            writes.push(
+                vk::WriteDescriptorSet::default()
+                    .dst_binding(i as u32 + 1)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(std::slice::from_ref(info)),
+            );
+        }
+        // SAFETY: `cmd` is recording; the pipeline, layout and buffers are live and
+        // stay so until the submission is done (freed buffers are retired).
+        unsafe {
+            self.device
+                .cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+            self.push.cmd_push_descriptor_set(
+                cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                layout,
+                0,
+                &writes,
+            );
+            self.device
+                .cmd_dispatch(cmd, d.groups.0, d.groups.1, d.groups.2);
+        }
+        self.barrier(cmd);
+        Ok(())
+    }
+
+    /// When a profile is open, writes a timestamp after everything recorded so far and
+    /// returns its index.
+    fn stamp(&self, s: &mut State) -> Result<Option<u32>> {
+        let Some(used) = s.profiling.as_ref().map(|p| p.used) else {
+            return Ok(None);
+        };
+        let cmd = self.stream(s)?.cmd;
+        let p = s.profiling.as_mut().expect("checked above");
+        if used / PER_POOL == p.pools.len() as u32 {
+            let info = vk::QueryPoolCreateInfo::default()
+                .query_type(vk::QueryType::TIMESTAMP)
+                .query_count(PER_POOL);
+            // SAFETY: a valid create info on a live device.
+            let pool = unsafe { self.device.create_query_pool(&info, None) }
+                .map_err(|e| self.vk_error("creating a timestamp query pool", e))?;
+            // SAFETY: `cmd` is recording; a new pool's queries start unavailable.
+            unsafe { self.device.cmd_reset_query_pool(cmd, pool, 0, PER_POOL) };
+            p.pools.push(pool);
+        }
+        let pool = p.pools[(used / PER_POOL) as usize];
+        p.used += 1;
+        // SAFETY: `cmd` is recording; the query was reset and is written once.
+        unsafe {
+            self.device.cmd_write_timestamp(
+                cmd,
+                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                pool,
+                used % PER_POOL,
+            )
+        };
+        Ok(Some(used))
+    }
+
+    /// Records a copy between two ranges of buffers (`(buffer, offset)`), then a barrier.
+    fn record_copy(
+        &self,
+        s: &mut State,
+        (from, src_off): (vk::Buffer, u64),
+        (to, dst_off): (vk::Buffer, u64),
+        size: u64,
+    ) -> Result<()> {
+        let cmd = self.stream(s)?.cmd;
+        let region = vk::BufferCopy {
+            src_offset: src_off,
+            dst_offset: dst_off,
+            size,
+        };
+        // SAFETY: `cmd` is recording; both buffers are live and hold the ranges.
+        unsafe { self.device.cmd_copy_buffer(cmd, from, to, &[region]) };
+        self.barrier(cmd);
+        Ok(())
+    }
+}
+
+/// What the cache file is keyed by: the device, driver, host CPU (a CPU device's
+/// pipelines are the host's machine code) and kernel sources.
+fn cache_key(f: &Features) -> u64 {
+    let host = if f.device_type == "cpu" {
+        kiln_engine::fsutil::host_cpu()
+    } else {
+        String::new()
+    };
+    kiln_wgpu::pipeline_cache::fnv(
+        format!(
+            "vk|{}|{}|{}|{}|{:?}|{}|{}|{}|kiln-vulkan {}",
+            f.name,
+            f.vendor,
+            f.device_id,
+            f.driver_version,
+            f.cache_uuid,
+            f.driver,
+            host,
+            kiln_wgpu::SHADER_HASH,
+            env!("CARGO_PKG_VERSION")
+        )
+        .as_bytes(),
+    )
+}
+
+/// The device's `VkPipelineCache`, loaded from the cache directory (the wgpu
+/// backend's file format: only whole files this driver wrote for this key reach it;
+/// anything else is ignored with a note), and where to save it.
+fn open_cache(
+    device: &ash::Device,
+    features: &Features,
+    options: &DeviceOptions,
+) -> std::result::Result<(vk::PipelineCache, Option<(std::path::PathBuf, u64)>), vk::Result> {
+    let place = (!options.no_pipeline_cache)
+        .then(|| kiln_wgpu::pipeline_cache::dir(options))
+        .flatten()
+        .map(|dir| {
+            let key = cache_key(features);
+            (dir.join(format!("vk-{key:016x}.bin")), key)
+        });
+    let file = place
+        .as_ref()
+        .and_then(|(path, _)| std::fs::read(path).ok());
+    let data = match (&file, &place) {
+        (Some(f), Some((path, key))) => match kiln_wgpu::pipeline_cache::payload(f, *key) {
+            Ok(d) => d,
+            Err(why) => {
+                eprintln!(
+                    "kiln: note: ignoring the pipeline cache {}: {why}; it is rebuilt as kernels compile",
+                    path.display()
+                );
+                &[]
+            }
+        },
+        _ => &[],
+    };
+    let info = vk::PipelineCacheCreateInfo::default().initial_data(data);
+    // SAFETY: `data` is empty or bytes this driver returned for this very device,
+    // driver and host (key and checksum checked); a driver also checks its own header.
+    match unsafe { device.create_pipeline_cache(&info, None) } {
+        Ok(c) => Ok((c, place)),
+        // SAFETY: as above, with no initial data.
+        Err(_) if !data.is_empty() => unsafe {
+            device
+                .create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None)
+                .map(|c| (c, place))
+        },
+        Err(e) => Err(e),
+    }
+}
+
+impl VkDevice {
+    /// Writes the pipeline cache if pipelines were built. Failures are notes: the next
+    /// run compiles again.
+    fn save_cache(&self) {
+        let Some((path, key)) = &self.disk_cache else {
+            return;
+        };
+        if !self.built.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        // SAFETY: the cache belongs to this live device.
+        let Ok(data) = (unsafe { self.device.get_pipeline_cache_data(self.cache) }) else {
+            return;
+        };
+        let file = kiln_wgpu::pipeline_cache::encode(*key, &data);
+        if let Err(e) = kiln_wgpu::pipeline_cache::write(path, &file) {
+            eprintln!(
+                "kiln: note: could not save compiled kernels to {} ({e}); the next run compiles them again",
+                path.display()
+            );
+        }
+    }
+}
+
+/// The committed SPIR-V of a hand-written kernel (`shaders/vulkan/NAME.spv`), as words;
+/// an error names a damaged file and how to rebuild it.
+fn spirv_words(name: &str, bytes: &[u8]) -> std::result::Result<Vec<u32>, String> {
+    if !bytes.len().is_multiple_of(4)
+        || bytes.len() < 20
+        || bytes[..4] != 0x0723_0203u32.to_le_bytes()
+    {
+        return Err(format!(
+            "shaders/vulkan/spv/{name}.spv is not a SPIR-V module ({} bytes): rebuild it \
+             with `bash shaders/vulkan/build.sh`",
+            bytes.len()
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect())
+}
+
+const GEMM_F32_SPV: &[u8] = include_bytes!("../../../shaders/vulkan/spv/gemm_f32.spv");
+
+impl VkDevice {
+    /// The pipeline of a hand-written kernel with `buffers` storage bindings and
+    /// `push` bytes of push constants, built on first use.
+    fn glsl_pipeline(
+        &self,
+        s: &mut State,
+        name: &'static str,
+        spv: &[u8],
+        buffers: u32,
+        push: u32,
+    ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
+        if let Some(&(p, _, l)) = s.glsl.get(name) {
+            return Ok((p, l));
+        }
+        let words = spirv_words(name, spv).map_err(|e| self.backend_error(e))?;
+        let bindings: Vec<_> = (0..buffers)
+            .map(|i| {
+                vk::DescriptorSetLayoutBinding::default()
+                    .binding(i)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(1)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            })
+            .collect();
+        let info = vk::DescriptorSetLayoutCreateInfo::default()
+            .flags(vk::DescriptorSetLayoutCreateFlags::PUSH_DESCRIPTOR_KHR)
+            .bindings(&bindings);
+        // SAFETY: valid create infos on a live device; every object made is kept in
+        // `s.glsl` or destroyed on the error paths below.
+        unsafe {
+            let set = self
+                .device
+                .create_descriptor_set_layout(&info, None)
+                .map_err(|e| self.vk_error("creating a descriptor set layout", e))?;
+            let sets = [set];
+            let ranges = [vk::PushConstantRange::default()
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                .size(push)];
+            let pl_info = vk::PipelineLayoutCreateInfo::default()
+                .set_layouts(&sets)
+                .push_constant_ranges(&ranges);
+            let layout = match self.device.create_pipeline_layout(&pl_info, None) {
+                Ok(l) => l,
+                Err(e) => {
+                    self.device.destroy_descriptor_set_layout(set, None);
+                    return Err(self.vk_error("creating a pipeline layout", e));
+                }
+            };
+            let fail = |e: vk::Result| {
+                self.device.destroy_pipeline_layout(layout, None);
+                self.device.destroy_descriptor_set_layout(set, None);
+                self.vk_error(&format!("building kernel {name}"), e)
+            };
+            let module = self
+                .device
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+                .map_err(fail)?;
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main");
+            let made = self.device.create_compute_pipelines(
+                self.cache,
+                &[vk::ComputePipelineCreateInfo::default()
+                    .stage(stage)
+                    .layout(layout)],
+                None,
+            );
+            self.device.destroy_shader_module(module, None);
+            let pipeline = made.map_err(|(_, e)| fail(e))?[0];
+            s.glsl.insert(name, (pipeline, set, layout));
+            Ok((pipeline, layout))
+        }
+    }
+
+    /// Records `mm` with the hand-written GLSL GEMM (`shaders/vulkan/gemm_f32.comp`): f32
+    /// operands, no transposes, one matrix, `alpha` 1 and `beta` 0, no epilogue — the
+    /// start of the SPIR-V kernel family of issue 13, pinned by tests. Other products
+    /// are an error naming what the kernel lacks.
+    pub fn launch_glsl_gemm(&self, mm: &kiln_engine::Matmul) -> Result<()> {
+        let kernel = Kernel::Matmul(mm.clone());
+        kernel.validate()?;
+        let plain = [mm.a, mm.b, mm.c].iter().all(|b| b.dtype == DType::F32)
+            && !mm.trans_a
+            && !mm.trans_b
+            && mm.batch == 1
+            && mm.alpha == 1.0
+            && mm.beta == 0.0
+            && mm.bias.is_none()
+            && !mm.gelu
+            && mm.c_f32.is_none();
+        if !plain {
+            return Err(Error::InvalidArgument(format!(
+                "the GLSL GEMM computes C = A B for one f32 matrix without transposes, \
+                 alpha, beta or epilogue; launch this product as Kernel::Matmul on `{}`",
+                self.caps.name
+            )));
+        }
+        if mm.m == 0 || mm.n == 0 {
+            return Ok(());
+        }
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        if n.div_ceil(16) > 65535 || m.div_ceil(16) > 65535 {
+            return Err(Error::InvalidArgument(format!(
+                "the GLSL GEMM: {m} x {n} needs more than 65535 workgroups in a dimension"
+            )));
+        }
+        let mut s = self.lock();
+        self.check_live(&s, "matmul", &mm.buffers())?;
+        let (pipeline, layout) = self.glsl_pipeline(&mut s, "gemm_f32", GEMM_F32_SPV, 3, 12)?;
+        let mut infos = vec![];
+        for b in [mm.a, mm.b, mm.c] {
+            let (buffer, offset, range) = self.resolve(&s, b.id)?;
+            if range > self.caps.max_storage_binding {
+                return Err(Error::Unsupported {
+                    device: self.caps.name.clone(),
+                    what: format!(
+                        "the GLSL GEMM on a {range}-byte operand, over the per-binding limit \
+                         (Kernel::Matmul splits such products)"
+                    ),
+                });
+            }
+            infos.push(vk::DescriptorBufferInfo {
+                buffer,
+                offset,
+                range,
+            });
+        }
+        let writes: Vec<_> = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                vk::WriteDescriptorSet::default()
+                    .dst_binding(i as u32)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(std::slice::from_ref(info))
+            })
+            .collect();
+        let push: Vec<u8> = [m, n, k].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let cmd = self.stream(&mut s)?.cmd;
+        // SAFETY: `cmd` is recording; pipeline, layout and buffers are live until the
+        // submission has run (freed buffers are retired).
+        unsafe {
+            self.device
+                .cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
+            self.push.cmd_push_descriptor_set(
+                cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                layout,
+                0,
+                &writes,
+            );
+            self.device
+                .cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, &push);
+            self.device
+                .cmd_dispatch(cmd, n.div_ceil(16), m.div_ceil(16), 1);
+        }
+        self.barrier(cmd);
+        Ok(())
+    }
+}
+
+impl Recorder for VkDevice {
+    type State = State;
+
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {
+        self.record_dispatch(s, d)
+    }
+
+    fn copy(&self, s: &mut State, src: &Buffer, dst: &Buffer) -> Result<()> {
+        if s.collect.is_some() {
+            return Ok(());
+        }
+        let (a, a_off, _) = self.resolve(s, src.id)?;
+        let (b, b_off, _) = self.resolve(s, dst.id)?;
+        let size = src.bytes();
+        if size == 0 {
+            return Ok(());
+        }
+        if a == b {
+            // Views of one buffer: a copy's regions must not overlap, so go through a
+            // temporary buffer.
+            let tmp = self.make(
+                s,
+                size,
+                vk::BufferUsageFlags::TRANSFER_SRC | vk::BufferUsageFlags::TRANSFER_DST,
+                MemoryLocation::GpuOnly,
+            )?;
+            let t = tmp.buffer;
+            self.stream(s)?;
+            Self::retire(s, tmp);
+            self.record_copy(s, (a, a_off), (t, 0), size)?;
+            self.record_copy(s, (t, 0), (b, b_off), size)
+        } else {
+            self.record_copy(s, (a, a_off), (b, b_off), size)
+        }
+    }
+
+    fn clear(&self, s: &mut State, buf: &Buffer) -> Result<()> {
+        if s.collect.is_some() {
+            return Ok(());
+        }
+        let (b, off, size) = self.resolve(s, buf.id)?;
+        let cmd = self.stream(s)?.cmd;
+        // SAFETY: `cmd` is recording; the range lies in the buffer, in whole words.
+        unsafe { self.device.cmd_fill_buffer(cmd, b, off, size, 0) };
+        self.barrier(cmd);
+        Ok(())
+    }
+
+    fn partials(&self, s: &mut State, bytes: u64) -> Result<()> {
+        if s.collect.is_some() || s.partials.as_ref().is_some_and(|p| p.size >= bytes) {
+            return Ok(());
+        }
+        let new = self.make(
+            s,
+            bytes.max(8),
+            vk::BufferUsageFlags::STORAGE_BUFFER | vk::BufferUsageFlags::TRANSFER_DST,
+            MemoryLocation::GpuOnly,
+        )?;
+        // Dispatches recorded earlier keep the old buffer until they have run.
+        if let Some(old) = s.partials.replace(new) {
+            Self::retire(s, old);
+        }
+        Ok(())
+    }
+
+    fn storage_offset_alignment(&self) -> u64 {
+        self.features.min_storage_align.max(4)
+    }
+}
+
+impl Device for VkDevice {
+    fn caps(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
+        // The kernels take element counts as 32-bit integers.
+        if len > u32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
+                 elements; use smaller tensors (a smaller micro-batch, sequence or model \
+                 dimension)",
+                self.caps.name,
+                u32::MAX
+            )));
+        }
+        let bytes = dtype.padded_bytes(len);
+        let max = self.caps.max_buffer;
+        if bytes > max {
+            return Err(Error::OutOfMemory {
+                device: self.caps.name.clone(),
+                detail: format!(
+                    "{len} {dtype} elements need {bytes} bytes, over the device's largest \
+                     buffer of {max} bytes: use a smaller micro-batch or sequence, or smaller \
+                     model dimensions; `kiln estimate` shows which"
+                ),
+            });
+        }
+        let mut s = self.lock();
+        let mem = self.make(
+            &mut s,
+            bytes,
+            vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::TRANSFER_SRC
+                | vk::BufferUsageFlags::TRANSFER_DST,
+            MemoryLocation::GpuOnly,
+        )?;
+        // Zero-filled, in stream order (memory may be recycled).
+        let (buffer, size) = (mem.buffer, mem.size);
+        let cmd = match self.stream(&mut s) {
+            Ok(st) => st.cmd,
+            Err(e) => {
+                self.destroy(&mut s, mem);
+                return Err(e);
+            }
+        };
+        // SAFETY: `cmd` is recording; the buffer is live, its size a multiple of 4.
+        unsafe { self.device.cmd_fill_buffer(cmd, buffer, 0, size, 0) };
+        self.barrier(cmd);
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer { id, dtype, len };
+        s.buffers.insert(
+            id,
+            Slot {
+                meta,
+                kind: SlotKind::Own(mem),
+            },
+        );
+        s.allocated += bytes;
+        Ok(meta)
+    }
+
+    fn free(&self, buf: Buffer) -> Result<()> {
+        let mut s = self.lock();
+        if s.buffers
+            .values()
+            .any(|v| matches!(v.kind, SlotKind::View { parent, .. } if parent == buf.id))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} still has views on `{}`: free them first",
+                buf.id, self.caps.name
+            )));
+        }
+        let slot = s
+            .buffers
+            .remove(&buf.id)
+            .ok_or_else(|| self.unknown(buf.id))?;
+        if let SlotKind::Own(mem) = slot.kind {
+            s.allocated -= slot.meta.bytes();
+            // Launches already recorded that use it still complete.
+            Self::retire(&mut s, mem);
+        }
+        Ok(())
+    }
+
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
+        check_view(parent, offset, len)?;
+        let mut s = self.lock();
+        let slot = s
+            .buffers
+            .get(&parent.id)
+            .ok_or_else(|| self.unknown(parent.id))?;
+        if matches!(slot.kind, SlotKind::View { .. }) {
+            return Err(Error::InvalidArgument(format!(
+                "buffer #{} is itself a view: take views of the buffer it views",
+                parent.id
+            )));
+        }
+        if slot.meta != parent {
+            return Err(Error::InvalidArgument(format!(
+                "handle for buffer #{} says {} x {} but it holds {} x {} (a handle from \
+                 another device?)",
+                parent.id, parent.len, parent.dtype, slot.meta.len, slot.meta.dtype
+            )));
+        }
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer {
+            id,
+            dtype: parent.dtype,
+            len,
+        };
+        let base = (offset * parent.dtype.size()) as u64;
+        s.buffers.insert(
+            id,
+            Slot {
+                meta,
+                kind: SlotKind::View {
+                    parent: parent.id,
+                    base,
+                },
+            },
+        );
+        Ok(meta)
+    }
+
+    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
+        check_upload(buf, data)?;
+        let _span = span("upload", SpanKind::Transfer);
+        let mut s = self.lock();
+        let (target, base, _) = self.resolve(&s, buf.id)?;
+        let bytes = data.as_bytes();
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let padded = buf.bytes();
+        let mut staging = self.make(
+            &mut s,
+            padded,
+            vk::BufferUsageFlags::TRANSFER_SRC,
+            MemoryLocation::CpuToGpu,
+        )?;
+        let Some(mapped) = staging.alloc.mapped_slice_mut() else {
+            self.destroy(&mut s, staging);
+            return Err(self.backend_error("upload staging memory is not host-visible"));
+        };
+        mapped[..bytes.len()].copy_from_slice(bytes);
+        mapped[bytes.len()..padded as usize].fill(0);
+        let src = staging.buffer;
+        if let Err(e) = self.stream(&mut s) {
+            self.destroy(&mut s, staging);
+            return Err(e);
+        }
+        Self::retire(&mut s, staging);
+        self.record_copy(&mut s, (src, 0), (target, base), padded)
+    }
+
+    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
+        let _span = span("begin download", SpanKind::Transfer);
+        let mut s = self.lock();
+        let (src, base, _) = self.resolve(&s, buf.id)?;
+        let padded = buf.bytes();
+        let staging = self.make(
+            &mut s,
+            padded,
+            vk::BufferUsageFlags::TRANSFER_DST,
+            MemoryLocation::GpuToCpu,
+        )?;
+        let dst = staging.buffer;
+        if padded > 0 {
+            if let Err(e) = self.record_copy(&mut s, (src, base), (dst, 0), padded) {
+                self.destroy(&mut s, staging);
+                return Err(e);
+            }
+            let cmd = self.stream(&mut s)?.cmd;
+            let to_host = vk::MemoryBarrier::default()
+                .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                .dst_access_mask(vk::AccessFlags::HOST_READ);
+            // SAFETY: `cmd` is recording.
+            unsafe {
+                self.device.cmd_pipeline_barrier(
+                    cmd,
+                    vk::PipelineStageFlags::TRANSFER,
+                    vk::PipelineStageFlags::HOST,
+                    vk::DependencyFlags::empty(),
+                    &[to_host],
+                    &[],
+                    &[],
+                )
+            };
+        }
+        let value = match self.flush(&mut s) {
+            Ok(v) => v,
+            Err(e) => {
+                Self::retire(&mut s, staging);
+                return Err(e);
+            }
+        };
+        let ticket = s.next_id;
+        s.next_id += 1;
+        s.staged.insert(ticket, (staging, value));
+        Ok(PendingDownload {
+            ticket,
+            buffer: buf,
+        })
+    }
+
+    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
+        let _span = span("download", SpanKind::Transfer);
+        let (staging, value) = self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "download ticket {} is not pending on `{}` (already finished, or begun on \
+                 another device)",
+                pending.ticket, self.caps.name
+            ))
+        })?;
+        let waited = self.wait_for(value);
+        let mut s = self.lock();
+        if let Err(e) = waited {
+            Self::retire(&mut s, staging);
+            return Err(e);
+        }
+        let buf = pending.buffer;
+        // SAFETY: the handle is only used to invalidate the mapping below, while the
+        // allocation is alive.
+        let memory = unsafe { staging.alloc.memory() };
+        if !staging
+            .alloc
+            .memory_properties()
+            .contains(vk::MemoryPropertyFlags::HOST_COHERENT)
+        {
+            let range = vk::MappedMemoryRange::default()
+                .memory(memory)
+                .offset(0)
+                .size(vk::WHOLE_SIZE);
+            // SAFETY: the memory is mapped (gpu-allocator maps host-visible blocks).
+            if let Err(e) = unsafe { self.device.invalidate_mapped_memory_ranges(&[range]) } {
+                self.destroy(&mut s, staging);
+                return Err(self.vk_error("reading a download", e));
+            }
+        }
+        let data = match staging.alloc.mapped_slice() {
+            Some(bytes) => Ok(HostData::from_bytes(buf.dtype, buf.len, bytes)),
+            None => Err(self.backend_error("download staging memory is not host-visible")),
+        };
+        self.destroy(&mut s, staging);
+        data
+    }
+
+    fn launch(&self, kernel: &Kernel) -> Result<()> {
+        kernel.validate()?;
+        let mut s = self.lock();
+        self.check_live(&s, kernel.name(), &kernel.buffers())?;
+        let Some(first) = self.stamp(&mut s)? else {
+            return lower::record_kernel(self, &mut s, kernel);
+        };
+        let _span = span("record", SpanKind::Record);
+        lower::record_kernel(self, &mut s, kernel)?;
+        if let Some(last) = self.stamp(&mut s)? {
+            if let Some(p) = s.profiling.as_mut() {
+                p.launches.push((kernel.cost(), first, last));
+            }
+        }
+        Ok(())
+    }
+
+    fn submit(&self) -> Result<()> {
+        let mut s = self.lock();
+        self.flush(&mut s).map(drop)
+    }
+
+    fn wait(&self) -> Result<()> {
+        let _span = span("wait", SpanKind::Wait);
+        let value = self.lock().submitted;
+        self.wait_for(value)?;
+        let mut s = self.lock();
+        self.reclaim(&mut s)
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.lock().allocated
+    }
+
+    /// Builds the pipelines `kernels` need that are not built yet, found by lowering
+    /// them with recording off, reporting each to `compiling`. (A software driver such
+    /// as lavapipe still compiles machine code on a pipeline's first run.)
+    fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
+        let mut s = self.lock();
+        s.collect = Some(vec![]);
+        let mut result = Ok(());
+        for k in kernels {
+            result = k
+                .validate()
+                .and_then(|()| self.check_live(&s, k.name(), &k.buffers()))
+                .and_then(|()| lower::record_kernel(self, &mut s, k));
+            if result.is_err() {
+                break;
+            }
+        }
+        let wanted = s.collect.take().unwrap_or_default();
+        result?;
+        compiling::queued(wanted.len());
+        let mut result = Ok(());
+        for (key, kernel) in wanted {
+            // After a failure the rest are counted off unbuilt: nobody waits for them.
+            if result.is_ok() {
+                result = self.pipeline(&mut s, &key, kernel).map(drop);
+            }
+            compiling::finished();
+        }
+        result
+    }
+
+    fn profile_begin(&self) -> Result<()> {
+        if !self.caps.timestamp_queries {
+            return Err(Error::Unsupported {
+                device: self.caps.name.clone(),
+                what: "timestamps on its compute queue, so its kernels cannot be timed: a \
+                       profile has host spans only"
+                    .to_string(),
+            });
+        }
+        let mut s = self.lock();
+        if s.profiling.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "profile_begin on `{}` while a profile is already open: call profile_end first",
+                self.caps.name
+            )));
+        }
+        // Everything before the profiled stretch runs first, so it is not counted.
+        self.flush(&mut s)?;
+        drop(s);
+        self.wait()?;
+        let now = std::time::Instant::now();
+        self.lock().profiling = Some(Profiling {
+            pools: vec![],
+            used: 0,
+            launches: vec![],
+            calibration: (0, now, now),
+        });
+        // The tightest of a few round trips: a thread wake-up on the way can stretch one.
+        let mut best: Option<(u32, std::time::Instant, std::time::Instant)> = None;
+        for _ in 0..CALIBRATIONS {
+            let mut s = self.lock();
+            let Some(query) = self.stamp(&mut s)? else {
+                break;
+            };
+            let before = std::time::Instant::now();
+            let value = self.flush(&mut s)?;
+            drop(s);
+            self.wait_for(value)?;
+            let after = std::time::Instant::now();
+            if best.is_none_or(|b| after - before < b.2 - b.1) {
+                best = Some((query, before, after));
+            }
+        }
+        if let (Some(p), Some(best)) = (self.lock().profiling.as_mut(), best) {
+            p.calibration = best;
+        }
+        Ok(())
+    }
+
+    fn profile_end(&self) -> Result<Vec<KernelTiming>> {
+        let mut s = self.lock();
+        let Some(p) = s.profiling.take() else {
+            return Err(Error::InvalidArgument(format!(
+                "profile_end on `{}` without profile_begin",
+                self.caps.name
+            )));
+        };
+        let value = self.flush(&mut s);
+        drop(s);
+        let waited = value.and_then(|v| self.wait_for(v));
+        let mut ticks = vec![0u64; p.used as usize];
+        let mut read = Ok(());
+        for (i, pool) in p.pools.iter().enumerate() {
+            let first = i * PER_POOL as usize;
+            let count = (p.used as usize)
+                .saturating_sub(first)
+                .min(PER_POOL as usize);
+            if read.is_ok() && waited.is_ok() && count > 0 {
+                // SAFETY: queries 0..count of the pool were reset and written by work
+                // that has completed.
+                read = unsafe {
+                    self.device.get_query_pool_results(
+                        *pool,
+                        0,
+                        &mut ticks[first..first + count],
+                        vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT,
+                    )
+                }
+                .map_err(|e| self.vk_error("reading the profile's timestamps", e));
+            }
+            // SAFETY: the device is done with the pool (waited above, or lost).
+            unsafe { self.device.destroy_query_pool(*pool, None) };
+        }
+        waited?;
+        read?;
+        let bits = self.features.timestamp_bits;
+        let mask = if bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        };
+        let ns_per_tick = self.features.timestamp_period as f64;
+        let (query, before, after) = p.calibration;
+        let anchor = before + (after - before) / 2;
+        let zero = ticks.get(query as usize).map_or(0, |t| t & mask);
+        let at = |q: u32| {
+            let ns = (ticks[q as usize] & mask).saturating_sub(zero) as f64 * ns_per_tick;
+            anchor + std::time::Duration::from_nanos(ns as u64)
+        };
+        Ok(p.launches
+            .into_iter()
+            .map(|(cost, first, last)| {
+                let (start, stop) = (at(first), at(last));
+                KernelTiming {
+                    cost,
+                    start,
+                    dur: stop.saturating_duration_since(start),
+                }
+            })
+            .collect())
+    }
+}
+
+impl Drop for VkDevice {
+    fn drop(&mut self) {
+        // SAFETY: after the device is idle nothing uses any object below; each is
+        // destroyed once, the device after them and the instance (a field) last.
+        unsafe {
+            let _ = self.device.device_wait_idle();
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut mems: Vec<Mem> = vec![];
+            if let Some(st) = s.stream.take() {
+                mems.push(st.arena);
+            }
+            for (_, r) in std::mem::take(&mut s.retired) {
+                mems.extend(r.mems);
+            }
+            mems.extend(std::mem::take(&mut s.free_arenas));
+            for (_, slot) in std::mem::take(&mut s.buffers) {
+                if let SlotKind::Own(m) = slot.kind {
+                    mems.push(m);
+                }
+            }
+            for (_, (m, _)) in std::mem::take(&mut s.staged) {
+                mems.push(m);
+            }
+            mems.extend(
+                [
+                    s.partials.take(),
+                    s.scratch.take(),
+                    s.band_partials.take(),
+                    s.dummy.take(),
+                ]
+                .into_iter()
+                .flatten(),
+            );
+            for m in mems {
+                self.destroy(&mut s, m);
+            }
+            if let Some(p) = s.profiling.take() {
+                for pool in p.pools {
+                    self.device.destroy_query_pool(pool, None);
+                }
+            }
+            for (_, (p, set, pl)) in s.glsl.drain() {
+                self.device.destroy_pipeline(p, None);
+                self.device.destroy_pipeline_layout(pl, None);
+                self.device.destroy_descriptor_set_layout(set, None);
+            }
+            for (_, p) in s.pipelines.drain() {
+                self.device.destroy_pipeline(p, None);
+            }
+            for (_, (set, pl)) in s.layouts.drain() {
+                self.device.destroy_pipeline_layout(pl, None);
+                self.device.destroy_descriptor_set_layout(set, None);
+            }
+            drop(s.allocator.take());
+            self.save_cache();
+            self.device.destroy_pipeline_cache(self.cache, None);
+            self.device.destroy_semaphore(self.timeline, None);
+            self.device.destroy_command_pool(self.pool, None);
+            self.device.destroy_device(None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_damaged_spv_is_an_error_naming_the_file_and_the_fix() {
+        for bad in [
+            &b""[..],
+            b"garbage!",
+            &GEMM_F32_SPV[..GEMM_F32_SPV.len() - 1],
+        ] {
+            let e = spirv_words("gemm_f32", bad).unwrap_err();
+            assert!(
+                e.contains("shaders/vulkan/spv/gemm_f32.spv")
+                    && e.contains("shaders/vulkan/build.sh"),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            spirv_words("gemm_f32", GEMM_F32_SPV).unwrap().len() * 4,
+            GEMM_F32_SPV.len()
+        );
+    }
+}

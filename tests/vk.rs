@@ -1,0 +1,317 @@
+//! The raw Vulkan backend (`vk:N`, kiln-vulkan) against the wgpu backend on the same
+//! Vulkan device, and its errors. (The kernel tests run on it through
+//! `common::gpu_paths`.)
+
+mod common;
+
+use common::*;
+use kiln::engine::models::gpt::GptConfig;
+use kiln::engine::models::MicroBatch;
+use kiln::engine::{DType, Device, Error};
+use kiln::{open_device, DeviceSpec};
+
+/// Trains a small GPT `steps` steps on `dev`; the losses and the final weights.
+fn train(dev: &dyn Device, dtype: DType, steps: usize) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 16,
+        vocab_size: 61,
+        padded_vocab_size: None,
+    };
+    let (b, t) = (2, 16);
+    let mut trainer = gpt_trainer(dev, &cfg, (b, t), dtype, 1);
+    let mut rng = Rng::new(11);
+    let mut losses = vec![];
+    for _ in 0..steps {
+        let tokens: Vec<u32> = (0..b * t + 1).map(|_| rng.next_u32() % 61).collect();
+        let mb = MicroBatch::tokens(&tokens[..b * t], &tokens[1..]);
+        losses.push(trainer.step(dev, &[mb]).unwrap().loss);
+    }
+    (losses, trainer.model.parameters(dev).unwrap())
+}
+
+fn compare(dtype: DType, disable_f16: bool, loss_tol: f32, weight_tol: f32) {
+    let vk = vk(disable_f16);
+    let wgpu = gpu("vulkan", disable_f16);
+    assert_eq!(vk.caps().f16_arithmetic, !disable_f16);
+    let (lv, pv) = train(vk.as_ref(), dtype, 5);
+    let (lw, pw) = train(wgpu.as_ref(), dtype, 5);
+    for (i, (a, b)) in lv.iter().zip(&lw).enumerate() {
+        assert!(
+            (a - b).abs() <= loss_tol * b.abs(),
+            "{dtype} step {i}: loss vk {a}, wgpu {b}"
+        );
+    }
+    for ((name, a), (_, b)) in pv.iter().zip(&pw) {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= weight_tol,
+            "{dtype}: {name}: weights differ by up to {worst} after 5 steps"
+        );
+    }
+}
+
+#[test]
+fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp32() {
+    // The same kernels in the same order: only the compilers' floating-point contraction
+    // may differ, far inside the GPU-vs-CPU tolerances.
+    compare(DType::F32, false, 1e-4, 1e-3);
+}
+
+#[test]
+fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp16() {
+    compare(DType::F16, false, 2e-3, 1e-2);
+}
+
+/// f16 stored as packed halves and computed in f32 (a device without shaderFloat16, or
+/// opened with f16 off): the SPIR-V then needs no Float16 capability.
+#[test]
+fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp16_packed() {
+    compare(DType::F16, true, 2e-3, 1e-2);
+}
+
+#[test]
+fn vk_devices_are_named_and_listed() {
+    assert_eq!("vk:0".parse::<DeviceSpec>().unwrap(), DeviceSpec::Vk(0));
+    assert_eq!("vk".parse::<DeviceSpec>().unwrap(), DeviceSpec::Vk(0));
+    assert_eq!(DeviceSpec::Vk(3).to_string(), "vk:3");
+    let list = kiln::vulkan::physical_devices();
+    assert!(
+        !list.is_empty(),
+        "no Vulkan device for kiln-vulkan: {}",
+        kiln::vulkan::NO_VULKAN_HINT
+    );
+    let dev = open_device(&DeviceSpec::Vk(0), &Default::default()).unwrap();
+    assert_eq!(dev.caps().name, list[0].caps.name);
+    assert_eq!(dev.caps().backend, "vk");
+}
+
+#[test]
+fn a_missing_vk_device_is_a_clear_error() {
+    let n = kiln::vulkan::physical_devices().len();
+    let err = open_device(&DeviceSpec::Vk(n + 7), &Default::default())
+        .err()
+        .expect("no such device");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!("vk:{}", n + 7)) && msg.contains("kiln devices"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn an_allocation_over_the_largest_buffer_is_out_of_memory() {
+    let dev = vk(false);
+    let max = dev.caps().max_buffer;
+    let len = (max / 4 + 1) as usize;
+    match dev.alloc(DType::F32, len.min(u32::MAX as usize)) {
+        Err(Error::OutOfMemory { detail, .. }) => {
+            assert!(detail.contains("bytes"), "{detail}")
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    // The device still works.
+    let b = put(dev.as_ref(), &data(DType::F32, 64, 1, false));
+    assert_eq!(dev.download(b).unwrap().len(), 64);
+}
+
+/// Runs one kernel on a `vk:0` opened with its pipeline cache in `dir`; checks the result.
+fn axpy_with_cache_in(dir: &std::path::Path) {
+    let dev = kiln::vulkan::VkDevice::open(
+        0,
+        &kiln::wgpu::DeviceOptions {
+            pipeline_cache_dir: Some(dir.to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let x = put(&dev, &kiln::engine::HostData::F32(vec![1.5; 100]));
+    let y = put(&dev, &kiln::engine::HostData::F32(vec![2.0; 100]));
+    dev.launch(&kiln::engine::Kernel::Axpy { alpha: 2.0, x, y })
+        .unwrap();
+    assert_eq!(
+        dev.download(y).unwrap(),
+        kiln::engine::HostData::F32(vec![5.0; 100])
+    );
+}
+
+/// The one cache file in `dir`, and its bytes.
+fn cache_file(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>) {
+    let files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let bytes = std::fs::read(&files[0]).unwrap();
+    (files[0].clone(), bytes)
+}
+
+#[test]
+fn the_pipeline_cache_is_kept_on_disk_and_a_damaged_one_is_ignored() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    axpy_with_cache_in(&dir);
+    let (path, good) = cache_file(&dir);
+    assert!(
+        good.starts_with(b"KILNPC1\n") && good.len() > 32,
+        "{path:?}"
+    );
+    // A truncated file (a crash mid-write elsewhere, a full disk) never reaches the
+    // driver: the run compiles from source and writes a whole file again.
+    std::fs::write(&path, &good[..good.len() / 2]).unwrap();
+    axpy_with_cache_in(&dir);
+    let (_, again) = cache_file(&dir);
+    assert!(again.starts_with(b"KILNPC1\n") && again.len() > 32);
+    std::fs::write(&path, b"garbage").unwrap();
+    axpy_with_cache_in(&dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One stream of more launches than a parameter arena holds (4096) is submitted in
+/// parts, in order; a second round reuses the arenas the first one released.
+#[test]
+fn launches_past_one_parameter_arena_keep_their_order() {
+    let dev = vk(false);
+    let x = put(dev.as_ref(), &kiln::engine::HostData::F32(vec![1.0; 9]));
+    let y = put(dev.as_ref(), &kiln::engine::HostData::F32(vec![0.0; 9]));
+    for round in 1..=2 {
+        for _ in 0..9000 {
+            dev.launch(&kiln::engine::Kernel::Axpy { alpha: 1.0, x, y })
+                .unwrap();
+        }
+        dev.submit().unwrap();
+        dev.wait().unwrap();
+        assert_eq!(
+            dev.download(y).unwrap(),
+            kiln::engine::HostData::F32(vec![9000.0 * round as f32; 9]),
+            "round {round}"
+        );
+    }
+}
+
+/// Every SPIR-V module a GPT step builds on `vk:0` (GEMMs, fused attention, layer norm,
+/// softmax and cross-entropy, embedding, AdamW, casts, reductions; fp16 training, so
+/// f16 and f32 operands) passes
+/// `spirv-val` for Vulkan 1.3: naga's output is valid SPIR-V, not merely accepted by
+/// lavapipe.
+#[test]
+fn every_spirv_module_of_a_gpt_step_passes_spirv_val() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-spirv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dev = kiln::vulkan::VkDevice::open(0, &Default::default()).unwrap();
+    dev.dump_spirv_to(&dir).unwrap();
+    train(&dev, DType::F16, 1);
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(files.len() >= 20, "only {} modules", files.len());
+    for f in &files {
+        let out = std::process::Command::new("spirv-val")
+            .args(["--target-env", "vulkan1.3"])
+            .arg(f)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("running spirv-val ({e}): install spirv-tools (scripts/setup.sh)")
+            });
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `kiln train --devices vk:0,vulkan:0`: both host APIs in one data-parallel group,
+/// through the CLI's device parsing and opening.
+#[test]
+fn kiln_train_runs_a_group_of_vk_and_vulkan() {
+    let dir = std::env::temp_dir().join(format!("kiln-vk-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let config = dir.join("ds_config.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.003}}}"#,
+    )
+    .unwrap();
+    let report = kiln::train::train(&kiln::train::TrainOptions {
+        config: Some(config),
+        model: Some(model),
+        devices: vec!["vk:0".into(), "vulkan:0".into()],
+        out: Some(dir.join("run")),
+        steps: Some(3),
+        eval_every: Some(0),
+        checkpoint_every: Some(0),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(report.steps, 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `prepare` builds every pipeline a list of launches needs, so launching them builds
+/// none; the results are those of unprepared launches.
+#[test]
+fn prepared_launches_build_no_more_pipelines() {
+    let dev = kiln::vulkan::VkDevice::open(0, &Default::default()).unwrap();
+    let mut rng = Rng::new(3);
+    let mut small = |n: usize| {
+        let v: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        kiln::engine::HostData::from_f32(DType::F16, &v)
+    };
+    let a = put(&dev, &small(24 * 40));
+    let b = put(&dev, &small(40 * 16));
+    let c = dev.alloc(DType::F16, 24 * 16).unwrap();
+    let sum = dev.alloc(DType::F32, 1).unwrap();
+    let kernels = [
+        kiln::engine::Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, 24, 16, 40)),
+        kiln::engine::Kernel::Reduce {
+            op: kiln::engine::ReduceOp::SumSquares,
+            src: c,
+            dst: sum,
+        },
+    ];
+    assert_eq!(dev.pipeline_count(), 0);
+    dev.prepare(&kernels).unwrap();
+    let prepared = dev.pipeline_count();
+    assert!(prepared >= 3, "{prepared} pipelines");
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    dev.submit().unwrap();
+    assert_eq!(dev.pipeline_count(), prepared);
+    // The same launches on the CPU reference.
+    let cpu = kiln::cpu::CpuDevice::new();
+    let (ca, cb) = (
+        put(&cpu, &dev.download(a).unwrap()),
+        put(&cpu, &dev.download(b).unwrap()),
+    );
+    let cc = cpu.alloc(DType::F16, 24 * 16).unwrap();
+    cpu.launch(&kiln::engine::Kernel::Matmul(kiln::engine::Matmul::new(
+        ca, cb, cc, 24, 16, 40,
+    )))
+    .unwrap();
+    let (got, want) = (
+        dev.download(c).unwrap().to_f32(),
+        cpu.download(cc).unwrap().to_f32(),
+    );
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 2e-2 * w.abs().max(1.0), "{g} vs {w}");
+    }
+}
