@@ -12,6 +12,8 @@ use std::fmt::Write as _;
 
 use anyhow::Result;
 use kiln_engine::models::{host_memory_available, Model, Network, NetworkMemory, NetworkOptions};
+use kiln_engine::parallel::pipeline::Pipeline;
+use kiln_engine::parallel::pipeline_partition::PartitionMethod;
 use kiln_engine::{Capabilities, DType, Optimizer};
 
 /// One ZeRO stage's per-device bytes.
@@ -197,6 +199,104 @@ fn unique(devices: &[Capabilities]) -> Vec<&Capabilities> {
         .iter()
         .filter(|c| seen.insert((c.name.clone(), c.backend.clone())))
         .collect()
+}
+
+/// `--partition`: `uniform`, `parameters` (DeepSpeed's default) or blocks per stage
+/// (`3,5`).
+pub fn parse_partition(text: &str) -> Result<PartitionMethod> {
+    match text {
+        "uniform" => Ok(PartitionMethod::Uniform),
+        "parameters" => Ok(PartitionMethod::Parameters),
+        counts => {
+            let parsed: Result<Vec<usize>, _> = counts
+                .split(',')
+                .map(|c| c.trim().parse::<usize>())
+                .collect();
+            parsed.map(PartitionMethod::Blocks).map_err(|_| {
+                anyhow::anyhow!(
+                    "--partition {counts:?}: give `uniform`, `parameters` or blocks per stage \
+                     such as `3,5`"
+                )
+            })
+        }
+    }
+}
+
+/// The per-stage table of a pipeline of `stages` stages on `world` devices: each
+/// stage's blocks and device bytes as [`Pipeline::new`] allocates them (its weights,
+/// gradients, master weights and moments, and the activations of the micro-batches it
+/// keeps in flight: `p - s` for stage `s`, whatever `gradient_accumulation_steps` is).
+pub fn pipeline_report(
+    model: &dyn Model,
+    micro_batch: usize,
+    dtype: DType,
+    (stages, world): (usize, usize),
+    method: &PartitionMethod,
+) -> Result<String> {
+    if stages == 0 || world % stages != 0 {
+        anyhow::bail!(
+            "--pipeline-stages {stages} does not divide the {world} device(s): a pipeline of \
+             p stages takes p devices per data-parallel replica (e.g. --devices vulkan:0x4 \
+             --pipeline-stages 2 is 2 stages x 2 replicas)"
+        );
+    }
+    let options = NetworkOptions {
+        batch: micro_batch,
+        dtype,
+        optimizer: Optimizer::adamw(1e-3, 0.0),
+        seed: 0,
+    };
+    let memory = Pipeline::memory(model, &options, method, stages)?;
+    let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
+    let dp = world / stages;
+    let cut = match method {
+        PartitionMethod::Uniform => "uniform".to_string(),
+        PartitionMethod::Parameters => "parameters".to_string(),
+        PartitionMethod::Blocks(counts) => format!("blocks {counts:?}"),
+        PartitionMethod::Measured { .. } => "measured".to_string(),
+    };
+    let mut out = String::new();
+    writeln!(
+        out,
+        "{}: {stages} pipeline stage(s) x {dp} data-parallel replica(s), {dtype}, micro-batch \
+         {micro_batch}, partition {cut}",
+        model.describe()
+    )?;
+    writeln!(
+        out,
+        "{:<7} {:>8} {:>12} {:>12} {:>14} {:>13} {:>12}  in flight",
+        "stage", "blocks", "weights", "gradients", "master+Adam", "activations", "per device"
+    )?;
+    for (s, (m, b)) in memory.iter().zip(&blocks).enumerate() {
+        writeln!(
+            out,
+            "{s:<7} {:>8} {:>12} {:>12} {:>14} {:>13} {:>12}  {} micro-batch(es)",
+            format!("{}..{}", b.start, b.end),
+            mib(m.weights),
+            mib(m.gradients),
+            mib(m.optimizer),
+            mib(m.activations),
+            mib(m.total()),
+            stages - s
+        )?;
+    }
+    writeln!(
+        out,
+        "Stage s of p keeps p - s micro-batches' activations whatever \
+         gradient_accumulation_steps is (1F1B); parameters read on several stages (a tied \
+         embedding) are held on each."
+    )?;
+    writeln!(
+        out,
+        "Pipelines train through the library (Pipeline, PipelineTrainer); `kiln train` \
+         does not run them yet{}.",
+        if dp > 1 {
+            ", nor pipeline x data parallelism (each replica would hold these figures)"
+        } else {
+            ""
+        }
+    )?;
+    Ok(out)
 }
 
 #[cfg(test)]

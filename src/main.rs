@@ -101,6 +101,14 @@ enum Command {
         /// Sequence length; default: the model's block_size.
         #[arg(long)]
         seq: Option<usize>,
+        /// Per-stage memory of a pipeline of this many stages (the devices split into
+        /// stages x data-parallel replicas) instead of the ZeRO table.
+        #[arg(long, default_value_t = 1)]
+        pipeline_stages: usize,
+        /// How the blocks are cut into stages: `parameters` (balance parameter counts,
+        /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`).
+        #[arg(long)]
+        partition: Option<String>,
     },
     /// Measure kernel throughput.
     Bench {
@@ -496,7 +504,15 @@ fn run(cli: Cli) -> Result<()> {
             devices,
             config,
             seq,
-        } => estimate(&model, &devices, config.as_deref(), seq),
+            pipeline_stages,
+            partition,
+        } => estimate(
+            &model,
+            &devices,
+            config.as_deref(),
+            seq,
+            (pipeline_stages, partition.as_deref()),
+        ),
         Command::Bench {
             what: BenchWhat::Matmul(args),
         } => bench_matmul(args),
@@ -666,8 +682,13 @@ fn estimate(
     devices: &[String],
     config: Option<&std::path::Path>,
     seq: Option<usize>,
+    (stages, partition): (usize, Option<&str>),
 ) -> Result<()> {
     use kiln::engine::DType;
+    if stages <= 1 && partition.is_some() {
+        bail!("--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more");
+    }
+    let method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
@@ -709,6 +730,19 @@ fn estimate(
         None => (1, DType::F16),
     };
     let model = m.build(seq.unwrap_or(m.block_size()));
+    if stages > 1 {
+        out!(
+            "{}",
+            kiln::estimate::pipeline_report(
+                model.as_ref(),
+                micro,
+                dtype,
+                (stages, world),
+                &method
+            )?
+        );
+        return Ok(());
+    }
     out!(
         "{}",
         kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?

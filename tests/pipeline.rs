@@ -831,3 +831,128 @@ fn a_bad_micro_batch_is_refused_before_any_stage_runs() {
     pipe.step(&batches(0, 3), step_options()).unwrap();
     assert_eq!(pipe.steps_applied(), 1);
 }
+
+/// `kiln estimate --pipeline-stages` prints each stage's blocks and device bytes as
+/// `Pipeline::new` allocates them (`Pipeline::memory`, itself equal to the allocator),
+/// and refuses a stage count that does not divide the devices or a stray partition.
+#[test]
+fn kiln_estimate_prints_the_memory_of_each_stage() {
+    let dir = std::env::temp_dir().join(format!("kiln-pipe-estimate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.json");
+    std::fs::write(
+        &path,
+        r#"{"n_layer": 5, "n_head": 4, "n_embd": 128, "block_size": 32, "vocab_size": 4096}"#,
+    )
+    .unwrap();
+    let model_arg = path.to_str().unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["estimate", "--model", model_arg])
+            .args(args)
+            .output()
+            .expect("run kiln")
+    };
+    let out = run(&[
+        "--devices",
+        "4",
+        "--pipeline-stages",
+        "2",
+        "--partition",
+        "uniform",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("2 pipeline stage(s) x 2 data-parallel replica(s)"),
+        "{text}"
+    );
+    // The defaults of `kiln estimate` without a config: micro-batch 1, fp16.
+    let gpt = Gpt::new(
+        GptConfig {
+            n_layer: 5,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 32,
+            vocab_size: 4096,
+            padded_vocab_size: None,
+        },
+        32,
+    );
+    let options = NetworkOptions {
+        batch: 1,
+        dtype: DType::F16,
+        optimizer: kiln::engine::Optimizer::adamw(1e-3, 0.0),
+        seed: 0,
+    };
+    let want = Pipeline::memory(&gpt, &options, &PartitionMethod::Uniform, 2).unwrap();
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    // Uniform: 3 blocks then 2; the first stage keeps 2 micro-batches, the last 1.
+    for (s, (blocks, flight)) in [("0..3", 2), ("3..5", 1)].into_iter().enumerate() {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{s} ")))
+            .unwrap_or_else(|| panic!("no row for stage {s}: {text}"));
+        let m = &want[s];
+        for cell in [
+            blocks.to_string(),
+            mib(m.weights),
+            mib(m.gradients),
+            mib(m.optimizer),
+            mib(m.activations),
+            mib(m.total()),
+            format!("{flight} micro-batch(es)"),
+        ] {
+            assert!(
+                row.contains(&cell),
+                "stage {s}: {cell:?} missing from {row:?}"
+            );
+        }
+    }
+    // The tied embedding (4096 x 128) is on both ends: the last stage holds more than
+    // its two blocks' weights.
+    assert!(want[1].weights > want[0].weights / 2, "{want:?}");
+    let out = run(&["--devices", "3", "--pipeline-stages", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("does not divide the 3 device(s)"),
+        "{err}"
+    );
+    let out = run(&["--partition", "uniform"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--pipeline-stages 2 or more"),
+        "{err}"
+    );
+    let out = run(&[
+        "--devices",
+        "2",
+        "--pipeline-stages",
+        "2",
+        "--partition",
+        "4,4",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("adding up to the model's 5 blocks"),
+        "{err}"
+    );
+    let out = run(&[
+        "--devices",
+        "2",
+        "--pipeline-stages",
+        "2",
+        "--partition",
+        "half",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`uniform`, `parameters`"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

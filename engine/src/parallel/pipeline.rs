@@ -265,6 +265,17 @@ impl Pipeline {
         stage_memory(&c.specs, &c.parts, options)
     }
 
+    /// The blocks each of `stages` stages would run for `model` under `method` (what
+    /// [`Pipeline::new`] cuts; `kiln estimate` shows it).
+    pub fn stage_blocks_of(
+        model: &dyn Model,
+        method: &PartitionMethod,
+        stages: usize,
+    ) -> Result<Vec<std::ops::Range<usize>>> {
+        let specs = model.parameters();
+        partition(method, &stage_costs(&specs, &model.blocks()), stages)
+    }
+
     /// The devices, one per stage.
     pub fn devices(&self) -> &[Box<dyn Device>] {
         &self.devs
