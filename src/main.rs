@@ -276,6 +276,36 @@ enum BenchWhat {
     /// A training step of a named model size per adapter and precision: tokens/s, step
     /// time, MFU, device memory, and step time ÷ the step's GEMM-bound time.
     Train(TrainBenchArgs),
+    /// A GPT split into 1, 2, 4… pipeline stages (devices of one adapter) at several
+    /// micro-batch counts: step time, tokens/s, bubble measured against the 1F1B
+    /// schedule's, bytes between stages and each stage's memory.
+    Pipeline(PipelineBenchArgs),
+}
+
+#[derive(clap::Args)]
+struct PipelineBenchArgs {
+    /// The adapter whose devices are the stages (`kiln devices`); default: vulkan.
+    #[arg(long, default_value = "vulkan")]
+    device: String,
+    /// Model: `small` (5.29M GPT, T 128, micro-batch 8), `demo`, `gpt2`, or a model
+    /// JSON file.
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// Sequences per micro-batch instead of the model's own.
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    /// Stage counts to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    stages: Vec<usize>,
+    /// Micro-batches per step (m); default: p and 4p for each stage count p.
+    #[arg(long, value_delimiter = ',')]
+    micro_batches: Vec<usize>,
+    /// Timed steps after the warm-up step (which compiles).
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    /// Write the rows as JSON to this file (`-` for stdout) as well.
+    #[arg(long)]
+    json: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -531,7 +561,68 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Train(args),
         } => bench_train(args),
+        Command::Bench {
+            what: BenchWhat::Pipeline(args),
+        } => bench_pipeline(args),
     }
+}
+
+fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
+    use kiln::bench_pipeline::{format_rows, measure};
+    // Every argument is checked before anything compiles or runs.
+    let model = kiln::bench_train::bench_model(&a.model, a.micro_batch)?;
+    let spec: kiln::DeviceSpec = a.device.parse()?;
+    let Some(adapter) = spec.adapter_index()? else {
+        anyhow::bail!(
+            "--device {}: the stages run on a GPU adapter (`kiln devices`), not the CPU reference",
+            a.device
+        );
+    };
+    if a.stages.is_empty() || a.stages.contains(&0) {
+        anyhow::bail!("--stages: give stage counts of 1 or more, e.g. 1,2,4");
+    }
+    if a.micro_batches.contains(&0) {
+        anyhow::bail!("--micro-batches: a step needs at least one micro-batch");
+    }
+    let mut runs = vec![];
+    for &p in &a.stages {
+        let ms = if a.micro_batches.is_empty() {
+            let mut v = vec![p, 4 * p];
+            v.dedup();
+            v
+        } else {
+            a.micro_batches.clone()
+        };
+        runs.extend(ms.into_iter().map(|m| (p, m)));
+    }
+    let mut rows = vec![];
+    for (p, m) in runs {
+        errln!(
+            "kiln bench pipeline: {} in {p} stage(s), {m} micro-batch(es) per step",
+            model.name
+        );
+        if p > 1 && m < 4 * p {
+            errln!(
+                "  m = {m} < 4p = {}: the schedule idles {:.0}% of each stage's step",
+                4 * p,
+                100.0 * kiln::bench_pipeline::theoretical_bubble(p, m)
+            );
+        }
+        rows.push(measure(adapter, &model, p, m, a.steps)?);
+    }
+    if let Some(r) = rows.first() {
+        outln!(
+            "{} on {} (each stage its own device on this adapter), fp32, micro-batch {}",
+            r.model,
+            r.adapter,
+            model.micro_batch
+        );
+    }
+    outln!("{}", format_rows(&rows));
+    if let Some(path) = a.json {
+        kiln::bench::write_json(&rows, &path)?;
+    }
+    Ok(())
 }
 
 fn train(a: TrainArgs) -> Result<()> {

@@ -956,3 +956,78 @@ fn kiln_estimate_prints_the_memory_of_each_stage() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `kiln bench pipeline` on lavapipe: one row per (stages, m) with the schedule's
+/// bubble, a measured bubble that is a share of the step, bytes moved only between
+/// stages, and each stage's memory; bad arguments refused before anything runs.
+#[test]
+fn kiln_bench_pipeline_measures_stages_and_micro_batch_counts() {
+    let dir = std::env::temp_dir().join(format!("kiln-pipe-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 8, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let json = dir.join("rows.json");
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["bench", "pipeline", "--model", model.to_str().unwrap()])
+            .args(["--micro-batch", "2", "--steps", "1"])
+            .args(args)
+            .output()
+            .expect("run kiln")
+    };
+    let out = run(&["--stages", "1,2", "--json", json.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("m = 2 < 4p = 8"), "the m < 4p warning: {err}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // Default m: p and 4p for each p.
+    let pm: Vec<(u64, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["stages"].as_u64().unwrap(),
+                r["micro_batches"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(pm, [(1, 1), (1, 4), (2, 2), (2, 8)]);
+    for r in &rows {
+        let (p, m) = (
+            r["stages"].as_f64().unwrap(),
+            r["micro_batches"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            r["bubble_theory"].as_f64().unwrap(),
+            (p - 1.0) / (m + p - 1.0)
+        );
+        let measured = r["bubble_measured"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&measured), "{r}");
+        assert_eq!(r["stage_mib"].as_array().unwrap().len(), p as usize);
+        // One stage sends nothing; two send each micro-batch's activations (2 x 8 x 32
+        // f32) forward and their gradients back.
+        let want = if p == 1.0 {
+            0.0
+        } else {
+            m * 2.0 * 2048.0 / 1e6
+        };
+        assert!(
+            (r["mb_moved"].as_f64().unwrap() - want).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+    let out = run(&["--stages", "8"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("has 4 blocks"),
+        "{err}"
+    );
+    let out = run(&["--stages", "0"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stage counts of 1 or more"));
+    std::fs::remove_dir_all(&dir).ok();
+}

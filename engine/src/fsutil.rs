@@ -27,10 +27,14 @@ pub(crate) fn ctx<T>(r: std::io::Result<T>, action: &'static str, path: &Path) -
     })
 }
 
-/// The temporary name this process uses for `path` while writing it.
+/// A temporary name for `path` while it is written: this process's and this write's
+/// own, so two threads saving the same file (two devices of one adapter saving their
+/// pipeline cache) do not rename each other's temporary file away.
 pub(crate) fn tmp_path(path: &Path) -> PathBuf {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".tmp-{}", std::process::id()));
+    name.push(format!(".tmp-{}-{n}", std::process::id()));
     path.with_file_name(name)
 }
 
@@ -135,4 +139,34 @@ pub fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             format!("{} {}: {}", f.action, f.path.display(), f.err),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn threads_replacing_one_file_at_once_all_succeed() {
+        // Two devices of one adapter save the same pipeline cache file when their
+        // compiles finish: with one temporary name per process, one thread renamed the
+        // other's file away and the other's save failed.
+        let dir = std::env::temp_dir().join(format!("kiln-fsutil-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cache.bin");
+        let barrier = std::sync::Barrier::new(4);
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let (path, barrier) = (&path, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    for _ in 0..50 {
+                        super::write_atomic(path, &[t; 4096]).unwrap();
+                    }
+                });
+            }
+        });
+        let kept = std::fs::read(&path).unwrap();
+        assert!(kept.len() == 4096 && kept.iter().all(|&b| b == kept[0]));
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+        assert_eq!(left.len(), 1, "temporary files left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -9,7 +9,7 @@
 //! schedule, data position, RNG, counters) and, per file, its byte size, SHA-256 and
 //! tensor list.
 //!
-//! Saving is atomic: the files go into `step-00000100.tmp-<pid>/`, each is flushed to
+//! Saving is atomic: the files go into `step-00000100.tmp-<pid>-<n>/`, each is flushed to
 //! disk, then the directory; it is renamed to its final name and the parent flushed;
 //! only then is the `latest` pointer replaced (temporary file + rename) and are older
 //! checkpoints beyond the caller's `keep_last` removed. A crash at any point leaves
