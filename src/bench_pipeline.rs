@@ -60,7 +60,7 @@ pub fn measure(
         );
     };
     let (seq, vocab) = (gpt.block_size, gpt.vocab_size);
-    let built: Arc<dyn kiln_engine::models::Model> = Arc::from(model.config.build(seq));
+    let built: Arc<dyn kiln_engine::models::Model> = model.config.build(seq);
     if built.blocks().len() < stages {
         bail!(
             "{} has {} blocks; {stages} stages need at least as many (use a deeper model or \
