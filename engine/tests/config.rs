@@ -372,6 +372,14 @@ fn training_changing_sections_are_errors_unless_off() {
         let p = problem(&e, path);
         assert!(p.message.contains("not supported by Kiln"), "{}", p.message);
     }
+    // The pipeline's says where pipelines are trained and sized today.
+    let p = problem(&e, "pipeline");
+    assert!(
+        p.message.contains("PipelineTrainer")
+            && p.message.contains("kiln estimate --pipeline-stages"),
+        "{}",
+        p.message
+    );
     // Switched off, they ask for nothing and are accepted silently.
     let c = ok(r#"{
         "train_batch_size": 32,

@@ -39,7 +39,12 @@ pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
         "choosing the gradient accumulation data type (Kiln accumulates in the training \
          precision)",
     ),
-    ("pipeline", Inert::Null, "pipeline parallelism"),
+    (
+        "pipeline",
+        Inert::Null,
+        "pipeline parallelism in `kiln train` (the library's Pipeline and \
+         PipelineTrainer train pipelines; `kiln estimate --pipeline-stages N` sizes them)",
+    ),
     (
         "tensor_parallel",
         Inert::Empty,
