@@ -295,6 +295,9 @@ pub struct Runs<'a> {
     pub extra: &'a [MatmulVariant],
     /// The SPIR-V GEMM on the adapters named (Vulkan ones; f32 and f16).
     pub spirv: &'a [(String, SpirvMatmul)],
+    /// Other devices (the raw Vulkan backend's `vk:N`), timed through the `Device`
+    /// trait with the planner's kernel.
+    pub vk: &'a [Box<dyn Device>],
 }
 
 /// The whole table for `devices` × `dtypes` × `shapes`; `naive_up_to` bounds the
@@ -311,9 +314,14 @@ pub fn matmul_table(
         naive_up_to,
         extra,
         spirv,
+        vk,
     } = runs;
     let naive_up_to = *naive_up_to;
-    let caps: Vec<&Capabilities> = devices.iter().map(|d| d.caps()).collect();
+    let caps: Vec<&Capabilities> = devices
+        .iter()
+        .map(|d| d.caps())
+        .chain(vk.iter().map(|d| d.caps()))
+        .collect();
     let host = host_memory_available();
     for s in shapes {
         s.check(&caps, dtypes, host)?;
@@ -343,28 +351,84 @@ pub fn matmul_table(
                         (None, None) => unreachable!("SPIR-V runs only where a twin exists"),
                     }
                     .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
-                    let row = Row {
-                        adapter: caps.name.clone(),
-                        backend: caps.backend.clone(),
-                        dtype: dtype.to_string(),
-                        m: s.m,
-                        n: s.n,
-                        k: s.k,
-                        op: s.op().into(),
-                        shape: s.label.into(),
-                        variant,
-                        ms: 2.0 * s.m as f64 * s.n as f64 * s.k as f64 / gflops / 1e6,
-                        gflops,
-                        cpu_gflops: cpu,
-                        ratio: gflops / cpu,
-                    };
+                    let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
                     progress(&row);
                     rows.push(row);
                 }
             }
         }
+        for dev in vk.iter() {
+            let caps = dev.caps().clone();
+            for &dtype in dtypes {
+                let (gflops, variant) = device_gflops(dev.as_ref(), s, dtype, budget)
+                    .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
+                let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
+                progress(&row);
+                rows.push(row);
+            }
+        }
     }
     Ok(rows)
+}
+
+impl Row {
+    fn new(
+        caps: &Capabilities,
+        dtype: DType,
+        s: &Shape,
+        variant: String,
+        gflops: f64,
+        cpu: f64,
+    ) -> Row {
+        Row {
+            adapter: caps.name.clone(),
+            backend: caps.backend.clone(),
+            dtype: dtype.to_string(),
+            m: s.m,
+            n: s.n,
+            k: s.k,
+            op: s.op().into(),
+            shape: s.label.into(),
+            variant,
+            ms: 2.0 * s.m as f64 * s.n as f64 * s.k as f64 / gflops / 1e6,
+            gflops,
+            cpu_gflops: cpu,
+            ratio: gflops / cpu,
+        }
+    }
+}
+
+/// Times one GEMM on any device through the `Device` trait (the planner's kernel),
+/// end to end per launch as [`gpu_gflops`] does; the variant is the planner's choice
+/// for these capabilities.
+pub fn device_gflops(
+    dev: &dyn Device,
+    s: &Shape,
+    dtype: DType,
+    budget: Duration,
+) -> Result<(f64, String)> {
+    let fill = |len: usize| {
+        let v: Vec<f32> = (0..len).map(|i| ((i % 17) as f32 - 8.0) / 16.0).collect();
+        HostData::from_f32(dtype, &v)
+    };
+    let a = dev.alloc(dtype, s.m * s.k)?;
+    let b = dev.alloc(dtype, s.k * s.n)?;
+    let c = dev.alloc(dtype, s.m * s.n)?;
+    dev.upload(a, &fill(s.m * s.k))?;
+    dev.upload(b, &fill(s.k * s.n))?;
+    let mm = Matmul::new(a, b, c, s.m, s.n, s.k).transpose(s.trans_a, s.trans_b);
+    let plan = crate::wgpu::plan_matmul(&mm, dev.caps(), None)?;
+    let kernel = Kernel::Matmul(mm.clone());
+    let secs = time_it(budget, 2, || {
+        dev.launch(&kernel)?;
+        dev.submit()?;
+        dev.wait()?;
+        Ok(())
+    });
+    for buf in [a, b, c] {
+        dev.free(buf)?;
+    }
+    Ok((mm.flops() / secs? / 1e9, plan.variant.name()))
 }
 
 /// Formats rows as an aligned text table.

@@ -1389,21 +1389,30 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
         disable_f16: no_f16,
         ..Default::default()
     };
-    let indices: Vec<usize> = if devices.is_empty() {
-        kiln::wgpu::adapters().iter().map(|a| a.index).collect()
-    } else {
-        devices
-            .iter()
-            .map(|d| {
-                let spec: kiln::DeviceSpec = d.parse()?;
-                spec.adapter_index()?
-                    .ok_or_else(|| anyhow::anyhow!("`cpu` is the reference, not a benchmarked device; it is measured as `cpu GFLOP/s` in every row"))
-            })
-            .collect::<Result<_>>()?
-    };
-    if indices.is_empty() {
+    // wgpu adapters, and raw Vulkan devices (`vk:N`: the planner's WGSL GEMM as naga
+    // SPIR-V, timed through the Device trait).
+    let (mut indices, mut vk_indices) = (vec![], vec![]);
+    if devices.is_empty() {
+        indices = kiln::wgpu::adapters().iter().map(|a| a.index).collect();
+    }
+    for d in &devices {
+        match d.parse::<kiln::DeviceSpec>()? {
+            kiln::DeviceSpec::Vk(n) => vk_indices.push(n),
+            spec => indices.push(spec.adapter_index()?.ok_or_else(|| {
+                anyhow::anyhow!("`cpu` is the reference, not a benchmarked device; it is measured as `cpu GFLOP/s` in every row")
+            })?),
+        }
+    }
+    if indices.is_empty() && vk_indices.is_empty() {
         anyhow::bail!("no GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
     }
+    let vk_devs = vk_indices
+        .iter()
+        .map(|&n| {
+            Ok(Box::new(kiln::vulkan::VkDevice::open(n, &options)?)
+                as Box<dyn kiln::engine::Device>)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let devs = indices
         .iter()
         .map(|&i| WgpuDevice::open(i, &options))
@@ -1457,6 +1466,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
             naive_up_to,
             extra: &extra,
             spirv: &spirv_devs,
+            vk: &vk_devs,
         },
         |r| {
             errln!(

@@ -92,6 +92,67 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
 }
 
 #[test]
+fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
+    let path = std::env::temp_dir().join(format!("kiln-bench-vk-{}.json", std::process::id()));
+    let out = kiln(&[
+        "bench",
+        "matmul",
+        "--devices",
+        "vk:0,vulkan",
+        "--spirv",
+        "--dtypes",
+        "f32",
+        "--sizes",
+        "96",
+        "--naive-up-to",
+        "0",
+        "--budget-ms",
+        "20",
+        "--json",
+        path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).ok();
+    let got: Vec<(String, String)> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+            (
+                r["backend"].as_str().unwrap().to_string(),
+                r["variant"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    // wgpu's planner choice, the hand-written SPIR-V GEMM through wgpu, and the raw
+    // Vulkan backend running the planner's choice (naga SPIR-V of the WGSL kernel).
+    let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names[0].0, "vulkan");
+    assert_eq!(names[1], ("vulkan", "spirv cpu16x8"));
+    assert_eq!(names[2], ("vk", names[0].1));
+    // Only a wgpu Vulkan adapter runs the passthrough SPIR-V.
+    let out = kiln(&[
+        "bench",
+        "matmul",
+        "--devices",
+        "vk:0",
+        "--spirv",
+        "--sizes",
+        "96",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("add --devices vulkan"));
+}
+
+#[test]
 fn bad_arguments_are_clear_errors() {
     let out = kiln(&["bench", "matmul", "--dtypes", "u32"]);
     assert!(!out.status.success());
