@@ -10,6 +10,9 @@ use kiln::engine::models::MicroBatch;
 use kiln::engine::{DType, Device, Error};
 use kiln::{open_device, DeviceSpec};
 
+/// Steps each backend trains the GPT (the 20).
+const STEPS: usize = 20;
+
 /// Trains a small GPT `steps` steps on `dev`; the losses and the final weights.
 fn train(dev: &dyn Device, dtype: DType, steps: usize) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
     let cfg = GptConfig {
@@ -36,8 +39,8 @@ fn compare(dtype: DType, disable_f16: bool, loss_tol: f32, weight_tol: f32) {
     let vk = vk(disable_f16);
     let wgpu = gpu("vulkan", disable_f16);
     assert_eq!(vk.caps().f16_arithmetic, !disable_f16);
-    let (lv, pv) = train(vk.as_ref(), dtype, 5);
-    let (lw, pw) = train(wgpu.as_ref(), dtype, 5);
+    let (lv, pv) = train(vk.as_ref(), dtype, STEPS);
+    let (lw, pw) = train(wgpu.as_ref(), dtype, STEPS);
     for (i, (a, b)) in lv.iter().zip(&lw).enumerate() {
         assert!(
             (a - b).abs() <= loss_tol * b.abs(),
@@ -52,7 +55,7 @@ fn compare(dtype: DType, disable_f16: bool, loss_tol: f32, weight_tol: f32) {
             .fold(0f32, f32::max);
         assert!(
             worst <= weight_tol,
-            "{dtype}: {name}: weights differ by up to {worst} after 5 steps"
+            "{dtype}: {name}: weights differ by up to {worst} after {STEPS} steps"
         );
     }
 }
