@@ -229,14 +229,9 @@ pub fn cpu_sgemm_gflops(s: &Shape, budget: Duration) -> Result<f64> {
     Ok(2.0 * s.m as f64 * s.n as f64 * s.k as f64 / secs / 1e9)
 }
 
-/// Times one GEMM on `dev`, end to end per launch (record, submit, wait).
-pub fn gpu_gflops(
-    dev: &WgpuDevice,
-    s: &Shape,
-    dtype: DType,
-    variant: Option<MatmulVariant>,
-    budget: Duration,
-) -> Result<(f64, String)> {
+/// A, B and C of shape `s` on `dev` (A and B filled with small exact values), as the
+/// product to time; free them with `mm.buffers()`.
+fn operands(dev: &dyn Device, s: &Shape, dtype: DType) -> Result<Matmul> {
     let fill = |len: usize| {
         let v: Vec<f32> = (0..len).map(|i| ((i % 17) as f32 - 8.0) / 16.0).collect();
         HostData::from_f32(dtype, &v)
@@ -246,7 +241,18 @@ pub fn gpu_gflops(
     let c = dev.alloc(dtype, s.m * s.n)?;
     dev.upload(a, &fill(s.m * s.k))?;
     dev.upload(b, &fill(s.k * s.n))?;
-    let mm = Matmul::new(a, b, c, s.m, s.n, s.k).transpose(s.trans_a, s.trans_b);
+    Ok(Matmul::new(a, b, c, s.m, s.n, s.k).transpose(s.trans_a, s.trans_b))
+}
+
+/// Times one GEMM on `dev`, end to end per launch (record, submit, wait).
+pub fn gpu_gflops(
+    dev: &WgpuDevice,
+    s: &Shape,
+    dtype: DType,
+    variant: Option<MatmulVariant>,
+    budget: Duration,
+) -> Result<(f64, String)> {
+    let mm = operands(dev, s, dtype)?;
     let mut name = String::new();
     let secs = time_it(budget, 2, || {
         let plan = dev.launch_matmul(&mm, variant)?;
@@ -258,7 +264,7 @@ pub fn gpu_gflops(
         dev.wait()?;
         Ok(())
     });
-    for buf in [a, b, c] {
+    for buf in mm.buffers() {
         dev.free(buf)?;
     }
     Ok((mm.flops() / secs? / 1e9, name))
@@ -407,16 +413,7 @@ pub fn device_gflops(
     dtype: DType,
     budget: Duration,
 ) -> Result<(f64, String)> {
-    let fill = |len: usize| {
-        let v: Vec<f32> = (0..len).map(|i| ((i % 17) as f32 - 8.0) / 16.0).collect();
-        HostData::from_f32(dtype, &v)
-    };
-    let a = dev.alloc(dtype, s.m * s.k)?;
-    let b = dev.alloc(dtype, s.k * s.n)?;
-    let c = dev.alloc(dtype, s.m * s.n)?;
-    dev.upload(a, &fill(s.m * s.k))?;
-    dev.upload(b, &fill(s.k * s.n))?;
-    let mm = Matmul::new(a, b, c, s.m, s.n, s.k).transpose(s.trans_a, s.trans_b);
+    let mm = operands(dev, s, dtype)?;
     let plan = crate::wgpu::plan_matmul(&mm, dev.caps(), None)?;
     let kernel = Kernel::Matmul(mm.clone());
     let secs = time_it(budget, 2, || {
@@ -425,7 +422,7 @@ pub fn device_gflops(
         dev.wait()?;
         Ok(())
     });
-    for buf in [a, b, c] {
+    for buf in mm.buffers() {
         dev.free(buf)?;
     }
     Ok((mm.flops() / secs? / 1e9, plan.variant.name()))

@@ -15,7 +15,9 @@ pub mod sample;
 
 pub use config::ModelConfig;
 pub use generate::Generator;
-pub(crate) use network::{check_specs, draw_initial, in_file, random_key, record, weight_copies};
+pub(crate) use network::{
+    batch_input, check_ids, check_specs, draw_initial, in_file, random_key, record, weight_copies,
+};
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
     ParamState, Ready,

@@ -854,48 +854,9 @@ impl Network {
         }
         let mut data = vec![];
         for (&t, given) in names.iter().zip(&batch.0) {
-            let (name, shape, dtype) = g.describe(t);
-            let len: usize = shape.iter().product();
-            if given.len() != len {
-                return Err(Error::InvalidArgument(format!(
-                    "`{name}` of a micro-batch holds {len} values ({shape:?} {dtype}), got {}",
-                    given.len()
-                )));
-            }
-            let d = match (given, dtype.is_float()) {
-                (HostData::F32(x), true) if dtype != DType::F32 => HostData::from_f32(dtype, x),
-                _ if given.dtype() == dtype => given.clone(),
-                _ => {
-                    return Err(Error::DTypeMismatch {
-                        what: format!("`{name}` of a micro-batch"),
-                        expected: dtype,
-                        found: given.dtype(),
-                    })
-                }
-            };
-            data.push(d);
+            data.push(batch_input(g, t, given)?);
         }
-        // Checked here: on the device an out-of-range id would quietly give NaN losses
-        // or skip every step. Targets may be IGNORE_TARGET (not trained on).
-        for (t, bound, what, ignore) in g.id_limits() {
-            let k = names
-                .iter()
-                .position(|&i| i == t)
-                .expect("limits are of inputs");
-            let HostData::U32(ids) = &data[k] else {
-                continue;
-            };
-            let bad = ids
-                .iter()
-                .enumerate()
-                .find(|&(_, &id)| id as usize >= bound && !(ignore && id == IGNORE_TARGET));
-            if let Some((i, &id)) = bad {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
-                    g.describe(t).0
-                )));
-            }
-        }
+        check_ids(g, names, &data)?;
         let trained = match self.targets.map(|k| &data[k]) {
             Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
             _ => self.loss_rows,
@@ -1713,6 +1674,54 @@ impl Network {
     pub fn set_steps_applied(&mut self, steps: u32) {
         self.step = steps;
     }
+}
+
+/// A micro-batch's value for graph input `t`, checked against its shape and converted
+/// to its dtype (f32 given for a 16-bit input is rounded once).
+pub(crate) fn batch_input(g: &Graph, t: Tensor, given: &HostData) -> Result<HostData> {
+    let (name, shape, dtype) = g.describe(t);
+    let len: usize = shape.iter().product();
+    if given.len() != len {
+        return Err(Error::InvalidArgument(format!(
+            "`{name}` of a micro-batch holds {len} values ({shape:?} {dtype}), got {}",
+            given.len()
+        )));
+    }
+    match (given, dtype.is_float()) {
+        (HostData::F32(x), true) if dtype != DType::F32 => Ok(HostData::from_f32(dtype, x)),
+        _ if given.dtype() == dtype => Ok(given.clone()),
+        _ => Err(Error::DTypeMismatch {
+            what: format!("`{name}` of a micro-batch"),
+            expected: dtype,
+            found: given.dtype(),
+        }),
+    }
+}
+
+/// Checks the token ids among `data` (the values of graph inputs `inputs`, in order)
+/// against the graph's vocabulary limits. Checked on the host: on the device an
+/// out-of-range id would quietly give NaN losses or skip every step. Targets may be
+/// IGNORE_TARGET (not trained on). Limits of tensors not among `inputs` are skipped.
+pub(crate) fn check_ids(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Result<()> {
+    for (t, bound, what, ignore) in g.id_limits() {
+        let Some(k) = inputs.iter().position(|&i| i == t) else {
+            continue;
+        };
+        let HostData::U32(ids) = &data[k] else {
+            continue;
+        };
+        let bad = ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= bound && !(ignore && id == IGNORE_TARGET));
+        if let Some((i, &id)) = bad {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
+                g.describe(t).0
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The key dropout masks derive from for micro-batch `micro` (its place in the global

@@ -49,8 +49,8 @@ use super::pipeline_schedule::{Instr, Schedule};
 use crate::device::optim::{grad_scale_reference, ParamBuffers};
 use crate::graph::{Bindings, Loss, Plan, StageGraph, Tensor};
 use crate::models::{
-    check_specs, draw_initial, host_memory_available, random_key, record, MicroBatch, Model,
-    NetworkMemory, NetworkOptions, ParamSpec, ParamState,
+    batch_input, check_ids, check_specs, draw_initial, host_memory_available, random_key, record,
+    MicroBatch, Model, NetworkMemory, NetworkOptions, ParamSpec, ParamState,
 };
 use crate::rng::SplitMix;
 use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result, IGNORE_TARGET};
@@ -827,52 +827,18 @@ fn stage_data(stage: &Stage, batch: &MicroBatch) -> Result<(Vec<HostData>, usize
     let g = &stage.part.graph;
     let mut data = vec![];
     for (&(_, l), &pos) in stage.part.inputs.iter().zip(&stage.input_pos) {
-        let (name, shape, dtype) = g.describe(l);
         let given = batch.0.get(pos).ok_or_else(|| {
             Error::InvalidArgument(format!(
-                "a micro-batch holds {} inputs, but `{name}` is input {}",
+                "a micro-batch holds {} inputs, but `{}` is input {}",
                 batch.0.len(),
+                g.describe(l).0,
                 pos + 1
             ))
         })?;
-        let len: usize = shape.iter().product();
-        if given.len() != len {
-            return Err(Error::InvalidArgument(format!(
-                "`{name}` of a micro-batch holds {len} values ({shape:?} {dtype}), got {}",
-                given.len()
-            )));
-        }
-        let d = match (given, dtype.is_float()) {
-            (HostData::F32(x), true) if dtype != DType::F32 => HostData::from_f32(dtype, x),
-            _ if given.dtype() == dtype => given.clone(),
-            _ => {
-                return Err(Error::DTypeMismatch {
-                    what: format!("`{name}` of a micro-batch"),
-                    expected: dtype,
-                    found: given.dtype(),
-                })
-            }
-        };
-        data.push(d);
+        data.push(batch_input(g, l, given)?);
     }
-    for (t, bound, what, ignore) in g.id_limits() {
-        let Some(k) = stage.part.inputs.iter().position(|&(_, l)| l == t) else {
-            continue;
-        };
-        let HostData::U32(ids) = &data[k] else {
-            continue;
-        };
-        let bad = ids
-            .iter()
-            .enumerate()
-            .find(|&(_, &id)| id as usize >= bound && !(ignore && id == IGNORE_TARGET));
-        if let Some((i, &id)) = bad {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
-                g.describe(t).0
-            )));
-        }
-    }
+    let inputs: Vec<Tensor> = stage.part.inputs.iter().map(|&(_, l)| l).collect();
+    check_ids(g, &inputs, &data)?;
     let trained = match stage.targets.map(|k| &data[k]) {
         Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
         _ => stage.loss_rows,
