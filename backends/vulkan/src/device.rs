@@ -873,6 +873,21 @@ impl VkDevice {
                     .buffer_info(std::slice::from_ref(info)),
             );
         }
+        self.record_compute(cmd, (pipeline, layout), &writes, &[], d.groups);
+        Ok(())
+    }
+
+    /// Records one compute dispatch into `cmd`: binds `pipeline`, pushes the
+    /// descriptor `writes` (and `push` constants, when any), dispatches `groups`, and
+    /// puts a barrier behind it so the next launch sees its writes.
+    fn record_compute(
+        &self,
+        cmd: vk::CommandBuffer,
+        (pipeline, layout): (vk::Pipeline, vk::PipelineLayout),
+        writes: &[vk::WriteDescriptorSet],
+        push: &[u8],
+        groups: (u32, u32, u32),
+    ) {
         // SAFETY: `cmd` is recording; the pipeline, layout and buffers are live and
         // stay so until the submission is done (freed buffers are retired).
         unsafe {
@@ -883,13 +898,15 @@ impl VkDevice {
                 vk::PipelineBindPoint::COMPUTE,
                 layout,
                 0,
-                &writes,
+                writes,
             );
-            self.device
-                .cmd_dispatch(cmd, d.groups.0, d.groups.1, d.groups.2);
+            if !push.is_empty() {
+                self.device
+                    .cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, push);
+            }
+            self.device.cmd_dispatch(cmd, groups.0, groups.1, groups.2);
         }
         self.barrier(cmd);
-        Ok(())
     }
 
     /// When a profile is open, writes a timestamp after everything recorded so far and
@@ -1202,24 +1219,8 @@ impl VkDevice {
             .collect();
         let push: Vec<u8> = [m, n, k].iter().flat_map(|v| v.to_le_bytes()).collect();
         let cmd = self.stream(&mut s)?.cmd;
-        // SAFETY: `cmd` is recording; pipeline, layout and buffers are live until the
-        // submission has run (freed buffers are retired).
-        unsafe {
-            self.device
-                .cmd_bind_pipeline(cmd, vk::PipelineBindPoint::COMPUTE, pipeline);
-            self.push.cmd_push_descriptor_set(
-                cmd,
-                vk::PipelineBindPoint::COMPUTE,
-                layout,
-                0,
-                &writes,
-            );
-            self.device
-                .cmd_push_constants(cmd, layout, vk::ShaderStageFlags::COMPUTE, 0, &push);
-            self.device
-                .cmd_dispatch(cmd, n.div_ceil(16), m.div_ceil(16), 1);
-        }
-        self.barrier(cmd);
+        let groups = (n.div_ceil(16), m.div_ceil(16), 1);
+        self.record_compute(cmd, (pipeline, layout), &writes, &push, groups);
         Ok(())
     }
 }
