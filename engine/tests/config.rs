@@ -360,26 +360,16 @@ fn training_changing_sections_are_errors_unless_off() {
         "train_batch_size": 32,
         "activation_checkpointing": {"partition_activations": true},
         "prescale_gradients": true,
-        "pipeline": {"stages": 2},
         "curriculum_learning": {"enabled": true}
     }"#);
     for path in [
         "activation_checkpointing",
         "prescale_gradients",
-        "pipeline",
         "curriculum_learning",
     ] {
         let p = problem(&e, path);
         assert!(p.message.contains("not supported by Kiln"), "{}", p.message);
     }
-    // The pipeline's says where pipelines are trained and sized today.
-    let p = problem(&e, "pipeline");
-    assert!(
-        p.message.contains("PipelineTrainer")
-            && p.message.contains("kiln estimate --pipeline-stages"),
-        "{}",
-        p.message
-    );
     // Switched off, they ask for nothing and are accepted silently.
     let c = ok(r#"{
         "train_batch_size": 32,
@@ -1078,4 +1068,98 @@ fn the_kiln_section_holds_our_own_settings_strictly() {
         .contains("list of device names"));
     assert!(problem(&e, "kiln.steps").message.contains(">= 1"));
     assert_eq!(e.problems.len(), 4, "{e}");
+}
+
+// ------------------------------------------------------------------------------------
+// Pipeline
+// ------------------------------------------------------------------------------------
+
+#[test]
+fn pipeline_section_sets_stages_and_partition() {
+    use kiln_engine::config::PipelinePartition;
+    let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": 2, "partition": "uniform"}}"#);
+    assert_eq!(c.pipeline.stages, 2);
+    assert_eq!(c.pipeline.partition, PipelinePartition::Uniform);
+    let text = c.explain();
+    assert!(text.contains("pipeline.stages = 2 (file)"), "{text}");
+    assert!(
+        text.contains("pipeline.partition = uniform (file)"),
+        "{text}"
+    );
+    // No section: one stage, DeepSpeed's default method.
+    let c = ok(r#"{"train_batch_size": 32}"#);
+    assert_eq!(c.pipeline.stages, 1);
+    assert_eq!(c.pipeline.partition, PipelinePartition::Parameters);
+    // Block counts, under the PipelineModule's spelling; DeepSpeed's section defaults.
+    let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": 2,
+        "partition_method": [1, 3], "seed_layers": false, "pipe_partitioned": true,
+        "grad_partitioned": true, "activation_checkpoint_interval": 0}}"#);
+    assert_eq!(c.pipeline.partition, PipelinePartition::Blocks(vec![1, 3]));
+    assert!(
+        c.notes
+            .iter()
+            .any(|n| n.contains("pipe_partitioned") && n.contains("tensor parallelism")),
+        "{:?}",
+        c.notes
+    );
+    // DeepSpeed's own defaults ("auto", "best") are read as Kiln's.
+    let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": "auto", "partition": "best"}}"#);
+    assert_eq!(c.pipeline.stages, 1);
+    assert_eq!(c.pipeline.partition, PipelinePartition::Parameters);
+    assert!(c.explain().contains("\"best\""), "{}", c.explain());
+}
+
+#[test]
+fn kiln_pipeline_stages_is_pipeline_stages() {
+    let c = ok(r#"{"train_batch_size": 32, "kiln": {"pipeline_stages": 3}}"#);
+    assert_eq!(c.pipeline.stages, 3);
+    assert!(
+        c.explain()
+            .contains("pipeline.stages = 3 (inferred: kiln.pipeline_stages)"),
+        "{}",
+        c.explain()
+    );
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 2},
+        "kiln": {"pipeline_stages": 4}}"#);
+    let p = problem(&e, "pipeline.stages");
+    assert!(
+        p.message.contains("kiln.pipeline_stages says 4") && p.fix.contains("make them equal"),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn pipeline_settings_kiln_lacks_are_refused_with_what_to_do() {
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 2,
+        "activation_checkpoint_interval": 1}}"#);
+    let p = problem(&e, "pipeline.activation_checkpoint_interval");
+    assert!(
+        p.message.contains("not supported by Kiln")
+            && p.fix.contains("set it to 0")
+            && p.fix.contains("gradient_accumulation_steps"),
+        "{p:?}"
+    );
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 2,
+        "partition": "type:TransformerLayer"}}"#);
+    let p = problem(&e, "pipeline.partition");
+    assert!(p.fix.contains("\"uniform\""), "{p:?}");
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 2, "partition": "even"}}"#);
+    let p = problem(&e, "pipeline.partition");
+    assert!(p.message.contains("unknown partition method"), "{p:?}");
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 2, "partition": [1, 2, 3]}}"#);
+    let p = problem(&e, "pipeline.partition");
+    assert!(
+        p.message.contains("3 block counts for 2 pipeline stages"),
+        "{p:?}"
+    );
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stages": 0}}"#);
+    problem(&e, "pipeline.stages");
+    let e = err(r#"{"train_batch_size": 32, "pipeline": {"stagse": 2}}"#);
+    let p = problem(&e, "pipeline.stagse");
+    assert!(p.fix.contains("did you mean \"stages\""), "{p:?}");
+    let e = err(
+        r#"{"train_batch_size": 32, "pipeline": {"partition": "uniform",
+        "partition_method": "uniform"}}"#,
+    );
+    problem(&e, "pipeline.partition_method");
 }

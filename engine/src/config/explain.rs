@@ -191,6 +191,9 @@ impl TrainConfig {
             z.round_robin_gradients.to_string(),
         );
 
+        line("pipeline.stages", self.pipeline.stages.to_string());
+        line("pipeline.partition", self.pipeline.partition.spelled());
+
         let k = &self.kiln;
         line("kiln.devices", format!("{:?}", k.devices));
         line("kiln.data_workers", k.data_workers.to_string());
@@ -214,6 +217,9 @@ impl TrainConfig {
             "kiln.collective_timeout_s",
             k.collective_timeout_s.to_string(),
         );
+        if let Some(n) = k.pipeline_stages {
+            line("kiln.pipeline_stages", n.to_string());
+        }
 
         for n in &self.notes {
             let _ = writeln!(out, "note: {n}");

@@ -37,6 +37,9 @@ pub struct KilnSettings {
     /// reached a step's exchange or completed a collective within this many seconds
     /// (a process that died or hangs). The first step compiles kernels: allow for it.
     pub collective_timeout_s: u64,
+    /// Pipeline stages, as `pipeline.stages` says it (where the resolved count lives:
+    /// `TrainConfig::pipeline`); `None`: not set here.
+    pub pipeline_stages: Option<u64>,
 }
 
 impl Default for KilnSettings {
@@ -52,6 +55,7 @@ impl Default for KilnSettings {
             seed: 1,
             max_consecutive_skips: 3,
             collective_timeout_s: 900,
+            pipeline_stages: None,
         }
     }
 }
@@ -67,6 +71,7 @@ const KILN: Spec = Spec::keys(&[
     "seed",
     "max_consecutive_skips",
     "collective_timeout_s",
+    "pipeline_stages",
 ]);
 
 impl Reader {
@@ -124,6 +129,20 @@ impl Reader {
             }
             _ => None,
         };
+        let pipeline_stages = match self.uint(
+            k,
+            kp,
+            "pipeline_stages",
+            1,
+            super::pipeline::MAX_PIPELINE_STAGES,
+            Some(1),
+        ) {
+            Ok(Some(n)) => {
+                self.mark("kiln.pipeline_stages", Provenance::File);
+                Some(n)
+            }
+            _ => None,
+        };
         let count = (1, 1024);
         KilnSettings {
             devices,
@@ -162,6 +181,7 @@ impl Reader {
                 (1, 7 * 24 * 3600),
                 d.collective_timeout_s,
             ),
+            pipeline_stages,
         }
     }
 }

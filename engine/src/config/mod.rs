@@ -8,7 +8,7 @@
 //! - **Unknown keys are errors** with a "did you mean" suggestion (DeepSpeed ignores
 //!   unknown top-level keys, so `grandient_accumulation_steps` silently trains with 1).
 //! - **Keys that would change training but are not implemented** (activation
-//!   checkpointing, pipeline, ZeRO stage 3, offload, ...) are errors saying so, unless
+//!   checkpointing, ZeRO stage 3, offload, ...) are errors saying so, unless
 //!   they are set to their no-op value (`"amp": {"enabled": false}`, `null`, ...).
 //! - **Keys that change nothing here** (logging like `tensorboard`, speed-only switches
 //!   like `graph_harvesting`, machinery Kiln lacks like `aio`) are accepted: with a note
@@ -59,7 +59,8 @@
 //!   `batch.rs` (the three batch-size keys and how the missing ones are inferred),
 //!   `precision.rs` (`fp16` / `bf16` and loss scaling), `optimizer.rs`, `scheduler.rs`
 //!   (the learning-rate schedules and their formulas), `zero.rs`
-//!   (`zero_optimization`), `kiln.rs` (Kiln's own `kiln` section).
+//!   (`zero_optimization`), `pipeline.rs` (`pipeline`), `kiln.rs` (Kiln's own `kiln`
+//!   section).
 //! - this file: [`TrainConfig`], [`parse`] / [`load`], the top-level keys, and the
 //!   resolution that reads each section in turn.
 //! - `auto.rs`: Hugging Face's `"auto"`: where the Trainer takes each value, and the one
@@ -75,6 +76,7 @@ mod ignored;
 mod keys;
 mod kiln;
 mod optimizer;
+mod pipeline;
 mod precision;
 mod provenance;
 mod reader;
@@ -95,6 +97,7 @@ pub use batch::{BatchConfig, MAX_BATCH};
 pub use error::{ConfigError, Problem};
 pub use flops_profiler::FlopsProfiler;
 pub use kiln::KilnSettings;
+pub use pipeline::{PipelineConfig, PipelinePartition, MAX_PIPELINE_STAGES};
 pub use precision::{DynamicScaling, LossScaling, Precision};
 pub use provenance::Provenance;
 pub use scheduler::{Schedule, WarmupType};
@@ -137,6 +140,9 @@ pub struct TrainConfig {
     /// Print the full engine state at start-up.
     pub dump_state: bool,
     pub zero: ZeroConfig,
+    /// Pipeline stages and how the model is cut into them (`pipeline`, or
+    /// `kiln.pipeline_stages`); 1 stage: no pipeline.
+    pub pipeline: PipelineConfig,
     /// Kiln's own settings (the `kiln` section).
     pub kiln: KilnSettings,
     /// Things the user should know that are not errors: ignored logging sections, settings
@@ -195,6 +201,7 @@ impl TrainConfig {
             memory_breakdown: false,
             dump_state: false,
             zero: ZeroConfig::default(),
+            pipeline: PipelineConfig::default(),
             kiln: KilnSettings::default(),
             warnings: Vec::new(),
             notes: Vec::new(),
@@ -306,6 +313,7 @@ const TOP: Spec = Spec {
         "memory_breakdown",
         "dump_state",
         "zero_optimization",
+        "pipeline",
         "kiln",
     ],
     ignored: ignored::TOP_LEVEL,
@@ -333,6 +341,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
     let dump_state = r.bool_or(root, "", "dump_state", false);
     let zero = r.zero(root);
     let kiln = r.kiln(root);
+    let pipeline = r.pipeline(root, kiln.pipeline_stages);
     if bare_fp16 && zero.stage >= 1 {
         r.warnings.push(
             "fp16 sets only \"enabled\": Kiln starts the dynamic loss scale at 2^16 with \
@@ -363,6 +372,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         memory_breakdown,
         dump_state,
         zero,
+        pipeline,
         kiln,
         warnings: r.warnings,
         notes: r.notes,

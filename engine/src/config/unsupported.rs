@@ -40,12 +40,6 @@ pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
          precision)",
     ),
     (
-        "pipeline",
-        Inert::Null,
-        "pipeline parallelism in `kiln train` (the library's Pipeline and \
-         PipelineTrainer train pipelines; `kiln estimate --pipeline-stages N` sizes them)",
-    ),
-    (
         "tensor_parallel",
         Inert::Empty,
         "tensor parallelism (AutoTP)",
