@@ -22,5 +22,6 @@ pub mod init_from;
 pub mod profile;
 pub mod sample;
 pub mod train;
+mod train_engine;
 
 pub use devices::{open_device, DeviceSpec};

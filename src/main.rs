@@ -176,6 +176,16 @@ struct TrainArgs {
     /// cached measure of the adapter].
     #[arg(long, value_name = "TFLOPS")]
     peak_tflops: Option<f64>,
+    /// Split the model into this many pipeline stages, one device each (stage-major:
+    /// `--devices vulkan:0x2 --pipeline-stages 2` puts stage 0 on the first device)
+    /// [default: the config's pipeline.stages or kiln.pipeline_stages, else 1].
+    #[arg(long, value_name = "N")]
+    pipeline_stages: Option<usize>,
+    /// How the blocks are cut into stages: `parameters` (balance parameter counts,
+    /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`)
+    /// [default: the config's pipeline.partition, else parameters].
+    #[arg(long)]
+    partition: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -704,6 +714,8 @@ fn train_with(
         processes,
         profile: a.profile,
         peak_tflops: a.peak_tflops,
+        pipeline_stages: a.pipeline_stages,
+        partition: a.partition,
     };
     let r = kiln::train::train(&opts)?;
     if !writer {

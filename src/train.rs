@@ -16,22 +16,26 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln_engine::device::compiling;
 use serde_json::{json, Value};
 
-use kiln_engine::config::{self, Schedule, TrainConfig};
+use kiln_engine::config::{self, PipelinePartition, Schedule, TrainConfig};
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
 use kiln_engine::device::profile::{span, SpanKind};
-use kiln_engine::models::{MicroBatch, ModelConfig, Network};
+use kiln_engine::models::{MicroBatch, ModelConfig, ModelStateBytes, Network, NetworkOptions};
 use kiln_engine::parallel::collective::{Collective, Processes};
+use kiln_engine::parallel::pipeline::Pipeline;
+use kiln_engine::parallel::pipeline_partition::PartitionMethod;
 use kiln_engine::train::checkpoint;
 use kiln_engine::train::loss_scaler::LossScaler;
+use kiln_engine::train::pipeline_trainer::PipelineTrainer;
 use kiln_engine::train::runs::{self, MetricsWriter, StepRecord, Summary};
-use kiln_engine::train::trainer::{Trainer, TrainerState};
+use kiln_engine::train::trainer::{self as engine_trainer, Trainer, TrainerState};
 use kiln_engine::{Device, IGNORE_TARGET};
 use kiln_wgpu::DeviceOptions;
 
 use crate::devices::{default_device, open_device, parse_devices};
 use crate::init_from::InitWeights;
+use crate::train_engine::Engine;
 
 /// The demo's DeepSpeed config and model, used when `--config` / `--model` are absent.
 pub const DEMO_DS_CONFIG: &str = include_str!("../demos/addition.ds_config.json");
@@ -96,6 +100,12 @@ pub struct TrainOptions {
     /// One device's peak in TFLOP/s, for the profile's MFU; default: `kiln bench peak`'s
     /// cached measure.
     pub peak_tflops: Option<f64>,
+    /// Pipeline stages the devices are split into (stage-major: device `s * dp + r` is
+    /// stage s of replica r); `None`: the config's `pipeline.stages`, else 1.
+    pub pipeline_stages: Option<usize>,
+    /// How the blocks are cut into stages (`parameters`, `uniform`, or blocks per
+    /// stage such as `3,5`); `None`: the config's `pipeline.partition`.
+    pub partition: Option<String>,
 }
 
 /// What a finished (or interrupted) run reports.
@@ -158,14 +168,34 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         Some(comm) => Some(Processes::new(comm.clone(), specs.len())?),
         None => None,
     };
-    let world = procs.as_ref().map_or(specs.len(), Processes::world);
-    let ds = match (&opts.config, &text) {
+    // The stages decide how the devices split into pipeline replicas, and so the
+    // data-parallel world the batch sizes are resolved for: the flag, else the config's.
+    let stages = match opts.pipeline_stages {
+        Some(n) => n,
+        None => configured_stages(text.as_deref().unwrap_or(DEMO_DS_CONFIG)),
+    };
+    let devices_in_all = procs.as_ref().map_or(specs.len(), Processes::world);
+    let world = pipeline_world(stages, devices_in_all)?;
+    let mut ds = match (&opts.config, &text) {
         (Some(path), Some(text)) => config::parse(text, world).map_err(|mut e| {
             e.file = Some(path.clone());
             e
         })?,
         _ => config::parse(DEMO_DS_CONFIG, world).context("the built-in demo config")?,
     };
+    let method = pipeline_settings(opts, &mut ds)?;
+    if stages > 1 {
+        // The one place pipeline x data parallelism is refused, until the engine has it.
+        if world > 1 {
+            bail!(
+                "{devices_in_all} devices in {stages} pipeline stages would be {stages} stages x \
+                 {world} data-parallel replicas, which `kiln train` does not run yet: give \
+                 exactly {stages} devices (e.g. --devices vulkan:0x{stages}), or drop \
+                 --pipeline-stages to train data-parallel on all {devices_in_all}"
+            );
+        }
+        refuse_with_pipeline(opts)?;
+    }
     let k = &ds.kiln;
     if let Some(p) = &procs {
         p.comm
@@ -340,9 +370,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         .iter()
         .map(|s| open_device(s, &DeviceOptions::default()))
         .collect::<Result<Vec<_>, _>>()?;
-    let devs: Vec<&dyn Device> = opened.iter().map(|d| d.as_ref()).collect();
-    let dev = devs[0];
-    let device_names: Vec<String> = devs
+    let device_names: Vec<String> = opened
         .iter()
         .map(|d| format!("{} ({})", d.caps().name, d.caps().backend))
         .collect();
@@ -352,7 +380,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             p.devices.len(),
             device_names.join(", ")
         ),
-        None if world == 1 => device_names[0].clone(),
+        None if device_names.len() == 1 => device_names[0].clone(),
+        None if stages > 1 => format!("{stages} pipeline stages: {}", device_names.join(", ")),
         None => format!("{world} devices: {}", device_names.join(", ")),
     };
 
@@ -373,16 +402,52 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
 
     let network = model.build(t);
     let first_rank = procs.as_ref().map_or(0, Processes::first_rank);
-    let mut trainer = Trainer::new_processes(&devs, network.clone(), ds.clone(), seed, procs)?;
-    let model_states: Vec<_> = (0..devs.len())
-        .map(|r| trainer.model_state_bytes(r))
-        .collect();
+    // Data-parallel ranks this process reads batches for (a pipeline is one).
+    let local_ranks = opened.len() / stages;
+    let (mut engine, parameters) = if stages > 1 {
+        let options = NetworkOptions {
+            batch: b,
+            dtype: engine_trainer::precision(&ds)?.0,
+            optimizer: ds.optimizer.clone(),
+            seed,
+        };
+        let memory = Pipeline::memory(network.as_ref(), &options, &method, stages)?
+            .iter()
+            .map(|m| ModelStateBytes {
+                weights: m.weights,
+                gradients: m.gradients,
+                optimizer: m.optimizer,
+            })
+            .collect();
+        let trainer = PipelineTrainer::new(opened, network.clone(), ds.clone(), seed, &method)?;
+        let parameters = network.parameters().iter().map(|p| p.len()).sum::<usize>();
+        let trainer = Box::new(trainer);
+        (Engine::Pipeline { trainer, memory }, parameters)
+    } else {
+        let devs: Vec<&dyn Device> = opened.iter().map(|d| d.as_ref()).collect();
+        let trainer = Trainer::new_processes(&devs, network.clone(), ds.clone(), seed, procs)?;
+        let parameters = trainer.model.parameter_count();
+        drop(devs);
+        let trainer = Box::new(trainer);
+        (
+            Engine::Data {
+                trainer,
+                devs: opened,
+            },
+            parameters,
+        )
+    };
+    let model_states = engine.model_state_bytes();
     let mut next_sample = 0;
     if let Some((_, ck)) = &resumed {
-        next_sample = restore(&mut trainer, &devs, ck)?;
+        next_sample = restore(&mut engine, ck, ds.batch.train_batch_size as u64)?;
     }
     if let Some(init) = init {
         let weights = init.weights_for(&model)?;
+        let Engine::Data { trainer, devs } = &mut engine else {
+            unreachable!("--init-from with pipeline stages is refused before any device opens")
+        };
+        let devs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
         trainer
             .set_weights(&devs, &weights)
             .with_context(|| format!("--init-from {}", init.source))?;
@@ -390,11 +455,11 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             say(format!("weights from {}; a fresh optimizer", init.describe));
         }
     }
-    let mut step = trainer.state().steps;
+    let mut step = engine.steps();
 
     // One loader per rank, each reading its disjoint share of every global batch.
     let layout = BatchLayout::new(b, ds.batch.grad_accum, world)?;
-    let mut loaders = (first_rank..first_rank + devs.len())
+    let mut loaders = (first_rank..first_rank + local_ranks)
         .map(|rank| {
             let mut cfg = LoaderConfig::new(layout, rank, model.vocab_size());
             cfg.start_sample = next_sample;
@@ -435,8 +500,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         for (r, m) in model_states.iter().enumerate() {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             say(format!(
-                "device {r}: model states {:.2} MiB (weights {:.2}, gradients {:.2}, \
+                "{} {r}: model states {:.2} MiB (weights {:.2}, gradients {:.2}, \
                  master+optimizer {:.2}; ZeRO stage {})",
+                if stages > 1 { "stage" } else { "device" },
                 mib(m.total()),
                 mib(m.weights),
                 mib(m.gradients),
@@ -475,7 +541,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             "training {}, {} parameters, on {data_name}, on {} for {total} steps, micro-batch \
              {b} × {} accumulation × {world} device(s), {}; run dir {}",
             network.describe(),
-            trainer.model.parameter_count(),
+            parameters,
             device_name,
             ds.batch.grad_accum,
             precision_name(&ds),
@@ -484,6 +550,9 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     );
     for w in &ds.warnings {
         log(&bar, format!("config warning: {w}"));
+    }
+    if let Some(w) = bubble_warning(stages, ds.batch.grad_accum) {
+        log(&bar, format!("warning: {w}"));
     }
 
     let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;
@@ -500,7 +569,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let mut profiler = match profiled.filter(|_| writer) {
         Some(steps) => Some(crate::profile::Profiler::new(
             steps,
-            &devs,
+            &engine.devices(),
             opts.peak_tflops,
         )?),
         None => None,
@@ -513,7 +582,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let outcome = (|| -> Result<()> {
         while step < total {
             if let Some(p) = &mut profiler {
-                p.before_step(step + 1, &devs)?;
+                p.before_step(step + 1, &engine.devices())?;
             }
             let t0 = Instant::now();
             let mut batches = vec![];
@@ -545,7 +614,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 let (done, finished) = mpsc::channel::<()>();
                 let r = std::thread::scope(|scope| {
                     scope.spawn(|| show_compiling(&bar, finished, t0));
-                    let r = trainer.step_group(&devs, &micro);
+                    let r = engine.step(&micro);
                     drop(done);
                     r
                 });
@@ -559,20 +628,20 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 );
                 r
             } else {
-                trainer.step_group(&devs, &micro)
+                engine.step(&micro)
             };
             first_step = false;
             let s = result.map_err(|e| step_failure(e, step + 1, &dir, opts))?;
             step += 1;
             if let Some(p) = &mut profiler {
-                p.drain(step, &devs)?;
+                p.drain(step, &engine.devices())?;
             }
             let t1 = Instant::now();
             let step_ms = (t1 - t0).as_secs_f64() * 1e3;
             if let Some(p) = &mut profiler {
-                p.after_step(step, t0, t1, &devs)?;
+                p.after_step(step, t0, t1, &engine.devices())?;
             }
-            let comm = trainer.last_comm;
+            let comm = engine.comm();
             let mut rec = StepRecord {
                 step,
                 loss: s.loss,
@@ -583,12 +652,30 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 step_ms,
                 input_stall_ms: stall,
                 // Per device (the largest): what has to fit on each adapter.
-                device_memory_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
+                device_memory_bytes: engine
+                    .devices()
+                    .iter()
+                    .map(|d| d.allocated_bytes())
+                    .max()
+                    .unwrap_or(0),
                 comm_ms: comm.ms,
                 comm_overlap: comm.overlap,
                 comm_bytes: comm.bytes,
                 ..Default::default()
             };
+            let piped = engine.pipeline_report().map(|r| {
+                // Each stage's share of the step spent waiting for a neighbour, averaged.
+                let waited = r.waited.iter().sum::<f64>() / r.waited.len().max(1) as f64;
+                (waited / r.seconds.max(1e-12), r.bytes_moved)
+            });
+            if let Some((bubble, bytes)) = piped {
+                rec.pipeline_bubble = Some(bubble);
+                rec.pipeline_bubble_theory = Some(crate::bench_pipeline::theoretical_bubble(
+                    stages,
+                    ds.batch.grad_accum,
+                ));
+                rec.pipeline_bytes = Some(bytes);
+            }
             if stopping(
                 opts.interrupt
                     .as_ref()
@@ -599,7 +686,8 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             let last = step == total || interrupted;
             let evaluates = writer && !matches!(dataset, Dataset::File { eval: None });
             if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
-                let (loss, acc) = evaluate(&trainer.model, dev, &dataset, b, t, &mut |_, _| {})?;
+                let predict = |m: &MicroBatch| engine.predict(m);
+                let (loss, acc) = evaluate_with(&predict, &dataset, b, t, &mut |_, _| {})?;
                 rec.eval_loss = Some(loss);
                 rec.eval_accuracy = acc;
                 let acc = acc.map_or(String::new(), |a| {
@@ -624,7 +712,14 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                         s.loss_scale,
                         rec.tokens_per_s,
                         stall,
-                        if world > 1 {
+                        if let Some((bubble, bytes)) = piped {
+                            format!(
+                                ", pipeline bubble {:.0}% (theory {:.0}%), {:.1} MB between stages",
+                                bubble * 100.0,
+                                rec.pipeline_bubble_theory.unwrap_or(0.0) * 100.0,
+                                bytes as f64 / 1e6
+                            )
+                        } else if world > 1 {
                             format!(
                                 ", gradient exchange {:.1} ms ({:.1} MB, {:.0}% overlapped with \
                                  backward)",
@@ -640,7 +735,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 since_print = (0.0, 0);
             }
             if s.skipped {
-                log(&bar, skipped_line(&ds, &trainer, step, s.loss_scale));
+                log(&bar, skipped_line(&ds, &engine, step, s.loss_scale));
             }
             bar.set_position(step);
             bar.set_message(format!(
@@ -649,7 +744,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             ));
             if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
                 let _span = span("checkpoint", SpanKind::Checkpoint);
-                let saved = save(&trainer, &devs, &dir, step, next_sample, &settings.run)?;
+                let saved = save(&engine, &dir, step, next_sample, &settings.run)?;
                 for note in saved.notes {
                     log(&bar, format!("note: {note}"));
                 }
@@ -662,7 +757,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     })();
     bar.finish_and_clear();
     if let Some(p) = profiler {
-        if let Some(table) = p.finish(&dir, &devs)? {
+        if let Some(table) = p.finish(&dir, &engine.devices())? {
             say(format!(
                 "profile (trace: {}):\n{table}",
                 dir.join("trace.json").display()
@@ -747,9 +842,9 @@ fn show_compiling(bar: &ProgressBar, finished: mpsc::Receiver<()>, since: Instan
 
 /// The log line of a skipped step: an fp16 overflow the scaler handles, or (without
 /// fp16 loss scaling) non-finite gradients that stop the run if they persist.
-fn skipped_line(ds: &TrainConfig, trainer: &Trainer, step: u64, scale: f32) -> String {
-    let now = trainer.scaler.scale();
-    match (&ds.precision, &trainer.scaler) {
+fn skipped_line(ds: &TrainConfig, trainer: &Engine, step: u64, scale: f32) -> String {
+    let now = trainer.scaler().scale();
+    match (&ds.precision, trainer.scaler()) {
         (config::Precision::Fp16 { .. }, LossScaler::Dynamic { .. }) => format!(
             "step {step}: fp16 gradients overflowed at loss scale {scale}; step skipped, scale \
              now {now}"
@@ -830,6 +925,12 @@ fn resume_command(opts: &TrainOptions, dir: &Path) -> String {
     }
     if !opts.devices.is_empty() {
         cmd += &format!(" --devices {}", opts.devices.join(","));
+    }
+    if let Some(n) = opts.pipeline_stages {
+        cmd += &format!(" --pipeline-stages {n}");
+    }
+    if let Some(p) = &opts.partition {
+        cmd += &format!(" --partition {p}");
     }
     cmd
 }
@@ -1075,6 +1176,120 @@ fn configured_devices(text: &str) -> Vec<String> {
     }
 }
 
+/// The pipeline stages a config asks for (`pipeline.stages`, else
+/// `kiln.pipeline_stages`, else 1), read leniently as [`configured_devices`] is: the
+/// strict reading comes once the data-parallel world they imply is known.
+fn configured_stages(text: &str) -> usize {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+    v["pipeline"]["stages"]
+        .as_u64()
+        .or_else(|| v["kiln"]["pipeline_stages"].as_u64())
+        .filter(|&n| n >= 1)
+        .map_or(1, |n| n as usize)
+}
+
+/// The data-parallel world of `devices` split into pipelines of `stages` stages.
+fn pipeline_world(stages: usize, devices: usize) -> Result<usize> {
+    if stages == 0 {
+        bail!("--pipeline-stages 0: a pipeline has at least 1 stage (1: no pipeline)");
+    }
+    if devices % stages != 0 {
+        bail!(
+            "{stages} pipeline stages do not divide the {devices} device(s): a pipeline of p \
+             stages takes p devices per data-parallel replica (e.g. --devices vulkan:0x4 \
+             --pipeline-stages 2 is 2 stages x 2 replicas); give a multiple of {stages} devices"
+        );
+    }
+    Ok(devices / stages)
+}
+
+/// Applies `--pipeline-stages` and `--partition` over the config's `pipeline` section
+/// (flags win, as for every other setting) and returns how the blocks are cut.
+fn pipeline_settings(opts: &TrainOptions, ds: &mut TrainConfig) -> Result<PartitionMethod> {
+    if let Some(n) = opts.pipeline_stages {
+        ds.pipeline.stages = n;
+        ds.provenance
+            .insert("pipeline.stages".into(), config::Provenance::Caller);
+    }
+    let stages = ds.pipeline.stages;
+    if let Some(text) = &opts.partition {
+        if stages <= 1 {
+            bail!(
+                "--partition cuts a model into pipeline stages: give --pipeline-stages 2 or \
+                 more (or pipeline.stages in the config)"
+            );
+        }
+        ds.pipeline.partition = match crate::estimate::parse_partition(text)? {
+            PartitionMethod::Uniform => PipelinePartition::Uniform,
+            PartitionMethod::Blocks(counts) => PipelinePartition::Blocks(counts),
+            _ => PipelinePartition::Parameters,
+        };
+        ds.provenance
+            .insert("pipeline.partition".into(), config::Provenance::Caller);
+    }
+    Ok(match &ds.pipeline.partition {
+        PipelinePartition::Parameters => PartitionMethod::Parameters,
+        PipelinePartition::Uniform => PartitionMethod::Uniform,
+        PipelinePartition::Blocks(counts) => {
+            if stages > 1 && counts.len() != stages {
+                bail!(
+                    "the partition lists {} block counts ({}) but the run has {stages} pipeline \
+                     stages: give one count per stage, or another --partition",
+                    counts.len(),
+                    ds.pipeline.partition.spelled()
+                );
+            }
+            PartitionMethod::Blocks(counts.clone())
+        }
+    })
+}
+
+/// Refuses what `kiln train` does not combine with pipeline stages yet, before
+/// anything opens.
+fn refuse_with_pipeline(opts: &TrainOptions) -> Result<()> {
+    let refused = [
+        (
+            opts.processes.is_some(),
+            "a multi-process job (mpirun)",
+            "run the pipeline in one process",
+        ),
+        (
+            opts.init_from.is_some(),
+            "--init-from",
+            "start from those weights without --pipeline-stages, then continue the run \
+             with --resume --pipeline-stages N (checkpoints resume on any number of stages)",
+        ),
+        (
+            opts.profile.is_some(),
+            "--profile",
+            "profile the same model without --pipeline-stages",
+        ),
+    ];
+    for (given, what, instead) in refused {
+        if given {
+            bail!("{what} with pipeline stages is not supported yet: {instead}");
+        }
+    }
+    Ok(())
+}
+
+/// The warning a pipeline of `p` stages gets when `m` micro-batches per step leave
+/// its stages idle for much of the step (DeepSpeed's maintainers advise m >= 8p).
+pub fn bubble_warning(p: usize, m: usize) -> Option<String> {
+    (p > 1 && m < 4 * p).then(|| {
+        format!(
+            "gradient_accumulation_steps {m} with {p} pipeline stages: the stages idle for \
+             {:.0}% of each step, (p-1)/(m+p-1), waiting for each other. Raise \
+             gradient_accumulation_steps to at least {} (4 x stages; the global batch grows, \
+             or lower train_micro_batch_size_per_gpu to keep it) to bring that to {:.0}% or less",
+            100.0 * crate::bench_pipeline::theoretical_bubble(p, m),
+            4 * p,
+            100.0 * crate::bench_pipeline::theoretical_bubble(p, 4 * p)
+        )
+    })
+}
+
 /// What identifies a run: every setting that changes its numbers, and nothing per-run
 /// (name, paths), so `kiln runs diff` compares like with like.
 fn run_record(ds: &TrainConfig, model: &ModelConfig, data: &str, seed: u64, device: &str) -> Value {
@@ -1166,8 +1381,8 @@ fn check_same_run(dir: &Path, recorded: &Value, record: &Value) -> Result<()> {
             continue;
         }
         // Checkpoints hold whole tensors, so a run may continue on other devices or
-        // another number of them, with the same global batch.
-        if RESHARDABLE.contains(&key.as_str()) {
+        // another number of them, or of pipeline stages, with the same global batch.
+        if RESHARDABLE.contains(&key.as_str()) || key.starts_with("deepspeed.pipeline.") {
             say(format!(
                 "note: resuming with {key} {} (was {})",
                 show(b),
@@ -1191,8 +1406,7 @@ fn check_same_run(dir: &Path, recorded: &Value, record: &Value) -> Result<()> {
 
 /// Writes a checkpoint of everything `--resume` needs, the run's own settings included.
 fn save(
-    trainer: &Trainer,
-    devs: &[&dyn Device],
+    engine: &Engine,
     dir: &Path,
     step: u64,
     next_sample: u64,
@@ -1209,17 +1423,13 @@ fn save(
             "keep_checkpoints": run.keep_checkpoints,
         }),
     );
-    Ok(trainer.save_checkpoint(devs, dir, step, state, run.keep_checkpoints)?)
+    Ok(engine.save_checkpoint(dir, step, state, run.keep_checkpoints)?)
 }
 
 /// Restores a checkpoint into the engine; returns the data position to continue from.
-fn restore(
-    trainer: &mut Trainer,
-    devs: &[&dyn Device],
-    ck: &checkpoint::Checkpoint,
-) -> Result<u64> {
-    trainer.load_checkpoint(devs, ck)?;
-    data_position(ck, trainer.config.batch.train_batch_size as u64)
+fn restore(engine: &mut Engine, ck: &checkpoint::Checkpoint, global: u64) -> Result<u64> {
+    engine.load_checkpoint(ck)?;
+    data_position(ck, global)
 }
 
 /// The data position a checkpoint continues from, checked against its step and the
@@ -1324,6 +1534,18 @@ pub(crate) fn evaluate(
     t: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(f32, Option<f32>)> {
+    evaluate_with(&|m| network.predict(dev, m), dataset, b, t, progress)
+}
+
+/// [`evaluate`] with any engine's forward pass: `predict` gives a micro-batch's mean
+/// loss and every row's predicted class.
+pub(crate) fn evaluate_with(
+    predict: &dyn Fn(&MicroBatch) -> kiln_engine::Result<(f64, Vec<u32>)>,
+    dataset: &Dataset,
+    b: usize,
+    t: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(f32, Option<f32>)> {
     let (tokens, targets) = match dataset {
         Dataset::Addition { eval } => (&eval.tokens, &eval.targets),
         Dataset::File { eval: Some((a, b)) } => (a, b),
@@ -1344,7 +1566,7 @@ pub(crate) fn evaluate(
             tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
         }
         let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
-        let (l, p) = network.predict(dev, &MicroBatch::tokens(&tok, &tgt))?;
+        let (l, p) = predict(&MicroBatch::tokens(&tok, &tgt))?;
         loss += l * n as f64;
         scored += n;
         predictions.extend_from_slice(&p[..rows * t]);

@@ -910,21 +910,7 @@ impl Network {
             .buffer(t)
             .expect("the prediction is a graph output");
         let values = dev.download(buf)?.to_f32();
-        let best = values
-            .chunks_exact(cols.max(1))
-            .map(|row| {
-                let row = &row[..classes];
-                // First maximum wins, so ties resolve the same way on every backend.
-                let mut arg = 0;
-                for (i, &x) in row.iter().enumerate() {
-                    if x > row[arg] {
-                        arg = i;
-                    }
-                }
-                arg as u32
-            })
-            .collect();
-        Ok((loss, best))
+        Ok((loss, best_per_row(&values, cols, classes)))
     }
 
     /// (name, gradient) of every parameter, as f32.
@@ -1818,4 +1804,23 @@ pub(crate) fn in_file(path: &std::path::Path, e: Error) -> Error {
         Error::InvalidArgument(m) => Error::InvalidArgument(format!("`{}`: {m}", path.display())),
         other => other,
     }
+}
+
+/// The index of the largest of the first `classes` values in every row of `cols`
+/// (a padded vocabulary's padding columns are never predicted).
+pub(crate) fn best_per_row(values: &[f32], cols: usize, classes: usize) -> Vec<u32> {
+    values
+        .chunks_exact(cols.max(1))
+        .map(|row| {
+            let row = &row[..classes];
+            // First maximum wins, so ties resolve the same way on every backend.
+            let mut arg = 0;
+            for (i, &x) in row.iter().enumerate() {
+                if x > row[arg] {
+                    arg = i;
+                }
+            }
+            arg as u32
+        })
+        .collect()
 }

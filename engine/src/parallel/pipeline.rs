@@ -47,7 +47,7 @@ use std::sync::Arc;
 use super::pipeline_partition::{partition, PartitionMethod, StageCosts};
 use super::pipeline_schedule::{Instr, Schedule};
 use crate::device::optim::{grad_scale_reference, ParamBuffers};
-use crate::graph::{Bindings, Loss, Plan, StageGraph, Tensor};
+use crate::graph::{Bindings, Loss, Op, Plan, StageGraph, Tensor};
 use crate::models::{
     batch_input, check_ids, check_specs, draw_initial, host_memory_available, random_key, record,
     MicroBatch, Model, NetworkMemory, NetworkOptions, ParamSpec, ParamState,
@@ -1221,4 +1221,76 @@ fn decide(
             bytes_moved: 0,
         },
     ))
+}
+
+/// Evaluation: one micro-batch's forward pass through every stage in turn.
+impl Pipeline {
+    /// Mean loss of `batch` and the index of the largest prediction in every row (the
+    /// next token at every position), as [`Network::predict`] gives them on one
+    /// device: each stage runs its forward pass without dropout and hands its
+    /// activations to the next through the host, no update. It uses the first slot's
+    /// buffers, which the next step overwrites.
+    ///
+    /// [`Network::predict`]: crate::models::Network::predict
+    pub fn predict(&self, batch: &MicroBatch) -> Result<(f64, Vec<u32>)> {
+        let p = self.stages.len();
+        let mut carried: Vec<HostData> = vec![];
+        for (s, (stage, dev)) in self.stages.iter().zip(&self.devs).enumerate() {
+            let dev = dev.as_ref();
+            let at_stage = |e: Error| Error::InvalidArgument(format!("pipeline stage {s}: {e}"));
+            let (data, trained) = stage_data(stage, batch).map_err(at_stage)?;
+            let slot = &stage.slots[0];
+            for (&b, d) in slot.inputs.iter().zip(&data) {
+                dev.upload(b, d).map_err(at_stage)?;
+            }
+            for (&b, d) in slot.acts_in.iter().zip(&carried) {
+                dev.upload(b, d).map_err(at_stage)?;
+            }
+            slot.plan.evaluate(dev).map_err(at_stage)?;
+            let g = &stage.part.graph;
+            if s + 1 < p {
+                carried = vec![];
+                for a in &stage.part.activations_out {
+                    let b = match slot.plan.buffer(a.local) {
+                        Some(b) => b,
+                        None => {
+                            let k = stage
+                                .part
+                                .activations_in
+                                .iter()
+                                .position(|i| i.local == a.local)
+                                .expect("an outgoing tensor is made here or passed on");
+                            slot.acts_in[k]
+                        }
+                    };
+                    carried.push(dev.download(b).map_err(at_stage)?);
+                }
+                continue;
+            }
+            // The model's prediction: what the loss reads (the stage's outputs also hold
+            // the per-row losses), else the whole graph's one output.
+            let t = g
+                .ops
+                .iter()
+                .find_map(|op| match *op {
+                    Op::CrossEntropy { logits, .. } => Some(logits),
+                    _ => None,
+                })
+                .or_else(|| g.outputs.iter().copied().find(|&o| Some(o) != g.losses()))
+                .ok_or_else(|| {
+                    Error::InvalidArgument("pipeline: the last stage has no prediction".into())
+                })?;
+            let loss = slot.plan.loss_sum(dev).map_err(at_stage)? / trained.max(1) as f64;
+            let cols = (*g.shape(t).last().unwrap_or(&1)).max(1);
+            let classes = g.classes_of(t).clamp(1, cols);
+            let buf = slot
+                .plan
+                .buffer(t)
+                .expect("the prediction is a graph output");
+            let values = dev.download(buf).map_err(at_stage)?.to_f32();
+            let best = crate::models::best_per_row(&values, cols, classes);
+            return Ok((loss, best));
+        }
+        unreachable!("a pipeline has at least one stage")
+    }
 }

@@ -3,14 +3,18 @@
 //! driving one model split over several devices. The loss scaler sees the pipeline's
 //! one overflow flag, so every stage skips or applies together.
 //!
-//! What `Trainer` adds beyond this (checkpoints with the trainer's counters, the
-//! divergence watch, data-parallel replicas of the pipeline, ZeRO) is not wired here
-//! yet; `param_states` gives whole tensors for a checkpoint.
+//! Like `Trainer`, it counts steps, watches for divergence, and writes and reads
+//! checkpoints of whole tensors in the `Trainer`'s format, so a run continues on either
+//! engine and any number of stages. Data-parallel replicas of the pipeline and ZeRO are
+//! not wired here yet.
 
 use std::sync::Arc;
 
+use super::checkpoint::{self, Checkpoint};
 use super::loss_scaler::{LossScaler, StepDecision};
-use super::trainer::{precision, StepStats};
+use super::trainer::{
+    precision, read_states, save_states, watch_divergence, StepStats, TrainerState,
+};
 use crate::models::{MicroBatch, Model, NetworkOptions, ParamState};
 use crate::parallel::pipeline::{Pipeline, StepOptions, StepReport};
 use crate::parallel::pipeline_partition::PartitionMethod;
@@ -24,6 +28,9 @@ pub struct PipelineTrainer {
     /// Steps attempted (applied + skipped).
     steps: u64,
     last: Option<StepReport>,
+    /// The divergence watch's counters (see `Trainer`'s): skips in a row, and steps in
+    /// a row at the dynamic scaler's minimum.
+    watch: (u64, u64),
 }
 
 impl PipelineTrainer {
@@ -51,6 +58,7 @@ impl PipelineTrainer {
             scaler,
             steps: 0,
             last: None,
+            watch: (0, 0),
         })
     }
 
@@ -87,6 +95,15 @@ impl PipelineTrainer {
                 },
             })?;
         debug_assert_eq!(decision == StepDecision::Skip, r.overflow);
+        let (skips, at_min) = &mut self.watch;
+        let counts = (skips, at_min);
+        watch_divergence(
+            counts,
+            self.steps,
+            &self.scaler,
+            &self.config,
+            (r.overflow, loss_scale),
+        )?;
         let stats = StepStats {
             loss: r.loss,
             lr,
@@ -116,5 +133,63 @@ impl PipelineTrainer {
     /// The loss scaler (its scale follows the overflows).
     pub fn scaler(&self) -> &LossScaler {
         &self.scaler
+    }
+
+    /// The config the pipeline trains under.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// Steps skipped in a row up to the last one (0 after an applied step).
+    pub fn consecutive_skips(&self) -> u64 {
+        self.watch.0
+    }
+
+    /// The counters and scaler a checkpoint holds (as `Trainer::state`).
+    pub fn state(&self) -> TrainerState {
+        TrainerState {
+            steps: self.steps,
+            applied: u64::from(self.pipe.steps_applied()),
+            scaler: self.scaler.clone(),
+            consecutive_skips: self.watch.0,
+            steps_at_min_scale: self.watch.1,
+        }
+    }
+
+    /// Mean loss of `batch` and every row's predicted class, no update (evaluation).
+    pub fn predict(&self, batch: &MicroBatch) -> Result<(f64, Vec<u32>)> {
+        self.pipe.predict(batch)
+    }
+
+    /// Writes a checkpoint in the format `Trainer::save_checkpoint` writes (whole
+    /// tensors under the model's names, the counters under `"trainer"`, the caller's
+    /// `state` keys beside them): it resumes on one device, data-parallel, or another
+    /// number of stages.
+    pub fn save_checkpoint(
+        &self,
+        run_dir: &std::path::Path,
+        step: u64,
+        state: serde_json::Map<String, serde_json::Value>,
+        keep: usize,
+    ) -> checkpoint::Result<checkpoint::Saved> {
+        let states = self.param_states()?;
+        save_states(run_dir, step, states, &self.state(), state, keep)
+    }
+
+    /// Restores a checkpoint any engine wrote (`Trainer` or `PipelineTrainer`, any
+    /// topology) into every stage; returns the manifest's state, the caller's keys
+    /// included. A checkpoint of another model or precision is an error naming the
+    /// tensor.
+    pub fn load_checkpoint(&mut self, ck: &Checkpoint) -> checkpoint::Result<serde_json::Value> {
+        let trainer = TrainerState::from_checkpoint(ck)?;
+        let applied = trainer.check(&self.scaler)?;
+        let specs = self.pipe.model().parameters();
+        let (dtype, _) = precision(&self.config)?;
+        let states = read_states(ck, &specs, dtype)?;
+        self.pipe.load_param_states(&states, applied)?;
+        self.steps = trainer.steps;
+        self.scaler = trainer.scaler;
+        self.watch = (trainer.consecutive_skips, trainer.steps_at_min_scale);
+        Ok(ck.state().clone())
     }
 }

@@ -127,6 +127,15 @@ pub struct StepRecord {
     pub comm_overlap: f64,
     #[serde(default)]
     pub comm_bytes: u64,
+    /// Pipeline parallelism: the share of the step the stages waited for a neighbour
+    /// (measured, the mean over stages), the schedule's `(p-1)/(m+p-1)`, and the bytes
+    /// of activations and their gradients sent between stages. Absent without stages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_bubble: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_bubble_theory: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_bytes: Option<u64>,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",

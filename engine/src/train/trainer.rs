@@ -17,7 +17,8 @@ use crate::config::{LossScaling, Precision, TrainConfig};
 use crate::device::optim::grad_scale_reference;
 use crate::device::profile::{span, SpanKind};
 use crate::models::{
-    in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamState,
+    in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamSpec,
+    ParamState,
 };
 use crate::parallel::collective::{Ownership, Processes};
 use crate::parallel::exchange::{self, During};
@@ -62,6 +63,33 @@ pub struct TrainerState {
 }
 
 impl TrainerState {
+    /// Checks a restored state against an engine whose loss scaler is `scaler` (the
+    /// run's precision); returns the applied steps as the engine counts them.
+    pub(crate) fn check(&self, scaler: &LossScaler) -> Result<u32> {
+        let state = self;
+        let applied = u32::try_from(state.applied).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "checkpoint: {} applied steps is more than this engine counts",
+                state.applied
+            ))
+        })?;
+        if state.applied > state.steps {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint: {} applied steps out of {} attempted is impossible: the checkpoint \
+                 state is corrupt",
+                state.applied, state.steps
+            )));
+        }
+        if std::mem::discriminant(&state.scaler) != std::mem::discriminant(scaler) {
+            return Err(Error::InvalidArgument(
+                "checkpoint: its loss scaler (static vs dynamic) differs from this config's \
+                 fp16 settings; resume with the config the run was started with"
+                    .into(),
+            ));
+        }
+        Ok(applied)
+    }
+
     /// The state a checkpoint [`Trainer::save_checkpoint`] wrote holds, checked against
     /// its manifest's step: what [`Trainer::load_checkpoint`] restores, readable before
     /// any device is open.
@@ -452,75 +480,13 @@ impl Trainer {
     /// has sat at `min_loss_scale` for a whole window without growing is overflowing
     /// at a scale it cannot lower. Called once per step, after the step is counted.
     fn watch(&mut self, skipped: bool, loss_scale: f32) -> Result<()> {
-        self.consecutive_skips = if skipped {
-            self.consecutive_skips + 1
-        } else {
-            0
-        };
-        let step = self.steps;
-        match (&self.scaler, &self.config.precision) {
-            (LossScaler::Dynamic { config, scale, .. }, _) => {
-                let at_min = loss_scale <= config.min_scale && *scale <= config.min_scale;
-                self.steps_at_min_scale = if at_min {
-                    self.steps_at_min_scale + 1
-                } else {
-                    0
-                };
-                if self.steps_at_min_scale >= config.window {
-                    return Err(Error::Diverged {
-                        step,
-                        detail: format!(
-                            "the fp16 loss scale has stayed at its minimum {} (fp16.min_loss_scale) \
-                             for a whole window of {} steps (fp16.loss_scale_window) because the \
-                             gradients keep overflowing ({} skipped in a row now). Lower the \
-                             learning rate (or warm it up longer), set gradient_clipping (1.0 is \
-                             typical), lower fp16.min_loss_scale, or train in bf16",
-                            config.min_scale, config.window, self.consecutive_skips
-                        ),
-                    });
-                }
-            }
-            (LossScaler::Static { scale }, precision) => {
-                let max = self.config.kiln.max_consecutive_skips;
-                if self.consecutive_skips >= max {
-                    let (what, advice) = match precision {
-                        Precision::Fp16 { .. } => (
-                            format!(
-                                "the fp16 gradients overflowed at the static loss scale {scale} \
-                                 (fp16.loss_scale)"
-                            ),
-                            "use dynamic loss scaling (fp16.loss_scale 0) or a lower static \
-                             scale, lower the learning rate, set gradient_clipping (1.0 is \
-                             typical), or train in bf16",
-                        ),
-                        _ => (
-                            format!(
-                                "the gradients were not finite (NaN or infinite) in this {} run",
-                                if matches!(precision, Precision::Bf16) {
-                                    "bf16"
-                                } else {
-                                    "fp32"
-                                }
-                            ),
-                            "lower the learning rate (or warm it up longer), set \
-                             gradient_clipping (1.0 is typical), and check the data and the \
-                             model's initialisation",
-                        ),
-                    };
-                    return Err(Error::Diverged {
-                        step,
-                        detail: format!(
-                            "{what} for {} steps in a row (kiln.max_consecutive_skips = {max}); \
-                             the skipped steps left the weights as they were, and without \
-                             dynamic loss scaling nothing changes from one step to the next, \
-                             so every further step would be skipped too. Try: {advice}",
-                            self.consecutive_skips
-                        ),
-                    });
-                }
-            }
-        }
-        Ok(())
+        watch_divergence(
+            (&mut self.consecutive_skips, &mut self.steps_at_min_scale),
+            self.steps,
+            &self.scaler,
+            &self.config,
+            (skipped, loss_scale),
+        )
     }
 
     /// Steps skipped in a row up to the last one (0 after an applied step).
@@ -712,26 +678,7 @@ impl Trainer {
     /// Restores counters and scaler saved by [`Trainer::state`] (the parameters are
     /// restored separately, see [`Trainer::load_param_states`]).
     pub fn restore(&mut self, state: &TrainerState) -> Result<()> {
-        let applied = u32::try_from(state.applied).map_err(|_| {
-            Error::InvalidArgument(format!(
-                "checkpoint: {} applied steps is more than this engine counts",
-                state.applied
-            ))
-        })?;
-        if state.applied > state.steps {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoint: {} applied steps out of {} attempted is impossible: the checkpoint \
-                 state is corrupt",
-                state.applied, state.steps
-            )));
-        }
-        if std::mem::discriminant(&state.scaler) != std::mem::discriminant(&self.scaler) {
-            return Err(Error::InvalidArgument(
-                "checkpoint: its loss scaler (static vs dynamic) differs from this config's \
-                 fp16 settings; resume with the config the run was started with"
-                    .into(),
-            ));
-        }
+        let applied = state.check(&self.scaler)?;
         self.steps = state.steps;
         for m in self.models_mut() {
             m.set_steps_applied(applied);
@@ -758,7 +705,7 @@ impl Trainer {
         devs: &[&dyn Device],
         run_dir: &std::path::Path,
         step: u64,
-        mut state: serde_json::Map<String, serde_json::Value>,
+        state: serde_json::Map<String, serde_json::Value>,
         keep: usize,
     ) -> checkpoint::Result<checkpoint::Saved> {
         let states = self.param_states(devs)?;
@@ -771,28 +718,7 @@ impl Trainer {
                 notes: vec![],
             });
         }
-        let mut model = vec![];
-        let mut optimizer = vec![];
-        for p in states {
-            let f32s = |v: Vec<f32>| crate::HostData::F32(v);
-            model.push(HostTensor::new(&p.name, p.shape.clone(), p.value));
-            for (what, v) in [("master", p.master), ("exp_avg", p.m), ("exp_avg_sq", p.v)] {
-                let name = format!("{what}.{}", p.name);
-                optimizer.push(HostTensor::new(name, p.shape.clone(), f32s(v)));
-            }
-        }
-        let trainer = serde_json::to_value(self.state()).expect("the state serializes");
-        state.insert("trainer".into(), trainer);
-        checkpoint::save(
-            run_dir,
-            step,
-            &[
-                CheckpointFile::new(MODEL_FILE, model),
-                CheckpointFile::new(OPTIMIZER_FILE, optimizer),
-            ],
-            &serde_json::Value::Object(state),
-            &SaveOptions { keep_last: keep },
-        )
+        save_states(run_dir, step, states, &self.state(), state, keep)
     }
 
     /// Restores a checkpoint [`Trainer::save_checkpoint`] wrote, into every rank (whole
@@ -805,27 +731,154 @@ impl Trainer {
         ck: &Checkpoint,
     ) -> checkpoint::Result<serde_json::Value> {
         let trainer = TrainerState::from_checkpoint(ck)?;
-        let mut states = vec![];
-        for spec in self.model.specs() {
-            let dtype = self.model.options().dtype;
-            let n = &spec.name;
-            let value = ck.tensor_checked(MODEL_FILE, n, dtype, &spec.shape)?;
-            let f32s = |prefix: &str| -> checkpoint::Result<Vec<f32>> {
-                let name = format!("{prefix}.{n}");
-                let t = ck.tensor_checked(OPTIMIZER_FILE, &name, DType::F32, &spec.shape)?;
-                Ok(t.data.to_f32())
-            };
-            states.push(ParamState {
-                name: n.clone(),
-                shape: spec.shape.clone(),
-                value: value.data.clone(),
-                master: f32s("master")?,
-                m: f32s("exp_avg")?,
-                v: f32s("exp_avg_sq")?,
-            });
-        }
+        let states = read_states(ck, self.model.specs(), self.model.options().dtype)?;
         self.load_param_states(devs, &states)?;
         self.restore(&trainer)?;
         Ok(ck.state().clone())
     }
+}
+
+/// Stops a run that can no longer make progress (see `Trainer::watch`), for any engine
+/// with a trainer's counters: `consecutive_skips` and `steps_at_min_scale` are updated
+/// for the step `step` (already counted) that ran at `loss_scale` and was `skipped` or
+/// not.
+pub(crate) fn watch_divergence(
+    (consecutive_skips, steps_at_min_scale): (&mut u64, &mut u64),
+    step: u64,
+    scaler: &LossScaler,
+    config: &TrainConfig,
+    (skipped, loss_scale): (bool, f32),
+) -> Result<()> {
+    *consecutive_skips = if skipped { *consecutive_skips + 1 } else { 0 };
+    let precision = &config.precision;
+    match (scaler, precision) {
+        (
+            LossScaler::Dynamic {
+                config: dynamic,
+                scale,
+                ..
+            },
+            _,
+        ) => {
+            let at_min = loss_scale <= dynamic.min_scale && *scale <= dynamic.min_scale;
+            *steps_at_min_scale = if at_min { *steps_at_min_scale + 1 } else { 0 };
+            if *steps_at_min_scale >= dynamic.window {
+                return Err(Error::Diverged {
+                    step,
+                    detail: format!(
+                        "the fp16 loss scale has stayed at its minimum {} (fp16.min_loss_scale) \
+                         for a whole window of {} steps (fp16.loss_scale_window) because the \
+                         gradients keep overflowing ({} skipped in a row now). Lower the \
+                         learning rate (or warm it up longer), set gradient_clipping (1.0 is \
+                         typical), lower fp16.min_loss_scale, or train in bf16",
+                        dynamic.min_scale, dynamic.window, *consecutive_skips
+                    ),
+                });
+            }
+        }
+        (LossScaler::Static { scale }, precision) => {
+            let max = config.kiln.max_consecutive_skips;
+            if *consecutive_skips >= max {
+                let (what, advice) = match precision {
+                    Precision::Fp16 { .. } => (
+                        format!(
+                            "the fp16 gradients overflowed at the static loss scale {scale} \
+                             (fp16.loss_scale)"
+                        ),
+                        "use dynamic loss scaling (fp16.loss_scale 0) or a lower static \
+                         scale, lower the learning rate, set gradient_clipping (1.0 is \
+                         typical), or train in bf16",
+                    ),
+                    _ => (
+                        format!(
+                            "the gradients were not finite (NaN or infinite) in this {} run",
+                            if matches!(precision, Precision::Bf16) {
+                                "bf16"
+                            } else {
+                                "fp32"
+                            }
+                        ),
+                        "lower the learning rate (or warm it up longer), set \
+                         gradient_clipping (1.0 is typical), and check the data and the \
+                         model's initialisation",
+                    ),
+                };
+                return Err(Error::Diverged {
+                    step,
+                    detail: format!(
+                        "{what} for {} steps in a row (kiln.max_consecutive_skips = {max}); \
+                         the skipped steps left the weights as they were, and without \
+                         dynamic loss scaling nothing changes from one step to the next, \
+                         so every further step would be skipped too. Try: {advice}",
+                        *consecutive_skips
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `states` (whole tensors) as a checkpoint: the weights under the model's names
+/// in `model.safetensors`, the f32 masters and moments in `optimizer.safetensors`, and
+/// `trainer` under `"trainer"` in the manifest beside the caller's keys. What every
+/// engine writes, so a checkpoint resumes whatever engine and topology wrote it.
+pub(crate) fn save_states(
+    run_dir: &std::path::Path,
+    step: u64,
+    states: Vec<ParamState>,
+    trainer: &TrainerState,
+    mut state: serde_json::Map<String, serde_json::Value>,
+    keep: usize,
+) -> checkpoint::Result<checkpoint::Saved> {
+    let mut model = vec![];
+    let mut optimizer = vec![];
+    for p in states {
+        let f32s = |v: Vec<f32>| crate::HostData::F32(v);
+        model.push(HostTensor::new(&p.name, p.shape.clone(), p.value));
+        for (what, v) in [("master", p.master), ("exp_avg", p.m), ("exp_avg_sq", p.v)] {
+            let name = format!("{what}.{}", p.name);
+            optimizer.push(HostTensor::new(name, p.shape.clone(), f32s(v)));
+        }
+    }
+    let trainer = serde_json::to_value(trainer).expect("the state serializes");
+    state.insert("trainer".into(), trainer);
+    checkpoint::save(
+        run_dir,
+        step,
+        &[
+            CheckpointFile::new(MODEL_FILE, model),
+            CheckpointFile::new(OPTIMIZER_FILE, optimizer),
+        ],
+        &serde_json::Value::Object(state),
+        &SaveOptions { keep_last: keep },
+    )
+}
+
+/// Every parameter of `specs` as [`save_states`] wrote it, checked against its shape
+/// and the run's storage `dtype`.
+pub(crate) fn read_states<'a>(
+    ck: &Checkpoint,
+    specs: impl IntoIterator<Item = &'a ParamSpec>,
+    dtype: DType,
+) -> checkpoint::Result<Vec<ParamState>> {
+    let mut states = vec![];
+    for spec in specs {
+        let n = &spec.name;
+        let value = ck.tensor_checked(MODEL_FILE, n, dtype, &spec.shape)?;
+        let f32s = |prefix: &str| -> checkpoint::Result<Vec<f32>> {
+            let name = format!("{prefix}.{n}");
+            let t = ck.tensor_checked(OPTIMIZER_FILE, &name, DType::F32, &spec.shape)?;
+            Ok(t.data.to_f32())
+        };
+        states.push(ParamState {
+            name: n.clone(),
+            shape: spec.shape.clone(),
+            value: value.data.clone(),
+            master: f32s("master")?,
+            m: f32s("exp_avg")?,
+            v: f32s("exp_avg_sq")?,
+        });
+    }
+    Ok(states)
 }

@@ -1,0 +1,316 @@
+//! `kiln train` with pipeline stages: the config's `pipeline` section and the flags,
+//! the same losses as one device, checkpoints that resume on another number of stages,
+//! the bubble warning and metrics, and what is refused.
+//!
+//! Runs on CPU devices (`cpux2`): the pipeline's arithmetic is the backends', and the
+//! CLI's part (config, loop, checkpoints) is what is tested here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use kiln::engine::train::checkpoint;
+use kiln::engine::train::runs::{self, StepRecord};
+use kiln::train::{bubble_warning, train, TrainOptions};
+
+/// Relative tolerance of the fp32 losses between topologies: the tied embedding's two
+/// gradients (first and last stage) are summed after each stage's backward, where one
+/// device accumulates them within its backward, so the sums round differently in the
+/// last bits (the library's equivalence tests hold the same 1e-5).
+const FP32_REL: f32 = 1e-5;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-pipeline-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A 2-block GPT and an fp32 config of micro-batch 4 × 4 micro-batches (m = 4), with
+/// `extra` top-level keys.
+fn files(dir: &Path, extra: &str) -> (PathBuf, PathBuf) {
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let config = dir.join("ds_config.json");
+    std::fs::write(
+        &config,
+        format!(
+            r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+                "optimizer": {{"type": "AdamW", "params": {{"lr": 0.003, "weight_decay": 0.01}}}}
+                {extra}}}"#
+        ),
+    )
+    .unwrap();
+    (config, model)
+}
+
+fn options(dir: &Path, out: &str, devices: &str, stages: Option<usize>) -> TrainOptions {
+    let (config, model) = files(dir, "");
+    TrainOptions {
+        config: Some(config),
+        model: Some(model),
+        devices: vec![devices.into()],
+        out: Some(dir.join(out)),
+        steps: Some(6),
+        eval_every: Some(0),
+        checkpoint_every: Some(3),
+        keep_checkpoints: Some(0),
+        pipeline_stages: stages,
+        ..TrainOptions::default()
+    }
+}
+
+fn records(run: &Path) -> Vec<StepRecord> {
+    runs::read_metrics(run).unwrap()
+}
+
+fn close(a: f32, b: f32) -> bool {
+    (a - b).abs() <= FP32_REL * b.abs().max(1e-6)
+}
+
+fn assert_losses_match(what: &str, got: &[StepRecord], want: &[StepRecord]) {
+    assert_eq!(got.len(), want.len(), "{what}: steps");
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.step, w.step);
+        assert!(
+            close(g.loss, w.loss),
+            "{what}: step {} loss {} vs one device {}",
+            g.step,
+            g.loss,
+            w.loss
+        );
+    }
+}
+
+/// Two stages train the model one device trains: the same losses step by step and the
+/// same held-out loss, with the bubble and the bytes between stages in the metrics.
+#[test]
+fn two_stages_train_like_one_device_with_pipeline_metrics() {
+    let dir = scratch("equal");
+    let one = train(&options(&dir, "one", "cpu", None)).unwrap();
+    let two = train(&options(&dir, "two", "cpux2", Some(2))).unwrap();
+    let (a, b) = (records(&one.dir), records(&two.dir));
+    assert_losses_match("2 stages", &b, &a);
+    let (ea, eb) = (
+        a.last().unwrap().eval_loss.unwrap(),
+        b.last().unwrap().eval_loss.unwrap(),
+    );
+    assert!(close(eb, ea), "eval loss {eb} vs one device {ea}");
+    assert_eq!(
+        a.last().unwrap().eval_accuracy.is_some(),
+        b.last().unwrap().eval_accuracy.is_some()
+    );
+    for r in &b {
+        // (p - 1) / (m + p - 1) for p = 2, m = 4.
+        assert_eq!(r.pipeline_bubble_theory, Some(0.2));
+        let bubble = r.pipeline_bubble.unwrap();
+        assert!((0.0..1.0).contains(&bubble), "{bubble}");
+        // Each micro-batch's activations forward and their gradients back: 4 rows of
+        // 16 positions of 32 f32 values, twice per micro-batch, 4 micro-batches.
+        assert_eq!(r.pipeline_bytes, Some(2 * 4 * 4 * 16 * 32 * 4));
+    }
+    assert!(a.iter().all(|r| r.pipeline_bubble.is_none()));
+    // The same checkpoint format: the same tensors under the same names.
+    let names = |run: &Path| {
+        let ck = checkpoint::load_latest(run).unwrap();
+        let mut n: Vec<(String, Vec<usize>)> = [checkpoint::MODEL_FILE, checkpoint::OPTIMIZER_FILE]
+            .iter()
+            .flat_map(|f| ck.file(f).unwrap().tensors.clone())
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&one.dir), names(&two.dir));
+}
+
+/// A checkpoint of 2 stages resumes on 1 device and one of 1 device on 2 stages, and
+/// either continues with the losses of the run that was never interrupted.
+#[test]
+fn checkpoints_resume_on_another_number_of_stages() {
+    let dir = scratch("resume");
+    let whole = records(&train(&options(&dir, "whole", "cpu", None)).unwrap().dir);
+    for (name, first, then) in [
+        ("pp2-then-pp1", ("cpux2", Some(2)), ("cpu", None)),
+        ("pp1-then-pp2", ("cpu", None), ("cpux2", Some(2))),
+    ] {
+        let mut o = options(&dir, name, first.0, first.1);
+        o.steps = Some(3);
+        train(&o).unwrap();
+        let mut o = options(&dir, name, then.0, then.1);
+        o.resume = true;
+        let r = train(&o).unwrap();
+        assert_eq!(r.steps, 6);
+        assert_losses_match(name, &records(&r.dir), &whole);
+    }
+}
+
+/// The config's `pipeline.stages` trains a pipeline; `--pipeline-stages` replaces it.
+#[test]
+fn config_stages_apply_and_the_flag_wins() {
+    let dir = scratch("config");
+    let (config, model) = files(
+        &dir,
+        r#", "pipeline": {"stages": 2, "partition": "uniform"}"#,
+    );
+    let base = TrainOptions {
+        config: Some(config),
+        model: Some(model),
+        steps: Some(1),
+        eval_every: Some(0),
+        checkpoint_every: Some(0),
+        ..TrainOptions::default()
+    };
+    let r = train(&TrainOptions {
+        devices: vec!["cpux2".into()],
+        out: Some(dir.join("from-config")),
+        ..base.clone()
+    })
+    .unwrap();
+    assert!(records(&r.dir)[0].pipeline_bubble.is_some());
+    let r = train(&TrainOptions {
+        devices: vec!["cpu".into()],
+        out: Some(dir.join("flag")),
+        pipeline_stages: Some(1),
+        ..base.clone()
+    })
+    .unwrap();
+    assert!(records(&r.dir)[0].pipeline_bubble.is_none());
+}
+
+/// Ctrl-C / SIGTERM (the interrupt flag) stops a pipeline after its step with a
+/// checkpoint, as it stops the data-parallel loop.
+#[test]
+fn an_interrupt_stops_a_pipeline_with_a_checkpoint() {
+    let dir = scratch("interrupt");
+    let mut o = options(&dir, "run", "cpux2", Some(2));
+    o.checkpoint_every = Some(0);
+    o.interrupt = Some(Arc::new(AtomicBool::new(true)));
+    let r = train(&o).unwrap();
+    assert!(r.interrupted);
+    assert_eq!(r.steps, 1);
+    assert_eq!(checkpoint::load_latest(&r.dir).unwrap().step(), 1);
+}
+
+fn train_err(o: &TrainOptions) -> String {
+    format!("{:#}", train(o).unwrap_err())
+}
+
+#[test]
+fn what_pipelines_do_not_run_is_refused_before_anything_is_written() {
+    let dir = scratch("refused");
+    // 4 devices in 2 stages: 2 replicas of the pipeline.
+    let o = options(&dir, "dp", "cpux4", Some(2));
+    let e = train_err(&o);
+    assert!(
+        e.contains("2 stages x 2 data-parallel replicas")
+            && e.contains("does not run yet")
+            && e.contains("give exactly 2 devices"),
+        "{e}"
+    );
+    assert!(!dir.join("dp").exists());
+    let e = train_err(&options(&dir, "odd", "cpux3", Some(2)));
+    assert!(
+        e.contains("2 pipeline stages do not divide the 3 device(s)"),
+        "{e}"
+    );
+    let mut o = options(&dir, "partition", "cpu", None);
+    o.partition = Some("uniform".into());
+    let e = train_err(&o);
+    assert!(
+        e.contains("--partition cuts a model into pipeline stages"),
+        "{e}"
+    );
+    let mut o = options(&dir, "blocks", "cpux2", Some(2));
+    o.partition = Some("1,1,1".into());
+    let e = train_err(&o);
+    assert!(
+        e.contains("3 block counts") && e.contains("2 pipeline stages"),
+        "{e}"
+    );
+    // (options() writes the plain config: this one is written after it.)
+    let mut o = options(&dir, "checkpointing", "cpux2", None);
+    let (config, _) = files(
+        &dir,
+        r#", "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}"#,
+    );
+    o.config = Some(config);
+    let e = train_err(&o);
+    assert!(
+        e.contains("pipeline.activation_checkpoint_interval") && e.contains("set it to 0"),
+        "{e}"
+    );
+    for out in ["odd", "partition", "blocks", "checkpointing"] {
+        assert!(!dir.join(out).exists(), "{out} was created");
+    }
+}
+
+#[test]
+fn few_micro_batches_per_stage_are_warned_about_with_the_bubble_and_the_fix() {
+    let w = bubble_warning(2, 4).unwrap();
+    assert!(
+        w.contains("gradient_accumulation_steps 4 with 2 pipeline stages")
+            && w.contains("idle for 20%")
+            && w.contains("at least 8")
+            && w.contains("11% or less"),
+        "{w}"
+    );
+    assert_eq!(bubble_warning(2, 8), None);
+    assert_eq!(bubble_warning(1, 1), None);
+    // Once, at start, on the command line, beside the pipeline's per-step figures.
+    let dir = scratch("warning");
+    let (config, model) = files(&dir, "");
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .args(["--model", model.to_str().unwrap(), "--devices", "cpux2"])
+        .args([
+            "--pipeline-stages",
+            "2",
+            "--steps",
+            "2",
+            "--eval-every",
+            "0",
+        ])
+        .args(["--out", dir.join("run").to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(
+        err.matches("warning: gradient_accumulation_steps 4")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(
+        err.contains("pipeline bubble") && err.contains("(theory 20%)"),
+        "{err}"
+    );
+    assert!(err.contains("stage 1: model states"), "{err}");
+}
+
+#[test]
+fn config_explain_shows_the_pipeline() {
+    let dir = scratch("explain");
+    let (config, _) = files(&dir, r#", "pipeline": {"stages": 2, "partition": [1, 1]}"#);
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["config", "explain", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("pipeline.stages = 2 (file)")
+            && text.contains("pipeline.partition = 1,1 (file)"),
+        "{text}"
+    );
+}
