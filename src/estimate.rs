@@ -222,15 +222,16 @@ pub fn parse_partition(text: &str) -> Result<PartitionMethod> {
     }
 }
 
-/// The per-stage table of a pipeline of `stages` stages on `world` devices: each
-/// stage's blocks and device bytes as [`Pipeline::new`] allocates them (its weights,
+/// The per-stage table of a pipeline of `stages` stages on `world` devices (`world /
+/// stages` data-parallel replicas) taking `m` micro-batches per step: each stage's
+/// blocks and device bytes as [`Pipeline::new`] allocates them (its weights,
 /// gradients, master weights and moments, and the activations of the micro-batches it
-/// keeps in flight: `p - s` for stage `s`, whatever `gradient_accumulation_steps` is).
+/// keeps in flight: `p - s` for stage `s`, whatever `m` is), and the bubble `m` gives.
 pub fn pipeline_report(
     model: &dyn Model,
     micro_batch: usize,
     dtype: DType,
-    (stages, world): (usize, usize),
+    (stages, world, m): (usize, usize, usize),
     method: &PartitionMethod,
 ) -> Result<String> {
     if stages == 0 || world % stages != 0 {
@@ -259,7 +260,7 @@ pub fn pipeline_report(
     writeln!(
         out,
         "{}: {stages} pipeline stage(s) x {dp} data-parallel replica(s), {dtype}, micro-batch \
-         {micro_batch}, partition {cut}",
+         {micro_batch}, m = {m} micro-batches per step, partition {cut}",
         model.describe()
     )?;
     writeln!(
@@ -286,16 +287,35 @@ pub fn pipeline_report(
          gradient_accumulation_steps is (1F1B); parameters read on several stages (a tied \
          embedding) are held on each."
     )?;
-    writeln!(
+    let bubble = |m: usize| 100.0 * crate::bench_pipeline::theoretical_bubble(stages, m);
+    write!(
         out,
-        "Pipelines train through the library (Pipeline, PipelineTrainer); `kiln train` \
-         does not run them yet{}.",
-        if dp > 1 {
-            ", nor pipeline x data parallelism (each replica would hold these figures)"
-        } else {
-            ""
-        }
+        "Bubble: the stages idle for (p-1)/(m+p-1) = {:.0}% of each step at m = {m} \
+         (gradient_accumulation_steps)",
+        bubble(m)
     )?;
+    if m < 4 * stages {
+        write!(
+            out,
+            "; m = {} (4 x stages) brings it to {:.0}%",
+            4 * stages,
+            bubble(4 * stages)
+        )?;
+    }
+    writeln!(out, ".")?;
+    if dp > 1 {
+        writeln!(
+            out,
+            "Each of the {dp} replicas holds these figures on its {stages} devices (device \
+             s x {dp} + r is stage s of replica r); `kiln train` does not run pipeline x data \
+             parallelism yet."
+        )?;
+    } else {
+        writeln!(
+            out,
+            "`kiln train --pipeline-stages {stages}` trains it on {stages} devices."
+        )?;
+    }
     Ok(out)
 }
 

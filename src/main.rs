@@ -825,12 +825,19 @@ fn estimate(
             (specs.len(), caps)
         }
     };
-    let (micro, dtype) = match config {
+    // A pipeline's data-parallel world is its replicas: the config's batch sizes are
+    // per replica's step.
+    let dp = if stages > 1 && world % stages == 0 {
+        world / stages
+    } else {
+        world
+    };
+    let (micro, dtype, accum) = match config {
         Some(path) => {
-            let c = kiln::engine::config::load(path, world)?;
-            (c.batch.micro_batch, c.precision.dtype())
+            let c = kiln::engine::config::load(path, dp)?;
+            (c.batch.micro_batch, c.precision.dtype(), c.batch.grad_accum)
         }
-        None => (1, DType::F16),
+        None => (1, DType::F16, 1),
     };
     let model = m.build(seq.unwrap_or(m.block_size()));
     if stages > 1 {
@@ -840,7 +847,7 @@ fn estimate(
                 model.as_ref(),
                 micro,
                 dtype,
-                (stages, world),
+                (stages, world, accum),
                 &method
             )?
         );

@@ -314,3 +314,44 @@ fn config_explain_shows_the_pipeline() {
         "{text}"
     );
 }
+
+/// `kiln estimate` sizes a pipeline per stage for its p, dp and m: the config's batch
+/// sizes are per replica (dp = devices / p), so m follows from them and dp.
+#[test]
+fn estimate_reports_stages_replicas_and_micro_batches() {
+    let dir = scratch("estimate");
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}"#,
+    )
+    .unwrap();
+    let config = dir.join("ds.json");
+    // 32 = 4 per micro-batch x m x dp 2: m = 4 (it would be 2 over all 4 devices).
+    std::fs::write(
+        &config,
+        r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["estimate", "--model", model.to_str().unwrap()])
+        .args(["--config", config.to_str().unwrap()])
+        .args(["--devices", "4", "--pipeline-stages", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "2 pipeline stage(s) x 2 data-parallel replica(s)",
+        "m = 4 micro-batches per step",
+        "(p-1)/(m+p-1) = 20% of each step at m = 4",
+        "m = 8 (4 x stages) brings it to 11%",
+        "device s x 2 + r is stage s of replica r",
+    ] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+}
