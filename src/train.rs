@@ -539,11 +539,16 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         &bar,
         format!(
             "training {}, {} parameters, on {data_name}, on {} for {total} steps, micro-batch \
-             {b} × {} accumulation × {world} device(s), {}; run dir {}",
+             {b} × {} accumulation × {world} {}, {}; run dir {}",
             network.describe(),
             parameters,
             device_name,
             ds.batch.grad_accum,
+            if stages > 1 {
+                "pipeline replica(s)"
+            } else {
+                "device(s)"
+            },
             precision_name(&ds),
             dir.display()
         ),

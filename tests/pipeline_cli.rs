@@ -7,11 +7,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kiln::engine::train::checkpoint;
 use kiln::engine::train::runs::{self, StepRecord};
+use kiln::engine::{
+    Buffer, Capabilities, DType, Device, Error as EngineError, HostData, Kernel, PendingDownload,
+    Result as EngineResult,
+};
 use kiln::train::{bubble_warning, train, TrainOptions};
 
 /// Relative tolerance of the fp32 losses between topologies: the tied embedding's two
@@ -354,4 +358,131 @@ fn estimate_reports_stages_replicas_and_micro_batches() {
     ] {
         assert!(text.contains(want), "no {want:?} in:\n{text}");
     }
+}
+
+/// A CPU device that fails every launch once `lost` is set, as if the adapter went
+/// away mid-run (the CLI opens its devices itself, so the failure is driven through
+/// the engine `kiln train` uses).
+struct Losable {
+    inner: kiln::cpu::CpuDevice,
+    lost: Arc<AtomicBool>,
+}
+
+impl Device for Losable {
+    fn caps(&self) -> &Capabilities {
+        self.inner.caps()
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> EngineResult<Buffer> {
+        self.inner.alloc(dtype, len)
+    }
+    fn free(&self, buf: Buffer) -> EngineResult<()> {
+        self.inner.free(buf)
+    }
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> EngineResult<Buffer> {
+        self.inner.view(parent, offset, len)
+    }
+    fn upload(&self, buf: Buffer, data: &HostData) -> EngineResult<()> {
+        self.inner.upload(buf, data)
+    }
+    fn begin_download(&self, buf: Buffer) -> EngineResult<PendingDownload> {
+        self.inner.begin_download(buf)
+    }
+    fn finish_download(&self, pending: PendingDownload) -> EngineResult<HostData> {
+        self.inner.finish_download(pending)
+    }
+    fn launch(&self, kernel: &Kernel) -> EngineResult<()> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(EngineError::InvalidArgument(
+                "simulated device loss (the adapter went away)".into(),
+            ));
+        }
+        self.inner.launch(kernel)
+    }
+    fn submit(&self) -> EngineResult<()> {
+        self.inner.submit()
+    }
+    fn wait(&self) -> EngineResult<()> {
+        self.inner.wait()
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.inner.allocated_bytes()
+    }
+}
+
+/// A stage whose device fails mid-run: the step's error names the stage, and the
+/// checkpoint written before it loads, on one device and on another pipeline, with the
+/// weights the pipeline had when it was written.
+#[test]
+fn a_failing_stage_is_named_and_the_last_checkpoint_still_loads() {
+    use kiln::engine::models::gpt::{Gpt, GptConfig};
+    use kiln::engine::models::{MicroBatch, Model};
+    use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+    use kiln::engine::train::pipeline_trainer::PipelineTrainer;
+    use kiln::engine::train::trainer::Trainer;
+
+    let dir = scratch("fault");
+    let (b, t, vocab) = (2, 8, 13u32);
+    let model: Arc<dyn Model> = Arc::new(Gpt::new(
+        GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            block_size: t,
+            vocab_size: vocab as usize,
+            padded_vocab_size: None,
+        },
+        t,
+    ));
+    let config = kiln::engine::config::parse(
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}"#,
+        1,
+    )
+    .unwrap();
+    let micro = |step: u32| -> Vec<MicroBatch> {
+        (0..2)
+            .map(|i| {
+                let tokens: Vec<u32> = (0..(b * t) as u32)
+                    .map(|k| (k * 3 + step + i) % vocab)
+                    .collect();
+                let targets: Vec<u32> = tokens.iter().map(|&x| (x + 1) % vocab).collect();
+                MicroBatch::tokens(&tokens, &targets)
+            })
+            .collect()
+    };
+    let lost = Arc::new(AtomicBool::new(false));
+    let devs: Vec<Box<dyn Device>> = vec![
+        Box::new(kiln::cpu::CpuDevice::new()),
+        Box::new(Losable {
+            inner: kiln::cpu::CpuDevice::new(),
+            lost: lost.clone(),
+        }),
+    ];
+    let method = PartitionMethod::Uniform;
+    let mut pipe = PipelineTrainer::new(devs, model.clone(), config.clone(), 3, &method).unwrap();
+    pipe.step(&micro(0)).unwrap();
+    pipe.save_checkpoint(&dir, 1, Default::default(), 0)
+        .unwrap();
+    let saved = pipe.param_states().unwrap();
+    lost.store(true, Ordering::SeqCst);
+    let e = pipe.step(&micro(1)).unwrap_err().to_string();
+    assert!(
+        e.contains("stage 1: invalid argument: simulated device loss")
+            && e.contains("so no stage updated"),
+        "{e}"
+    );
+    let ck = checkpoint::load_latest(&dir).unwrap();
+    assert_eq!(ck.step(), 1);
+    let cpu = kiln::cpu::CpuDevice::new();
+    let mut one = Trainer::new(&cpu, model.clone(), config.clone(), 3).unwrap();
+    one.load_checkpoint(&[&cpu], &ck).unwrap();
+    assert_eq!(one.param_states(&[&cpu]).unwrap(), saved);
+    assert_eq!(one.state(), pipe.state());
+    let devs: Vec<Box<dyn Device>> = (0..2)
+        .map(|_| Box::new(kiln::cpu::CpuDevice::new()) as Box<dyn Device>)
+        .collect();
+    let mut again = PipelineTrainer::new(devs, model, config, 3, &method).unwrap();
+    again.load_checkpoint(&ck).unwrap();
+    assert_eq!(again.param_states().unwrap(), saved);
+    // It trains on from there.
+    again.step(&micro(1)).unwrap();
 }
