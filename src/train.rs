@@ -1199,7 +1199,7 @@ fn pipeline_world(stages: usize, devices: usize) -> Result<usize> {
     if stages == 0 {
         bail!("--pipeline-stages 0: a pipeline has at least 1 stage (1: no pipeline)");
     }
-    if devices % stages != 0 {
+    if !devices.is_multiple_of(stages) {
         bail!(
             "{stages} pipeline stages do not divide the {devices} device(s): a pipeline of p \
              stages takes p devices per data-parallel replica (e.g. --devices vulkan:0x4 \
@@ -1542,10 +1542,13 @@ pub(crate) fn evaluate(
     evaluate_with(&|m| network.predict(dev, m), dataset, b, t, progress)
 }
 
-/// [`evaluate`] with any engine's forward pass: `predict` gives a micro-batch's mean
-/// loss and every row's predicted class.
+/// An engine's forward pass for evaluation: a micro-batch's mean loss and every row's
+/// predicted class.
+pub(crate) type Predict<'a> = dyn Fn(&MicroBatch) -> kiln_engine::Result<(f64, Vec<u32>)> + 'a;
+
+/// [`evaluate`] with any engine's forward pass.
 pub(crate) fn evaluate_with(
-    predict: &dyn Fn(&MicroBatch) -> kiln_engine::Result<(f64, Vec<u32>)>,
+    predict: &Predict,
     dataset: &Dataset,
     b: usize,
     t: usize,

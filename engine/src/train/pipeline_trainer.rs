@@ -95,10 +95,8 @@ impl PipelineTrainer {
                 },
             })?;
         debug_assert_eq!(decision == StepDecision::Skip, r.overflow);
-        let (skips, at_min) = &mut self.watch;
-        let counts = (skips, at_min);
         watch_divergence(
-            counts,
+            (&mut self.watch.0, &mut self.watch.1),
             self.steps,
             &self.scaler,
             &self.config,
