@@ -876,8 +876,19 @@ fn config(what: ConfigWhat) -> Result<()> {
             for w in &c.warnings {
                 outln!("warning: {w}");
             }
+            // A pipeline's world is its replicas, each taking one device per stage.
+            let p = c.pipeline.stages;
+            let stages = if p > 1 {
+                format!(
+                    "; {p} pipeline stages, partition {}: {} devices",
+                    c.pipeline.partition.spelled(),
+                    p * c.batch.world
+                )
+            } else {
+                String::new()
+            };
             outln!(
-                "{}: ok (train_batch_size {} = micro-batch {} × accumulation {} × world {})",
+                "{}: ok (train_batch_size {} = micro-batch {} × accumulation {} × world {}{stages})",
                 file.display(),
                 c.batch.train_batch_size,
                 c.batch.micro_batch,

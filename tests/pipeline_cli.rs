@@ -317,6 +317,17 @@ fn config_explain_shows_the_pipeline() {
             && text.contains("pipeline.partition = 1,1 (file)"),
         "{text}"
     );
+    // `--world` is the data-parallel world: each replica takes a device per stage.
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["config", "check", config.to_str().unwrap(), "--world", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("× world 2; 2 pipeline stages, partition 1,1: 4 devices)"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// `kiln estimate` sizes a pipeline per stage for its p, dp and m: the config's batch
