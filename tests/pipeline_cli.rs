@@ -377,6 +377,9 @@ fn estimate_reports_stages_replicas_and_micro_batches() {
 struct Losable {
     inner: kiln::cpu::CpuDevice,
     lost: Arc<AtomicBool>,
+    /// Every overflow check finds an infinity in the first gradient it checks (as if
+    /// backward overflowed).
+    poison: Arc<AtomicBool>,
 }
 
 impl Device for Losable {
@@ -406,6 +409,15 @@ impl Device for Losable {
             return Err(EngineError::InvalidArgument(
                 "simulated device loss (the adapter went away)".into(),
             ));
+        }
+        if let Kernel::NonFinite { srcs, .. } = kernel {
+            if self.poison.load(Ordering::SeqCst) {
+                let grad = srcs[0];
+                let mut values = self.inner.download(grad)?.to_f32();
+                values[0] = f32::INFINITY;
+                self.inner
+                    .upload(grad, &HostData::from_f32(grad.dtype, &values))?;
+            }
         }
         self.inner.launch(kernel)
     }
@@ -466,6 +478,7 @@ fn a_failing_stage_is_named_and_the_last_checkpoint_still_loads() {
         Box::new(Losable {
             inner: kiln::cpu::CpuDevice::new(),
             lost: lost.clone(),
+            poison: Arc::default(),
         }),
     ];
     let method = PartitionMethod::Uniform;
@@ -496,4 +509,55 @@ fn a_failing_stage_is_named_and_the_last_checkpoint_still_loads() {
     assert_eq!(again.param_states().unwrap(), saved);
     // It trains on from there.
     again.step(&micro(1)).unwrap();
+}
+
+/// Without loss scaling nothing changes after a skipped step: a pipeline whose gradients
+/// keep overflowing stops after kiln.max_consecutive_skips, as the Trainer does, and
+/// its checkpoints count the skips.
+#[test]
+fn a_pipeline_whose_gradients_stay_non_finite_stops_like_the_trainer() {
+    use kiln::engine::models::gpt::{Gpt, GptConfig};
+    use kiln::engine::models::{MicroBatch, Model};
+    use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+    use kiln::engine::train::pipeline_trainer::PipelineTrainer;
+
+    let (b, t, vocab) = (2, 8, 13u32);
+    let model: Arc<dyn Model> = Arc::new(Gpt::new(
+        GptConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            block_size: t,
+            vocab_size: vocab as usize,
+            padded_vocab_size: None,
+        },
+        t,
+    ));
+    let config = kiln::engine::config::parse(
+        r#"{"train_micro_batch_size_per_gpu": 2, "kiln": {"max_consecutive_skips": 2}}"#,
+        1,
+    )
+    .unwrap();
+    let tokens: Vec<u32> = (0..(b * t) as u32).map(|k| k % vocab).collect();
+    let targets: Vec<u32> = tokens.iter().map(|&x| (x + 1) % vocab).collect();
+    let micro = vec![MicroBatch::tokens(&tokens, &targets)];
+    let poison = Arc::new(AtomicBool::new(true));
+    let devs: Vec<Box<dyn Device>> = vec![
+        Box::new(kiln::cpu::CpuDevice::new()),
+        Box::new(Losable {
+            inner: kiln::cpu::CpuDevice::new(),
+            lost: Arc::default(),
+            poison: poison.clone(),
+        }),
+    ];
+    let mut pipe = PipelineTrainer::new(devs, model, config, 3, &PartitionMethod::Uniform).unwrap();
+    let s = pipe.step(&micro).unwrap();
+    assert!(s.skipped);
+    assert_eq!(pipe.consecutive_skips(), 1);
+    assert_eq!(pipe.state().consecutive_skips, 1);
+    let e = pipe.step(&micro).unwrap_err().to_string();
+    assert!(
+        e.contains("not finite") && e.contains("kiln.max_consecutive_skips = 2"),
+        "{e}"
+    );
 }
