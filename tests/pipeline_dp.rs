@@ -337,11 +337,13 @@ fn devices_that_do_not_split_into_the_stages_are_refused_with_the_fix() {
 
 /// Poisons the gradient it is asked to download once armed (the first buffer of
 /// `len` elements: a block's attention weight, never an activation), as an fp16
-/// overflow on this one device would.
+/// overflow on this one device would; once `lost`, every launch fails, as on a device
+/// that went away.
 struct Poison {
     inner: CpuDevice,
     len: usize,
     armed: AtomicBool,
+    lost: AtomicBool,
 }
 
 impl Device for Poison {
@@ -372,6 +374,11 @@ impl Device for Poison {
         self.inner.finish_download(pending)
     }
     fn launch(&self, kernel: &Kernel) -> Result<()> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(kiln::engine::Error::InvalidArgument(
+                "simulated device loss (the adapter went away)".into(),
+            ));
+        }
         self.inner.launch(kernel)
     }
     fn submit(&self) -> Result<()> {
@@ -443,6 +450,7 @@ fn an_overflow_on_one_stage_of_one_replica_makes_every_stage_of_every_replica_sk
         inner: CpuDevice::new(),
         len: EMBD * 3 * EMBD,
         armed: AtomicBool::new(false),
+        lost: AtomicBool::new(false),
     });
     let mut devs = cpus(3);
     // Stage 1 of replica 1: device 1 · dp + 1.
@@ -477,6 +485,44 @@ fn an_overflow_on_one_stage_of_one_replica_makes_every_stage_of_every_replica_sk
     assert_eq!(pipe.steps_applied(), 2);
     assert_ne!(pipe.param_states().unwrap(), before);
     assert_copies_identical(&pipe, "after the next step");
+}
+
+/// A device of one replica lost mid-step: every stage of every replica stops with an
+/// error within seconds (none waits forever for a neighbour or for the decision), the
+/// error names the lost stage first, and no stage updated.
+#[test]
+fn a_device_lost_in_one_replica_stops_every_stage_of_every_replica_with_an_error() {
+    let (pp, dp, m) = (2, 2, 2);
+    let lost = Arc::new(Poison {
+        inner: CpuDevice::new(),
+        len: 0,
+        armed: AtomicBool::new(false),
+        lost: AtomicBool::new(false),
+    });
+    let mut devs = cpus(1);
+    // Stage 0 of replica 1: device 0 · dp + 1.
+    devs.push(Box::new(Shared(lost.clone())));
+    devs.extend(cpus(2));
+    let o = StepOptions {
+        loss_scale: 1.0,
+        clip: 0.0,
+        lr: 1e-2,
+    };
+    let mut pipe =
+        Pipeline::replicated(devs, model(), &options(), &PartitionMethod::Uniform, pp, 0).unwrap();
+    pipe.step(&batches(0, m * dp), o).unwrap();
+    let before = pipe.param_states().unwrap();
+    lost.lost.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    let e = pipe.step(&batches(1, m * dp), o).unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(10), "{e}");
+    assert!(
+        e.contains("failed on 4 of 4 stages (2 stages × 2 replicas), so no stage updated")
+            && e.contains(": stage 0 of replica 1: invalid argument: simulated device loss"),
+        "{e}"
+    );
+    lost.lost.store(false, Ordering::SeqCst);
+    assert_eq!(pipe.param_states().unwrap(), before);
 }
 
 /// A CPU device whose copies to the host take `delay` each: a slow link.
