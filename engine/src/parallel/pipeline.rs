@@ -447,7 +447,7 @@ impl Pipeline {
     /// overflow). Each micro-batch's mean loss weighs 1 / m, and each replica 1 / dp.
     pub fn step(&mut self, micro: &[MicroBatch], o: StepOptions) -> Result<StepReport> {
         let (dp, p) = (self.dp, self.stages());
-        if micro.len() % dp != 0 {
+        if !micro.len().is_multiple_of(dp) {
             return Err(Error::InvalidArgument(format!(
                 "pipeline: {} micro-batches do not split evenly over {dp} replicas; a step \
                  takes replicas × gradient_accumulation_steps micro-batches",
@@ -1155,7 +1155,7 @@ pub fn replicas(devices: usize, stages: usize) -> Result<usize> {
              device per stage"
         )));
     }
-    if devices % stages != 0 {
+    if !devices.is_multiple_of(stages) {
         return Err(Error::InvalidArgument(format!(
             "pipeline: {devices} devices do not split into {stages} stages; give stages × \
              replicas devices (device s·dp + r runs stage s of replica r), e.g. {} or {} \
