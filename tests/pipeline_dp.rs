@@ -569,8 +569,8 @@ impl Device for SlowLink {
 }
 
 /// The exposed transfer time is the part of a stage's waits spent on messages its peer
-/// had already posted: with a slow link out of stage 0, stage 1 waits at least the
-/// link's delay per activation it receives, and that wait is reported as exposed
+/// had already posted: with a slow link out of stage 0, stage 1 waits for its first
+/// activation at least the link's delay, and that wait is reported as exposed
 /// transfer; stage 0's waits for gradients from a fast link are mostly stage 1's
 /// compute, not transfer.
 #[test]
@@ -595,7 +595,10 @@ fn the_exposed_transfer_time_is_reported_beside_the_bubble() {
     for (w, e) in r.waited.iter().zip(&r.exposed) {
         assert!(*e >= 0.0 && e <= w, "exposed {e} s of {w} s waited: {r:?}");
     }
-    let floor = m as f64 * delay.as_secs_f64() * 0.9;
+    // The first activation's whole delay is exposed: stage 1 has nothing else to do
+    // before it (a later one's delay partly overlaps stage 1's compute, so it is hidden,
+    // not exposed). A quarter is left for the stage thread starting late.
+    let floor = delay.as_secs_f64() * 0.75;
     assert!(
         r.exposed[1] >= floor,
         "stage 1 received {m} activations over a {delay:?} link but {} s of its wait \
@@ -603,7 +606,7 @@ fn the_exposed_transfer_time_is_reported_beside_the_bubble() {
         r.exposed[1]
     );
     assert!(
-        r.exposed[0] < r.exposed[1] / 2.0,
+        r.exposed[0] < r.exposed[1],
         "stage 0's gradients come over a fast link: {r:?}"
     );
     // With replicas, one entry per device, stage-major.
