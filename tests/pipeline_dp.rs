@@ -518,7 +518,11 @@ fn a_device_lost_in_one_replica_stops_every_stage_of_every_replica_with_an_error
     assert!(started.elapsed() < Duration::from_secs(10), "{e}");
     assert!(
         e.contains("failed on 4 of 4 stages (2 stages × 2 replicas), so no stage updated")
-            && e.contains(": stage 0 of replica 1: invalid argument: simulated device loss"),
+            && e.contains(": stage 0 of replica 1: invalid argument: simulated device loss")
+            // Its neighbour in the same replica names it; the other replica's stages
+            // stop on the missing decision.
+            && e.contains("stage 1 of replica 1: invalid argument: stopped: stage 0 of replica 1 stopped")
+            && e.contains("so stage 0 of replica 0 cannot go on"),
         "{e}"
     );
     lost.lost.store(false, Ordering::SeqCst);

@@ -1177,10 +1177,10 @@ fn stage_name(s: usize, r: usize, dp: usize) -> String {
 }
 
 /// The error of a stage whose neighbour (or the coordinator) stopped.
-fn peer_stopped(s: usize, peer: &str) -> Error {
+fn peer_stopped(me: &str, peer: &str) -> Error {
     Error::InvalidArgument(format!(
-        "stopped: {peer} stopped during the step (its own error says why), so stage {s} \
-         cannot go on"
+        "stopped: {peer} stopped during the step (its own error says why), so {me} cannot \
+         go on"
     ))
 }
 
@@ -1222,7 +1222,7 @@ type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>, Instant);
 /// A stage's courier: waits for each queued download and sends it on, while the stage
 /// thread records its next work (the transfer overlaps the next compute).
 fn courier(
-    s: usize,
+    (s, r, dp): (usize, usize, usize),
     dev: &dyn Device,
     parcels: Receiver<Parcel>,
     act_out: Option<Sender<Transfer>>,
@@ -1240,7 +1240,7 @@ fn courier(
         };
         tx.expect("a stage sends only to the neighbours it has")
             .send((micro, tensors, posted))
-            .map_err(|_| peer_stopped(s, &format!("stage {peer}")))?;
+            .map_err(|_| peer_stopped(&stage_name(s, r, dp), &stage_name(peer, r, dp)))?;
     }
     Ok(())
 }
@@ -1259,13 +1259,14 @@ impl Run<'_> {
         let (act_out, grad_out) = (links.act_out.take(), links.grad_out.take());
         let (parcels, inbox) = channel::<Parcel>();
         std::thread::scope(|scope| {
-            let s = self.s;
-            let sent = scope.spawn(move || courier(s, dev, inbox, act_out, grad_out));
+            let (s, r, dp) = (self.s, self.r, self.dp);
+            let sent = scope.spawn(move || courier((s, r, dp), dev, inbox, act_out, grad_out));
             // Ends the courier's loop when this returns, whichever way.
             let ran = self.run(stage, dev, (ticks, end), &links, parcels);
             let sent = sent.join().unwrap_or_else(|_| {
                 Err(Error::InvalidArgument(format!(
-                    "stage {s}'s transfer thread panicked"
+                    "{}'s transfer thread panicked",
+                    stage_name(s, r, dp)
                 )))
             });
             match (ran, sent) {
@@ -1286,15 +1287,15 @@ impl Run<'_> {
         parcels: Sender<Parcel>,
     ) -> Result<StageStats> {
         let s = self.s;
+        let me = stage_name(s, self.r, self.dp);
+        let peer_name = |peer: usize| stage_name(peer, self.r, self.dp);
         let sent = std::cell::Cell::new(0u64);
         let (mut waited, mut exposed) = (0f64, 0f64);
         // Waits for a neighbour's message: all of the wait counts as waiting, the part
         // after the peer posted the message as exposed transfer.
         let mut receive = |rx: &Receiver<Transfer>, peer: usize| -> Result<Transfer> {
             let wait = Instant::now();
-            let msg = rx
-                .recv()
-                .map_err(|_| peer_stopped(s, &format!("stage {peer}")))?;
+            let msg = rx.recv().map_err(|_| peer_stopped(&me, &peer_name(peer)))?;
             let got = Instant::now();
             waited += (got - wait).as_secs_f64();
             exposed += got.saturating_duration_since(wait.max(msg.2)).as_secs_f64();
@@ -1308,7 +1309,7 @@ impl Run<'_> {
             }
             parcels
                 .send((forward, micro, pending, Instant::now()))
-                .map_err(|_| peer_stopped(s, &format!("stage {s}'s transfer thread")))
+                .map_err(|_| peer_stopped(&me, &format!("{me}'s transfer thread")))
         };
         let slots = stage.slots.len().min(self.m);
         let g = &stage.part.graph;
@@ -1463,11 +1464,11 @@ impl Run<'_> {
                 grads,
                 loss,
             })
-            .map_err(|_| peer_stopped(s, "the coordinator"))?;
+            .map_err(|_| peer_stopped(&stage_name(s, self.r, self.dp), "the coordinator"))?;
         let decision = links
             .decision
             .recv()
-            .map_err(|_| peer_stopped(s, "another stage"))?;
+            .map_err(|_| peer_stopped(&stage_name(s, self.r, self.dp), "another stage"))?;
         for (i, grad) in &decision.grads {
             let k = stage
                 .part
