@@ -45,7 +45,9 @@
 //! data-parallel ranks' split of a global batch, with the same dropout keys), and at
 //! the step's end every stage's gradients come to the host: a tied parameter's copies
 //! summed within each replica (stage order), then each tensor folded over the
-//! replicas in replica order and averaged ([`exchange::fold`]), so the overflow flag
+//! replicas in replica order and averaged ([`exchange::fold`]; a stage's own tensors
+//! as soon as its replicas have reported, which the last stage does first, so the
+//! host's sums overlap the earlier stages' last backwards), so the overflow flag
 //! and the norm ([`exchange::inspect`], tensors in model order) are those of a
 //! data-parallel group, and every stage of every replica takes the one decision.
 //! Under ZeRO stage 1 or 2 each stage's f32 masters and moments are sharded over its
@@ -1494,8 +1496,9 @@ impl Run<'_> {
 /// One replica: the replicated parameters' gradients summed in stage order, the norm
 /// the stages' (each copy's share replaced by the sum's). Several: within each
 /// replica the copies summed in stage order, then every tensor folded over the
-/// replicas in replica order and averaged, and flag and norm taken from the averages
-/// in model order, as a data-parallel group takes them.
+/// replicas in replica order and averaged (a stage's own tensors as soon as its
+/// replicas have reported, while earlier stages are still in backward), and flag and
+/// norm taken from the averages in model order, as a data-parallel group takes them.
 fn decide(
     reports: &[Receiver<Report>],
     holders: &[Vec<usize>],
@@ -1503,16 +1506,48 @@ fn decide(
     dp: usize,
     o: StepOptions,
 ) -> Result<Decided> {
-    let mut got = vec![];
-    for (f, rx) in reports.iter().enumerate() {
-        got.push(rx.recv().map_err(|_| {
-            Error::InvalidArgument(format!(
-                "{} stopped before the step's end",
-                stage_name(f / dp, f % dp, dp)
-            ))
-        })?);
-    }
     let p = stage_params.len();
+    let mut grads: Vec<Option<Arc<Vec<f32>>>> = vec![None; holders.len()];
+    let mut inspected = vec![(false, 0f64); holders.len()];
+    let average = |parts: &[Vec<f32>]| {
+        let mut avg = vec![];
+        fold(&mut avg, parts, Some(1.0 / dp as f32));
+        (inspect(&avg), Some(Arc::new(avg)))
+    };
+    // 1F1B ends the last stage's backwards first and the first stage's last: with
+    // replicas, a stage's own gradients are averaged as soon as all its replicas have
+    // reported, while earlier stages still compute. Copies on several stages wait for
+    // every holder (below).
+    let mut got: Vec<Option<Report>> = (0..reports.len()).map(|_| None).collect();
+    for s in (0..p).rev() {
+        for r in 0..dp {
+            let f = s * dp + r;
+            got[f] = Some(reports[f].recv().map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "{} stopped before the step's end",
+                    stage_name(s, r, dp)
+                ))
+            })?);
+        }
+        if dp == 1 {
+            continue;
+        }
+        for &i in stage_params[s].iter().filter(|&&i| holders[i].len() == 1) {
+            let parts: Vec<Vec<f32>> = got[s * dp..(s + 1) * dp]
+                .iter_mut()
+                .map(|report| {
+                    let report = report.as_mut().expect("received above");
+                    let k = report.grads.iter().position(|(j, _)| *j == i);
+                    report
+                        .grads
+                        .swap_remove(k.expect("every replica reports every gradient"))
+                        .1
+                })
+                .collect();
+            (inspected[i], grads[i]) = average(&parts);
+        }
+    }
+    let mut got: Vec<Report> = got.into_iter().flatten().collect();
     // Per replica, per parameter: its copies' sum, in stage order.
     let mut summed: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; holders.len()]; dp];
     let mut sum_squares = 0f64;
@@ -1534,7 +1569,6 @@ fn decide(
             }
         }
     }
-    let mut grads: Vec<Option<Arc<Vec<f32>>>> = vec![None; holders.len()];
     if dp == 1 {
         for (i, acc) in summed.remove(0).into_iter().enumerate() {
             if let Some(acc) = acc {
@@ -1545,17 +1579,15 @@ fn decide(
             }
         }
     } else {
-        let mut inspected = vec![];
-        for (i, slot) in grads.iter_mut().enumerate() {
+        // The copies on several stages, each replica's summed in stage order above.
+        for i in (0..holders.len()).filter(|&i| holders[i].len() > 1) {
             let parts: Vec<Vec<f32>> = summed
                 .iter_mut()
                 .map(|r| r[i].take().expect("every replica reports every gradient"))
                 .collect();
-            let mut avg = vec![];
-            fold(&mut avg, &parts, Some(1.0 / dp as f32));
-            inspected.push(inspect(&avg));
-            *slot = Some(Arc::new(avg));
+            (inspected[i], grads[i]) = average(&parts);
         }
+        // In model order, whatever order the stages reported in: the same bits.
         (overflow, sum_squares) = combine(&inspected);
     }
     // Subtracting the copies' shares can leave rounding below zero.
