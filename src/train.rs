@@ -185,15 +185,6 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     };
     let method = pipeline_settings(opts, &mut ds)?;
     if stages > 1 {
-        // The one place pipeline x data parallelism is refused, until the engine has it.
-        if world > 1 {
-            bail!(
-                "{devices_in_all} devices in {stages} pipeline stages would be {stages} stages x \
-                 {world} data-parallel replicas, which `kiln train` does not run yet: give \
-                 exactly {stages} devices (e.g. --devices vulkan:0x{stages}), or drop \
-                 --pipeline-stages to train data-parallel on all {devices_in_all}"
-            );
-        }
         refuse_with_pipeline(opts)?;
     }
     let k = &ds.kiln;
@@ -381,6 +372,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             device_names.join(", ")
         ),
         None if device_names.len() == 1 => device_names[0].clone(),
+        None if stages > 1 && world > 1 => format!(
+            "{stages} pipeline stages x {world} replicas (stage-major): {}",
+            device_names.join(", ")
+        ),
         None if stages > 1 => format!("{stages} pipeline stages: {}", device_names.join(", ")),
         None => format!("{world} devices: {}", device_names.join(", ")),
     };
@@ -411,15 +406,28 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             optimizer: ds.optimizer.clone(),
             seed,
         };
+        // Per device, stage-major (device s * dp + r runs stage s of replica r).
+        let dp = opened.len() / stages;
         let memory = Pipeline::memory(network.as_ref(), &options, &method, stages)?
             .iter()
-            .map(|m| ModelStateBytes {
-                weights: m.weights,
-                gradients: m.gradients,
-                optimizer: m.optimizer,
+            .flat_map(|m| {
+                // ZeRO 1/2 leave each replica a 1/dp shard of its stage's optimizer
+                // state (to within one element's rounding).
+                let sharded = ds.zero.stage >= 1 && dp > 1;
+                let bytes = ModelStateBytes {
+                    weights: m.weights,
+                    gradients: m.gradients,
+                    optimizer: if sharded {
+                        m.optimizer.div_ceil(dp as u64)
+                    } else {
+                        m.optimizer
+                    },
+                };
+                std::iter::repeat_n(bytes, dp)
             })
             .collect();
-        let trainer = PipelineTrainer::new(opened, network.clone(), ds.clone(), seed, &method)?;
+        let trainer =
+            PipelineTrainer::new(opened, network.clone(), ds.clone(), seed, &method, stages)?;
         let parameters = network.parameters().iter().map(|p| p.len()).sum::<usize>();
         let trainer = Box::new(trainer);
         (Engine::Pipeline { trainer, memory }, parameters)
@@ -559,6 +567,15 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     if let Some(w) = bubble_warning(stages, ds.batch.grad_accum) {
         log(&bar, format!("warning: {w}"));
     }
+    if stages > 1 && world > 1 && ds.zero.stage == 2 {
+        log(
+            &bar,
+            "note: zero_optimization.stage 2 with pipeline stages shards the optimizer \
+             state over the replicas as stage 1 does, but not the gradients: each stage \
+             accumulates its micro-batches' gradients whole and reduces them once per step"
+                .to_string(),
+        );
+    }
 
     let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;
     let stopping = |interrupted: bool| -> Result<bool> {
@@ -670,10 +687,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             };
             let piped = engine.pipeline_report().map(|r| {
                 // Each stage's share of the step spent waiting for a neighbour, averaged.
-                let waited = r.waited.iter().sum::<f64>() / r.waited.len().max(1) as f64;
-                (waited / r.seconds.max(1e-12), r.bytes_moved)
+                let devices = r.waited.len().max(1) as f64;
+                let waited = r.waited.iter().sum::<f64>() / devices;
+                let exposed = r.exposed.iter().sum::<f64>() / devices;
+                (waited / r.seconds.max(1e-12), r.bytes_moved, exposed * 1e3)
             });
-            if let Some((bubble, bytes)) = piped {
+            if let Some((bubble, bytes, exposed_ms)) = piped {
+                rec.pipeline_exposed_ms = Some(exposed_ms);
                 rec.pipeline_bubble = Some(bubble);
                 rec.pipeline_bubble_theory = Some(crate::bench_pipeline::theoretical_bubble(
                     stages,
@@ -717,9 +737,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                         s.loss_scale,
                         rec.tokens_per_s,
                         stall,
-                        if let Some((bubble, bytes)) = piped {
+                        if let Some((bubble, bytes, exposed_ms)) = piped {
                             format!(
-                                ", pipeline bubble {:.0}% (theory {:.0}%), {:.1} MB between stages",
+                                ", pipeline bubble {:.0}% (theory {:.0}%), {:.1} MB between \
+                                 stages, {exposed_ms:.1} ms transfer exposed",
                                 bubble * 100.0,
                                 rec.pipeline_bubble_theory.unwrap_or(0.0) * 100.0,
                                 bytes as f64 / 1e6

@@ -20,8 +20,8 @@ pub(crate) enum Engine {
         trainer: Box<Trainer>,
         devs: Vec<Box<dyn Device>>,
     },
-    /// One model cut into stages, one device each; `memory`: each stage's model
-    /// states as the pipeline allocated them.
+    /// One model cut into stages, one device per stage and replica; `memory`: each
+    /// device's model states (stage-major).
     Pipeline {
         trainer: Box<PipelineTrainer>,
         memory: Vec<ModelStateBytes>,
@@ -40,14 +40,15 @@ impl Engine {
     }
 
     /// One optimizer step: `micro[r]` are data-parallel rank r's micro-batches (a
-    /// pipeline is one rank).
+    /// pipeline replica is one rank).
     pub(crate) fn step(&mut self, micro: &[Vec<MicroBatch>]) -> kiln_engine::Result<StepStats> {
         match self {
             Engine::Data { trainer, devs } => {
                 let devs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
                 trainer.step_group(&devs, micro)
             }
-            Engine::Pipeline { trainer: p, .. } => p.step(&micro[0]),
+            // Replica r takes the r-th run of m micro-batches, as rank r reads them.
+            Engine::Pipeline { trainer: p, .. } => p.step(&micro.concat()),
         }
     }
 

@@ -773,7 +773,7 @@ fn a_training_config_drives_a_pipeline_like_one_device() {
         .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
         .collect();
     let mut pipe =
-        PipelineTrainer::new(devs, model(), config(), 5, &PartitionMethod::Parameters).unwrap();
+        PipelineTrainer::new(devs, model(), config(), 5, &PartitionMethod::Parameters, 3).unwrap();
     let mut skipped = 0;
     for step in 0..6 {
         let a = one.step(&cpu, &batches(step, m)).unwrap();

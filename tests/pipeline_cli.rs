@@ -205,19 +205,46 @@ fn train_err(o: &TrainOptions) -> String {
     format!("{:#}", train(o).unwrap_err())
 }
 
+/// 4 devices in 2 stages are 2 replicas of the pipeline: they train like 2 devices
+/// data-parallel on the same global batch (the config resolved for 2 ranks in both),
+/// with ZeRO 1 sharding each stage's optimizer state over its replicas; the run
+/// reports the exposed transfer time, and its checkpoint resumes data-parallel.
+#[test]
+fn two_stages_times_two_replicas_train_like_two_devices_data_parallel() {
+    let dir = scratch("pp-dp");
+    let dp = records(&train(&options(&dir, "dp", "cpux2", None)).unwrap().dir);
+    let both = train(&options(&dir, "pp-dp", "cpux4", Some(2))).unwrap();
+    let got = records(&both.dir);
+    assert_losses_match("2 stages x 2 replicas", &got, &dp);
+    for r in &got {
+        assert_eq!(r.pipeline_bubble_theory, Some(0.2));
+        let exposed = r.pipeline_exposed_ms.unwrap();
+        assert!(
+            exposed >= 0.0 && exposed <= r.step_ms,
+            "{exposed} of {}",
+            r.step_ms
+        );
+        // Both replicas send their micro-batches: twice one pipeline's bytes.
+        assert_eq!(r.pipeline_bytes, Some(2 * 2 * 4 * 4 * 16 * 32 * 4));
+    }
+    let mut o = options(&dir, "zero1", "cpux4", Some(2));
+    let (config, _) = files(&dir, r#", "zero_optimization": {"stage": 1}"#);
+    o.config = Some(config);
+    assert_losses_match("ZeRO 1", &records(&train(&o).unwrap().dir), &dp);
+    // pp 2 x dp 2 for 3 steps, then data-parallel on 2 devices.
+    let mut o = options(&dir, "then-dp", "cpux4", Some(2));
+    o.steps = Some(3);
+    train(&o).unwrap();
+    let mut o = options(&dir, "then-dp", "cpux2", None);
+    o.resume = true;
+    let r = train(&o).unwrap();
+    assert_eq!(r.steps, 6);
+    assert_losses_match("pp 2 x dp 2, resumed on dp 2", &records(&r.dir), &dp);
+}
+
 #[test]
 fn what_pipelines_do_not_run_is_refused_before_anything_is_written() {
     let dir = scratch("refused");
-    // 4 devices in 2 stages: 2 replicas of the pipeline.
-    let o = options(&dir, "dp", "cpux4", Some(2));
-    let e = train_err(&o);
-    assert!(
-        e.contains("2 stages x 2 data-parallel replicas")
-            && e.contains("does not run yet")
-            && e.contains("give exactly 2 devices"),
-        "{e}"
-    );
-    assert!(!dir.join("dp").exists());
     let e = train_err(&options(&dir, "odd", "cpux3", Some(2)));
     assert!(
         e.contains("2 pipeline stages do not divide the 3 device(s)"),
@@ -482,7 +509,8 @@ fn a_failing_stage_is_named_and_the_last_checkpoint_still_loads() {
         }),
     ];
     let method = PartitionMethod::Uniform;
-    let mut pipe = PipelineTrainer::new(devs, model.clone(), config.clone(), 3, &method).unwrap();
+    let mut pipe =
+        PipelineTrainer::new(devs, model.clone(), config.clone(), 3, &method, 2).unwrap();
     pipe.step(&micro(0)).unwrap();
     pipe.save_checkpoint(&dir, 1, Default::default(), 0)
         .unwrap();
@@ -504,7 +532,7 @@ fn a_failing_stage_is_named_and_the_last_checkpoint_still_loads() {
     let devs: Vec<Box<dyn Device>> = (0..2)
         .map(|_| Box::new(kiln::cpu::CpuDevice::new()) as Box<dyn Device>)
         .collect();
-    let mut again = PipelineTrainer::new(devs, model, config, 3, &method).unwrap();
+    let mut again = PipelineTrainer::new(devs, model, config, 3, &method, 2).unwrap();
     again.load_checkpoint(&ck).unwrap();
     assert_eq!(again.param_states().unwrap(), saved);
     // It trains on from there.
@@ -550,7 +578,8 @@ fn a_pipeline_whose_gradients_stay_non_finite_stops_like_the_trainer() {
             poison: poison.clone(),
         }),
     ];
-    let mut pipe = PipelineTrainer::new(devs, model, config, 3, &PartitionMethod::Uniform).unwrap();
+    let mut pipe =
+        PipelineTrainer::new(devs, model, config, 3, &PartitionMethod::Uniform, 2).unwrap();
     let s = pipe.step(&micro).unwrap();
     assert!(s.skipped);
     assert_eq!(pipe.consecutive_skips(), 1);

@@ -29,6 +29,7 @@ fn record(step: u64, loss: f32) -> StepRecord {
         pipeline_bubble: None,
         pipeline_bubble_theory: None,
         pipeline_bytes: None,
+        pipeline_exposed_ms: None,
         eval_loss: None,
         eval_accuracy: None,
         started: false,

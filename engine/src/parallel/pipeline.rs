@@ -26,26 +26,65 @@
 //! Dropout draws what one device would: every op keeps the index it had in the whole
 //! graph, and micro-batch `i` of a step runs under the key a [`Network`] would use.
 //!
-//! Not here yet, and where it goes: `dp` replicas of the pipeline (pp × dp) run one
-//! `Pipeline` per replica with the same cut; each stage's gradients are exchanged with
-//! the same stage of the other replicas between the last backward and the decision
-//! (`exchange::fold` over the stage's parameters, in replica order), the replicated
-//! tied copies summed within each replica first, and the coordinator takes one
-//! decision from every replica's reports. ZeRO stage 1 then shards each stage's
-//! optimizer state over its dp group (`zero.rs` per stage: the stage's parameters are
-//! a model of their own to it); stage 2 shares the alike blocks' gradient buffers
-//! within a stage, which needs every micro-batch's block gradients handed over during
-//! backward (`Plan::accumulate_with`'s ready groups, per stage plan), not only at the
-//! step's end. Activation checkpointing per stage would recompute a slot's forward
-//! before its backward instead of keeping `p - s` slots.
+//! Transfers are staged per activation slot: a stage queues each outgoing copy (its
+//! `begin_download`) as soon as the producing launch is recorded, so every message
+//! of the micro-batches it holds can be in flight at once, not one; its courier
+//! finishes them in order. A receiver uploads into the buffers of the slot the
+//! micro-batch goes to, so a message never waits for the previous one's compute.
+//! What a stage still waits for is reported per step in two parts
+//! ([`StepReport::waited`], [`StepReport::exposed`]): all of its waiting, and the
+//! exposed transfer time, the part of each wait after its peer had posted the
+//! message (recorded the producing work and queued the copy behind it) until the
+//! message arrived. On a device that runs a launch before the next is recorded (the
+//! CPU) that is exactly the time the transfer itself cost the receiver; on a GPU,
+//! whose posted work may still be computing, it is an upper bound.
 //!
+//! `dp` replicas of the pipeline (pp × dp, [`Pipeline::replicated`]) share the cut:
+//! devices come stage-major (`devs[s * dp + r]` is stage `s` of replica `r`), each
+//! replica takes `m` consecutive micro-batches of the step's `dp · m` (the
+//! data-parallel ranks' split of a global batch, with the same dropout keys), and at
+//! the step's end every stage's gradients come to the host: a tied parameter's copies
+//! summed within each replica (stage order), then each tensor folded over the
+//! replicas in replica order and averaged ([`exchange::fold`]; a stage's own tensors
+//! as soon as its replicas have reported, which the last stage does first, so the
+//! host's sums overlap the earlier stages' last backwards), so the overflow flag
+//! and the norm ([`exchange::inspect`], tensors in model order) are those of a
+//! data-parallel group, and every stage of every replica takes the one decision.
+//! Under ZeRO stage 1 or 2 each stage's f32 masters and moments are sharded over its
+//! dp group ([`Shards`], the stage's parameters a model of their own to it): a rank
+//! receives only its slice of the averaged gradient, updates it and the updated model
+//! copies are gathered back to every replica of the stage.
+//!
+//! What ZeRO stage 2 saves here, and what not: in DeepSpeed, stage 2 reduce-scatters
+//! the gradients after each micro-batch's backward, so a rank never holds more than
+//! a bucket of unreduced gradients beyond its own shard. Here a stage's 1F1B slots
+//! accumulate every micro-batch into the stage's full gradient buffers on the device
+//! (several micro-batches' backwards interleave with forwards, so there is no point
+//! where one micro-batch's gradients stand alone to hand over), and they are reduced
+//! once, after the last backward. Stage 2 therefore keeps the same device memory as
+//! stage 1 (the full model copy and gradients of the stage, plus the rank's shard of
+//! masters, moments and reduced gradient); it is accepted so a ZeRO-2 config trains
+//! pipelined, with stage 1's numerics and memory. Saving the gradient memory would
+//! take handing each micro-batch's block gradients over during backward (a stage
+//! plan's ready groups, as `exchange::during_backward` does for a network) into
+//! shared block gradient buffers; that is not done.
+//!
+//! Activation checkpointing per stage would recompute a slot's forward before its
+//! backward instead of keeping `p - s` slots; it is not here.
+//!
+//! [`exchange::fold`]: super::exchange::fold
+//! [`exchange::inspect`]: super::exchange::inspect
 //! [`Network`]: crate::models::Network
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
+use std::time::Instant;
+
+use super::exchange::{combine, fold, inspect};
 use super::pipeline_partition::{partition, PartitionMethod, StageCosts};
 use super::pipeline_schedule::{Instr, Schedule};
+use super::zero::Shards;
 use crate::device::optim::{grad_scale_reference, ParamBuffers};
 use crate::graph::{Bindings, Loss, Op, Plan, StageGraph, Tensor};
 use crate::models::{
@@ -80,9 +119,13 @@ pub struct StepReport {
     pub grad_scale: f32,
     /// Wall time of the step.
     pub seconds: f64,
-    /// Per stage: seconds it waited for a neighbour's activations or gradients (the
-    /// measured bubble; the schedule's is `(p - 1) / (m + p - 1)` of the step).
+    /// Per device (stage-major: stage `s` of replica `r` at `s * dp + r`): seconds it
+    /// waited for a neighbour's activations or gradients (the measured bubble; the
+    /// schedule's is `(p - 1) / (m + p - 1)` of the step).
     pub waited: Vec<f64>,
+    /// Per device, as `waited`: the exposed transfer time, the part of its waits after
+    /// the peer had posted the awaited message until it arrived (see the module doc).
+    pub exposed: Vec<f64>,
     /// Bytes of activations and activation gradients sent between stages.
     pub bytes_moved: u64,
 }
@@ -91,6 +134,7 @@ pub struct StepReport {
 #[derive(Clone, Copy, Debug, Default)]
 struct StageStats {
     waited: f64,
+    exposed: f64,
     sent: u64,
 }
 
@@ -121,33 +165,48 @@ struct Stage {
     loss_rows: usize,
 }
 
-/// A message between neighbouring stages: micro-batch, then (shape, data) per tensor.
-type Transfer = (usize, Vec<(Vec<usize>, HostData)>);
+/// A message between neighbouring stages: micro-batch, (shape, data) per tensor, and
+/// when the sender posted it (queued its copies behind the producing launch).
+type Transfer = (usize, Vec<(Vec<usize>, HostData)>, Instant);
 
 /// What a stage reports at the end of its ticks.
 struct Report {
     overflow: bool,
     sum_squares: f64,
-    /// (parameter index in the model, gradient) of every parameter other stages hold too.
-    replicas: Vec<(usize, Vec<f32>)>,
+    /// (parameter index in the model, gradient) of every parameter other stages hold
+    /// too; with replicas (dp > 1), of every parameter the stage holds, and the
+    /// overflow flag and norm are the coordinator's.
+    grads: Vec<(usize, Vec<f32>)>,
     loss: Option<f64>,
 }
 
 /// The pipeline's decision, sent to every stage.
 struct Decision {
-    /// The summed gradient of every replicated parameter the stage holds.
-    replicas: Vec<(usize, Vec<f32>)>,
-    /// The gradient factor, or `None`: skip the update.
+    /// The gradient to write back of every parameter the stage reported.
+    grads: Vec<(usize, Arc<Vec<f32>>)>,
+    /// The gradient factor, or `None`: no update on this stage's thread (skipped, or
+    /// ZeRO's shards update after the threads).
     grad_scale: Option<f32>,
 }
+
+/// The coordinator's decision: the gradient factor (`None`: skip), per model
+/// parameter the gradient every copy takes (`None`: keep its own), and the report.
+type Decided = (Option<f32>, Vec<Option<Arc<Vec<f32>>>>, StepReport);
 
 /// A model trained over several devices as a pipeline.
 pub struct Pipeline {
     model: Arc<dyn Model>,
     options: NetworkOptions,
     specs: Vec<ParamSpec>,
+    /// Stage-major: stage `s` of replica `r` at `s * dp + r` (so are `stages`).
     devs: Vec<Box<dyn Device>>,
     stages: Vec<Stage>,
+    /// Pipeline replicas (the data-parallel degree).
+    dp: usize,
+    /// Per stage, with ZeRO stage 1 or 2 over more than one replica: its dp group's
+    /// shards of the stage's optimizer state (the stage's parameters in `part.params`
+    /// order).
+    shards: Vec<Option<Shards>>,
     /// Per model parameter: the stages that hold it, in order (the first is the one
     /// read for the weights).
     holders: Vec<Vec<usize>>,
@@ -170,6 +229,31 @@ impl Pipeline {
         method: &PartitionMethod,
     ) -> Result<Pipeline> {
         let p = devs.len();
+        Pipeline::replicated(devs, model, options, method, p, 0)
+    }
+
+    /// `devs.len() / stages` replicas of `model` cut into `stages` stages (pp × dp):
+    /// device `s * dp + r` runs stage `s` of replica `r`. Every replica starts from
+    /// the same weights; with `zero_stage` 1 or 2 and more than one replica, each
+    /// stage's optimizer state is sharded over the stage's replicas (see the module
+    /// doc for what stage 2 saves).
+    pub fn replicated(
+        devs: Vec<Box<dyn Device>>,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+        method: &PartitionMethod,
+        stages: usize,
+        zero_stage: u32,
+    ) -> Result<Pipeline> {
+        let dp = replicas(devs.len(), stages)?;
+        if zero_stage > 2 {
+            return Err(Error::InvalidArgument(format!(
+                "pipeline: zero_optimization.stage {zero_stage}: parameter partitioning \
+                 (stage 3) is not implemented; a pipeline shards optimizer state (stage 1) \
+                 or also gradients (stage 2) over its replicas"
+            )));
+        }
+        let p = stages;
         let Cut {
             specs,
             inputs: forward_inputs,
@@ -180,13 +264,18 @@ impl Pipeline {
         // Before the first buffer: a stage that cannot fit its device is refused with
         // what it needs, not found out by an allocation that aborts.
         let memory = stage_memory(&specs, &parts, options)?;
-        for (s, (m, dev)) in memory.iter().zip(&devs).enumerate() {
-            m.check_fit(
-                &format!("pipeline stage {s} of {}", model.describe()),
-                options.dtype,
-                &[dev.caps()],
-                host_memory_available(),
-            )?;
+        for (f, dev) in devs.iter().enumerate() {
+            let s = f / dp;
+            let what = if dp == 1 {
+                format!("pipeline stage {s} of {}", model.describe())
+            } else {
+                format!(
+                    "pipeline stage {s} (replica {}) of {}",
+                    f % dp,
+                    model.describe()
+                )
+            };
+            memory[s].check_fit(&what, options.dtype, &[dev.caps()], host_memory_available())?;
         }
         // Every parameter drawn in model order, as one device would.
         let mut rng = SplitMix(options.seed);
@@ -199,45 +288,76 @@ impl Pipeline {
             })
             .collect();
         let act = options.dtype;
-        let mut stages = vec![];
+        let sharded = zero_stage >= 1 && dp > 1;
+        let mut built = vec![];
+        let mut shards = vec![];
         for (s, part) in parts.into_iter().enumerate() {
-            let dev = devs[s].as_ref();
-            let mut params = vec![];
-            for &i in &part.params {
-                let grad = if specs[i].f32_grad { DType::F32 } else { act };
-                params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
-            }
-            let input_pos = part
-                .inputs
-                .iter()
-                .map(|(t, _)| {
-                    forward_inputs
-                        .iter()
-                        .position(|i| i == t)
-                        .expect("a stage's inputs are the model's")
-                })
-                .collect();
-            let g = &part.graph;
-            let targets = match g.loss() {
-                Some(Loss::CrossEntropy { targets }) => {
-                    part.inputs.iter().position(|&(_, l)| l == targets)
+            let mut masters = vec![];
+            for r in 0..dp {
+                let dev = devs[s * dp + r].as_ref();
+                let mut params = vec![];
+                for &i in &part.params {
+                    let grad = if specs[i].f32_grad { DType::F32 } else { act };
+                    params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
                 }
-                _ => None,
-            };
-            let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
-            // At most p - s micro-batches are alive on stage s (see Schedule).
-            let count = p - s;
-            let mut slots = vec![];
-            for k in 0..count {
-                slots.push(compile_slot(dev, &part, &params, options, k == 0)?);
+                if sharded {
+                    // The shards hold the optimizer state: the stage's own copies go
+                    // before its plans are compiled without an update.
+                    let empty = dev.alloc(DType::F32, 0)?;
+                    let mut mine = vec![];
+                    for b in &mut params {
+                        mine.push(dev.download(b.master)?.to_f32());
+                        for x in [b.master, b.m, b.v] {
+                            dev.free(x)?;
+                        }
+                        (b.master, b.m, b.v) = (empty, empty, empty);
+                    }
+                    masters.push(mine);
+                }
+                let input_pos = part
+                    .inputs
+                    .iter()
+                    .map(|(t, _)| {
+                        forward_inputs
+                            .iter()
+                            .position(|i| i == t)
+                            .expect("a stage's inputs are the model's")
+                    })
+                    .collect();
+                let g = &part.graph;
+                let targets = match g.loss() {
+                    Some(Loss::CrossEntropy { targets }) => {
+                        part.inputs.iter().position(|&(_, l)| l == targets)
+                    }
+                    _ => None,
+                };
+                let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
+                // At most p - s micro-batches are alive on stage s (see Schedule).
+                let count = p - s;
+                let mut slots = vec![];
+                for k in 0..count {
+                    let update = k == 0 && !sharded;
+                    slots.push(compile_slot(dev, &part, &params, options, update)?);
+                }
+                built.push(Stage {
+                    part: part.clone(),
+                    params,
+                    slots,
+                    input_pos,
+                    targets,
+                    loss_rows,
+                });
             }
-            stages.push(Stage {
-                part,
-                params,
-                slots,
-                input_pos,
-                targets,
-                loss_rows,
+            shards.push(if sharded {
+                let group: Vec<&dyn Device> = (0..dp).map(|r| devs[s * dp + r].as_ref()).collect();
+                Some(Shards::from_masters(
+                    &group,
+                    &masters,
+                    &vec![act; part.params.len()],
+                    None,
+                )?)
+            } else {
+                None
             });
         }
         Ok(Pipeline {
@@ -245,7 +365,9 @@ impl Pipeline {
             options: options.clone(),
             specs,
             devs,
-            stages,
+            stages: built,
+            dp,
+            shards,
             holders,
             blocks: ranges,
             steps: 0,
@@ -276,14 +398,19 @@ impl Pipeline {
         partition(method, &stage_costs(&specs, &model.blocks()), stages)
     }
 
-    /// The devices, one per stage.
+    /// The devices, stage-major: stage `s` of replica `r` at `s * replicas() + r`.
     pub fn devices(&self) -> &[Box<dyn Device>] {
         &self.devs
     }
 
     /// Number of stages.
     pub fn stages(&self) -> usize {
-        self.stages.len()
+        self.stages.len() / self.dp
+    }
+
+    /// Number of pipeline replicas (the data-parallel degree).
+    pub fn replicas(&self) -> usize {
+        self.dp
     }
 
     /// Per stage: the model's blocks it runs.
@@ -298,7 +425,11 @@ impl Pipeline {
 
     /// Activation slots (micro-batches held at once) per stage.
     pub fn slots(&self) -> Vec<usize> {
-        self.stages.iter().map(|s| s.slots.len()).collect()
+        self.stages
+            .iter()
+            .step_by(self.dp)
+            .map(|s| s.slots.len())
+            .collect()
     }
 
     /// Optimizer steps applied (skipped steps do not count).
@@ -310,13 +441,22 @@ impl Pipeline {
         &self.model
     }
 
-    /// One training step over `micro` (the step's micro-batches, in order): the 1F1B
-    /// schedule, the replicated parameters' gradients summed, one overflow check, norm
-    /// and gradient factor for all stages, then every stage's optimizer (skipped
-    /// everywhere on overflow). Each micro-batch's mean loss weighs 1 / micro.len().
+    /// One training step over `micro` (the step's micro-batches, in order; with `dp`
+    /// replicas, `dp · m` of them, replica `r` taking `micro[r·m..(r+1)·m]`): the 1F1B
+    /// schedule on every replica, the replicated parameters' gradients summed (and,
+    /// with replicas, averaged over them), one overflow check, norm and gradient
+    /// factor for all stages, then every stage's optimizer (skipped everywhere on
+    /// overflow). Each micro-batch's mean loss weighs 1 / m, and each replica 1 / dp.
     pub fn step(&mut self, micro: &[MicroBatch], o: StepOptions) -> Result<StepReport> {
-        let m = micro.len();
-        let p = self.stages.len();
+        let (dp, p) = (self.dp, self.stages());
+        if !micro.len().is_multiple_of(dp) {
+            return Err(Error::InvalidArgument(format!(
+                "pipeline: {} micro-batches do not split evenly over {dp} replicas; a step \
+                 takes replicas × gradient_accumulation_steps micro-batches",
+                micro.len()
+            )));
+        }
+        let m = micro.len() / dp;
         if !(o.loss_scale.is_finite() && o.loss_scale > 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "pipeline: loss scale {}; it must be finite and positive",
@@ -331,13 +471,15 @@ impl Pipeline {
         }
         let tied = self.holders.iter().any(|h| h.len() > 1);
         let schedule = Schedule::one_forward_one_backward(p, m, tied)?;
+        let name = |f: usize| stage_name(f / dp, f % dp, dp);
         // Every micro-batch's inputs are checked before anything runs.
         let mut data = vec![];
-        for (s, stage) in self.stages.iter_mut().enumerate() {
+        for (f, stage) in self.stages.iter_mut().enumerate() {
+            let r = f % dp;
             let mut per = vec![];
-            for (i, b) in micro.iter().enumerate() {
+            for (i, b) in micro[r * m..(r + 1) * m].iter().enumerate() {
                 per.push(stage_data(stage, b).map_err(|e| {
-                    Error::InvalidArgument(format!("pipeline stage {s}, micro-batch {i}: {e}"))
+                    Error::InvalidArgument(format!("pipeline {}, micro-batch {i}: {e}", name(f)))
                 })?);
             }
             data.push(per);
@@ -345,30 +487,40 @@ impl Pipeline {
                 slot.plan.start_step(o.loss_scale);
             }
         }
-        // Channels: activations s -> s + 1, gradients s + 1 -> s, reports to the
-        // coordinator (this thread) and its decision back.
-        let mut act_tx: Vec<Option<Sender<Transfer>>> = vec![];
-        let mut act_rx: Vec<Option<Receiver<Transfer>>> = vec![None];
-        let mut grad_tx: Vec<Option<Sender<Transfer>>> = vec![None];
-        let mut grad_rx: Vec<Option<Receiver<Transfer>>> = vec![];
-        for _ in 1..p {
-            let (tx, rx) = channel();
-            act_tx.push(Some(tx));
-            act_rx.push(Some(rx));
-            let (tx, rx) = channel();
-            grad_tx.push(Some(tx));
-            grad_rx.push(Some(rx));
+        // Channels within each replica: activations s -> s + 1, gradients s + 1 -> s,
+        // reports to the coordinator (this thread) and its decision back. Indexed as
+        // the devices.
+        let n = p * dp;
+        let mut act_tx: Vec<Option<Sender<Transfer>>> = (0..n).map(|_| None).collect();
+        let mut act_rx: Vec<Option<Receiver<Transfer>>> = (0..n).map(|_| None).collect();
+        let mut grad_tx: Vec<Option<Sender<Transfer>>> = (0..n).map(|_| None).collect();
+        let mut grad_rx: Vec<Option<Receiver<Transfer>>> = (0..n).map(|_| None).collect();
+        for s in 1..p {
+            for r in 0..dp {
+                let (before, after) = ((s - 1) * dp + r, s * dp + r);
+                let (tx, rx) = channel();
+                act_tx[before] = Some(tx);
+                act_rx[after] = Some(rx);
+                let (tx, rx) = channel();
+                grad_tx[after] = Some(tx);
+                grad_rx[before] = Some(rx);
+            }
         }
-        act_tx.push(None);
-        grad_rx.push(None);
         let (seed, steps) = (self.options.seed, self.steps);
         let holders = &self.holders;
-        let started = std::time::Instant::now();
+        let stage_params: Vec<Vec<usize>> = self
+            .stages
+            .iter()
+            .step_by(dp)
+            .map(|st| st.part.params.clone())
+            .collect();
+        let sharded = self.shards.iter().any(Option::is_some);
+        let started = Instant::now();
         let (results, decided) = std::thread::scope(|scope| {
             let mut handles = vec![];
             let mut report_rx = vec![];
             let mut decision_tx = vec![];
-            for (s, ((stage, dev), data)) in self
+            for (f, ((stage, dev), data)) in self
                 .stages
                 .iter_mut()
                 .zip(&self.devs)
@@ -380,15 +532,18 @@ impl Pipeline {
                 report_rx.push(rrx);
                 decision_tx.push(dtx);
                 let links = Links {
-                    act_in: act_rx[s].take(),
-                    act_out: act_tx[s].take(),
-                    grad_in: grad_rx[s].take(),
-                    grad_out: grad_tx[s].take(),
+                    act_in: act_rx[f].take(),
+                    act_out: act_tx[f].take(),
+                    grad_in: grad_rx[f].take(),
+                    grad_out: grad_tx[f].take(),
                     report: rtx,
                     decision: drx,
                 };
+                let (s, r) = (f / dp, f % dp);
                 let run = Run {
                     s,
+                    r,
+                    dp,
                     m,
                     data,
                     o,
@@ -400,18 +555,22 @@ impl Pipeline {
                 let dev = dev.as_ref();
                 handles.push(scope.spawn(move || run.stage(stage, dev, ticks, end, links)));
             }
-            let decided = decide(&report_rx, holders, o);
-            if let Ok((grad_scale, summed, _)) = &decided {
-                for (s, tx) in decision_tx.iter().enumerate() {
-                    let replicas = summed
-                        .iter()
-                        .filter(|(i, _)| holders[*i].contains(&s))
-                        .cloned()
-                        .collect();
+            let decided = decide(&report_rx, holders, &stage_params, dp, o);
+            if let Ok((grad_scale, grads, _)) = &decided {
+                for (f, tx) in decision_tx.iter().enumerate() {
+                    // ZeRO's shards take the gradients after the threads, not the
+                    // stages' own buffers.
+                    let grads = match sharded {
+                        true => vec![],
+                        false => stage_params[f / dp]
+                            .iter()
+                            .filter_map(|&i| grads[i].clone().map(|g| (i, g)))
+                            .collect(),
+                    };
                     // A stage that stopped meanwhile has its own error to report.
                     let _ = tx.send(Decision {
-                        replicas,
-                        grad_scale: *grad_scale,
+                        grads,
+                        grad_scale: if sharded { None } else { *grad_scale },
                     });
                 }
             }
@@ -420,10 +579,11 @@ impl Pipeline {
             let results: Vec<Result<StageStats>> = handles
                 .into_iter()
                 .enumerate()
-                .map(|(s, h)| {
+                .map(|(f, h)| {
                     h.join().unwrap_or_else(|_| {
                         Err(Error::InvalidArgument(format!(
-                            "pipeline stage {s} panicked"
+                            "pipeline {} panicked",
+                            name(f)
                         )))
                     })
                 })
@@ -433,7 +593,7 @@ impl Pipeline {
         let failed: Vec<String> = results
             .iter()
             .enumerate()
-            .filter_map(|(s, r)| r.as_ref().err().map(|e| format!("stage {s}: {e}")))
+            .filter_map(|(f, r)| r.as_ref().err().map(|e| format!("{}: {e}", name(f))))
             .collect();
         if !failed.is_empty() {
             // The stages that failed first, then those that stopped because of them.
@@ -444,21 +604,30 @@ impl Pipeline {
             let count = failed.len();
             first.extend(stopped);
             // Before the decision no stage updates; after it, some may have.
-            let state = if decided.is_ok() {
+            let state = if decided.is_ok() && !sharded {
                 "after the update was decided, so some stages may have updated and others \
                  not: resume from the last checkpoint"
             } else {
                 "so no stage updated"
             };
+            let of = if dp == 1 {
+                format!("{p} stages")
+            } else {
+                format!("{n} stages ({p} stages × {dp} replicas)")
+            };
             return Err(Error::InvalidArgument(format!(
-                "pipeline step failed on {count} of {p} stages, {state}: {}",
+                "pipeline step failed on {count} of {of}, {state}: {}",
                 first.join("; ")
             )));
         }
-        let (_, _, mut report) = decided?;
+        let (grad_scale, grads, mut report) = decided?;
+        if let (Some(grad_scale), true) = (grad_scale, sharded) {
+            self.apply_shards(&grads, o.lr, grad_scale)?;
+        }
         let stats: Vec<StageStats> = results.into_iter().flatten().collect();
         report.seconds = started.elapsed().as_secs_f64();
         report.waited = stats.iter().map(|s| s.waited).collect();
+        report.exposed = stats.iter().map(|s| s.exposed).collect();
         report.bytes_moved = stats.iter().map(|s| s.sent).sum();
         if !report.overflow {
             self.steps += 1;
@@ -466,23 +635,111 @@ impl Pipeline {
         Ok(report)
     }
 
+    /// ZeRO's update: each stage's dp group updates its shards from the averaged
+    /// gradients `grads` (per model parameter) and every replica of the stage takes
+    /// the gathered model copies.
+    fn apply_shards(
+        &mut self,
+        grads: &[Option<Arc<Vec<f32>>>],
+        lr: f32,
+        grad_scale: f32,
+    ) -> Result<()> {
+        let dp = self.dp;
+        let optimizer = &self.options.optimizer;
+        for (s, shards) in self.shards.iter().enumerate() {
+            let Some(shards) = shards else { continue };
+            let group: Vec<&dyn Device> = (0..dp).map(|r| self.devs[s * dp + r].as_ref()).collect();
+            let params = &self.stages[s * dp].part.params;
+            let mut sum = vec![];
+            let mut layout = vec![];
+            for &i in params {
+                let g = grads[i]
+                    .as_ref()
+                    .expect("with replicas every gradient is reduced");
+                sum.push(g.as_ref().clone());
+                layout.push((self.specs[i].len(), self.options.dtype, self.specs[i].decay));
+            }
+            let step = u64::from(self.steps) + 1;
+            let (wholes, _) =
+                shards.update(&group, optimizer, &layout, (&sum, lr, grad_scale, step))?;
+            for (r, dev) in group.iter().enumerate() {
+                let stage = &self.stages[s * dp + r];
+                for (b, whole) in stage.params.iter().zip(&wholes) {
+                    dev.upload(b.value, whole)?;
+                }
+                dev.wait()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every parameter's full training state, whole tensors in model order, from the
     /// first stage holding each: what a checkpoint saves, whatever the topology.
     pub fn param_states(&self) -> Result<Vec<ParamState>> {
-        let mut out = vec![];
-        for (i, spec) in self.specs.iter().enumerate() {
-            let (s, b) = self.buffers(i, 0)?;
-            let dev = self.devs[s].as_ref();
-            out.push(ParamState {
-                name: spec.name.clone(),
-                shape: spec.shape.clone(),
-                value: dev.download(b.value)?,
-                master: dev.download(b.master)?.to_f32(),
-                m: dev.download(b.m)?.to_f32(),
-                v: dev.download(b.v)?.to_f32(),
+        // Under ZeRO a stage's masters and moments are gathered from its dp group.
+        let mut gathered: Vec<Option<Vec<ParamState>>> = vec![];
+        for (s, shards) in self.shards.iter().enumerate() {
+            gathered.push(match shards {
+                Some(shards) => {
+                    let mut local = self.stage_states(s, |_| HostData::F32(vec![]));
+                    shards.gather(&self.group(s), &mut local)?;
+                    Some(local)
+                }
+                None => None,
             });
         }
+        let mut out = vec![];
+        for (i, spec) in self.specs.iter().enumerate() {
+            let (f, b) = self.buffers(i, 0)?;
+            let dev = self.devs[f].as_ref();
+            let value = dev.download(b.value)?;
+            let s = f / self.dp;
+            let state = match &gathered[s] {
+                Some(local) => {
+                    let k = self.stages[f].part.params.iter().position(|&p| p == i);
+                    let st = &local[k.expect("holders list the stages declaring it")];
+                    ParamState {
+                        value,
+                        ..st.clone()
+                    }
+                }
+                None => ParamState {
+                    name: spec.name.clone(),
+                    shape: spec.shape.clone(),
+                    value,
+                    master: dev.download(b.master)?.to_f32(),
+                    m: dev.download(b.m)?.to_f32(),
+                    v: dev.download(b.v)?.to_f32(),
+                },
+            };
+            out.push(state);
+        }
         Ok(out)
+    }
+
+    /// Stage `s`'s parameters as host states (name and shape; `value` from `value`,
+    /// the rest empty), in its `part.params` order: what its shards fill or read.
+    fn stage_states(&self, s: usize, value: impl Fn(usize) -> HostData) -> Vec<ParamState> {
+        self.stages[s * self.dp]
+            .part
+            .params
+            .iter()
+            .map(|&i| ParamState {
+                name: self.specs[i].name.clone(),
+                shape: self.specs[i].shape.clone(),
+                value: value(i),
+                master: vec![],
+                m: vec![],
+                v: vec![],
+            })
+            .collect()
+    }
+
+    /// Stage `s`'s devices, replica order.
+    fn group(&self, s: usize) -> Vec<&dyn Device> {
+        (0..self.dp)
+            .map(|r| self.devs[s * self.dp + r].as_ref())
+            .collect()
     }
 
     /// Restores what [`Pipeline::param_states`] or [`Network::param_states`] saved
@@ -548,14 +805,28 @@ impl Pipeline {
             }
             found.push(s);
         }
-        for (i, s) in found.into_iter().enumerate() {
-            for k in 0..self.holders[i].len() {
-                let (stage, b) = self.buffers(i, k)?;
-                let dev = self.devs[stage].as_ref();
+        for (i, s) in found.iter().enumerate() {
+            for k in 0..self.holders[i].len() * self.dp {
+                let (f, b) = self.buffers(i, k)?;
+                let dev = self.devs[f].as_ref();
                 dev.upload(b.value, &s.value)?;
+                if self.shards[f / self.dp].is_some() {
+                    continue;
+                }
                 dev.upload(b.master, &HostData::F32(s.master.clone()))?;
                 dev.upload(b.m, &HostData::F32(s.m.clone()))?;
                 dev.upload(b.v, &HostData::F32(s.v.clone()))?;
+            }
+        }
+        for (s, shards) in self.shards.iter().enumerate() {
+            if let Some(shards) = shards {
+                let local: Vec<ParamState> = self.stages[s * self.dp]
+                    .part
+                    .params
+                    .iter()
+                    .map(|&i| found[i].clone())
+                    .collect();
+                shards.scatter(&self.group(s), &local)?;
             }
         }
         self.steps = steps;
@@ -571,10 +842,12 @@ impl Pipeline {
             .collect())
     }
 
-    /// Parameter `index`'s model copy and f32 master on every stage holding it, in
-    /// stage order (a tied parameter's copies must be equal).
+    /// Parameter `index`'s model copy and f32 master on every device holding it (the
+    /// device's index, stage-major: every replica of every stage holding it), in
+    /// device order; all copies must be equal. Under ZeRO the masters are the
+    /// shards' and come back empty here.
     pub fn copies(&self, index: usize) -> Result<Vec<(usize, HostData, Vec<f32>)>> {
-        let n = self.holders.get(index).map_or(0, |h| h.len());
+        let n = self.holders.get(index).map_or(0, |h| h.len()) * self.dp;
         (0..n)
             .map(|k| {
                 let (s, b) = self.buffers(index, k)?;
@@ -584,26 +857,28 @@ impl Pipeline {
             .collect()
     }
 
-    /// The buffers of parameter `index` on the `k`-th stage holding it.
+    /// The buffers of parameter `index`'s `k`-th copy (its holders' replicas, stage
+    /// by stage), and the device holding it.
     fn buffers(&self, index: usize, k: usize) -> Result<(usize, ParamBuffers)> {
         let s = *self
             .holders
             .get(index)
-            .and_then(|h| h.get(k))
+            .and_then(|h| h.get(k / self.dp))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "pipeline: parameter {index} (copy {k}) does not exist; the model has {}",
                     self.specs.len()
                 ))
             })?;
-        let stage = &self.stages[s];
+        let f = s * self.dp + k % self.dp;
+        let stage = &self.stages[f];
         let at = stage
             .part
             .params
             .iter()
             .position(|&p| p == index)
             .expect("holders list the stages declaring it");
-        Ok((s, stage.params[at]))
+        Ok((f, stage.params[at]))
     }
 }
 
@@ -860,6 +1135,9 @@ struct Links {
 #[derive(Clone, Copy)]
 struct Run<'a> {
     s: usize,
+    /// The replica, and how many there are.
+    r: usize,
+    dp: usize,
     /// Micro-batches in the step.
     m: usize,
     /// Per micro-batch: this stage's inputs and the rows trained on.
@@ -870,11 +1148,41 @@ struct Run<'a> {
     holders: &'a [Vec<usize>],
 }
 
+/// How many pipeline replicas `devices` devices make in `stages` stages (devices
+/// come stage-major), or why they make none.
+pub fn replicas(devices: usize, stages: usize) -> Result<usize> {
+    if stages == 0 || devices == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "pipeline: {devices} devices in {stages} stages; give at least one stage and one \
+             device per stage"
+        )));
+    }
+    if !devices.is_multiple_of(stages) {
+        return Err(Error::InvalidArgument(format!(
+            "pipeline: {devices} devices do not split into {stages} stages; give stages × \
+             replicas devices (device s·dp + r runs stage s of replica r), e.g. {} or {} \
+             devices for {stages} stages",
+            stages * (devices / stages).max(1),
+            stages * (devices / stages + 1)
+        )));
+    }
+    Ok(devices / stages)
+}
+
+/// How errors name stage `s` of replica `r` (of `dp`).
+fn stage_name(s: usize, r: usize, dp: usize) -> String {
+    if dp == 1 {
+        format!("stage {s}")
+    } else {
+        format!("stage {s} of replica {r}")
+    }
+}
+
 /// The error of a stage whose neighbour (or the coordinator) stopped.
-fn peer_stopped(s: usize, peer: &str) -> Error {
+fn peer_stopped(me: &str, peer: &str) -> Error {
     Error::InvalidArgument(format!(
-        "stopped: {peer} stopped during the step (its own error says why), so stage {s} \
-         cannot go on"
+        "stopped: {peer} stopped during the step (its own error says why), so {me} cannot \
+         go on"
     ))
 }
 
@@ -883,7 +1191,7 @@ fn peer_stopped(s: usize, peer: &str) -> Error {
 fn check_transfer(
     s: usize,
     what: &str,
-    (micro, tensors): &Transfer,
+    (micro, tensors, _): &Transfer,
     want_micro: usize,
     want: &[(String, Vec<usize>)],
 ) -> Result<()> {
@@ -911,18 +1219,18 @@ fn check_transfer(
 
 /// Downloads queued on a stage's device for one neighbour: towards the next stage
 /// (activations) or the one before (their gradients), of a micro-batch.
-type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>);
+type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>, Instant);
 
 /// A stage's courier: waits for each queued download and sends it on, while the stage
 /// thread records its next work (the transfer overlaps the next compute).
 fn courier(
-    s: usize,
+    (s, r, dp): (usize, usize, usize),
     dev: &dyn Device,
     parcels: Receiver<Parcel>,
     act_out: Option<Sender<Transfer>>,
     grad_out: Option<Sender<Transfer>>,
 ) -> Result<()> {
-    for (forward, micro, pending) in parcels {
+    for (forward, micro, pending, posted) in parcels {
         let tensors = pending
             .into_iter()
             .map(|(shape, p)| Ok((shape, dev.finish_download(p)?)))
@@ -933,8 +1241,8 @@ fn courier(
             (grad_out.as_ref(), s.wrapping_sub(1))
         };
         tx.expect("a stage sends only to the neighbours it has")
-            .send((micro, tensors))
-            .map_err(|_| peer_stopped(s, &format!("stage {peer}")))?;
+            .send((micro, tensors, posted))
+            .map_err(|_| peer_stopped(&stage_name(s, r, dp), &stage_name(peer, r, dp)))?;
     }
     Ok(())
 }
@@ -953,13 +1261,14 @@ impl Run<'_> {
         let (act_out, grad_out) = (links.act_out.take(), links.grad_out.take());
         let (parcels, inbox) = channel::<Parcel>();
         std::thread::scope(|scope| {
-            let s = self.s;
-            let sent = scope.spawn(move || courier(s, dev, inbox, act_out, grad_out));
+            let (s, r, dp) = (self.s, self.r, self.dp);
+            let sent = scope.spawn(move || courier((s, r, dp), dev, inbox, act_out, grad_out));
             // Ends the courier's loop when this returns, whichever way.
             let ran = self.run(stage, dev, (ticks, end), &links, parcels);
             let sent = sent.join().unwrap_or_else(|_| {
                 Err(Error::InvalidArgument(format!(
-                    "stage {s}'s transfer thread panicked"
+                    "{}'s transfer thread panicked",
+                    stage_name(s, r, dp)
                 )))
             });
             match (ran, sent) {
@@ -980,8 +1289,20 @@ impl Run<'_> {
         parcels: Sender<Parcel>,
     ) -> Result<StageStats> {
         let s = self.s;
+        let me = stage_name(s, self.r, self.dp);
+        let peer_name = |peer: usize| stage_name(peer, self.r, self.dp);
         let sent = std::cell::Cell::new(0u64);
-        let mut waited = 0f64;
+        let (mut waited, mut exposed) = (0f64, 0f64);
+        // Waits for a neighbour's message: all of the wait counts as waiting, the part
+        // after the peer posted the message as exposed transfer.
+        let mut receive = |rx: &Receiver<Transfer>, peer: usize| -> Result<Transfer> {
+            let wait = Instant::now();
+            let msg = rx.recv().map_err(|_| peer_stopped(&me, &peer_name(peer)))?;
+            let got = Instant::now();
+            waited += (got - wait).as_secs_f64();
+            exposed += got.saturating_duration_since(wait.max(msg.2)).as_secs_f64();
+            Ok(msg)
+        };
         let post = |forward: bool, micro: usize, bufs: Vec<(Vec<usize>, Buffer)>| {
             let mut pending = vec![];
             for (shape, b) in bufs {
@@ -989,8 +1310,8 @@ impl Run<'_> {
                 pending.push((shape, dev.begin_download(b)?));
             }
             parcels
-                .send((forward, micro, pending))
-                .map_err(|_| peer_stopped(s, &format!("stage {s}'s transfer thread")))
+                .send((forward, micro, pending, Instant::now()))
+                .map_err(|_| peer_stopped(&me, &format!("{me}'s transfer thread")))
         };
         let slots = stage.slots.len().min(self.m);
         let g = &stage.part.graph;
@@ -1020,11 +1341,7 @@ impl Run<'_> {
                 }
                 Instr::RecvActivation { micro } => {
                     let rx = links.act_in.as_ref().expect("a later stage receives");
-                    let wait = std::time::Instant::now();
-                    let msg = rx
-                        .recv()
-                        .map_err(|_| peer_stopped(s, &format!("stage {}", s - 1)))?;
-                    waited += wait.elapsed().as_secs_f64();
+                    let msg = receive(rx, s - 1)?;
                     check_transfer(s, "activations", &msg, micro, &ins)?;
                     let slot = &stage.slots[micro % slots];
                     for (&b, (_, d)) in slot.acts_in.iter().zip(&msg.1) {
@@ -1033,8 +1350,10 @@ impl Run<'_> {
                 }
                 Instr::Forward { micro, buffer } => {
                     let slot = &mut stage.slots[buffer % slots];
-                    slot.plan
-                        .set_random_state(random_key(self.seed, self.steps, micro));
+                    // Replica r's micro-batches are the data-parallel rank r's: keyed
+                    // as a network at micro offset r · m keys them.
+                    let key = random_key(self.seed, self.steps, self.r * self.m + micro);
+                    slot.plan.set_random_state(key);
                     slot.plan.forward_only(dev)?;
                 }
                 Instr::SendActivation { micro } => {
@@ -1060,11 +1379,7 @@ impl Run<'_> {
                 }
                 Instr::RecvGrad { micro } => {
                     let rx = links.grad_in.as_ref().expect("an earlier stage receives");
-                    let wait = std::time::Instant::now();
-                    let msg = rx
-                        .recv()
-                        .map_err(|_| peer_stopped(s, &format!("stage {}", s + 1)))?;
-                    waited += wait.elapsed().as_secs_f64();
+                    let msg = receive(rx, s + 1)?;
                     check_transfer(s, "activation gradients", &msg, micro, &grads_in)?;
                     let slot = &stage.slots[micro % slots];
                     for (&b, (_, d)) in slot.seeds.iter().flatten().zip(&msg.1) {
@@ -1112,28 +1427,35 @@ impl Run<'_> {
         }
         Ok(StageStats {
             waited,
+            exposed,
             sent: sent.get(),
         })
     }
 
     /// The step's end on this stage: report overflow, squared norm, replicated
-    /// gradients and loss; take the decision; write the summed gradients back; update.
+    /// gradients (with replicas: every gradient) and loss; take the decision; write
+    /// the summed gradients back; update.
     fn finish(&self, stage: &mut Stage, dev: &dyn Device, links: &Links) -> Result<()> {
         let s = self.s;
         let has_loss = stage.part.graph.losses().is_some();
+        let all = self.dp > 1;
         let plan = &mut stage.slots[0].plan;
-        plan.measure(dev)?;
-        let overflow = plan.overflowed(dev)?;
-        let sum_squares = plan.sum_squares(dev)? as f64;
+        // With replicas the coordinator checks the averaged gradients instead.
+        let (overflow, sum_squares) = if all {
+            (false, 0.0)
+        } else {
+            plan.measure(dev)?;
+            (plan.overflowed(dev)?, plan.sum_squares(dev)? as f64)
+        };
         let loss = if has_loss {
             Some(plan.step_loss(dev)?)
         } else {
             None
         };
-        let mut replicas = vec![];
+        let mut grads = vec![];
         for (k, &i) in stage.part.params.iter().enumerate() {
-            if self.holders[i].len() > 1 {
-                replicas.push((i, dev.download(stage.params[k].grad)?.to_f32()));
+            if all || self.holders[i].len() > 1 {
+                grads.push((i, dev.download(stage.params[k].grad)?.to_f32()));
             }
         }
         links
@@ -1141,21 +1463,21 @@ impl Run<'_> {
             .send(Report {
                 overflow,
                 sum_squares,
-                replicas,
+                grads,
                 loss,
             })
-            .map_err(|_| peer_stopped(s, "the coordinator"))?;
+            .map_err(|_| peer_stopped(&stage_name(s, self.r, self.dp), "the coordinator"))?;
         let decision = links
             .decision
             .recv()
-            .map_err(|_| peer_stopped(s, "another stage"))?;
-        for (i, grad) in &decision.replicas {
+            .map_err(|_| peer_stopped(&stage_name(s, self.r, self.dp), "another stage"))?;
+        for (i, grad) in &decision.grads {
             let k = stage
                 .part
                 .params
                 .iter()
                 .position(|p| p == i)
-                .expect("decisions carry the stage's own replicas");
+                .expect("decisions carry the stage's own parameters");
             let b = stage.params[k].grad;
             dev.upload(b, &HostData::from_f32(b.dtype, grad))?;
         }
@@ -1167,38 +1489,106 @@ impl Run<'_> {
     }
 }
 
-/// The coordinator's part: every stage's report (in stage order), the replicated
-/// parameters' gradients summed in stage order, one overflow flag, one squared norm
-/// counting each parameter once, one gradient factor (`None`: skip).
-#[allow(clippy::type_complexity)]
+/// The coordinator's part: every stage's report (in device order), one overflow flag,
+/// one squared norm counting each parameter once, one gradient factor (`None`: skip),
+/// and per parameter the gradient every copy takes.
+///
+/// One replica: the replicated parameters' gradients summed in stage order, the norm
+/// the stages' (each copy's share replaced by the sum's). Several: within each
+/// replica the copies summed in stage order, then every tensor folded over the
+/// replicas in replica order and averaged (a stage's own tensors as soon as its
+/// replicas have reported, while earlier stages are still in backward), and flag and
+/// norm taken from the averages in model order, as a data-parallel group takes them.
 fn decide(
     reports: &[Receiver<Report>],
     holders: &[Vec<usize>],
+    stage_params: &[Vec<usize>],
+    dp: usize,
     o: StepOptions,
-) -> Result<(Option<f32>, Vec<(usize, Vec<f32>)>, StepReport)> {
-    let mut got = vec![];
-    for (s, rx) in reports.iter().enumerate() {
-        got.push(rx.recv().map_err(|_| {
-            Error::InvalidArgument(format!("stage {s} stopped before the step's end"))
-        })?);
+) -> Result<Decided> {
+    let p = stage_params.len();
+    let mut grads: Vec<Option<Arc<Vec<f32>>>> = vec![None; holders.len()];
+    let mut inspected = vec![(false, 0f64); holders.len()];
+    let average = |parts: &[Vec<f32>]| {
+        let mut avg = vec![];
+        fold(&mut avg, parts, Some(1.0 / dp as f32));
+        (inspect(&avg), Some(Arc::new(avg)))
+    };
+    // 1F1B ends the last stage's backwards first and the first stage's last: with
+    // replicas, a stage's own gradients are averaged as soon as all its replicas have
+    // reported, while earlier stages still compute. Copies on several stages wait for
+    // every holder (below).
+    let mut got: Vec<Option<Report>> = (0..reports.len()).map(|_| None).collect();
+    for s in (0..p).rev() {
+        for r in 0..dp {
+            let f = s * dp + r;
+            got[f] = Some(reports[f].recv().map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "{} stopped before the step's end",
+                    stage_name(s, r, dp)
+                ))
+            })?);
+        }
+        if dp == 1 {
+            continue;
+        }
+        for &i in stage_params[s].iter().filter(|&&i| holders[i].len() == 1) {
+            let parts: Vec<Vec<f32>> = got[s * dp..(s + 1) * dp]
+                .iter_mut()
+                .map(|report| {
+                    let report = report.as_mut().expect("received above");
+                    let k = report.grads.iter().position(|(j, _)| *j == i);
+                    report
+                        .grads
+                        .swap_remove(k.expect("every replica reports every gradient"))
+                        .1
+                })
+                .collect();
+            (inspected[i], grads[i]) = average(&parts);
+        }
     }
-    let mut overflow = got.iter().any(|r| r.overflow);
-    let mut sum_squares: f64 = got.iter().map(|r| r.sum_squares).sum();
-    let mut summed: Vec<(usize, Vec<f32>)> = vec![];
-    for r in &got {
-        for (i, g) in &r.replicas {
-            // Each copy's own share leaves the norm; the sum enters it once below.
-            sum_squares -= g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-            match summed.iter_mut().find(|(j, _)| j == i) {
-                Some((_, acc)) => acc.iter_mut().zip(g).for_each(|(a, b)| *a += b),
-                None => summed.push((*i, g.clone())),
+    let mut got: Vec<Report> = got.into_iter().flatten().collect();
+    // Per replica, per parameter: its copies' sum, in stage order.
+    let mut summed: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; holders.len()]; dp];
+    let mut sum_squares = 0f64;
+    let mut overflow = false;
+    for s in 0..p {
+        for (r, acc) in summed.iter_mut().enumerate() {
+            let report = &mut got[s * dp + r];
+            overflow |= report.overflow;
+            sum_squares += report.sum_squares;
+            for (i, g) in std::mem::take(&mut report.grads) {
+                if dp == 1 {
+                    // Each copy's own share leaves the norm; the sum enters it once below.
+                    sum_squares -= g.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+                }
+                match &mut acc[i] {
+                    Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
+                    None => acc[i] = Some(g),
+                }
             }
         }
     }
-    for (i, acc) in &summed {
-        debug_assert!(holders[*i].len() > 1);
-        sum_squares += acc.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-        overflow |= acc.iter().any(|x| !x.is_finite());
+    if dp == 1 {
+        for (i, acc) in summed.remove(0).into_iter().enumerate() {
+            if let Some(acc) = acc {
+                debug_assert!(holders[i].len() > 1);
+                sum_squares += acc.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+                overflow |= acc.iter().any(|x| !x.is_finite());
+                grads[i] = Some(Arc::new(acc));
+            }
+        }
+    } else {
+        // The copies on several stages, each replica's summed in stage order above.
+        for i in (0..holders.len()).filter(|&i| holders[i].len() > 1) {
+            let parts: Vec<Vec<f32>> = summed
+                .iter_mut()
+                .map(|r| r[i].take().expect("every replica reports every gradient"))
+                .collect();
+            (inspected[i], grads[i]) = average(&parts);
+        }
+        // In model order, whatever order the stages reported in: the same bits.
+        (overflow, sum_squares) = combine(&inspected);
     }
     // Subtracting the copies' shares can leave rounding below zero.
     let sum_squares = if overflow {
@@ -1207,10 +1597,16 @@ fn decide(
         sum_squares.max(0.0)
     };
     let grad_scale = (!overflow).then(|| grad_scale_reference(sum_squares, o.loss_scale, o.clip));
-    let loss = got.iter().find_map(|r| r.loss).unwrap_or(0.0) as f32;
+    // Each replica's loss as a data-parallel rank reports it (f32), averaged in f64.
+    let losses: f64 = got
+        .iter()
+        .filter_map(|r| r.loss)
+        .map(|l| l as f32 as f64)
+        .sum();
+    let loss = (losses / dp as f64) as f32;
     Ok((
         grad_scale,
-        summed,
+        grads,
         StepReport {
             loss,
             overflow,
@@ -1218,6 +1614,7 @@ fn decide(
             grad_scale: grad_scale.unwrap_or(0.0),
             seconds: 0.0,
             waited: vec![],
+            exposed: vec![],
             bytes_moved: 0,
         },
     ))
@@ -1233,10 +1630,11 @@ impl Pipeline {
     ///
     /// [`Network::predict`]: crate::models::Network::predict
     pub fn predict(&self, batch: &MicroBatch) -> Result<(f64, Vec<u32>)> {
-        let p = self.stages.len();
+        // Replica 0 evaluates: every replica holds the same weights.
+        let p = self.stages();
         let mut carried: Vec<HostData> = vec![];
-        for (s, (stage, dev)) in self.stages.iter().zip(&self.devs).enumerate() {
-            let dev = dev.as_ref();
+        for s in 0..p {
+            let (stage, dev) = (&self.stages[s * self.dp], self.devs[s * self.dp].as_ref());
             let at_stage = |e: Error| Error::InvalidArgument(format!("pipeline stage {s}: {e}"));
             let (data, trained) = stage_data(stage, batch).map_err(at_stage)?;
             let slot = &stage.slots[0];

@@ -82,17 +82,34 @@ impl Shards {
         devs: &[&dyn Device],
         procs: Option<&Processes>,
     ) -> Result<Shards> {
+        let layout = models[0].parameter_layout();
+        let dtypes: Vec<DType> = layout.iter().map(|l| l.2).collect();
+        let mut masters = vec![];
+        for (m, &dev) in models.iter_mut().zip(devs) {
+            masters.push(m.release_optimizer_state(dev)?);
+        }
+        Shards::from_masters(devs, &masters, &dtypes, procs)
+    }
+
+    /// Gives each of `devs` (ranks, in order) its slice of the tensors whose whole f32
+    /// masters rank r holds in `masters[r]` (every rank the same values) and whose
+    /// model copies are stored in `dtypes`: the layout [`Shards::new`] gives a
+    /// network, for any list of tensors (a pipeline stage's parameters).
+    pub fn from_masters(
+        devs: &[&dyn Device],
+        masters: &[Vec<Vec<f32>>],
+        dtypes: &[DType],
+        procs: Option<&Processes>,
+    ) -> Result<Shards> {
         let world = procs.map_or(devs.len(), Processes::world);
         let first = procs.map_or(0, Processes::first_rank);
-        let layout = models[0].parameter_layout();
-        let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
+        let sizes: Vec<usize> = masters[0].iter().map(Vec::len).collect();
         let (mut ranks, mut scale) = (vec![], vec![]);
-        for (rank, (m, &dev)) in models.iter_mut().zip(devs).enumerate() {
-            let masters = m.release_optimizer_state(dev)?;
+        for (rank, (masters, &dev)) in masters.iter().zip(devs).enumerate() {
             let mut segs = vec![];
             for seg in segments(&sizes, world, first + rank) {
                 let init = &masters[seg.param][seg.range.clone()];
-                let buffers = ParamBuffers::new(dev, init, layout[seg.param].2, DType::F32)?;
+                let buffers = ParamBuffers::new(dev, init, dtypes[seg.param], DType::F32)?;
                 segs.push(ShardSegment { seg, buffers });
             }
             ranks.push(segs);
@@ -116,10 +133,40 @@ impl Shards {
         optimizer: &Optimizer,
         (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
     ) -> Result<u64> {
+        let layout: Vec<(usize, DType, bool)> = models[0]
+            .parameter_layout()
+            .into_iter()
+            .map(|(_, shape, dtype, decay)| (shape.iter().product(), dtype, decay))
+            .collect();
+        let (wholes, mut bytes) =
+            self.update(devs, optimizer, &layout, (sum, lr, grad_scale, step))?;
+        for (i, whole) in wholes.iter().enumerate() {
+            for (m, dev) in models.iter().zip(devs) {
+                m.set_value(*dev, i, whole)?;
+                bytes += whole.as_bytes().len() as u64;
+            }
+        }
+        let step = u32::try_from(step).expect("update checked the step");
+        for m in models.iter_mut() {
+            m.set_steps_applied(step);
+        }
+        Ok(bytes)
+    }
+
+    /// [`Shards::apply`]'s update and all-gather for tensors laid out as `layout`
+    /// (elements, storage dtype, weight decay applies), in the order the shards were
+    /// made from: returns every tensor's whole updated model copy, for the caller to
+    /// write to its replicas, and the bytes moved so far.
+    pub fn update(
+        &self,
+        devs: &[&dyn Device],
+        optimizer: &Optimizer,
+        layout: &[(usize, DType, bool)],
+        (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
+    ) -> Result<(Vec<HostData>, u64)> {
         let step = u32::try_from(step).map_err(|_| {
             Error::InvalidArgument("more optimizer steps than the engine counts".into())
         })?;
-        let layout = models[0].parameter_layout();
         let mut bytes = 0;
         for ((segs, &scale), dev) in self.ranks.iter().zip(&self.scale).zip(devs) {
             dev.upload(scale, &HostData::F32(vec![grad_scale]))?;
@@ -127,7 +174,7 @@ impl Shards {
                 let g = HostData::F32(sum[s.seg.param][s.seg.range.clone()].to_vec());
                 bytes += g.as_bytes().len() as u64;
                 dev.upload(s.buffers.grad, &g)?;
-                let decay = if layout[s.seg.param].3 {
+                let decay = if layout[s.seg.param].2 {
                     optimizer.weight_decay()
                 } else {
                     0.0
@@ -155,8 +202,8 @@ impl Shards {
             let flat: Vec<u8> = procs.comm.all_gather(&mine)?.concat();
             bytes += (mine.len() + flat.len()) as u64;
             let mut off = 0;
-            for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
-                let n = shape.iter().product::<usize>() * dtype.size();
+            for (i, &(n, dtype, _)) in layout.iter().enumerate() {
+                let n = n * dtype.size();
                 parts[i] = flat.get(off..off + n).map(<[u8]>::to_vec).ok_or_else(|| {
                     Error::InvalidArgument(
                         "the processes' updated weights do not add up to this model".into(),
@@ -165,18 +212,12 @@ impl Shards {
                 off += n;
             }
         }
-        for (i, (_, shape, dtype, _)) in layout.iter().enumerate() {
-            let n: usize = shape.iter().product();
-            let whole = HostData::from_bytes(*dtype, n, &parts[i]);
-            for (m, dev) in models.iter().zip(devs) {
-                m.set_value(*dev, i, &whole)?;
-                bytes += whole.as_bytes().len() as u64;
-            }
-        }
-        for m in models.iter_mut() {
-            m.set_steps_applied(step);
-        }
-        Ok(bytes)
+        let wholes = layout
+            .iter()
+            .zip(&parts)
+            .map(|(&(n, dtype, _), part)| HostData::from_bytes(dtype, n, part))
+            .collect();
+        Ok((wholes, bytes))
     }
 
     /// Fills the masters and moments of whole-model `states` from the shards.

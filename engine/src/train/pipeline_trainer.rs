@@ -3,10 +3,14 @@
 //! driving one model split over several devices. The loss scaler sees the pipeline's
 //! one overflow flag, so every stage skips or applies together.
 //!
+//! Several devices per stage make data-parallel replicas of the pipeline (pp × dp),
+//! the config resolved for the replicas (its world size is dp, as DeepSpeed counts a
+//! pipeline's data-parallel ranks); its `zero_optimization.stage` 1 or 2 shards each
+//! stage's optimizer state over the stage's replicas.
+//!
 //! Like `Trainer`, it counts steps, watches for divergence, and writes and reads
 //! checkpoints of whole tensors in the `Trainer`'s format, so a run continues on either
-//! engine and any number of stages. Data-parallel replicas of the pipeline and ZeRO are
-//! not wired here yet.
+//! engine, any number of stages and any number of replicas.
 
 use std::sync::Arc;
 
@@ -16,7 +20,7 @@ use super::trainer::{
     precision, read_states, save_states, watch_divergence, StepStats, TrainerState,
 };
 use crate::models::{MicroBatch, Model, NetworkOptions, ParamState};
-use crate::parallel::pipeline::{Pipeline, StepOptions, StepReport};
+use crate::parallel::pipeline::{replicas, Pipeline, StepOptions, StepReport};
 use crate::parallel::pipeline_partition::PartitionMethod;
 use crate::{Device, Error, Result, TrainConfig};
 
@@ -34,16 +38,29 @@ pub struct PipelineTrainer {
 }
 
 impl PipelineTrainer {
-    /// Builds `model` over `devs` (one stage each, cut by `method`) for `config`'s
-    /// micro-batch, precision and optimizer; `seed` fixes the weights as it does for
-    /// one device.
+    /// Builds `model` over `devs` in `stages` stages (cut by `method`), as
+    /// `devs.len() / stages` replicas: device `s * dp + r` runs stage `s` of replica
+    /// `r`. `config` gives the micro-batch, precision, optimizer and ZeRO stage, and
+    /// must be resolved for dp data-parallel ranks; `seed` fixes the weights as it does
+    /// for one device.
     pub fn new(
         devs: Vec<Box<dyn Device>>,
         model: Arc<dyn Model>,
         config: TrainConfig,
         seed: u64,
         method: &PartitionMethod,
+        stages: usize,
     ) -> Result<PipelineTrainer> {
+        let dp = replicas(devs.len(), stages)?;
+        if config.batch.world != dp {
+            return Err(Error::InvalidArgument(format!(
+                "the config was resolved for {} data-parallel ranks, but {} devices in \
+                 {stages} pipeline stages make {dp} replicas; resolve it with {dp} (the \
+                 devices divided by the stages)",
+                config.batch.world,
+                devs.len()
+            )));
+        }
         let (dtype, scaler) = precision(&config)?;
         let options = NetworkOptions {
             batch: config.batch.micro_batch,
@@ -51,7 +68,8 @@ impl PipelineTrainer {
             optimizer: config.optimizer.clone(),
             seed,
         };
-        let pipe = Pipeline::new(devs, model, &options, method)?;
+        let zero = u32::from(config.zero.stage);
+        let pipe = Pipeline::replicated(devs, model, &options, method, stages, zero)?;
         Ok(PipelineTrainer {
             pipe,
             config,
@@ -62,15 +80,23 @@ impl PipelineTrainer {
         })
     }
 
-    /// One optimizer step over `gradient_accumulation_steps` micro-batches: the
-    /// schedule's learning rate, the scaler's loss scale and the config's clipping; the
-    /// scaler then decides on the pipeline's overflow flag.
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches per
+    /// replica, given in the data loader's order (replica `r` takes the `r`-th run of
+    /// them, as data-parallel rank `r` does): the schedule's learning rate, the
+    /// scaler's loss scale and the config's clipping; the scaler then decides on the
+    /// pipeline's overflow flag.
     pub fn step(&mut self, micro: &[MicroBatch]) -> Result<StepStats> {
-        let want = self.config.batch.grad_accum;
-        if micro.len() != want {
+        let m = self.config.batch.grad_accum;
+        let dp = self.pipe.replicas();
+        if micro.len() != m * dp {
+            let per = if dp == 1 {
+                String::new()
+            } else {
+                format!(" per replica × {dp} replicas")
+            };
             return Err(Error::InvalidArgument(format!(
-                "a step takes gradient_accumulation_steps = {want} micro-batches (the \
-                 pipeline's m), got {}",
+                "a step takes gradient_accumulation_steps = {m} micro-batches (the \
+                 pipeline's m){per}, got {}",
                 micro.len()
             )));
         }

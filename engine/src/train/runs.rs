@@ -136,6 +136,10 @@ pub struct StepRecord {
     pub pipeline_bubble_theory: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pipeline_bytes: Option<u64>,
+    /// Pipeline: the mean over devices of the time each waited for a message its peer
+    /// had already posted (transfer not hidden behind compute), in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline_exposed_ms: Option<f64>,
     #[serde(
         default,
         skip_serializing_if = "Option::is_none",
