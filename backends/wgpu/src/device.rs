@@ -22,8 +22,8 @@ use kiln_engine::{
 
 use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
 use crate::lower::{
-    band_partials_bytes, scratch_bytes, Dispatch, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES,
-    DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+    band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
+    DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
 use crate::shader::{self, Access, KernelSource, Repr};
 
@@ -114,6 +114,8 @@ pub struct State {
     first_runs: std::collections::HashSet<PipelineKey>,
     /// Pipelines the compile workers are building (see [`WgpuDevice::take_built`]).
     building: std::collections::HashSet<PipelineKey>,
+    /// GEMM launches that ran a smaller block while their own was building.
+    stand_ins: u64,
 }
 
 /// One pipeline for the compile workers.
@@ -630,6 +632,29 @@ impl WgpuDevice {
         Ok(())
     }
 
+    /// GEMM launches so far that ran a smaller CPU block (same results) because their
+    /// own was still building on a compile worker.
+    pub fn stand_in_launches(&self) -> u64 {
+        self.lock().stand_ins
+    }
+
+    /// Waits until the compile workers have built every pipeline they were given.
+    pub fn wait_for_builds(&self) {
+        let (ready, cv) = &*self.built;
+        loop {
+            // The state's lock before the workers' results, as `take_built` takes them;
+            // a launch on another thread may take a result meanwhile, so look again.
+            let s = self.lock();
+            let done = ready.lock().unwrap_or_else(|e| e.into_inner());
+            if s.building.iter().all(|k| done.contains_key(k)) {
+                return;
+            }
+            drop(s);
+            let wait = std::time::Duration::from_millis(100);
+            drop(cv.wait_timeout(done, wait));
+        }
+    }
+
     /// Pipelines built or being built (tests check that a prepared plan's launches add
     /// none).
     pub fn pipeline_count(&self) -> usize {
@@ -856,6 +881,36 @@ impl Recorder for WgpuDevice {
 
     fn caps(&self) -> &Capabilities {
         &self.caps
+    }
+
+    fn readiness(&self, s: &State, d: &Dispatch) -> Readiness {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs.clone(),
+            consts: d.consts.clone(),
+            overrides: d.overrides.clone(),
+        };
+        // `prepare` lists the planner's own pipelines: report them ready so that it does.
+        if s.collect.is_some() || s.pipelines.contains_key(&key) {
+            return Readiness::Ready;
+        }
+        if !s.building.contains(&key) {
+            return Readiness::Absent;
+        }
+        let (ready, _) = &*self.built;
+        if ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&key)
+        {
+            Readiness::Ready
+        } else {
+            Readiness::Building
+        }
+    }
+
+    fn note_stand_in(&self, s: &mut State) {
+        s.stand_ins += 1;
     }
 
     fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {

@@ -17,7 +17,7 @@ mod spirv;
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
-pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
+pub use matmul::{plan as plan_matmul, stand_in as gemm_stand_in, MatmulPlan, MatmulVariant};
 pub use peak::Peak;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
 
