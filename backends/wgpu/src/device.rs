@@ -116,6 +116,8 @@ pub struct State {
     building: std::collections::HashSet<PipelineKey>,
     /// GEMM launches that ran a smaller block while their own was building.
     stand_ins: u64,
+    /// Measured GEMM blocks (CPU-class adapters).
+    pub(crate) tuner: crate::tune::Tuner,
 }
 
 /// One pipeline for the compile workers.
@@ -180,8 +182,7 @@ struct Wanted {
 /// `KILN_COMPILE_LOG=1`: each pipeline's build and (software drivers) first-run time
 /// on stderr, to see where a first step's compile time goes.
 fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")) {
+    if compile_log() {
         eprintln!(
             "kiln: {what} {} {:?} {:?} {:?}: {:.2} s",
             key.name,
@@ -191,6 +192,11 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
             since.elapsed().as_secs_f64()
         );
     }
+}
+
+fn compile_log() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
 }
 
 /// Worker threads that compile a plan's pipelines: one per core unless
@@ -292,6 +298,8 @@ impl WgpuDevice {
             .then(|| crate::pipeline_cache::open(&device, adapter, options))
             .flatten()
             .map(Arc::new);
+        let tuner =
+            crate::tune::Tuner::open(&adapter.get_info(), options, caps.device_type == "cpu");
         Ok(WgpuDevice {
             disk_cache,
             built: Arc::default(),
@@ -306,6 +314,7 @@ impl WgpuDevice {
             errors,
             state: Mutex::new(State {
                 next_id: 1,
+                tuner,
                 ..State::default()
             }),
             profile: std::env::var_os("KILN_PROFILE").map(|_| Mutex::new(HashMap::new())),
@@ -632,6 +641,61 @@ impl WgpuDevice {
         Ok(())
     }
 
+    /// A zeroed buffer of `like`'s type and length, for measurements that must not
+    /// touch `like` (recorded work keeps it alive; free it with [`Self::drop_scratch`]).
+    pub(crate) fn scratch_like(&self, s: &mut State, like: Buffer) -> Buffer {
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln measurement scratch"),
+            size: like.dtype.padded_bytes(like.len),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer { id, ..like };
+        s.buffers.insert(
+            id,
+            Slot {
+                buffer,
+                meta,
+                view_of: None,
+            },
+        );
+        meta
+    }
+
+    pub(crate) fn drop_scratch(&self, s: &mut State, buf: Buffer) {
+        s.buffers.remove(&buf.id);
+        s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
+    }
+
+    /// Submits the open stream and waits for the device to finish it.
+    pub(crate) fn finish(&self, s: &mut State) -> Result<()> {
+        self.flush(s)?;
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+        Ok(())
+    }
+
+    /// Whether `prepare` is listing pipelines (nothing runs then).
+    pub(crate) fn collecting(s: &State) -> bool {
+        s.collect.is_some()
+    }
+
+    /// The measured GEMM blocks so far (shape class, block name), sorted.
+    pub fn gemm_winners(&self) -> Vec<(String, String)> {
+        let s = self.lock();
+        let mut w: Vec<_> = s
+            .tuner
+            .winners
+            .iter()
+            .map(|(c, v)| (c.clone(), v.name()))
+            .collect();
+        w.sort();
+        w
+    }
+
     /// GEMM launches so far that ran a smaller CPU block (same results) because their
     /// own was still building on a compile worker.
     pub fn stand_in_launches(&self) -> u64 {
@@ -909,8 +973,21 @@ impl Recorder for WgpuDevice {
         }
     }
 
-    fn note_stand_in(&self, s: &mut State) {
+    fn note_stand_in(&self, s: &mut State, planned: &str, ran: &str) {
         s.stand_ins += 1;
+        if compile_log() {
+            eprintln!("kiln: {ran} stands in for {planned}, still building");
+        }
+    }
+
+    fn tuned_block(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        best: &crate::matmul::MatmulPlan,
+        state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+    ) -> Result<Option<crate::matmul::MatmulVariant>> {
+        self.tune(s, mm, best, state)
     }
 
     fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {

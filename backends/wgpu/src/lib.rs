@@ -13,6 +13,8 @@ pub mod pipeline_cache;
 mod profile;
 pub mod shader;
 mod spirv;
+/// Measured GEMM block selection on CPU-class adapters (`KILN_GEMM_TUNE`).
+pub mod tune;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use attention::{plan as plan_attention, AttentionPlan};

@@ -116,7 +116,19 @@ pub trait Recorder {
         Readiness::Ready
     }
     /// Counts a GEMM launch that ran another block than its plan's while that one built.
-    fn note_stand_in(&self, _s: &mut Self::State) {}
+    fn note_stand_in(&self, _s: &mut Self::State, _planned: &str, _ran: &str) {}
+    /// The measured block for `mm` where the backend selects blocks by timing them
+    /// (`best`: the table's plan; `state`: where each block's pipeline stands); `None`
+    /// keeps the table's.
+    fn tuned_block(
+        &self,
+        _s: &mut Self::State,
+        _mm: &kiln_engine::Matmul,
+        _best: &crate::matmul::MatmulPlan,
+        _state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+    ) -> Result<Option<crate::matmul::MatmulVariant>> {
+        Ok(None)
+    }
     /// How a float dtype is stored in the kernels on this device.
     fn repr(&self, dtype: DType) -> Repr {
         Repr::of(dtype, self.caps().f16_arithmetic)

@@ -277,7 +277,7 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
 
 /// The CPU blocks from the largest (slowest to compile, fastest to run on big
 /// products) down.
-const CPU_LADDER: [MatmulVariant; 5] = [
+pub(crate) const CPU_LADDER: [MatmulVariant; 5] = [
     MatmulVariant::Cpu { tm: 64, nv: 4 },
     MatmulVariant::Cpu { tm: 32, nv: 3 },
     MatmulVariant::Cpu { tm: 16, nv: 2 },
@@ -888,19 +888,27 @@ pub(crate) trait LowerMatmul: Recorder {
             Ok(self.readiness(s, &self.main_dispatch(mm, &p, &view, PARTIALS_ID, false)))
         };
         let mut known = vec![];
-        for v in std::iter::once(best.variant).chain(smaller_blocks(best.variant)) {
+        for v in CPU_LADDER {
             known.push((v, readiness(v)?));
         }
-        let run = stand_in(best.variant, |v| {
+        let state = |v: MatmulVariant| {
             known
                 .iter()
                 .find(|(k, _)| *k == v)
                 .map_or(Readiness::Absent, |&(_, r)| r)
-        });
-        if run == best.variant {
-            return Ok(best);
+        };
+        // A measured block (or one remembered from an earlier run) takes the table's
+        // place where the backend selects by timing; the same bits either way.
+        let preferred = self.tuned_block(s, mm, &best, &state)?;
+        let chosen = match preferred {
+            Some(v) if v != best.variant => plan(mm, self.caps(), Some(v))?,
+            _ => best,
+        };
+        let run = stand_in(chosen.variant, state);
+        if run == chosen.variant {
+            return Ok(chosen);
         }
-        self.note_stand_in(s);
+        self.note_stand_in(s, &chosen.variant.name(), &run.name());
         plan(mm, self.caps(), Some(run))
     }
 
@@ -1024,7 +1032,7 @@ pub(crate) struct View {
 
 impl View {
     /// Whole matrices, every buffer bound whole.
-    fn whole(mm: &Matmul) -> View {
+    pub(crate) fn whole(mm: &Matmul) -> View {
         View {
             lda: if mm.trans_a { mm.m } else { mm.k } as u32,
             ldb: if mm.trans_b { mm.k } else { mm.n } as u32,
