@@ -112,6 +112,11 @@ fn a_launch_runs_a_built_block_while_its_own_builds() {
         dev.download(mm.c).unwrap()
     };
     dev.prepare(&[Kernel::Matmul(mm.clone())]).unwrap();
+    assert_eq!(
+        dev.pipeline_count(),
+        2,
+        "prepare builds the planned block and its stand-in"
+    );
     let early = run(&dev);
     assert_eq!(
         dev.stand_in_launches(),

@@ -194,6 +194,11 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
     }
 }
 
+/// A CPU-class GEMM block that takes seconds to build (see `matmul::stand_in`).
+fn slow_gemm(key: &PipelineKey) -> bool {
+    key.name.starts_with("matmul_cpu") && key.consts.iter().any(|&(c, v)| c == "TM" && v >= 32)
+}
+
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
@@ -553,11 +558,18 @@ impl WgpuDevice {
                 }
             })
             .collect();
+        let mut jobs = jobs;
         let threads = compile_threads().min(jobs.len()).max(1);
-        // With two workers or more, worker 0 takes the costliest pipeline left (the big
-        // unrolled GEMMs are the critical path: a software driver spends tens of
-        // seconds on each) and the others take them in launch order, so the first
-        // launches run (and a software driver compiles their machine code) early.
+        // GEMM blocks that take seconds to build (32 rows and up) get a stand-in while
+        // they build (`matmul::stand_in`, built ahead here), so they are off the
+        // critical path: they build last, and every worker takes launch order, so the
+        // step's own pipelines are ready first and the big blocks build while it runs.
+        // Without stand-ins (no subgroups: no big blocks either), worker 0 takes the
+        // costliest pipeline left, as those are the critical path then.
+        let stand_ins = self.caps.subgroup_sizes.is_some() && compiles_on_first_run;
+        if stand_ins {
+            jobs.sort_by_key(|j| slow_gemm(&j.key));
+        }
         let queue = Arc::new(Mutex::new(jobs));
         for worker in 0..threads {
             let (mine, built) = (queue.clone(), self.built.clone());
@@ -568,7 +580,7 @@ impl WgpuDevice {
                 .spawn(move || loop {
                     let job = {
                         let mut q = mine.lock().unwrap_or_else(|e| e.into_inner());
-                        let pick = if worker == 0 && threads > 1 {
+                        let pick = if worker == 0 && threads > 1 && !stand_ins {
                             (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
                         } else {
                             (!q.is_empty()).then_some(0)
@@ -970,6 +982,24 @@ impl Recorder for WgpuDevice {
             Readiness::Ready
         } else {
             Readiness::Building
+        }
+    }
+
+    fn want_ahead(&self, s: &mut State, d: Dispatch) {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs,
+            consts: d.consts,
+            overrides: d.overrides,
+        };
+        let known = s.pipelines.contains_key(&key) || s.building.contains(&key);
+        if let Some(wanted) = &mut s.collect {
+            if !known && !wanted.iter().any(|w| w.key == key) {
+                wanted.push(Wanted {
+                    key,
+                    kernel: d.kernel,
+                });
+            }
         }
     }
 

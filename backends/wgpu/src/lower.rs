@@ -115,6 +115,9 @@ pub trait Recorder {
     fn readiness(&self, _s: &Self::State, _d: &Dispatch) -> Readiness {
         Readiness::Ready
     }
+    /// While `prepare` lists the pipelines a plan needs: also build `d`'s (a stand-in
+    /// a launch may run while its own pipeline builds). Elsewhere nothing.
+    fn want_ahead(&self, _s: &mut Self::State, _d: Dispatch) {}
     /// Counts a GEMM launch that ran another block than its plan's while that one built.
     fn note_stand_in(&self, _s: &mut Self::State, _planned: &str, _ran: &str) {}
     /// The measured block for `mm` where the backend selects blocks by timing them

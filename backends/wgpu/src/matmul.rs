@@ -308,8 +308,12 @@ pub fn stand_in(best: MatmulVariant, state: impl Fn(MatmulVariant) -> Readiness)
     }
     smaller_blocks(best)
         .find(|&v| state(v) == Readiness::Ready)
-        .unwrap_or(MatmulVariant::Cpu { tm: 16, nv: 2 })
+        .unwrap_or(STAND_IN)
 }
+
+/// The block that stands in for a slow-to-build one when no other is built: the
+/// fastest of those that build in under a second on lavapipe.
+const STAND_IN: MatmulVariant = MatmulVariant::Cpu { tm: 16, nv: 2 };
 
 /// The table's register block for `mm` on a CPU-class adapter.
 fn cpu_block(mm: &Matmul, caps: &Capabilities) -> MatmulVariant {
@@ -878,6 +882,15 @@ pub(crate) trait LowerMatmul: Recorder {
             return Ok(best);
         }
         let view = View::whole(mm);
+        if let MatmulVariant::Cpu { tm, .. } = best.variant {
+            if tm >= 32 {
+                // The stand-in these blocks get while they build is built ahead too.
+                let mut p = plan(mm, self.caps(), Some(STAND_IN))?;
+                p.partial |= self.needs_partials(mm, &p, &view);
+                let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
+                self.want_ahead(s, d);
+            }
+        }
         let readiness = |v: MatmulVariant| -> Result<Readiness> {
             let mut p = if v == best.variant {
                 best.clone()
