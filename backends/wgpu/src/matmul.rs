@@ -299,14 +299,17 @@ fn smaller_blocks(v: MatmulVariant) -> impl Iterator<Item = MatmulVariant> {
 
 /// The block a launch runs when `best` is the plan's: `best` unless it is a block that
 /// takes seconds to build (32 rows and up) and a compile worker is still building it;
-/// then the largest smaller block already built, else 16 x 8, which builds in under a
-/// second where it is missing. Launches switch to `best` once it is built.
+/// then the largest smaller block of 16 rows or more already built, else 16 x 8, which
+/// `prepare` builds ahead (and which builds in under a second where it is missing). Launches switch to `best` once it is built.
 pub fn stand_in(best: MatmulVariant, state: impl Fn(MatmulVariant) -> Readiness) -> MatmulVariant {
     let slow = matches!(best, MatmulVariant::Cpu { tm, .. } if tm >= 32);
     if !slow || state(best) != Readiness::Building {
         return best;
     }
+    // Blocks under 16 rows run the big products several times slower: 16 x 8 (built
+    // ahead by `prepare`, or in under a second here) is better than those.
     smaller_blocks(best)
+        .filter(|&v| matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= 16))
         .find(|&v| state(v) == Readiness::Ready)
         .unwrap_or(STAND_IN)
 }
@@ -1137,8 +1140,9 @@ mod tests {
         use Readiness::*;
         let s = [(B64, Building), (B32, Ready), (B16, Ready)];
         assert_eq!(stand_in(B64, states(&s)), B32);
+        // Blocks under 16 rows are too slow to stand in: 16 x 8 is built instead.
         let s = [(B64, Building), (B32, Building), (B8, Ready)];
-        assert_eq!(stand_in(B64, states(&s)), B8);
+        assert_eq!(stand_in(B64, states(&s)), B16);
         // None ready: 16 x 8, built on the spot (or waited for: it builds in < 1 s).
         assert_eq!(stand_in(B64, states(&[(B64, Building)])), B16);
         assert_eq!(stand_in(B32, states(&[(B32, Building), (B64, Ready)])), B16);
