@@ -47,6 +47,10 @@ fn written(r: std::io::Result<()>) -> Result<()> {
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Keep the planner's table of GEMM blocks on CPU-class adapters (lavapipe)
+    /// instead of timing candidates at each shape's first use (KILN_GEMM_TUNE=0).
+    #[arg(long, global = true)]
+    no_tune: bool,
 }
 
 #[derive(Subcommand)]
@@ -500,6 +504,10 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if cli.no_tune {
+        // Every device this process opens reads it, whichever command opens them.
+        std::env::set_var("KILN_GEMM_TUNE", "0");
+    }
     match cli.command {
         Command::Devices { json } => devices(json),
         Command::Train(args) => train(args),

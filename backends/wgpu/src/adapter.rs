@@ -22,6 +22,9 @@ pub struct DeviceOptions {
     pub pipeline_cache_dir: Option<std::path::PathBuf>,
     /// Compile every pipeline from source, reading and writing no pipeline cache.
     pub no_pipeline_cache: bool,
+    /// Keep the planner's table of GEMM blocks instead of timing candidates at a
+    /// shape's first use (`KILN_GEMM_TUNE=0` does the same).
+    pub no_tune: bool,
 }
 
 /// One adapter as `kiln devices` shows it.

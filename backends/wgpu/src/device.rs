@@ -22,8 +22,8 @@ use kiln_engine::{
 
 use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
 use crate::lower::{
-    band_partials_bytes, scratch_bytes, Dispatch, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES,
-    DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+    band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
+    DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
 use crate::shader::{self, Access, KernelSource, Repr};
 
@@ -114,6 +114,10 @@ pub struct State {
     first_runs: std::collections::HashSet<PipelineKey>,
     /// Pipelines the compile workers are building (see [`WgpuDevice::take_built`]).
     building: std::collections::HashSet<PipelineKey>,
+    /// GEMM launches that ran a smaller block while their own was building.
+    stand_ins: u64,
+    /// Measured GEMM blocks (CPU-class adapters).
+    pub(crate) tuner: crate::tune::Tuner,
 }
 
 /// One pipeline for the compile workers.
@@ -178,8 +182,7 @@ struct Wanted {
 /// `KILN_COMPILE_LOG=1`: each pipeline's build and (software drivers) first-run time
 /// on stderr, to see where a first step's compile time goes.
 fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")) {
+    if compile_log() {
         eprintln!(
             "kiln: {what} {} {:?} {:?} {:?}: {:.2} s",
             key.name,
@@ -189,6 +192,16 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
             since.elapsed().as_secs_f64()
         );
     }
+}
+
+/// A CPU-class GEMM block that takes seconds to build (see `matmul::stand_in`).
+fn slow_gemm(key: &PipelineKey) -> bool {
+    key.name.starts_with("matmul_cpu") && key.consts.iter().any(|&(c, v)| c == "TM" && v >= 32)
+}
+
+fn compile_log() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
 }
 
 /// Worker threads that compile a plan's pipelines: one per core unless
@@ -290,6 +303,8 @@ impl WgpuDevice {
             .then(|| crate::pipeline_cache::open(&device, adapter, options))
             .flatten()
             .map(Arc::new);
+        let tuner =
+            crate::tune::Tuner::open(&adapter.get_info(), options, caps.device_type == "cpu");
         Ok(WgpuDevice {
             disk_cache,
             built: Arc::default(),
@@ -304,6 +319,7 @@ impl WgpuDevice {
             errors,
             state: Mutex::new(State {
                 next_id: 1,
+                tuner,
                 ..State::default()
             }),
             profile: std::env::var_os("KILN_PROFILE").map(|_| Mutex::new(HashMap::new())),
@@ -542,11 +558,18 @@ impl WgpuDevice {
                 }
             })
             .collect();
+        let mut jobs = jobs;
         let threads = compile_threads().min(jobs.len()).max(1);
-        // With two workers or more, worker 0 takes the costliest pipeline left (the big
-        // unrolled GEMMs are the critical path: a software driver spends tens of
-        // seconds on each) and the others take them in launch order, so the first
-        // launches run (and a software driver compiles their machine code) early.
+        // GEMM blocks that take seconds to build (32 rows and up) get a stand-in while
+        // they build (`matmul::stand_in`, built ahead here), so they are off the
+        // critical path: they build last, and every worker takes launch order, so the
+        // step's own pipelines are ready first and the big blocks build while it runs.
+        // Without stand-ins (no subgroups: no big blocks either), worker 0 takes the
+        // costliest pipeline left, as those are the critical path then.
+        let stand_ins = self.caps.subgroup_sizes.is_some() && compiles_on_first_run;
+        if stand_ins {
+            jobs.sort_by_key(|j| slow_gemm(&j.key));
+        }
         let queue = Arc::new(Mutex::new(jobs));
         for worker in 0..threads {
             let (mine, built) = (queue.clone(), self.built.clone());
@@ -557,7 +580,7 @@ impl WgpuDevice {
                 .spawn(move || loop {
                     let job = {
                         let mut q = mine.lock().unwrap_or_else(|e| e.into_inner());
-                        let pick = if worker == 0 && threads > 1 {
+                        let pick = if worker == 0 && threads > 1 && !stand_ins {
                             (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
                         } else {
                             (!q.is_empty()).then_some(0)
@@ -628,6 +651,84 @@ impl WgpuDevice {
             }
         }
         Ok(())
+    }
+
+    /// A zeroed buffer of `like`'s type and length, for measurements that must not
+    /// touch `like` (recorded work keeps it alive; free it with [`Self::drop_scratch`]).
+    pub(crate) fn scratch_like(&self, s: &mut State, like: Buffer) -> Buffer {
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kiln measurement scratch"),
+            size: like.dtype.padded_bytes(like.len),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let id = s.next_id;
+        s.next_id += 1;
+        let meta = Buffer { id, ..like };
+        s.buffers.insert(
+            id,
+            Slot {
+                buffer,
+                meta,
+                view_of: None,
+            },
+        );
+        meta
+    }
+
+    pub(crate) fn drop_scratch(&self, s: &mut State, buf: Buffer) {
+        s.buffers.remove(&buf.id);
+        s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
+    }
+
+    /// Submits the open stream and waits for the device to finish it.
+    pub(crate) fn finish(&self, s: &mut State) -> Result<()> {
+        self.flush(s)?;
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+        Ok(())
+    }
+
+    /// Whether `prepare` is listing pipelines (nothing runs then).
+    pub(crate) fn collecting(s: &State) -> bool {
+        s.collect.is_some()
+    }
+
+    /// The measured GEMM blocks so far (shape class, block name), sorted.
+    pub fn gemm_winners(&self) -> Vec<(String, String)> {
+        let s = self.lock();
+        let mut w: Vec<_> = s
+            .tuner
+            .winners
+            .iter()
+            .map(|(c, v)| (c.clone(), v.name()))
+            .collect();
+        w.sort();
+        w
+    }
+
+    /// GEMM launches so far that ran a smaller CPU block (same results) because their
+    /// own was still building on a compile worker.
+    pub fn stand_in_launches(&self) -> u64 {
+        self.lock().stand_ins
+    }
+
+    /// Waits until the compile workers have built every pipeline they were given.
+    pub fn wait_for_builds(&self) {
+        let (ready, cv) = &*self.built;
+        loop {
+            // The state's lock before the workers' results, as `take_built` takes them;
+            // a launch on another thread may take a result meanwhile, so look again.
+            let s = self.lock();
+            let done = ready.lock().unwrap_or_else(|e| e.into_inner());
+            if s.building.iter().all(|k| done.contains_key(k)) {
+                return;
+            }
+            drop(s);
+            let wait = std::time::Duration::from_millis(100);
+            drop(cv.wait_timeout(done, wait));
+        }
     }
 
     /// Pipelines built or being built (tests check that a prepared plan's launches add
@@ -856,6 +957,67 @@ impl Recorder for WgpuDevice {
 
     fn caps(&self) -> &Capabilities {
         &self.caps
+    }
+
+    fn readiness(&self, s: &State, d: &Dispatch) -> Readiness {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs.clone(),
+            consts: d.consts.clone(),
+            overrides: d.overrides.clone(),
+        };
+        // `prepare` lists the planner's own pipelines: report them ready so that it does.
+        if s.collect.is_some() || s.pipelines.contains_key(&key) {
+            return Readiness::Ready;
+        }
+        if !s.building.contains(&key) {
+            return Readiness::Absent;
+        }
+        let (ready, _) = &*self.built;
+        if ready
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&key)
+        {
+            Readiness::Ready
+        } else {
+            Readiness::Building
+        }
+    }
+
+    fn want_ahead(&self, s: &mut State, d: Dispatch) {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs,
+            consts: d.consts,
+            overrides: d.overrides,
+        };
+        let known = s.pipelines.contains_key(&key) || s.building.contains(&key);
+        if let Some(wanted) = &mut s.collect {
+            if !known && !wanted.iter().any(|w| w.key == key) {
+                wanted.push(Wanted {
+                    key,
+                    kernel: d.kernel,
+                });
+            }
+        }
+    }
+
+    fn note_stand_in(&self, s: &mut State, planned: &str, ran: &str) {
+        s.stand_ins += 1;
+        if compile_log() {
+            eprintln!("kiln: {ran} stands in for {planned}, still building");
+        }
+    }
+
+    fn tuned_block(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        best: &crate::matmul::MatmulPlan,
+        state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+    ) -> Result<Option<crate::matmul::MatmulVariant>> {
+        self.tune(s, mm, best, state)
     }
 
     fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {

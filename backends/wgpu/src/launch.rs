@@ -110,7 +110,7 @@ pub(crate) trait Lower: Recorder {
                 self.dispatch(s, d)?;
             }
             Kernel::Matmul(mm) => {
-                let plan = crate::matmul::plan(mm, self.caps(), None)?;
+                let plan = self.launch_plan(s, mm)?;
                 self.matmul(s, mm, &plan)?;
             }
             Kernel::Gelu { x, out } => {

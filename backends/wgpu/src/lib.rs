@@ -13,11 +13,13 @@ pub mod pipeline_cache;
 mod profile;
 pub mod shader;
 mod spirv;
+/// Measured GEMM block selection on CPU-class adapters (`KILN_GEMM_TUNE`).
+pub mod tune;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
-pub use matmul::{plan as plan_matmul, MatmulPlan, MatmulVariant};
+pub use matmul::{plan as plan_matmul, stand_in as gemm_stand_in, MatmulPlan, MatmulVariant};
 pub use peak::Peak;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
 

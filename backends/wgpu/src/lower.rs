@@ -35,6 +35,17 @@ pub fn band_partials_bytes() -> u64 {
 /// Bytes of the [`DUMMY_ID`] buffer.
 pub const DUMMY_BYTES: u64 = 16;
 
+/// Where a dispatch's pipeline stands (see [`Recorder::readiness`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// Built: a dispatch records at once.
+    Ready,
+    /// A compile worker is building it: a dispatch would wait for that build.
+    Building,
+    /// Nobody asked for it: a dispatch builds it on the spot.
+    Absent,
+}
+
 /// One dispatch, before a backend records it.
 #[derive(Clone, Debug)]
 pub struct Dispatch {
@@ -98,6 +109,29 @@ pub trait Recorder {
     fn partials(&self, s: &mut Self::State, bytes: u64) -> Result<()>;
     /// Byte alignment a partial binding's offset needs.
     fn storage_offset_alignment(&self) -> u64;
+    /// Whether the pipeline `d` runs is built, still building on a compile worker, or
+    /// not asked for yet. Backends that build pipelines only when first recorded say
+    /// `Ready`: nothing is ever waited for there but the build a dispatch starts itself.
+    fn readiness(&self, _s: &Self::State, _d: &Dispatch) -> Readiness {
+        Readiness::Ready
+    }
+    /// While `prepare` lists the pipelines a plan needs: also build `d`'s (a stand-in
+    /// a launch may run while its own pipeline builds). Elsewhere nothing.
+    fn want_ahead(&self, _s: &mut Self::State, _d: Dispatch) {}
+    /// Counts a GEMM launch that ran another block than its plan's while that one built.
+    fn note_stand_in(&self, _s: &mut Self::State, _planned: &str, _ran: &str) {}
+    /// The measured block for `mm` where the backend selects blocks by timing them
+    /// (`best`: the table's plan; `state`: where each block's pipeline stands); `None`
+    /// keeps the table's.
+    fn tuned_block(
+        &self,
+        _s: &mut Self::State,
+        _mm: &kiln_engine::Matmul,
+        _best: &crate::matmul::MatmulPlan,
+        _state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+    ) -> Result<Option<crate::matmul::MatmulVariant>> {
+        Ok(None)
+    }
     /// How a float dtype is stored in the kernels on this device.
     fn repr(&self, dtype: DType) -> Repr {
         Repr::of(dtype, self.caps().f16_arithmetic)

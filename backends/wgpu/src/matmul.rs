@@ -13,7 +13,7 @@ use kiln_engine::{Capabilities, Error, Matmul, Result};
 
 use crate::device::WgpuDevice;
 use crate::launch::groups;
-use crate::lower::{Dispatch, Recorder, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
+use crate::lower::{Dispatch, Readiness, Recorder, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
 use crate::shader::{self, KernelSource, Repr};
 
 /// The GEMM kernels, for `kiln bench` and tests that pin one.
@@ -215,27 +215,7 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
         if n == 1 && k >= 32 {
             tuning(caps).gemv
         } else if cpu_class(caps) {
-            // 16 x 8 per lane was the best block measured on lavapipe; small matrices
-            // take smaller blocks so that both worker threads get tiles.
-            // Measured on lavapipe (benches/RESULTS.md): taller and wider blocks keep
-            // winning up to 64 x 16 per workgroup, but their unrolled code takes seconds
-            // to compile (0.4 s at 16 x 8, 2 s at 32 x 12, 11 s at 64 x 16), so only
-            // products big enough to repay that get them. Without subgroups every lane
-            // loads every A value: tall blocks buy nothing there.
-            let sg = fixed_subgroup(caps).is_some();
-            let work = m as u64 * n as u64 * k as u64 * mm.batch as u64;
-            let (tm, nv) = if sg && m >= 64 && n >= 128 && work >= 1 << 30 {
-                (64, 4)
-            } else if sg && m >= 32 && n >= 96 && work >= 1 << 27 {
-                (32, 3)
-            } else if sg && m >= 64 && n >= 64 {
-                (16, 2)
-            } else if m >= 8 {
-                (8, 1)
-            } else {
-                (4, 1)
-            };
-            MatmulVariant::Cpu { tm, nv }
+            cpu_block(mm, caps)
         } else {
             tuning(caps).tiled
         }
@@ -249,7 +229,16 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
             n.div_ceil(tn)
         )));
     }
-    let tiles = m.div_ceil(tm) as u64 * n.div_ceil(tn) as u64 * mm.batch as u64;
+    // Every CPU block sums each output's K in the same order (one fma per k, in k
+    // order, per K chunk), so blocks give bit-identical results exactly when they split
+    // K alike: the split is sized with the table's block for the shape, whichever
+    // block runs, so that a launch may run a cheaper-to-compile block while the best
+    // one still builds, or a measured one, without changing a bit.
+    let (split_m, split_n) = match variant {
+        MatmulVariant::Cpu { .. } => tile(cpu_block(mm, caps), caps),
+        v => tile(v, caps),
+    };
+    let tiles = m.div_ceil(split_m) as u64 * n.div_ceil(split_n) as u64 * mm.batch as u64;
     // Split K when the output has too few tiles to fill the adapter and K is long.
     let busy = if cpu_class(caps) { 8 } else { 256 };
     let mut splits = 1u32;
@@ -284,6 +273,74 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
         rows_per_dispatch: rows.max(1),
         partial,
     })
+}
+
+/// The CPU blocks from the largest (slowest to compile, fastest to run on big
+/// products) down.
+pub(crate) const CPU_LADDER: [MatmulVariant; 5] = [
+    MatmulVariant::Cpu { tm: 64, nv: 4 },
+    MatmulVariant::Cpu { tm: 32, nv: 3 },
+    MatmulVariant::Cpu { tm: 16, nv: 2 },
+    MatmulVariant::Cpu { tm: 8, nv: 1 },
+    MatmulVariant::Cpu { tm: 4, nv: 1 },
+];
+
+/// The ladder's blocks below `v`, largest first (none for other kernels).
+fn smaller_blocks(v: MatmulVariant) -> impl Iterator<Item = MatmulVariant> {
+    let tm_of = |v: MatmulVariant| match v {
+        MatmulVariant::Cpu { tm, .. } => Some(tm),
+        _ => None,
+    };
+    let top = tm_of(v);
+    CPU_LADDER
+        .into_iter()
+        .filter(move |&b| matches!((top, tm_of(b)), (Some(t), Some(bt)) if bt < t))
+}
+
+/// The block a launch runs when `best` is the plan's: `best` unless it is a block that
+/// takes seconds to build (32 rows and up) and a compile worker is still building it;
+/// then the largest smaller block of 16 rows or more already built, else 16 x 8, which
+/// `prepare` builds ahead (and which builds in under a second where it is missing). Launches switch to `best` once it is built.
+pub fn stand_in(best: MatmulVariant, state: impl Fn(MatmulVariant) -> Readiness) -> MatmulVariant {
+    let slow = matches!(best, MatmulVariant::Cpu { tm, .. } if tm >= 32);
+    if !slow || state(best) != Readiness::Building {
+        return best;
+    }
+    // Blocks under 16 rows run the big products several times slower: 16 x 8 (built
+    // ahead by `prepare`, or in under a second here) is better than those.
+    smaller_blocks(best)
+        .filter(|&v| matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= 16))
+        .find(|&v| state(v) == Readiness::Ready)
+        .unwrap_or(STAND_IN)
+}
+
+/// The block that stands in for a slow-to-build one when no other is built: the
+/// fastest of those that build in under a second on lavapipe.
+const STAND_IN: MatmulVariant = MatmulVariant::Cpu { tm: 16, nv: 2 };
+
+/// The table's register block for `mm` on a CPU-class adapter.
+fn cpu_block(mm: &Matmul, caps: &Capabilities) -> MatmulVariant {
+    let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+    // 16 x 8 per lane was the best block measured on lavapipe; small matrices take
+    // smaller blocks so that both worker threads get tiles. Measured on lavapipe
+    // (benches/RESULTS.md): taller and wider blocks keep winning up to 64 x 16 per
+    // workgroup, but their unrolled code takes seconds to compile (0.4 s at 16 x 8, 2 s
+    // at 32 x 12, 11 s at 64 x 16), so only products big enough to repay that get them.
+    // Without subgroups every lane loads every A value: tall blocks buy nothing there.
+    let sg = fixed_subgroup(caps).is_some();
+    let work = m as u64 * n as u64 * k as u64 * mm.batch as u64;
+    let (tm, nv) = if sg && m >= 64 && n >= 128 && work >= 1 << 30 {
+        (64, 4)
+    } else if sg && m >= 32 && n >= 96 && work >= 1 << 27 {
+        (32, 3)
+    } else if sg && m >= 64 && n >= 64 {
+        (16, 2)
+    } else if m >= 8 {
+        (8, 1)
+    } else {
+        (4, 1)
+    };
+    MatmulVariant::Cpu { tm, nv }
 }
 
 /// At most `splits` chunks of K, each a whole number of the kernel's K steps (the CPU
@@ -712,8 +769,45 @@ pub(crate) trait LowerMatmul: Recorder {
         partials: u64,
         accumulate: bool,
     ) -> Result<()> {
-        let caps = self.caps();
         let (m, n) = (mm.m as u32, mm.n as u32);
+        let (tm, tn) = tile(plan.variant, self.caps());
+        let template = self.main_dispatch(mm, plan, view, partials, accumulate);
+        let z = mm.batch as u32 * plan.splits;
+        let mut row_base = 0;
+        while row_base < m {
+            let rows = plan.rows_per_dispatch.min(m - row_base);
+            let groups_y = match plan.variant {
+                MatmulVariant::Naive => rows.div_ceil(8),
+                _ => rows.div_ceil(tm),
+            };
+            let groups_x = match plan.variant {
+                MatmulVariant::Gemv { .. } => 1,
+                _ => n.div_ceil(tn),
+            };
+            self.dispatch(
+                s,
+                Dispatch {
+                    params: self.params(mm, plan, view, row_base, rows, 0),
+                    groups: (groups_x, groups_y, z),
+                    ..template.clone()
+                },
+            )?;
+            row_base += rows;
+        }
+        Ok(())
+    }
+
+    /// The GEMM kernel's dispatch for `plan` without its rows (parameters and grid):
+    /// what its pipeline is and what it binds.
+    fn main_dispatch(
+        &self,
+        mm: &Matmul,
+        plan: &MatmulPlan,
+        view: &View,
+        partials: u64,
+        accumulate: bool,
+    ) -> Dispatch {
+        let caps = self.caps();
         let kernel = kernel_for(plan.variant, caps);
         let repr = |b: kiln_engine::Buffer| self.repr(b.dtype);
         let h = |b: kiln_engine::Buffer| b.id;
@@ -723,7 +817,6 @@ pub(crate) trait LowerMatmul: Recorder {
         } else {
             mm.c_f32.map_or(SCRATCH_ID, h)
         };
-        let (tm, tn) = tile(plan.variant, caps);
         let mut consts = vec![];
         // 16-byte loads and stores need every start of a 4-group to be a multiple of 4
         // elements into its binding.
@@ -765,40 +858,74 @@ pub(crate) trait LowerMatmul: Recorder {
             tile_overrides(plan.variant),
         ]
         .concat();
-        let z = mm.batch as u32 * plan.splits;
-        let mut row_base = 0;
-        while row_base < m {
-            let rows = plan.rows_per_dispatch.min(m - row_base);
-            let groups_y = match plan.variant {
-                MatmulVariant::Naive => rows.div_ceil(8),
-                _ => rows.div_ceil(tm),
-            };
-            let groups_x = match plan.variant {
-                MatmulVariant::Gemv { .. } => 1,
-                _ => n.div_ceil(tn),
-            };
-            self.dispatch(
-                s,
-                Dispatch {
-                    kernel,
-                    reprs: vec![
-                        repr(mm.a),
-                        repr(mm.b),
-                        repr(mm.c),
-                        repr_of_bias(self, mm),
-                        Repr::F32,
-                    ],
-                    consts: consts.clone(),
-                    overrides: overrides.clone(),
-                    buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
-                    ranges: view.main(plan.partial),
-                    params: self.params(mm, plan, view, row_base, rows, 0),
-                    groups: (groups_x, groups_y, z),
-                },
-            )?;
-            row_base += rows;
+        Dispatch {
+            kernel,
+            reprs: vec![
+                repr(mm.a),
+                repr(mm.b),
+                repr(mm.c),
+                repr_of_bias(self, mm),
+                Repr::F32,
+            ],
+            consts,
+            overrides,
+            buffers: vec![h(mm.a), h(mm.b), h(mm.c), bias, cf],
+            ranges: view.main(plan.partial),
+            params: vec![],
+            groups: (0, 0, 0),
         }
-        Ok(())
+    }
+
+    /// The plan a launch of `mm` runs: the planner's, or — while the planner's big CPU
+    /// block is still building on a compile worker — a cheaper block that is ready (or
+    /// quick to build), which gives the same bits (see [`plan`]'s K split).
+    fn launch_plan(&self, s: &mut Self::State, mm: &Matmul) -> Result<MatmulPlan> {
+        let best = plan(mm, self.caps(), None)?;
+        if !matches!(best.variant, MatmulVariant::Cpu { .. }) {
+            return Ok(best);
+        }
+        let view = View::whole(mm);
+        if let MatmulVariant::Cpu { tm, .. } = best.variant {
+            if tm >= 32 {
+                // The stand-in these blocks get while they build is built ahead too.
+                let mut p = plan(mm, self.caps(), Some(STAND_IN))?;
+                p.partial |= self.needs_partials(mm, &p, &view);
+                let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
+                self.want_ahead(s, d);
+            }
+        }
+        let readiness = |v: MatmulVariant| -> Result<Readiness> {
+            let mut p = if v == best.variant {
+                best.clone()
+            } else {
+                plan(mm, self.caps(), Some(v))?
+            };
+            p.partial |= self.needs_partials(mm, &p, &view);
+            Ok(self.readiness(s, &self.main_dispatch(mm, &p, &view, PARTIALS_ID, false)))
+        };
+        let mut known = vec![];
+        for v in CPU_LADDER {
+            known.push((v, readiness(v)?));
+        }
+        let state = |v: MatmulVariant| {
+            known
+                .iter()
+                .find(|(k, _)| *k == v)
+                .map_or(Readiness::Absent, |&(_, r)| r)
+        };
+        // A measured block (or one remembered from an earlier run) takes the table's
+        // place where the backend selects by timing; the same bits either way.
+        let preferred = self.tuned_block(s, mm, &best, &state)?;
+        let chosen = match preferred {
+            Some(v) if v != best.variant => plan(mm, self.caps(), Some(v))?,
+            _ => best,
+        };
+        let run = stand_in(chosen.variant, state);
+        if run == chosen.variant {
+            return Ok(chosen);
+        }
+        self.note_stand_in(s, &chosen.variant.name(), &run.name());
+        plan(mm, self.caps(), Some(run))
     }
 
     /// `matmul_finish`: sums the partials' slabs into C with the epilogue.
@@ -921,7 +1048,7 @@ pub(crate) struct View {
 
 impl View {
     /// Whole matrices, every buffer bound whole.
-    fn whole(mm: &Matmul) -> View {
+    pub(crate) fn whole(mm: &Matmul) -> View {
         View {
             lda: if mm.trans_a { mm.m } else { mm.k } as u32,
             ldb: if mm.trans_b { mm.k } else { mm.n } as u32,
@@ -976,4 +1103,96 @@ fn plan_for(sub: &Matmul, caps: &Capabilities, whole: &MatmulPlan) -> Result<Mat
 
 fn repr_of_bias<R: Recorder + ?Sized>(dev: &R, mm: &Matmul) -> Repr {
     mm.bias.map_or(Repr::F32, |b| dev.repr(b.dtype))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B64: MatmulVariant = MatmulVariant::Cpu { tm: 64, nv: 4 };
+    const B32: MatmulVariant = MatmulVariant::Cpu { tm: 32, nv: 3 };
+    const B16: MatmulVariant = MatmulVariant::Cpu { tm: 16, nv: 2 };
+    const B8: MatmulVariant = MatmulVariant::Cpu { tm: 8, nv: 1 };
+
+    /// Readiness from a list; anything unlisted was never asked for.
+    fn states(list: &[(MatmulVariant, Readiness)]) -> impl Fn(MatmulVariant) -> Readiness + '_ {
+        move |v| {
+            list.iter()
+                .find(|(k, _)| *k == v)
+                .map_or(Readiness::Absent, |&(_, r)| r)
+        }
+    }
+
+    #[test]
+    fn a_built_or_unprepared_block_runs_itself() {
+        use Readiness::*;
+        assert_eq!(stand_in(B64, states(&[(B64, Ready)])), B64);
+        // Not prepared: it builds on the spot, as without `prepare`.
+        assert_eq!(stand_in(B64, states(&[])), B64);
+        // Quick to build: waiting for it costs less than building another.
+        assert_eq!(stand_in(B16, states(&[(B16, Building)])), B16);
+        let gemv = MatmulVariant::Gemv { lanes: 64 };
+        assert_eq!(stand_in(gemv, states(&[(gemv, Building)])), gemv);
+    }
+
+    #[test]
+    fn a_building_block_gives_way_to_the_largest_ready_one() {
+        use Readiness::*;
+        let s = [(B64, Building), (B32, Ready), (B16, Ready)];
+        assert_eq!(stand_in(B64, states(&s)), B32);
+        // Blocks under 16 rows are too slow to stand in: 16 x 8 is built instead.
+        let s = [(B64, Building), (B32, Building), (B8, Ready)];
+        assert_eq!(stand_in(B64, states(&s)), B16);
+        // None ready: 16 x 8, built on the spot (or waited for: it builds in < 1 s).
+        assert_eq!(stand_in(B64, states(&[(B64, Building)])), B16);
+        assert_eq!(stand_in(B32, states(&[(B32, Building), (B64, Ready)])), B16);
+        // Once built, the launch switches back.
+        assert_eq!(stand_in(B64, states(&[(B64, Ready), (B32, Ready)])), B64);
+    }
+
+    fn caps_lavapipe() -> Capabilities {
+        Capabilities {
+            name: "llvmpipe".into(),
+            backend: "vulkan".into(),
+            device_type: "cpu".into(),
+            vendor: 0x10005,
+            driver: "llvmpipe".into(),
+            f16_arithmetic: true,
+            subgroup_sizes: Some((8, 8)),
+            timestamp_queries: true,
+            max_storage_binding: 1 << 30,
+            max_buffer: 1 << 31,
+            memory_budget: None,
+        }
+    }
+
+    /// Every CPU block splits K as the table's block for the shape does, so that they
+    /// sum each output in the same order (tests/gemm_select.rs checks the bits).
+    #[test]
+    fn every_cpu_block_splits_k_as_the_table_does() {
+        let caps = caps_lavapipe();
+        let buf = |len| kiln_engine::Buffer {
+            id: 0,
+            dtype: kiln_engine::DType::F32,
+            len,
+        };
+        for (m, n, k) in [
+            (40, 100, 2048),
+            (33, 65, 1024),
+            (3, 5, 1100),
+            (1024, 4096, 256),
+        ] {
+            let mm = Matmul::new(buf(m * k), buf(k * n), buf(m * n), m, n, k);
+            let table = plan(&mm, &caps, None).unwrap();
+            for v in CPU_LADDER {
+                let p = plan(&mm, &caps, Some(v)).unwrap();
+                assert_eq!(
+                    (p.splits, p.k_chunk, p.partial),
+                    (table.splits, table.k_chunk, table.partial),
+                    "{} on {m}x{n}x{k}",
+                    v.name()
+                );
+            }
+        }
+    }
 }

@@ -37,8 +37,8 @@ pub fn fnv(bytes: &[u8]) -> u64 {
     h
 }
 
-/// What the cache file is keyed by.
-fn key(info: &wgpu::AdapterInfo) -> u64 {
+/// What the cache file is keyed by (the GEMM selection file too).
+pub(crate) fn key(info: &wgpu::AdapterInfo) -> u64 {
     let host = if info.device_type == wgpu::DeviceType::Cpu {
         kiln_engine::fsutil::host_cpu()
     } else {

@@ -1,0 +1,441 @@
+//! Measured GEMM selection on CPU-class adapters: at a shape's first launch on a
+//! device, the table's block (the prior) and its neighbours on the block ladder are
+//! timed on the launch's own operands (into a scratch C), and the fastest is kept for
+//! the device's life and on disk for later runs.
+//!
+//! Lavapipe's speed per block depends on the host CPU (its vector width and registers),
+//! which the adapter's name does not tell, so a table tuned on one host is wrong on
+//! another; measuring is what makes it right on each. It never changes results: every
+//! CPU block splits K alike and sums in the same order (`matmul::plan`), so the bits
+//! are the same whichever block wins.
+//!
+//! Bounded: only the prior and neighbours that are built already or build in under a
+//! second are candidates (a launch never waits for a 15-second compile to time it), a
+//! device spends at most [`BUDGET_S`] seconds measuring in all, and products too small
+//! for the block to matter keep the table. `KILN_GEMM_TUNE=0` keeps the table.
+//!
+//! The winners file sits beside the pipeline cache, keyed the same way (adapter,
+//! driver, host CPU features, kernel sources), with the same header and checksum: a
+//! damaged or foreign file is ignored with a note, saves replace it atomically.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use kiln_engine::{Matmul, Result};
+
+use crate::device::{State, WgpuDevice};
+use crate::lower::{Readiness, Recorder};
+use crate::matmul::{LowerMatmul, MatmulPlan, MatmulVariant, View, CPU_LADDER};
+use crate::pipeline_cache;
+use crate::shader::Repr;
+
+/// Seconds one device may spend timing candidates, compiles for them included.
+pub const BUDGET_S: f64 = 5.0;
+/// Products below this many multiply-adds keep the table's block: they take a
+/// millisecond or two, so no block can win back what timing it costs.
+pub const MIN_WORK: u64 = 1 << 26;
+/// A challenger must beat the prior by this fraction: closer timings are noise.
+const MARGIN: f64 = 0.03;
+
+/// `KILN_GEMM_TUNE=0` (or `kiln train --no-tune`) keeps the table's blocks.
+pub fn enabled_by_env() -> bool {
+    switch(std::env::var("KILN_GEMM_TUNE").ok().as_deref())
+}
+
+/// Whether a `KILN_GEMM_TUNE` value (`None`: unset) lets blocks be measured.
+pub fn switch(value: Option<&str>) -> bool {
+    value.is_none_or(|v| !matches!(v.trim(), "0" | "false" | "off" | "no"))
+}
+
+/// The device's measured winners and what measuring has cost so far.
+#[derive(Default)]
+pub(crate) struct Tuner {
+    pub enabled: bool,
+    pub winners: HashMap<String, MatmulVariant>,
+    pub spent_s: f64,
+    /// Where winners are saved, and the key the file carries.
+    pub file: Option<(PathBuf, u64)>,
+}
+
+/// What a GEMM's winner is kept under: its shape, transposes and stored types.
+pub fn class(mm: &Matmul, reprs: [Repr; 3]) -> String {
+    format!(
+        "{}x{}x{} b{} t{}{} {:?}/{:?}/{:?}",
+        mm.m,
+        mm.n,
+        mm.k,
+        mm.batch,
+        mm.trans_a as u8,
+        mm.trans_b as u8,
+        reprs[0],
+        reprs[1],
+        reprs[2]
+    )
+}
+
+/// The blocks worth timing against `prior` (first in the list): its neighbours on the
+/// ladder (`ladder`, largest first) that are built, or missing and quick to build (16
+/// rows or fewer: well under a second on lavapipe). A block still building, or slow to
+/// build, is never timed: that would wait for its compile.
+pub fn candidates(
+    prior: MatmulVariant,
+    ladder: &[MatmulVariant],
+    state: impl Fn(MatmulVariant) -> Readiness,
+) -> Vec<MatmulVariant> {
+    let mut out = vec![prior];
+    let Some(at) = ladder.iter().position(|&v| v == prior) else {
+        return out;
+    };
+    let near = [at.checked_sub(1), Some(at + 1)];
+    for v in near
+        .into_iter()
+        .flatten()
+        .filter_map(|i| ladder.get(i).copied())
+    {
+        match state(v) {
+            Readiness::Ready => out.push(v),
+            Readiness::Absent if quick(v) => out.push(v),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// One candidate's measurement: the time of one run, and the wall time measuring it
+/// took (its build, a warm-up run and the timed runs).
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub run_s: f64,
+    pub cost_s: f64,
+}
+
+/// The fastest of `candidates` (the prior first) as `time` measures them, spending at
+/// most `budget_s`: a candidate is only timed while the time spent so far plus what
+/// the prior's measurement cost still fits. A challenger replaces the prior only when
+/// [`MARGIN`] faster. Returns the winner and the time spent.
+pub fn select(
+    candidates: &[MatmulVariant],
+    budget_s: f64,
+    mut time: impl FnMut(MatmulVariant) -> Result<Timing>,
+) -> Result<(MatmulVariant, f64)> {
+    let Some((&prior, rest)) = candidates.split_first() else {
+        return Err(kiln_engine::Error::InvalidArgument(
+            "GEMM selection needs at least one candidate".into(),
+        ));
+    };
+    let first = time(prior)?;
+    let mut spent = first.cost_s;
+    let (mut best, mut best_s) = (prior, first.run_s);
+    for &v in rest {
+        if spent + first.cost_s > budget_s {
+            break;
+        }
+        let t = time(v)?;
+        spent += t.cost_s;
+        if t.run_s < best_s * (1.0 - MARGIN) {
+            (best, best_s) = (v, t.run_s);
+        }
+    }
+    Ok((best, spent))
+}
+
+fn note(what: String) {
+    eprintln!("kiln: note: {what}");
+}
+
+/// The winners file's path and key for an adapter, under the pipeline cache's
+/// directory (`None`: no cache directory).
+pub(crate) fn file_for(
+    info: &wgpu::AdapterInfo,
+    options: &crate::adapter::DeviceOptions,
+) -> Option<(PathBuf, u64)> {
+    let key = pipeline_cache::key(info);
+    let dir = pipeline_cache::dir(options)?;
+    Some((dir.join(format!("{key:016x}.gemm")), key))
+}
+
+/// The winners in `file` (one `class=variant` line each), or why the file is not used.
+pub fn decode(file: &[u8], key: u64) -> Result<HashMap<String, MatmulVariant>, String> {
+    let data = pipeline_cache::payload(file, key).map_err(str::to_string)?;
+    let text = std::str::from_utf8(data).map_err(|_| "not text (damaged?)".to_string())?;
+    let mut winners = HashMap::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        let (class, name) = line
+            .rsplit_once('=')
+            .ok_or_else(|| format!("a line without `=`: {line:?}"))?;
+        let v: MatmulVariant = name.parse().map_err(|e| format!("line {line:?}: {e}"))?;
+        if !matches!(v, MatmulVariant::Cpu { .. }) {
+            return Err(format!("line {line:?}: not a CPU block"));
+        }
+        winners.insert(class.to_string(), v);
+    }
+    Ok(winners)
+}
+
+/// The file's bytes for `winners` (sorted, so that equal tables give equal files).
+pub fn encode(key: u64, winners: &HashMap<String, MatmulVariant>) -> Vec<u8> {
+    let mut lines: Vec<String> = winners
+        .iter()
+        .map(|(c, v)| format!("{c}={}\n", v.name()))
+        .collect();
+    lines.sort();
+    pipeline_cache::encode(key, lines.concat().as_bytes())
+}
+
+impl Tuner {
+    /// A tuner for a device of `info`: on unless `KILN_GEMM_TUNE=0` or the adapter is
+    /// not CPU-class (GPUs keep their one tiled kernel), with the winners of earlier
+    /// runs where their file is whole and written for this key.
+    pub(crate) fn open(
+        info: &wgpu::AdapterInfo,
+        options: &crate::adapter::DeviceOptions,
+        cpu_class: bool,
+    ) -> Tuner {
+        let enabled = cpu_class && !options.no_tune && enabled_by_env();
+        let file = if enabled {
+            file_for(info, options)
+        } else {
+            None
+        };
+        let mut winners = HashMap::new();
+        if let Some((path, key)) = &file {
+            match std::fs::read(path) {
+                Ok(bytes) => match decode(&bytes, *key) {
+                    Ok(w) => winners = w,
+                    Err(why) => note(format!(
+                        "ignoring the GEMM selection file {}: {why}; shapes are timed again",
+                        path.display()
+                    )),
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => note(format!(
+                    "could not read the GEMM selection file {} ({e}); shapes are timed again",
+                    path.display()
+                )),
+            }
+        }
+        Tuner {
+            enabled,
+            winners,
+            spent_s: 0.0,
+            file,
+        }
+    }
+
+    /// Saves the winners (a failure is a note: the next run measures again).
+    pub(crate) fn save(&self) {
+        let Some((path, key)) = &self.file else {
+            return;
+        };
+        if let Err(e) = pipeline_cache::write(path, &encode(*key, &self.winners)) {
+            note(format!(
+                "could not save the GEMM selection to {} ({e}); the next run measures again",
+                path.display()
+            ));
+        }
+    }
+}
+
+impl WgpuDevice {
+    /// The block `mm` runs by measurement: remembered, or timed now (see the module
+    /// docs); `None` keeps the table's `best`.
+    pub(crate) fn tune(
+        &self,
+        s: &mut State,
+        mm: &Matmul,
+        best: &MatmulPlan,
+        state: &dyn Fn(MatmulVariant) -> Readiness,
+    ) -> Result<Option<MatmulVariant>> {
+        if !s.tuner.enabled {
+            return Ok(None);
+        }
+        let reprs = [mm.a, mm.b, mm.c].map(|b| self.repr(b.dtype));
+        let cls = class(mm, reprs);
+        if let Some(&w) = s.tuner.winners.get(&cls) {
+            // A winner of an earlier run is used (and, in `prepare`, built ahead)
+            // unless it would wait for a slow build: then the table's block runs until
+            // it is built.
+            let usable = w == best.variant
+                || match state(w) {
+                    Readiness::Ready => true,
+                    Readiness::Absent => quick(w),
+                    Readiness::Building => false,
+                };
+            return Ok(usable.then_some(w));
+        }
+        if WgpuDevice::collecting(s) || s.profiling.is_some() {
+            return Ok(None);
+        }
+        let work = mm.m as u64 * mm.n as u64 * mm.k as u64 * mm.batch as u64;
+        let limit = self.caps.max_storage_binding;
+        let fits = mm.buffers().iter().all(|b| b.bytes() <= limit);
+        let left = BUDGET_S - s.tuner.spent_s;
+        if work < MIN_WORK || !fits || left <= 0.0 || state(best.variant) == Readiness::Building {
+            // Measured later, once the block is built (or never: too small to matter,
+            // too large for one binding, or the budget is spent).
+            return Ok(None);
+        }
+        let cands = candidates(best.variant, &CPU_LADDER, state);
+        if cands.len() < 2 {
+            return Ok(None);
+        }
+        // Time on the launch's own A and B (read only), into scratch outputs: the
+        // stream recorded so far runs first, so that it is not timed.
+        self.finish(s)?;
+        let c = self.scratch_like(s, mm.c);
+        let cf = mm.c_f32.map(|f| self.scratch_like(s, f));
+        let probe = Matmul {
+            c,
+            c_f32: cf,
+            ..mm.clone()
+        };
+        let result = select(&cands, left, |v| self.time_block(s, &probe, v));
+        self.drop_scratch(s, c);
+        if let Some(f) = cf {
+            self.drop_scratch(s, f);
+        }
+        let (winner, spent) = result?;
+        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+            let names: Vec<String> = cands.iter().map(|v| v.name()).collect();
+            eprintln!(
+                "kiln: GEMM {cls}: {} of {} ({spent:.2} s measuring)",
+                winner.name(),
+                names.join(", ")
+            );
+        }
+        s.tuner.spent_s += spent;
+        s.tuner.winners.insert(cls, winner);
+        s.tuner.save();
+        Ok(Some(winner))
+    }
+
+    /// One block's measurement on `probe`: a warm-up run (which builds the pipeline
+    /// where missing and, on a software driver, compiles its machine code), then the
+    /// faster of two timed runs.
+    fn time_block(&self, s: &mut State, probe: &Matmul, v: MatmulVariant) -> Result<Timing> {
+        let t0 = std::time::Instant::now();
+        let p = crate::matmul::plan(probe, &self.caps, Some(v))?;
+        let view = View::whole(probe);
+        let run = |s: &mut State| -> Result<f64> {
+            let t = std::time::Instant::now();
+            self.record(s, probe, &p, &view)?;
+            self.finish(s)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(s)?;
+        let run_s = run(s)?.min(run(s)?);
+        Ok(Timing {
+            run_s,
+            cost_s: t0.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+fn quick(v: MatmulVariant) -> bool {
+    matches!(v, MatmulVariant::Cpu { tm, .. } if tm <= 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B64: MatmulVariant = MatmulVariant::Cpu { tm: 64, nv: 4 };
+    const B32: MatmulVariant = MatmulVariant::Cpu { tm: 32, nv: 3 };
+    const B16: MatmulVariant = MatmulVariant::Cpu { tm: 16, nv: 2 };
+    const B8: MatmulVariant = MatmulVariant::Cpu { tm: 8, nv: 1 };
+    const LADDER: [MatmulVariant; 4] = [B64, B32, B16, B8];
+
+    fn timed(
+        list: &'static [(MatmulVariant, f64)],
+    ) -> impl FnMut(MatmulVariant) -> kiln_engine::Result<Timing> {
+        move |v| {
+            let run_s = list.iter().find(|(k, _)| *k == v).expect("timed").1;
+            Ok(Timing {
+                run_s,
+                cost_s: 3.0 * run_s,
+            })
+        }
+    }
+
+    #[test]
+    fn selection_keeps_a_faster_block_and_the_prior_on_a_near_tie() {
+        let (v, spent) = select(&[B32, B16], 5.0, timed(&[(B32, 0.10), (B16, 0.08)])).unwrap();
+        assert_eq!(v, B16);
+        assert!((spent - 0.54).abs() < 1e-9, "{spent}");
+        // 2 % faster is noise: the prior stays.
+        let (v, _) = select(&[B32, B16], 5.0, timed(&[(B32, 0.10), (B16, 0.098)])).unwrap();
+        assert_eq!(v, B32);
+        let (v, _) = select(
+            &[B16, B32, B8],
+            5.0,
+            timed(&[(B16, 0.2), (B32, 0.3), (B8, 0.1)]),
+        )
+        .unwrap();
+        assert_eq!(v, B8);
+    }
+
+    #[test]
+    fn selection_stops_at_the_budget() {
+        // The prior's measurement costs 3 s: no second one fits 5 s.
+        let mut asked = vec![];
+        let (v, spent) = select(&[B32, B16], 5.0, |v| {
+            asked.push(v);
+            timed(&[(B32, 1.0), (B16, 0.1)])(v)
+        })
+        .unwrap();
+        assert_eq!((v, asked), (B32, vec![B32]));
+        assert_eq!(spent, 3.0);
+    }
+
+    #[test]
+    fn only_built_or_quick_neighbours_are_candidates() {
+        use Readiness::*;
+        let state = |list: &'static [(MatmulVariant, Readiness)]| {
+            move |v| {
+                list.iter()
+                    .find(|(k, _)| *k == v)
+                    .map_or(Absent, |&(_, r)| r)
+            }
+        };
+        // 64 x 16 takes seconds to build: only timed once built.
+        assert_eq!(candidates(B32, &LADDER, state(&[])), vec![B32, B16]);
+        assert_eq!(
+            candidates(B32, &LADDER, state(&[(B64, Ready)])),
+            vec![B32, B64, B16]
+        );
+        assert_eq!(
+            candidates(B32, &LADDER, state(&[(B16, Building)])),
+            vec![B32]
+        );
+        assert_eq!(candidates(B16, &LADDER, state(&[])), vec![B16, B8]);
+        let gemv = MatmulVariant::Gemv { lanes: 64 };
+        assert_eq!(candidates(gemv, &LADDER, state(&[])), vec![gemv]);
+    }
+
+    #[test]
+    fn the_switch_reads_off_values() {
+        assert!(switch(None));
+        assert!(switch(Some("1")));
+        for off in ["0", " 0 ", "off", "false", "no"] {
+            assert!(!switch(Some(off)), "{off:?}");
+        }
+    }
+
+    #[test]
+    fn the_file_round_trips_and_a_damaged_one_is_refused() {
+        let mut w = HashMap::new();
+        w.insert("1024x4096x256 b1 t00 F32/F32/F32".to_string(), B16);
+        w.insert("1024x768x256 b1 t01 F32/F32/F32".to_string(), B32);
+        let file = encode(9, &w);
+        assert_eq!(decode(&file, 9).unwrap(), w);
+        assert!(decode(&file, 10).unwrap_err().contains("another adapter"));
+        let mut bad = file.clone();
+        *bad.last_mut().unwrap() ^= 0x55;
+        assert!(decode(&bad, 9).unwrap_err().contains("checksum"));
+        // Whole and keyed right, but not a table of CPU blocks.
+        let gemv = pipeline_cache::encode(9, b"x=gemv64\n");
+        assert!(decode(&gemv, 9).unwrap_err().contains("not a CPU block"));
+        let junk = pipeline_cache::encode(9, b"no equals sign\n");
+        assert!(decode(&junk, 9).unwrap_err().contains("without `=`"));
+    }
+}
