@@ -286,6 +286,47 @@ fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
     assert_eq!(dev.gemm_launches(), (cases, 0));
 }
 
+/// The fused epilogue on `vk:0` runs in the SPIR-V GEMM (its `_epi` modules, each part a
+/// specialization constant): every combination of bias, GELU and the f32 copy, with
+/// alpha and beta, on f32 and f16, transposed and strided batches, against the CPU.
+#[test]
+fn epilogues_run_as_spirv_on_vk() {
+    let mut rng = Rng::new(2027);
+    let dev = kiln::vulkan::VkDevice::open(0, &DeviceOptions::default()).unwrap();
+    let mut cases = 0;
+    for dtype in [DType::F32, DType::F16] {
+        for parts in 1..8u32 {
+            let (bias, gelu, copy) = (parts & 1 != 0, parts & 2 != 0, parts & 4 != 0);
+            let trans = (parts & 1 != 0, parts & 2 == 0);
+            let dims = (11 + parts as usize, 36 - parts as usize, 23);
+            let mut c = strided_batch(&mut rng, dims, trans, [dtype; 3], 2, 1, Some(3), 5);
+            let (n, len) = (c.mm.n, c.c.len());
+            c.c = random(&mut rng, dtype, len);
+            let mut mm = c.mm.clone().scaled(1.5, 0.25);
+            if bias {
+                c.bias = Some(random(&mut rng, dtype, n));
+                mm.bias = Some(handle(dtype, n));
+            }
+            mm.gelu = gelu;
+            if copy {
+                mm.c_f32 = Some(handle(DType::F32, len));
+            }
+            c.mm = mm;
+            let what = format!("vk SPIR-V epilogue: bias {bias} gelu {gelu} copy {copy} {dtype}");
+            check_on(&what, &dev, &c, &|mm| {
+                let route = dev.gemm_route(mm)?;
+                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
+                    panic!("{what}: {route:?}")
+                };
+                assert_eq!((p.bias, p.gelu, p.copy_f32), (bias, gelu, copy));
+                dev.launch(&Kernel::Matmul(mm.clone()))
+            });
+            cases += 1;
+        }
+    }
+    assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
 /// `per` random shapes of every dtype mix and transpose, then the edge shapes every
 /// kernel must get right, each checked against the CPU; how many were checked.
 fn random_shapes(

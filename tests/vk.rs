@@ -78,13 +78,18 @@ fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp32() {
     // whose sums are the WGSL twin's: per output, fused multiply-adds over k in order,
     // f32 throughout, one rounding to C's dtype; so the tolerances stay the same.
     let (spirv, naga) = compare(DType::F32, false, 1e-4, 1e-3);
-    assert!(spirv > 2 * naga, "{spirv} SPIR-V GEMMs, {naga} naga ones");
+    // Every one: the linear layers' bias is the SPIR-V GEMM's epilogue.
+    assert!(
+        spirv > 0 && naga == 0,
+        "{spirv} SPIR-V GEMMs, {naga} naga ones"
+    );
 }
 
 #[test]
 fn a_gpt_trained_on_vk_matches_the_wgpu_run_in_fp16() {
     let (spirv, naga) = compare(DType::F16, false, 2e-3, 1e-2);
-    assert!(spirv > 2 * naga, "{spirv} SPIR-V GEMMs, {naga} naga ones");
+    // All but the f16 x f16 -> f32 products (mixed storage: the naga path's).
+    assert!(spirv > 10 * naga, "{spirv} SPIR-V GEMMs, {naga} naga ones");
 }
 
 /// f16 stored as packed halves and computed in f32 (a device without shaderFloat16, or

@@ -1305,7 +1305,8 @@ impl VkDevice {
 
 impl VkDevice {
     /// The set and pipeline layouts of the SPIR-V GEMM: A, B and C as storage buffers
-    /// (bindings 0-2) and its parameters as a uniform (binding 3), pushed per launch.
+    /// (bindings 0-2), its parameters as a uniform (binding 3), and the epilogue
+    /// modules' bias and f32 copy of C (storage, 4 and 5), pushed per launch.
     fn gemm_layout(&self, s: &mut State) -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout)> {
         if let Some(l) = s.gemm_layout {
             return Ok(l);
@@ -1323,6 +1324,8 @@ impl VkDevice {
             binding(1, storage),
             binding(2, storage),
             binding(3, vk::DescriptorType::UNIFORM_BUFFER),
+            binding(4, storage),
+            binding(5, storage),
         ];
         let info = vk::DescriptorSetLayoutCreateInfo::default()
             .flags(vk::DescriptorSetLayoutCreateFlags::PUSH_DESCRIPTOR_KHR)
@@ -1363,14 +1366,17 @@ impl VkDevice {
         let t0 = std::time::Instant::now();
         let (name, bytes) = gemm::module(p);
         let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
-        // constant_id 1 and 2 of matmul_cpu.comp: TM and NV.
-        let entry = |id: u32, at: u32| vk::SpecializationMapEntry {
-            constant_id: id,
-            offset: at,
-            size: 4,
-        };
-        let entries = [entry(1, 0), entry(2, 4)];
-        let data: Vec<u8> = [p.tm, p.nv].iter().flat_map(|v| v.to_le_bytes()).collect();
+        // constant_id 1-5 of matmul_cpu.comp: TM, NV and the epilogue's BIAS, GELU and
+        // COPY_F32 (32-bit booleans; a module without them ignores their entries).
+        let values = [p.tm, p.nv, p.bias as u32, p.gelu as u32, p.copy_f32 as u32];
+        let entries: Vec<_> = (0..values.len() as u32)
+            .map(|i| vk::SpecializationMapEntry {
+                constant_id: i + 1,
+                offset: 4 * i,
+                size: 4,
+            })
+            .collect();
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let spec = vk::SpecializationInfo::default()
             .map_entries(&entries)
             .data(&data);
@@ -1454,6 +1460,18 @@ impl VkDevice {
             offset,
             range: 48,
         });
+        if p.epilogue() {
+            // Stand-ins where the launch has no bias or copy: the module binds both,
+            // and its specialization never touches the absent one.
+            for b in [mm.bias, mm.c_f32] {
+                let (buffer, offset, range) = self.resolve(s, b.map_or(DUMMY_ID, |b| b.id))?;
+                infos.push(vk::DescriptorBufferInfo {
+                    buffer,
+                    offset,
+                    range,
+                });
+            }
+        }
         let writes: Vec<_> = infos
             .iter()
             .enumerate()

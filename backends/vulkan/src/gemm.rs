@@ -31,6 +31,11 @@ pub struct SpirvGemmPlan {
     /// Subgroups of [`LANES`] are asked for (`requiredSubgroupSize`); otherwise the
     /// device's subgroups are that size without asking.
     pub require_subgroup: bool,
+    /// The fused epilogue (a bias on every row, GELU, an f32 copy of C): the `_epi`
+    /// modules, each part a specialization constant.
+    pub bias: bool,
+    pub gelu: bool,
+    pub copy_f32: bool,
 }
 
 impl SpirvGemmPlan {
@@ -128,8 +133,11 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
             ))
         }
     }
-    if mm.bias.is_some() || mm.gelu || mm.c_f32.is_some() {
-        return naga("an epilogue (bias, GELU or an f32 copy of C) the SPIR-V GEMM lacks".into());
+    if let Some(b) = mm.bias.filter(|b| b.dtype != dtype) {
+        return naga(format!(
+            "a {} bias on {dtype} storage; the SPIR-V GEMM reads the bias as it stores C",
+            b.dtype
+        ));
     }
     let limit = caps.max_storage_binding;
     if let Some(big) = mm.buffers().iter().find(|b| b.bytes() > limit) {
@@ -170,6 +178,9 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         tm,
         nv,
         require_subgroup,
+        bias: mm.bias.is_some(),
+        gelu: mm.gelu,
+        copy_f32: mm.c_f32.is_some(),
     };
     let (x, y, z) = p.groups(mm);
     if x.max(y).max(z) > 65535 {
@@ -180,17 +191,30 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     GemmRoute::Spirv(p)
 }
 
-/// The committed modules the vk GEMM runs: the 16x2 build of every storage type and
-/// transpose (`shaders/vulkan/build.sh`); the tile shape is specialized at pipeline
-/// creation, so the other builds' compiled-in defaults are not needed here.
+/// A committed module (`shaders/vulkan/spv/NAME.spv`): its name and bytes.
+macro_rules! spv {
+    ($name:literal) => {
+        (
+            $name,
+            &include_bytes!(concat!("../../../shaders/vulkan/spv/", $name, ".spv"))[..],
+        )
+    };
+}
+
+impl SpirvGemmPlan {
+    /// Runs the fused epilogue (an `_epi` module).
+    pub fn epilogue(&self) -> bool {
+        self.bias || self.gelu || self.copy_f32
+    }
+}
+
+/// The committed module of `p`: the 16x2 build of its storage type and transposes
+/// (`shaders/vulkan/build.sh`), with the epilogue where it has one; the tile shape is
+/// specialized at pipeline creation, so the other builds' compiled-in defaults are not
+/// needed here.
 pub fn module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
-    macro_rules! spv {
-        ($name:literal) => {
-            (
-                $name,
-                &include_bytes!(concat!("../../../shaders/vulkan/spv/", $name, ".spv"))[..],
-            )
-        };
+    if p.epilogue() {
+        return epilogue_module(p);
     }
     let f16 = p.dtype == DType::F16;
     match (f16, p.trans_a, p.trans_b, p.vec_b) {
@@ -206,6 +230,24 @@ pub fn module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
         (true, true, false, false) => spv!("matmul_cpu_16x2_f16_tn"),
         (true, true, false, true) => spv!("matmul_cpu_16x2_f16_tn_vec"),
         (true, true, true, _) => spv!("matmul_cpu_16x2_f16_tt"),
+    }
+}
+
+fn epilogue_module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
+    let f16 = p.dtype == DType::F16;
+    match (f16, p.trans_a, p.trans_b, p.vec_b) {
+        (false, false, false, false) => spv!("matmul_cpu_16x2_f32_nn_epi"),
+        (false, false, false, true) => spv!("matmul_cpu_16x2_f32_nn_vec_epi"),
+        (false, false, true, _) => spv!("matmul_cpu_16x2_f32_nt_epi"),
+        (false, true, false, false) => spv!("matmul_cpu_16x2_f32_tn_epi"),
+        (false, true, false, true) => spv!("matmul_cpu_16x2_f32_tn_vec_epi"),
+        (false, true, true, _) => spv!("matmul_cpu_16x2_f32_tt_epi"),
+        (true, false, false, false) => spv!("matmul_cpu_16x2_f16_nn_epi"),
+        (true, false, false, true) => spv!("matmul_cpu_16x2_f16_nn_vec_epi"),
+        (true, false, true, _) => spv!("matmul_cpu_16x2_f16_nt_epi"),
+        (true, true, false, false) => spv!("matmul_cpu_16x2_f16_tn_epi"),
+        (true, true, false, true) => spv!("matmul_cpu_16x2_f16_tn_vec_epi"),
+        (true, true, true, _) => spv!("matmul_cpu_16x2_f16_tt_epi"),
     }
 }
 
@@ -286,6 +328,13 @@ mod tests {
         };
         assert!(why(route(&mm(DType::F32, 256, 256, 256), &gpu, d)).contains("tiled"));
         assert!(why(route(&mm(DType::BF16, 64, 64, 64), &caps, d)).contains("bf16"));
+        let mut bias = mm(DType::F16, 64, 64, 64);
+        bias.bias = Some(Buffer {
+            id: 4,
+            dtype: DType::F32,
+            len: 64,
+        });
+        assert!(why(route(&bias, &caps, d)).contains("f32 bias on f16"));
         let mut mixed = mm(DType::F16, 64, 64, 64);
         mixed.c.dtype = DType::F32;
         assert!(why(route(&mixed, &caps, d)).contains("mixed storage"));
