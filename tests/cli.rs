@@ -91,6 +91,83 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("GFLOP/s"));
 }
 
+/// `kiln bench attention` and `kiln bench train` take the raw Vulkan backend's `vk:0`
+/// beside wgpu's `vulkan` (the same lavapipe device through both host APIs), one row
+/// each, in the order given, with real figures.
+#[test]
+fn bench_attention_and_train_put_vk_beside_wgpu() {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-vk2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (attention, train, model) = (
+        dir.join("attention.json"),
+        dir.join("train.json"),
+        dir.join("tiny.json"),
+    );
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32}"#,
+    )
+    .unwrap();
+    let runs: [(&std::path::Path, &str, Vec<&str>); 2] = [
+        (
+            &attention,
+            "fused_ms",
+            vec![
+                "attention",
+                "--seqs",
+                "32",
+                "--dim",
+                "16",
+                "--heads",
+                "2",
+                "--budget-ms",
+                "5",
+            ],
+        ),
+        (
+            &train,
+            "step_ms",
+            vec![
+                "train",
+                "--model",
+                model.to_str().unwrap(),
+                "--micro-batch",
+                "2",
+                "--steps",
+                "1",
+                "--gemm-budget-ms",
+                "2",
+                "--peak-tflops",
+                "1",
+            ],
+        ),
+    ];
+    for (path, figure, args) in runs {
+        let mut all = vec!["bench"];
+        all.extend(&args);
+        all.extend(["--devices", "vk:0,vulkan", "--json", path.to_str().unwrap()]);
+        let out = kiln(&all);
+        assert!(
+            out.status.success(),
+            "{all:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let rows = rows.as_array().unwrap();
+        let backends: Vec<&str> = rows
+            .iter()
+            .map(|r| r["backend"].as_str().unwrap())
+            .collect();
+        assert_eq!(backends, ["vk", "vulkan"], "{all:?}");
+        for r in rows {
+            assert!(r[figure].as_f64().unwrap() > 0.0, "{r}");
+        }
+        assert_eq!(rows[0]["adapter"], rows[1]["adapter"]);
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
     let path = std::env::temp_dir().join(format!("kiln-bench-vk-{}.json", std::process::id()));
@@ -132,12 +209,14 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
         })
         .collect();
     // wgpu's planner choice, the hand-written SPIR-V GEMM through wgpu, and the raw
-    // Vulkan backend running the planner's choice (naga SPIR-V of the WGSL kernel).
+    // Vulkan backend running the planner's choice as that SPIR-V GEMM (its tile
+    // specialized).
     let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
     assert_eq!(names.len(), 3, "{names:?}");
     assert_eq!(names[0].0, "vulkan");
     assert_eq!(names[1], ("vulkan", "spirv cpu16x8"));
-    assert_eq!(names[2], ("vk", names[0].1));
+    assert_eq!(names[2], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[0].1, "cpu16x8");
     // Only a wgpu Vulkan adapter runs the passthrough SPIR-V.
     let out = kiln(&[
         "bench",
