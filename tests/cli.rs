@@ -410,3 +410,55 @@ fn train_then_runs_lists_and_diffs_the_runs() {
     assert!(!text.contains("seed"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// scripts/gpu-check.sh, checked here without a GPU: it parses (`bash -n`), and its dry
+/// run lists every step for the devices it picks or is given, in quick and full mode:
+/// the kernel tests on both backends through KILN_TEST_VULKAN / KILN_TEST_VK, the peak,
+/// and the GEMM and attention benches (GPT-2 shapes in full mode) with both devices.
+/// (Its quick mode runs the steps for real on lavapipe in under a minute; that run is
+/// not a test here, as it builds and runs tests itself.)
+#[test]
+fn gpu_check_script_lists_its_steps_for_both_backends() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check.sh");
+    let status = Command::new("bash").args(["-n", script]).status().unwrap();
+    assert!(status.success(), "bash -n {script}");
+    let run = |args: &[&str]| {
+        let out = Command::new("bash")
+            .arg(script)
+            .args(args)
+            .env("KILN", env!("CARGO_BIN_EXE_kiln"))
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // No GPU here: the first device of each backend, lavapipe.
+    let (code, quick, err) = run(&["--quick", "--dry-run"]);
+    assert_eq!(code, Some(0), "{err}");
+    for want in [
+        "quick mode, wgpu device vulkan:0, raw Vulkan device vk:0",
+        "KILN_TEST_VULKAN=vulkan:0 KILN_TEST_VK=vk:0 cargo test",
+        "bench peak --devices vulkan:0",
+        "bench matmul --devices vk:0,vulkan:0 --spirv",
+        "bench attention --devices vk:0,vulkan:0",
+    ] {
+        assert!(quick.contains(want), "no `{want}` in:\n{quick}");
+    }
+    let (code, full, err) = run(&["--dry-run", "--vk", "vk:3", "--vulkan", "vulkan:2"]);
+    assert_eq!(code, Some(0), "{err}");
+    for want in [
+        "full mode, wgpu device vulkan:2, raw Vulkan device vk:3",
+        "--release -p kiln --test kernels --test matmul --test attention",
+        "bench matmul --devices vk:3,vulkan:2 --spirv --dtypes f32,f16",
+        "bench attention --devices vk:3,vulkan:2 --heads 12 --dim 64 --seqs 1024",
+        "bench train --model gpt2 --devices vk:3,vulkan:2",
+    ] {
+        assert!(full.contains(want), "no `{want}` in:\n{full}");
+    }
+    let (code, _, err) = run(&["--fast"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("unknown argument `--fast`"), "{err}");
+}

@@ -19,7 +19,7 @@ use kiln::wgpu::{DeviceOptions, MatmulVariant, WgpuDevice};
 
 fn wgpu_paths() -> Vec<(&'static str, WgpuDevice)> {
     let open = |backend: &str, disable_f16| {
-        let i = kiln::wgpu::find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+        let i = adapter_index(backend);
         WgpuDevice::open(
             i,
             &DeviceOptions {
@@ -218,7 +218,7 @@ fn random_shapes_match_cpu_on_every_path() {
 #[test]
 fn random_shapes_match_cpu_on_vk() {
     let mut rng = Rng::new(2025);
-    let dev = kiln::vulkan::VkDevice::open(0, &DeviceOptions::default()).unwrap();
+    let dev = vk_device(false);
     let routed = std::cell::Cell::new((0u64, 0u64));
     let launch = |mm: &Matmul| {
         let (s, n) = routed.get();
@@ -246,7 +246,7 @@ fn random_shapes_match_cpu_on_vk() {
 #[test]
 fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
     let mut rng = Rng::new(2026);
-    let dev = kiln::vulkan::VkDevice::open(0, &DeviceOptions::default()).unwrap();
+    let dev = vk_device(false);
     let mut cases = 0;
     for dtype in [DType::F32, DType::F16] {
         for trans in [(false, false), (false, true), (true, false), (true, true)] {
@@ -292,7 +292,7 @@ fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
 #[test]
 fn epilogues_run_as_spirv_on_vk() {
     let mut rng = Rng::new(2027);
-    let dev = kiln::vulkan::VkDevice::open(0, &DeviceOptions::default()).unwrap();
+    let dev = vk_device(false);
     let mut cases = 0;
     for dtype in [DType::F32, DType::F16] {
         for parts in 1..8u32 {
@@ -652,7 +652,7 @@ const SMALL_BINDING: u64 = 20_000;
 /// `wgpu_paths`, opened with the per-binding limit lowered to `SMALL_BINDING`.
 fn limited_paths() -> Vec<(&'static str, WgpuDevice)> {
     let open = |backend: &str, disable_f16| {
-        let i = kiln::wgpu::find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+        let i = adapter_index(backend);
         let dev = WgpuDevice::open(
             i,
             &DeviceOptions {

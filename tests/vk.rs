@@ -38,14 +38,7 @@ fn train(dev: &dyn Device, dtype: DType, steps: usize) -> (Vec<f32>, Vec<(String
 /// Trains on `vk:0` and on wgpu's `vulkan` device and compares; returns the vk run's
 /// GEMM launches (by the SPIR-V GEMM, by the naga path).
 fn compare(dtype: DType, disable_f16: bool, loss_tol: f32, weight_tol: f32) -> (u64, u64) {
-    let vk = kiln::vulkan::VkDevice::open(
-        0,
-        &kiln::wgpu::DeviceOptions {
-            disable_f16,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let vk = vk_device(disable_f16);
     let wgpu = gpu("vulkan", disable_f16);
     assert_eq!(vk.caps().f16_arithmetic, !disable_f16);
     let (lv, pv) = train(&vk, dtype, STEPS);
