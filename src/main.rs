@@ -1313,7 +1313,7 @@ fn bench_sample(args: BenchSampleArgs) -> Result<()> {
         disable_f16: args.no_f16,
         ..Default::default()
     };
-    let devs = bench_devices(&args.devices, &options)?;
+    let devs = bench_any_devices(&args.devices, &options)?;
     let mut rows = vec![];
     for dev in &devs {
         for (name, cfg) in &models {
@@ -1326,7 +1326,7 @@ fn bench_sample(args: BenchSampleArgs) -> Result<()> {
                 name,
                 dev.caps().name
             );
-            match measure(dev, name, cfg, dtype, prompt, decode) {
+            match measure(dev.as_ref(), name, cfg, dtype, prompt, decode) {
                 Ok(r) => {
                     errln!(
                         "  prompt {:.1} tok/s, decode {:.1} tok/s (setup {:.1} s)",

@@ -91,11 +91,11 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("GFLOP/s"));
 }
 
-/// `kiln bench attention` and `kiln bench train` take the raw Vulkan backend's `vk:0`
-/// beside wgpu's `vulkan` (the same lavapipe device through both host APIs), one row
-/// each, in the order given, with real figures.
+/// `kiln bench attention`, `kiln bench train` and `kiln bench sample` take the raw
+/// Vulkan backend's `vk:0` beside wgpu's `vulkan` (the same lavapipe device through both
+/// host APIs), one row each, in the order given, with real figures.
 #[test]
-fn bench_attention_and_train_put_vk_beside_wgpu() {
+fn bench_attention_train_and_sample_put_vk_beside_wgpu() {
     let dir = std::env::temp_dir().join(format!("kiln-bench-vk2-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (attention, train, model) = (
@@ -164,6 +164,37 @@ fn bench_attention_and_train_put_vk_beside_wgpu() {
             assert!(r[figure].as_f64().unwrap() > 0.0, "{r}");
         }
         assert_eq!(rows[0]["adapter"], rows[1]["adapter"]);
+    }
+    // `bench sample` names the backend in the adapter column.
+    let sample = dir.join("sample.json");
+    let args = [
+        "bench",
+        "sample",
+        "--models",
+        "addition",
+        "--layers",
+        "1",
+        "--prompt",
+        "4",
+        "--tokens",
+        "2",
+        "--devices",
+        "vk:0,vulkan",
+        "--json",
+    ];
+    let out = kiln(&[&args[..], &[sample.to_str().unwrap()]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&sample).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (r, backend) in rows.iter().zip(["(vk)", "(vulkan)"]) {
+        assert!(r["adapter"].as_str().unwrap().ends_with(backend), "{r}");
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }
