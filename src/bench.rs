@@ -301,9 +301,10 @@ pub struct Runs<'a> {
     pub extra: &'a [MatmulVariant],
     /// The SPIR-V GEMM on the adapters named (Vulkan ones; f32 and f16).
     pub spirv: &'a [(String, SpirvMatmul)],
-    /// Other devices (the raw Vulkan backend's `vk:N`), timed through the `Device`
-    /// trait with the planner's kernel.
-    pub vk: &'a [Box<dyn Device>],
+    /// The raw Vulkan backend's devices (`vk:N`), timed through the `Device` trait:
+    /// the planner's kernel, run as the hand-written SPIR-V GEMM where vk's route
+    /// gives it that (the row's variant then reads `spirv <kernel>`).
+    pub vk: &'a [crate::vulkan::VkDevice],
 }
 
 /// The whole table for `devices` × `dtypes` × `shapes`; `naive_up_to` bounds the
@@ -366,7 +367,7 @@ pub fn matmul_table(
         for dev in vk.iter() {
             let caps = dev.caps().clone();
             for &dtype in dtypes {
-                let (gflops, variant) = device_gflops(dev.as_ref(), s, dtype, budget)
+                let (gflops, variant) = vk_gflops(dev, s, dtype, budget)
                     .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
                 let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
                 progress(&row);
@@ -426,6 +427,27 @@ pub fn device_gflops(
         dev.free(buf)?;
     }
     Ok((mm.flops() / secs? / 1e9, plan.variant.name()))
+}
+
+/// [`device_gflops`] on a `vk:N` device, the variant named `spirv <kernel>` where the
+/// product runs as the hand-written SPIR-V GEMM (as the wgpu passthrough's rows are).
+fn vk_gflops(
+    dev: &crate::vulkan::VkDevice,
+    s: &Shape,
+    dtype: DType,
+    budget: Duration,
+) -> Result<(f64, String)> {
+    let (spirv, _) = dev.gemm_launches();
+    let (gflops, variant) = device_gflops(dev, s, dtype, budget)?;
+    let ran_spirv = dev.gemm_launches().0 > spirv;
+    Ok((
+        gflops,
+        if ran_spirv {
+            format!("spirv {variant}")
+        } else {
+            variant
+        },
+    ))
 }
 
 /// Formats rows as an aligned text table.
@@ -496,7 +518,7 @@ struct AttnRun {
 
 /// Fused: out, lse, dq, dk, dv.
 fn fused_attention(
-    dev: &WgpuDevice,
+    dev: &dyn Device,
     [q, k, v, dout]: [Buffer; 4],
     (heads, seq, dim): (usize, usize, usize),
     dtype: DType,
@@ -551,7 +573,7 @@ fn fused_attention(
 /// softmax, out = att v; backward datt = dout v^T, dv = att^T dout, softmax backward,
 /// dq = dscores k, dk = dscores^T q.
 fn straight_attention(
-    dev: &WgpuDevice,
+    dev: &dyn Device,
     [q, k, v, dout]: [Buffer; 4],
     (heads, seq, dim): (usize, usize, usize),
     dtype: DType,
@@ -615,12 +637,12 @@ fn straight_attention(
     })
 }
 
-type AttnBuilder = fn(&WgpuDevice, [Buffer; 4], (usize, usize, usize), DType) -> Result<AttnRun>;
+type AttnBuilder = fn(&dyn Device, [Buffer; 4], (usize, usize, usize), DType) -> Result<AttnRun>;
 
 /// Times forward + backward of one version (record, submit, wait), with the device
 /// memory its buffers took; frees them after.
 fn time_attention(
-    dev: &WgpuDevice,
+    dev: &dyn Device,
     inputs: [Buffer; 4],
     shape: (usize, usize, usize),
     dtype: DType,
@@ -712,7 +734,7 @@ pub fn check_attention(
 
 /// Fused against straightforward attention on `dev` for each sequence length.
 pub fn attention_table(
-    dev: &WgpuDevice,
+    dev: &dyn Device,
     dtype: DType,
     heads: usize,
     dim: usize,

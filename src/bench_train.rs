@@ -17,7 +17,6 @@ use kiln_engine::train::trainer::Trainer;
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, HostData, Kernel, PendingDownload, Result as KResult,
 };
-use kiln_wgpu::WgpuDevice;
 
 /// The model sizes `--model` names, beside a model JSON file.
 pub const MODELS: [&str; 3] = ["small", "demo", "gpt2"];
@@ -118,7 +117,7 @@ pub struct TrainBenchRow {
 /// A device that records the launches passing through it, so the bench learns a
 /// step's GEMMs as the trainer issues them.
 struct Recorder<'a> {
-    inner: &'a WgpuDevice,
+    inner: &'a dyn Device,
     launches: Mutex<Option<Vec<Kernel>>>,
 }
 
@@ -207,7 +206,7 @@ fn gemm_key(k: &Kernel) -> Option<String> {
 /// run, then runs for about `budget`. Each run records enough launches to take ~20 ms
 /// before it submits and waits, so a small GEMM is not measured as submission overhead
 /// (a step submits its launches together too).
-pub fn launch_seconds(dev: &WgpuDevice, kernel: &Kernel, budget: Duration) -> Result<f64> {
+pub fn launch_seconds(dev: &dyn Device, kernel: &Kernel, budget: Duration) -> Result<f64> {
     let mut k = kernel.clone();
     let mut fresh: HashMap<u64, Buffer> = HashMap::new();
     for b in kernel.buffers() {
@@ -256,7 +255,7 @@ pub struct TrainBenchOptions {
 /// recording the step's launches), `steps` timed steps, then each distinct GEMM of the
 /// step alone.
 pub fn measure(
-    dev: &WgpuDevice,
+    dev: &dyn Device,
     model: &BenchModel,
     precision: &str,
     opts: &TrainBenchOptions,

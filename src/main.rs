@@ -1237,6 +1237,32 @@ fn bench_devices(
         .collect::<Result<Vec<_>, _>>()?)
 }
 
+/// The devices `--devices` names (default: every wgpu adapter), opened: wgpu adapters
+/// and the raw Vulkan backend's `vk:N`, in the order given, for the benches that run
+/// through the `Device` trait alone and so compare both backends side by side.
+fn bench_any_devices(
+    devices: &[String],
+    options: &kiln::wgpu::DeviceOptions,
+) -> Result<Vec<Box<dyn kiln::engine::Device>>> {
+    if devices.is_empty() {
+        return Ok(bench_devices(devices, options)?
+            .into_iter()
+            .map(|d| Box::new(d) as Box<dyn kiln::engine::Device>)
+            .collect());
+    }
+    devices
+        .iter()
+        .map(|d| match d.parse::<kiln::DeviceSpec>()? {
+            kiln::DeviceSpec::Vk(n) => Ok(Box::new(kiln::vulkan::VkDevice::open(n, options)?)
+                as Box<dyn kiln::engine::Device>),
+            _ => Ok(
+                Box::new(bench_devices(std::slice::from_ref(d), options)?.remove(0))
+                    as Box<dyn kiln::engine::Device>,
+            ),
+        })
+        .collect()
+}
+
 fn bench_peak(args: PeakArgs) -> Result<()> {
     use kiln::profile::{format_peaks, measure_peak, store_peaks};
     let devs = bench_devices(&args.devices, &Default::default())?;
@@ -1269,7 +1295,7 @@ fn bench_train(a: TrainBenchArgs) -> Result<()> {
     if let Some(t) = a.peak_tflops.filter(|t| !(t.is_finite() && *t > 0.0)) {
         anyhow::bail!("--peak-tflops {t}: give the device's peak as a positive number");
     }
-    let devs = bench_devices(&a.devices, &Default::default())?;
+    let devs = bench_any_devices(&a.devices, &Default::default())?;
     let opts = kiln::bench_train::TrainBenchOptions {
         steps: a.steps,
         gemm_budget: std::time::Duration::from_millis(a.gemm_budget_ms),
@@ -1280,11 +1306,12 @@ fn bench_train(a: TrainBenchArgs) -> Result<()> {
         for dev in &devs {
             for p in &a.precision {
                 errln!(
-                    "kiln bench train: {} on {} at {p}",
+                    "kiln bench train: {} on {} ({}) at {p}",
                     model.name,
-                    dev.caps().name
+                    dev.caps().name,
+                    dev.caps().backend
                 );
-                rows.push(measure(dev, model, p, &opts)?);
+                rows.push(measure(dev.as_ref(), model, p, &opts)?);
             }
         }
     }
@@ -1324,7 +1351,7 @@ fn bench_sample(args: BenchSampleArgs) -> Result<()> {
         disable_f16: args.no_f16,
         ..Default::default()
     };
-    let devs = bench_devices(&args.devices, &options)?;
+    let devs = bench_any_devices(&args.devices, &options)?;
     let mut rows = vec![];
     for dev in &devs {
         for (name, cfg) in &models {
@@ -1337,7 +1364,7 @@ fn bench_sample(args: BenchSampleArgs) -> Result<()> {
                 name,
                 dev.caps().name
             );
-            match measure(dev, name, cfg, dtype, prompt, decode) {
+            match measure(dev.as_ref(), name, cfg, dtype, prompt, decode) {
                 Ok(r) => {
                     errln!(
                         "  prompt {:.1} tok/s, decode {:.1} tok/s (setup {:.1} s)",
@@ -1368,7 +1395,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
         disable_f16: args.no_f16,
         ..Default::default()
     };
-    let devs = bench_devices(&args.devices, &options)?;
+    let devs = bench_any_devices(&args.devices, &options)?;
     errln!(
         "kiln bench attention: {} device(s), causal, B*H = {}, d = {}, {dtype}, T = {:?}",
         devs.len(),
@@ -1379,7 +1406,7 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
     let mut rows = vec![];
     for dev in &devs {
         rows.extend(attention_table(
-            dev,
+            dev.as_ref(),
             dtype,
             args.heads,
             args.dim,
@@ -1391,8 +1418,9 @@ fn bench_attention(args: AttentionArgs) -> Result<()> {
                     _ => "cannot run: its T x T scores exceed the binding limit".into(),
                 };
                 errln!(
-                    "  {} T={}: fused {:.2} ms, {} bytes; straightforward {straight}",
+                    "  {} ({}) T={}: fused {:.2} ms, {} bytes; straightforward {straight}",
                     r.adapter,
+                    r.backend,
                     r.seq,
                     r.fused_ms,
                     r.fused_bytes
@@ -1446,10 +1474,7 @@ fn bench_matmul(args: MatmulArgs) -> Result<()> {
     }
     let vk_devs = vk_indices
         .iter()
-        .map(|&n| {
-            Ok(Box::new(kiln::vulkan::VkDevice::open(n, &options)?)
-                as Box<dyn kiln::engine::Device>)
-        })
+        .map(|&n| Ok(kiln::vulkan::VkDevice::open(n, &options)?))
         .collect::<Result<Vec<_>>>()?;
     let devs = indices
         .iter()

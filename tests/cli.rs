@@ -91,6 +91,114 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("GFLOP/s"));
 }
 
+/// `kiln bench attention`, `kiln bench train` and `kiln bench sample` take the raw
+/// Vulkan backend's `vk:0` beside wgpu's `vulkan` (the same lavapipe device through both
+/// host APIs), one row each, in the order given, with real figures.
+#[test]
+fn bench_attention_train_and_sample_put_vk_beside_wgpu() {
+    let dir = std::env::temp_dir().join(format!("kiln-bench-vk2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (attention, train, model) = (
+        dir.join("attention.json"),
+        dir.join("train.json"),
+        dir.join("tiny.json"),
+    );
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32}"#,
+    )
+    .unwrap();
+    let runs: [(&std::path::Path, &str, Vec<&str>); 2] = [
+        (
+            &attention,
+            "fused_ms",
+            vec![
+                "attention",
+                "--seqs",
+                "32",
+                "--dim",
+                "16",
+                "--heads",
+                "2",
+                "--budget-ms",
+                "5",
+            ],
+        ),
+        (
+            &train,
+            "step_ms",
+            vec![
+                "train",
+                "--model",
+                model.to_str().unwrap(),
+                "--micro-batch",
+                "2",
+                "--steps",
+                "1",
+                "--gemm-budget-ms",
+                "2",
+                "--peak-tflops",
+                "1",
+            ],
+        ),
+    ];
+    for (path, figure, args) in runs {
+        let mut all = vec!["bench"];
+        all.extend(&args);
+        all.extend(["--devices", "vk:0,vulkan", "--json", path.to_str().unwrap()]);
+        let out = kiln(&all);
+        assert!(
+            out.status.success(),
+            "{all:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let rows: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let rows = rows.as_array().unwrap();
+        let backends: Vec<&str> = rows
+            .iter()
+            .map(|r| r["backend"].as_str().unwrap())
+            .collect();
+        assert_eq!(backends, ["vk", "vulkan"], "{all:?}");
+        for r in rows {
+            assert!(r[figure].as_f64().unwrap() > 0.0, "{r}");
+        }
+        assert_eq!(rows[0]["adapter"], rows[1]["adapter"]);
+    }
+    // `bench sample` names the backend in the adapter column.
+    let sample = dir.join("sample.json");
+    let args = [
+        "bench",
+        "sample",
+        "--models",
+        "addition",
+        "--layers",
+        "1",
+        "--prompt",
+        "4",
+        "--tokens",
+        "2",
+        "--devices",
+        "vk:0,vulkan",
+        "--json",
+    ];
+    let out = kiln(&[&args[..], &[sample.to_str().unwrap()]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&sample).unwrap()).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (r, backend) in rows.iter().zip(["(vk)", "(vulkan)"]) {
+        assert!(r["adapter"].as_str().unwrap().ends_with(backend), "{r}");
+        assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
     let path = std::env::temp_dir().join(format!("kiln-bench-vk-{}.json", std::process::id()));
@@ -132,12 +240,14 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
         })
         .collect();
     // wgpu's planner choice, the hand-written SPIR-V GEMM through wgpu, and the raw
-    // Vulkan backend running the planner's choice (naga SPIR-V of the WGSL kernel).
+    // Vulkan backend running the planner's choice as that SPIR-V GEMM (its tile
+    // specialized).
     let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
     assert_eq!(names.len(), 3, "{names:?}");
     assert_eq!(names[0].0, "vulkan");
     assert_eq!(names[1], ("vulkan", "spirv cpu16x8"));
-    assert_eq!(names[2], ("vk", names[0].1));
+    assert_eq!(names[2], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[0].1, "cpu16x8");
     // Only a wgpu Vulkan adapter runs the passthrough SPIR-V.
     let out = kiln(&[
         "bench",
@@ -330,4 +440,56 @@ fn train_then_runs_lists_and_diffs_the_runs() {
     assert!(text.contains("optimizer") && text.contains("lr"), "{text}");
     assert!(!text.contains("seed"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// scripts/gpu-check.sh, checked here without a GPU: it parses (`bash -n`), and its dry
+/// run lists every step for the devices it picks or is given, in quick and full mode:
+/// the kernel tests on both backends through KILN_TEST_VULKAN / KILN_TEST_VK, the peak,
+/// and the GEMM and attention benches (GPT-2 shapes in full mode) with both devices.
+/// (Its quick mode runs the steps for real on lavapipe in under a minute; that run is
+/// not a test here, as it builds and runs tests itself.)
+#[test]
+fn gpu_check_script_lists_its_steps_for_both_backends() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check.sh");
+    let status = Command::new("bash").args(["-n", script]).status().unwrap();
+    assert!(status.success(), "bash -n {script}");
+    let run = |args: &[&str]| {
+        let out = Command::new("bash")
+            .arg(script)
+            .args(args)
+            .env("KILN", env!("CARGO_BIN_EXE_kiln"))
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // No GPU here: the first device of each backend, lavapipe.
+    let (code, quick, err) = run(&["--quick", "--dry-run"]);
+    assert_eq!(code, Some(0), "{err}");
+    for want in [
+        "quick mode, wgpu device vulkan:0, raw Vulkan device vk:0",
+        "KILN_TEST_VULKAN=vulkan:0 KILN_TEST_VK=vk:0 cargo test",
+        "bench peak --devices vulkan:0",
+        "bench matmul --devices vk:0,vulkan:0 --spirv",
+        "bench attention --devices vk:0,vulkan:0",
+    ] {
+        assert!(quick.contains(want), "no `{want}` in:\n{quick}");
+    }
+    let (code, full, err) = run(&["--dry-run", "--vk", "vk:3", "--vulkan", "vulkan:2"]);
+    assert_eq!(code, Some(0), "{err}");
+    for want in [
+        "full mode, wgpu device vulkan:2, raw Vulkan device vk:3",
+        "--release -p kiln --test kernels --test matmul --test attention",
+        "bench matmul --devices vk:3,vulkan:2 --spirv --dtypes f32,f16",
+        "bench attention --devices vk:3,vulkan:2 --heads 12 --dim 64 --seqs 1024",
+        "bench train --model gpt2 --devices vk:3,vulkan:2",
+    ] {
+        assert!(full.contains(want), "no `{want}` in:\n{full}");
+    }
+    let (code, _, err) = run(&["--fast"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("unknown argument `--fast`"), "{err}");
 }

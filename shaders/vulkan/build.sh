@@ -27,5 +27,18 @@ for tile in 16x2 64x4; do
         done
     done
 done
+# matmul_cpu with the fused epilogue (EPILOGUE: bias, GELU, f32 copy of C, `_epi`), for
+# Kiln's raw Vulkan backend: it specializes the tile shape, so only the 16x2 build.
+for dtype in f32 f16; do
+    for ops in nn nn_vec nt tn tn_vec tt; do
+        defs=(-DEPILOGUE)
+        [ "$dtype" = f16 ] && defs+=(-DSTORE_F16)
+        [ "${ops:0:1}" = t ] && defs+=(-DTRANS_A)
+        [ "${ops:1:1}" = t ] && defs+=(-DTRANS_B)
+        [ "${ops:2}" = _vec ] && defs+=(-DVEC_B)
+        glslangValidator -V --target-env vulkan1.2 "${defs[@]}" \
+            -o "$out/matmul_cpu_16x2_${dtype}_${ops}_epi.spv" "$here/matmul_cpu.comp" >/dev/null
+    done
+done
 # gemm_f32: the raw Vulkan backend's plain tiled f32 GEMM (kiln-vulkan).
 glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null

@@ -8,6 +8,11 @@
 //
 //   C[g](i, j) = alpha * sum_k A[g](i, k) * B[g](k, j) + beta * C[g](i, j)
 //
+// With EPILOGUE (modules `_epi`, run by Kiln's raw Vulkan backend), the WGSL GEMMs'
+// fused epilogue follows (shaders/common/matmul_epilogue.wgsl, in the same order): a bias
+// added to every row, then GELU (tanh form), and the f32 value stored to `cf` as well as
+// rounded into C; each switched by a specialization constant.
+//
 // Storage is f32 or (STORE_F16) f16; products and sums are f32. The transposes are
 // compiled in (TRANS_A, TRANS_B: one module each); tile shapes are specialization
 // constants with the defaults below, so a driver that specializes may pick others.
@@ -48,6 +53,22 @@ layout(set = 0, binding = 1) readonly buffer BufB4 { vec4 b4[]; };
 #endif
 #endif
 layout(set = 0, binding = 2) buffer BufC { STORE c[]; };
+#ifdef EPILOGUE
+layout(constant_id = 3) const bool BIAS = false;
+layout(constant_id = 4) const bool GELU = false;
+layout(constant_id = 5) const bool COPY_F32 = false;
+// The bias (N values, stored as C is) and the f32 copy of C (laid out as C is). A host
+// binds stand-ins where a launch has none: both are in the module either way.
+layout(set = 0, binding = 4) readonly buffer BufBias { STORE bias[]; };
+layout(set = 0, binding = 5) writeonly buffer BufCf { float cf[]; };
+
+// x * sigmoid(2u), u = c (x + 0.044715 x^3): common/gelu.wgsl's form, which equals
+// 0.5 x (1 + tanh u) without its cancellation for negative x, and without tanh.
+const float GELU_C = 0.7978845608;
+float gelu(float x) {
+    return x * (1.0 / (1.0 + exp(-2.0 * GELU_C * (x + 0.044715 * x * x * x))));
+}
+#endif
 // Row strides (elements between rows as stored), batch strides, and the epilogue.
 layout(set = 0, binding = 3) uniform Params {
     uint m, n, k;
@@ -137,6 +158,17 @@ void main() {
                         if (P.beta != 0.0) {
                             out_v += P.beta * float(c[at]);
                         }
+#ifdef EPILOGUE
+                        if (BIAS) {
+                            out_v += float(bias[j + e]);
+                        }
+                        if (GELU) {
+                            out_v = gelu(out_v);
+                        }
+                        if (COPY_F32) {
+                            cf[at] = out_v;
+                        }
+#endif
                         c[at] = STORE(out_v);
                     }
                 }

@@ -12,10 +12,50 @@ pub struct Path {
     pub dev: Box<dyn Device>,
 }
 
-/// Opens a device on the first adapter of `backend`. No adapter is a test failure,
-/// never a skip: a GPU test that silently passes without a GPU proves nothing.
+/// The environment variables that point the GPU tests at another device than the
+/// first of each backend (on a machine with a real GPU beside lavapipe; see
+/// scripts/gpu-check.sh): `KILN_TEST_VULKAN`, a wgpu Vulkan adapter as `--devices`
+/// names it (`vulkan:1`, or an index from `kiln devices`), and `KILN_TEST_VK`, a raw
+/// Vulkan device (`vk:1`).
+pub const TEST_VULKAN: &str = "KILN_TEST_VULKAN";
+pub const TEST_VK: &str = "KILN_TEST_VK";
+
+/// The wgpu adapter index the tests use for `backend`: for `vulkan`, the one
+/// `KILN_TEST_VULKAN` names, if set; otherwise the backend's first.
+pub fn adapter_index(backend: &str) -> usize {
+    if let Some(spec) = std::env::var(TEST_VULKAN)
+        .ok()
+        .filter(|_| backend == "vulkan")
+    {
+        let parsed: kiln::DeviceSpec = spec
+            .parse()
+            .unwrap_or_else(|e| panic!("{TEST_VULKAN}={spec}: {e}"));
+        let index = parsed
+            .adapter_index()
+            .unwrap_or_else(|e| panic!("{TEST_VULKAN}={spec}: {e}"));
+        return index.unwrap_or_else(|| {
+            panic!("{TEST_VULKAN}={spec}: name a wgpu Vulkan adapter (e.g. vulkan:1), not cpu")
+        });
+    }
+    find_adapter(backend).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// N of the raw Vulkan device `vk:N` the tests use: `KILN_TEST_VK`'s, else 0.
+pub fn vk_index() -> usize {
+    let Ok(spec) = std::env::var(TEST_VK) else {
+        return 0;
+    };
+    match spec.parse::<kiln::DeviceSpec>() {
+        Ok(kiln::DeviceSpec::Vk(n)) => n,
+        _ => panic!("{TEST_VK}={spec}: name a raw Vulkan device as `vk:N` (see `kiln devices`)"),
+    }
+}
+
+/// Opens a device on the first adapter of `backend` (or the one the environment
+/// names, see [`adapter_index`]). No adapter is a test failure, never a skip: a GPU
+/// test that silently passes without a GPU proves nothing.
 pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
-    let index = find_adapter(backend).unwrap_or_else(|e| panic!("{e}"));
+    let index = adapter_index(backend);
     Box::new(
         WgpuDevice::open(
             index,
@@ -28,19 +68,23 @@ pub fn gpu(backend: &str, disable_f16: bool) -> Box<dyn Device> {
     )
 }
 
-/// Opens `vk:0`, the first device of the raw Vulkan backend (kiln-vulkan). No device
-/// is a test failure, never a skip.
+/// Opens `vk:0`, the first device of the raw Vulkan backend (kiln-vulkan), or the one
+/// `KILN_TEST_VK` names. No device is a test failure, never a skip.
 pub fn vk(disable_f16: bool) -> Box<dyn Device> {
-    Box::new(
-        kiln::vulkan::VkDevice::open(
-            0,
-            &DeviceOptions {
-                disable_f16,
-                ..Default::default()
-            },
-        )
-        .unwrap_or_else(|e| panic!("opening vk:0: {e}")),
+    Box::new(vk_device(disable_f16))
+}
+
+/// [`vk`] as its concrete type (for its GEMM route and counters).
+pub fn vk_device(disable_f16: bool) -> kiln::vulkan::VkDevice {
+    let n = vk_index();
+    kiln::vulkan::VkDevice::open(
+        n,
+        &DeviceOptions {
+            disable_f16,
+            ..Default::default()
+        },
     )
+    .unwrap_or_else(|e| panic!("opening vk:{n}: {e}"))
 }
 
 /// Both f16 paths: Vulkan with native f16, the same adapter with f16 forced off, the

@@ -36,6 +36,7 @@ use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
 use kiln_wgpu::DeviceOptions;
 use naga::back::spv::Capability;
 
+use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
 
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
@@ -95,6 +96,10 @@ pub struct State {
     /// Hand-written GLSL kernels (shaders/vulkan), by name: pipeline, set and pipeline
     /// layouts.
     glsl: HashMap<&'static str, (vk::Pipeline, vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    /// The SPIR-V GEMM's pipelines (one per module and specialization) and their
+    /// shared layouts.
+    gemm: HashMap<SpirvGemmPlan, vk::Pipeline>,
+    gemm_layout: Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>,
     stream: Option<Stream>,
     /// Last timeline value submitted.
     submitted: u64,
@@ -151,6 +156,8 @@ pub struct VkDevice {
     /// Where to write each kernel's SPIR-V as it is built ([`VkDevice::dump_spirv_to`]).
     dump: Mutex<Option<std::path::PathBuf>>,
     arena_stride: u64,
+    /// `Kernel::Matmul` launches recorded by the SPIR-V GEMM and by the naga path.
+    gemm_counts: [std::sync::atomic::AtomicU64; 2],
     state: Mutex<State>,
     /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
     /// instance last.
@@ -207,12 +214,21 @@ impl VkDevice {
         let queues = [vk::DeviceQueueCreateInfo::default()
             .queue_family_index(family)
             .queue_priorities(&priorities)];
-        let extensions = [ash::khr::push_descriptor::NAME.as_ptr()];
-        let info = vk::DeviceCreateInfo::default()
+        let mut extensions = vec![ash::khr::push_descriptor::NAME.as_ptr()];
+        // The SPIR-V GEMM requires its subgroup size where the device lets it.
+        let mut size_control =
+            vk::PhysicalDeviceSubgroupSizeControlFeatures::default().subgroup_size_control(true);
+        let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queues)
-            .enabled_extension_names(&extensions)
             .push_next(&mut f11)
             .push_next(&mut f12);
+        if let Some(control) = features.subgroup_control {
+            if control.extension {
+                extensions.push(ash::ext::subgroup_size_control::NAME.as_ptr());
+            }
+            info = info.push_next(&mut size_control);
+        }
+        let info = info.enabled_extension_names(&extensions);
         let backend = |what: &str, e: vk::Result| Error::Backend {
             device: caps.name.clone(),
             detail: format!("{what}: {e}"),
@@ -278,6 +294,7 @@ impl VkDevice {
             built: Default::default(),
             dump: Mutex::new(None),
             arena_stride,
+            gemm_counts: Default::default(),
             state: Mutex::new(State {
                 next_id: 1,
                 buffers: HashMap::new(),
@@ -286,6 +303,8 @@ impl VkDevice {
                 layouts: HashMap::new(),
                 pipelines: HashMap::new(),
                 glsl: HashMap::new(),
+                gemm: HashMap::new(),
+                gemm_layout: None,
                 stream: None,
                 submitted: 0,
                 retired: vec![],
@@ -343,7 +362,55 @@ impl VkDevice {
 
     /// Pipelines built so far (tests check that a prepared plan's launches add none).
     pub fn pipeline_count(&self) -> usize {
-        self.lock().pipelines.len()
+        let s = self.lock();
+        s.pipelines.len() + s.gemm.len()
+    }
+
+    /// Which GEMM a `Kernel::Matmul` of `mm` runs here, and why (see [`GemmRoute`]).
+    pub fn gemm_route(&self, mm: &kiln_engine::Matmul) -> Result<GemmRoute> {
+        mm.validate()?;
+        let s = self.lock();
+        self.check_live(&s, "matmul", &mm.buffers())?;
+        self.route(&s, mm)
+    }
+
+    fn route(&self, s: &State, mm: &kiln_engine::Matmul) -> Result<GemmRoute> {
+        let (_, b_offset, _) = self.resolve(s, mm.b.id)?;
+        let dev = GemmDevice {
+            subgroup_control: self.features.subgroup_control.map(|c| c.sizes),
+            b_offset,
+        };
+        Ok(gemm::route(mm, &self.caps, dev))
+    }
+
+    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMM, by the naga path).
+    pub fn gemm_launches(&self) -> (u64, u64) {
+        let get = |i: usize| self.gemm_counts[i].load(std::sync::atomic::Ordering::Relaxed);
+        (get(0), get(1))
+    }
+
+    /// Records `kernel` (validated, its buffers live): a GEMM the SPIR-V kernel covers
+    /// through it, everything else through the shared lowering.
+    fn record(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
+        if let Kernel::Matmul(mm) = kernel {
+            let route = self.route(s, mm)?;
+            if s.collect.is_none() {
+                let which = matches!(route, GemmRoute::Naga(_)) as usize;
+                self.gemm_counts[which].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            match route {
+                GemmRoute::Spirv(p) => return self.record_spirv_gemm(s, mm, &p),
+                GemmRoute::Naga(why) => {
+                    if std::env::var_os("KILN_GEMM_LOG").is_some_and(|v| v != "0") {
+                        eprintln!(
+                            "kiln: vk {}x{}x{} (batch {}) GEMM on the naga path: {why}",
+                            mm.m, mm.n, mm.k, mm.batch
+                        );
+                    }
+                }
+            }
+        }
+        lower::record_kernel(self, s, kernel)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -835,29 +902,9 @@ impl VkDevice {
         };
         let pipeline = self.pipeline(s, &key, d.kernel)?;
         let (_, layout) = self.layout(s, d.kernel)?;
-        if s.stream
-            .as_ref()
-            .is_some_and(|st| st.used + self.arena_stride > st.arena.size)
-        {
-            self.flush(s)?;
-        }
-        let stride = self.arena_stride;
-        let stream = self.stream(s)?;
-        let offset = stream.used;
-        let bytes: Vec<u8> = d.params.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mapped = stream
-            .arena
-            .alloc
-            .mapped_slice_mut()
-            .ok_or_else(|| Error::Backend {
-                device: String::new(),
-                detail: "the parameter arena is not host-visible".into(),
-            })?;
-        mapped[offset as usize..offset as usize + bytes.len()].copy_from_slice(&bytes);
-        stream.used += stride;
-        let cmd = stream.cmd;
+        let (cmd, arena, offset) = self.put_params(s, &d.params)?;
         let params = [vk::DescriptorBufferInfo {
-            buffer: stream.arena.buffer,
+            buffer: arena,
             offset,
             range: d.kernel.params_size,
         }];
@@ -875,6 +922,37 @@ impl VkDevice {
         }
         self.record_compute(cmd, (pipeline, layout), &writes, &[], d.groups);
         Ok(())
+    }
+
+    /// Writes a launch's parameters into the open stream's arena (submitting the
+    /// stream first when the arena is full): the stream's command buffer, the arena and
+    /// the parameters' offset in it.
+    fn put_params(
+        &self,
+        s: &mut State,
+        params: &[u32],
+    ) -> Result<(vk::CommandBuffer, vk::Buffer, u64)> {
+        if s.stream
+            .as_ref()
+            .is_some_and(|st| st.used + self.arena_stride > st.arena.size)
+        {
+            self.flush(s)?;
+        }
+        let stride = self.arena_stride;
+        let stream = self.stream(s)?;
+        let offset = stream.used;
+        let bytes: Vec<u8> = params.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mapped = stream
+            .arena
+            .alloc
+            .mapped_slice_mut()
+            .ok_or_else(|| Error::Backend {
+                device: String::new(),
+                detail: "the parameter arena is not host-visible".into(),
+            })?;
+        mapped[offset as usize..offset as usize + bytes.len()].copy_from_slice(&bytes);
+        stream.used += stride;
+        Ok((stream.cmd, stream.arena.buffer, offset))
     }
 
     /// Records one compute dispatch into `cmd`: binds `pipeline`, pushes the
@@ -1225,6 +1303,202 @@ impl VkDevice {
     }
 }
 
+impl VkDevice {
+    /// The set and pipeline layouts of the SPIR-V GEMM: A, B and C as storage buffers
+    /// (bindings 0-2), its parameters as a uniform (binding 3), and the epilogue
+    /// modules' bias and f32 copy of C (storage, 4 and 5), pushed per launch.
+    fn gemm_layout(&self, s: &mut State) -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout)> {
+        if let Some(l) = s.gemm_layout {
+            return Ok(l);
+        }
+        let binding = |i: u32, ty: vk::DescriptorType| {
+            vk::DescriptorSetLayoutBinding::default()
+                .binding(i)
+                .descriptor_type(ty)
+                .descriptor_count(1)
+                .stage_flags(vk::ShaderStageFlags::COMPUTE)
+        };
+        let storage = vk::DescriptorType::STORAGE_BUFFER;
+        let bindings = [
+            binding(0, storage),
+            binding(1, storage),
+            binding(2, storage),
+            binding(3, vk::DescriptorType::UNIFORM_BUFFER),
+            binding(4, storage),
+            binding(5, storage),
+        ];
+        let info = vk::DescriptorSetLayoutCreateInfo::default()
+            .flags(vk::DescriptorSetLayoutCreateFlags::PUSH_DESCRIPTOR_KHR)
+            .bindings(&bindings);
+        // SAFETY: valid create infos on a live device; both objects are kept in
+        // `s.gemm_layout` (destroyed on drop) or destroyed on the error path.
+        unsafe {
+            let set = self
+                .device
+                .create_descriptor_set_layout(&info, None)
+                .map_err(|e| self.vk_error("creating a descriptor set layout", e))?;
+            let sets = [set];
+            let pl_info = vk::PipelineLayoutCreateInfo::default().set_layouts(&sets);
+            let layout = self
+                .device
+                .create_pipeline_layout(&pl_info, None)
+                .map_err(|e| {
+                    self.device.destroy_descriptor_set_layout(set, None);
+                    self.vk_error("creating a pipeline layout", e)
+                })?;
+            s.gemm_layout = Some((set, layout));
+            Ok((set, layout))
+        }
+    }
+
+    /// The SPIR-V GEMM's pipeline for `p`: its committed module with the tile shape as
+    /// specialization constants and, where the device allows, its subgroup size
+    /// required; built on first use.
+    fn gemm_pipeline(
+        &self,
+        s: &mut State,
+        p: &SpirvGemmPlan,
+    ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
+        let (_, layout) = self.gemm_layout(s)?;
+        if let Some(&pipeline) = s.gemm.get(p) {
+            return Ok((pipeline, layout));
+        }
+        let t0 = std::time::Instant::now();
+        let (name, bytes) = gemm::module(p);
+        let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
+        // constant_id 1-5 of matmul_cpu.comp: TM, NV and the epilogue's BIAS, GELU and
+        // COPY_F32 (32-bit booleans; a module without them ignores their entries).
+        let values = [p.tm, p.nv, p.bias as u32, p.gelu as u32, p.copy_f32 as u32];
+        let entries: Vec<_> = (0..values.len() as u32)
+            .map(|i| vk::SpecializationMapEntry {
+                constant_id: i + 1,
+                offset: 4 * i,
+                size: 4,
+            })
+            .collect();
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let spec = vk::SpecializationInfo::default()
+            .map_entries(&entries)
+            .data(&data);
+        let mut required = vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default()
+            .required_subgroup_size(gemm::LANES);
+        // SAFETY: a module checked as SPIR-V above (the committed output of
+        // glslangValidator, validated by tests/spirv.rs), on a live device; its
+        // bindings are the layout's, and every load index it makes is clamped into the
+        // buffers a launch binds.
+        let module = unsafe {
+            self.device
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+        }
+        .map_err(|e| self.vk_error(&format!("creating kernel {name}"), e))?;
+        let mut stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main")
+            .specialization_info(&spec);
+        if p.require_subgroup {
+            // `gemm::route` asks only where the device can require this size.
+            stage = stage.push_next(&mut required);
+        }
+        let info = vk::ComputePipelineCreateInfo::default()
+            .stage(stage)
+            .layout(layout);
+        // SAFETY: module and layout are live; the module is destroyed once no
+        // pipeline creation uses it.
+        let made = unsafe {
+            self.device
+                .create_compute_pipelines(self.cache, &[info], None)
+        };
+        // SAFETY: as above.
+        unsafe { self.device.destroy_shader_module(module, None) };
+        let pipeline =
+            made.map_err(|(_, e)| self.vk_error(&format!("building kernel {name}"), e))?[0];
+        s.gemm.insert(*p, pipeline);
+        self.built.store(true, std::sync::atomic::Ordering::Relaxed);
+        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+            eprintln!(
+                "kiln: vk built {name} TM={} NV={} (subgroup size {}): {:.2} s",
+                p.tm,
+                p.nv,
+                if p.require_subgroup {
+                    "required"
+                } else {
+                    "fixed"
+                },
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Ok((pipeline, layout))
+    }
+
+    /// Records `mm` with the SPIR-V GEMM as `p` plans it: one dispatch over every
+    /// tile and matrix. (The planner's row chunks keep a GPU's dispatches short for
+    /// its watchdog; this kernel runs on CPU-class devices only, as one dispatch.)
+    fn record_spirv_gemm(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        p: &SpirvGemmPlan,
+    ) -> Result<()> {
+        let (pipeline, layout) = self.gemm_pipeline(s, p)?;
+        if s.collect.is_some() {
+            // `prepare` wanted the pipeline, now built.
+            return Ok(());
+        }
+        let mut infos = vec![];
+        for b in [mm.a, mm.b, mm.c] {
+            let (buffer, offset, range) = self.resolve(s, b.id)?;
+            infos.push(vk::DescriptorBufferInfo {
+                buffer,
+                offset,
+                range,
+            });
+        }
+        let (cmd, arena, offset) = self.put_params(s, &p.params(mm))?;
+        infos.push(vk::DescriptorBufferInfo {
+            buffer: arena,
+            offset,
+            range: 48,
+        });
+        if p.epilogue() {
+            // Stand-ins where the launch has no bias or copy: the module binds both,
+            // and its specialization never touches the absent one.
+            for b in [mm.bias, mm.c_f32] {
+                let (buffer, offset, range) = self.resolve(s, b.map_or(DUMMY_ID, |b| b.id))?;
+                infos.push(vk::DescriptorBufferInfo {
+                    buffer,
+                    offset,
+                    range,
+                });
+            }
+        }
+        let writes: Vec<_> = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                let ty = if i == 3 {
+                    vk::DescriptorType::UNIFORM_BUFFER
+                } else {
+                    vk::DescriptorType::STORAGE_BUFFER
+                };
+                vk::WriteDescriptorSet::default()
+                    .dst_binding(i as u32)
+                    .descriptor_type(ty)
+                    .buffer_info(std::slice::from_ref(info))
+            })
+            .collect();
+        let (x, y, z) = p.groups(mm);
+        self.record_compute(
+            cmd,
+            (pipeline, layout),
+            &writes,
+            &[],
+            (x as u32, y as u32, z as u32),
+        );
+        Ok(())
+    }
+}
+
 impl Recorder for VkDevice {
     type State = State;
 
@@ -1554,10 +1828,10 @@ impl Device for VkDevice {
         let mut s = self.lock();
         self.check_live(&s, kernel.name(), &kernel.buffers())?;
         let Some(first) = self.stamp(&mut s)? else {
-            return lower::record_kernel(self, &mut s, kernel);
+            return self.record(&mut s, kernel);
         };
         let _span = span("record", SpanKind::Record);
-        lower::record_kernel(self, &mut s, kernel)?;
+        self.record(&mut s, kernel)?;
         if let Some(last) = self.stamp(&mut s)? {
             if let Some(p) = s.profiling.as_mut() {
                 p.launches.push((kernel.cost(), first, last));
@@ -1594,7 +1868,7 @@ impl Device for VkDevice {
             result = k
                 .validate()
                 .and_then(|()| self.check_live(&s, k.name(), &k.buffers()))
-                .and_then(|()| lower::record_kernel(self, &mut s, k));
+                .and_then(|()| self.record(&mut s, k));
             if result.is_err() {
                 break;
             }
@@ -1774,6 +2048,13 @@ impl Drop for VkDevice {
             }
             for (_, p) in s.pipelines.drain() {
                 self.device.destroy_pipeline(p, None);
+            }
+            for (_, p) in s.gemm.drain() {
+                self.device.destroy_pipeline(p, None);
+            }
+            if let Some((set, pl)) = s.gemm_layout.take() {
+                self.device.destroy_pipeline_layout(pl, None);
+                self.device.destroy_descriptor_set_layout(set, None);
             }
             for (_, (set, pl)) in s.layouts.drain() {
                 self.device.destroy_pipeline_layout(pl, None);

@@ -144,6 +144,7 @@ impl Instance {
                 subgroup_range = (p13.min_subgroup_size, p13.max_subgroup_size);
             }
         }
+        let subgroup_control = self.subgroup_control(pd, props.api_version);
         use vk::SubgroupFeatureFlags as S;
         // What the WGSL subgroup kernels use (wgpu's SUBGROUP feature asks the same).
         let wanted =
@@ -164,6 +165,7 @@ impl Instance {
                 S::empty()
             },
             subgroup_range,
+            subgroup_control,
             name: props
                 .device_name_as_c_str()
                 .map(|c| c.to_string_lossy().into_owned())
@@ -207,6 +209,34 @@ impl Instance {
             min_storage_align: props.limits.min_storage_buffer_offset_alignment,
             memory_budget: self.memory_budget(pd),
         }
+    }
+
+    /// How a pipeline can require a subgroup size (`requiredSubgroupSize`): the
+    /// sizes it may ask for, where the device has `subgroupSizeControl` (Vulkan 1.3, or
+    /// VK_EXT_subgroup_size_control) for compute shaders.
+    fn subgroup_control(&self, pd: vk::PhysicalDevice, device_api: u32) -> Option<SubgroupControl> {
+        let core = device_api >= vk::API_VERSION_1_3 && self.api >= vk::API_VERSION_1_3;
+        let ext = !core && self.has_extension(pd, ash::ext::subgroup_size_control::NAME);
+        if !core && !ext {
+            return None;
+        }
+        let mut f = vk::PhysicalDeviceSubgroupSizeControlFeatures::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut f);
+        // SAFETY: `pd` came from this instance; the struct is core in 1.3 and the
+        // extension's otherwise, checked above.
+        unsafe { self.instance.get_physical_device_features2(pd, &mut f2) };
+        let mut p = vk::PhysicalDeviceSubgroupSizeControlProperties::default();
+        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut p);
+        // SAFETY: as above.
+        unsafe { self.instance.get_physical_device_properties2(pd, &mut p2) };
+        (f.subgroup_size_control == vk::TRUE
+            && p.required_subgroup_size_stages
+                .contains(vk::ShaderStageFlags::COMPUTE)
+            && p.min_subgroup_size > 0)
+            .then_some(SubgroupControl {
+                sizes: (p.min_subgroup_size, p.max_subgroup_size),
+                extension: ext,
+            })
     }
 
     /// Device-local memory the driver lets this process use, where the driver reports
@@ -259,6 +289,8 @@ pub(crate) struct Features {
     /// Subgroup operations in compute shaders; empty when the kernels' set is missing.
     pub subgroup_ops: vk::SubgroupFeatureFlags,
     pub subgroup_range: (u32, u32),
+    /// Where pipelines can require a subgroup size (none: the driver picks).
+    pub subgroup_control: Option<SubgroupControl>,
     pub name: String,
     pub device_type: &'static str,
     pub vendor: u32,
@@ -275,6 +307,15 @@ pub(crate) struct Features {
     pub min_uniform_align: u64,
     pub min_storage_align: u64,
     pub memory_budget: Option<u64>,
+}
+
+/// `subgroupSizeControl` for compute shaders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SubgroupControl {
+    /// The sizes a pipeline may require (`minSubgroupSize..=maxSubgroupSize`).
+    pub sizes: (u32, u32),
+    /// Through VK_EXT_subgroup_size_control (a Vulkan 1.2 device), not core 1.3.
+    pub extension: bool,
 }
 
 impl Features {

@@ -10,8 +10,10 @@
 //! one GPU and mixed in one device group.
 
 mod device;
+mod gemm;
 mod instance;
 mod spirv;
 
 pub use device::VkDevice;
+pub use gemm::{GemmRoute, SpirvGemmPlan};
 pub use instance::{physical_devices, VkSummary, NO_VULKAN_HINT};

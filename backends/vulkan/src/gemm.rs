@@ -1,0 +1,364 @@
+//! Which GEMM a `Kernel::Matmul` on `vk:N` runs: the hand-written SPIR-V one
+//! (`shaders/vulkan/matmul_cpu.comp`, its committed modules) where it covers the
+//! product on a device it suits, else the WGSL GEMMs translated by naga — decided here
+//! only, with the reason.
+//!
+//! The SPIR-V kernel is the twin of the WGSL CPU-class register-block kernel, so it
+//! runs exactly where kiln-wgpu's GEMM planner (`plan_matmul`) picks that kernel, with
+//! the planner's tile shape. On vk the shape is passed as specialization constants
+//! (`constant_id` 1 and 2), so one module per storage type and transpose serves every
+//! shape the planner picks, where wgpu's passthrough needs a module per shape.
+
+use kiln_engine::{Capabilities, DType, Matmul};
+use kiln_wgpu::{plan_matmul, MatmulVariant};
+
+/// Lanes of one workgroup of matmul_cpu.comp (its `SG`): the subgroup its shuffles
+/// share values across, so the device's subgroups must hold exactly this many.
+pub const LANES: u32 = 8;
+
+/// How the SPIR-V GEMM runs one product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SpirvGemmPlan {
+    /// Storage of A, B and C (and the bias): f32, or f16 with native 16-bit storage.
+    pub dtype: DType,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    /// B read as 4-value groups (B as stored, its rows and batch stride multiples of 4).
+    pub vec_b: bool,
+    /// The planner's tile: rows x vec4 column groups per lane.
+    pub tm: u32,
+    pub nv: u32,
+    /// Subgroups of [`LANES`] are asked for (`requiredSubgroupSize`); otherwise the
+    /// device's subgroups are that size without asking.
+    pub require_subgroup: bool,
+    /// The fused epilogue (a bias on every row, GELU, an f32 copy of C): the `_epi`
+    /// modules, each part a specialization constant.
+    pub bias: bool,
+    pub gelu: bool,
+    pub copy_f32: bool,
+}
+
+impl SpirvGemmPlan {
+    /// Workgroups of one dispatch: column tiles, row tiles, matrices.
+    pub fn groups(&self, mm: &Matmul) -> (u64, u64, u64) {
+        (
+            (mm.n as u64).div_ceil((LANES * 4 * self.nv) as u64),
+            (mm.m as u64).div_ceil(self.tm as u64),
+            mm.batch as u64,
+        )
+    }
+
+    /// The shader's `Params` block (strides of contiguous operands).
+    pub fn params(&self, mm: &Matmul) -> [u32; 12] {
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        [
+            m,
+            n,
+            k,
+            if mm.trans_a { m } else { k },
+            if mm.trans_b { k } else { n },
+            n,
+            mm.stride_a as u32,
+            mm.stride_b as u32,
+            mm.stride_c as u32,
+            mm.alpha.to_bits(),
+            mm.beta.to_bits(),
+            0,
+        ]
+    }
+}
+
+/// Which GEMM runs a product, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GemmRoute {
+    /// The hand-written SPIR-V GEMM.
+    Spirv(SpirvGemmPlan),
+    /// The WGSL GEMMs through naga, for the reason given.
+    Naga(String),
+}
+
+/// What the route needs of a device beyond its [`Capabilities`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GemmDevice {
+    /// Subgroup sizes a pipeline may require (`subgroupSizeControl` for compute);
+    /// none where it cannot.
+    pub subgroup_control: Option<(u32, u32)>,
+    /// Bytes past a binding's offset alignment that B's binding starts at (a view):
+    /// 4-value loads need B to start on a 16-byte boundary.
+    pub b_offset: u64,
+}
+
+/// The route of `mm` (validated) on a device with `caps` and `dev`.
+pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
+    let naga = |why: String| GemmRoute::Naga(why);
+    let plan = match plan_matmul(mm, caps, None) {
+        Ok(p) => p,
+        // The naga path reports the planner's error at launch.
+        Err(e) => return naga(format!("the GEMM planner refuses it ({e})")),
+    };
+    let MatmulVariant::Cpu { tm, nv } = plan.variant else {
+        return naga(format!(
+            "the GEMM planner chose its {} kernel; the SPIR-V GEMM is the twin of the \
+             CPU-class register-block kernel only",
+            plan.variant.name()
+        ));
+    };
+    if plan.splits > 1 {
+        return naga(format!(
+            "the GEMM planner splits K into {} chunks, which the SPIR-V GEMM does not",
+            plan.splits
+        ));
+    }
+    if mm.m == 0 || mm.n == 0 || mm.k == 0 {
+        return naga("an empty product (M, N or K is 0)".into());
+    }
+    let dtype = mm.c.dtype;
+    if mm.a.dtype != dtype || mm.b.dtype != dtype {
+        return naga(format!(
+            "mixed storage ({} x {} -> {}); the SPIR-V GEMM stores A, B and C alike",
+            mm.a.dtype, mm.b.dtype, dtype
+        ));
+    }
+    match dtype {
+        DType::F32 => {}
+        DType::F16 if caps.f16_arithmetic => {}
+        DType::F16 => {
+            return naga(
+                "f16 without the device's native f16 (shaderFloat16, 16-bit storage)".into(),
+            )
+        }
+        other => {
+            return naga(format!(
+                "{other} storage; the SPIR-V GEMM stores f32 or f16"
+            ))
+        }
+    }
+    if let Some(b) = mm.bias.filter(|b| b.dtype != dtype) {
+        return naga(format!(
+            "a {} bias on {dtype} storage; the SPIR-V GEMM reads the bias as it stores C",
+            b.dtype
+        ));
+    }
+    let limit = caps.max_storage_binding;
+    if let Some(big) = mm.buffers().iter().find(|b| b.bytes() > limit) {
+        return naga(format!(
+            "a {}-byte operand over the {limit}-byte binding limit (the naga path binds it \
+             in blocks)",
+            big.bytes()
+        ));
+    }
+    let Some((lo, hi)) = caps.subgroup_sizes else {
+        return naga("no subgroup operations in compute shaders".into());
+    };
+    let require_subgroup = match dev.subgroup_control {
+        Some((min, max)) if (min..=max).contains(&LANES) => true,
+        _ if (lo, hi) == (LANES, LANES) => false,
+        Some((min, max)) => {
+            return naga(format!(
+                "subgroups of {min} to {max} lanes can be required here, not the {LANES} the \
+                 SPIR-V GEMM's shuffles assume"
+            ))
+        }
+        None => {
+            return naga(format!(
+                "subgroups of {lo} to {hi} lanes and no way to require {LANES} \
+                 (`subgroupSizeControl` for compute: Vulkan 1.3 or \
+                 VK_EXT_subgroup_size_control)"
+            ))
+        }
+    };
+    let p = SpirvGemmPlan {
+        dtype,
+        trans_a: mm.trans_a,
+        trans_b: mm.trans_b,
+        vec_b: !mm.trans_b
+            && mm.n.is_multiple_of(4)
+            && (mm.batch == 1 || mm.stride_b.is_multiple_of(4))
+            && dev.b_offset.is_multiple_of(4 * dtype.size() as u64),
+        tm,
+        nv,
+        require_subgroup,
+        bias: mm.bias.is_some(),
+        gelu: mm.gelu,
+        copy_f32: mm.c_f32.is_some(),
+    };
+    let (x, y, z) = p.groups(mm);
+    if x.max(y).max(z) > 65535 {
+        return naga(format!(
+            "{x} x {y} x {z} workgroups, over the 65535 per dimension of one dispatch"
+        ));
+    }
+    GemmRoute::Spirv(p)
+}
+
+/// A committed module (`shaders/vulkan/spv/NAME.spv`): its name and bytes.
+macro_rules! spv {
+    ($name:literal) => {
+        (
+            $name,
+            &include_bytes!(concat!("../../../shaders/vulkan/spv/", $name, ".spv"))[..],
+        )
+    };
+}
+
+impl SpirvGemmPlan {
+    /// Runs the fused epilogue (an `_epi` module).
+    pub fn epilogue(&self) -> bool {
+        self.bias || self.gelu || self.copy_f32
+    }
+}
+
+/// The committed module of `p`: the 16x2 build of its storage type and transposes
+/// (`shaders/vulkan/build.sh`), with the epilogue where it has one; the tile shape is
+/// specialized at pipeline creation, so the other builds' compiled-in defaults are not
+/// needed here.
+pub fn module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
+    if p.epilogue() {
+        return epilogue_module(p);
+    }
+    let f16 = p.dtype == DType::F16;
+    match (f16, p.trans_a, p.trans_b, p.vec_b) {
+        (false, false, false, false) => spv!("matmul_cpu_16x2_f32_nn"),
+        (false, false, false, true) => spv!("matmul_cpu_16x2_f32_nn_vec"),
+        (false, false, true, _) => spv!("matmul_cpu_16x2_f32_nt"),
+        (false, true, false, false) => spv!("matmul_cpu_16x2_f32_tn"),
+        (false, true, false, true) => spv!("matmul_cpu_16x2_f32_tn_vec"),
+        (false, true, true, _) => spv!("matmul_cpu_16x2_f32_tt"),
+        (true, false, false, false) => spv!("matmul_cpu_16x2_f16_nn"),
+        (true, false, false, true) => spv!("matmul_cpu_16x2_f16_nn_vec"),
+        (true, false, true, _) => spv!("matmul_cpu_16x2_f16_nt"),
+        (true, true, false, false) => spv!("matmul_cpu_16x2_f16_tn"),
+        (true, true, false, true) => spv!("matmul_cpu_16x2_f16_tn_vec"),
+        (true, true, true, _) => spv!("matmul_cpu_16x2_f16_tt"),
+    }
+}
+
+fn epilogue_module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
+    let f16 = p.dtype == DType::F16;
+    match (f16, p.trans_a, p.trans_b, p.vec_b) {
+        (false, false, false, false) => spv!("matmul_cpu_16x2_f32_nn_epi"),
+        (false, false, false, true) => spv!("matmul_cpu_16x2_f32_nn_vec_epi"),
+        (false, false, true, _) => spv!("matmul_cpu_16x2_f32_nt_epi"),
+        (false, true, false, false) => spv!("matmul_cpu_16x2_f32_tn_epi"),
+        (false, true, false, true) => spv!("matmul_cpu_16x2_f32_tn_vec_epi"),
+        (false, true, true, _) => spv!("matmul_cpu_16x2_f32_tt_epi"),
+        (true, false, false, false) => spv!("matmul_cpu_16x2_f16_nn_epi"),
+        (true, false, false, true) => spv!("matmul_cpu_16x2_f16_nn_vec_epi"),
+        (true, false, true, _) => spv!("matmul_cpu_16x2_f16_nt_epi"),
+        (true, true, false, false) => spv!("matmul_cpu_16x2_f16_tn_epi"),
+        (true, true, false, true) => spv!("matmul_cpu_16x2_f16_tn_vec_epi"),
+        (true, true, true, _) => spv!("matmul_cpu_16x2_f16_tt_epi"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_engine::Buffer;
+
+    fn lavapipe() -> Capabilities {
+        Capabilities {
+            name: "llvmpipe".into(),
+            backend: "vk".into(),
+            device_type: "cpu".into(),
+            vendor: 0x10005,
+            driver: String::new(),
+            f16_arithmetic: true,
+            subgroup_sizes: Some((8, 8)),
+            timestamp_queries: true,
+            max_storage_binding: 128 << 20,
+            max_buffer: 2 << 30,
+            memory_budget: None,
+        }
+    }
+
+    fn mm(dtype: DType, m: usize, n: usize, k: usize) -> Matmul {
+        let buf = |id, len| Buffer { id, dtype, len };
+        Matmul::new(buf(1, m * k), buf(2, k * n), buf(3, m * n), m, n, k)
+    }
+
+    fn why(r: GemmRoute) -> String {
+        match r {
+            GemmRoute::Naga(w) => w,
+            GemmRoute::Spirv(p) => panic!("expected the naga path, got {p:?}"),
+        }
+    }
+
+    #[test]
+    fn the_planners_cpu_tile_runs_as_spirv_with_its_shape() {
+        let control = GemmDevice {
+            subgroup_control: Some((8, 8)),
+            b_offset: 0,
+        };
+        let GemmRoute::Spirv(p) = route(&mm(DType::F16, 256, 256, 256), &lavapipe(), control)
+        else {
+            panic!("not routed to SPIR-V")
+        };
+        let MatmulVariant::Cpu { tm, nv } =
+            plan_matmul(&mm(DType::F16, 256, 256, 256), &lavapipe(), None)
+                .unwrap()
+                .variant
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (p.tm, p.nv, p.require_subgroup, p.vec_b),
+            (tm, nv, true, true)
+        );
+        // A fixed size of 8 needs no control; a B view off a 16-byte boundary is read
+        // value by value.
+        let fixed = GemmDevice {
+            subgroup_control: None,
+            b_offset: 8,
+        };
+        let GemmRoute::Spirv(p) = route(&mm(DType::F32, 40, 24, 9), &lavapipe(), fixed) else {
+            panic!()
+        };
+        assert!(!p.require_subgroup && !p.vec_b);
+    }
+
+    #[test]
+    fn every_other_case_names_why_it_takes_the_naga_path() {
+        let d = GemmDevice::default();
+        let caps = lavapipe();
+        let gpu = Capabilities {
+            device_type: "discrete".into(),
+            subgroup_sizes: Some((32, 32)),
+            ..lavapipe()
+        };
+        assert!(why(route(&mm(DType::F32, 256, 256, 256), &gpu, d)).contains("tiled"));
+        assert!(why(route(&mm(DType::BF16, 64, 64, 64), &caps, d)).contains("bf16"));
+        let mut bias = mm(DType::F16, 64, 64, 64);
+        bias.bias = Some(Buffer {
+            id: 4,
+            dtype: DType::F32,
+            len: 64,
+        });
+        assert!(why(route(&bias, &caps, d)).contains("f32 bias on f16"));
+        let mut mixed = mm(DType::F16, 64, 64, 64);
+        mixed.c.dtype = DType::F32;
+        assert!(why(route(&mixed, &caps, d)).contains("mixed storage"));
+        let packed = Capabilities {
+            f16_arithmetic: false,
+            ..lavapipe()
+        };
+        assert!(why(route(&mm(DType::F16, 64, 64, 64), &packed, d)).contains("native f16"));
+        assert!(why(route(&mm(DType::F32, 2, 3, 2000), &caps, d)).contains("splits K"));
+        assert!(why(route(&mm(DType::F32, 64, 64, 0), &caps, d)).contains("empty"));
+        let wide = Capabilities {
+            subgroup_sizes: Some((4, 16)),
+            ..lavapipe()
+        };
+        assert!(why(route(&mm(DType::F32, 64, 64, 64), &wide, d)).contains("no way to require 8"));
+        let other = GemmDevice {
+            subgroup_control: Some((16, 64)),
+            b_offset: 0,
+        };
+        assert!(why(route(&mm(DType::F32, 64, 64, 64), &wide, other)).contains("16 to 64"));
+        let small = Capabilities {
+            max_storage_binding: 1024,
+            ..lavapipe()
+        };
+        assert!(why(route(&mm(DType::F32, 64, 64, 64), &small, d)).contains("binding limit"));
+    }
+}
