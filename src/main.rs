@@ -316,6 +316,17 @@ struct PipelineBenchArgs {
     /// Write the rows as JSON to this file (`-` for stdout) as well.
     #[arg(long)]
     json: Option<String>,
+    /// The modelled box: each GPU's link to the host, GB/s each way (PCIe 4.0 x16:
+    /// 31.5 GB/s raw per direction, about 25 in host-staged copies).
+    #[arg(long, default_value_t = 25.0)]
+    link_gbps: f64,
+    /// The modelled box: fixed cost of each copy over a link, microseconds.
+    #[arg(long, default_value_t = 10.0)]
+    link_latency_us: f64,
+    /// The modelled box: how many times faster than this adapter a GPU computes each
+    /// stage (1: the compute times as measured).
+    #[arg(long, default_value_t = 1.0)]
+    gpu_speedup: f64,
 }
 
 #[derive(clap::Args)]
@@ -578,9 +589,15 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
-    use kiln::bench_pipeline::{format_rows, measure};
+    use kiln::bench_pipeline::{format_rows, measure, GpuBox};
     // Every argument is checked before anything compiles or runs.
     let model = kiln::bench_train::bench_model(&a.model, a.micro_batch)?;
+    let gpus = GpuBox {
+        gpu_speedup: a.gpu_speedup,
+        link_gbps: a.link_gbps,
+        latency_us: a.link_latency_us,
+    };
+    gpus.check()?;
     let spec: kiln::DeviceSpec = a.device.parse()?;
     let Some(adapter) = spec.adapter_index()? else {
         anyhow::bail!(
@@ -618,7 +635,7 @@ fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
                 100.0 * kiln::bench_pipeline::theoretical_bubble(p, m)
             );
         }
-        rows.push(measure(adapter, &model, p, m, a.steps)?);
+        rows.push(measure(adapter, &model, p, m, a.steps, &gpus)?);
     }
     if let Some(r) = rows.first() {
         outln!(
@@ -629,6 +646,14 @@ fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
         );
     }
     outln!("{}", format_rows(&rows));
+    outln!(
+        "model: one GPU per stage computing the measured forward + backward (split 1 : 2) \
+         {} times faster, 1F1B, copies staged through the host over {} GB/s links \
+         ({} µs each), overlapping compute; the optimizer step not included",
+        gpus.gpu_speedup,
+        gpus.link_gbps,
+        gpus.latency_us
+    );
     if let Some(path) = a.json {
         kiln::bench::write_json(&rows, &path)?;
     }
