@@ -102,11 +102,13 @@ enum Command {
         #[arg(long)]
         seq: Option<usize>,
         /// Per-stage memory of a pipeline of this many stages (the devices split into
-        /// stages x data-parallel replicas) instead of the ZeRO table.
-        #[arg(long, default_value_t = 1)]
-        pipeline_stages: usize,
+        /// stages x data-parallel replicas) instead of the ZeRO table [default: the
+        /// config's pipeline.stages or kiln.pipeline_stages, else 1].
+        #[arg(long)]
+        pipeline_stages: Option<usize>,
         /// How the blocks are cut into stages: `parameters` (balance parameter counts,
-        /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`).
+        /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`)
+        /// [default: the config's pipeline.partition, else parameters].
         #[arg(long)]
         partition: Option<String>,
     },
@@ -810,13 +812,23 @@ fn estimate(
     devices: &[String],
     config: Option<&std::path::Path>,
     seq: Option<usize>,
-    (stages, partition): (usize, Option<&str>),
+    (stages, partition): (Option<usize>, Option<&str>),
 ) -> Result<()> {
     use kiln::engine::DType;
+    // The flag, else the config's (as `kiln train` reads them); an unreadable config
+    // is reported when it is loaded below.
+    let stages = stages.unwrap_or_else(|| {
+        config
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map_or(1, |text| kiln::train::configured_stages(&text))
+    });
     if stages <= 1 && partition.is_some() {
-        bail!("--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more");
+        bail!(
+            "--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more \
+             (or pipeline.stages in the config)"
+        );
     }
-    let method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
+    let mut method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
@@ -860,6 +872,9 @@ fn estimate(
     let (micro, dtype, accum) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;
+            if partition.is_none() && stages > 1 {
+                method = kiln::estimate::parse_partition(&c.pipeline.partition.spelled())?;
+            }
             (c.batch.micro_batch, c.precision.dtype(), c.batch.grad_accum)
         }
         None => (1, DType::F16, 1),
