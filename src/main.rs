@@ -863,12 +863,16 @@ fn estimate(
         }
     };
     // A pipeline's data-parallel world is its replicas: the config's batch sizes are
-    // per replica's step.
-    let dp = if stages > 1 && world % stages == 0 {
-        world / stages
-    } else {
-        world
-    };
+    // per replica's step. Checked before the config is read, whose batch sizes would
+    // otherwise be resolved for a world that does not exist.
+    if stages > 1 && !world.is_multiple_of(stages) {
+        bail!(
+            "{stages} pipeline stages (--pipeline-stages, else the config's pipeline.stages) \
+             do not divide the {world} device(s): a pipeline of p stages takes p devices per \
+             data-parallel replica; give a multiple of {stages} devices or another stage count"
+        );
+    }
+    let dp = if stages > 1 { world / stages } else { world };
     let (micro, dtype, accum) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;

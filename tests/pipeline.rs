@@ -919,7 +919,7 @@ fn kiln_estimate_prints_the_memory_of_each_stage() {
     let out = run(&["--devices", "3", "--pipeline-stages", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("does not divide the 3 device(s)"),
+        !out.status.success() && err.contains("do not divide the 3 device(s)"),
         "{err}"
     );
     let out = run(&["--partition", "uniform"]);

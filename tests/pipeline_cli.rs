@@ -420,6 +420,21 @@ fn estimate_takes_the_pipeline_from_the_config() {
     assert!(!text.contains("pipeline stage(s)"), "{text}");
     let text = estimate(deepspeed, &["--partition", "1,3"]);
     assert!(text.contains("partition blocks [1, 3]"), "{text}");
+    // The config's stages must divide the devices too, named before its batch sizes
+    // are resolved for a world that would not exist.
+    let path = dir.join("ds.json");
+    std::fs::write(&path, deepspeed).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["estimate", "--model", model.to_str().unwrap()])
+        .args(["--config", path.to_str().unwrap(), "--devices", "3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("2 pipeline stages (--pipeline-stages, else the config's pipeline.stages) do not divide the 3 device(s)"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
