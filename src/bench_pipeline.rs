@@ -375,7 +375,13 @@ pub fn format_rows(rows: &[PipelineRow]) -> String {
             mib.join(" / "),
             format!("{:.2}", r.model_step_ms),
             format!("{:.1}%", 100.0 * r.model_bubble),
-            format!("{:.1}%", 100.0 * r.model_exposed_transfer),
+            // Copies are often microseconds against milliseconds of compute: the time
+            // shows what a percentage would round to 0.
+            format!(
+                "{:.3} ms ({:.2}%)",
+                r.model_exposed_transfer * r.model_step_ms,
+                100.0 * r.model_exposed_transfer
+            ),
         ]);
     }
     crate::bench::align(&table)
