@@ -168,6 +168,11 @@ pub fn check_bandwidth(flag: &str, gbps: f64) -> Result<()> {
     Ok(())
 }
 
+/// Milliseconds to move `bytes` at `gbps` GB/s (10^9 bytes per second), latency aside.
+pub fn transfer_ms(bytes: f64, gbps: f64) -> f64 {
+    bytes / (gbps * 1e9) * 1e3
+}
+
 /// Modelled efficiency of `n` real GPUs, each computing for `compute_ms` per step and
 /// moving `grad_bytes` of gradients down and up its own PCIe link at `link_gbps`, the
 /// host adding the `n` copies at `host_gbps`, with `overlap` of it hidden.
@@ -182,8 +187,8 @@ pub fn modelled_efficiency(
     if n <= 1 {
         return 1.0;
     }
-    let link_ms = 2.0 * grad_bytes / (link_gbps * 1e9) * 1e3;
-    let reduce_ms = n as f64 * grad_bytes / (host_gbps * 1e9) * 1e3;
+    let link_ms = 2.0 * transfer_ms(grad_bytes, link_gbps);
+    let reduce_ms = transfer_ms(n as f64 * grad_bytes, host_gbps);
     let exposed = (link_ms + reduce_ms) * (1.0 - overlap);
     compute_ms / (compute_ms + exposed)
 }
@@ -208,7 +213,7 @@ pub fn modelled_network_efficiency(
     }
     let steps = 2.0 * (p - 1) as f64;
     let buckets = (grad_bytes / bucket_bytes.max(1.0)).ceil().max(1.0);
-    let wire_ms = steps / p as f64 * grad_bytes / (gbps * 1e9) * 1e3;
+    let wire_ms = transfer_ms(steps / p as f64 * grad_bytes, gbps);
     let latency_ms = steps * buckets * latency_us / 1e3;
     let exposed = (wire_ms + latency_ms) * (1.0 - overlap);
     compute_ms / (compute_ms + exposed)

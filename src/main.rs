@@ -106,11 +106,13 @@ enum Command {
         #[arg(long)]
         seq: Option<usize>,
         /// Per-stage memory of a pipeline of this many stages (the devices split into
-        /// stages x data-parallel replicas) instead of the ZeRO table.
-        #[arg(long, default_value_t = 1)]
-        pipeline_stages: usize,
+        /// stages x data-parallel replicas) instead of the ZeRO table [default: the
+        /// config's pipeline.stages or kiln.pipeline_stages, else 1].
+        #[arg(long)]
+        pipeline_stages: Option<usize>,
         /// How the blocks are cut into stages: `parameters` (balance parameter counts,
-        /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`).
+        /// DeepSpeed's default), `uniform` (blocks), or blocks per stage (`3,5`)
+        /// [default: the config's pipeline.partition, else parameters].
         #[arg(long)]
         partition: Option<String>,
     },
@@ -320,6 +322,17 @@ struct PipelineBenchArgs {
     /// Write the rows as JSON to this file (`-` for stdout) as well.
     #[arg(long)]
     json: Option<String>,
+    /// The modelled box: each GPU's link to the host, GB/s each way (PCIe 4.0 x16:
+    /// 31.5 GB/s raw per direction, about 25 in host-staged copies).
+    #[arg(long, default_value_t = 25.0)]
+    link_gbps: f64,
+    /// The modelled box: fixed cost of each copy over a link, microseconds.
+    #[arg(long, default_value_t = 10.0)]
+    link_latency_us: f64,
+    /// The modelled box: how many times faster than this adapter a GPU computes each
+    /// stage (1: the compute times as measured).
+    #[arg(long, default_value_t = 1.0)]
+    gpu_speedup: f64,
 }
 
 #[derive(clap::Args)]
@@ -586,9 +599,15 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
-    use kiln::bench_pipeline::{format_rows, measure};
+    use kiln::bench_pipeline::{format_rows, measure, GpuBox};
     // Every argument is checked before anything compiles or runs.
     let model = kiln::bench_train::bench_model(&a.model, a.micro_batch)?;
+    let gpus = GpuBox {
+        gpu_speedup: a.gpu_speedup,
+        link_gbps: a.link_gbps,
+        latency_us: a.link_latency_us,
+    };
+    gpus.check()?;
     let spec: kiln::DeviceSpec = a.device.parse()?;
     let Some(adapter) = spec.adapter_index()? else {
         anyhow::bail!(
@@ -626,7 +645,7 @@ fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
                 100.0 * kiln::bench_pipeline::theoretical_bubble(p, m)
             );
         }
-        rows.push(measure(adapter, &model, p, m, a.steps)?);
+        rows.push(measure(adapter, &model, p, m, a.steps, &gpus)?);
     }
     if let Some(r) = rows.first() {
         outln!(
@@ -637,6 +656,14 @@ fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
         );
     }
     outln!("{}", format_rows(&rows));
+    outln!(
+        "model: one GPU per stage computing the measured forward + backward (split 1 : 2) \
+         {} times faster, 1F1B, copies staged through the host over {} GB/s links \
+         ({} µs each), overlapping compute; the optimizer step not included",
+        gpus.gpu_speedup,
+        gpus.link_gbps,
+        gpus.latency_us
+    );
     if let Some(path) = a.json {
         kiln::bench::write_json(&rows, &path)?;
     }
@@ -793,13 +820,23 @@ fn estimate(
     devices: &[String],
     config: Option<&std::path::Path>,
     seq: Option<usize>,
-    (stages, partition): (usize, Option<&str>),
+    (stages, partition): (Option<usize>, Option<&str>),
 ) -> Result<()> {
     use kiln::engine::DType;
+    // The flag, else the config's (as `kiln train` reads them); an unreadable config
+    // is reported when it is loaded below.
+    let stages = stages.unwrap_or_else(|| {
+        config
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map_or(1, |text| kiln::train::configured_stages(&text))
+    });
     if stages <= 1 && partition.is_some() {
-        bail!("--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more");
+        bail!(
+            "--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more \
+             (or pipeline.stages in the config)"
+        );
     }
-    let method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
+    let mut method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
@@ -834,15 +871,22 @@ fn estimate(
         }
     };
     // A pipeline's data-parallel world is its replicas: the config's batch sizes are
-    // per replica's step.
-    let dp = if stages > 1 && world % stages == 0 {
-        world / stages
-    } else {
-        world
-    };
+    // per replica's step. Checked before the config is read, whose batch sizes would
+    // otherwise be resolved for a world that does not exist.
+    if stages > 1 && !world.is_multiple_of(stages) {
+        bail!(
+            "{stages} pipeline stages (--pipeline-stages, else the config's pipeline.stages) \
+             do not divide the {world} device(s): a pipeline of p stages takes p devices per \
+             data-parallel replica; give a multiple of {stages} devices or another stage count"
+        );
+    }
+    let dp = if stages > 1 { world / stages } else { world };
     let (micro, dtype, accum) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;
+            if partition.is_none() && stages > 1 {
+                method = kiln::estimate::parse_partition(&c.pipeline.partition.spelled())?;
+            }
             (c.batch.micro_batch, c.precision.dtype(), c.batch.grad_accum)
         }
         None => (1, DType::F16, 1),

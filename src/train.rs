@@ -1205,7 +1205,7 @@ fn configured_devices(text: &str) -> Vec<String> {
 /// The pipeline stages a config asks for (`pipeline.stages`, else
 /// `kiln.pipeline_stages`, else 1), read leniently as [`configured_devices`] is: the
 /// strict reading comes once the data-parallel world they imply is known.
-fn configured_stages(text: &str) -> usize {
+pub fn configured_stages(text: &str) -> usize {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
     v["pipeline"]["stages"]

@@ -919,7 +919,7 @@ fn kiln_estimate_prints_the_memory_of_each_stage() {
     let out = run(&["--devices", "3", "--pipeline-stages", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("does not divide the 3 device(s)"),
+        !out.status.success() && err.contains("do not divide the 3 device(s)"),
         "{err}"
     );
     let out = run(&["--partition", "uniform"]);
@@ -1020,7 +1020,49 @@ fn kiln_bench_pipeline_measures_stages_and_micro_batch_counts() {
             "{r}"
         );
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        // The modelled box: the boundary's bytes from the shapes are what the run
+        // moved; the model's step covers each stage's measured compute.
+        assert_eq!(r["boundary_bytes"].as_f64().unwrap(), 2048.0, "{r}");
+        let compute: Vec<f64> = r["compute_ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_f64().unwrap())
+            .collect();
+        assert_eq!(compute.len(), p as usize, "{r}");
+        assert!(compute.iter().all(|&c| c > 0.0), "{r}");
+        let step = r["model_step_ms"].as_f64().unwrap();
+        let slowest = compute.iter().copied().fold(0.0, f64::max);
+        assert!(step >= m * slowest * (1.0 - 1e-9), "{r}");
+        let (bubble, exposed) = (
+            r["model_bubble"].as_f64().unwrap(),
+            r["model_exposed_transfer"].as_f64().unwrap(),
+        );
+        if p == 1.0 {
+            assert_eq!((bubble, exposed), (0.0, 0.0), "{r}");
+        } else {
+            // Copies of 2 KB over 25 GB/s links cost microseconds, compute milliseconds.
+            assert!((0.0..0.2).contains(&exposed) && exposed > 0.0, "{r}");
+            assert!(bubble >= exposed, "{r}");
+        }
     }
+    let out = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.contains("model step ms") && out.contains("25 GB/s links"),
+        "{out}"
+    );
+    let out = run(&["--stages", "1", "--link-gbps", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--link-gbps 0"),
+        "{err}"
+    );
+    let out = run(&["--stages", "1", "--gpu-speedup", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--gpu-speedup 0"),
+        "{err}"
+    );
     let out = run(&["--stages", "8"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

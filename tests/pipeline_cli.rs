@@ -398,6 +398,73 @@ fn estimate_reports_stages_replicas_and_micro_batches() {
     }
 }
 
+/// Without `--pipeline-stages`, `kiln estimate` takes the stages (and the partition)
+/// from the config as `kiln train` does: `pipeline.stages`, else
+/// `kiln.pipeline_stages`; the flags win over it.
+#[test]
+fn estimate_takes_the_pipeline_from_the_config() {
+    let dir = scratch("estimate-config");
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}"#,
+    )
+    .unwrap();
+    let estimate = |config: &str, flags: &[&str]| {
+        let path = dir.join("ds.json");
+        std::fs::write(&path, config).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["estimate", "--model", model.to_str().unwrap()])
+            .args(["--config", path.to_str().unwrap(), "--devices", "4"])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{config} {flags:?}: {err}");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let deepspeed = r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+        "pipeline": {"stages": 2, "partition": "uniform"}}"#;
+    let text = estimate(deepspeed, &[]);
+    for want in [
+        "2 pipeline stage(s) x 2 data-parallel replica(s)",
+        "m = 4 micro-batches per step, partition uniform",
+    ] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+    let kiln = r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+        "kiln": {"pipeline_stages": 4}}"#;
+    let text = estimate(kiln, &[]);
+    for want in [
+        "4 pipeline stage(s) x 1 data-parallel replica(s)",
+        "m = 4 micro-batches per step, partition parameters",
+    ] {
+        assert!(text.contains(want), "no {want:?} in:\n{text}");
+    }
+    // The flags win: one stage is the ZeRO table over all 4 devices, and a partition
+    // given on the command line replaces the config's.
+    let text = estimate(deepspeed, &["--pipeline-stages", "1"]);
+    assert!(!text.contains("pipeline stage(s)"), "{text}");
+    let text = estimate(deepspeed, &["--partition", "1,3"]);
+    assert!(text.contains("partition blocks [1, 3]"), "{text}");
+    // The config's stages must divide the devices too, named before its batch sizes
+    // are resolved for a world that would not exist.
+    let path = dir.join("ds.json");
+    std::fs::write(&path, deepspeed).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["estimate", "--model", model.to_str().unwrap()])
+        .args(["--config", path.to_str().unwrap(), "--devices", "3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && err.contains("2 pipeline stages (--pipeline-stages, else the config's pipeline.stages) do not divide the 3 device(s)"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A CPU device that fails every launch once `lost` is set, as if the adapter went
 /// away mid-run (the CLI opens its devices itself, so the failure is driven through
 /// the engine `kiln train` uses).
