@@ -233,6 +233,7 @@ pub fn pipeline_report(
     dtype: DType,
     (stages, world, m): (usize, usize, usize),
     method: &PartitionMethod,
+    zero_stage: u8,
 ) -> Result<String> {
     if stages == 0 || world % stages != 0 {
         anyhow::bail!(
@@ -247,9 +248,17 @@ pub fn pipeline_report(
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
     };
-    let memory = Pipeline::memory(model, &options, method, stages)?;
+    let mut memory = Pipeline::memory(model, &options, method, stages)?;
     let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
     let dp = world / stages;
+    // ZeRO 1/2 shard each stage's masters and moments over its replicas (to within one
+    // element's rounding); stage 2 does not shard a pipeline's gradients.
+    let sharded = zero_stage >= 1 && dp > 1;
+    if sharded {
+        for m in &mut memory {
+            m.optimizer = m.optimizer.div_ceil(dp as u64);
+        }
+    }
     let cut = match method {
         PartitionMethod::Uniform => "uniform".to_string(),
         PartitionMethod::Parameters => "parameters".to_string(),
@@ -260,8 +269,13 @@ pub fn pipeline_report(
     writeln!(
         out,
         "{}: {stages} pipeline stage(s) x {dp} data-parallel replica(s), {dtype}, micro-batch \
-         {micro_batch}, m = {m} micro-batches per step, partition {cut}",
-        model.describe()
+         {micro_batch}, m = {m} micro-batches per step, partition {cut}{}",
+        model.describe(),
+        if sharded {
+            format!(", ZeRO stage {zero_stage}: master+Adam sharded over the {dp} replicas")
+        } else {
+            String::new()
+        }
     )?;
     writeln!(
         out,
@@ -307,8 +321,8 @@ pub fn pipeline_report(
         writeln!(
             out,
             "Each of the {dp} replicas holds these figures on its {stages} devices (device \
-             s x {dp} + r is stage s of replica r); `kiln train` does not run pipeline x data \
-             parallelism yet."
+             s x {dp} + r is stage s of replica r); `kiln train --pipeline-stages {stages}` \
+             trains it on {world} devices."
         )?;
     } else {
         writeln!(

@@ -881,15 +881,21 @@ fn estimate(
         );
     }
     let dp = if stages > 1 { world / stages } else { world };
-    let (micro, dtype, accum) = match config {
+    let (micro, dtype, accum, zero) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;
             if partition.is_none() && stages > 1 {
                 method = kiln::estimate::parse_partition(&c.pipeline.partition.spelled())?;
             }
-            (c.batch.micro_batch, c.precision.dtype(), c.batch.grad_accum)
+            let zero = c.zero.stage;
+            (
+                c.batch.micro_batch,
+                c.precision.dtype(),
+                c.batch.grad_accum,
+                zero,
+            )
         }
-        None => (1, DType::F16, 1),
+        None => (1, DType::F16, 1, 0),
     };
     let model = m.build(seq.unwrap_or(m.block_size()));
     if stages > 1 {
@@ -900,7 +906,8 @@ fn estimate(
                 micro,
                 dtype,
                 (stages, world, accum),
-                &method
+                &method,
+                zero
             )?
         );
         return Ok(());

@@ -398,6 +398,57 @@ fn estimate_reports_stages_replicas_and_micro_batches() {
     }
 }
 
+/// With ZeRO 1 or 2 in the config, each replica holds a 1/dp shard of its stage's
+/// master weights and moments: the estimate's column halves over 2 replicas.
+#[test]
+fn estimate_shards_each_stages_optimizer_state_over_its_replicas_under_zero() {
+    let dir = scratch("estimate-zero");
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 16, "vocab_size": 4096}"#,
+    )
+    .unwrap();
+    let optimizer_mib = |zero: u8| {
+        let config = dir.join(format!("ds{zero}.json"));
+        std::fs::write(
+            &config,
+            format!(
+                r#"{{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+                    "zero_optimization": {{"stage": {zero}}}}}"#
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["estimate", "--model", model.to_str().unwrap()])
+            .args(["--config", config.to_str().unwrap()])
+            .args(["--devices", "4", "--pipeline-stages", "2"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            text.contains("ZeRO stage 1: master+Adam sharded over the 2 replicas"),
+            zero == 1,
+            "{text}"
+        );
+        // "0  0..2  w MiB  g MiB  optimizer MiB ...": stage 0's master+Adam.
+        let row = text.lines().find(|l| l.starts_with("0 ")).unwrap();
+        row.split_whitespace()
+            .nth(6)
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    let (whole, shard) = (optimizer_mib(0), optimizer_mib(1));
+    assert!(whole > 10.0, "{whole} MiB");
+    assert!((shard - whole / 2.0).abs() <= 0.1, "{shard} vs {whole} / 2");
+}
+
 /// Without `--pipeline-stages`, `kiln estimate` takes the stages (and the partition)
 /// from the config as `kiln train` does: `pipeline.stages`, else
 /// `kiln.pipeline_stages`; the flags win over it.
