@@ -1016,8 +1016,20 @@ impl Recorder for WgpuDevice {
         mm: &kiln_engine::Matmul,
         best: &crate::matmul::MatmulPlan,
         state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+        ran: &dyn Fn(crate::matmul::MatmulVariant) -> bool,
     ) -> Result<Option<crate::matmul::MatmulVariant>> {
-        self.tune(s, mm, best, state)
+        self.tune(s, mm, best, state, ran)
+    }
+
+    fn has_run(&self, s: &State, d: &Dispatch) -> bool {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs.clone(),
+            consts: d.consts.clone(),
+            overrides: d.overrides.clone(),
+        };
+        // Built ahead and not run yet: its first run compiles the machine code.
+        !s.first_runs.contains(&key)
     }
 
     fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {

@@ -115,20 +115,27 @@ pub trait Recorder {
     fn readiness(&self, _s: &Self::State, _d: &Dispatch) -> Readiness {
         Readiness::Ready
     }
+    /// Whether the pipeline `d` runs has run on this device, so that its machine code
+    /// is compiled: a software driver (lavapipe) compiles it at the first run, seconds
+    /// for a large GEMM block on a cold cache. Backends without that cost say `true`.
+    fn has_run(&self, _s: &Self::State, _d: &Dispatch) -> bool {
+        true
+    }
     /// While `prepare` lists the pipelines a plan needs: also build `d`'s (a stand-in
     /// a launch may run while its own pipeline builds). Elsewhere nothing.
     fn want_ahead(&self, _s: &mut Self::State, _d: Dispatch) {}
     /// Counts a GEMM launch that ran another block than its plan's while that one built.
     fn note_stand_in(&self, _s: &mut Self::State, _planned: &str, _ran: &str) {}
     /// The measured block for `mm` where the backend selects blocks by timing them
-    /// (`best`: the table's plan; `state`: where each block's pipeline stands); `None`
-    /// keeps the table's.
+    /// (`best`: the table's plan; `state`: where each block's pipeline stands; `ran`:
+    /// whether it has run, see [`Recorder::has_run`]); `None` keeps the table's.
     fn tuned_block(
         &self,
         _s: &mut Self::State,
         _mm: &kiln_engine::Matmul,
         _best: &crate::matmul::MatmulPlan,
         _state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
+        _ran: &dyn Fn(crate::matmul::MatmulVariant) -> bool,
     ) -> Result<Option<crate::matmul::MatmulVariant>> {
         Ok(None)
     }

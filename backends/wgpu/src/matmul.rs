@@ -894,28 +894,26 @@ pub(crate) trait LowerMatmul: Recorder {
                 self.want_ahead(s, d);
             }
         }
-        let readiness = |v: MatmulVariant| -> Result<Readiness> {
+        let readiness = |v: MatmulVariant| -> Result<(Readiness, bool)> {
             let mut p = if v == best.variant {
                 best.clone()
             } else {
                 plan(mm, self.caps(), Some(v))?
             };
             p.partial |= self.needs_partials(mm, &p, &view);
-            Ok(self.readiness(s, &self.main_dispatch(mm, &p, &view, PARTIALS_ID, false)))
+            let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
+            Ok((self.readiness(s, &d), self.has_run(s, &d)))
         };
         let mut known = vec![];
         for v in CPU_LADDER {
             known.push((v, readiness(v)?));
         }
-        let state = |v: MatmulVariant| {
-            known
-                .iter()
-                .find(|(k, _)| *k == v)
-                .map_or(Readiness::Absent, |&(_, r)| r)
-        };
+        let find = |v: MatmulVariant| known.iter().find(|(k, _)| *k == v).map(|&(_, r)| r);
+        let state = |v: MatmulVariant| find(v).map_or(Readiness::Absent, |r| r.0);
+        let ran = |v: MatmulVariant| find(v).is_some_and(|r| r.1);
         // A measured block (or one remembered from an earlier run) takes the table's
         // place where the backend selects by timing; the same bits either way.
-        let preferred = self.tuned_block(s, mm, &best, &state)?;
+        let preferred = self.tuned_block(s, mm, &best, &state, &ran)?;
         let chosen = match preferred {
             Some(v) if v != best.variant => plan(mm, self.caps(), Some(v))?,
             _ => best,

@@ -245,6 +245,7 @@ impl WgpuDevice {
         mm: &Matmul,
         best: &MatmulPlan,
         state: &dyn Fn(MatmulVariant) -> Readiness,
+        ran: &dyn Fn(MatmulVariant) -> bool,
     ) -> Result<Option<MatmulVariant>> {
         if !s.tuner.enabled {
             return Ok(None);
@@ -275,7 +276,9 @@ impl WgpuDevice {
             // too large for one binding, or the budget is spent).
             return Ok(None);
         }
-        let cands = candidates(best.variant, &CPU_LADDER, state);
+        let cands = candidates(best.variant, &CPU_LADDER, |v| {
+            as_candidate(v, best.variant, state(v), ran(v))
+        });
         if cands.len() < 2 {
             return Ok(None);
         }
@@ -328,6 +331,17 @@ impl WgpuDevice {
             run_s,
             cost_s: t0.elapsed().as_secs_f64(),
         })
+    }
+}
+
+/// Where `v` stands as a candidate against `prior`: a slow-to-build neighbour that is
+/// built but has not run would compile its machine code inside the measurement (25 s
+/// for a 32-row block on a cold lavapipe cache, seen), so it counts as still building.
+/// The prior is timed whatever it costs: the launch runs it anyway.
+fn as_candidate(v: MatmulVariant, prior: MatmulVariant, state: Readiness, ran: bool) -> Readiness {
+    match state {
+        Readiness::Ready if v != prior && !quick(v) && !ran => Readiness::Building,
+        r => r,
     }
 }
 
@@ -385,6 +399,28 @@ mod tests {
         .unwrap();
         assert_eq!((v, asked), (B32, vec![B32]));
         assert_eq!(spent, 3.0);
+    }
+
+    #[test]
+    fn a_slow_neighbour_is_timed_only_once_it_has_run() {
+        // Built ahead but never run: its first run would compile inside the timing.
+        let cands = candidates(B16, &CPU_LADDER, |v| {
+            as_candidate(v, B16, Readiness::Ready, v != B32)
+        });
+        assert_eq!(cands, vec![B16, B8]);
+        let cands = candidates(B16, &CPU_LADDER, |v| {
+            as_candidate(v, B16, Readiness::Ready, true)
+        });
+        assert_eq!(cands, vec![B16, B32, B8]);
+        // The prior itself is timed, run or not; a quick neighbour too.
+        assert_eq!(
+            as_candidate(B32, B32, Readiness::Ready, false),
+            Readiness::Ready
+        );
+        assert_eq!(
+            as_candidate(B8, B16, Readiness::Ready, false),
+            Readiness::Ready
+        );
     }
 
     #[test]
