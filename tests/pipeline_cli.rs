@@ -216,6 +216,15 @@ fn two_stages_times_two_replicas_train_like_two_devices_data_parallel() {
     let both = train(&options(&dir, "pp-dp", "cpux4", Some(2))).unwrap();
     let got = records(&both.dir);
     assert_losses_match("2 stages x 2 replicas", &got, &dp);
+    // The held-out loss comes through the stages of one replica.
+    let (want, eval) = (
+        dp.last().unwrap().eval_loss.unwrap(),
+        got.last().unwrap().eval_loss.unwrap(),
+    );
+    assert!(
+        close(eval, want),
+        "eval loss {eval} vs data-parallel {want}"
+    );
     for r in &got {
         assert_eq!(r.pipeline_bubble_theory, Some(0.2));
         let exposed = r.pipeline_exposed_ms.unwrap();

@@ -1,5 +1,6 @@
-//! Training machinery above the models: the engine that steps a model (`trainer`), the
-//! fp16 loss scaler, checkpoints and the run ledger.
+//! Training machinery above the models: the engine that steps a model (`trainer`) or
+//! a pipeline of it (`pipeline_trainer`), the fp16 loss scaler, checkpoints, the
+//! profiler's trace and the run ledger.
 
 pub mod checkpoint;
 pub mod loss_scaler;
