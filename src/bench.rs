@@ -474,10 +474,7 @@ fn selected_gflops(
         None if work < crate::wgpu::tune::MIN_WORK => {
             format!("table {table} (too small to measure)")
         }
-        None => format!(
-            "table {table} (not measured: no neighbouring block built to time it against, or the device's {} s selection budget spent)",
-            crate::wgpu::tune::BUDGET_S
-        ),
+        None => format!("table {table} (not measured: no built neighbour, or budget spent)"),
     };
     Ok((gflops, name))
 }
