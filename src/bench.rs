@@ -362,6 +362,12 @@ pub fn matmul_table(
                     progress(&row);
                     rows.push(row);
                 }
+                // What training runs, beside the table's pick.
+                let (gflops, variant) = selected_gflops(dev, s, dtype, budget)
+                    .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
+                let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
+                progress(&row);
+                rows.push(row);
             }
         }
         for dev in vk.iter() {
@@ -427,6 +433,50 @@ pub fn device_gflops(
         dev.free(buf)?;
     }
     Ok((mm.flops() / secs? / 1e9, plan.variant.name()))
+}
+
+/// [`device_gflops`] on a wgpu device: the product goes through `Kernel::Matmul` as in
+/// training, so on a CPU-class adapter the block is the one measured at the shape's
+/// first launch, not the table's. The variant reads `selected <block>`, or `table
+/// <block> (why)` where nothing was measured.
+fn selected_gflops(
+    dev: &WgpuDevice,
+    s: &Shape,
+    dtype: DType,
+    budget: Duration,
+) -> Result<(f64, String)> {
+    // The first launch times the candidates (and builds them); that is a one-off
+    // cost, not a step's, so it runs, with any builds it starts, before the timing.
+    let mm = operands(dev, s, dtype)?;
+    let kernel = Kernel::Matmul(mm.clone());
+    let primed = (|| -> Result<()> {
+        for _ in 0..2 {
+            dev.launch(&kernel)?;
+            dev.submit()?;
+            dev.wait()?;
+            dev.wait_for_builds();
+        }
+        Ok(())
+    })();
+    let selected = dev.gemm_selected(&mm);
+    for buf in mm.buffers() {
+        dev.free(buf)?;
+    }
+    primed?;
+    let (gflops, table) = device_gflops(dev, s, dtype, budget)?;
+    let work = (s.m * s.n * s.k) as u64;
+    let name = match selected {
+        Some(v) => format!("selected {}", v.name()),
+        None if !dev.gemm_selection_on() && dev.caps().device_type == "cpu" => {
+            format!("table {table} (--no-tune)")
+        }
+        None if !dev.gemm_selection_on() => format!("table {table} (GPU: no selection)"),
+        None if work < crate::wgpu::tune::MIN_WORK => {
+            format!("table {table} (too small to measure)")
+        }
+        None => format!("table {table} (not measured: no built neighbour, or budget spent)"),
+    };
+    Ok((gflops, name))
 }
 
 /// [`device_gflops`] on a `vk:N` device, the variant named `spirv <kernel>` where the

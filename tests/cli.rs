@@ -67,9 +67,17 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).ok();
     let rows = rows.as_array().unwrap();
-    // The planner's kernel and the naive baseline.
-    assert_eq!(rows.len(), 2, "{rows:?}");
+    // The planner's kernel, the naive baseline, and the Device path's (a product this
+    // small keeps the table's block: timing blocks could not pay for itself).
+    assert_eq!(rows.len(), 3, "{rows:?}");
     assert_eq!(rows[1]["variant"], "naive");
+    assert_eq!(
+        rows[2]["variant"],
+        format!(
+            "table {} (too small to measure)",
+            rows[0]["variant"].as_str().unwrap()
+        )
+    );
     for r in rows {
         for field in [
             "adapter",
@@ -89,6 +97,87 @@ fn bench_matmul_json_has_the_documented_fields_and_real_numbers() {
     }
     // The table is on stdout too.
     assert!(String::from_utf8_lossy(&out.stdout).contains("GFLOP/s"));
+}
+
+/// `kiln bench matmul` times each product a second way, through `Kernel::Matmul` as
+/// training launches it, and names the block the measured selection chose there;
+/// `--no-tune` makes that row the table's block, and says so.
+#[test]
+fn bench_matmul_shows_the_measured_selection_beside_the_table() {
+    // A cache of its own, so that the selection is measured in this run, not
+    // remembered from an earlier one.
+    let cache = std::env::temp_dir().join(format!("kiln-bench-sel-{}", std::process::id()));
+    std::fs::create_dir_all(&cache).unwrap();
+    let run = |extra: &[&str]| -> (Vec<serde_json::Value>, String) {
+        let path = cache.join(format!("rows-{}.json", extra.len()));
+        let mut args = extra.to_vec();
+        args.extend([
+            "bench",
+            "matmul",
+            "--devices",
+            "vulkan",
+            "--dtypes",
+            "f32",
+            // Large enough to be measured (2^26 multiply-adds and up), small enough
+            // that its candidates build in under a second.
+            "--sizes",
+            "448",
+            "--naive-up-to",
+            "0",
+            "--budget-ms",
+            "20",
+            "--json",
+            path.to_str().unwrap(),
+        ]);
+        let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .env("KILN_CACHE_DIR", &cache)
+            .env("KILN_COMPILE_LOG", "1")
+            .output()
+            .expect("run kiln");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let rows: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let rows = rows.as_array().unwrap().clone();
+        assert_eq!(
+            rows.len(),
+            2,
+            "the table's row, then the selected one: {rows:?}"
+        );
+        for r in &rows {
+            assert!(r["gflops"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["cpu_gflops"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+        }
+        (rows, stderr)
+    };
+    let is_cpu_block = |name: &str| {
+        name.strip_prefix("cpu")
+            .and_then(|b| b.split_once('x'))
+            .is_some_and(|(m, n)| m.parse::<u32>().is_ok() && n.parse::<u32>().is_ok())
+    };
+    let (rows, log) = run(&[]);
+    let table = rows[0]["variant"].as_str().unwrap();
+    let selected = rows[1]["variant"].as_str().unwrap();
+    let block = selected
+        .strip_prefix("selected ")
+        .unwrap_or_else(|| panic!("not a selected row: {selected}"));
+    assert!(is_cpu_block(block), "{selected}: not a CPU block");
+    assert!(is_cpu_block(table), "{table}");
+    // The block named is the one the launch path measured and chose.
+    assert!(
+        log.contains(&format!("GEMM 448x448x448 b1 t00 F32/F32/F32: {block} of ")),
+        "{log}"
+    );
+    let (rows, log) = run(&["--no-tune"]);
+    let table = rows[0]["variant"].as_str().unwrap();
+    assert_eq!(rows[1]["variant"], format!("table {table} (--no-tune)"));
+    assert!(
+        !log.contains("GEMM 448x448x448"),
+        "measured under --no-tune: {log}"
+    );
+    std::fs::remove_dir_all(&cache).ok();
 }
 
 /// `kiln bench attention`, `kiln bench train` and `kiln bench sample` take the raw
@@ -243,10 +332,11 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
     // Vulkan backend running the planner's choice as that SPIR-V GEMM (its tile
     // specialized).
     let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
-    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names.len(), 4, "{names:?}");
     assert_eq!(names[0].0, "vulkan");
     assert_eq!(names[1], ("vulkan", "spirv cpu16x8"));
-    assert_eq!(names[2], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[2], ("vulkan", "table cpu16x8 (too small to measure)"));
+    assert_eq!(names[3], ("vk", "spirv cpu16x8"));
     assert_eq!(names[0].1, "cpu16x8");
     // Only a wgpu Vulkan adapter runs the passthrough SPIR-V.
     let out = kiln(&[

@@ -237,6 +237,23 @@ impl Tuner {
 }
 
 impl WgpuDevice {
+    /// The block measured for `mm`'s shape class and stored types on this device (this
+    /// run, or remembered from an earlier one), `None` where none was: selection off,
+    /// the product too small to repay timing, or the budget spent. `kiln bench matmul`
+    /// names its selected row by it.
+    pub fn gemm_selected(&self, mm: &Matmul) -> Option<MatmulVariant> {
+        let reprs = [mm.a, mm.b, mm.c].map(|b| self.repr(b.dtype));
+        self.lock().tuner.winners.get(&class(mm, reprs)).copied()
+    }
+
+    /// Whether this device selects GEMM blocks by measurement (CPU-class adapters
+    /// unless `KILN_GEMM_TUNE=0` / `--no-tune`).
+    pub fn gemm_selection_on(&self) -> bool {
+        self.lock().tuner.enabled
+    }
+}
+
+impl WgpuDevice {
     /// The block `mm` runs by measurement: remembered, or timed now (see the module
     /// docs); `None` keeps the table's `best`.
     pub(crate) fn tune(
