@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::Shared;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -455,45 +457,6 @@ impl Device for Faulty {
     }
     fn allocated_bytes(&self) -> u64 {
         self.inner.allocated_bytes()
-    }
-}
-
-/// Shares a [`Faulty`] so the test can arm it while the pipeline owns it.
-struct Shared(Arc<Faulty>);
-
-impl Device for Shared {
-    fn caps(&self) -> &Capabilities {
-        self.0.caps()
-    }
-    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        self.0.alloc(dtype, len)
-    }
-    fn free(&self, buf: Buffer) -> Result<()> {
-        self.0.free(buf)
-    }
-    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
-        self.0.view(parent, offset, len)
-    }
-    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
-        self.0.upload(buf, data)
-    }
-    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
-        self.0.begin_download(buf)
-    }
-    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
-        self.0.finish_download(pending)
-    }
-    fn launch(&self, kernel: &Kernel) -> Result<()> {
-        self.0.launch(kernel)
-    }
-    fn submit(&self) -> Result<()> {
-        self.0.submit()
-    }
-    fn wait(&self) -> Result<()> {
-        self.0.wait()
-    }
-    fn allocated_bytes(&self) -> u64 {
-        self.0.allocated_bytes()
     }
 }
 

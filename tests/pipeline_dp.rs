@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::Shared;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -389,45 +391,6 @@ impl Device for Poison {
     }
     fn allocated_bytes(&self) -> u64 {
         self.inner.allocated_bytes()
-    }
-}
-
-/// Shares a device so the test can reach it while the pipeline owns it.
-struct Shared<D: Device>(Arc<D>);
-
-impl<D: Device> Device for Shared<D> {
-    fn caps(&self) -> &Capabilities {
-        self.0.caps()
-    }
-    fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        self.0.alloc(dtype, len)
-    }
-    fn free(&self, buf: Buffer) -> Result<()> {
-        self.0.free(buf)
-    }
-    fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
-        self.0.view(parent, offset, len)
-    }
-    fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
-        self.0.upload(buf, data)
-    }
-    fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
-        self.0.begin_download(buf)
-    }
-    fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
-        self.0.finish_download(pending)
-    }
-    fn launch(&self, kernel: &Kernel) -> Result<()> {
-        self.0.launch(kernel)
-    }
-    fn submit(&self) -> Result<()> {
-        self.0.submit()
-    }
-    fn wait(&self) -> Result<()> {
-        self.0.wait()
-    }
-    fn allocated_bytes(&self) -> u64 {
-        self.0.allocated_bytes()
     }
 }
 

@@ -438,3 +438,45 @@ pub fn check_finite_differences(
         bad.join("\n")
     );
 }
+
+/// Shares a device so the test can reach it while the pipeline owns it.
+pub struct Shared<D: Device>(pub std::sync::Arc<D>);
+
+impl<D: Device> Device for Shared<D> {
+    fn caps(&self) -> &kiln::engine::Capabilities {
+        self.0.caps()
+    }
+    fn alloc(&self, dtype: DType, len: usize) -> kiln::engine::Result<Buffer> {
+        self.0.alloc(dtype, len)
+    }
+    fn free(&self, buf: Buffer) -> kiln::engine::Result<()> {
+        self.0.free(buf)
+    }
+    fn view(&self, parent: Buffer, offset: usize, len: usize) -> kiln::engine::Result<Buffer> {
+        self.0.view(parent, offset, len)
+    }
+    fn upload(&self, buf: Buffer, data: &HostData) -> kiln::engine::Result<()> {
+        self.0.upload(buf, data)
+    }
+    fn begin_download(&self, buf: Buffer) -> kiln::engine::Result<kiln::engine::PendingDownload> {
+        self.0.begin_download(buf)
+    }
+    fn finish_download(
+        &self,
+        pending: kiln::engine::PendingDownload,
+    ) -> kiln::engine::Result<HostData> {
+        self.0.finish_download(pending)
+    }
+    fn launch(&self, kernel: &Kernel) -> kiln::engine::Result<()> {
+        self.0.launch(kernel)
+    }
+    fn submit(&self) -> kiln::engine::Result<()> {
+        self.0.submit()
+    }
+    fn wait(&self) -> kiln::engine::Result<()> {
+        self.0.wait()
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.0.allocated_bytes()
+    }
+}

@@ -903,23 +903,16 @@ impl VkDevice {
         let pipeline = self.pipeline(s, &key, d.kernel)?;
         let (_, layout) = self.layout(s, d.kernel)?;
         let (cmd, arena, offset) = self.put_params(s, &d.params)?;
-        let params = [vk::DescriptorBufferInfo {
-            buffer: arena,
-            offset,
-            range: d.kernel.params_size,
-        }];
-        let mut writes = vec![vk::WriteDescriptorSet::default()
-            .dst_binding(0)
-            .descriptor_type(vk::DescriptorType::UNIFORM_BUFFER)
-            .buffer_info(&params)];
-        for (i, info) in bound.iter().enumerate() {
-            writes.push(
-                vk::WriteDescriptorSet::default()
-                    .dst_binding(i as u32 + 1)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .buffer_info(std::slice::from_ref(info)),
-            );
-        }
+        // The parameters at binding 0, the kernel's buffers after them.
+        bound.insert(
+            0,
+            vk::DescriptorBufferInfo {
+                buffer: arena,
+                offset,
+                range: d.kernel.params_size,
+            },
+        );
+        let writes = buffer_writes(&bound, Some(0));
         self.record_compute(cmd, (pipeline, layout), &writes, &[], d.groups);
         Ok(())
     }
@@ -1285,16 +1278,7 @@ impl VkDevice {
                 range,
             });
         }
-        let writes: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                vk::WriteDescriptorSet::default()
-                    .dst_binding(i as u32)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .buffer_info(std::slice::from_ref(info))
-            })
-            .collect();
+        let writes = buffer_writes(&infos, None);
         let push: Vec<u8> = [m, n, k].iter().flat_map(|v| v.to_le_bytes()).collect();
         let cmd = self.stream(&mut s)?.cmd;
         let groups = (n.div_ceil(16), m.div_ceil(16), 1);
@@ -1472,21 +1456,8 @@ impl VkDevice {
                 });
             }
         }
-        let writes: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                let ty = if i == 3 {
-                    vk::DescriptorType::UNIFORM_BUFFER
-                } else {
-                    vk::DescriptorType::STORAGE_BUFFER
-                };
-                vk::WriteDescriptorSet::default()
-                    .dst_binding(i as u32)
-                    .descriptor_type(ty)
-                    .buffer_info(std::slice::from_ref(info))
-            })
-            .collect();
+        // The parameters' uniform at binding 3 (see `gemm_layout`).
+        let writes = buffer_writes(&infos, Some(3));
         let (x, y, z) = p.groups(mm);
         self.record_compute(
             cmd,
@@ -1497,6 +1468,29 @@ impl VkDevice {
         );
         Ok(())
     }
+}
+
+/// One descriptor write per buffer, `infos[i]` at binding `i`: storage buffers, but
+/// for the uniform at binding `uniform`.
+fn buffer_writes(
+    infos: &[vk::DescriptorBufferInfo],
+    uniform: Option<usize>,
+) -> Vec<vk::WriteDescriptorSet<'_>> {
+    infos
+        .iter()
+        .enumerate()
+        .map(|(i, info)| {
+            let ty = if Some(i) == uniform {
+                vk::DescriptorType::UNIFORM_BUFFER
+            } else {
+                vk::DescriptorType::STORAGE_BUFFER
+            };
+            vk::WriteDescriptorSet::default()
+                .dst_binding(i as u32)
+                .descriptor_type(ty)
+                .buffer_info(std::slice::from_ref(info))
+        })
+        .collect()
 }
 
 impl Recorder for VkDevice {

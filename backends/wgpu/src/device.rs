@@ -215,6 +215,29 @@ fn compile_threads() -> usize {
 }
 
 impl State {
+    /// Gives `buffer` a new handle of `len` `dtype` values (`view_of`: the parent's
+    /// id and the view's byte offset in it).
+    fn register(
+        &mut self,
+        buffer: wgpu::Buffer,
+        dtype: DType,
+        len: usize,
+        view_of: Option<(u64, u64)>,
+    ) -> Buffer {
+        let id = self.next_id;
+        self.next_id += 1;
+        let meta = Buffer { id, dtype, len };
+        self.buffers.insert(
+            id,
+            Slot {
+                buffer,
+                meta,
+                view_of,
+            },
+        );
+        meta
+    }
+
     /// Byte offset of a buffer in the wgpu buffer behind it (a view's start; 0 else).
     pub(crate) fn base(&self, id: u64) -> u64 {
         self.buffers
@@ -662,18 +685,7 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
-        let id = s.next_id;
-        s.next_id += 1;
-        let meta = Buffer { id, ..like };
-        s.buffers.insert(
-            id,
-            Slot {
-                buffer,
-                meta,
-                view_of: None,
-            },
-        );
-        meta
+        s.register(buffer, like.dtype, like.len, None)
     }
 
     pub(crate) fn drop_scratch(&self, s: &mut State, buf: Buffer) {
@@ -1159,17 +1171,7 @@ impl Device for WgpuDevice {
             });
         }
         let mut s = self.lock();
-        let id = s.next_id;
-        s.next_id += 1;
-        let meta = Buffer { id, dtype, len };
-        s.buffers.insert(
-            id,
-            Slot {
-                buffer,
-                meta,
-                view_of: None,
-            },
-        );
+        let meta = s.register(buffer, dtype, len, None);
         s.allocated += bytes;
         Ok(meta)
     }
@@ -1219,23 +1221,8 @@ impl Device for WgpuDevice {
             )));
         }
         let buffer = slot.buffer.clone();
-        let id = s.next_id;
-        s.next_id += 1;
-        let meta = Buffer {
-            id,
-            dtype: parent.dtype,
-            len,
-        };
         let base = (offset * parent.dtype.size()) as u64;
-        s.buffers.insert(
-            id,
-            Slot {
-                buffer,
-                meta,
-                view_of: Some((parent.id, base)),
-            },
-        );
-        Ok(meta)
+        Ok(s.register(buffer, parent.dtype, len, Some((parent.id, base))))
     }
 
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {

@@ -165,6 +165,22 @@ struct Stage {
     loss_rows: usize,
 }
 
+impl Stage {
+    /// The buffer in `slot` holding the outgoing activation `local`: the stage's own
+    /// output, or — a tensor passed on to a later stage — the input it arrived in.
+    fn outgoing(&self, slot: &Slot, local: Tensor) -> Buffer {
+        slot.plan.buffer(local).unwrap_or_else(|| {
+            let k = self
+                .part
+                .activations_in
+                .iter()
+                .position(|i| i.local == local)
+                .expect("an outgoing tensor is made here or passed on");
+            slot.acts_in[k]
+        })
+    }
+}
+
 /// A message between neighbouring stages: micro-batch, (shape, data) per tensor, and
 /// when the sender posted it (queued its copies behind the producing launch).
 type Transfer = (usize, Vec<(Vec<usize>, HostData)>, Instant);
@@ -1360,20 +1376,7 @@ impl Run<'_> {
                     let slot = &stage.slots[micro % slots];
                     let mut bufs = vec![];
                     for a in &stage.part.activations_out {
-                        let b = match slot.plan.buffer(a.local) {
-                            Some(b) => b,
-                            // Passed on: an input of this stage too.
-                            None => {
-                                let k = stage
-                                    .part
-                                    .activations_in
-                                    .iter()
-                                    .position(|i| i.local == a.local)
-                                    .expect("an outgoing tensor is made here or passed on");
-                                slot.acts_in[k]
-                            }
-                        };
-                        bufs.push((g.shape(a.local).to_vec(), b));
+                        bufs.push((g.shape(a.local).to_vec(), stage.outgoing(slot, a.local)));
                     }
                     post(true, micro, bufs)?;
                 }
@@ -1649,18 +1652,7 @@ impl Pipeline {
             if s + 1 < p {
                 carried = vec![];
                 for a in &stage.part.activations_out {
-                    let b = match slot.plan.buffer(a.local) {
-                        Some(b) => b,
-                        None => {
-                            let k = stage
-                                .part
-                                .activations_in
-                                .iter()
-                                .position(|i| i.local == a.local)
-                                .expect("an outgoing tensor is made here or passed on");
-                            slot.acts_in[k]
-                        }
-                    };
+                    let b = stage.outgoing(slot, a.local);
                     carried.push(dev.download(b).map_err(at_stage)?);
                 }
                 continue;
