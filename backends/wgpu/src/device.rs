@@ -25,6 +25,7 @@ use crate::lower::{
     band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
     DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
+use crate::primer::{mesa_cache_on, Prime, Primer};
 use crate::shader::{self, Access, KernelSource, Repr};
 
 /// Bytes of the largest launch parameters (`shaders/common/matmul_params.wgsl`).
@@ -58,6 +59,12 @@ pub struct WgpuDevice {
     /// Compiled pipelines kept across runs, where the backend supports it.
     disk_cache: Option<Arc<crate::pipeline_cache::DiskCache>>,
     built: Built,
+    /// Where this device was opened and how: a software driver's big GEMM blocks get
+    /// their first run on a second device opened alike (`primer.rs`).
+    adapter: wgpu::Adapter,
+    features: wgpu::Features,
+    limits: wgpu::Limits,
+    primer: std::sync::OnceLock<Option<Arc<Primer>>>,
 }
 
 struct Slot {
@@ -73,6 +80,16 @@ struct PipelineKey {
     reprs: Vec<Repr>,
     consts: Vec<(&'static str, u32)>,
     overrides: Vec<(&'static str, u32)>,
+}
+
+impl PipelineKey {
+    /// The pipeline-overridable constants, as pipeline creation takes them.
+    fn constants(&self) -> Vec<(&'static str, f64)> {
+        self.overrides
+            .iter()
+            .map(|&(name, v)| (name, v as f64))
+            .collect()
+    }
 }
 
 /// A kernel's module: (name, reprs, assembly constants).
@@ -128,6 +145,8 @@ struct Job {
     key: PipelineKey,
     module: wgpu::ShaderModule,
     layout: wgpu::PipelineLayout,
+    /// Run first on the primer's device (a software driver's big GEMM block).
+    prime: Option<(Arc<Primer>, Prime)>,
 }
 
 /// Pipelines the compile workers finished (or failed to build), and a signal for a
@@ -148,11 +167,7 @@ fn build(
     layout: &wgpu::PipelineLayout,
 ) -> std::result::Result<wgpu::ComputePipeline, String> {
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let constants: Vec<(&str, f64)> = key
-        .overrides
-        .iter()
-        .map(|&(name, v)| (name, v as f64))
-        .collect();
+    let constants = key.constants();
     let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: Some(key.name),
         layout: Some(layout),
@@ -171,6 +186,50 @@ fn build(
         c.dirty.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     Ok(pipeline)
+}
+
+/// How a device is opened; the primer's device is opened alike, so the driver sees
+/// the same shaders.
+fn device_descriptor(
+    features: wgpu::Features,
+    limits: &wgpu::Limits,
+) -> wgpu::DeviceDescriptor<'static> {
+    wgpu::DeviceDescriptor {
+        label: Some("kiln"),
+        required_features: features,
+        required_limits: limits.clone(),
+        ..Default::default()
+    }
+}
+
+/// A kernel's bindings: its launch parameters (binding 0, a uniform at a dynamic
+/// offset in the arena), then one storage buffer per slot.
+fn layout_entries(accesses: &[Access], params_size: u64) -> Vec<wgpu::BindGroupLayoutEntry> {
+    let mut entries = vec![wgpu::BindGroupLayoutEntry {
+        binding: 0,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Uniform,
+            has_dynamic_offset: true,
+            min_binding_size: wgpu::BufferSize::new(params_size),
+        },
+        count: None,
+    }];
+    for (i, a) in accesses.iter().enumerate() {
+        entries.push(wgpu::BindGroupLayoutEntry {
+            binding: i as u32 + 1,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage {
+                    read_only: *a == Access::Read,
+                },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        });
+    }
+    entries
 }
 
 /// A pipeline a prepared launch needs.
@@ -273,20 +332,17 @@ impl WgpuDevice {
         if keep_pipelines {
             features |= wgpu::Features::PIPELINE_CACHE;
         }
-        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
-            label: Some("kiln"),
-            required_features: features,
-            // Ask for everything the adapter offers: large buffers are the norm here.
-            required_limits: wgpu::Limits {
-                max_storage_buffer_binding_size: caps.max_storage_binding,
-                ..adapter.limits()
-            },
-            ..Default::default()
-        }))
-        .map_err(|e| Error::Backend {
-            device: caps.name.clone(),
-            detail: format!("could not open a device: {e}"),
-        })?;
+        // Ask for everything the adapter offers: large buffers are the norm here.
+        let limits = wgpu::Limits {
+            max_storage_buffer_binding_size: caps.max_storage_binding,
+            ..adapter.limits()
+        };
+        let (device, queue) =
+            pollster::block_on(adapter.request_device(&device_descriptor(features, &limits)))
+                .map_err(|e| Error::Backend {
+                    device: caps.name.clone(),
+                    detail: format!("could not open a device: {e}"),
+                })?;
 
         let errors = Arc::new(Mutex::new(Vec::new()));
         let sink = errors.clone();
@@ -331,6 +387,10 @@ impl WgpuDevice {
         Ok(WgpuDevice {
             disk_cache,
             built: Arc::default(),
+            adapter: adapter.clone(),
+            features,
+            limits,
+            primer: std::sync::OnceLock::new(),
             dummy,
             band_partials,
             caps,
@@ -411,30 +471,7 @@ impl WgpuDevice {
         s.layouts
             .entry((accesses.clone(), params_size))
             .or_insert_with(|| {
-                let mut entries = vec![wgpu::BindGroupLayoutEntry {
-                    binding: 0,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: true,
-                        min_binding_size: wgpu::BufferSize::new(params_size),
-                    },
-                    count: None,
-                }];
-                for (i, a) in accesses.iter().enumerate() {
-                    entries.push(wgpu::BindGroupLayoutEntry {
-                        binding: i as u32 + 1,
-                        visibility: wgpu::ShaderStages::COMPUTE,
-                        ty: wgpu::BindingType::Buffer {
-                            ty: wgpu::BufferBindingType::Storage {
-                                read_only: *a == Access::Read,
-                            },
-                            has_dynamic_offset: false,
-                            min_binding_size: None,
-                        },
-                        count: None,
-                    });
-                }
+                let entries = layout_entries(&accesses, params_size);
                 let bgl = self
                     .device
                     .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
@@ -566,6 +603,15 @@ impl WgpuDevice {
         compiling::queued(wanted.len() * if compiles_on_first_run { 2 } else { 1 });
         // Modules and layouts need the state; they are cheap next to the driver's
         // compile, which happens in the workers.
+        // GEMM blocks that take seconds to build (32 rows and up) get a stand-in while
+        // they build (`matmul::stand_in`, built ahead here), so they are off the
+        // critical path: they build last, and every worker takes launch order, so the
+        // step's own pipelines are ready first and the big blocks build while it runs.
+        // Their first run, which compiles their machine code, happens on the primer's
+        // device as part of their build, not on this device's queue.
+        // Without stand-ins (no subgroups: no big blocks either), worker 0 takes the
+        // costliest pipeline left, as those are the critical path then.
+        let stand_ins = self.caps.subgroup_sizes.is_some() && compiles_on_first_run;
         let jobs: Vec<Job> = wanted
             .into_iter()
             .map(|w| {
@@ -573,23 +619,33 @@ impl WgpuDevice {
                 if compiles_on_first_run {
                     s.first_runs.insert(w.key.clone());
                 }
+                let source = shader::assemble(w.kernel, &w.key.reprs, &w.key.consts);
+                let prime = (stand_ins && slow_gemm(&w.key))
+                    .then(|| self.primer())
+                    .flatten()
+                    .map(|primer| {
+                        let accesses: Vec<Access> =
+                            w.kernel.slots.iter().map(|slot| slot.access).collect();
+                        let prime = Prime {
+                            entries: layout_entries(&accesses, w.kernel.params_size),
+                            params_size: w.kernel.params_size,
+                            trusted: w.kernel.trusted,
+                            constants: w.key.constants(),
+                            source: source.clone(),
+                        };
+                        (primer, prime)
+                    });
                 Job {
-                    cost: shader::assemble(w.kernel, &w.key.reprs, &w.key.consts).len(),
+                    cost: source.len(),
                     module: self.module(s, &w.key, w.kernel),
                     layout: self.layout(s, w.kernel).1.clone(),
                     key: w.key,
+                    prime,
                 }
             })
             .collect();
         let mut jobs = jobs;
         let threads = compile_threads().min(jobs.len()).max(1);
-        // GEMM blocks that take seconds to build (32 rows and up) get a stand-in while
-        // they build (`matmul::stand_in`, built ahead here), so they are off the
-        // critical path: they build last, and every worker takes launch order, so the
-        // step's own pipelines are ready first and the big blocks build while it runs.
-        // Without stand-ins (no subgroups: no big blocks either), worker 0 takes the
-        // costliest pipeline left, as those are the critical path then.
-        let stand_ins = self.caps.subgroup_sizes.is_some() && compiles_on_first_run;
         if stand_ins {
             jobs.sort_by_key(|j| slow_gemm(&j.key));
         }
@@ -605,6 +661,13 @@ impl WgpuDevice {
                         let mut q = mine.lock().unwrap_or_else(|e| e.into_inner());
                         let pick = if worker == 0 && threads > 1 && !stand_ins {
                             (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
+                        } else if stand_ins
+                            && worker > 0
+                            && q.first().is_some_and(|j| slow_gemm(&j.key))
+                        {
+                            // The big blocks (last in the queue) build one at a time on
+                            // worker 0, so the step running their stand-ins keeps a core.
+                            None
                         } else {
                             (!q.is_empty()).then_some(0)
                         };
@@ -613,6 +676,20 @@ impl WgpuDevice {
                             None => return,
                         }
                     };
+                    if let Some((primer, prime)) = &job.prime {
+                        let t = std::time::Instant::now();
+                        // Only time is at stake: where it fails, this device's first
+                        // run compiles the block, as without a primer.
+                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            primer.run_once(prime)
+                        })) {
+                            Ok(Ok(())) => log_compile("first run (primer) of", &job.key, t),
+                            Ok(Err(e)) => {
+                                log_compile(&format!("priming failed ({e})"), &job.key, t)
+                            }
+                            Err(_) => log_compile("priming panicked", &job.key, t),
+                        }
+                    }
                     let t = std::time::Instant::now();
                     // A dispatch waits for this result: a panic must become an error,
                     // not a wait that never ends.
@@ -649,6 +726,20 @@ impl WgpuDevice {
             }
         }
         Ok(())
+    }
+
+    /// The second device big GEMM blocks first run on (software drivers with Mesa's
+    /// shader cache on), opened at first need.
+    fn primer(&self) -> Option<Arc<Primer>> {
+        self.primer
+            .get_or_init(|| {
+                if !mesa_cache_on() {
+                    return None;
+                }
+                let desc = device_descriptor(self.features, &self.limits);
+                Primer::open(&self.adapter, &desc).map(Arc::new)
+            })
+            .clone()
     }
 
     /// Takes a pipeline the workers build, waiting for it if it is not ready yet.
@@ -724,6 +815,15 @@ impl WgpuDevice {
     /// own was still building on a compile worker.
     pub fn stand_in_launches(&self) -> u64 {
         self.lock().stand_ins
+    }
+
+    /// Pipelines whose first run (a software driver's machine code) happened on the
+    /// primer's device rather than this one's queue (see `primer.rs`).
+    pub fn primed_pipelines(&self) -> u64 {
+        self.primer
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, |p| p.primed.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Waits until the compile workers have built every pipeline they were given.

@@ -10,6 +10,7 @@ mod matmul;
 mod peak;
 /// The on-disk pipeline cache file format and place, shared with the raw Vulkan backend.
 pub mod pipeline_cache;
+mod primer;
 mod profile;
 pub mod shader;
 mod spirv;
