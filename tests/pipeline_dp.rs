@@ -305,9 +305,14 @@ fn zero_1_and_2_over_the_replicas_of_each_stage_equal_zero_0() {
             }
         }
         // Exactly: ZeRO-2's devices hold ZeRO-1's bytes less the shared-away block
-        // gradients.
+        // gradients, as `Pipeline::memory` (and so `kiln estimate`) predicts them.
         let saved = second_blocks_gradient_bytes(4);
         assert!(saved.iter().all(|&b| b > 0));
+        let predicted =
+            Pipeline::memory(model().as_ref(), &options(), &PartitionMethod::Uniform, pp).unwrap();
+        for (s, m) in predicted.iter().enumerate() {
+            assert_eq!(m.gradients - m.shared_gradients, saved[s], "stage {s}");
+        }
         for (f, (two, one)) in device_bytes(&zero2)
             .iter()
             .zip(device_bytes(&zero1))
