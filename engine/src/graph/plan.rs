@@ -44,7 +44,8 @@ pub struct Bindings {
     /// with no `groups`, the f32 master and moments the update uses too. Two
     /// parameters may name one gradient buffer (ZeRO stage 2's shared block
     /// gradients): then every micro-batch writes its gradients afresh, and the caller
-    /// takes them as they become final ([`Plan::accumulate_with`]).
+    /// takes them as they become final ([`Plan::accumulate_with`],
+    /// [`Plan::backward_with`]).
     pub params: Vec<ParamBuffers>,
     /// A buffer for every input tensor, of its dtype and length.
     pub inputs: Vec<(Tensor, Buffer)>,

@@ -55,19 +55,28 @@
 //! receives only its slice of the averaged gradient, updates it and the updated model
 //! copies are gathered back to every replica of the stage.
 //!
-//! What ZeRO stage 2 saves here, and what not: in DeepSpeed, stage 2 reduce-scatters
-//! the gradients after each micro-batch's backward, so a rank never holds more than
-//! a bucket of unreduced gradients beyond its own shard. Here a stage's 1F1B slots
-//! accumulate every micro-batch into the stage's full gradient buffers on the device
-//! (several micro-batches' backwards interleave with forwards, so there is no point
-//! where one micro-batch's gradients stand alone to hand over), and they are reduced
-//! once, after the last backward. Stage 2 therefore keeps the same device memory as
-//! stage 1 (the full model copy and gradients of the stage, plus the rank's shard of
-//! masters, moments and reduced gradient); it is accepted so a ZeRO-2 config trains
-//! pipelined, with stage 1's numerics and memory. Saving the gradient memory would
-//! take handing each micro-batch's block gradients over during backward (a stage
-//! plan's ready groups, as `exchange::during_backward` does for a network) into
-//! shared block gradient buffers; that is not done.
+//! ZeRO stage 2 over replicas also partitions the gradients, as
+//! [`Network::share_block_gradients`] does for a data-parallel rank: the stage's
+//! blocks alike to its first write their gradients into that block's buffers (the
+//! parameters outside blocks — embeddings, a tied copy, the final norm and head —
+//! keep their own), so a device holds one block's gradients instead of all its
+//! blocks'. Every slot's plan is compiled over those shared buffers and so writes each
+//! micro-batch's gradients afresh; each backward ([`Plan::backward_with`]) hands over
+//! each group of parameters ([`Network::ready_groups`]' cut: each block in two parts,
+//! then the rest) as soon as its gradients are final, its copies queued in-stream
+//! before the next block overwrites them, and a downloader thread per stage fetches
+//! them. 1F1B runs a stage's backwards in micro-batch order (the forwards between
+//! them never touch gradients), so the downloader adds each replica's micro-batches
+//! on the host in order, `old + new` in f32 as the device accumulation it replaces,
+//! and the coordinator folds the replicas as for stage 1; each rank's shard then takes
+//! its slice. At one micro-batch per replica that is ZeRO-0's sum bit for bit. With
+//! more it rounds differently wherever a device kernel accumulates into the gradient
+//! other than as `old + new` (the CPU reference GEMM adds the old gradient before its
+//! one rounding; its norm kernels add row by row), within 1e-5 in fp32; in fp16 ZeRO-0
+//! adds the micro-batches in the f16 gradient buffers, stage 2 adds the f16 gradients
+//! in f32. A stage with one block (or none alike) has nothing to share and
+//! accumulates on the device as under stage 1. With one replica the one shard is the
+//! whole state and nothing is partitioned, as in the data-parallel trainer.
 //!
 //! Activation checkpointing per stage would recompute a slot's forward before its
 //! backward instead of keeping `p - s` slots; it is not here.
@@ -75,6 +84,8 @@
 //! [`exchange::fold`]: super::exchange::fold
 //! [`exchange::inspect`]: super::exchange::inspect
 //! [`Network`]: crate::models::Network
+//! [`Network::share_block_gradients`]: crate::models::Network::share_block_gradients
+//! [`Network::ready_groups`]: crate::models::Network::ready_groups
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -256,8 +267,8 @@ impl Pipeline {
     /// `devs.len() / stages` replicas of `model` cut into `stages` stages (pp × dp):
     /// device `s * dp + r` runs stage `s` of replica `r`. Every replica starts from
     /// the same weights; with `zero_stage` 1 or 2 and more than one replica, each
-    /// stage's optimizer state is sharded over the stage's replicas (see the module
-    /// doc for what stage 2 saves).
+    /// stage's optimizer state is sharded over the stage's replicas, and under 2 its
+    /// alike blocks share one block's gradient buffers (see the module doc).
     pub fn replicated(
         devs: Vec<Box<dyn Device>>,
         model: Arc<dyn Model>,
