@@ -1341,6 +1341,9 @@ type Staged = Vec<(usize, PendingDownload)>;
 /// micro-batches it holds.
 type Handed = Vec<(Vec<f32>, usize)>;
 
+/// A ZeRO-2 stage's line to its downloader: the staged copies out, the sums back.
+type Handing = (Sender<Staged>, Receiver<Result<Handed>>);
+
 /// A ZeRO-2 stage's gradient downloader: waits for each staged copy in the order the
 /// backwards queued them (micro-batches in order) and adds it to the parameter's sum
 /// on the host, `old + new` in f32, as the stage's own buffers would have accumulated
@@ -1448,10 +1451,7 @@ impl Run<'_> {
         dev: &dyn Device,
         (ticks, end): (&[Vec<Instr>], &[Instr]),
         links: &Links,
-        (parcels, mut handing): (
-            Sender<Parcel>,
-            Option<(Sender<Staged>, Receiver<Result<Handed>>)>,
-        ),
+        (parcels, mut handing): (Sender<Parcel>, Option<Handing>),
     ) -> Result<StageStats> {
         let s = self.s;
         let me = stage_name(s, self.r, self.dp);
