@@ -252,11 +252,16 @@ pub fn pipeline_report(
     let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
     let dp = world / stages;
     // ZeRO 1/2 shard each stage's masters and moments over its replicas (to within one
-    // element's rounding); stage 2 does not shard a pipeline's gradients.
+    // element's rounding); under 2 a stage's blocks alike to its first share that
+    // block's gradient buffers, so a device holds one block's gradients.
     let sharded = zero_stage >= 1 && dp > 1;
-    if sharded {
-        for m in &mut memory {
+    let partitioned = zero_stage == 2 && dp > 1;
+    for m in &mut memory {
+        if sharded {
             m.optimizer = m.optimizer.div_ceil(dp as u64);
+        }
+        if partitioned {
+            m.gradients = m.shared_gradients;
         }
     }
     let cut = match method {
@@ -271,7 +276,12 @@ pub fn pipeline_report(
         "{}: {stages} pipeline stage(s) x {dp} data-parallel replica(s), {dtype}, micro-batch \
          {micro_batch}, m = {m} micro-batches per step, partition {cut}{}",
         model.describe(),
-        if sharded {
+        if partitioned {
+            format!(
+                ", ZeRO stage 2: master+Adam sharded over the {dp} replicas, each stage's alike \
+                 blocks share one block's gradients"
+            )
+        } else if sharded {
             format!(", ZeRO stage {zero_stage}: master+Adam sharded over the {dp} replicas")
         } else {
             String::new()

@@ -412,11 +412,16 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             .iter()
             .flat_map(|m| {
                 // ZeRO 1/2 leave each replica a 1/dp shard of its stage's optimizer
-                // state (to within one element's rounding).
+                // state (to within one element's rounding); under 2 the stage's alike
+                // blocks share one set of gradient buffers.
                 let sharded = ds.zero.stage >= 1 && dp > 1;
                 let bytes = ModelStateBytes {
                     weights: m.weights,
-                    gradients: m.gradients,
+                    gradients: if ds.zero.stage == 2 && dp > 1 {
+                        m.shared_gradients
+                    } else {
+                        m.gradients
+                    },
                     optimizer: if sharded {
                         m.optimizer.div_ceil(dp as u64)
                     } else {
@@ -566,15 +571,6 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     }
     if let Some(w) = bubble_warning(stages, ds.batch.grad_accum) {
         log(&bar, format!("warning: {w}"));
-    }
-    if stages > 1 && world > 1 && ds.zero.stage == 2 {
-        log(
-            &bar,
-            "note: zero_optimization.stage 2 with pipeline stages shards the optimizer \
-             state over the replicas as stage 1 does, but not the gradients: each stage \
-             accumulates its micro-batches' gradients whole and reduces them once per step"
-                .to_string(),
-        );
     }
 
     let tokens_per_step = (b * t * ds.batch.grad_accum * world) as f64;

@@ -408,7 +408,8 @@ fn estimate_reports_stages_replicas_and_micro_batches() {
 }
 
 /// With ZeRO 1 or 2 in the config, each replica holds a 1/dp shard of its stage's
-/// master weights and moments: the estimate's column halves over 2 replicas.
+/// master weights and moments: the estimate's column halves over 2 replicas. Under 2
+/// the stage's gradients also shrink to one block's (plus those outside blocks).
 #[test]
 fn estimate_shards_each_stages_optimizer_state_over_its_replicas_under_zero() {
     let dir = scratch("estimate-zero");
@@ -418,7 +419,8 @@ fn estimate_shards_each_stages_optimizer_state_over_its_replicas_under_zero() {
         r#"{"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 16, "vocab_size": 4096}"#,
     )
     .unwrap();
-    let optimizer_mib = |zero: u8| {
+    // (gradients, master+Adam) MiB of stage 0.
+    let stage0_mib = |zero: u8| {
         let config = dir.join(format!("ds{zero}.json"));
         std::fs::write(
             &config,
@@ -445,17 +447,38 @@ fn estimate_shards_each_stages_optimizer_state_over_its_replicas_under_zero() {
             zero == 1,
             "{text}"
         );
-        // "0  0..2  w MiB  g MiB  optimizer MiB ...": stage 0's master+Adam.
+        assert_eq!(
+            text.contains(
+                "ZeRO stage 2: master+Adam sharded over the 2 replicas, each stage's \
+                 alike blocks share one block's gradients"
+            ),
+            zero == 2,
+            "{text}"
+        );
+        // "0  0..2  w MiB  g MiB  optimizer MiB ...": stage 0's gradients, master+Adam.
         let row = text.lines().find(|l| l.starts_with("0 ")).unwrap();
-        row.split_whitespace()
-            .nth(6)
-            .unwrap()
-            .parse::<f64>()
-            .unwrap()
+        let column = |k: usize| {
+            row.split_whitespace()
+                .nth(k)
+                .unwrap()
+                .parse::<f64>()
+                .unwrap()
+        };
+        (column(4), column(6))
     };
-    let (whole, shard) = (optimizer_mib(0), optimizer_mib(1));
+    let ((grads, whole), (grads1, shard)) = (stage0_mib(0), stage0_mib(1));
     assert!(whole > 10.0, "{whole} MiB");
     assert!((shard - whole / 2.0).abs() <= 0.1, "{shard} vs {whole} / 2");
+    assert_eq!(grads1, grads);
+    // Stage 2: the same shard, and stage 0's second block writes its gradients into the
+    // first's buffers: one GPT block's f32 gradients (12C² + 13C elements) fewer.
+    let (grads2, shard2) = stage0_mib(2);
+    assert_eq!(shard2, shard);
+    let block = (12 * 256 * 256 + 13 * 256) as f64 * 4.0 / (1 << 20) as f64;
+    assert!(
+        (grads - grads2 - block).abs() <= 0.1,
+        "ZeRO-2 stage 0 gradients {grads2} MiB vs {grads} MiB less one block's {block}"
+    );
 }
 
 /// Without `--pipeline-stages`, `kiln estimate` takes the stages (and the partition)

@@ -44,7 +44,8 @@ pub struct Bindings {
     /// with no `groups`, the f32 master and moments the update uses too. Two
     /// parameters may name one gradient buffer (ZeRO stage 2's shared block
     /// gradients): then every micro-batch writes its gradients afresh, and the caller
-    /// takes them as they become final ([`Plan::accumulate_with`]).
+    /// takes them as they become final ([`Plan::accumulate_with`],
+    /// [`Plan::backward_with`]).
     pub params: Vec<ParamBuffers>,
     /// A buffer for every input tensor, of its dtype and length.
     pub inputs: Vec<(Tensor, Buffer)>,
@@ -879,6 +880,32 @@ impl Plan {
     pub fn accumulate_with(
         &mut self,
         dev: &dyn Device,
+        scalars: (f32, f32, usize),
+        groups: &[Vec<usize>],
+        ready: &mut dyn FnMut(&[usize]) -> Result<()>,
+    ) -> Result<()> {
+        self.run_handing_over(dev, 0, scalars, groups, ready)
+    }
+
+    /// [`Plan::backward`], handing over each group of parameters as its gradients are
+    /// final as [`Plan::accumulate_with`] does: a pipeline stage whose blocks share one
+    /// set of gradient buffers (ZeRO stage 2) takes every micro-batch's block by block.
+    pub fn backward_with(
+        &mut self,
+        dev: &dyn Device,
+        scalars: (f32, f32, usize),
+        groups: &[Vec<usize>],
+        ready: &mut dyn FnMut(&[usize]) -> Result<()>,
+    ) -> Result<()> {
+        self.run_handing_over(dev, self.forward_end, scalars, groups, ready)
+    }
+
+    /// Runs launches `from..` the end of backward, submitting and calling `ready` at
+    /// each group's last gradient write (never inside the forward pass).
+    fn run_handing_over(
+        &mut self,
+        dev: &dyn Device,
+        from: usize,
         (loss_scale, loss_weight, micro): (f32, f32, usize),
         groups: &[Vec<usize>],
         ready: &mut dyn FnMut(&[usize]) -> Result<()>,
@@ -896,7 +923,7 @@ impl Plan {
         }
         cuts.sort_by_key(|&(end, _)| end);
         self.prepare(loss_scale, loss_weight, micro)?;
-        let mut from = 0;
+        let mut from = from;
         for (end, g) in cuts {
             if end > from {
                 self.run(dev, from, end, micro > 0)?;

@@ -16,8 +16,8 @@ pub mod sample;
 pub use config::ModelConfig;
 pub use generate::Generator;
 pub(crate) use network::{
-    batch_input, best_per_row, check_ids, check_specs, draw_initial, in_file, random_key, record,
-    weight_copies,
+    batch_input, best_per_row, check_ids, check_sharing, check_specs, draw_initial,
+    hand_over_groups, in_file, random_key, record, shared_gradients, weight_copies,
 };
 pub use network::{
     host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,

@@ -115,7 +115,7 @@ fn arena_layout(specs: &[ParamSpec]) -> ArenaLayout {
 /// block whose gradient buffer it writes (`None`: a buffer of its own). Every block that
 /// looks like the first (same shapes and gradient kinds in the same order) shares the
 /// first block's buffers; other blocks and the parameters outside blocks keep their own.
-fn shared_gradients(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> Vec<Option<usize>> {
+pub(crate) fn shared_gradients(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> Vec<Option<usize>> {
     let mut share = vec![None; specs.len()];
     let Some(first) = blocks.first() else {
         return share;
@@ -133,6 +133,85 @@ fn shared_gradients(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> Vec<Option<us
         }
     }
     share
+}
+
+/// Refuses a `sharing` ([`shared_gradients`]) whose blocks write their gradients
+/// interleaved in backward (`writes(p)`: the launches writing parameter `p`'s): a block
+/// sharing another's buffers must be done with them before the other starts. `what`
+/// names the model.
+pub(crate) fn check_sharing(
+    blocks: &[Vec<usize>],
+    sharing: &[Option<usize>],
+    writes: &dyn Fn(usize) -> std::ops::Range<usize>,
+    what: &str,
+) -> Result<()> {
+    let span = |b: &Vec<usize>| {
+        let r: Vec<_> = b.iter().map(|&p| writes(p)).collect();
+        let lo = r.iter().map(|r| r.start).min().unwrap_or(0);
+        let hi = r.iter().map(|r| r.end).max().unwrap_or(0);
+        lo..hi
+    };
+    let sharers: Vec<(usize, std::ops::Range<usize>)> = blocks
+        .iter()
+        .enumerate()
+        .filter(|(i, b)| *i == 0 || sharing[b[0]].is_some())
+        .map(|(i, b)| (i, span(b)))
+        .collect();
+    for (k, (i, a)) in sharers.iter().enumerate() {
+        for (j, b) in &sharers[k + 1..] {
+            if a.start < b.end && b.start < a.end {
+                return Err(Error::InvalidArgument(format!(
+                    "ZeRO stage 2: blocks {i} and {j} of {what} write their gradients \
+                     interleaved in backward, so they cannot share gradient buffers; use \
+                     stage 1"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The groups of parameters handed over as backward finishes them: each of `blocks`
+/// in two parts, then the `n` parameters' rest (outside blocks). `len(p)` is parameter
+/// `p`'s elements, `writes(p)` the launches writing its gradient. See
+/// [`Network::ready_groups`].
+pub(crate) fn hand_over_groups(
+    blocks: Vec<Vec<usize>>,
+    n: usize,
+    len: &dyn Fn(usize) -> usize,
+    writes: &dyn Fn(usize) -> std::ops::Range<usize>,
+) -> Vec<Vec<usize>> {
+    // Marked in one pass: a search of every block per parameter grows with layers
+    // squared, and this runs every step.
+    let mut in_block = vec![false; n];
+    for &p in blocks.iter().flatten() {
+        if let Some(b) = in_block.get_mut(p) {
+            *b = true;
+        }
+    }
+    let mut groups = vec![];
+    for mut block in blocks {
+        // In the order backward finishes them; ties keep the declared order.
+        block.sort_by_key(|&p| writes(p).end);
+        let total: usize = block.iter().map(|&p| len(p)).sum();
+        let (mut first, mut elems) = (0, 0);
+        while first < block.len() && 2 * elems < total {
+            elems += len(block[first]);
+            first += 1;
+        }
+        // Parameters finished by the same launch stay together.
+        let end = |k: usize| writes(block[k]).end;
+        while first > 0 && first < block.len() && end(first) == end(first - 1) {
+            first += 1;
+        }
+        let rest = block.split_off(first);
+        groups.extend([block, rest].into_iter().filter(|g| !g.is_empty()));
+    }
+    let rest: Vec<usize> = (0..n).filter(|&p| !in_block[p]).collect();
+    if !rest.is_empty() {
+        groups.push(rest);
+    }
+    groups
 }
 
 /// Device bytes a [`Network`] allocates, by what they hold.
@@ -1216,39 +1295,9 @@ impl Network {
     /// whole, its gradients could only be exchanged after backward (an eighth of an
     /// 8-layer GPT's). Two parts, not one per kernel: each part costs a submission.
     pub fn ready_groups(&self) -> Vec<Vec<usize>> {
-        let blocks = self.model.blocks();
-        // Marked in one pass: a search of every block per parameter grows with layers
-        // squared, and this runs every step.
-        let mut in_block = vec![false; self.params.len()];
-        for &p in blocks.iter().flatten() {
-            if let Some(b) = in_block.get_mut(p) {
-                *b = true;
-            }
-        }
-        let mut groups = vec![];
-        for mut block in blocks {
-            // In the order backward finishes them; ties keep the declared order.
-            block.sort_by_key(|&p| self.plan.gradient_writes(p).end);
-            let len = |p: usize| self.params.get(p).map_or(0, |x| x.spec.len());
-            let total: usize = block.iter().map(|&p| len(p)).sum();
-            let (mut first, mut elems) = (0, 0);
-            while first < block.len() && 2 * elems < total {
-                elems += len(block[first]);
-                first += 1;
-            }
-            // Parameters finished by the same launch stay together.
-            let end = |k: usize| self.plan.gradient_writes(block[k]).end;
-            while first > 0 && first < block.len() && end(first) == end(first - 1) {
-                first += 1;
-            }
-            let rest = block.split_off(first);
-            groups.extend([block, rest].into_iter().filter(|g| !g.is_empty()));
-        }
-        let rest: Vec<usize> = (0..self.params.len()).filter(|&p| !in_block[p]).collect();
-        if !rest.is_empty() {
-            groups.push(rest);
-        }
-        groups
+        let len = |p: usize| self.params.get(p).map_or(0, |x| x.spec.len());
+        let writes = |p: usize| self.plan.gradient_writes(p);
+        hand_over_groups(self.model.blocks(), self.params.len(), &len, &writes)
     }
 
     fn accumulate_hooked(
@@ -1377,30 +1426,8 @@ impl Network {
         let blocks = self.model.blocks();
         let sharing = shared_gradients(&specs, &blocks);
         // The blocks that share must write their gradients one after another.
-        let span = |b: &Vec<usize>| {
-            let r: Vec<_> = b.iter().map(|&p| self.plan.gradient_writes(p)).collect();
-            let lo = r.iter().map(|r| r.start).min().unwrap_or(0);
-            let hi = r.iter().map(|r| r.end).max().unwrap_or(0);
-            lo..hi
-        };
-        let sharers: Vec<(usize, std::ops::Range<usize>)> = blocks
-            .iter()
-            .enumerate()
-            .filter(|(i, b)| *i == 0 || sharing[b[0]].is_some())
-            .map(|(i, b)| (i, span(b)))
-            .collect();
-        for (k, (i, a)) in sharers.iter().enumerate() {
-            for (j, b) in &sharers[k + 1..] {
-                if a.start < b.end && b.start < a.end {
-                    return Err(Error::InvalidArgument(format!(
-                        "ZeRO stage 2: blocks {i} and {j} of {} write their gradients \
-                         interleaved in backward, so they cannot share gradient buffers; use \
-                         stage 1",
-                        self.model.describe()
-                    )));
-                }
-            }
-        }
+        let writes = |p: usize| self.plan.gradient_writes(p);
+        check_sharing(&blocks, &sharing, &writes, &self.model.describe())?;
         let mut grads = vec![];
         for (p, shared) in self.params.iter().zip(&sharing) {
             grads.push(match shared {

@@ -55,19 +55,28 @@
 //! receives only its slice of the averaged gradient, updates it and the updated model
 //! copies are gathered back to every replica of the stage.
 //!
-//! What ZeRO stage 2 saves here, and what not: in DeepSpeed, stage 2 reduce-scatters
-//! the gradients after each micro-batch's backward, so a rank never holds more than
-//! a bucket of unreduced gradients beyond its own shard. Here a stage's 1F1B slots
-//! accumulate every micro-batch into the stage's full gradient buffers on the device
-//! (several micro-batches' backwards interleave with forwards, so there is no point
-//! where one micro-batch's gradients stand alone to hand over), and they are reduced
-//! once, after the last backward. Stage 2 therefore keeps the same device memory as
-//! stage 1 (the full model copy and gradients of the stage, plus the rank's shard of
-//! masters, moments and reduced gradient); it is accepted so a ZeRO-2 config trains
-//! pipelined, with stage 1's numerics and memory. Saving the gradient memory would
-//! take handing each micro-batch's block gradients over during backward (a stage
-//! plan's ready groups, as `exchange::during_backward` does for a network) into
-//! shared block gradient buffers; that is not done.
+//! ZeRO stage 2 over replicas also partitions the gradients, as
+//! [`Network::share_block_gradients`] does for a data-parallel rank: the stage's
+//! blocks alike to its first write their gradients into that block's buffers (the
+//! parameters outside blocks — embeddings, a tied copy, the final norm and head —
+//! keep their own), so a device holds one block's gradients instead of all its
+//! blocks'. Every slot's plan is compiled over those shared buffers and so writes each
+//! micro-batch's gradients afresh; each backward ([`Plan::backward_with`]) hands over
+//! each group of parameters ([`Network::ready_groups`]' cut: each block in two parts,
+//! then the rest) as soon as its gradients are final, its copies queued in-stream
+//! before the next block overwrites them, and a downloader thread per stage fetches
+//! them. 1F1B runs a stage's backwards in micro-batch order (the forwards between
+//! them never touch gradients), so the downloader adds each replica's micro-batches
+//! on the host in order, `old + new` in f32 as the device accumulation it replaces,
+//! and the coordinator folds the replicas as for stage 1; each rank's shard then takes
+//! its slice. At one micro-batch per replica that is ZeRO-0's sum bit for bit. With
+//! more it rounds differently wherever a device kernel accumulates into the gradient
+//! other than as `old + new` (the CPU reference GEMM adds the old gradient before its
+//! one rounding; its norm kernels add row by row), within 1e-5 in fp32; in fp16 ZeRO-0
+//! adds the micro-batches in the f16 gradient buffers, stage 2 adds the f16 gradients
+//! in f32. A stage with one block (or none alike) has nothing to share and
+//! accumulates on the device as under stage 1. With one replica the one shard is the
+//! whole state and nothing is partitioned, as in the data-parallel trainer.
 //!
 //! Activation checkpointing per stage would recompute a slot's forward before its
 //! backward instead of keeping `p - s` slots; it is not here.
@@ -75,6 +84,8 @@
 //! [`exchange::fold`]: super::exchange::fold
 //! [`exchange::inspect`]: super::exchange::inspect
 //! [`Network`]: crate::models::Network
+//! [`Network::share_block_gradients`]: crate::models::Network::share_block_gradients
+//! [`Network::ready_groups`]: crate::models::Network::ready_groups
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
@@ -88,8 +99,9 @@ use super::zero::Shards;
 use crate::device::optim::{grad_scale_reference, ParamBuffers};
 use crate::graph::{Bindings, Loss, Op, Plan, StageGraph, Tensor};
 use crate::models::{
-    batch_input, check_ids, check_specs, draw_initial, host_memory_available, random_key, record,
-    MicroBatch, Model, NetworkMemory, NetworkOptions, ParamSpec, ParamState,
+    batch_input, check_ids, check_sharing, check_specs, draw_initial, hand_over_groups,
+    host_memory_available, random_key, record, shared_gradients, MicroBatch, Model, NetworkMemory,
+    NetworkOptions, ParamSpec, ParamState,
 };
 use crate::rng::SplitMix;
 use crate::{Buffer, DType, Device, Error, HostData, PendingDownload, Result, IGNORE_TARGET};
@@ -163,6 +175,10 @@ struct Stage {
     targets: Option<usize>,
     /// Rows of the loss (a regression loss weighs each 1 / rows).
     loss_rows: usize,
+    /// ZeRO stage 2 over replicas, where the stage's alike blocks share one set of
+    /// gradient buffers: the groups of `part.params` positions each backward hands
+    /// over as their gradients are final (every micro-batch's, summed on the host).
+    hand_over: Option<Vec<Vec<usize>>>,
 }
 
 impl Stage {
@@ -251,8 +267,8 @@ impl Pipeline {
     /// `devs.len() / stages` replicas of `model` cut into `stages` stages (pp × dp):
     /// device `s * dp + r` runs stage `s` of replica `r`. Every replica starts from
     /// the same weights; with `zero_stage` 1 or 2 and more than one replica, each
-    /// stage's optimizer state is sharded over the stage's replicas (see the module
-    /// doc for what stage 2 saves).
+    /// stage's optimizer state is sharded over the stage's replicas, and under 2 its
+    /// alike blocks share one block's gradient buffers (see the module doc).
     pub fn replicated(
         devs: Vec<Box<dyn Device>>,
         model: Arc<dyn Model>,
@@ -276,10 +292,20 @@ impl Pipeline {
             parts,
             holders,
             ranges,
+            blocks,
         } = cut(model.as_ref(), options, method, p)?;
+        // ZeRO stage 2 over replicas: a stage's blocks alike to its first share that
+        // block's gradient buffers. On one replica the one shard is the whole state, as
+        // in the data-parallel trainer: nothing is partitioned.
+        let partitioned = zero_stage == 2 && dp > 1;
         // Before the first buffer: a stage that cannot fit its device is refused with
         // what it needs, not found out by an allocation that aborts.
-        let memory = stage_memory(&specs, &parts, options)?;
+        let mut memory = stage_memory(&specs, &parts, &blocks, &ranges, options)?;
+        if partitioned {
+            for m in &mut memory {
+                m.gradients = m.shared_gradients;
+            }
+        }
         for (f, dev) in devs.iter().enumerate() {
             let s = f / dp;
             let what = if dp == 1 {
@@ -308,6 +334,15 @@ impl Pipeline {
         let mut built = vec![];
         let mut shards = vec![];
         for (s, part) in parts.into_iter().enumerate() {
+            let local = local_blocks(&part, &blocks, &ranges[s]);
+            let local_specs: Vec<ParamSpec> =
+                part.params.iter().map(|&i| specs[i].clone()).collect();
+            let sharing = if partitioned {
+                shared_gradients(&local_specs, &local)
+            } else {
+                vec![None; part.params.len()]
+            };
+            let shares = sharing.iter().any(Option::is_some);
             let mut masters = vec![];
             for r in 0..dp {
                 let dev = devs[s * dp + r].as_ref();
@@ -315,6 +350,14 @@ impl Pipeline {
                 for &i in &part.params {
                     let grad = if specs[i].f32_grad { DType::F32 } else { act };
                     params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
+                }
+                // The sharing blocks' own gradient buffers go: they write the first
+                // block's.
+                for (k, shared) in sharing.iter().enumerate() {
+                    if let Some(q) = *shared {
+                        dev.free(params[k].grad)?;
+                        params[k].grad = params[q].grad;
+                    }
                 }
                 if sharded {
                     // The shards hold the optimizer state: the stage's own copies go
@@ -355,6 +398,23 @@ impl Pipeline {
                     let update = k == 0 && !sharded;
                     slots.push(compile_slot(dev, &part, &params, options, update)?);
                 }
+                // Shared buffers hold one block's gradients at a time: each block's
+                // must be final before the next block's backward starts writing, and
+                // each backward hands them over as they are.
+                let hand_over = if shares {
+                    let plan = &slots[0].plan;
+                    let writes = |k: usize| plan.gradient_writes(k);
+                    check_sharing(&local, &sharing, &writes, &model.describe())?;
+                    let len = |k: usize| local_specs[k].len();
+                    Some(hand_over_groups(
+                        local.clone(),
+                        part.params.len(),
+                        &len,
+                        &writes,
+                    ))
+                } else {
+                    None
+                };
                 built.push(Stage {
                     part: part.clone(),
                     params,
@@ -362,6 +422,7 @@ impl Pipeline {
                     input_pos,
                     targets,
                     loss_rows,
+                    hand_over,
                 });
             }
             shards.push(if sharded {
@@ -393,6 +454,9 @@ impl Pipeline {
     /// What [`Pipeline::new`] allocates on each of `stages` devices, computed without
     /// a device: parameters (model copy, gradient, f32 master and moments) of every
     /// parameter the stage holds, and its activation slots' plans and input buffers.
+    /// `shared_gradients` is a stage's gradient bytes under ZeRO stage 2 over
+    /// replicas ([`Pipeline::replicated`]): its blocks alike to its first block share
+    /// that block's buffers.
     pub fn memory(
         model: &dyn Model,
         options: &NetworkOptions,
@@ -400,7 +464,7 @@ impl Pipeline {
         stages: usize,
     ) -> Result<Vec<NetworkMemory>> {
         let c = cut(model, options, method, stages)?;
-        stage_memory(&c.specs, &c.parts, options)
+        stage_memory(&c.specs, &c.parts, &c.blocks, &c.ranges, options)
     }
 
     /// The blocks each of `stages` stages would run for `model` under `method` (what
@@ -908,6 +972,8 @@ struct Cut {
     holders: Vec<Vec<usize>>,
     /// Per stage: its blocks.
     ranges: Vec<std::ops::Range<usize>>,
+    /// The model's blocks (parameter indices per block).
+    blocks: Vec<Vec<usize>>,
 }
 
 /// Checks `model`, records its forward pass and cuts it into `p` stages by `method`.
@@ -957,15 +1023,41 @@ fn cut(
         parts,
         holders,
         ranges,
+        blocks,
     })
+}
+
+/// The blocks `range` of `blocks` as positions in `part.params` (the stage plan's
+/// parameter indices).
+fn local_blocks(
+    part: &StageGraph,
+    blocks: &[Vec<usize>],
+    range: &std::ops::Range<usize>,
+) -> Vec<Vec<usize>> {
+    blocks[range.clone()]
+        .iter()
+        .map(|b| {
+            b.iter()
+                .map(|i| {
+                    part.params
+                        .iter()
+                        .position(|p| p == i)
+                        .expect("a stage holds its blocks' parameters")
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Per stage, the bytes [`Pipeline::new`] allocates: each held parameter's five
 /// buffers, and per activation slot its plan (as compiling would share its buffers,
-/// over stand-ins) and its input buffers.
+/// over stand-ins) and its input buffers; and the gradients' bytes where the stage's
+/// alike blocks share one set (ZeRO stage 2 over replicas).
 fn stage_memory(
     specs: &[ParamSpec],
     parts: &[StageGraph],
+    blocks: &[Vec<usize>],
+    ranges: &[std::ops::Range<usize>],
     options: &NetworkOptions,
 ) -> Result<Vec<NetworkMemory>> {
     let act = options.dtype;
@@ -985,12 +1077,17 @@ fn stage_memory(
                 len,
             }
         };
+        let local_specs: Vec<ParamSpec> = part.params.iter().map(|&i| specs[i].clone()).collect();
+        let sharing = shared_gradients(&local_specs, &local_blocks(part, blocks, &ranges[s]));
         let mut params = vec![];
-        for &i in &part.params {
+        for (&i, shared) in part.params.iter().zip(&sharing) {
             let n = specs[i].len();
             let grad = if specs[i].f32_grad { DType::F32 } else { act };
             m.weights += act.padded_bytes(n);
             m.gradients += grad.padded_bytes(n);
+            if shared.is_none() {
+                m.shared_gradients += grad.padded_bytes(n);
+            }
             m.gradient_tensors += (grad.size() * n) as u64;
             m.optimizer += 3 * f(n);
             m.largest_parameter_buffer = m.largest_parameter_buffer.max(f(n));
@@ -1002,7 +1099,6 @@ fn stage_memory(
                 v: stand_in(DType::F32, n),
             });
         }
-        m.shared_gradients = m.gradients;
         let g = &part.graph;
         let mut inputs = vec![];
         let mut input_bytes = 0;
@@ -1237,6 +1333,52 @@ fn check_transfer(
 /// (activations) or the one before (their gradients), of a micro-batch.
 type Parcel = (bool, usize, Vec<(Vec<usize>, PendingDownload)>, Instant);
 
+/// Gradient copies a stage queued during one backward (ZeRO stage 2's hand-over):
+/// (`part.params` position, download) per parameter of a ready group.
+type Staged = Vec<(usize, PendingDownload)>;
+
+/// Per `part.params` entry: the host sum of its handed-over gradients, and how many
+/// micro-batches it holds.
+type Handed = Vec<(Vec<f32>, usize)>;
+
+/// A ZeRO-2 stage's line to its downloader: the staged copies out, the sums back.
+type Handing = (Sender<Staged>, Receiver<Result<Handed>>);
+
+/// A ZeRO-2 stage's gradient downloader: waits for each staged copy in the order the
+/// backwards queued them (micro-batches in order) and adds it to the parameter's sum
+/// on the host, `old + new` in f32, as the stage's own buffers would have accumulated
+/// it; the sums go to `done` once the stage stops handing over.
+fn downloader(dev: &dyn Device, staged: Receiver<Staged>, n: usize, done: Sender<Result<Handed>>) {
+    let mut sums: Handed = vec![(vec![], 0); n];
+    let mut failed = None;
+    for group in staged {
+        for (k, pending) in group {
+            // After a failure every staged copy is still finished, so none stays held.
+            let got = dev.finish_download(pending);
+            if failed.is_some() {
+                continue;
+            }
+            match got {
+                Ok(g) => {
+                    let (sum, count) = &mut sums[k];
+                    if *count == 0 {
+                        *sum = g.to_f32();
+                    } else {
+                        sum.iter_mut().zip(g.to_f32()).for_each(|(a, b)| *a += b);
+                    }
+                    *count += 1;
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+    }
+    // The stage may have stopped meanwhile: it has its own error then.
+    let _ = done.send(match failed {
+        Some(e) => Err(e),
+        None => Ok(sums),
+    });
+}
+
 /// A stage's courier: waits for each queued download and sends it on, while the stage
 /// thread records its next work (the transfer overlaps the next compute).
 fn courier(
@@ -1279,8 +1421,15 @@ impl Run<'_> {
         std::thread::scope(|scope| {
             let (s, r, dp) = (self.s, self.r, self.dp);
             let sent = scope.spawn(move || courier((s, r, dp), dev, inbox, act_out, grad_out));
-            // Ends the courier's loop when this returns, whichever way.
-            let ran = self.run(stage, dev, (ticks, end), &links, parcels);
+            let handing = stage.hand_over.is_some().then(|| {
+                let (to_downloader, staged) = channel::<Staged>();
+                let (done, sums) = channel::<Result<Handed>>();
+                let n = stage.params.len();
+                scope.spawn(move || downloader(dev, staged, n, done));
+                (to_downloader, sums)
+            });
+            // Ends the courier's (and downloader's) loop when this returns, whichever way.
+            let ran = self.run(stage, dev, (ticks, end), &links, (parcels, handing));
             let sent = sent.join().unwrap_or_else(|_| {
                 Err(Error::InvalidArgument(format!(
                     "{}'s transfer thread panicked",
@@ -1302,7 +1451,7 @@ impl Run<'_> {
         dev: &dyn Device,
         (ticks, end): (&[Vec<Instr>], &[Instr]),
         links: &Links,
-        parcels: Sender<Parcel>,
+        (parcels, mut handing): (Sender<Parcel>, Option<Handing>),
     ) -> Result<StageStats> {
         let s = self.s;
         let me = stage_name(s, self.r, self.dp);
@@ -1398,8 +1547,34 @@ impl Run<'_> {
                     } else {
                         1.0
                     };
-                    slot.plan
-                        .backward(dev, (self.o.loss_scale, weight, micro))?;
+                    let scalars = (self.o.loss_scale, weight, micro);
+                    match (&stage.hand_over, &handing) {
+                        (Some(groups), Some((to_downloader, _))) => {
+                            // Each group's copies are queued in-stream right behind its
+                            // last gradient write, before the next block overwrites the
+                            // shared buffers.
+                            let params = &stage.params;
+                            let mut ready = |group: &[usize]| -> Result<()> {
+                                let mut staged = vec![];
+                                for &k in group {
+                                    match dev.begin_download(params[k].grad) {
+                                        Ok(pending) => staged.push((k, pending)),
+                                        Err(e) => {
+                                            for (_, pending) in staged {
+                                                let _ = dev.finish_download(pending);
+                                            }
+                                            return Err(e);
+                                        }
+                                    }
+                                }
+                                to_downloader.send(staged).map_err(|_| {
+                                    peer_stopped(&me, &format!("{me}'s gradient downloader"))
+                                })
+                            };
+                            slot.plan.backward_with(dev, scalars, groups, &mut ready)?;
+                        }
+                        _ => slot.plan.backward(dev, scalars)?,
+                    }
                 }
                 Instr::SendGrad { micro } => {
                     let slot = &stage.slots[micro % slots];
@@ -1425,7 +1600,15 @@ impl Run<'_> {
             // (one exchange with the coordinator); a data-parallel exchange within a
             // stage has nothing to do with one replica.
             if *instr == Instr::OptimizerStep {
-                self.finish(stage, dev, links)?;
+                let handed = match handing.take() {
+                    Some((to_downloader, sums)) => {
+                        drop(to_downloader);
+                        let gone = || peer_stopped(&me, &format!("{me}'s gradient downloader"));
+                        Some(sums.recv().map_err(|_| gone())??)
+                    }
+                    None => None,
+                };
+                self.finish(stage, dev, links, handed)?;
             }
         }
         Ok(StageStats {
@@ -1436,9 +1619,16 @@ impl Run<'_> {
     }
 
     /// The step's end on this stage: report overflow, squared norm, replicated
-    /// gradients (with replicas: every gradient) and loss; take the decision; write
-    /// the summed gradients back; update.
-    fn finish(&self, stage: &mut Stage, dev: &dyn Device, links: &Links) -> Result<()> {
+    /// gradients (with replicas: every gradient; `handed`: those the backwards handed
+    /// over, summed on the host) and loss; take the decision; write the summed
+    /// gradients back; update.
+    fn finish(
+        &self,
+        stage: &mut Stage,
+        dev: &dyn Device,
+        links: &Links,
+        handed: Option<Handed>,
+    ) -> Result<()> {
         let s = self.s;
         let has_loss = stage.part.graph.losses().is_some();
         let all = self.dp > 1;
@@ -1456,9 +1646,26 @@ impl Run<'_> {
             None
         };
         let mut grads = vec![];
-        for (k, &i) in stage.part.params.iter().enumerate() {
-            if all || self.holders[i].len() > 1 {
-                grads.push((i, dev.download(stage.params[k].grad)?.to_f32()));
+        match handed {
+            Some(handed) => {
+                for ((sum, count), &i) in handed.into_iter().zip(&stage.part.params) {
+                    if count != self.m {
+                        return Err(Error::InvalidArgument(format!(
+                            "{}: parameter {i}'s gradients were handed over {count} times in \
+                             a step of {} micro-batches",
+                            stage_name(s, self.r, self.dp),
+                            self.m
+                        )));
+                    }
+                    grads.push((i, sum));
+                }
+            }
+            None => {
+                for (k, &i) in stage.part.params.iter().enumerate() {
+                    if all || self.holders[i].len() > 1 {
+                        grads.push((i, dev.download(stage.params[k].grad)?.to_f32()));
+                    }
+                }
             }
         }
         links
