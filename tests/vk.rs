@@ -488,12 +488,13 @@ fn the_cooperative_matrix_gemm_matches_the_cpu_where_the_device_has_it() {
 /// names it for every product, so the cooperative-matrix GEMM is never taken there.
 #[test]
 fn lavapipe_has_no_cooperative_matrix_and_never_routes_there() {
-    let dev = kiln::vulkan::VkDevice::open(0, &Default::default()).unwrap();
-    assert!(
-        dev.caps().name.contains("llvmpipe"),
-        "vk:0 is {}, not lavapipe: this test pins lavapipe's answer",
-        dev.caps().name
-    );
+    let lavapipe = kiln::vulkan::physical_devices()
+        .into_iter()
+        .find(|d| d.caps.name.contains("llvmpipe"))
+        .expect(
+            "no lavapipe among the Vulkan devices: install mesa-vulkan-drivers (scripts/setup.sh)",
+        );
+    let dev = kiln::vulkan::VkDevice::open(lavapipe.index, &Default::default()).unwrap();
     let why = dev.cooperative_matrix().unwrap_err();
     assert_eq!(why, "the driver does not offer VK_KHR_cooperative_matrix");
     let mm = kiln::engine::Matmul::new(
