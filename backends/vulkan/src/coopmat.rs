@@ -88,7 +88,7 @@ pub fn select(props: &[CoopMatProps]) -> Option<CoopMatShape> {
                 && p.scope == vk::ScopeKHR::SUBGROUP
                 && [p.m, p.n, p.k]
                     .iter()
-                    .all(|&d| d > 0 && d % 8 == 0 && d <= MAX_DIM)
+                    .all(|&d| d > 0 && d.is_multiple_of(8) && d <= MAX_DIM)
         })
         .map(|p| CoopMatShape {
             m: p.m,
@@ -254,7 +254,8 @@ pub fn route(
     if mm.m == 0 || mm.n == 0 || mm.k == 0 {
         return Err("an empty product (M, N or K is 0)".into());
     }
-    if mm.m % s.m as usize != 0 || mm.n % s.n as usize != 0 || mm.k % s.k as usize != 0 {
+    let whole = |side: usize, tile: u32| side.is_multiple_of(tile as usize);
+    if !(whole(mm.m, s.m) && whole(mm.n, s.n) && whole(mm.k, s.k)) {
         return Err(format!(
             "{}x{}x{} is not a multiple of the {s} cooperative-matrix tile (M x N x K): \
              it has no bounds checks, so pad the product to multiples of {s} to use it",
@@ -277,7 +278,7 @@ pub fn route(
         ("B's first element", offsets.b),
         ("C's first element", offsets.c),
     ];
-    if let Some((what, bytes)) = checks.iter().find(|(_, b)| b % 16 != 0) {
+    if let Some((what, bytes)) = checks.iter().find(|(_, b)| !b.is_multiple_of(16)) {
         return Err(format!(
             "{what} is at {bytes} bytes, not a multiple of the 16 bytes cooperative-matrix \
              loads and stores need"

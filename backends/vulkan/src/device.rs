@@ -402,7 +402,7 @@ impl VkDevice {
     /// Pipelines built so far (tests check that a prepared plan's launches add none).
     pub fn pipeline_count(&self) -> usize {
         let s = self.lock();
-        s.pipelines.len() + s.gemm.len()
+        s.pipelines.len() + s.gemm.len() + s.glsl.len()
     }
 
     /// Which GEMM a `Kernel::Matmul` of `mm` runs here, and why (see [`GemmRoute`]).
