@@ -10,6 +10,12 @@
 #   bash scripts/gpu-check.sh --quick            # small shapes and a few tests (minutes on lavapipe)
 #   bash scripts/gpu-check.sh --dry-run          # print the steps, run nothing
 #   bash scripts/gpu-check.sh --out report.md
+#   bash scripts/gpu-check.sh --no-coopmat       # a GPU without VK_KHR_cooperative_matrix
+#
+# The cooperative-matrix GEMM (f16, VK_KHR_cooperative_matrix) is checked against the
+# CPU with KILN_TEST_COOPMAT=1: on a GPU without it that step fails, naming why (pass
+# --no-coopmat there). Its f16 GEMMs are benched twice, with it and without it
+# (KILN_VK_COOPMAT=0), rows `coopmat MxNxK` beside the other kernel.
 #
 # The kernel tests find the device through KILN_TEST_VULKAN and KILN_TEST_VK
 # (tests/common/mod.rs). KILN=path/to/kiln uses that binary instead of building one.
@@ -18,7 +24,7 @@
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-quick=0 dry=0 vulkan="" vk="" out=""
+quick=0 dry=0 vulkan="" vk="" out="" coopmat=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
@@ -26,7 +32,8 @@ while [ $# -gt 0 ]; do
         --vulkan) vulkan="${2:?--vulkan takes a wgpu device, e.g. vulkan:1}"; shift ;;
         --vk) vk="${2:?--vk takes a raw Vulkan device, e.g. vk:1}"; shift ;;
         --out) out="${2:?--out takes a file}"; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --no-coopmat) coopmat=0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument \`$1\` (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -72,6 +79,9 @@ if [ "$dry" = 0 ] || [ -x "$KILN" ]; then
     done
 fi
 vulkan="${vulkan:-vulkan:0}" vk="${vk:-vk:0}"
+# A CPU driver (no GPU found) has no cooperative matrix: the check then only shows
+# the route refusing it.
+[ "$cpu_only" = 1 ] && coopmat=0
 
 stamp="$(date -u +%Y-%m-%dT%H%M%SZ)"
 [ -n "$out" ] || out="$root/benches/gpu-check-$stamp.md"
@@ -91,6 +101,8 @@ if [ "$quick" = 1 ]; then
     filter="-- vk"
 fi
 step "kernel tests ($vulkan, $vk)" "KILN_TEST_VULKAN=$vulkan KILN_TEST_VK=$vk cargo test ${profile[*]} -p kiln ${tests[*]} $filter"
+# The cooperative-matrix GEMM against the CPU (tests/vk.rs), required unless --no-coopmat.
+step "cooperative-matrix GEMM ($vk)" "KILN_TEST_VK=$vk KILN_TEST_COOPMAT=$coopmat KILN_GEMM_LOG=1 cargo test ${profile[*]} -p kiln --test vk -- cooperative_matrix_gemm --nocapture"
 step "peak" "\"$KILN\" bench peak --devices $vulkan --json > $work/peak.json"
 if [ "$quick" = 1 ]; then
     step "GEMM" "\"$KILN\" bench matmul --devices $vk,$vulkan --spirv --dtypes f32 --sizes 96 --naive-up-to 0 --budget-ms 20 --json $work/matmul.json"
@@ -98,6 +110,8 @@ if [ "$quick" = 1 ]; then
 else
     # The default shapes: squares 256..2048 and GPT-2 124M's GEMMs at T 1024.
     step "GEMM" "\"$KILN\" bench matmul --devices $vk,$vulkan --spirv --dtypes f32,f16 --naive-up-to 0 --json $work/matmul.json"
+    # The same f16 GEMMs on the raw Vulkan device without the cooperative-matrix GEMM.
+    [ "$coopmat" = 1 ] && step "GEMM without coopmat" "KILN_VK_COOPMAT=0 \"$KILN\" bench matmul --devices $vk --dtypes f16 --naive-up-to 0 --json $work/matmul_nocoop.json"
     # GPT-2 124M: 12 heads of 64, T 1024 (batch 1), and longer contexts.
     step "attention" "\"$KILN\" bench attention --devices $vk,$vulkan --heads 12 --dim 64 --seqs 1024,2048 --dtype f16 --json $work/attention.json"
     step "train" "\"$KILN\" bench train --model gpt2 --devices $vk,$vulkan --precision fp32,fp16 --json $work/train.json"
@@ -159,7 +173,7 @@ def pct(g):
     return "-" if not peak else "%.1f%%" % (100.0 * g / peak)
 if peak:
     print("Peak (`kiln bench peak`): %.1f GFLOP/s f32 FMA, %.1f GB/s copy.\n" % (peak, peaks[0]["gbps"]))
-rows = load("matmul.json")
+rows = (load("matmul.json") or []) + (load("matmul_nocoop.json") or [])
 if rows:
     print("| device | dtype | shape | M x N x K | kernel | GFLOP/s | % of peak | CPU sgemm GFLOP/s |")
     print("|---|---|---|---|---|---|---|---|")

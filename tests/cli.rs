@@ -534,8 +534,10 @@ fn train_then_runs_lists_and_diffs_the_runs() {
 
 /// scripts/gpu-check.sh, checked here without a GPU: it parses (`bash -n`), and its dry
 /// run lists every step for the devices it picks or is given, in quick and full mode:
-/// the kernel tests on both backends through KILN_TEST_VULKAN / KILN_TEST_VK, the peak,
-/// and the GEMM and attention benches (GPT-2 shapes in full mode) with both devices.
+/// the kernel tests on both backends through KILN_TEST_VULKAN / KILN_TEST_VK, the
+/// cooperative-matrix GEMM's test (required on a GPU unless `--no-coopmat`, not on a
+/// CPU driver), the peak, and the GEMM and attention benches (GPT-2 shapes in full
+/// mode) with both devices, f16 GEMMs also without the cooperative-matrix GEMM.
 /// (Its quick mode runs the steps for real on lavapipe in under a minute; that run is
 /// not a test here, as it builds and runs tests itself.)
 #[test]
@@ -565,6 +567,9 @@ fn gpu_check_script_lists_its_steps_for_both_backends() {
         "bench peak --devices vulkan:0",
         "bench matmul --devices vk:0,vulkan:0 --spirv",
         "bench attention --devices vk:0,vulkan:0",
+        // lavapipe is a CPU driver: the test runs, showing the route refuse it.
+        "KILN_TEST_VK=vk:0 KILN_TEST_COOPMAT=0 KILN_GEMM_LOG=1 cargo test",
+        "-p kiln --test vk -- cooperative_matrix_gemm",
     ] {
         assert!(quick.contains(want), "no `{want}` in:\n{quick}");
     }
@@ -576,9 +581,25 @@ fn gpu_check_script_lists_its_steps_for_both_backends() {
         "bench matmul --devices vk:3,vulkan:2 --spirv --dtypes f32,f16",
         "bench attention --devices vk:3,vulkan:2 --heads 12 --dim 64 --seqs 1024",
         "bench train --model gpt2 --devices vk:3,vulkan:2",
+        "KILN_TEST_VK=vk:3 KILN_TEST_COOPMAT=1 KILN_GEMM_LOG=1 cargo test --release -p kiln \
+         --test vk -- cooperative_matrix_gemm",
+        "KILN_VK_COOPMAT=0",
     ] {
         assert!(full.contains(want), "no `{want}` in:\n{full}");
     }
+    let (code, plain, err) = run(&[
+        "--dry-run",
+        "--vk",
+        "vk:3",
+        "--vulkan",
+        "vulkan:2",
+        "--no-coopmat",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        plain.contains("KILN_TEST_COOPMAT=0") && !plain.contains("KILN_VK_COOPMAT=0"),
+        "{plain}"
+    );
     let (code, _, err) = run(&["--fast"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("unknown argument `--fast`"), "{err}");

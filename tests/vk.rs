@@ -333,3 +333,185 @@ fn prepared_launches_build_no_more_pipelines() {
         assert!((g - w).abs() <= 2e-2 * w.abs().max(1.0), "{g} vs {w}");
     }
 }
+
+/// The cooperative-matrix GEMM against the CPU reference, on `vk:0` (or the device
+/// `KILN_TEST_VK` names). Where the device selected it, every aligned f16 product below
+/// runs there (route and counter say so) and matches the CPU, and a product off its
+/// tile takes another GEMM, saying why. Where it did not (lavapipe: no
+/// VK_KHR_cooperative_matrix), the route says "no cooperative matrix", nothing runs
+/// there, and the same products still match the CPU through the other GEMMs; with
+/// `KILN_TEST_COOPMAT=1` (scripts/gpu-check.sh on a GPU that should have it) that is a
+/// failure instead.
+#[test]
+fn the_cooperative_matrix_gemm_matches_the_cpu_where_the_device_has_it() {
+    use kiln::engine::{HostData, Kernel, Matmul};
+    let dev = vk_device(false);
+    let cpu = kiln::cpu::CpuDevice::new();
+    let coop = dev.cooperative_matrix();
+    let demanded = std::env::var("KILN_TEST_COOPMAT").is_ok_and(|v| v == "1");
+    if let Err(why) = &coop {
+        assert!(
+            !demanded,
+            "KILN_TEST_COOPMAT=1, but {} has no cooperative-matrix GEMM: {why}",
+            dev.caps().name
+        );
+    }
+    // Products in whole tiles of the selected shape (16x16x16 where there is none).
+    let (tm, tn, tk) = coop.as_ref().map_or((16, 16, 16), |c| {
+        (c.shape.m as usize, c.shape.n as usize, c.shape.k as usize)
+    });
+    let mut rng = Rng::new(13);
+    let mut cases = 0;
+    for c_dtype in [DType::F32, DType::F16] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            for (mult, batch, scale) in [((1, 1, 1), 1, (1.0, 0.0)), ((3, 2, 4), 2, (0.5, -0.75))] {
+                let (m, n, k) = (tm * mult.0, tn * mult.1, tk * mult.2);
+                let mm = Matmul::new(
+                    kiln::engine::Buffer {
+                        id: 0,
+                        dtype: DType::F16,
+                        len: 0,
+                    },
+                    kiln::engine::Buffer {
+                        id: 0,
+                        dtype: DType::F16,
+                        len: 0,
+                    },
+                    kiln::engine::Buffer {
+                        id: 0,
+                        dtype: c_dtype,
+                        len: 0,
+                    },
+                    m,
+                    n,
+                    k,
+                )
+                .transpose(ta, tb)
+                .batched(batch, m * k, k * n, m * n)
+                .scaled(scale.0, scale.1);
+                let data = |rng: &mut Rng, dtype, len| {
+                    let v: Vec<f32> = (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect();
+                    HostData::from_f32(dtype, &v)
+                };
+                let a = data(&mut rng, DType::F16, batch * m * k);
+                let b = data(&mut rng, DType::F16, batch * k * n);
+                let c = data(&mut rng, c_dtype, batch * m * n);
+                let run = |d: &dyn Device, on_vk: bool| {
+                    let mut mm = mm.clone();
+                    (mm.a, mm.b, mm.c) = (put(d, &a), put(d, &b), put(d, &c));
+                    if on_vk {
+                        let route = dev.coopmat_route(&mm).unwrap();
+                        match (&coop, &route) {
+                            (Ok(_), Ok(p)) => {
+                                assert_eq!((p.trans_a, p.trans_b, p.c), (ta, tb, c_dtype))
+                            }
+                            (Ok(_), Err(why)) => panic!("{m}x{n}x{k}: not routed: {why}"),
+                            (Err(_), Ok(p)) => panic!("routed without a shape: {p:?}"),
+                            (Err(_), Err(why)) => {
+                                assert!(why.starts_with("no cooperative matrix: "), "{why}")
+                            }
+                        }
+                    }
+                    d.launch(&Kernel::Matmul(mm.clone())).unwrap();
+                    d.submit().unwrap();
+                    (d.download(mm.c).unwrap().to_f32(), a.to_f32(), b.to_f32())
+                };
+                let (got, av, bv) = run(&dev, true);
+                let (want, _, _) = run(&cpu, false);
+                // f32 sums of K products of stored f16 values (exact in f32), in
+                // another order and on matrix units: K·2^-20 of the sum of |a·b| (8x
+                // the f32 rounding bound), plus one rounding of C to its dtype.
+                let unit = if c_dtype == DType::F16 {
+                    2f32.powi(-10)
+                } else {
+                    2f32.powi(-23)
+                };
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let (z, r, col) = (i / (m * n), i / n % m, i % n);
+                    let s: f32 = (0..k)
+                        .map(|kk| {
+                            let x = if ta {
+                                av[z * m * k + kk * m + r]
+                            } else {
+                                av[z * m * k + r * k + kk]
+                            };
+                            let y = if tb {
+                                bv[z * k * n + col * k + kk]
+                            } else {
+                                bv[z * k * n + kk * n + col]
+                            };
+                            (x * y).abs()
+                        })
+                        .sum();
+                    let tol =
+                        scale.0.abs() * k as f32 * 2f32.powi(-20) * s + w.abs() * 2.0 * unit + 1e-6;
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{m}x{n}x{k} x{batch} trans ({ta}, {tb}) -> {c_dtype}: C[{i}] = {g}, \
+                         CPU {w} (tolerance {tol})"
+                    );
+                }
+                cases += 1;
+            }
+        }
+    }
+    // A product off the tile never takes it, and says why.
+    let off = Matmul::new(
+        dev.alloc(DType::F16, (tm + 1) * tk).unwrap(),
+        dev.alloc(DType::F16, tk * tn).unwrap(),
+        dev.alloc(DType::F32, (tm + 1) * tn).unwrap(),
+        tm + 1,
+        tn,
+        tk,
+    );
+    let why = dev.coopmat_route(&off).unwrap().unwrap_err();
+    match &coop {
+        Ok(c) => {
+            assert!(
+                why.contains(&format!("not a multiple of the {}", c.shape)),
+                "{why}"
+            );
+            assert_eq!(dev.coopmat_launches(), cases);
+        }
+        Err(_) => {
+            assert!(why.starts_with("no cooperative matrix: "), "{why}");
+            assert_eq!(dev.coopmat_launches(), 0);
+        }
+    }
+    assert!(!matches!(
+        dev.gemm_route(&off).unwrap(),
+        kiln::vulkan::GemmRoute::CoopMat(_)
+    ));
+}
+
+/// lavapipe lists no VK_KHR_cooperative_matrix: the device says so, and its route
+/// names it for every product, so the cooperative-matrix GEMM is never taken there.
+#[test]
+fn lavapipe_has_no_cooperative_matrix_and_never_routes_there() {
+    let lavapipe = kiln::vulkan::physical_devices()
+        .into_iter()
+        .find(|d| d.caps.name.contains("llvmpipe"))
+        .expect(
+            "no lavapipe among the Vulkan devices: install mesa-vulkan-drivers (scripts/setup.sh)",
+        );
+    let dev = kiln::vulkan::VkDevice::open(lavapipe.index, &Default::default()).unwrap();
+    let why = dev.cooperative_matrix().unwrap_err();
+    assert_eq!(why, "the driver does not offer VK_KHR_cooperative_matrix");
+    let mm = kiln::engine::Matmul::new(
+        dev.alloc(DType::F16, 64 * 64).unwrap(),
+        dev.alloc(DType::F16, 64 * 64).unwrap(),
+        dev.alloc(DType::F32, 64 * 64).unwrap(),
+        64,
+        64,
+        64,
+    );
+    let route = dev.coopmat_route(&mm).unwrap().unwrap_err();
+    assert_eq!(
+        route,
+        "no cooperative matrix: the driver does not offer VK_KHR_cooperative_matrix"
+    );
+    assert!(!matches!(
+        dev.gemm_route(&mm).unwrap(),
+        kiln::vulkan::GemmRoute::CoopMat(_)
+    ));
+}

@@ -36,8 +36,14 @@ use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
 use kiln_wgpu::DeviceOptions;
 use naga::back::spv::Capability;
 
+use crate::coopmat::{self, CoopMat, CoopMatPlan};
 use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
+
+/// KILN_GEMM_LOG=1: say which GEMM each product runs on, and why not the others.
+fn gemm_log() -> bool {
+    std::env::var_os("KILN_GEMM_LOG").is_some_and(|v| v != "0")
+}
 
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
 const ARENA_SLOTS: u64 = 4096;
@@ -93,9 +99,9 @@ pub struct State {
     allocator: Option<Allocator>,
     layouts: HashMap<(Vec<Access>, u64), (vk::DescriptorSetLayout, vk::PipelineLayout)>,
     pipelines: HashMap<PipelineKey, vk::Pipeline>,
-    /// Hand-written GLSL kernels (shaders/vulkan), by name: pipeline, set and pipeline
-    /// layouts.
-    glsl: HashMap<&'static str, (vk::Pipeline, vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    /// Hand-written kernels (shaders/vulkan's GLSL, the cooperative-matrix modules), by
+    /// name: pipeline, set and pipeline layouts.
+    glsl: HashMap<String, (vk::Pipeline, vk::DescriptorSetLayout, vk::PipelineLayout)>,
     /// The SPIR-V GEMM's pipelines (one per module and specialization) and their
     /// shared layouts.
     gemm: HashMap<SpirvGemmPlan, vk::Pipeline>,
@@ -156,8 +162,11 @@ pub struct VkDevice {
     /// Where to write each kernel's SPIR-V as it is built ([`VkDevice::dump_spirv_to`]).
     dump: Mutex<Option<std::path::PathBuf>>,
     arena_stride: u64,
-    /// `Kernel::Matmul` launches recorded by the SPIR-V GEMM and by the naga path.
-    gemm_counts: [std::sync::atomic::AtomicU64; 2],
+    /// `Kernel::Matmul` launches recorded by the SPIR-V GEMM, by the naga path and by
+    /// the cooperative-matrix GEMM.
+    gemm_counts: [std::sync::atomic::AtomicU64; 3],
+    /// What the cooperative-matrix GEMM runs with here, or why it does not run.
+    coopmat: std::result::Result<CoopMat, String>,
     state: Mutex<State>,
     /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
     /// instance last.
@@ -204,12 +213,33 @@ impl VkDevice {
             .compute_family(pd)
             .ok_or_else(|| unsupported("a compute queue"))?;
         let f16 = caps.f16_arithmetic;
+        let coopmat = match &features.coopmat {
+            Ok(_) if !f16 => Err("f16 is turned off for this device (disable_f16)".into()),
+            Ok(_) if std::env::var_os("KILN_VK_COOPMAT").is_some_and(|v| v == "0") => {
+                Err("turned off by KILN_VK_COOPMAT=0".into())
+            }
+            other => other.clone(),
+        };
+        if gemm_log() {
+            match &coopmat {
+                Ok(c) => eprintln!(
+                    "kiln: vk:{index} ({}) runs aligned f16 GEMMs on the cooperative-matrix \
+                     GEMM, {} tiles, {} lanes",
+                    caps.name, c.shape, c.lanes
+                ),
+                Err(why) => eprintln!(
+                    "kiln: vk:{index} ({}) has no cooperative-matrix GEMM: {why}",
+                    caps.name
+                ),
+            }
+        }
         let mut f11 = vk::PhysicalDeviceVulkan11Features::default()
             .storage_buffer16_bit_access(f16)
             .uniform_and_storage_buffer16_bit_access(f16);
         let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
             .shader_float16(f16)
-            .timeline_semaphore(true);
+            .timeline_semaphore(true)
+            .vulkan_memory_model(coopmat.is_ok());
         let priorities = [1.0];
         let queues = [vk::DeviceQueueCreateInfo::default()
             .queue_family_index(family)
@@ -227,6 +257,14 @@ impl VkDevice {
                 extensions.push(ash::ext::subgroup_size_control::NAME.as_ptr());
             }
             info = info.push_next(&mut size_control);
+        }
+        // Only where the cooperative-matrix GEMM was selected (the device reported a
+        // shape it runs): nothing else uses the extension.
+        let mut coop_features =
+            vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+        if coopmat.is_ok() {
+            extensions.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+            info = info.push_next(&mut coop_features);
         }
         let info = info.enabled_extension_names(&extensions);
         let backend = |what: &str, e: vk::Result| Error::Backend {
@@ -295,6 +333,7 @@ impl VkDevice {
             dump: Mutex::new(None),
             arena_stride,
             gemm_counts: Default::default(),
+            coopmat,
             state: Mutex::new(State {
                 next_id: 1,
                 buffers: HashMap::new(),
@@ -363,7 +402,7 @@ impl VkDevice {
     /// Pipelines built so far (tests check that a prepared plan's launches add none).
     pub fn pipeline_count(&self) -> usize {
         let s = self.lock();
-        s.pipelines.len() + s.gemm.len()
+        s.pipelines.len() + s.gemm.len() + s.glsl.len()
     }
 
     /// Which GEMM a `Kernel::Matmul` of `mm` runs here, and why (see [`GemmRoute`]).
@@ -371,7 +410,43 @@ impl VkDevice {
         mm.validate()?;
         let s = self.lock();
         self.check_live(&s, "matmul", &mm.buffers())?;
-        self.route(&s, mm)
+        Ok(match self.coopmat_plan(&s, mm)? {
+            Ok(p) => GemmRoute::CoopMat(p),
+            Err(_) => self.route(&s, mm)?,
+        })
+    }
+
+    /// Whether the cooperative-matrix GEMM runs `mm` here: its plan, or why not (on a
+    /// device without cooperative matrices: "no cooperative matrix: ...").
+    pub fn coopmat_route(
+        &self,
+        mm: &kiln_engine::Matmul,
+    ) -> Result<std::result::Result<CoopMatPlan, String>> {
+        mm.validate()?;
+        let s = self.lock();
+        self.check_live(&s, "matmul", &mm.buffers())?;
+        self.coopmat_plan(&s, mm)
+    }
+
+    /// What the cooperative-matrix GEMM runs with on this device (its tile shape and
+    /// workgroup), or why it does not run here.
+    pub fn cooperative_matrix(&self) -> std::result::Result<CoopMat, String> {
+        self.coopmat.clone()
+    }
+
+    fn coopmat_plan(
+        &self,
+        s: &State,
+        mm: &kiln_engine::Matmul,
+    ) -> Result<std::result::Result<CoopMatPlan, String>> {
+        let offset = |id| -> Result<u64> { Ok(self.resolve(s, id)?.1) };
+        let offsets = coopmat::Offsets {
+            a: offset(mm.a.id)?,
+            b: offset(mm.b.id)?,
+            c: offset(mm.c.id)?,
+        };
+        let coop = self.coopmat.as_ref().map(|c| *c).map_err(|e| e.as_str());
+        Ok(coopmat::route(mm, &self.caps, coop, offsets))
     }
 
     fn route(&self, s: &State, mm: &kiln_engine::Matmul) -> Result<GemmRoute> {
@@ -383,25 +458,50 @@ impl VkDevice {
         Ok(gemm::route(mm, &self.caps, dev))
     }
 
-    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMM, by the naga path).
+    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMM, by the naga path); the
+    /// cooperative-matrix GEMM's are [`VkDevice::coopmat_launches`].
     pub fn gemm_launches(&self) -> (u64, u64) {
         let get = |i: usize| self.gemm_counts[i].load(std::sync::atomic::Ordering::Relaxed);
         (get(0), get(1))
+    }
+
+    /// `Kernel::Matmul` launches the cooperative-matrix GEMM recorded so far.
+    pub fn coopmat_launches(&self) -> u64 {
+        self.gemm_counts[2].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Records `kernel` (validated, its buffers live): a GEMM the SPIR-V kernel covers
     /// through it, everything else through the shared lowering.
     fn record(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
         if let Kernel::Matmul(mm) = kernel {
-            let route = self.route(s, mm)?;
+            let route = match self.coopmat_plan(s, mm)? {
+                Ok(p) => GemmRoute::CoopMat(p),
+                Err(why) => {
+                    // Where the device has the cooperative-matrix GEMM, every product it
+                    // does not take says why (a device without it said so at open).
+                    if self.coopmat.is_ok() && gemm_log() {
+                        eprintln!(
+                            "kiln: vk {}x{}x{} (batch {}) GEMM not on the cooperative-matrix \
+                             GEMM: {why}",
+                            mm.m, mm.n, mm.k, mm.batch
+                        );
+                    }
+                    self.route(s, mm)?
+                }
+            };
             if s.collect.is_none() {
-                let which = matches!(route, GemmRoute::Naga(_)) as usize;
+                let which = match route {
+                    GemmRoute::Spirv(_) => 0,
+                    GemmRoute::Naga(_) => 1,
+                    GemmRoute::CoopMat(_) => 2,
+                };
                 self.gemm_counts[which].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             match route {
+                GemmRoute::CoopMat(p) => return self.record_coopmat_gemm(s, mm, &p),
                 GemmRoute::Spirv(p) => return self.record_spirv_gemm(s, mm, &p),
                 GemmRoute::Naga(why) => {
-                    if std::env::var_os("KILN_GEMM_LOG").is_some_and(|v| v != "0") {
+                    if gemm_log() {
                         eprintln!(
                             "kiln: vk {}x{}x{} (batch {}) GEMM on the naga path: {why}",
                             mm.m, mm.n, mm.k, mm.batch
@@ -1156,15 +1256,15 @@ impl VkDevice {
     fn glsl_pipeline(
         &self,
         s: &mut State,
-        name: &'static str,
-        spv: &[u8],
+        name: &str,
+        words: impl FnOnce() -> std::result::Result<Vec<u32>, String>,
         buffers: u32,
         push: u32,
     ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
         if let Some(&(p, _, l)) = s.glsl.get(name) {
             return Ok((p, l));
         }
-        let words = spirv_words(name, spv).map_err(|e| self.backend_error(e))?;
+        let words = words().map_err(|e| self.backend_error(e))?;
         let bindings: Vec<_> = (0..buffers)
             .map(|i| {
                 vk::DescriptorSetLayoutBinding::default()
@@ -1220,7 +1320,8 @@ impl VkDevice {
             );
             self.device.destroy_shader_module(module, None);
             let pipeline = made.map_err(|(_, e)| fail(e))?[0];
-            s.glsl.insert(name, (pipeline, set, layout));
+            s.glsl.insert(name.to_string(), (pipeline, set, layout));
+            self.built.store(true, std::sync::atomic::Ordering::Relaxed);
             Ok((pipeline, layout))
         }
     }
@@ -1259,7 +1360,13 @@ impl VkDevice {
         }
         let mut s = self.lock();
         self.check_live(&s, "matmul", &mm.buffers())?;
-        let (pipeline, layout) = self.glsl_pipeline(&mut s, "gemm_f32", GEMM_F32_SPV, 3, 12)?;
+        let (pipeline, layout) = self.glsl_pipeline(
+            &mut s,
+            "gemm_f32",
+            || spirv_words("gemm_f32", GEMM_F32_SPV),
+            3,
+            12,
+        )?;
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
             let (buffer, offset, range) = self.resolve(&s, b.id)?;
@@ -1464,6 +1571,46 @@ impl VkDevice {
             (pipeline, layout),
             &writes,
             &[],
+            (x as u32, y as u32, z as u32),
+        );
+        Ok(())
+    }
+}
+
+impl VkDevice {
+    /// Records `mm` with the cooperative-matrix GEMM as `p` plans it: one dispatch, a
+    /// workgroup (one subgroup) per tile of C and matrix. Its module is emitted for
+    /// `p` when the pipeline is first built.
+    fn record_coopmat_gemm(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        p: &CoopMatPlan,
+    ) -> Result<()> {
+        let name = p.name();
+        let (pipeline, layout) =
+            self.glsl_pipeline(s, &name, || Ok(coopmat::module(p)), 3, coopmat::PUSH_BYTES)?;
+        if s.collect.is_some() {
+            // `prepare` wanted the pipeline, now built.
+            return Ok(());
+        }
+        let mut infos = vec![];
+        for b in [mm.a, mm.b, mm.c] {
+            let (buffer, offset, range) = self.resolve(s, b.id)?;
+            infos.push(vk::DescriptorBufferInfo {
+                buffer,
+                offset,
+                range,
+            });
+        }
+        let writes = buffer_writes(&infos, None);
+        let cmd = self.stream(s)?.cmd;
+        let (x, y, z) = p.groups(mm);
+        self.record_compute(
+            cmd,
+            (pipeline, layout),
+            &writes,
+            &p.push(mm),
             (x as u32, y as u32, z as u32),
         );
         Ok(())

@@ -71,6 +71,9 @@ impl SpirvGemmPlan {
 /// Which GEMM runs a product, and why.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GemmRoute {
+    /// The cooperative-matrix GEMM (`crate::coopmat`), where the device selected it
+    /// and the product fits its tiles; checked before the others.
+    CoopMat(crate::coopmat::CoopMatPlan),
     /// The hand-written SPIR-V GEMM.
     Spirv(SpirvGemmPlan),
     /// The WGSL GEMMs through naga, for the reason given.
@@ -280,7 +283,7 @@ mod tests {
     fn why(r: GemmRoute) -> String {
         match r {
             GemmRoute::Naga(w) => w,
-            GemmRoute::Spirv(p) => panic!("expected the naga path, got {p:?}"),
+            other => panic!("expected the naga path, got {other:?}"),
         }
     }
 

@@ -5,6 +5,8 @@ use std::ffi::CStr;
 use ash::vk;
 use kiln_engine::{Capabilities, Error, Result};
 
+use crate::coopmat::{describe, select, CoopMat, CoopMatProps, CoopMatShape};
+
 /// What to do when no Vulkan device is found.
 pub const NO_VULKAN_HINT: &str = "Kiln's raw Vulkan backend (`vk:N`) needs a Vulkan 1.2 driver \
      and the loader: on Debian/Ubuntu `apt install libvulkan1 mesa-vulkan-drivers` (lavapipe \
@@ -20,8 +22,9 @@ pub struct VkSummary {
 
 /// The loader and an instance; dropped together.
 pub(crate) struct Instance {
-    /// Keeps the loader library loaded while the instance lives.
-    _entry: ash::Entry,
+    /// Keeps the loader library loaded while the instance lives (and loads the
+    /// instance-level functions of device extensions).
+    entry: ash::Entry,
     pub instance: ash::Instance,
     pub api: u32,
 }
@@ -59,7 +62,7 @@ impl Instance {
                 hint: format!("creating a Vulkan instance failed ({e}). {NO_VULKAN_HINT}"),
             })?;
         Ok(Instance {
-            _entry: entry,
+            entry,
             instance,
             api,
         })
@@ -145,6 +148,10 @@ impl Instance {
             }
         }
         let subgroup_control = self.subgroup_control(pd, props.api_version);
+        let f16 = f12.shader_float16 == vk::TRUE
+            && f11.storage_buffer16_bit_access == vk::TRUE
+            && f11.uniform_and_storage_buffer16_bit_access == vk::TRUE;
+        let coopmat = self.cooperative_matrix(pd, f16, f12.vulkan_memory_model == vk::TRUE);
         use vk::SubgroupFeatureFlags as S;
         // What the WGSL subgroup kernels use (wgpu's SUBGROUP feature asks the same).
         let wanted =
@@ -154,9 +161,11 @@ impl Instance {
             .contains(vk::ShaderStageFlags::COMPUTE)
             && p11.subgroup_supported_operations.contains(wanted);
         Features {
-            f16: f12.shader_float16 == vk::TRUE
-                && f11.storage_buffer16_bit_access == vk::TRUE
-                && f11.uniform_and_storage_buffer16_bit_access == vk::TRUE,
+            f16,
+            coopmat: coopmat.map(|shape| CoopMat {
+                shape,
+                lanes: p11.subgroup_size,
+            }),
             timeline: f12.timeline_semaphore == vk::TRUE,
             push_descriptor: self.has_extension(pd, ash::khr::push_descriptor::NAME),
             subgroup_ops: if subgroups {
@@ -239,6 +248,58 @@ impl Instance {
             })
     }
 
+    /// The cooperative-matrix shape the GEMM would run with here (see
+    /// [`crate::coopmat::select`]), or why there is none.
+    fn cooperative_matrix(
+        &self,
+        pd: vk::PhysicalDevice,
+        f16: bool,
+        memory_model: bool,
+    ) -> std::result::Result<CoopMatShape, String> {
+        if !self.has_extension(pd, ash::khr::cooperative_matrix::NAME) {
+            return Err("the driver does not offer VK_KHR_cooperative_matrix".into());
+        }
+        let mut f = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut f);
+        // SAFETY: `pd` came from this instance and offers the extension (checked above).
+        unsafe { self.instance.get_physical_device_features2(pd, &mut f2) };
+        if f.cooperative_matrix != vk::TRUE {
+            return Err("VK_KHR_cooperative_matrix is offered with `cooperativeMatrix` off".into());
+        }
+        let mut p = vk::PhysicalDeviceCooperativeMatrixPropertiesKHR::default();
+        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut p);
+        // SAFETY: as above.
+        unsafe { self.instance.get_physical_device_properties2(pd, &mut p2) };
+        if !p
+            .cooperative_matrix_supported_stages
+            .contains(vk::ShaderStageFlags::COMPUTE)
+        {
+            return Err("cooperative matrices are not offered in compute shaders".into());
+        }
+        if !f16 {
+            return Err("f16 arithmetic or 16-bit storage is missing".into());
+        }
+        if !memory_model {
+            return Err(
+                "the Vulkan memory model (`vulkanMemoryModel`), which cooperative-matrix \
+                 shaders declare, is missing"
+                    .into(),
+            );
+        }
+        let ext = ash::khr::cooperative_matrix::Instance::new(&self.entry, &self.instance);
+        // SAFETY: the extension is present; `pd` came from this instance.
+        let list = unsafe { ext.get_physical_device_cooperative_matrix_properties(pd) }
+            .map_err(|e| format!("listing its cooperative-matrix shapes failed ({e})"))?;
+        let props: Vec<CoopMatProps> = list.iter().map(CoopMatProps::from).collect();
+        select(&props).ok_or_else(|| {
+            format!(
+                "none of its cooperative-matrix shapes is f16 x f16 -> f32 at subgroup scope \
+                 with sides multiples of 8 up to 64 ({})",
+                describe(&props)
+            )
+        })
+    }
+
     /// Device-local memory the driver lets this process use, where the driver reports
     /// it (`VK_EXT_memory_budget`).
     fn memory_budget(&self, pd: vk::PhysicalDevice) -> Option<u64> {
@@ -284,6 +345,8 @@ impl Drop for Instance {
 pub(crate) struct Features {
     /// shaderFloat16 with 16-bit storage-buffer access.
     pub f16: bool,
+    /// What the cooperative-matrix GEMM runs with here, or why it cannot.
+    pub coopmat: std::result::Result<CoopMat, String>,
     pub timeline: bool,
     pub push_descriptor: bool,
     /// Subgroup operations in compute shaders; empty when the kernels' set is missing.

@@ -9,11 +9,13 @@
 //! device UUID), beside wgpu's `vulkan:N`, so the two host APIs can be compared on
 //! one GPU and mixed in one device group.
 
+pub mod coopmat;
 mod device;
 mod gemm;
 mod instance;
 mod spirv;
 
+pub use coopmat::{CoopMat, CoopMatPlan, CoopMatShape};
 pub use device::VkDevice;
 pub use gemm::{GemmRoute, SpirvGemmPlan};
 pub use instance::{physical_devices, VkSummary, NO_VULKAN_HINT};
