@@ -234,6 +234,57 @@ fn measured_blocks_are_kept_across_devices_and_a_damaged_file_is_ignored() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// At 1024³-class products the table's block is the 64-row one, whose one neighbour on
+/// the ladder (32 rows) is slow to build, so once nothing was measured there. Now its
+/// first launch asks for the neighbour in the background (its machine code compiled on
+/// the primer), the table's block runs meanwhile, and a launch after it is built times
+/// both and keeps the faster: the shape is decided by measurement, with the same bits.
+#[test]
+fn a_shape_whose_one_neighbour_is_slow_to_build_is_measured_once_it_is_built() {
+    let dir = std::env::temp_dir().join(format!("kiln-slow-neighbour-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dev = lavapipe_with(&dir, false);
+    // 2^30 multiply-adds: the table's 64 x 16 block.
+    let (m, n, k) = (256, 512, 8192);
+    let a = put(&dev, &finite(DType::F32, m * k, 31));
+    let b = put(&dev, &finite(DType::F32, k * n, 32));
+    let c = put(&dev, &HostData::from_f32(DType::F32, &vec![0.0; m * n]));
+    let mm = Matmul::new(a, b, c, m, n, k).transpose(false, true);
+    assert_eq!(
+        kiln::wgpu::plan_matmul(&mm, dev.caps(), None)
+            .unwrap()
+            .variant,
+        MatmulVariant::Cpu { tm: 64, nv: 4 },
+        "the shape must plan the 64-row block"
+    );
+    let run = || {
+        dev.launch(&Kernel::Matmul(mm.clone())).unwrap();
+        dev.submit().unwrap();
+        dev.download(c).unwrap()
+    };
+    let before = dev.pipeline_count();
+    let first = run();
+    assert_eq!(
+        dev.gemm_selected(&mm),
+        None,
+        "measured before its neighbour was built"
+    );
+    dev.wait_for_builds();
+    assert_eq!(
+        dev.pipeline_count(),
+        before + 2,
+        "the 64-row block and, in the background, its 32-row neighbour"
+    );
+    let second = run();
+    let chosen = dev.gemm_selected(&mm);
+    assert!(
+        matches!(chosen, Some(MatmulVariant::Cpu { tm: 32 | 64, .. })),
+        "nothing measured once the neighbour was built: {chosen:?}"
+    );
+    assert_bits_eq("measured block against the table's", &second, &first);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The key a selection file is written for, from its name.
 fn key_of(file: &std::path::Path) -> u64 {
     let stem = file.file_stem().unwrap().to_string_lossy();

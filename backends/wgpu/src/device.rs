@@ -65,6 +65,10 @@ pub struct WgpuDevice {
     features: wgpu::Features,
     limits: wgpu::Limits,
     primer: std::sync::OnceLock<Option<Arc<Primer>>>,
+    /// Pipelines the primer ran: their first run here compiles nothing.
+    primed_keys: Arc<Mutex<std::collections::HashSet<PipelineKey>>>,
+    /// Held by the compile worker building a big GEMM block.
+    slow_lane: Arc<Mutex<()>>,
 }
 
 struct Slot {
@@ -391,6 +395,8 @@ impl WgpuDevice {
             features,
             limits,
             primer: std::sync::OnceLock::new(),
+            primed_keys: Arc::default(),
+            slow_lane: Arc::default(),
             dummy,
             band_partials,
             caps,
@@ -652,6 +658,7 @@ impl WgpuDevice {
         let queue = Arc::new(Mutex::new(jobs));
         for worker in 0..threads {
             let (mine, built) = (queue.clone(), self.built.clone());
+            let (primed_keys, slow_lane) = (self.primed_keys.clone(), self.slow_lane.clone());
             let device = self.device.clone();
             let cache = self.disk_cache.clone();
             let spawned = std::thread::Builder::new()
@@ -676,6 +683,10 @@ impl WgpuDevice {
                             None => return,
                         }
                     };
+                    // One big block at a time on the device, whichever `compile_all`
+                    // asked for it (a measurement may ask for one during the step).
+                    let _lane = (stand_ins && slow_gemm(&job.key))
+                        .then(|| slow_lane.lock().unwrap_or_else(|e| e.into_inner()));
                     if let Some((primer, prime)) = &job.prime {
                         let t = std::time::Instant::now();
                         // Only time is at stake: where it fails, this device's first
@@ -683,7 +694,13 @@ impl WgpuDevice {
                         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             primer.run_once(prime)
                         })) {
-                            Ok(Ok(())) => log_compile("first run (primer) of", &job.key, t),
+                            Ok(Ok(())) => {
+                                primed_keys
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .insert(job.key.clone());
+                                log_compile("first run (primer) of", &job.key, t)
+                            }
                             Ok(Err(e)) => {
                                 log_compile(&format!("priming failed ({e})"), &job.key, t)
                             }
@@ -815,6 +832,41 @@ impl WgpuDevice {
     /// own was still building on a compile worker.
     pub fn stand_in_launches(&self) -> u64 {
         self.lock().stand_ins
+    }
+
+    /// Whether big GEMM blocks first run on a primer (see `primer.rs`): a software
+    /// driver whose big blocks build behind stand-ins, with Mesa's cache on.
+    pub(crate) fn primes_big_blocks(&self) -> bool {
+        self.caps.subgroup_sizes.is_some()
+            && self.caps.device_type == "cpu"
+            && self.primer().is_some()
+    }
+
+    /// Starts building `d`'s pipeline on a compile worker, unless it is built or
+    /// building: for a block the GEMM selection will time once it is built.
+    pub(crate) fn build_in_background(&self, s: &mut State, d: Dispatch) -> Result<()> {
+        let key = PipelineKey {
+            name: d.kernel.name,
+            reprs: d.reprs,
+            consts: d.consts,
+            overrides: d.overrides,
+        };
+        if s.pipelines.contains_key(&key) || s.building.contains(&key) {
+            return Ok(());
+        }
+        if compile_log() {
+            eprintln!(
+                "kiln: building {} {:?} in the background to measure it",
+                key.name, key.consts
+            );
+        }
+        self.compile_all(
+            s,
+            vec![Wanted {
+                key,
+                kernel: d.kernel,
+            }],
+        )
     }
 
     /// Pipelines whose first run (a software driver's machine code) happened on the
@@ -1140,8 +1192,14 @@ impl Recorder for WgpuDevice {
             consts: d.consts.clone(),
             overrides: d.overrides.clone(),
         };
-        // Built ahead and not run yet: its first run compiles the machine code.
+        // Built ahead and not run yet: its first run compiles the machine code, unless
+        // it ran on the primer's device.
         !s.first_runs.contains(&key)
+            || self
+                .primed_keys
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&key)
     }
 
     fn dispatch(&self, s: &mut State, d: Dispatch) -> Result<()> {

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use kiln_engine::{Matmul, Result};
 
 use crate::device::{State, WgpuDevice};
-use crate::lower::{Readiness, Recorder};
+use crate::lower::{Readiness, Recorder, PARTIALS_ID};
 use crate::matmul::{LowerMatmul, MatmulPlan, MatmulVariant, View, CPU_LADDER};
 use crate::pipeline_cache;
 use crate::shader::Repr;
@@ -83,15 +83,7 @@ pub fn candidates(
     state: impl Fn(MatmulVariant) -> Readiness,
 ) -> Vec<MatmulVariant> {
     let mut out = vec![prior];
-    let Some(at) = ladder.iter().position(|&v| v == prior) else {
-        return out;
-    };
-    let near = [at.checked_sub(1), Some(at + 1)];
-    for v in near
-        .into_iter()
-        .flatten()
-        .filter_map(|i| ladder.get(i).copied())
-    {
+    for v in neighbours(prior, ladder) {
         match state(v) {
             Readiness::Ready => out.push(v),
             Readiness::Absent if quick(v) => out.push(v),
@@ -99,6 +91,48 @@ pub fn candidates(
         }
     }
     out
+}
+
+/// For a `prior` whose neighbours on the ladder are all slow to build (the 64-row
+/// block, whose one neighbour is the 32-row block: the table's pick at 1024³), those
+/// not asked for yet. Where the device compiles such a block's machine code away from
+/// its queue (lavapipe's primer), they are built in the background and the selection
+/// waits for them, so that such shapes are decided by measurement too, not by the
+/// table. A prior with a quick neighbour is measured against that one at once, as
+/// before: building every slow neighbour would cost a minute of compiling per shape.
+pub fn to_build(
+    prior: MatmulVariant,
+    ladder: &[MatmulVariant],
+    state: impl Fn(MatmulVariant) -> Readiness,
+) -> Vec<MatmulVariant> {
+    if neighbours(prior, ladder).any(quick) {
+        return vec![];
+    }
+    neighbours(prior, ladder)
+        .filter(|&v| state(v) == Readiness::Absent)
+        .collect()
+}
+
+/// Whether a slow neighbour of `prior` is still building (for the selection to wait).
+pub fn awaiting(
+    prior: MatmulVariant,
+    ladder: &[MatmulVariant],
+    state: impl Fn(MatmulVariant) -> Readiness,
+) -> bool {
+    !neighbours(prior, ladder).any(quick)
+        && neighbours(prior, ladder).any(|v| state(v) == Readiness::Building)
+}
+
+/// `prior`'s neighbours on the ladder (the next larger and the next smaller block).
+fn neighbours(
+    prior: MatmulVariant,
+    ladder: &[MatmulVariant],
+) -> impl Iterator<Item = MatmulVariant> + '_ {
+    let at = ladder.iter().position(|&v| v == prior);
+    let near = at.map_or([None, None], |at| [at.checked_sub(1), Some(at + 1)]);
+    near.into_iter()
+        .flatten()
+        .filter_map(move |i| ladder.get(i).copied())
 }
 
 /// One candidate's measurement: the time of one run, and the wall time measuring it
@@ -293,6 +327,21 @@ impl WgpuDevice {
             // too large for one binding, or the budget is spent).
             return Ok(None);
         }
+        if self.primes_big_blocks() {
+            let view = View::whole(mm);
+            for v in to_build(best.variant, &CPU_LADDER, state) {
+                let mut p = crate::matmul::plan(mm, &self.caps, Some(v))?;
+                p.partial |= self.needs_partials(mm, &p, &view);
+                let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
+                self.build_in_background(s, d)?;
+            }
+            // Asked for now or earlier: measured at a launch after they are built.
+            if !to_build(best.variant, &CPU_LADDER, state).is_empty()
+                || awaiting(best.variant, &CPU_LADDER, state)
+            {
+                return Ok(None);
+            }
+        }
         let cands = candidates(best.variant, &CPU_LADDER, |v| {
             as_candidate(v, best.variant, state(v), ran(v))
         });
@@ -463,6 +512,34 @@ mod tests {
         assert_eq!(candidates(B16, &LADDER, state(&[])), vec![B16, B8]);
         let gemv = MatmulVariant::Gemv { lanes: 64 };
         assert_eq!(candidates(gemv, &LADDER, state(&[])), vec![gemv]);
+    }
+
+    #[test]
+    fn slow_neighbours_are_built_and_waited_for_quick_ones_never() {
+        use Readiness::*;
+        let state = |list: &'static [(MatmulVariant, Readiness)]| {
+            move |v| {
+                list.iter()
+                    .find(|(k, _)| *k == v)
+                    .map_or(Absent, |&(_, r)| r)
+            }
+        };
+        // 64 x 16's only neighbour is 32 x 12, slow to build: asked for, then awaited.
+        assert_eq!(to_build(B64, &LADDER, state(&[])), vec![B32]);
+        assert!(!awaiting(B64, &LADDER, state(&[])));
+        assert_eq!(to_build(B64, &LADDER, state(&[(B32, Building)])), vec![]);
+        assert!(awaiting(B64, &LADDER, state(&[(B32, Building)])));
+        assert!(!awaiting(B64, &LADDER, state(&[(B32, Ready)])));
+        // 32 x 12 has a quick neighbour (16 x 8) to be measured against at once: its
+        // slow one (64 x 16) is not built for that, only timed if built already.
+        assert_eq!(to_build(B32, &LADDER, state(&[])), vec![]);
+        assert!(!awaiting(B32, &LADDER, state(&[(B64, Building)])));
+        // Smaller blocks have a quick neighbour; other kernels have none.
+        assert_eq!(to_build(B16, &LADDER, state(&[])), vec![]);
+        assert_eq!(to_build(B8, &LADDER, state(&[])), vec![]);
+        let gemv = MatmulVariant::Gemv { lanes: 64 };
+        assert_eq!(to_build(gemv, &LADDER, state(&[])), vec![]);
+        assert!(!awaiting(gemv, &LADDER, state(&[(B64, Building)])));
     }
 
     #[test]
