@@ -222,6 +222,36 @@ pub fn parse_partition(text: &str) -> Result<PartitionMethod> {
     }
 }
 
+/// Each stage's device bytes in a pipeline of `stages` stages × `dp` replicas under
+/// ZeRO stage `zero_stage`: [`Pipeline::memory`] (what `Pipeline::new` allocates), then
+/// with ZeRO 1/2 over the replicas a rank's slice of the stage's parameters in place of
+/// its masters and moments — f32 master and moments, the f32 reduced gradient (counted
+/// with the gradients) and the slice's updated model copy, as `zero.rs` allocates them —
+/// and under 2 a stage's blocks alike to its first sharing that block's gradients.
+pub fn pipeline_memory(
+    model: &dyn Model,
+    options: &NetworkOptions,
+    method: &PartitionMethod,
+    (stages, dp): (usize, usize),
+    zero_stage: u8,
+) -> Result<Vec<NetworkMemory>> {
+    let mut memory = Pipeline::memory(model, options, method, stages)?;
+    let sharded = zero_stage >= 1 && dp > 1;
+    let partitioned = zero_stage == 2 && dp > 1;
+    for m in &mut memory {
+        if partitioned {
+            m.gradients = m.shared_gradients;
+        }
+        if sharded {
+            // The stage's f32 master and two moments: 12 bytes per element.
+            let slice = (m.optimizer / 12).div_ceil(dp as u64);
+            m.optimizer = (12 + options.dtype.size() as u64) * slice;
+            m.gradients += 4 * slice;
+        }
+    }
+    Ok(memory)
+}
+
 /// The per-stage table of a pipeline of `stages` stages on `world` devices (`world /
 /// stages` data-parallel replicas) taking `m` micro-batches per step: each stage's
 /// blocks and device bytes as [`Pipeline::new`] allocates them (its weights,
@@ -248,22 +278,11 @@ pub fn pipeline_report(
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
     };
-    let mut memory = Pipeline::memory(model, &options, method, stages)?;
-    let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
     let dp = world / stages;
-    // ZeRO 1/2 shard each stage's masters and moments over its replicas (to within one
-    // element's rounding); under 2 a stage's blocks alike to its first share that
-    // block's gradient buffers, so a device holds one block's gradients.
+    let memory = pipeline_memory(model, &options, method, (stages, dp), zero_stage)?;
+    let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
     let sharded = zero_stage >= 1 && dp > 1;
     let partitioned = zero_stage == 2 && dp > 1;
-    for m in &mut memory {
-        if sharded {
-            m.optimizer = m.optimizer.div_ceil(dp as u64);
-        }
-        if partitioned {
-            m.gradients = m.shared_gradients;
-        }
-    }
     let cut = match method {
         PartitionMethod::Uniform => "uniform".to_string(),
         PartitionMethod::Parameters => "parameters".to_string(),

@@ -304,6 +304,25 @@ fn zero_1_and_2_over_the_replicas_of_each_stage_equal_zero_0() {
                     .all(|c| c.2.is_empty()));
             }
         }
+        // `kiln estimate`'s per-stage device bytes (`pipeline_memory`) are what each
+        // device's allocator holds, within 2 %, under every ZeRO stage.
+        for (z, p) in [(0, &plain), (1, &zero1), (2, &zero2)] {
+            let est = kiln::estimate::pipeline_memory(
+                model().as_ref(),
+                &options(),
+                &PartitionMethod::Uniform,
+                (pp, dp),
+                z,
+            )
+            .unwrap();
+            for (f, &held) in device_bytes(p).iter().enumerate() {
+                let want = est[f / dp].total();
+                assert!(
+                    (held as f64 - want as f64).abs() <= 0.02 * want as f64,
+                    "ZeRO-{z}: device {f} holds {held} bytes, kiln estimate says {want}"
+                );
+            }
+        }
         // Exactly: ZeRO-2's devices hold ZeRO-1's bytes less the shared-away block
         // gradients, as `Pipeline::memory` (and so `kiln estimate`) predicts them.
         let saved = second_blocks_gradient_bytes(4);
