@@ -806,6 +806,16 @@ impl VkDevice {
     }
 
     /// The Vulkan buffer, byte offset and size bound for `id`.
+    /// The descriptor info binding buffer `id` (a view: its range of the parent).
+    fn buffer_info(&self, s: &State, id: u64) -> Result<vk::DescriptorBufferInfo> {
+        let (buffer, offset, range) = self.resolve(s, id)?;
+        Ok(vk::DescriptorBufferInfo {
+            buffer,
+            offset,
+            range,
+        })
+    }
+
     fn resolve(&self, s: &State, id: u64) -> Result<(vk::Buffer, u64, u64)> {
         let own = |m: &Option<Mem>| {
             m.as_ref()
@@ -1369,21 +1379,18 @@ impl VkDevice {
         )?;
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
-            let (buffer, offset, range) = self.resolve(&s, b.id)?;
-            if range > self.caps.max_storage_binding {
+            let info = self.buffer_info(&s, b.id)?;
+            if info.range > self.caps.max_storage_binding {
                 return Err(Error::Unsupported {
                     device: self.caps.name.clone(),
                     what: format!(
-                        "the GLSL GEMM on a {range}-byte operand, over the per-binding limit \
-                         (Kernel::Matmul splits such products)"
+                        "the GLSL GEMM on a {}-byte operand, over the per-binding limit \
+                         (Kernel::Matmul splits such products)",
+                        info.range
                     ),
                 });
             }
-            infos.push(vk::DescriptorBufferInfo {
-                buffer,
-                offset,
-                range,
-            });
+            infos.push(info);
         }
         let writes = buffer_writes(&infos, None);
         let push: Vec<u8> = [m, n, k].iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -1538,12 +1545,7 @@ impl VkDevice {
         }
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
-            let (buffer, offset, range) = self.resolve(s, b.id)?;
-            infos.push(vk::DescriptorBufferInfo {
-                buffer,
-                offset,
-                range,
-            });
+            infos.push(self.buffer_info(s, b.id)?);
         }
         let (cmd, arena, offset) = self.put_params(s, &p.params(mm))?;
         infos.push(vk::DescriptorBufferInfo {
@@ -1555,12 +1557,7 @@ impl VkDevice {
             // Stand-ins where the launch has no bias or copy: the module binds both,
             // and its specialization never touches the absent one.
             for b in [mm.bias, mm.c_f32] {
-                let (buffer, offset, range) = self.resolve(s, b.map_or(DUMMY_ID, |b| b.id))?;
-                infos.push(vk::DescriptorBufferInfo {
-                    buffer,
-                    offset,
-                    range,
-                });
+                infos.push(self.buffer_info(s, b.map_or(DUMMY_ID, |b| b.id))?);
             }
         }
         // The parameters' uniform at binding 3 (see `gemm_layout`).
@@ -1596,12 +1593,7 @@ impl VkDevice {
         }
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
-            let (buffer, offset, range) = self.resolve(s, b.id)?;
-            infos.push(vk::DescriptorBufferInfo {
-                buffer,
-                offset,
-                range,
-            });
+            infos.push(self.buffer_info(s, b.id)?);
         }
         let writes = buffer_writes(&infos, None);
         let cmd = self.stream(s)?.cmd;
