@@ -214,7 +214,7 @@ fn random_shapes_match_cpu_on_every_path() {
 /// The raw Vulkan backend (`vk:0`), on the same dtype mixes and transposes, one random
 /// shape of each (lavapipe compiles each kernel anew for this device): every product
 /// the route gives the hand-written SPIR-V GEMM runs there (its launch counter says so),
-/// the rest (bf16, mixed storage, GEMV, split K) through naga's translation of the WGSL.
+/// the rest (GEMV, split K) through naga's translation of the WGSL.
 #[test]
 fn random_shapes_match_cpu_on_vk() {
     let mut rng = Rng::new(2025);
@@ -234,8 +234,9 @@ fn random_shapes_match_cpu_on_vk() {
     assert!(shapes >= 20, "only {shapes} shapes");
     let (spirv, naga) = dev.gemm_launches();
     assert_eq!((spirv, naga), routed.get());
+    // The naga path's: GEMV shapes and split K.
     assert!(
-        spirv >= 10 && naga >= 10,
+        spirv >= 15 && naga >= 2,
         "{spirv} SPIR-V and {naga} naga GEMMs of {shapes}"
     );
 }
@@ -321,6 +322,73 @@ fn epilogues_run_as_spirv_on_vk() {
                     panic!("{what}: {route:?}")
                 };
                 assert_eq!((p.bias, p.gelu, p.copy_f32), (bias, gelu, copy));
+                dev.launch(&Kernel::Matmul(mm.clone()))
+            });
+            cases += 1;
+        }
+    }
+    assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// Storage the SPIR-V GEMM's compiled-in f32 and f16 modules lack runs in its `_mixed`
+/// modules on `vk:0` (A, B, C and the bias each f32, f16 or bf16): bf16 throughout, f16
+/// or bf16 operands with an f32 C (the tied embedding's gradient in a GPT step), an f32
+/// bias on f16, one f32 operand; every transpose, strided batches with a broadcast B,
+/// alpha and beta, sizes of 1, primes and ones past a tile; each checked by route and
+/// counter against the CPU.
+#[test]
+fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
+    let mut rng = Rng::new(2028);
+    let dev = vk_device(false);
+    let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
+    let mixes = [
+        ([bf16; 3], bf16),
+        ([f16_, f16_, f32_], f32_),
+        ([bf16, bf16, f32_], f32_),
+        ([f16_; 3], f32_),
+        ([bf16; 3], f32_),
+        ([f32_, f16_, bf16], f16_),
+    ];
+    let shapes = [
+        ((1, 1, 1), 1, None),
+        ((61, 32, 32), 1, None),
+        ((13, 17, 29), 3, Some(5)),
+        ((37, 68, 9), 2, None),
+        ((8, 36, 100), 4, Some(4)),
+    ];
+    let mut cases = 0;
+    for (i, (dtypes, bias_dtype)) in mixes.into_iter().enumerate() {
+        for (s, &(dims, batch, pad_b)) in shapes.iter().enumerate() {
+            let trans = ((i + s) % 2 == 1, (i + s) % 4 >= 2);
+            let mut c = strided_batch(&mut rng, dims, trans, dtypes, batch, 3, pad_b, 7);
+            let (n, len) = (c.mm.n, c.c.len());
+            c.c = random(&mut rng, dtypes[2], len);
+            let mut mm = c.mm.clone();
+            if s % 2 == 0 {
+                mm = mm.scaled(0.75, -0.5);
+            }
+            if s != 1 {
+                c.bias = Some(random(&mut rng, bias_dtype, n));
+                mm.bias = Some(handle(bias_dtype, n));
+            }
+            mm.gelu = s == 2;
+            if s == 3 {
+                mm.c_f32 = Some(handle(DType::F32, len));
+            }
+            c.mm = mm;
+            let what = format!(
+                "vk SPIR-V mixed: {dims:?} x{batch} {trans:?} {dtypes:?} bias {bias_dtype}"
+            );
+            check_on(&what, &dev, &c, &|mm| {
+                let route = dev.gemm_route(mm)?;
+                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
+                    panic!("{what}: {route:?}")
+                };
+                let bias = mm.bias.map_or(dtypes[2], |b| b.dtype);
+                let want = [dtypes[0], dtypes[1], dtypes[2], bias];
+                // f16 throughout (an f16 bias, or none) is the f16 modules' own case.
+                let mixed = (want != [DType::F16; 4]).then_some(want);
+                assert_eq!(p.mixed, mixed, "{what}");
                 dev.launch(&Kernel::Matmul(mm.clone()))
             });
             cases += 1;

@@ -40,5 +40,16 @@ for dtype in f32 f16; do
             -o "$out/matmul_cpu_16x2_${dtype}_${ops}_epi.spv" "$here/matmul_cpu.comp" >/dev/null
     done
 done
+# matmul_cpu for mixed storage (MIXED, `_mixed`: A, B, C and the bias each f32, f16 or
+# bf16 by specialization constants; the epilogue included), for Kiln's raw Vulkan
+# backend: one module per transpose and B load, whatever the storage types.
+for ops in nn nn_vec nt tn tn_vec tt; do
+    defs=(-DMIXED)
+    [ "${ops:0:1}" = t ] && defs+=(-DTRANS_A)
+    [ "${ops:1:1}" = t ] && defs+=(-DTRANS_B)
+    [ "${ops:2}" = _vec ] && defs+=(-DVEC_B)
+    glslangValidator -V --target-env vulkan1.2 "${defs[@]}" \
+        -o "$out/matmul_cpu_16x2_${ops}_mixed.spv" "$here/matmul_cpu.comp" >/dev/null
+done
 # gemm_f32: the raw Vulkan backend's plain tiled f32 GEMM (kiln-vulkan).
 glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null

@@ -16,15 +16,27 @@
 // Storage is f32 or (STORE_F16) f16; products and sums are f32. The transposes are
 // compiled in (TRANS_A, TRANS_B: one module each); tile shapes are specialization
 // constants with the defaults below, so a driver that specializes may pick others.
+//
+// With MIXED (modules `_mixed`, always with the epilogue) A, B, C and the bias each have
+// their own storage, f32, f16 or bf16, chosen by specialization constants 6-9: every
+// binding is declared once per type, and the driver drops the unused ones when it
+// specializes. bf16 is the upper half of an f32, read by shifting and stored rounded to
+// nearest even (NaN kept quiet), as shaders/common/convert.wgsl's bf16_bits rounds.
 
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
-#ifdef STORE_F16
+#ifdef MIXED
+#define EPILOGUE
+#define STORE float
+#endif
+#if defined(STORE_F16) || defined(MIXED)
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#endif
+#ifdef STORE_F16
 #define STORE float16_t
-#else
+#elif !defined(MIXED)
 #define STORE float
 #endif
 
@@ -53,6 +65,76 @@ layout(set = 0, binding = 1) readonly buffer BufB4 { vec4 b4[]; };
 #endif
 #endif
 layout(set = 0, binding = 2) buffer BufC { STORE c[]; };
+#ifdef MIXED
+// Storage of A, B, C and the bias: 0 f32, 1 f16, 2 bf16.
+layout(constant_id = 6) const uint A_DT = 0u;
+layout(constant_id = 7) const uint B_DT = 0u;
+layout(constant_id = 8) const uint C_DT = 0u;
+layout(constant_id = 9) const uint BIAS_DT = 0u;
+layout(set = 0, binding = 0) readonly buffer BufAh { float16_t a_h[]; };
+layout(set = 0, binding = 0) readonly buffer BufAb { uint16_t a_b[]; };
+layout(set = 0, binding = 1) readonly buffer BufBh { float16_t b_h[]; };
+layout(set = 0, binding = 1) readonly buffer BufBb { uint16_t b_b[]; };
+#ifdef VEC_B
+layout(set = 0, binding = 1) readonly buffer BufB4h { f16vec4 b4_h[]; };
+layout(set = 0, binding = 1) readonly buffer BufB4b { u16vec4 b4_b[]; };
+#endif
+layout(set = 0, binding = 2) buffer BufCh { float16_t c_h[]; };
+layout(set = 0, binding = 2) buffer BufCb { uint16_t c_b[]; };
+
+float from_bf16(uint v) {
+    return uintBitsToFloat(v << 16);
+}
+
+// shaders/common/convert.wgsl's bf16_bits: round to nearest even, a NaN kept quiet.
+uint bf16_bits(float x) {
+    uint u = floatBitsToUint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u >> 16) | 0x40u;
+    }
+    uint r = u >> 16;
+    if ((u & 0x8000u) != 0u && (u & 0x17fffu) != 0u) {
+        return r + 1u;
+    }
+    return r;
+}
+
+float ld_a(uint i) {
+    return A_DT == 1u ? float(a_h[i]) : (A_DT == 2u ? from_bf16(uint(a_b[i])) : a[i]);
+}
+float ld_b(uint i) {
+    return B_DT == 1u ? float(b_h[i]) : (B_DT == 2u ? from_bf16(uint(b_b[i])) : b[i]);
+}
+#ifdef VEC_B
+vec4 ld_b4(uint i) {
+    if (B_DT == 1u) {
+        return vec4(b4_h[i]);
+    }
+    if (B_DT == 2u) {
+        return uintBitsToFloat(uvec4(b4_b[i]) << 16);
+    }
+    return b4[i];
+}
+#endif
+float ld_c(uint i) {
+    return C_DT == 1u ? float(c_h[i]) : (C_DT == 2u ? from_bf16(uint(c_b[i])) : c[i]);
+}
+void st_c(uint i, float v) {
+    if (C_DT == 1u) {
+        c_h[i] = float16_t(v);
+    } else if (C_DT == 2u) {
+        c_b[i] = uint16_t(bf16_bits(v));
+    } else {
+        c[i] = v;
+    }
+}
+#else
+#define ld_a(i) float(a[i])
+#define ld_b(i) float(b[i])
+#define ld_b4(i) vec4(b4[i])
+#define ld_c(i) float(c[i])
+#define st_c(i, v) c[i] = STORE(v)
+#endif
 #ifdef EPILOGUE
 layout(constant_id = 3) const bool BIAS = false;
 layout(constant_id = 4) const bool GELU = false;
@@ -61,6 +143,16 @@ layout(constant_id = 5) const bool COPY_F32 = false;
 // binds stand-ins where a launch has none: both are in the module either way.
 layout(set = 0, binding = 4) readonly buffer BufBias { STORE bias[]; };
 layout(set = 0, binding = 5) writeonly buffer BufCf { float cf[]; };
+#ifdef MIXED
+layout(set = 0, binding = 4) readonly buffer BufBiasH { float16_t bias_h[]; };
+layout(set = 0, binding = 4) readonly buffer BufBiasB { uint16_t bias_b[]; };
+float ld_bias(uint i) {
+    return BIAS_DT == 1u ? float(bias_h[i])
+        : (BIAS_DT == 2u ? from_bf16(uint(bias_b[i])) : bias[i]);
+}
+#else
+#define ld_bias(i) float(bias[i])
+#endif
 
 // x * sigmoid(2u), u = c (x + 0.044715 x^3): common/gelu.wgsl's form, which equals
 // 0.5 x (1 + tanh u) without its cancellation for negative x, and without tanh.
@@ -80,18 +172,18 @@ layout(set = 0, binding = 3) uniform Params {
 // A(i, kk) of matrix g; A is stored M x K, or K x M when transposed.
 float a_at(uint g, uint i, uint kk) {
 #ifdef TRANS_A
-    return float(a[g * P.stride_a + kk * P.lda + i]);
+    return ld_a(g * P.stride_a + kk * P.lda + i);
 #else
-    return float(a[g * P.stride_a + i * P.lda + kk]);
+    return ld_a(g * P.stride_a + i * P.lda + kk);
 #endif
 }
 
 // B(kk, j) of matrix g; B is stored K x N, or N x K when transposed.
 float b_at(uint g, uint kk, uint j) {
 #ifdef TRANS_B
-    return float(b[g * P.stride_b + j * P.ldb + kk]);
+    return ld_b(g * P.stride_b + j * P.ldb + kk);
 #else
-    return float(b[g * P.stride_b + kk * P.ldb + j]);
+    return ld_b(g * P.stride_b + kk * P.ldb + j);
 #endif
 }
 
@@ -102,7 +194,7 @@ float b_at(uint g, uint kk, uint j) {
 vec4 load_b4(uint g, uint kk, uint j) {
     uint kc = min(kk, P.k - 1u);
 #ifdef VEC_B
-    vec4 v = vec4(b4[(g * P.stride_b + kc * P.ldb) / 4u + min(j, P.n - 4u) / 4u]);
+    vec4 v = ld_b4((g * P.stride_b + kc * P.ldb) / 4u + min(j, P.n - 4u) / 4u);
 #else
     uint jm = P.n - 1u;
     vec4 v = vec4(b_at(g, kc, min(j, jm)), b_at(g, kc, min(j + 1u, jm)),
@@ -156,11 +248,11 @@ void main() {
                         uint at = g * P.stride_c + i * P.ldc + j + e;
                         float out_v = P.alpha * acc[r * NV + v][e];
                         if (P.beta != 0.0) {
-                            out_v += P.beta * float(c[at]);
+                            out_v += P.beta * ld_c(at);
                         }
 #ifdef EPILOGUE
                         if (BIAS) {
-                            out_v += float(bias[j + e]);
+                            out_v += ld_bias(j + e);
                         }
                         if (GELU) {
                             out_v = gelu(out_v);
@@ -169,7 +261,7 @@ void main() {
                             cf[at] = out_v;
                         }
 #endif
-                        c[at] = STORE(out_v);
+                        st_c(at, out_v);
                     }
                 }
             }

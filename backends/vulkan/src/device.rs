@@ -1464,9 +1464,21 @@ impl VkDevice {
         let t0 = std::time::Instant::now();
         let (name, bytes) = gemm::module(p);
         let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
-        // constant_id 1-5 of matmul_cpu.comp: TM, NV and the epilogue's BIAS, GELU and
-        // COPY_F32 (32-bit booleans; a module without them ignores their entries).
-        let values = [p.tm, p.nv, p.bias as u32, p.gelu as u32, p.copy_f32 as u32];
+        // constant_id 1-9 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
+        // COPY_F32 (32-bit booleans), and the `_mixed` modules' storage of A, B, C and
+        // the bias; a module without some ignores their entries.
+        let storage = p.mixed.unwrap_or([p.dtype; 4]).map(gemm::storage_code);
+        let values = [
+            p.tm,
+            p.nv,
+            p.bias as u32,
+            p.gelu as u32,
+            p.copy_f32 as u32,
+            storage[0],
+            storage[1],
+            storage[2],
+            storage[3],
+        ];
         let entries: Vec<_> = (0..values.len() as u32)
             .map(|i| vk::SpecializationMapEntry {
                 constant_id: i + 1,
@@ -1553,7 +1565,7 @@ impl VkDevice {
             offset,
             range: 48,
         });
-        if p.epilogue() {
+        if p.epilogue() || p.mixed.is_some() {
             // Stand-ins where the launch has no bias or copy: the module binds both,
             // and its specialization never touches the absent one.
             for b in [mm.bias, mm.c_f32] {

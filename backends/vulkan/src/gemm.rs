@@ -36,6 +36,10 @@ pub struct SpirvGemmPlan {
     pub bias: bool,
     pub gelu: bool,
     pub copy_f32: bool,
+    /// Storage of A, B, C and the bias where they are not all f32 or all f16 (a bf16
+    /// operand, f16 operands with an f32 C, an f32 bias on f16): the `_mixed` modules,
+    /// each type a specialization constant. `dtype` is then C's.
+    pub mixed: Option<[DType; 4]>,
 }
 
 impl SpirvGemmPlan {
@@ -116,32 +120,28 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         return naga("an empty product (M, N or K is 0)".into());
     }
     let dtype = mm.c.dtype;
-    if mm.a.dtype != dtype || mm.b.dtype != dtype {
+    let bias_dtype = mm.bias.map_or(dtype, |b| b.dtype);
+    let storage = [mm.a.dtype, mm.b.dtype, dtype, bias_dtype];
+    if let Some(t) = storage
+        .iter()
+        .find(|t| !matches!(t, DType::F32 | DType::F16 | DType::BF16))
+    {
         return naga(format!(
-            "mixed storage ({} x {} -> {}); the SPIR-V GEMM stores A, B and C alike",
-            mm.a.dtype, mm.b.dtype, dtype
+            "{t} storage; the SPIR-V GEMM stores f32, f16 or bf16"
         ));
     }
-    match dtype {
-        DType::F32 => {}
-        DType::F16 if caps.f16_arithmetic => {}
-        DType::F16 => {
-            return naga(
-                "f16 without the device's native f16 (shaderFloat16, 16-bit storage)".into(),
-            )
-        }
-        other => {
-            return naga(format!(
-                "{other} storage; the SPIR-V GEMM stores f32 or f16"
-            ))
-        }
-    }
-    if let Some(b) = mm.bias.filter(|b| b.dtype != dtype) {
+    // One type throughout, f32 or f16: the modules with that storage compiled in.
+    // Anything else (bf16, or types that differ) reads and writes each operand as its
+    // own type: the `_mixed` modules.
+    let alike = storage.iter().all(|&t| t == dtype) && dtype != DType::BF16;
+    if !(dtype == DType::F32 && alike) && !caps.f16_arithmetic {
         return naga(format!(
-            "a {} bias on {dtype} storage; the SPIR-V GEMM reads the bias as it stores C",
-            b.dtype
+            "{} x {} -> {dtype} storage without the device's native f16 (shaderFloat16, \
+             16-bit storage)",
+            mm.a.dtype, mm.b.dtype
         ));
     }
+    let mixed = (!alike).then_some(storage);
     let limit = caps.max_storage_binding;
     if let Some(big) = mm.buffers().iter().find(|b| b.bytes() > limit) {
         return naga(format!(
@@ -177,13 +177,14 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         vec_b: !mm.trans_b
             && mm.n.is_multiple_of(4)
             && (mm.batch == 1 || mm.stride_b.is_multiple_of(4))
-            && dev.b_offset.is_multiple_of(4 * dtype.size() as u64),
+            && dev.b_offset.is_multiple_of(4 * mm.b.dtype.size() as u64),
         tm,
         nv,
         require_subgroup,
         bias: mm.bias.is_some(),
         gelu: mm.gelu,
         copy_f32: mm.c_f32.is_some(),
+        mixed,
     };
     let (x, y, z) = p.groups(mm);
     if x.max(y).max(z) > 65535 {
@@ -211,11 +212,30 @@ impl SpirvGemmPlan {
     }
 }
 
+/// The specialization code of a storage type in the `_mixed` modules.
+pub fn storage_code(t: DType) -> u32 {
+    match t {
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        _ => 0,
+    }
+}
+
 /// The committed module of `p`: the 16x2 build of its storage type and transposes
 /// (`shaders/vulkan/build.sh`), with the epilogue where it has one; the tile shape is
 /// specialized at pipeline creation, so the other builds' compiled-in defaults are not
 /// needed here.
 pub fn module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
+    if p.mixed.is_some() {
+        return match (p.trans_a, p.trans_b, p.vec_b) {
+            (false, false, false) => spv!("matmul_cpu_16x2_nn_mixed"),
+            (false, false, true) => spv!("matmul_cpu_16x2_nn_vec_mixed"),
+            (false, true, _) => spv!("matmul_cpu_16x2_nt_mixed"),
+            (true, false, false) => spv!("matmul_cpu_16x2_tn_mixed"),
+            (true, false, true) => spv!("matmul_cpu_16x2_tn_vec_mixed"),
+            (true, true, _) => spv!("matmul_cpu_16x2_tt_mixed"),
+        };
+    }
     if p.epilogue() {
         return epilogue_module(p);
     }
@@ -321,6 +341,51 @@ mod tests {
     }
 
     #[test]
+    fn bf16_and_mixed_storage_run_as_spirv_with_each_type_specialized() {
+        let d = GemmDevice {
+            subgroup_control: Some((8, 8)),
+            b_offset: 0,
+        };
+        let caps = lavapipe();
+        let mixed = |mm: &Matmul| match route(mm, &caps, d) {
+            GemmRoute::Spirv(p) => p.mixed,
+            other => panic!("not routed to SPIR-V: {other:?}"),
+        };
+        let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
+        // One type throughout: the compiled-in modules.
+        assert_eq!(mixed(&mm(f32_, 64, 64, 64)), None);
+        assert_eq!(mixed(&mm(f16_, 64, 64, 64)), None);
+        assert_eq!(mixed(&mm(bf16, 64, 64, 64)), Some([bf16; 4]));
+        let mut grad = mm(f16_, 61, 32, 32);
+        grad.c.dtype = f32_;
+        assert_eq!(mixed(&grad), Some([f16_, f16_, f32_, f32_]));
+        let mut bias = mm(f16_, 64, 64, 64);
+        bias.bias = Some(Buffer {
+            id: 4,
+            dtype: f32_,
+            len: 64,
+        });
+        assert_eq!(mixed(&bias), Some([f16_, f16_, f16_, f32_]));
+        // B's 4-value loads need its view on a 4-value boundary of its own type.
+        let mut b16 = mm(f32_, 64, 64, 64);
+        b16.b.dtype = bf16;
+        let view = GemmDevice { b_offset: 4, ..d };
+        let (GemmRoute::Spirv(p), GemmRoute::Spirv(q)) =
+            (route(&b16, &caps, d), route(&b16, &caps, view))
+        else {
+            panic!()
+        };
+        assert!(p.vec_b && !q.vec_b);
+        assert_eq!(p.mixed, Some([f32_, bf16, f32_, f32_]));
+        assert_eq!(module(&p).0, "matmul_cpu_16x2_nn_vec_mixed");
+        assert_eq!(module(&q).0, "matmul_cpu_16x2_nn_mixed");
+        let GemmRoute::Spirv(r) = route(&bias, &caps, d) else {
+            panic!()
+        };
+        assert_eq!(module(&r).0, "matmul_cpu_16x2_nn_vec_mixed");
+    }
+
+    #[test]
     fn every_other_case_names_why_it_takes_the_naga_path() {
         let d = GemmDevice::default();
         let caps = lavapipe();
@@ -330,22 +395,15 @@ mod tests {
             ..lavapipe()
         };
         assert!(why(route(&mm(DType::F32, 256, 256, 256), &gpu, d)).contains("tiled"));
-        assert!(why(route(&mm(DType::BF16, 64, 64, 64), &caps, d)).contains("bf16"));
-        let mut bias = mm(DType::F16, 64, 64, 64);
-        bias.bias = Some(Buffer {
-            id: 4,
-            dtype: DType::F32,
-            len: 64,
-        });
-        assert!(why(route(&bias, &caps, d)).contains("f32 bias on f16"));
-        let mut mixed = mm(DType::F16, 64, 64, 64);
-        mixed.c.dtype = DType::F32;
-        assert!(why(route(&mixed, &caps, d)).contains("mixed storage"));
         let packed = Capabilities {
             f16_arithmetic: false,
             ..lavapipe()
         };
         assert!(why(route(&mm(DType::F16, 64, 64, 64), &packed, d)).contains("native f16"));
+        let mut mixed = mm(DType::F16, 64, 64, 64);
+        mixed.c.dtype = DType::F32;
+        assert!(why(route(&mixed, &packed, d)).contains("f16 x f16 -> f32 storage without"));
+        assert!(why(route(&mm(DType::BF16, 64, 64, 64), &packed, d)).contains("native f16"));
         assert!(why(route(&mm(DType::F32, 2, 3, 2000), &caps, d)).contains("splits K"));
         assert!(why(route(&mm(DType::F32, 64, 64, 0), &caps, d)).contains("empty"));
         let wide = Capabilities {
