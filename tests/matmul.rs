@@ -214,7 +214,7 @@ fn random_shapes_match_cpu_on_every_path() {
 /// The raw Vulkan backend (`vk:0`), on the same dtype mixes and transposes, one random
 /// shape of each (lavapipe compiles each kernel anew for this device): every product
 /// the route gives the hand-written SPIR-V GEMM runs there (its launch counter says so),
-/// the rest (GEMV, split K) through naga's translation of the WGSL.
+/// the rest (GEMV) through naga's translation of the WGSL.
 #[test]
 fn random_shapes_match_cpu_on_vk() {
     let mut rng = Rng::new(2025);
@@ -234,7 +234,7 @@ fn random_shapes_match_cpu_on_vk() {
     assert!(shapes >= 20, "only {shapes} shapes");
     let (spirv, naga) = dev.gemm_launches();
     assert_eq!((spirv, naga), routed.get());
-    // The naga path's: GEMV shapes and split K.
+    // The naga path's: GEMV shapes.
     assert!(
         spirv >= 15 && naga >= 2,
         "{spirv} SPIR-V and {naga} naga GEMMs of {shapes}"
@@ -389,6 +389,55 @@ fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
                 // f16 throughout (an f16 bias, or none) is the f16 modules' own case.
                 let mixed = (want != [DType::F16; 4]).then_some(want);
                 assert_eq!(p.mixed, mixed, "{what}");
+                dev.launch(&Kernel::Matmul(mm.clone()))
+            });
+            cases += 1;
+        }
+    }
+    assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// Split K on `vk:0`: the SPIR-V GEMM sums each of the planner's K chunks into f32
+/// partials and the WGSL `matmul_finish` (through naga) sums them with the epilogue;
+/// every storage mix, transposes, strided and broadcast batches, alpha, beta, bias,
+/// GELU and the f32 copy, against the CPU; each split there (by route and counter).
+#[test]
+fn split_k_runs_as_spirv_on_vk() {
+    let mut rng = Rng::new(2029);
+    let dev = vk_device(false);
+    let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
+    let shapes = [
+        ((2, 3, 1031), 1, None),
+        ((13, 17, 2053), 2, Some(5)),
+        ((3, 9, 1500), 2, None),
+        ((4, 8, 1031), 2, Some(4)),
+    ];
+    let mut cases = 0;
+    for (i, dtypes) in [[f32_; 3], [f16_; 3], [bf16; 3], [f16_, f16_, f32_]]
+        .into_iter()
+        .enumerate()
+    {
+        for (s, &(dims, batch, pad_b)) in shapes.iter().enumerate() {
+            let trans = ((i + s) % 2 == 1, (i + s) % 4 >= 2);
+            let mut c = strided_batch(&mut rng, dims, trans, dtypes, batch, 3, pad_b, 7);
+            let (n, len) = (c.mm.n, c.c.len());
+            c.c = random(&mut rng, dtypes[2], len);
+            let mut mm = c.mm.clone();
+            if s != 1 {
+                mm = mm.scaled(0.75, -0.5);
+                c.bias = Some(random(&mut rng, f32_, n));
+                mm.bias = Some(handle(f32_, n));
+                mm.gelu = true;
+                mm.c_f32 = Some(handle(f32_, len));
+            }
+            c.mm = mm;
+            let what = format!("vk SPIR-V split K: {dims:?} x{batch} {trans:?} {dtypes:?}");
+            check_on(&what, &dev, &c, &|mm| {
+                let route = dev.gemm_route(mm)?;
+                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
+                    panic!("{what}: {route:?}")
+                };
+                assert!(p.splits > 1, "{what}: {p:?}");
                 dev.launch(&Kernel::Matmul(mm.clone()))
             });
             cases += 1;

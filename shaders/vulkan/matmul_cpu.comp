@@ -22,6 +22,10 @@
 // binding is declared once per type, and the driver drops the unused ones when it
 // specializes. bf16 is the upper half of an f32, read by shifting and stored rounded to
 // nearest even (NaN kept quiet), as shaders/common/convert.wgsl's bf16_bits rounds.
+// These modules also run split K (PARTIAL, constant 10): workgroup z is matrix x split,
+// each split sums its chunk of K in order and writes the raw f32 sums to `cf` in
+// shaders/common/matmul_epilogue.wgsl's partials layout, and the WGSL matmul_finish
+// sums the splits and applies the epilogue, as the WGSL GEMMs' split K does.
 
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
@@ -71,6 +75,7 @@ layout(constant_id = 6) const uint A_DT = 0u;
 layout(constant_id = 7) const uint B_DT = 0u;
 layout(constant_id = 8) const uint C_DT = 0u;
 layout(constant_id = 9) const uint BIAS_DT = 0u;
+layout(constant_id = 10) const bool PARTIAL = false;
 layout(set = 0, binding = 0) readonly buffer BufAh { float16_t a_h[]; };
 layout(set = 0, binding = 0) readonly buffer BufAb { uint16_t a_b[]; };
 layout(set = 0, binding = 1) readonly buffer BufBh { float16_t b_h[]; };
@@ -167,6 +172,10 @@ layout(set = 0, binding = 3) uniform Params {
     uint lda, ldb, ldc;
     uint stride_a, stride_b, stride_c;
     float alpha, beta;
+#ifdef MIXED
+    // K splits, the K values each takes (a multiple of SG) and batch * m * n.
+    uint splits, k_chunk, total;
+#endif
 } P;
 
 // A(i, kk) of matrix g; A is stored M x K, or K x M when transposed.
@@ -206,6 +215,13 @@ vec4 load_b4(uint g, uint kk, uint j) {
 void main() {
     uint lane = gl_SubgroupInvocationID;
     uint g = gl_WorkGroupID.z;
+#ifdef MIXED
+    uint split = g % P.splits;
+    g /= P.splits;
+    // Only the last split's last step can run past K, and the loads zero it there.
+    uint k_begin = split * P.k_chunk;
+    uint k_end = min(P.k, k_begin + P.k_chunk);
+#endif
     uint i0 = gl_WorkGroupID.y * TM;
     uint j0 = gl_WorkGroupID.x * (SG * 4u * NV) + 4u * lane;
     uint im = P.m - 1u;
@@ -213,7 +229,11 @@ void main() {
     [[unroll]] for (uint x = 0u; x < TM * NV; x++) {
         acc[x] = vec4(0.0);
     }
+#ifdef MIXED
+    for (uint kk = k_begin; kk < k_end; kk += SG) {
+#else
     for (uint kk = 0u; kk < P.k; kk += SG) {
+#endif
         // This lane's A value of every row (zero past K), shared below by shuffles.
         uint kl = kk + lane;
         float al[TM];
@@ -245,6 +265,13 @@ void main() {
             if (i < P.m) {
                 [[unroll]] for (uint e = 0u; e < 4u; e++) {
                     if (j + e < P.n) {
+#ifdef MIXED
+                        if (PARTIAL) {
+                            cf[split * P.total + (g * P.m + i) * P.n + j + e] =
+                                acc[r * NV + v][e];
+                            continue;
+                        }
+#endif
                         uint at = g * P.stride_c + i * P.ldc + j + e;
                         float out_v = P.alpha * acc[r * NV + v][e];
                         if (P.beta != 0.0) {

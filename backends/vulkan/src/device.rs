@@ -33,7 +33,7 @@ use kiln_wgpu::lower::{
     DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
 use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
-use kiln_wgpu::DeviceOptions;
+use kiln_wgpu::{plan_matmul, split_finish, split_partials, DeviceOptions};
 use naga::back::spv::Capability;
 
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
@@ -1458,15 +1458,16 @@ impl VkDevice {
         p: &SpirvGemmPlan,
     ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
         let (_, layout) = self.gemm_layout(s)?;
+        let p = &p.pipeline_key();
         if let Some(&pipeline) = s.gemm.get(p) {
             return Ok((pipeline, layout));
         }
         let t0 = std::time::Instant::now();
         let (name, bytes) = gemm::module(p);
         let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
-        // constant_id 1-9 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
+        // constant_id 1-10 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
         // COPY_F32 (32-bit booleans), and the `_mixed` modules' storage of A, B, C and
-        // the bias; a module without some ignores their entries.
+        // the bias and PARTIAL; a module without some ignores their entries.
         let storage = p.mixed.unwrap_or([p.dtype; 4]).map(gemm::storage_code);
         let values = [
             p.tm,
@@ -1478,6 +1479,7 @@ impl VkDevice {
             storage[1],
             storage[2],
             storage[3],
+            p.partial() as u32,
         ];
         let entries: Vec<_> = (0..values.len() as u32)
             .map(|i| vk::SpecializationMapEntry {
@@ -1551,26 +1553,48 @@ impl VkDevice {
         p: &SpirvGemmPlan,
     ) -> Result<()> {
         let (pipeline, layout) = self.gemm_pipeline(s, p)?;
+        // A K split: the planner's plan, whose partials layout and `matmul_finish`
+        // (the WGSL one, through naga) complete the product.
+        let split = if p.partial() {
+            let plan = plan_matmul(mm, &self.caps, None)?;
+            debug_assert_eq!((plan.splits, plan.k_chunk), (p.splits, p.k_chunk));
+            Some(plan)
+        } else {
+            None
+        };
         if s.collect.is_some() {
-            // `prepare` wanted the pipeline, now built.
+            // `prepare` wanted the pipelines, now built (the finish's through its
+            // dispatch, which only collects here).
+            if let Some(plan) = &split {
+                split_finish(self, s, mm, plan)?;
+            }
             return Ok(());
+        }
+        if let Some(plan) = &split {
+            split_partials(self, s, mm, plan)?;
         }
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
             infos.push(self.buffer_info(s, b.id)?);
         }
-        let (cmd, arena, offset) = self.put_params(s, &p.params(mm))?;
+        let params = p.params(mm);
+        let (cmd, arena, offset) = self.put_params(s, &params)?;
         infos.push(vk::DescriptorBufferInfo {
             buffer: arena,
             offset,
-            range: 48,
+            range: 4 * params.len() as u64,
         });
         if p.epilogue() || p.mixed.is_some() {
             // Stand-ins where the launch has no bias or copy: the module binds both,
-            // and its specialization never touches the absent one.
-            for b in [mm.bias, mm.c_f32] {
-                infos.push(self.buffer_info(s, b.map_or(DUMMY_ID, |b| b.id))?);
-            }
+            // and its specialization never touches the absent one. A split writes its
+            // partials where the copy goes.
+            let cf = if split.is_some() {
+                PARTIALS_ID
+            } else {
+                mm.c_f32.map_or(DUMMY_ID, |b| b.id)
+            };
+            infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
+            infos.push(self.buffer_info(s, cf)?);
         }
         // The parameters' uniform at binding 3 (see `gemm_layout`).
         let writes = buffer_writes(&infos, Some(3));
@@ -1582,6 +1606,9 @@ impl VkDevice {
             &[],
             (x as u32, y as u32, z as u32),
         );
+        if let Some(plan) = &split {
+            split_finish(self, s, mm, plan)?;
+        }
         Ok(())
     }
 }

@@ -40,6 +40,11 @@ pub struct SpirvGemmPlan {
     /// operand, f16 operands with an f32 C, an f32 bias on f16): the `_mixed` modules,
     /// each type a specialization constant. `dtype` is then C's.
     pub mixed: Option<[DType; 4]>,
+    /// The planner's K split: `splits` chunks of `k_chunk` values (1 and K: none). A
+    /// split product runs in the `_mixed` modules, which write f32 partials for the
+    /// WGSL `matmul_finish` to sum with the epilogue.
+    pub splits: u32,
+    pub k_chunk: u32,
 }
 
 impl SpirvGemmPlan {
@@ -48,12 +53,13 @@ impl SpirvGemmPlan {
         (
             (mm.n as u64).div_ceil((LANES * 4 * self.nv) as u64),
             (mm.m as u64).div_ceil(self.tm as u64),
-            mm.batch as u64,
+            mm.batch as u64 * self.splits as u64,
         )
     }
 
-    /// The shader's `Params` block (strides of contiguous operands).
-    pub fn params(&self, mm: &Matmul) -> [u32; 12] {
+    /// The shader's `Params` block (strides of contiguous operands; the `_mixed`
+    /// modules' K split and output count after them).
+    pub fn params(&self, mm: &Matmul) -> [u32; 16] {
         let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
         [
             m,
@@ -67,6 +73,10 @@ impl SpirvGemmPlan {
             mm.stride_c as u32,
             mm.alpha.to_bits(),
             mm.beta.to_bits(),
+            self.splits,
+            self.k_chunk,
+            (mm.batch * mm.m * mm.n) as u32,
+            0,
             0,
         ]
     }
@@ -110,10 +120,12 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
             plan.variant.name()
         ));
     };
-    if plan.splits > 1 {
+    let partials = kiln_wgpu::split_partial_bytes(mm, &plan);
+    if plan.splits > 1 && partials > caps.max_storage_binding {
         return naga(format!(
-            "the GEMM planner splits K into {} chunks, which the SPIR-V GEMM does not",
-            plan.splits
+            "{partials} bytes of f32 partials for {} K splits, over the {}-byte binding \
+             limit (the naga path splits the product in blocks)",
+            plan.splits, caps.max_storage_binding
         ));
     }
     if mm.m == 0 || mm.n == 0 || mm.k == 0 {
@@ -141,7 +153,7 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
             mm.a.dtype, mm.b.dtype
         ));
     }
-    let mixed = (!alike).then_some(storage);
+    let mixed = (!alike || plan.splits > 1).then_some(storage);
     let limit = caps.max_storage_binding;
     if let Some(big) = mm.buffers().iter().find(|b| b.bytes() > limit) {
         return naga(format!(
@@ -185,6 +197,12 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         gelu: mm.gelu,
         copy_f32: mm.c_f32.is_some(),
         mixed,
+        splits: plan.splits,
+        k_chunk: if plan.splits > 1 {
+            plan.k_chunk
+        } else {
+            mm.k as u32
+        },
     };
     let (x, y, z) = p.groups(mm);
     if x.max(y).max(z) > 65535 {
@@ -209,6 +227,20 @@ impl SpirvGemmPlan {
     /// Runs the fused epilogue (an `_epi` module).
     pub fn epilogue(&self) -> bool {
         self.bias || self.gelu || self.copy_f32
+    }
+
+    /// Splits K (writes partials; `PARTIAL`).
+    pub fn partial(&self) -> bool {
+        self.splits > 1
+    }
+
+    /// What its pipeline depends on: not how K is split, only whether.
+    pub fn pipeline_key(&self) -> SpirvGemmPlan {
+        SpirvGemmPlan {
+            splits: self.splits.min(2),
+            k_chunk: 0,
+            ..*self
+        }
     }
 }
 
@@ -386,6 +418,39 @@ mod tests {
     }
 
     #[test]
+    fn split_k_runs_as_spirv_with_the_planners_chunks() {
+        let d = GemmDevice::default();
+        let product = mm(DType::F32, 2, 3, 2000);
+        let plan = plan_matmul(&product, &lavapipe(), None).unwrap();
+        assert!(plan.splits > 1, "{plan:?}");
+        let GemmRoute::Spirv(p) = route(&product, &lavapipe(), d) else {
+            panic!("not routed to SPIR-V")
+        };
+        assert_eq!((p.splits, p.k_chunk), (plan.splits, plan.k_chunk));
+        assert_eq!(p.mixed, Some([DType::F32; 4]));
+        assert_eq!(module(&p).0, "matmul_cpu_16x2_nn_mixed");
+        // Matrices x splits workgroups deep; the split count, chunk and output count
+        // follow alpha and beta in the parameters.
+        assert_eq!(p.groups(&product).2, plan.splits as u64);
+        assert_eq!(
+            p.params(&product)[11..15],
+            [plan.splits, plan.k_chunk, 6, 0]
+        );
+        // One pipeline for every chunk length.
+        let other = SpirvGemmPlan {
+            splits: 7,
+            k_chunk: 64,
+            ..p
+        };
+        assert_eq!(other.pipeline_key(), p.pipeline_key());
+        // Unsplit: K in one chunk.
+        let GemmRoute::Spirv(q) = route(&mm(DType::BF16, 2, 3, 40), &lavapipe(), d) else {
+            panic!()
+        };
+        assert_eq!((q.splits, q.k_chunk, q.partial()), (1, 40, false));
+    }
+
+    #[test]
     fn every_other_case_names_why_it_takes_the_naga_path() {
         let d = GemmDevice::default();
         let caps = lavapipe();
@@ -404,7 +469,6 @@ mod tests {
         mixed.c.dtype = DType::F32;
         assert!(why(route(&mixed, &packed, d)).contains("f16 x f16 -> f32 storage without"));
         assert!(why(route(&mm(DType::BF16, 64, 64, 64), &packed, d)).contains("native f16"));
-        assert!(why(route(&mm(DType::F32, 2, 3, 2000), &caps, d)).contains("splits K"));
         assert!(why(route(&mm(DType::F32, 64, 64, 0), &caps, d)).contains("empty"));
         let wide = Capabilities {
             subgroup_sizes: Some((4, 16)),

@@ -20,7 +20,10 @@ pub mod tune;
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
 pub use attention::{plan as plan_attention, AttentionPlan};
 pub use device::WgpuDevice;
-pub use matmul::{plan as plan_matmul, stand_in as gemm_stand_in, MatmulPlan, MatmulVariant};
+pub use matmul::{
+    plan as plan_matmul, split_finish, split_partial_bytes, split_partials,
+    stand_in as gemm_stand_in, MatmulPlan, MatmulVariant,
+};
 pub use peak::Peak;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
 

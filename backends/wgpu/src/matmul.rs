@@ -970,6 +970,36 @@ pub(crate) trait LowerMatmul: Recorder {
 
 impl<R: Recorder + ?Sized> LowerMatmul for R {}
 
+/// For a backend that runs a split-K plan's GEMM proper with its own kernel (kiln-vulkan's
+/// hand-written SPIR-V): makes the [`PARTIALS_ID`] buffer hold `plan.splits` f32 slabs of
+/// `mm`'s outputs, slab `s` at `s * batch * m * n + (g * m + i) * n + j` as the WGSL
+/// kernels write them, for the dispatches recorded next.
+pub fn split_partials<R: Recorder + ?Sized>(
+    dev: &R,
+    s: &mut R::State,
+    mm: &Matmul,
+    plan: &MatmulPlan,
+) -> Result<()> {
+    dev.partials(s, partial_bytes(mm, plan.splits))
+}
+
+/// ... and then, once that kernel has written them, sums the slabs into C with the
+/// epilogue (`matmul_finish`), as the WGSL path does: `mm` whole, each operand within
+/// one binding.
+pub fn split_finish<R: Recorder + ?Sized>(
+    dev: &R,
+    s: &mut R::State,
+    mm: &Matmul,
+    plan: &MatmulPlan,
+) -> Result<()> {
+    dev.record_finish(s, mm, plan, &View::whole(mm), PARTIALS_ID)
+}
+
+/// Bytes of the f32 partials `plan` writes for `mm` (see [`split_partials`]).
+pub fn split_partial_bytes(mm: &Matmul, plan: &MatmulPlan) -> u64 {
+    partial_bytes(mm, plan.splits)
+}
+
 /// The epilogue's overrides, shared by the GEMM kernels and `matmul_finish`.
 fn epilogue_overrides(mm: &Matmul, partial: bool) -> Vec<(&'static str, u32)> {
     let flag = |b: bool| b as u32;
