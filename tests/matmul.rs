@@ -151,6 +151,48 @@ fn check_on(
     assert!(checked > 0 || mm.m * mm.n == 0);
 }
 
+/// C (and its f32 copy) after one launch of `case` on `d`.
+fn outputs(d: &dyn Device, case: &Case) -> (Vec<u32>, Option<Vec<u32>>) {
+    let put_all = |h: &HostData| put(d, h);
+    let mut mm = Matmul {
+        a: put_all(&case.a),
+        b: put_all(&case.b),
+        c: put_all(&case.c),
+        ..case.mm.clone()
+    };
+    mm.bias = case.bias.as_ref().map(put_all);
+    mm.c_f32 = case
+        .mm
+        .c_f32
+        .map(|cf| put(d, &HostData::F32(vec![0.0; cf.len])));
+    d.launch(&Kernel::Matmul(mm.clone())).unwrap();
+    d.submit().unwrap();
+    let bits = |b| -> Vec<u32> {
+        let v = d.download(b).unwrap().to_f32();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let out = (bits(mm.c), mm.c_f32.map(bits));
+    for buf in mm.buffers() {
+        d.free(buf).unwrap();
+    }
+    out
+}
+
+/// `case` on `vk:0` gives the bits it gives on wgpu's Vulkan device (the WGSL GEMMs):
+/// the SPIR-V kernel sums each output's K in the WGSL kernel's order. Not checked
+/// where beta and a bias meet: lavapipe contracts `alpha * acc + beta * C + bias` into
+/// fused multiply-adds one way for the GLSL epilogue and another for the WGSL one (an
+/// ulp or two of an f32 C, the `_epi` modules' as well; f16 and bf16 C round it away).
+/// Whether it ran (a launch on each device).
+fn same_bits_as_wgpu(what: &str, vk: &dyn Device, wgpu: &dyn Device, case: &Case) -> bool {
+    if case.mm.beta != 0.0 && case.mm.bias.is_some() && case.mm.c.dtype == DType::F32 {
+        return false;
+    }
+    let (v, w) = (outputs(vk, case), outputs(wgpu, case));
+    assert!(v == w, "{what}: vk and wgpu give different bits");
+    true
+}
+
 /// A random case: values in [-1, 1) so that sums stay far from f16 overflow.
 fn case(
     rng: &mut Rng,
@@ -335,11 +377,12 @@ fn epilogues_run_as_spirv_on_vk() {
 /// or bf16 operands with an f32 C (the tied embedding's gradient in a GPT step), an f32
 /// bias on f16, one f32 operand; every transpose, strided batches with a broadcast B,
 /// alpha and beta, sizes of 1, primes and ones past a tile; each checked by route and
-/// counter against the CPU.
+/// counter against the CPU, and bit for bit against wgpu's WGSL GEMMs.
 #[test]
 fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
     let mut rng = Rng::new(2028);
     let dev = vk_device(false);
+    let wgpu = gpu("vulkan", false);
     let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
     let mixes = [
         ([bf16; 3], bf16),
@@ -391,7 +434,7 @@ fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
                 assert_eq!(p.mixed, mixed, "{what}");
                 dev.launch(&Kernel::Matmul(mm.clone()))
             });
-            cases += 1;
+            cases += 1 + same_bits_as_wgpu(&what, &dev, wgpu.as_ref(), &c) as u64;
         }
     }
     assert_eq!(dev.gemm_launches(), (cases, 0));
@@ -400,11 +443,13 @@ fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
 /// Split K on `vk:0`: the SPIR-V GEMM sums each of the planner's K chunks into f32
 /// partials and the WGSL `matmul_finish` (through naga) sums them with the epilogue;
 /// every storage mix, transposes, strided and broadcast batches, alpha, beta, bias,
-/// GELU and the f32 copy, against the CPU; each split there (by route and counter).
+/// GELU and the f32 copy, against the CPU and bit for bit against wgpu's WGSL split
+/// K; each split there (by route and counter).
 #[test]
 fn split_k_runs_as_spirv_on_vk() {
     let mut rng = Rng::new(2029);
     let dev = vk_device(false);
+    let wgpu = gpu("vulkan", false);
     let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
     let shapes = [
         ((2, 3, 1031), 1, None),
@@ -440,7 +485,7 @@ fn split_k_runs_as_spirv_on_vk() {
                 assert!(p.splits > 1, "{what}: {p:?}");
                 dev.launch(&Kernel::Matmul(mm.clone()))
             });
-            cases += 1;
+            cases += 1 + same_bits_as_wgpu(&what, &dev, wgpu.as_ref(), &c) as u64;
         }
     }
     assert_eq!(dev.gemm_launches(), (cases, 0));

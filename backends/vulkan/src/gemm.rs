@@ -146,7 +146,8 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     // Anything else (bf16, or types that differ) reads and writes each operand as its
     // own type: the `_mixed` modules.
     let alike = storage.iter().all(|&t| t == dtype) && dtype != DType::BF16;
-    if !(dtype == DType::F32 && alike) && !caps.f16_arithmetic {
+    let f32_only = dtype == DType::F32 && alike;
+    if !f32_only && !caps.f16_arithmetic {
         return naga(format!(
             "{} x {} -> {dtype} storage without the device's native f16 (shaderFloat16, \
              16-bit storage)",
