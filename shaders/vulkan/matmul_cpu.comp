@@ -144,6 +144,7 @@ void st_c(uint i, float v) {
 layout(constant_id = 3) const bool BIAS = false;
 layout(constant_id = 4) const bool GELU = false;
 layout(constant_id = 5) const bool COPY_F32 = false;
+layout(constant_id = 11) const bool USE_BETA = false;
 // The bias (N values, stored as C is) and the f32 copy of C (laid out as C is). A host
 // binds stand-ins where a launch has none: both are in the module either way.
 layout(set = 0, binding = 4) readonly buffer BufBias { STORE bias[]; };
@@ -274,7 +275,14 @@ void main() {
 #endif
                         uint at = g * P.stride_c + i * P.ldc + j + e;
                         float out_v = P.alpha * acc[r * NV + v][e];
+#ifdef EPILOGUE
+                        // C read where the host says beta is not 0, as the WGSL
+                        // epilogue's USE_BETA: straight-line code after specialization,
+                        // so the driver contracts it as it contracts the WGSL one.
+                        if (USE_BETA) {
+#else
                         if (P.beta != 0.0) {
+#endif
                             out_v += P.beta * ld_c(at);
                         }
 #ifdef EPILOGUE

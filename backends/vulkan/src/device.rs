@@ -1465,9 +1465,9 @@ impl VkDevice {
         let t0 = std::time::Instant::now();
         let (name, bytes) = gemm::module(p);
         let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
-        // constant_id 1-10 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
+        // constant_id 1-11 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
         // COPY_F32 (32-bit booleans), and the `_mixed` modules' storage of A, B, C and
-        // the bias and PARTIAL; a module without some ignores their entries.
+        // the bias, PARTIAL and USE_BETA; a module without some ignores their entries.
         let storage = p.mixed.unwrap_or([p.dtype; 4]).map(gemm::storage_code);
         let values = [
             p.tm,
@@ -1480,6 +1480,7 @@ impl VkDevice {
             storage[2],
             storage[3],
             p.partial() as u32,
+            p.use_beta as u32,
         ];
         let entries: Vec<_> = (0..values.len() as u32)
             .map(|i| vk::SpecializationMapEntry {

@@ -45,6 +45,9 @@ pub struct SpirvGemmPlan {
     /// WGSL `matmul_finish` to sum with the epilogue.
     pub splits: u32,
     pub k_chunk: u32,
+    /// beta is not 0, so C is read: `USE_BETA` of the `_epi` and `_mixed` modules
+    /// (the others test beta as they run).
+    pub use_beta: bool,
 }
 
 impl SpirvGemmPlan {
@@ -199,6 +202,7 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         copy_f32: mm.c_f32.is_some(),
         mixed,
         splits: plan.splits,
+        use_beta: mm.beta != 0.0,
         k_chunk: if plan.splits > 1 {
             plan.k_chunk
         } else {
