@@ -19,7 +19,8 @@ pub const LANES: u32 = 8;
 /// How the SPIR-V GEMM runs one product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SpirvGemmPlan {
-    /// Storage of A, B and C (and the bias): f32, or f16 with native 16-bit storage.
+    /// Storage of C; of A, B and the bias too unless `mixed` says otherwise: f32, or
+    /// f16 with native 16-bit storage (bf16 only in `mixed`).
     pub dtype: DType,
     pub trans_a: bool,
     pub trans_b: bool,
