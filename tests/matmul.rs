@@ -183,6 +183,22 @@ fn outputs(d: &dyn Device, case: &Case) -> (Vec<u32>, Option<Vec<u32>>) {
 /// is the same straight-line code once specialized (beta tested by `USE_BETA`, as in
 /// WGSL: lavapipe contracted `alpha * acc + beta * C + bias` differently around a
 /// run-time test of beta).
+/// Launches `mm` on `dev` once it is sure the product routes to the hand-written
+/// SPIR-V GEMM and `check` accepts the plan.
+fn launch_as_spirv(
+    what: &str,
+    dev: &kiln::vulkan::VkDevice,
+    mm: &Matmul,
+    check: impl Fn(&kiln::vulkan::SpirvGemmPlan),
+) -> kiln::engine::Result<()> {
+    let route = dev.gemm_route(mm)?;
+    let kiln::vulkan::GemmRoute::Spirv(p) = route else {
+        panic!("{what}: {route:?}")
+    };
+    check(&p);
+    dev.launch(&Kernel::Matmul(mm.clone()))
+}
+
 fn same_bits_as_wgpu(what: &str, vk: &dyn Device, wgpu: &dyn Device, case: &Case) {
     let (v, w) = (outputs(vk, case), outputs(wgpu, case));
     assert!(v == w, "{what}: vk and wgpu give different bits");
@@ -315,12 +331,9 @@ fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
     // The planner's 32 x 12 block: a tile shape no committed module has compiled in.
     let big = case(&mut rng, (256, 192, 2731), (false, false), [DType::F16; 3]);
     check_on("vk SPIR-V: 256x192x2731", &dev, &big, &|mm| {
-        let route = dev.gemm_route(mm)?;
-        let kiln::vulkan::GemmRoute::Spirv(p) = route else {
-            panic!("256x192x2731: {route:?}")
-        };
-        assert_eq!((p.tm, p.nv), (32, 3));
-        dev.launch(&Kernel::Matmul(mm.clone()))
+        launch_as_spirv("256x192x2731", &dev, mm, |p| {
+            assert_eq!((p.tm, p.nv), (32, 3))
+        })
     });
     cases += 1;
     assert_eq!(dev.gemm_launches(), (cases, 0));
@@ -356,12 +369,9 @@ fn epilogues_run_as_spirv_on_vk() {
             c.mm = mm;
             let what = format!("vk SPIR-V epilogue: bias {bias} gelu {gelu} copy {copy} {dtype}");
             check_on(&what, &dev, &c, &|mm| {
-                let route = dev.gemm_route(mm)?;
-                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
-                    panic!("{what}: {route:?}")
-                };
-                assert_eq!((p.bias, p.gelu, p.copy_f32), (bias, gelu, copy));
-                dev.launch(&Kernel::Matmul(mm.clone()))
+                launch_as_spirv(&what, &dev, mm, |p| {
+                    assert_eq!((p.bias, p.gelu, p.copy_f32), (bias, gelu, copy))
+                })
             });
             same_bits_as_wgpu(&what, &dev, wgpu.as_ref(), &c);
             cases += 2;
@@ -421,16 +431,11 @@ fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
                 "vk SPIR-V mixed: {dims:?} x{batch} {trans:?} {dtypes:?} bias {bias_dtype}"
             );
             check_on(&what, &dev, &c, &|mm| {
-                let route = dev.gemm_route(mm)?;
-                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
-                    panic!("{what}: {route:?}")
-                };
                 let bias = mm.bias.map_or(dtypes[2], |b| b.dtype);
                 let want = [dtypes[0], dtypes[1], dtypes[2], bias];
                 // f16 throughout (an f16 bias, or none) is the f16 modules' own case.
                 let mixed = (want != [DType::F16; 4]).then_some(want);
-                assert_eq!(p.mixed, mixed, "{what}");
-                dev.launch(&Kernel::Matmul(mm.clone()))
+                launch_as_spirv(&what, &dev, mm, |p| assert_eq!(p.mixed, mixed, "{what}"))
             });
             same_bits_as_wgpu(&what, &dev, wgpu.as_ref(), &c);
             cases += 2;
@@ -477,12 +482,7 @@ fn split_k_runs_as_spirv_on_vk() {
             c.mm = mm;
             let what = format!("vk SPIR-V split K: {dims:?} x{batch} {trans:?} {dtypes:?}");
             check_on(&what, &dev, &c, &|mm| {
-                let route = dev.gemm_route(mm)?;
-                let kiln::vulkan::GemmRoute::Spirv(p) = route else {
-                    panic!("{what}: {route:?}")
-                };
-                assert!(p.splits > 1, "{what}: {p:?}");
-                dev.launch(&Kernel::Matmul(mm.clone()))
+                launch_as_spirv(&what, &dev, mm, |p| assert!(p.splits > 1, "{what}: {p:?}"))
             });
             same_bits_as_wgpu(&what, &dev, wgpu.as_ref(), &c);
             cases += 2;

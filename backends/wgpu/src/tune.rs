@@ -329,16 +329,15 @@ impl WgpuDevice {
         }
         if self.primes_big_blocks() {
             let view = View::whole(mm);
-            for v in to_build(best.variant, &CPU_LADDER, state) {
+            let missing = to_build(best.variant, &CPU_LADDER, state);
+            for &v in &missing {
                 let mut p = crate::matmul::plan(mm, &self.caps, Some(v))?;
                 p.partial |= self.needs_partials(mm, &p, &view);
                 let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
                 self.build_in_background(s, d)?;
             }
             // Asked for now or earlier: measured at a launch after they are built.
-            if !to_build(best.variant, &CPU_LADDER, state).is_empty()
-                || awaiting(best.variant, &CPU_LADDER, state)
-            {
+            if !missing.is_empty() || awaiting(best.variant, &CPU_LADDER, state) {
                 return Ok(None);
             }
         }
