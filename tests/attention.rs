@@ -138,12 +138,12 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// Runs `c` on the GPU and the CPU; panics with every tensor's error if one is off.
-fn check(path: &Path, c: &Case, seed: u64) {
+/// Runs `c` on `dev` and the CPU; panics with every tensor's error if one is off.
+fn check_on(name: &str, dev: &dyn Device, c: &Case, seed: u64) {
     let cpu = CpuDevice::new();
     let data = inputs(c, seed);
     let want = run(&cpu, c, &data, None);
-    let got = run(path.dev.as_ref(), c, &data, Some((&want[0], &want[1])));
+    let got = run(dev, c, &data, Some((&want[0], &want[1])));
     let names = ["out", "lse", "dq", "dk", "dv"];
     let mut report = vec![];
     let mut bad = false;
@@ -154,11 +154,11 @@ fn check(path: &Path, c: &Case, seed: u64) {
         report.push(format!("{} {e:.1e}", names[i]));
         bad |= e.is_nan() || e > tol;
     }
-    eprintln!("{} {c:?}: {}", path.name, report.join(", "));
+    eprintln!("{} {c:?}: {}", name, report.join(", "));
     assert!(
         !bad,
         "{} {c:?}: errors relative to each tensor's largest element (tolerance {:.1e}, lse 1e-5): {}",
-        path.name,
+        name,
         tolerance(c.dtype),
         report.join(", ")
     );
@@ -166,6 +166,12 @@ fn check(path: &Path, c: &Case, seed: u64) {
 
 /// Every case of `dims` x `seqs` x (no mask, causal) for one dtype, heads = 3.
 fn sweep(path: &Path, dtype: DType, dims: &[usize], seqs: &[usize]) {
+    sweep_on(path.name, path.dev.as_ref(), dtype, dims, seqs);
+}
+
+/// [`sweep`] on any device; the number of cases.
+fn sweep_on(name: &str, dev: &dyn Device, dtype: DType, dims: &[usize], seqs: &[usize]) -> u64 {
+    let mut cases = 0;
     for &dim in dims {
         for &seq in seqs {
             for causal in [false, true] {
@@ -176,10 +182,12 @@ fn sweep(path: &Path, dtype: DType, dims: &[usize], seqs: &[usize]) {
                     causal,
                     dtype,
                 };
-                check(path, &c, (dim * 1000 + seq) as u64);
+                check_on(name, dev, &c, (dim * 1000 + seq) as u64);
+                cases += 1;
             }
         }
     }
+    cases
 }
 
 const SEQS: [usize; 4] = [1, 7, 64, 129];
@@ -217,14 +225,50 @@ fn gl_matches_cpu() {
     sweep(&path, DType::BF16, &[128], &[7]);
 }
 
-/// The raw Vulkan backend (`vk:0`): the same subgroup kernels as naga's SPIR-V, kept
-/// small (lavapipe compiles each shape's kernels anew).
+/// The raw Vulkan backend (`vk:0`) runs every fused attention launch on its hand-written
+/// GLSL passes (shaders/vulkan/attention.comp; a case here is one dispatch per pass):
+/// head dims up to 128 and ones that are not a multiple of 4 (scalar loads and stores),
+/// f32, f16 and bf16 in 16-bit storage, T = 1 to past one workgroup's rows, causal or
+/// not. Then the GPU-shaped specialization (64-lane workgroups, every lane loading each
+/// key row, no subgroup operations), which the device picks on a GPU, forced here.
+/// Each head dim, dtype and shape is a pipeline compile on lavapipe (seconds each).
 #[test]
-fn vk_matches_cpu() {
-    let path = gpu_path(3);
-    sweep(&path, DType::F32, &[32], &[7, 129]);
-    sweep(&path, DType::F16, &[64], &[7]);
-    sweep(&path, DType::BF16, &[32], &[7]);
+fn vk_runs_the_glsl_passes_and_matches_cpu() {
+    let vk = vk_device(false);
+    let name = "vk (GLSL passes)";
+    let mut cases = 0;
+    cases += sweep_on(name, &vk, DType::F32, &[32], &[1, 7, 129]);
+    cases += sweep_on(name, &vk, DType::F32, &[128], &[7]);
+    cases += sweep_on(name, &vk, DType::F32, &[5], &[7, 129]);
+    cases += sweep_on(name, &vk, DType::F16, &[64], &[7, 129]);
+    cases += sweep_on(name, &vk, DType::F16, &[6], &[7]);
+    cases += sweep_on(name, &vk, DType::BF16, &[32], &[7, 129]);
+    assert_eq!(vk.attention_launches(), 3 * cases);
+    let gpu_shaped = kiln::wgpu::AttentionPlan {
+        sg: 8,
+        wg: 64,
+        rows: 1,
+        shared: false,
+    };
+    vk.force_attention_plan(Some(gpu_shaped));
+    let name = "vk (GLSL passes, GPU-shaped)";
+    cases += sweep_on(name, &vk, DType::F32, &[32], &[7, 129]);
+    cases += sweep_on(name, &vk, DType::BF16, &[6], &[13]);
+    assert_eq!(vk.attention_launches(), 3 * cases);
+}
+
+/// `vk:0` opened without f16 has no 16-bit storage: the `_packed` builds of the GLSL
+/// passes keep f16 and bf16 two to a word, as the WGSL packed representation does.
+#[test]
+fn vk_packed_f16_runs_the_glsl_passes_and_matches_cpu() {
+    let vk = vk_device(true);
+    let name = "vk (GLSL passes, packed f16)";
+    let mut cases = 0;
+    cases += sweep_on(name, &vk, DType::F16, &[32], &[7, 129]);
+    cases += sweep_on(name, &vk, DType::F16, &[6], &[7]);
+    cases += sweep_on(name, &vk, DType::BF16, &[32], &[7]);
+    cases += sweep_on(name, &vk, DType::F32, &[5], &[7]);
+    assert_eq!(vk.attention_launches(), 3 * cases);
 }
 
 /// Central finite differences of L = sum(dout * out) through the CPU forward (f64 inside,

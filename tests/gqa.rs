@@ -347,6 +347,16 @@ fn vulkan_head_dim_128_matches_cpu() {
     sweep(&path, DType::F32, &[128], &[7]);
 }
 
+/// The raw Vulkan backend (`vk:0`), whose attention is its GLSL passes: the dk/dv
+/// pass's walk over each K/V head's query heads, against the CPU and repeated heads.
+#[test]
+fn vk_matches_cpu_and_repeated_heads() {
+    let path = gpu_path(3);
+    sweep(&path, DType::F32, &[2, 36], &[13, 37]);
+    sweep(&path, DType::BF16, &[6], &[7]);
+    sweep_repeated(&path, DType::F32, 36, 37);
+}
+
 /// The packed-f16 representation (no SHADER_F16) on the subgroup kernels.
 #[test]
 fn vulkan_packed_f16_matches_cpu_and_repeated_heads() {

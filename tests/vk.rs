@@ -60,6 +60,8 @@ fn compare(dtype: DType, disable_f16: bool, loss_tol: f32, weight_tol: f32) -> (
             "{dtype}: {name}: weights differ by up to {worst} after {STEPS} steps"
         );
     }
+    // The GPT's fused attention ran on vk's GLSL passes.
+    assert!(vk.attention_launches() >= 3 * STEPS as u64);
     vk.gemm_launches()
 }
 

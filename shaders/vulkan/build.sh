@@ -53,3 +53,12 @@ for ops in nn nn_vec nt tn tn_vec tt; do
 done
 # gemm_f32: the raw Vulkan backend's plain tiled f32 GEMM (kiln-vulkan).
 glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null
+# attention: the fused attention's three passes (forward, dq, dk/dv), for Kiln's raw
+# Vulkan backend; tile shape, head dim and storage are specialization constants. The
+# `_packed` builds keep f16 and bf16 two to a word (devices without 16-bit storage).
+for pass in fwd dq dkv; do
+    glslangValidator -V --target-env vulkan1.2 -D"${pass^^}" \
+        -o "$out/attention_${pass}.spv" "$here/attention.comp" >/dev/null
+    glslangValidator -V --target-env vulkan1.2 -D"${pass^^}" -DPACKED \
+        -o "$out/attention_${pass}_packed.spv" "$here/attention.comp" >/dev/null
+done

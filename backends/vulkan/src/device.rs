@@ -33,9 +33,13 @@ use kiln_wgpu::lower::{
     DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
 use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
-use kiln_wgpu::{plan_matmul, split_finish, split_partials, DeviceOptions};
+use kiln_wgpu::{
+    attention_geometry, attention_launches, plan_attention, plan_matmul, split_finish,
+    split_partials, AttentionPlan, DeviceOptions,
+};
 use naga::back::spv::Capability;
 
+use crate::attention;
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
 use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
@@ -165,6 +169,10 @@ pub struct VkDevice {
     /// `Kernel::Matmul` launches recorded by the SPIR-V GEMM, by the naga path and by
     /// the cooperative-matrix GEMM.
     gemm_counts: [std::sync::atomic::AtomicU64; 3],
+    /// Dispatches of the hand-written fused attention recorded so far.
+    attention_count: std::sync::atomic::AtomicU64,
+    /// The attention plan tests force ([`VkDevice::force_attention_plan`]).
+    attention_plan: Mutex<Option<AttentionPlan>>,
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
     state: Mutex<State>,
@@ -333,6 +341,8 @@ impl VkDevice {
             dump: Mutex::new(None),
             arena_stride,
             gemm_counts: Default::default(),
+            attention_count: Default::default(),
+            attention_plan: Mutex::new(None),
             coopmat,
             state: Mutex::new(State {
                 next_id: 1,
@@ -470,9 +480,80 @@ impl VkDevice {
         self.gemm_counts[2].load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Dispatches of the hand-written fused attention (`shaders/vulkan/attention.comp`)
+    /// recorded so far: every `Kernel::Attention` and `Kernel::AttentionBackward` runs
+    /// there (tests check the route by it).
+    pub fn attention_launches(&self) -> u64 {
+        self.attention_count
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs the fused attention with `plan` instead of the device's own (`None`: its
+    /// own again), so that tests reach the GPU-shaped kernel (`shared: false`, a
+    /// 64-lane workgroup) on a CPU driver.
+    #[doc(hidden)]
+    pub fn force_attention_plan(&self, plan: Option<AttentionPlan>) {
+        *self
+            .attention_plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = plan;
+    }
+
+    /// Records a validated attention kernel with the hand-written GLSL passes, over the
+    /// WGSL kernels' launches (bands, parameters and the delta scratch are theirs).
+    fn record_attention(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
+        let dim = attention_geometry(kernel).3;
+        let forced = *self
+            .attention_plan
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let plan = forced.unwrap_or_else(|| plan_attention(&self.caps, dim));
+        let (launches, scratch) = attention_launches(&self.caps, kernel, &plan)?;
+        if scratch > 0 {
+            Recorder::partials(self, s, scratch)?;
+        }
+        let subgroup =
+            attention::required_subgroup(&plan, self.features.subgroup_control.map(|c| c.sizes));
+        for l in &launches {
+            let spec = attention::spec(&plan, dim, &l.typed);
+            // Without f16 the device has no 16-bit storage either (see `open`).
+            let (module, bytes) = attention::module(l.pass, !self.caps.f16_arithmetic);
+            let (pipeline, layout) = self.glsl_pipeline_with(
+                s,
+                &attention::pipeline_name(module, &spec),
+                || spirv_words(module, bytes),
+                (attention::bindings(l.pass), attention::PUSH_BYTES),
+                &spec,
+                subgroup,
+            )?;
+            if s.collect.is_some() {
+                // `prepare` wanted the pipeline, now built.
+                continue;
+            }
+            let mut infos = vec![];
+            for id in l.typed.iter().map(|b| b.id).chain(l.f32s.iter().copied()) {
+                infos.push(self.buffer_info(s, id)?);
+            }
+            let writes = buffer_writes(&infos, None);
+            let push: Vec<u8> = l.params.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let cmd = self.stream(s)?.cmd;
+            self.record_compute(cmd, (pipeline, layout), &writes, &push, l.groups);
+            self.attention_count
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
     /// Records `kernel` (validated, its buffers live): a GEMM the SPIR-V kernel covers
-    /// through it, everything else through the shared lowering.
+    /// through it, fused attention through the GLSL passes, everything else through the
+    /// shared lowering.
     fn record(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
+        if matches!(
+            kernel,
+            Kernel::Attention { .. } | Kernel::AttentionBackward { .. }
+        ) {
+            return self.record_attention(s, kernel);
+        }
         if let Kernel::Matmul(mm) = kernel {
             let route = match self.coopmat_plan(s, mm)? {
                 Ok(p) => GemmRoute::CoopMat(p),
@@ -1271,6 +1352,21 @@ impl VkDevice {
         buffers: u32,
         push: u32,
     ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
+        self.glsl_pipeline_with(s, name, words, (buffers, push), &[], None)
+    }
+
+    /// [`VkDevice::glsl_pipeline`] with specialization constants (`(constant_id,
+    /// value)`, 32-bit each) and, where given, a required subgroup size. `name` must
+    /// tell every specialization apart: it keys the pipeline.
+    fn glsl_pipeline_with(
+        &self,
+        s: &mut State,
+        name: &str,
+        words: impl FnOnce() -> std::result::Result<Vec<u32>, String>,
+        (buffers, push): (u32, u32),
+        spec: &[(u32, u32)],
+        subgroup: Option<u32>,
+    ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
         if let Some(&(p, _, l)) = s.glsl.get(name) {
             return Ok((p, l));
         }
@@ -1317,10 +1413,29 @@ impl VkDevice {
                 .device
                 .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
                 .map_err(fail)?;
-            let stage = vk::PipelineShaderStageCreateInfo::default()
+            let entries: Vec<_> = spec
+                .iter()
+                .enumerate()
+                .map(|(i, &(id, _))| vk::SpecializationMapEntry {
+                    constant_id: id,
+                    offset: 4 * i as u32,
+                    size: 4,
+                })
+                .collect();
+            let data: Vec<u8> = spec.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
+            let spec_info = vk::SpecializationInfo::default()
+                .map_entries(&entries)
+                .data(&data);
+            let mut required = vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default()
+                .required_subgroup_size(subgroup.unwrap_or(0));
+            let mut stage = vk::PipelineShaderStageCreateInfo::default()
                 .stage(vk::ShaderStageFlags::COMPUTE)
                 .module(module)
-                .name(c"main");
+                .name(c"main")
+                .specialization_info(&spec_info);
+            if subgroup.is_some() {
+                stage = stage.push_next(&mut required);
+            }
             let made = self.device.create_compute_pipelines(
                 self.cache,
                 &[vk::ComputePipelineCreateInfo::default()

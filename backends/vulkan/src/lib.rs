@@ -9,6 +9,7 @@
 //! device UUID), beside wgpu's `vulkan:N`, so the two host APIs can be compared on
 //! one GPU and mixed in one device group.
 
+mod attention;
 pub mod coopmat;
 mod device;
 mod gemm;

@@ -85,48 +85,178 @@ fn kernels(shared: bool) -> [&'static KernelSource; 3] {
     }
 }
 
-/// How fused attention becomes dispatches, for any backend that records them.
+/// Which fused attention kernel a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionPass {
+    /// out and lse (`shaders/attention_forward.wgsl`).
+    Forward,
+    /// dq, and delta = rowsum(dout * out) for the next pass.
+    Dq,
+    /// dk and dv.
+    Dkv,
+}
+
+/// One dispatch of a fused attention kernel, whichever backend records it.
+#[derive(Clone, Debug)]
+pub struct AttentionLaunch {
+    pub pass: AttentionPass,
+    /// The typed tensors in the kernel's binding order (forward: q, k, v, out; dq: q,
+    /// k, v, out, dout, dq; dkv: q, k, v, dout, dk, dv).
+    pub typed: Vec<Buffer>,
+    /// Then the f32 buffers: lse, and in the backward passes delta, which lives in the
+    /// device's reusable scratch (`PARTIALS_ID`).
+    pub f32s: Vec<u64>,
+    /// `shaders/common/attention_params.wgsl`'s Params.
+    pub params: [u32; 8],
+    pub groups: (u32, u32, u32),
+}
+
+/// (batch_heads, group, seq, dim, scale, causal) of an attention kernel.
+pub fn geometry(kernel: &Kernel) -> (usize, usize, usize, usize, f32, bool) {
+    match *kernel {
+        Kernel::Attention {
+            batch_heads,
+            group,
+            seq,
+            dim,
+            scale,
+            causal,
+            ..
+        }
+        | Kernel::AttentionBackward {
+            batch_heads,
+            group,
+            seq,
+            dim,
+            scale,
+            causal,
+            ..
+        } => (batch_heads, group, seq, dim, scale, causal),
+        _ => unreachable!("not an attention kernel"),
+    }
+}
+
+/// The dispatches of a validated `Kernel::Attention` or `Kernel::AttentionBackward`
+/// under `plan`, and the f32 scratch bytes (delta) the device must hold for them first
+/// (0 forward). Dispatches are cut into bands of row blocks that each do about
+/// `FMAS_PER_DISPATCH` multiply-adds.
+pub fn launches(
+    caps: &Capabilities,
+    kernel: &Kernel,
+    plan: &AttentionPlan,
+) -> Result<(Vec<AttentionLaunch>, u64)> {
+    let (heads, group, seq, dim, scale, causal) = geometry(kernel);
+    if heads == 0 || seq == 0 {
+        return Ok((vec![], 0));
+    }
+    let limit = caps.max_storage_binding;
+    if let Some(b) = kernel.buffers().iter().find(|b| b.bytes() > limit) {
+        return Err(Error::Unsupported {
+            device: caps.name.clone(),
+            what: format!(
+                "{}: buffer #{} of {} bytes, over the {limit}-byte binding limit; split the heads",
+                kernel.name(),
+                b.id,
+                b.bytes()
+            ),
+        });
+    }
+    let rows = heads * seq;
+    // Causal rows see half the keys on average; the band size is a bound, not exact.
+    let fmas_per_block =
+        plan.rows_per_group() as f64 * seq as f64 * dim as f64 * heads as f64 * 2.0;
+    let band = |passes: f64| -> u32 {
+        ((FMAS_PER_DISPATCH / (fmas_per_block * passes)) as u32).clamp(1, 65535)
+    };
+    let blocks = (seq as u32).div_ceil(plan.rows_per_group());
+    // `walked`: the heads a kernel's workgroups cover (query heads, or K/V heads for
+    // dk/dv, whose workgroups each do `group` query heads' work: the band, which counts
+    // all of it, stays the same).
+    let run = |pass, typed: Vec<Buffer>, f32s: Vec<u64>, walked: usize, per: u32| {
+        let heads_y = (walked as u32).min(65535);
+        let heads_z = (walked as u32).div_ceil(heads_y);
+        let mut bands = vec![];
+        let mut base = 0;
+        while base < blocks {
+            let n = per.min(blocks - base);
+            bands.push(AttentionLaunch {
+                pass,
+                typed: typed.clone(),
+                f32s: f32s.clone(),
+                params: [
+                    walked as u32,
+                    seq as u32,
+                    base,
+                    causal as u32,
+                    scale.to_bits(),
+                    (scale * std::f32::consts::LOG2_E).to_bits(),
+                    group as u32,
+                    0,
+                ],
+                groups: (n, heads_y, heads_z),
+            });
+            base += n;
+        }
+        bands
+    };
+    Ok(match *kernel {
+        Kernel::Attention {
+            q, k, v, out, lse, ..
+        } => (
+            run(
+                AttentionPass::Forward,
+                vec![q, k, v, out],
+                vec![lse.id],
+                heads,
+                band(2.0),
+            ),
+            0,
+        ),
+        Kernel::AttentionBackward {
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            dq,
+            dk,
+            dv,
+            ..
+        } => {
+            // rowsum(dout * out), one f32 per row, lives in the device's reusable
+            // scratch between the two passes.
+            let mut all = run(
+                AttentionPass::Dq,
+                vec![q, k, v, out, dout, dq],
+                vec![lse.id, PARTIALS_ID],
+                heads,
+                band(3.0),
+            );
+            all.extend(run(
+                AttentionPass::Dkv,
+                vec![q, k, v, dout, dk, dv],
+                vec![lse.id, PARTIALS_ID],
+                heads / group,
+                band(4.0),
+            ));
+            (all, rows as u64 * 4)
+        }
+        _ => unreachable!("not an attention kernel"),
+    })
+}
+
+/// How fused attention becomes dispatches of the WGSL kernels, for any backend that
+/// records them.
 pub(crate) trait LowerAttention: Recorder {
     /// Records a validated `Kernel::Attention` or `Kernel::AttentionBackward`.
     fn attention(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
-        let (heads, group, seq, dim, scale, causal) = match *kernel {
-            Kernel::Attention {
-                batch_heads,
-                group,
-                seq,
-                dim,
-                scale,
-                causal,
-                ..
-            }
-            | Kernel::AttentionBackward {
-                batch_heads,
-                group,
-                seq,
-                dim,
-                scale,
-                causal,
-                ..
-            } => (batch_heads, group, seq, dim, scale, causal),
-            _ => unreachable!("not an attention kernel"),
-        };
-        if heads == 0 || seq == 0 {
-            return Ok(());
-        }
-        let limit = self.caps().max_storage_binding;
-        if let Some(b) = kernel.buffers().iter().find(|b| b.bytes() > limit) {
-            return Err(Error::Unsupported {
-                device: self.caps().name.clone(),
-                what: format!(
-                    "{}: buffer #{} of {} bytes, over the {limit}-byte binding limit; split the heads",
-                    kernel.name(),
-                    b.id,
-                    b.bytes()
-                ),
-            });
-        }
+        let dim = geometry(kernel).3;
         let plan = plan(self.caps(), dim);
-        let [fwd, dq, dkv] = kernels(plan.shared);
+        let (all, scratch) = launches(self.caps(), kernel, &plan)?;
+        if scratch > 0 {
+            self.partials(s, scratch)?;
+        }
         let consts = vec![
             ("SG", plan.sg),
             ("WG", plan.wg),
@@ -135,102 +265,30 @@ pub(crate) trait LowerAttention: Recorder {
             ("D4", dim.div_ceil(4) as u32),
             ("VEC", dim.is_multiple_of(4) as u32),
         ];
-        let h = |b: &Buffer| b.id;
-        let rows = heads * seq;
-        // Causal rows see half the keys on average; the band size is a bound, not exact.
-        let fmas_per_block =
-            plan.rows_per_group() as f64 * seq as f64 * dim as f64 * heads as f64 * 2.0;
-        let band = |passes: f64| -> u32 {
-            ((FMAS_PER_DISPATCH / (fmas_per_block * passes)) as u32).clamp(1, 65535)
-        };
-        let blocks = (seq as u32).div_ceil(plan.rows_per_group());
-        // `walked`: the heads a kernel's workgroups cover (query heads, or K/V heads for
-        // dk/dv, whose workgroups each do `group` query heads' work: the band, which
-        // counts all of it, stays the same).
-        let params = |walked: usize, base: u32| -> Vec<u32> {
-            vec![
-                walked as u32,
-                seq as u32,
-                base,
-                causal as u32,
-                scale.to_bits(),
-                (scale * std::f32::consts::LOG2_E).to_bits(),
-                group as u32,
-                0,
-            ]
-        };
-        let run = |s: &mut Self::State,
-                   k: &'static KernelSource,
-                   buffers: Vec<u64>,
-                   reprs: Vec<Buffer>,
-                   (walked, per): (usize, u32)|
-         -> Result<()> {
-            let heads_y = (walked as u32).min(65535);
-            let heads_z = (walked as u32).div_ceil(heads_y);
-            let mut base = 0;
-            while base < blocks {
-                let n = per.min(blocks - base);
-                self.dispatch(
-                    s,
-                    Dispatch {
-                        kernel: k,
-                        reprs: reprs.iter().map(|b| self.repr(b.dtype)).collect(),
-                        consts: consts.clone(),
-                        overrides: vec![],
-                        buffers: buffers.clone(),
-                        ranges: vec![],
-                        params: params(walked, base),
-                        groups: (n, heads_y, heads_z),
-                    },
-                )?;
-                base += n;
-            }
-            Ok(())
-        };
-        match *kernel {
-            Kernel::Attention {
-                q, k, v, out, lse, ..
-            } => run(
+        let [fwd, dq, dkv] = kernels(plan.shared);
+        for l in all {
+            let kernel = match l.pass {
+                AttentionPass::Forward => fwd,
+                AttentionPass::Dq => dq,
+                AttentionPass::Dkv => dkv,
+            };
+            let mut buffers: Vec<u64> = l.typed.iter().map(|b| b.id).collect();
+            buffers.extend(&l.f32s);
+            self.dispatch(
                 s,
-                fwd,
-                vec![h(&q), h(&k), h(&v), h(&out), h(&lse)],
-                vec![q, k, v, out],
-                (heads, band(2.0)),
-            ),
-            Kernel::AttentionBackward {
-                q,
-                k,
-                v,
-                out,
-                dout,
-                lse,
-                dq: gq,
-                dk,
-                dv,
-                ..
-            } => {
-                // rowsum(dout * out), one f32 per row, lives in the device's reusable
-                // scratch (`partials`) between the two passes.
-                self.partials(s, rows as u64 * 4)?;
-                let delta = PARTIALS_ID;
-                let d = delta;
-                run(
-                    s,
-                    dq,
-                    vec![h(&q), h(&k), h(&v), h(&out), h(&dout), h(&gq), h(&lse), d],
-                    vec![q, k, v, out, dout, gq],
-                    (heads, band(3.0)),
-                )?;
-                run(
-                    s,
-                    dkv,
-                    vec![h(&q), h(&k), h(&v), h(&dout), h(&dk), h(&dv), h(&lse), d],
-                    vec![q, k, v, dout, dk, dv],
-                    (heads / group, band(4.0)),
-                )
-            }
-            _ => unreachable!("matched above"),
+                Dispatch {
+                    kernel,
+                    reprs: l.typed.iter().map(|b| self.repr(b.dtype)).collect(),
+                    consts: consts.clone(),
+                    overrides: vec![],
+                    buffers,
+                    ranges: vec![],
+                    params: l.params.to_vec(),
+                    groups: l.groups,
+                },
+            )?;
         }
+        Ok(())
     }
 }
 

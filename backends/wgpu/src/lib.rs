@@ -18,7 +18,10 @@ mod spirv;
 pub mod tune;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
-pub use attention::{plan as plan_attention, AttentionPlan};
+pub use attention::{
+    geometry as attention_geometry, launches as attention_launches, plan as plan_attention,
+    AttentionLaunch, AttentionPass, AttentionPlan,
+};
 pub use device::WgpuDevice;
 pub use matmul::{
     plan as plan_matmul, split_finish, split_partial_bytes, split_partials,
