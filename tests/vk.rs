@@ -532,3 +532,68 @@ fn lavapipe_has_no_cooperative_matrix_and_never_routes_there() {
         kiln::vulkan::GemmRoute::CoopMat(_)
     ));
 }
+
+/// Set in the child processes of
+/// [`validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off`]:
+/// the KILN_VK_VALIDATION the child runs under.
+const VALIDATION_PROBE: &str = "KILN_TEST_VK_VALIDATION_PROBE";
+
+/// In a child: provokes a validation error before each sync point (through the
+/// device's test hook) and checks what the sync point says: the error, naming the
+/// layer's message, where the layer is on; nothing where KILN_VK_VALIDATION=0.
+fn validation_probe(on: bool) {
+    let dev = vk_device(false);
+    let check = |what: &str, r: kiln::engine::Result<()>| match (on, r) {
+        (true, Err(Error::Backend { detail, .. })) => assert!(
+            detail.contains("Vulkan validation error")
+                && detail.contains("VUID-vkCmdPipelineBarrier-srcAccessMask-02815")
+                && detail.contains("KILN_VK_VALIDATION=0"),
+            "{what}: {detail}"
+        ),
+        (true, other) => panic!("{what}: expected the validation error, got {other:?}"),
+        (false, r) => r.unwrap_or_else(|e| panic!("{what} without the layer: {e}")),
+    };
+    dev.provoke_validation_error().unwrap();
+    check("submit", dev.submit());
+    dev.provoke_validation_error().unwrap();
+    check("wait", dev.wait());
+    let b = put(&dev, &data(DType::F32, 64, 1, false));
+    dev.provoke_validation_error().unwrap();
+    check("download", dev.download(b).map(drop));
+    // Reported once, the error is gone: the device works on.
+    dev.wait().unwrap();
+    assert_eq!(dev.download(b).unwrap().len(), 64);
+}
+
+/// Runs this test alone in a child process under `KILN_VK_VALIDATION=value`.
+fn in_child(value: &str) {
+    let name = "validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env("KILN_VK_VALIDATION", value)
+        .env(VALIDATION_PROBE, value)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "KILN_VK_VALIDATION={value}: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The validation layer (on in debug builds where installed, as here: scripts/setup.sh
+/// installs it) fails the next sync point of a device whose commands it rejects, so
+/// every vk test fails on a validation error without checking for one; and
+/// KILN_VK_VALIDATION=0 runs without it. Each setting runs in a child process, since
+/// the variable is read as the device opens.
+#[test]
+fn validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off() {
+    match std::env::var(VALIDATION_PROBE).as_deref() {
+        Ok(value) => validation_probe(value == "1"),
+        Err(_) => {
+            in_child("1");
+            in_child("0");
+        }
+    }
+}

@@ -176,8 +176,8 @@ pub struct VkDevice {
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
     state: Mutex<State>,
-    /// Held, never read: dropped after `Drop` has destroyed the device, it destroys the
-    /// instance last.
+    /// Dropped after `Drop` has destroyed the device, it destroys the instance last;
+    /// read only for the validation layer's reports ([`VkDevice::validated`]).
     _instance: Instance,
 }
 
@@ -382,6 +382,7 @@ impl VkDevice {
             )?);
             s.dummy = Some(dev.make(&mut s, DUMMY_BYTES, storage, MemoryLocation::GpuOnly)?);
         }
+        dev.validated()?;
         Ok(dev)
     }
 
@@ -407,6 +408,33 @@ impl VkDevice {
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         std::fs::write(dir.join(&name), bytes)
             .map_err(|e| self.backend_error(format!("writing {name} into {}: {e}", dir.display())))
+    }
+
+    /// Test hook: records a pipeline barrier the validation layer rejects (a source
+    /// access, shader writes, that its source stage, transfers, cannot make;
+    /// VUID-vkCmdPipelineBarrier-srcAccessMask-02815) and that drivers run as a plain
+    /// barrier, to show that the next sync point reports it.
+    #[doc(hidden)]
+    pub fn provoke_validation_error(&self) -> Result<()> {
+        let mut s = self.lock();
+        let cmd = self.stream(&mut s)?.cmd;
+        let bad = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+            .dst_access_mask(vk::AccessFlags::TRANSFER_READ);
+        // SAFETY: `cmd` is recording; the masks are invalid only as the layer checks
+        // them, and drivers execute a barrier with extra access bits as a wider one.
+        unsafe {
+            self.device.cmd_pipeline_barrier(
+                cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::DependencyFlags::empty(),
+                &[bad],
+                &[],
+                &[],
+            )
+        };
+        Ok(())
     }
 
     /// Pipelines built so far (tests check that a prepared plan's launches add none).
@@ -624,6 +652,24 @@ impl VkDevice {
         }
     }
 
+    /// The validation layer's errors since the last sync point, as an error: every
+    /// sync point asks, so a launch the layer rejects fails the test (or run) that made
+    /// it, without the test looking.
+    fn validated(&self) -> Result<()> {
+        let errors = self._instance.take_validation_errors();
+        let Some(first) = errors.first() else {
+            return Ok(());
+        };
+        let more = match errors.len() - 1 {
+            0 => String::new(),
+            n => format!(" (and {n} more: {})", errors[1..].join(" | ")),
+        };
+        Err(self.backend_error(format!(
+            "Vulkan validation error: {first}{more}. This is a fault in Kiln's `vk` backend \
+             (please report it); KILN_VK_VALIDATION=0 runs without the validation layer"
+        )))
+    }
+
     fn unknown(&self, id: u64) -> Error {
         Error::UnknownBuffer {
             id,
@@ -758,7 +804,8 @@ impl VkDevice {
             .values(&values);
         // SAFETY: a timeline semaphore of this device.
         unsafe { self.device.wait_semaphores(&info, u64::MAX) }
-            .map_err(|e| self.vk_error("waiting for the device", e))
+            .map_err(|e| self.vk_error("waiting for the device", e))?;
+        self.validated()
     }
 
     /// The open stream, begun on first use.
@@ -835,6 +882,7 @@ impl VkDevice {
     /// Submits the open stream, if any; returns the timeline value it signals.
     fn flush(&self, s: &mut State) -> Result<u64> {
         let Some(stream) = s.stream.take() else {
+            self.validated()?;
             return Ok(s.submitted);
         };
         let _span = span("submit", SpanKind::Submit);
@@ -883,6 +931,7 @@ impl VkDevice {
             };
             return Err(self.vk_error("submitting work", e));
         }
+        self.validated()?;
         Ok(value)
     }
 

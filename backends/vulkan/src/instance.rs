@@ -20,6 +20,103 @@ pub struct VkSummary {
     pub caps: Capabilities,
 }
 
+/// The Khronos validation layer, as the loader names it.
+const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
+
+/// What to do when KILN_VK_VALIDATION=1 finds no validation layer.
+pub const NO_LAYER_HINT: &str = "on Debian/Ubuntu `apt-get install vulkan-validationlayers` \
+     (or set KILN_VK_VALIDATION=0)";
+
+/// Whether to run under the validation layer: KILN_VK_VALIDATION=0|1 where set, else on
+/// in debug builds (tests) and off in release builds, where its checks cost too much.
+fn validation_wanted(var: Option<&std::ffi::OsStr>, debug: bool) -> Result<bool> {
+    match var.map(|v| v.to_str()) {
+        None => Ok(debug),
+        Some(Some("0")) => Ok(false),
+        Some(Some("1")) => Ok(true),
+        Some(v) => Err(Error::InvalidArgument(format!(
+            "KILN_VK_VALIDATION={}: use 1 (run the `vk` backend under the Vulkan \
+             validation layer) or 0 (without it)",
+            v.unwrap_or("<not UTF-8>")
+        ))),
+    }
+}
+
+/// Whether to enable the validation layer: where it is `wanted` and `installed`; wanted
+/// but missing, an error if it was `required` (KILN_VK_VALIDATION=1), else a run
+/// without it (a debug build on a machine without the layer).
+fn use_layer(wanted: bool, required: bool, installed: bool) -> Result<bool> {
+    if wanted && required && !installed {
+        return Err(Error::InvalidArgument(format!(
+            "KILN_VK_VALIDATION=1 asks for the Vulkan validation layer \
+             (VK_LAYER_KHRONOS_validation), which is not installed: {NO_LAYER_HINT}"
+        )));
+    }
+    Ok(wanted && installed)
+}
+
+/// What the validation layer reported through the debug messenger, until a sync point
+/// of the device takes it (see [`Instance::take_validation_errors`]).
+#[derive(Default)]
+struct Reports {
+    errors: Vec<String>,
+    /// Message IDs of the warnings already printed (each is printed once).
+    warned: Vec<i32>,
+}
+
+/// The validation layer and its debug messenger, where they are on.
+struct Validation {
+    utils: ash::ext::debug_utils::Instance,
+    messenger: vk::DebugUtilsMessengerEXT,
+    /// Shared with the messenger callback, which gets the pointer as its user data:
+    /// boxed so that it stays put while the instance moves.
+    reports: Box<std::sync::Mutex<Reports>>,
+}
+
+/// Messages of the validation layer that are no fault of Kiln's, by message ID, with
+/// why each is not one.
+const KNOWN_FALSE_POSITIVES: &[(i32, &str)] = &[];
+
+/// The debug messenger's callback: errors are kept for the device's next sync point,
+/// validation warnings are printed once per message ID, performance warnings and
+/// information are dropped (they are advice, not faults). It must not unwind into the
+/// driver, so nothing in it can panic past `catch_unwind`.
+unsafe extern "system" fn on_message(
+    severity: vk::DebugUtilsMessageSeverityFlagsEXT,
+    types: vk::DebugUtilsMessageTypeFlagsEXT,
+    data: *const vk::DebugUtilsMessengerCallbackDataEXT<'_>,
+    user: *mut std::ffi::c_void,
+) -> vk::Bool32 {
+    let _ = std::panic::catch_unwind(|| {
+        if data.is_null() || user.is_null() {
+            return;
+        }
+        // SAFETY: the layer passes a valid callback data for the call's duration, and
+        // `user` is the `Reports` box of the live instance that made the messenger.
+        let (data, reports) = unsafe { (&*data, &*(user as *const std::sync::Mutex<Reports>)) };
+        let id = data.message_id_number;
+        if KNOWN_FALSE_POSITIVES.iter().any(|(known, _)| *known == id) {
+            return;
+        }
+        // SAFETY: null or a NUL-terminated string living for the call.
+        let text = unsafe { data.message_as_c_str() }
+            .map(|c| c.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut r = reports.lock().unwrap_or_else(|e| e.into_inner());
+        if severity.contains(vk::DebugUtilsMessageSeverityFlagsEXT::ERROR) {
+            r.errors.push(text);
+        } else if severity.contains(vk::DebugUtilsMessageSeverityFlagsEXT::WARNING)
+            && !types.contains(vk::DebugUtilsMessageTypeFlagsEXT::PERFORMANCE)
+            && !r.warned.contains(&id)
+        {
+            r.warned.push(id);
+            eprintln!("kiln: Vulkan validation warning: {text}");
+        }
+    });
+    // The call that raised the message goes on as it would without the layer.
+    vk::FALSE
+}
+
 /// The loader and an instance; dropped together.
 pub(crate) struct Instance {
     /// Keeps the loader library loaded while the instance lives (and loads the
@@ -27,10 +124,44 @@ pub(crate) struct Instance {
     entry: ash::Entry,
     pub instance: ash::Instance,
     pub api: u32,
+    validation: Option<Validation>,
 }
 
 impl Instance {
+    /// An instance under the validation layer where KILN_VK_VALIDATION or the build
+    /// asks for it (see [`validation_wanted`]) and the layer is installed; asked for
+    /// explicitly and missing, an error naming the package.
     pub fn new() -> Result<Instance> {
+        let wanted = validation_wanted(
+            std::env::var_os("KILN_VK_VALIDATION").as_deref(),
+            cfg!(debug_assertions),
+        )?;
+        let explicit = std::env::var_os("KILN_VK_VALIDATION").is_some();
+        Instance::create(wanted, explicit)
+    }
+
+    /// An instance without the validation layer, for listing devices: nothing runs on
+    /// them to check.
+    pub fn unchecked() -> Result<Instance> {
+        Instance::create(false, false)
+    }
+
+    /// Whether this instance runs under the validation layer.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn validating(&self) -> bool {
+        self.validation.is_some()
+    }
+
+    /// The validation errors reported since the last call, oldest first.
+    pub fn take_validation_errors(&self) -> Vec<String> {
+        self.validation.as_ref().map_or_else(Vec::new, |v| {
+            std::mem::take(&mut v.reports.lock().unwrap_or_else(|e| e.into_inner()).errors)
+        })
+    }
+
+    /// `validate`: run under the layer if it is installed; `required`: a missing layer
+    /// is an error rather than a run without it.
+    fn create(validate: bool, required: bool) -> Result<Instance> {
         // SAFETY: loading the system's Vulkan loader library; its symbols are
         // resolved by ash against the Vulkan ABI.
         let entry = unsafe { ash::Entry::load() }.map_err(|e| Error::NoAdapter {
@@ -55,17 +186,61 @@ impl Instance {
             .application_name(c"kiln")
             .engine_name(c"kiln")
             .api_version(api);
-        let info = vk::InstanceCreateInfo::default().application_info(&app);
-        // SAFETY: a valid create info without layers or extensions.
+        // SAFETY: a plain query through a loaded entry.
+        let installed = validate
+            && unsafe { entry.enumerate_instance_layer_properties() }
+                .unwrap_or_default()
+                .iter()
+                .any(|l| l.layer_name_as_c_str() == Ok(VALIDATION_LAYER));
+        let layer_present = use_layer(validate, required, installed)?;
+        let reports = Box::new(std::sync::Mutex::new(Reports::default()));
+        use vk::DebugUtilsMessageSeverityFlagsEXT as Sev;
+        use vk::DebugUtilsMessageTypeFlagsEXT as Ty;
+        let mut messenger_info = vk::DebugUtilsMessengerCreateInfoEXT::default()
+            .message_severity(Sev::ERROR | Sev::WARNING)
+            .message_type(Ty::GENERAL | Ty::VALIDATION | Ty::PERFORMANCE)
+            .pfn_user_callback(Some(on_message))
+            .user_data(&*reports as *const std::sync::Mutex<Reports> as *mut std::ffi::c_void);
+        let layers = [VALIDATION_LAYER.as_ptr()];
+        let extensions = [ash::ext::debug_utils::NAME.as_ptr()];
+        let mut info = vk::InstanceCreateInfo::default().application_info(&app);
+        if layer_present {
+            // Chained here too, the messenger also hears about instance creation.
+            info = info
+                .enabled_layer_names(&layers)
+                .enabled_extension_names(&extensions)
+                .push_next(&mut messenger_info);
+        }
+        // SAFETY: a valid create info; the layer and its extension were found above.
         let instance =
             unsafe { entry.create_instance(&info, None) }.map_err(|e| Error::NoAdapter {
                 hint: format!("creating a Vulkan instance failed ({e}). {NO_VULKAN_HINT}"),
             })?;
-        Ok(Instance {
+        let mut made = Instance {
             entry,
             instance,
             api,
-        })
+            validation: None,
+        };
+        if layer_present {
+            let utils = ash::ext::debug_utils::Instance::new(&made.entry, &made.instance);
+            messenger_info.p_next = std::ptr::null();
+            // SAFETY: the extension is enabled; the user data outlives the messenger
+            // (both are dropped together, the messenger first).
+            let messenger = unsafe { utils.create_debug_utils_messenger(&messenger_info, None) }
+                .map_err(|e| Error::NoAdapter {
+                    hint: format!(
+                        "creating the Vulkan validation layer's messenger failed ({e}); set \
+                         KILN_VK_VALIDATION=0 to run without the layer"
+                    ),
+                })?;
+            made.validation = Some(Validation {
+                utils,
+                messenger,
+                reports,
+            });
+        }
+        Ok(made)
     }
 
     /// Physical devices that can run Kiln (Vulkan 1.2, a compute queue), one per device
@@ -335,8 +510,23 @@ fn p13_max_buffer(p13: &vk::PhysicalDeviceVulkan13Properties) -> u64 {
 
 impl Drop for Instance {
     fn drop(&mut self) {
+        let validation = self.validation.take();
+        if let Some(v) = &validation {
+            // SAFETY: the messenger belongs to this instance.
+            unsafe { v.utils.destroy_debug_utils_messenger(v.messenger, None) };
+        }
         // SAFETY: every object made from the instance is gone (the device drops first).
+        // The messenger chained at creation reports the destruction into `reports`,
+        // which lives until after it.
         unsafe { self.instance.destroy_instance(None) };
+        if let Some(v) = validation {
+            // What the layer reported after the device's last sync point (its teardown
+            // included) can fail nothing, since a drop cannot: it is printed instead.
+            let mut r = v.reports.lock().unwrap_or_else(|e| e.into_inner());
+            for e in std::mem::take(&mut r.errors) {
+                eprintln!("kiln: Vulkan validation error after the device's last sync point: {e}");
+            }
+        }
     }
 }
 
@@ -401,7 +591,7 @@ impl Features {
 
 /// The Vulkan devices Kiln can open, as `vk:N` numbers them (none without a loader).
 pub fn physical_devices() -> Vec<VkSummary> {
-    let Ok(instance) = Instance::new() else {
+    let Ok(instance) = Instance::unchecked() else {
         return vec![];
     };
     instance
@@ -413,4 +603,50 @@ pub fn physical_devices() -> Vec<VkSummary> {
             caps: instance.features(pd).caps(false),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn validation_is_on_in_debug_builds_unless_kiln_vk_validation_says_otherwise() {
+        assert!(validation_wanted(None, true).unwrap());
+        assert!(!validation_wanted(None, false).unwrap());
+        assert!(!validation_wanted(Some(OsStr::new("0")), true).unwrap());
+        assert!(validation_wanted(Some(OsStr::new("1")), false).unwrap());
+        let e = validation_wanted(Some(OsStr::new("yes")), true)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KILN_VK_VALIDATION=yes") && e.contains("use 1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_missing_layer_is_an_error_only_where_kiln_vk_validation_1_asks_for_it() {
+        let e = use_layer(true, true, false).unwrap_err().to_string();
+        assert!(
+            e.contains("VK_LAYER_KHRONOS_validation")
+                && e.contains("apt-get install vulkan-validationlayers"),
+            "{e}"
+        );
+        // A debug build on a machine without the layer runs without it.
+        assert!(!use_layer(true, false, false).unwrap());
+        assert!(use_layer(true, false, true).unwrap());
+        assert!(!use_layer(false, false, true).unwrap());
+    }
+
+    /// The layer is installed here (scripts/setup.sh installs it): asked for, the
+    /// instance runs under it; not asked for, it does not.
+    #[test]
+    fn the_instance_runs_under_the_layer_exactly_when_asked() {
+        let on = Instance::create(true, true).unwrap_or_else(|e| panic!("{e}"));
+        assert!(on.validating());
+        assert!(on.take_validation_errors().is_empty());
+        assert!(!Instance::create(false, false).unwrap().validating());
+        assert!(!Instance::unchecked().unwrap().validating());
+    }
 }
