@@ -660,9 +660,17 @@ impl VkDevice {
         let Some(first) = errors.first() else {
             return Ok(());
         };
-        let more = match errors.len() - 1 {
-            0 => String::new(),
-            n => format!(" (and {n} more: {})", errors[1..].join(" | ")),
+        // One bad kernel repeats its message per build: each different one is named once.
+        let mut others: Vec<&str> = vec![];
+        for e in &errors[1..] {
+            if e != first && !others.contains(&e.as_str()) {
+                others.push(e);
+            }
+        }
+        let more = match (errors.len() - 1, others.is_empty()) {
+            (0, _) => String::new(),
+            (n, true) => format!(" (reported {} times)", n + 1),
+            (n, false) => format!(" (and {n} more, among them: {})", others.join(" | ")),
         };
         Err(self.backend_error(format!(
             "Vulkan validation error: {first}{more}. This is a fault in Kiln's `vk` backend \

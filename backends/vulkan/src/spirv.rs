@@ -75,6 +75,11 @@ pub(crate) fn translate(
         capabilities: Some(allowed.clone()),
         // As wgpu does: the kernels' workgroup memory is written before it is read.
         zero_initialize_workgroup_memory: spv::ZeroInitializeWorkgroupMemoryMode::None,
+        // Compute kernels have no f16 stage inputs or outputs, yet naga declares
+        // StorageInputOutput16 beside Float16 unless told not to, and a module declaring
+        // it needs the `storageInputOutput16` feature, which Kiln neither asks for nor
+        // needs (the validation layer's VUID-VkShaderModuleCreateInfo-pCode-01091).
+        use_storage_input_output_16: false,
         ..spv::Options::default()
     };
     if kernel.trusted {
@@ -132,5 +137,28 @@ mod tests {
             &only_shader,
         )
         .unwrap();
+    }
+
+    /// Its SPIR-V declares only capabilities the device was opened with: no
+    /// StorageInputOutput16 (f16 stage I/O, which compute kernels have none of).
+    #[test]
+    fn an_f16_kernel_declares_no_f16_stage_io() {
+        let f16: naga::FastHashSet<Capability> = [
+            Capability::Shader,
+            Capability::Float16,
+            Capability::StorageBuffer16BitAccess,
+            Capability::UniformAndStorageBuffer16BitAccess,
+        ]
+        .into_iter()
+        .collect();
+        let words = translate(&shader::CAST, &[Repr::F16, Repr::F32], &[], &[], &f16).unwrap();
+        let declared = |cap: Capability| {
+            // OpCapability: opcode 17, two words.
+            words
+                .windows(2)
+                .any(|w| w[0] == (2 << 16 | 17) && w[1] == cap as u32)
+        };
+        assert!(declared(Capability::Float16));
+        assert!(!declared(Capability::StorageInputOutput16));
     }
 }
