@@ -535,23 +535,59 @@ fn lavapipe_has_no_cooperative_matrix_and_never_routes_there() {
 
 /// Set in the child processes of
 /// [`validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off`]:
-/// the KILN_VK_VALIDATION the child runs under.
+/// which case the child checks (see [`VALIDATION_CASES`]).
 const VALIDATION_PROBE: &str = "KILN_TEST_VK_VALIDATION_PROBE";
 
+/// What a child's device does with a validation error it provokes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Expect {
+    /// The next sync point fails naming it.
+    Reported,
+    /// Nothing: the layer is off.
+    Unreported,
+    /// The device does not open: the layer was asked for and is missing.
+    NoDevice,
+}
+
+/// Each case: its name, KILN_VK_VALIDATION (None: unset, a debug build's default),
+/// whether the loader hides the layer (VK_LOADER_LAYERS_DISABLE, as on a machine
+/// without it), and what the child's device does.
+const VALIDATION_CASES: &[(&str, Option<&str>, bool, Expect)] = &[
+    ("default", None, false, Expect::Reported),
+    ("on", Some("1"), false, Expect::Reported),
+    ("off", Some("0"), false, Expect::Unreported),
+    ("absent", None, true, Expect::Unreported),
+    ("absent-but-asked", Some("1"), true, Expect::NoDevice),
+];
+
 /// In a child: provokes a validation error before each sync point (through the
-/// device's test hook) and checks what the sync point says: the error, naming the
-/// layer's message, where the layer is on; nothing where KILN_VK_VALIDATION=0.
-fn validation_probe(on: bool) {
-    let dev = vk_device(false);
-    let check = |what: &str, r: kiln::engine::Result<()>| match (on, r) {
-        (true, Err(Error::Backend { detail, .. })) => assert!(
+/// device's test hook) and checks what the sync point says.
+fn validation_probe(expect: Expect) {
+    let opened = kiln::vulkan::VkDevice::open(vk_index(), &Default::default());
+    if expect == Expect::NoDevice {
+        let e = opened
+            .err()
+            .expect("no device without the layer")
+            .to_string();
+        assert!(
+            e.contains("VK_LAYER_KHRONOS_validation")
+                && e.contains("apt-get install vulkan-validationlayers"),
+            "{e}"
+        );
+        return;
+    }
+    let dev = opened.unwrap_or_else(|e| panic!("{e}"));
+    let check = |what: &str, r: kiln::engine::Result<()>| match (expect, r) {
+        (Expect::Reported, Err(Error::Backend { detail, .. })) => assert!(
             detail.contains("Vulkan validation error")
                 && detail.contains("VUID-vkCmdPipelineBarrier-srcAccessMask-02815")
                 && detail.contains("KILN_VK_VALIDATION=0"),
             "{what}: {detail}"
         ),
-        (true, other) => panic!("{what}: expected the validation error, got {other:?}"),
-        (false, r) => r.unwrap_or_else(|e| panic!("{what} without the layer: {e}")),
+        (Expect::Reported, other) => {
+            panic!("{what}: expected the validation error, got {other:?}")
+        }
+        (_, r) => r.unwrap_or_else(|e| panic!("{what} without the layer: {e}")),
     };
     dev.provoke_validation_error().unwrap();
     check("submit", dev.submit());
@@ -565,35 +601,46 @@ fn validation_probe(on: bool) {
     assert_eq!(dev.download(b).unwrap().len(), 64);
 }
 
-/// Runs this test alone in a child process under `KILN_VK_VALIDATION=value`.
-fn in_child(value: &str) {
+/// Runs this test alone in a child process for `case` of [`VALIDATION_CASES`].
+fn in_child(&(case, setting, hide_layer, _): &(&str, Option<&str>, bool, Expect)) {
     let name = "validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off";
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+    child
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .env("KILN_VK_VALIDATION", value)
-        .env(VALIDATION_PROBE, value)
-        .output()
-        .unwrap();
+        .env(VALIDATION_PROBE, case)
+        .env_remove("KILN_VK_VALIDATION")
+        .env_remove("VK_LOADER_LAYERS_DISABLE");
+    if let Some(v) = setting {
+        child.env("KILN_VK_VALIDATION", v);
+    }
+    if hide_layer {
+        child.env("VK_LOADER_LAYERS_DISABLE", "VK_LAYER_KHRONOS_validation");
+    }
+    let out = child.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.contains("1 passed"),
-        "KILN_VK_VALIDATION={value}: {stdout}\n{}",
+        "case {case}: {stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
 
 /// The validation layer (on in debug builds where installed, as here: scripts/setup.sh
 /// installs it) fails the next sync point of a device whose commands it rejects, so
-/// every vk test fails on a validation error without checking for one; and
-/// KILN_VK_VALIDATION=0 runs without it. Each setting runs in a child process, since
-/// the variable is read as the device opens.
+/// every vk test fails on a validation error without checking for one;
+/// KILN_VK_VALIDATION=0, or a machine without the layer, runs without it; and
+/// KILN_VK_VALIDATION=1 without the layer is an error naming the package. Each case runs
+/// in a child process, since the variables are read as the device opens.
 #[test]
 fn validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_off() {
-    match std::env::var(VALIDATION_PROBE).as_deref() {
-        Ok(value) => validation_probe(value == "1"),
-        Err(_) => {
-            in_child("1");
-            in_child("0");
+    match std::env::var(VALIDATION_PROBE) {
+        Ok(case) => {
+            let &(_, _, _, expect) = VALIDATION_CASES
+                .iter()
+                .find(|c| c.0 == case)
+                .unwrap_or_else(|| panic!("{VALIDATION_PROBE}={case}: no such case"));
+            validation_probe(expect)
         }
+        Err(_) => VALIDATION_CASES.iter().for_each(in_child),
     }
 }
