@@ -9,9 +9,13 @@ set -euo pipefail
 # spirv-tools: `spirv-val`, which the tests run on every SPIR-V module the raw Vulkan
 # backend builds or ships; glslang-tools: `glslangValidator`, which compiles its GLSL
 # kernels (shaders/vulkan/build.sh; tests/spirv.rs checks the committed
-# .spv files are current); python3-pip: installs the newer spirv-val below.
+# .spv files are current); python3-pip: installs the newer spirv-val below;
+# vulkan-validationlayers: the Khronos validation layer, under which debug builds (the
+# tests) run the raw Vulkan backend, any error it reports failing the test
+# (KILN_VK_VALIDATION, README).
 packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
-    libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools python3-pip)
+    libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools python3-pip
+    vulkan-validationlayers)
 
 missing=()
 for p in "${packages[@]}"; do
