@@ -581,6 +581,7 @@ fn validation_probe(expect: Expect) {
         (Expect::Reported, Err(Error::Backend { detail, .. })) => assert!(
             detail.contains("Vulkan validation error")
                 && detail.contains("VUID-vkCmdPipelineBarrier-srcAccessMask-02815")
+                && detail.contains("SYNC-HAZARD-WRITE-AFTER-WRITE")
                 && detail.contains("KILN_VK_VALIDATION=0"),
             "{what}: {detail}"
         ),

@@ -410,14 +410,23 @@ impl VkDevice {
             .map_err(|e| self.backend_error(format!("writing {name} into {}: {e}", dir.display())))
     }
 
-    /// Test hook: records a pipeline barrier the validation layer rejects (a source
-    /// access, shader writes, that its source stage, transfers, cannot make;
-    /// VUID-vkCmdPipelineBarrier-srcAccessMask-02815) and that drivers run as a plain
-    /// barrier, to show that the next sync point reports it.
+    /// Test hook: records two fills of one internal buffer with no barrier between
+    /// them (a write-after-write hazard for synchronization validation,
+    /// SYNC-HAZARD-WRITE-AFTER-WRITE) and a pipeline barrier the layer rejects (a
+    /// source access, shader writes, that its source stage, transfers, cannot make;
+    /// VUID-vkCmdPipelineBarrier-srcAccessMask-02815), all of which drivers run safely,
+    /// to show that the next sync point reports them.
     #[doc(hidden)]
     pub fn provoke_validation_error(&self) -> Result<()> {
         let mut s = self.lock();
+        let (dummy, _, size) = self.resolve(&s, DUMMY_ID)?;
         let cmd = self.stream(&mut s)?.cmd;
+        // SAFETY: `cmd` is recording; the placeholder buffer holds `size` bytes and is
+        // never read for its contents.
+        unsafe {
+            self.device.cmd_fill_buffer(cmd, dummy, 0, size, 0);
+            self.device.cmd_fill_buffer(cmd, dummy, 0, size, 0);
+        }
         let bad = vk::MemoryBarrier::default()
             .src_access_mask(vk::AccessFlags::SHADER_WRITE)
             .dst_access_mask(vk::AccessFlags::TRANSFER_READ);
@@ -434,6 +443,8 @@ impl VkDevice {
                 &[],
             )
         };
+        // What follows sees the fills, as after any command.
+        self.barrier(cmd);
         Ok(())
     }
 

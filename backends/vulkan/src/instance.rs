@@ -202,14 +202,24 @@ impl Instance {
             .pfn_user_callback(Some(on_message))
             .user_data(&*reports as *const std::sync::Mutex<Reports> as *mut std::ffi::c_void);
         let layers = [VALIDATION_LAYER.as_ptr()];
-        let extensions = [ash::ext::debug_utils::NAME.as_ptr()];
+        let extensions = [
+            ash::ext::debug_utils::NAME.as_ptr(),
+            ash::ext::validation_features::NAME.as_ptr(),
+        ];
+        // Beyond the layer's default checks, synchronization validation: the hazards a
+        // missing or too narrow barrier leaves, which a driver such as lavapipe, running
+        // each command to completion in order, never shows.
+        let checks = [vk::ValidationFeatureEnableEXT::SYNCHRONIZATION_VALIDATION];
+        let mut features =
+            vk::ValidationFeaturesEXT::default().enabled_validation_features(&checks);
         let mut info = vk::InstanceCreateInfo::default().application_info(&app);
         if layer_present {
             // Chained here too, the messenger also hears about instance creation.
             info = info
                 .enabled_layer_names(&layers)
                 .enabled_extension_names(&extensions)
-                .push_next(&mut messenger_info);
+                .push_next(&mut messenger_info)
+                .push_next(&mut features);
         }
         // SAFETY: a valid create info; the layer and its extension were found above.
         let instance =
