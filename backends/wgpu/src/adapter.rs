@@ -40,11 +40,22 @@ pub const NO_ADAPTER_HINT: &str =
     "On Debian/Ubuntu without a GPU, install Mesa's software Vulkan driver \
 (lavapipe): `sudo apt-get install -y mesa-vulkan-drivers`. With a GPU, install its Vulkan driver.";
 
+/// wgpu's defaults for the build, but never the driver's validation layers: in debug
+/// builds wgpu would load the Vulkan validation layer wherever it is installed (as
+/// scripts/setup.sh does, for the `vk` backend's checks), yet it only logs what the layer
+/// reports (and keeps every message in memory), and Kiln installs no logger: it cost the
+/// GPT tests of tests/vk.rs about 15% on lavapipe (run one at a time) and could fail
+/// nothing. wgpu's own (WebGPU) validation is unaffected.
+fn instance_flags() -> wgpu::InstanceFlags {
+    wgpu::InstanceFlags::from_build_config() - wgpu::InstanceFlags::VALIDATION
+}
+
 pub(crate) fn instance() -> &'static wgpu::Instance {
     static INSTANCE: OnceLock<wgpu::Instance> = OnceLock::new();
     INSTANCE.get_or_init(|| {
         wgpu::Instance::new(wgpu::InstanceDescriptor {
             backends: wgpu::Backends::all(),
+            flags: instance_flags(),
             ..wgpu::InstanceDescriptor::new_without_display_handle()
         })
     })
@@ -147,5 +158,14 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabi
             }),
         max_buffer: limits.max_buffer_size,
         memory_budget: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Debug builds (the tests) too: the layer's cost bought nothing through wgpu.
+    #[test]
+    fn wgpu_never_loads_the_drivers_validation_layers() {
+        assert!(!super::instance_flags().contains(wgpu::InstanceFlags::VALIDATION));
     }
 }
