@@ -34,8 +34,8 @@ use kiln_wgpu::lower::{
 };
 use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
 use kiln_wgpu::{
-    attention_geometry, attention_launches, plan_attention, plan_matmul, split_finish,
-    split_partials, AttentionPlan, DeviceOptions,
+    attention_geometry, attention_launches, plan_matmul, split_finish, split_partials,
+    AttentionPlan, DeviceOptions,
 };
 use naga::back::spv::Capability;
 
@@ -546,7 +546,7 @@ impl VkDevice {
             .attention_plan
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let plan = forced.unwrap_or_else(|| plan_attention(&self.caps, dim));
+        let plan = forced.unwrap_or_else(|| attention::plan(&self.caps, dim));
         let (launches, scratch) = attention_launches(&self.caps, kernel, &plan)?;
         if scratch > 0 {
             Recorder::partials(self, s, scratch)?;
