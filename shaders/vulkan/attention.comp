@@ -31,6 +31,7 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_GOOGLE_include_directive : require
 #ifndef PACKED
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -177,18 +178,7 @@ vec4 live(uint c, vec4 v) {
     return mix(vec4(0.0), v, ok);
 }
 
-// shaders/common/convert.wgsl's bf16_bits: round to nearest even, a NaN kept quiet.
-uint bf16_bits(float x) {
-    uint u = floatBitsToUint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (u >> 16) | 0x40u;
-    }
-    uint r = u >> 16;
-    if ((u & 0x8000u) != 0u && (u & 0x17fffu) != 0u) {
-        return r + 1u;
-    }
-    return r;
-}
+#include "common/bf16.glsl"
 
 bool causal() {
     return P.causal != 0u;

@@ -30,6 +30,7 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_EXT_control_flow_attributes : require
+#extension GL_GOOGLE_include_directive : require
 #ifdef MIXED
 #define EPILOGUE
 #define STORE float
@@ -91,18 +92,7 @@ float from_bf16(uint v) {
     return uintBitsToFloat(v << 16);
 }
 
-// shaders/common/convert.wgsl's bf16_bits: round to nearest even, a NaN kept quiet.
-uint bf16_bits(float x) {
-    uint u = floatBitsToUint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        return (u >> 16) | 0x40u;
-    }
-    uint r = u >> 16;
-    if ((u & 0x8000u) != 0u && (u & 0x17fffu) != 0u) {
-        return r + 1u;
-    }
-    return r;
-}
+#include "common/bf16.glsl"
 
 float ld_a(uint i) {
     return A_DT == 1u ? float(a_h[i]) : (A_DT == 2u ? from_bf16(uint(a_b[i])) : a[i]);

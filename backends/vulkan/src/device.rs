@@ -178,7 +178,7 @@ pub struct VkDevice {
     state: Mutex<State>,
     /// Dropped after `Drop` has destroyed the device, it destroys the instance last;
     /// read only for the validation layer's reports ([`VkDevice::validated`]).
-    _instance: Instance,
+    instance: Instance,
 }
 
 impl VkDevice {
@@ -367,7 +367,7 @@ impl VkDevice {
                 profiling: None,
                 collect: None,
             }),
-            _instance: instance,
+            instance,
         };
         {
             let mut s = dev.lock();
@@ -667,7 +667,7 @@ impl VkDevice {
     /// sync point asks, so a launch the layer rejects fails the test (or run) that made
     /// it, without the test looking.
     fn validated(&self) -> Result<()> {
-        let errors = self._instance.take_validation_errors();
+        let errors = self.instance.take_validation_errors();
         let Some(first) = errors.first() else {
             return Ok(());
         };
