@@ -29,13 +29,13 @@ use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
 use kiln_wgpu::lower::{
-    self, band_partials_bytes, scratch_bytes, Dispatch, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES,
-    DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+    self, band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
+    DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
 use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
 use kiln_wgpu::{
-    attention_geometry, attention_launches, plan_matmul, split_finish, split_partials,
-    AttentionPlan, DeviceOptions,
+    attention_geometry, attention_launches, gemm_stand_in, plan_matmul, split_finish,
+    split_partials, AttentionPlan, DeviceOptions, MatmulVariant,
 };
 use naga::back::spv::Capability;
 
@@ -43,6 +43,7 @@ use crate::attention;
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
 use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
+use crate::primer::{Primed, Primer};
 
 /// KILN_GEMM_LOG=1: say which GEMM each product runs on, and why not the others.
 fn gemm_log() -> bool {
@@ -109,6 +110,9 @@ pub struct State {
     /// The SPIR-V GEMM's pipelines (one per module and specialization) and their
     /// shared layouts.
     gemm: HashMap<SpirvGemmPlan, vk::Pipeline>,
+    /// GEMM blocks (pipeline keys) recorded here outside `prepare`: their first run,
+    /// which compiles their machine code on a software driver, is behind them.
+    ran: std::collections::HashSet<SpirvGemmPlan>,
     gemm_layout: Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>,
     stream: Option<Stream>,
     /// Last timeline value submitted.
@@ -175,6 +179,10 @@ pub struct VkDevice {
     attention_plan: Mutex<Option<AttentionPlan>>,
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
+    /// Runs big GEMM blocks first on a second device (software drivers; `primer.rs`).
+    primer: Option<std::sync::Arc<Primer>>,
+    /// SPIR-V GEMM launches that ran a stand-in block while theirs was primed.
+    stand_ins: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
     /// Dropped after `Drop` has destroyed the device, it destroys the instance last;
     /// read only for the validation layer's reports ([`VkDevice::validated`]).
@@ -184,6 +192,17 @@ pub struct VkDevice {
 impl VkDevice {
     /// Opens a new, independent device on `vk:index` (see `kiln devices`).
     pub fn open(index: usize, options: &DeviceOptions) -> Result<VkDevice> {
+        Self::open_with(index, options, true)
+    }
+
+    /// Opens `vk:index` without a primer (see `primer.rs`): big GEMM blocks then
+    /// compile at their first run here, as on a GPU driver.
+    #[doc(hidden)]
+    pub fn open_unprimed(index: usize, options: &DeviceOptions) -> Result<VkDevice> {
+        Self::open_with(index, options, false)
+    }
+
+    fn open_with(index: usize, options: &DeviceOptions, primed: bool) -> Result<VkDevice> {
         let instance = Instance::new()?;
         let pds = instance.physical_devices();
         let pd = *pds.get(index).ok_or_else(|| {
@@ -326,6 +345,10 @@ impl VkDevice {
         })?;
         let allowed = crate::spirv::capabilities(&features, f16);
         let arena_stride = MATMUL_PARAMS_SIZE.next_multiple_of(features.min_uniform_align.max(16));
+        // Only a software driver compiles at first run, on its queue's thread; without
+        // Mesa's disk cache nothing a primer ran would be kept.
+        let primer = (primed && caps.device_type == "cpu" && kiln_wgpu::mesa_cache_on())
+            .then(|| Primer::shared(index, options));
         let dev = VkDevice {
             caps,
             features,
@@ -344,6 +367,8 @@ impl VkDevice {
             attention_count: Default::default(),
             attention_plan: Mutex::new(None),
             coopmat,
+            primer,
+            stand_ins: Default::default(),
             state: Mutex::new(State {
                 next_id: 1,
                 buffers: HashMap::new(),
@@ -353,6 +378,7 @@ impl VkDevice {
                 pipelines: HashMap::new(),
                 glsl: HashMap::new(),
                 gemm: HashMap::new(),
+                ran: Default::default(),
                 gemm_layout: None,
                 stream: None,
                 submitted: 0,
@@ -619,7 +645,15 @@ impl VkDevice {
             }
             match route {
                 GemmRoute::CoopMat(p) => return self.record_coopmat_gemm(s, mm, &p),
-                GemmRoute::Spirv(p) => return self.record_spirv_gemm(s, mm, &p),
+                GemmRoute::Spirv(p) => {
+                    let block = self.gemm_block(s, mm, &p);
+                    if s.collect.is_some() && block != p {
+                        // `prepare` builds the planned block's pipeline too, so the
+                        // switch once it is primed builds nothing.
+                        self.gemm_pipeline(s, &p)?;
+                    }
+                    return self.record_spirv_gemm(s, mm, &block);
+                }
                 GemmRoute::Naga(why) => {
                     if gemm_log() {
                         eprintln!(
@@ -1736,7 +1770,6 @@ impl VkDevice {
         mm: &kiln_engine::Matmul,
         p: &SpirvGemmPlan,
     ) -> Result<()> {
-        let (pipeline, layout) = self.gemm_pipeline(s, p)?;
         // A K split: the planner's plan, whose partials layout and `matmul_finish`
         // (the WGSL one, through naga) complete the product.
         let split = if p.partial() {
@@ -1747,8 +1780,9 @@ impl VkDevice {
             None
         };
         if s.collect.is_some() {
-            // `prepare` wanted the pipelines, now built (the finish's through its
-            // dispatch, which only collects here).
+            // `prepare` wants the pipelines: this one built now, the finish's through
+            // its dispatch, which only collects here.
+            self.gemm_pipeline(s, p)?;
             if let Some(plan) = &split {
                 split_finish(self, s, mm, plan)?;
             }
@@ -1757,6 +1791,30 @@ impl VkDevice {
         if let Some(plan) = &split {
             split_partials(self, s, mm, plan)?;
         }
+        // A split writes its partials where the copy goes.
+        let cf = if split.is_some() {
+            PARTIALS_ID
+        } else {
+            mm.c_f32.map_or(DUMMY_ID, |b| b.id)
+        };
+        self.dispatch_spirv_gemm(s, mm, p, cf)?;
+        s.ran.insert(p.pipeline_key());
+        if let Some(plan) = &split {
+            split_finish(self, s, mm, plan)?;
+        }
+        Ok(())
+    }
+
+    /// Binds `mm`'s operands (`cf`: the f32 copy of C, or the partials of a split)
+    /// and records one dispatch of `p`'s pipeline over every tile and matrix.
+    fn dispatch_spirv_gemm(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        p: &SpirvGemmPlan,
+        cf: u64,
+    ) -> Result<()> {
+        let (pipeline, layout) = self.gemm_pipeline(s, p)?;
         let mut infos = vec![];
         for b in [mm.a, mm.b, mm.c] {
             infos.push(self.buffer_info(s, b.id)?);
@@ -1770,13 +1828,7 @@ impl VkDevice {
         });
         if p.epilogue() || p.mixed.is_some() {
             // Stand-ins where the launch has no bias or copy: the module binds both,
-            // and its specialization never touches the absent one. A split writes its
-            // partials where the copy goes.
-            let cf = if split.is_some() {
-                PARTIALS_ID
-            } else {
-                mm.c_f32.map_or(DUMMY_ID, |b| b.id)
-            };
+            // and its specialization never touches the absent one.
             infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
             infos.push(self.buffer_info(s, cf)?);
         }
@@ -1790,10 +1842,132 @@ impl VkDevice {
             &[],
             (x as u32, y as u32, z as u32),
         );
-        if let Some(plan) = &split {
-            split_finish(self, s, mm, plan)?;
-        }
         Ok(())
+    }
+
+    /// The block a launch planned as `p` runs: `p`, unless it is a big block whose
+    /// first run the primer still has to make (then it is asked for, and a stand-in of
+    /// the same K split runs: the same sums in the same order).
+    fn gemm_block(&self, s: &State, mm: &kiln_engine::Matmul, p: &SpirvGemmPlan) -> SpirvGemmPlan {
+        let Some(primer) = &self.primer else {
+            return *p;
+        };
+        let with = |v: MatmulVariant| match v {
+            MatmulVariant::Cpu { tm, nv } => Some(SpirvGemmPlan { tm, nv, ..*p }),
+            _ => None,
+        };
+        let readiness = |v: MatmulVariant| {
+            let Some(q) = with(v) else {
+                return Readiness::Absent;
+            };
+            let key = q.pipeline_key();
+            if s.ran.contains(&key) {
+                return Readiness::Ready;
+            }
+            match primer.state(&key) {
+                Some(Primed::Done | Primed::Failed) => Readiness::Ready,
+                Some(Primed::Queued) => Readiness::Building,
+                None => Readiness::Absent,
+            }
+        };
+        let best = MatmulVariant::Cpu { tm: p.tm, nv: p.nv };
+        // The ladder's rule: blocks of 32 rows and more take seconds to compile.
+        if p.tm >= 32 && readiness(best) == Readiness::Absent {
+            primer.ask(p.pipeline_key());
+        }
+        let ran = gemm_stand_in(best, readiness);
+        match with(ran) {
+            Some(q) if q != *p && s.collect.is_none() => {
+                let (x, y, z) = q.groups(mm);
+                if x.max(y).max(z) > 65535 {
+                    // Its grid does not fit one dispatch: the planned block compiles
+                    // here instead.
+                    return *p;
+                }
+                self.stand_ins
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                q
+            }
+            Some(q) => q,
+            None => *p,
+        }
+    }
+
+    /// Runs `p`'s pipeline once over one tile (here, on the primer's device), so that
+    /// the driver compiles its machine code and keeps it in Mesa's cache.
+    pub(crate) fn prime_gemm(&self, p: &SpirvGemmPlan) -> Result<()> {
+        let storage = p.mixed.unwrap_or([p.dtype; 4]);
+        // One tile: TM rows, the lanes' columns, and two subgroup steps of K (one per
+        // K chunk when split) — enough for every load the block makes to land inside.
+        let (m, n, k) = (p.tm as usize, (gemm::LANES * 4 * p.nv) as usize, 16);
+        let a = self.alloc(storage[0], m * k)?;
+        let b = self.alloc(storage[1], k * n)?;
+        let c = self.alloc(storage[2], m * n)?;
+        let bias = p.bias.then(|| self.alloc(storage[3], n)).transpose()?;
+        let copy = p
+            .copy_f32
+            .then(|| self.alloc(DType::F32, m * n))
+            .transpose()?;
+        let mut mm = kiln_engine::Matmul::new(a, b, c, m, n, k);
+        mm.trans_a = p.trans_a;
+        mm.trans_b = p.trans_b;
+        mm.bias = bias;
+        mm.gelu = p.gelu;
+        mm.c_f32 = copy;
+        let q = SpirvGemmPlan {
+            splits: if p.partial() { 2 } else { 1 },
+            k_chunk: if p.partial() { 8 } else { 16 },
+            ..*p
+        };
+        let ran = (|| {
+            let mut s = self.lock();
+            let cf = if q.partial() {
+                Recorder::partials(self, &mut s, 2 * (m * n) as u64 * 4)?;
+                PARTIALS_ID
+            } else {
+                copy.map_or(DUMMY_ID, |b| b.id)
+            };
+            self.dispatch_spirv_gemm(&mut s, &mm, &q, cf)?;
+            let value = self.flush(&mut s)?;
+            drop(s);
+            self.wait_for(value)
+        })();
+        for buf in [Some(a), Some(b), Some(c), bias, copy]
+            .into_iter()
+            .flatten()
+        {
+            self.free(buf)?;
+        }
+        ran
+    }
+
+    /// Big GEMM blocks run first on the primer's device so far (0 without a primer).
+    #[doc(hidden)]
+    pub fn primed_blocks(&self) -> usize {
+        self.primer.as_ref().map_or(0, |p| p.primed())
+    }
+
+    /// Launches that ran a stand-in block while theirs was being primed.
+    #[doc(hidden)]
+    pub fn gemm_stand_ins(&self) -> u64 {
+        self.stand_ins.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Waits until the primer has run every block asked of it.
+    #[doc(hidden)]
+    pub fn wait_for_primer(&self) {
+        if let Some(p) = &self.primer {
+            p.wait_idle();
+        }
+    }
+
+    /// Holds the primer before its next block (tests see the stand-ins run), or lets
+    /// it go on.
+    #[doc(hidden)]
+    pub fn hold_primer(&self, held: bool) {
+        if let Some(p) = &self.primer {
+            p.hold(held);
+        }
     }
 }
 

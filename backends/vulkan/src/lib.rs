@@ -14,6 +14,7 @@ pub mod coopmat;
 mod device;
 mod gemm;
 mod instance;
+mod primer;
 mod spirv;
 
 pub use coopmat::{CoopMat, CoopMatPlan, CoopMatShape};

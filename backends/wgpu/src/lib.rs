@@ -28,6 +28,7 @@ pub use matmul::{
     stand_in as gemm_stand_in, MatmulPlan, MatmulVariant,
 };
 pub use peak::Peak;
+pub use primer::mesa_cache_on;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
 
 /// A fingerprint of every kernel source in `shaders/` (pipeline caches are keyed by it).

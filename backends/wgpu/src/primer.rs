@@ -32,8 +32,9 @@ pub(crate) struct Prime {
     pub constants: Vec<(&'static str, f64)>,
 }
 
-/// Whether Mesa keeps compiled shaders on disk (its default).
-pub(crate) fn mesa_cache_on() -> bool {
+/// Whether Mesa keeps compiled shaders on disk (its default): without it a first run
+/// elsewhere leaves nothing behind, so nothing is primed.
+pub fn mesa_cache_on() -> bool {
     let off = |name: &str| {
         std::env::var(name)
             .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))

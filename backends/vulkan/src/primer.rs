@@ -1,0 +1,212 @@
+//! Big GEMM blocks' first run on a second device (lavapipe), as the wgpu backend does
+//! (kiln-wgpu's `primer.rs` says why): lavapipe compiles a pipeline's machine code at
+//! its first run, on the one thread that runs the device's queue, and keeps it in
+//! Mesa's disk cache keyed by the shader. A 32- or 64-row block of
+//! `shaders/vulkan/matmul_cpu.comp` takes tens of seconds there on a cold cache, and
+//! every launch queued behind it waits. So a worker thread opens a device of its own
+//! on the same physical device, opened alike (the driver must see the same shader),
+//! and runs each big block there once over one tile; meanwhile the training device
+//! runs a stand-in block (`kiln_wgpu::gemm_stand_in`), which sums every output in the
+//! same order, so not a bit changes. Once primed, the block's first run on the
+//! training device finds its machine code in the cache.
+
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
+
+use kiln_wgpu::DeviceOptions;
+
+use crate::gemm::SpirvGemmPlan;
+use crate::VkDevice;
+
+/// Where a block's priming stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Primed {
+    /// Waiting for the worker, or running there.
+    Queued,
+    /// Run once on the primer's device: its machine code is in Mesa's cache.
+    Done,
+    /// The primer could not run it (the reason was logged): the training device
+    /// compiles it at its own first run, as without a primer.
+    Failed,
+}
+
+#[derive(Default)]
+struct Blocks {
+    state: HashMap<SpirvGemmPlan, Primed>,
+    /// Tests hold the worker to see the stand-in run ([`VkDevice::hold_primer`]).
+    held: bool,
+}
+
+#[derive(Default)]
+struct Shared {
+    blocks: Mutex<Blocks>,
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Blocks> {
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The worker and what it has primed. Dropping it ends the worker after the block it
+/// is running (its device is dropped with it).
+pub(crate) struct Primer {
+    jobs: Mutex<mpsc::Sender<SpirvGemmPlan>>,
+    shared: Arc<Shared>,
+}
+
+/// The primers alive, per physical device and f16 setting (what changes the shaders
+/// the driver sees): the devices of a data-parallel group on one physical device share
+/// one, so each block is compiled once, not once per device.
+static PRIMERS: Mutex<Vec<(PrimerKey, Weak<Primer>)>> = Mutex::new(Vec::new());
+
+/// A physical device's index and whether f16 is turned off on it.
+type PrimerKey = (usize, bool);
+
+impl Primer {
+    /// The primer of `vk:index` opened with `options`: a live one shared, else a new
+    /// one started.
+    pub(crate) fn shared(index: usize, options: &DeviceOptions) -> Arc<Primer> {
+        let key = (index, options.disable_f16);
+        let mut primers = PRIMERS.lock().unwrap_or_else(|e| e.into_inner());
+        primers.retain(|(_, p)| p.strong_count() > 0);
+        if let Some(p) = primers
+            .iter()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, p)| p.upgrade())
+        {
+            return p;
+        }
+        let p = Arc::new(Primer::start(index, options));
+        primers.push((key, Arc::downgrade(&p)));
+        p
+    }
+
+    /// Starts the worker; it opens `vk:index` with `options` (without a primer of its
+    /// own) at its first block, off the caller's thread.
+    fn start(index: usize, options: &DeviceOptions) -> Primer {
+        let (tx, rx) = mpsc::channel::<SpirvGemmPlan>();
+        let shared = Arc::new(Shared::default());
+        let worker = Arc::clone(&shared);
+        let options = DeviceOptions {
+            // The training device keeps the pipeline cache; Mesa's cache is what
+            // carries the machine code across.
+            no_pipeline_cache: true,
+            ..options.clone()
+        };
+        let spawned = std::thread::Builder::new()
+            .name("kiln vk primer".into())
+            .spawn(move || {
+                // Opened at the first block: most devices never meet a big one.
+                let mut device = None;
+                for plan in rx {
+                    let mut blocks = worker.lock();
+                    while blocks.held {
+                        blocks = worker
+                            .changed
+                            .wait(blocks)
+                            .unwrap_or_else(|e| e.into_inner());
+                    }
+                    drop(blocks);
+                    let t0 = std::time::Instant::now();
+                    let device =
+                        device.get_or_insert_with(|| VkDevice::open_unprimed(index, &options));
+                    let result = match device {
+                        Ok(d) => d.prime_gemm(&plan).map_err(|e| e.to_string()),
+                        Err(e) => Err(format!("could not open the primer's device: {e}")),
+                    };
+                    let primed = match result {
+                        Ok(()) => {
+                            if compile_log() {
+                                eprintln!(
+                                    "kiln: vk primed GEMM block TM={} NV={}: {:.2} s",
+                                    plan.tm,
+                                    plan.nv,
+                                    t0.elapsed().as_secs_f64()
+                                );
+                            }
+                            Primed::Done
+                        }
+                        Err(why) => {
+                            // Only time is at stake: the block compiles at its first
+                            // run on the training device instead.
+                            eprintln!(
+                                "kiln: vk could not prime a GEMM block (TM={} NV={}), so \
+                                 its first run compiles it on the training device: {why}",
+                                plan.tm, plan.nv
+                            );
+                            Primed::Failed
+                        }
+                    };
+                    worker.lock().state.insert(plan, primed);
+                    worker.changed.notify_all();
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("kiln: vk could not start the primer thread ({e}); big GEMM blocks compile at their first run");
+            // The receiver is gone with the closure: every `ask` finds the channel
+            // closed and marks its block failed.
+        }
+        Primer {
+            jobs: Mutex::new(tx),
+            shared,
+        }
+    }
+
+    /// Where `plan`'s priming stands; `None` if nobody asked for it.
+    pub(crate) fn state(&self, plan: &SpirvGemmPlan) -> Option<Primed> {
+        self.shared.lock().state.get(plan).copied()
+    }
+
+    /// Queues `plan` for priming unless it was asked for before.
+    pub(crate) fn ask(&self, plan: SpirvGemmPlan) {
+        let mut blocks = self.shared.lock();
+        if blocks.state.contains_key(&plan) {
+            return;
+        }
+        let sent = self
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(plan);
+        let state = if sent.is_ok() {
+            Primed::Queued
+        } else {
+            Primed::Failed
+        };
+        blocks.state.insert(plan, state);
+    }
+
+    /// Blocks the primer has run so far.
+    pub(crate) fn primed(&self) -> usize {
+        let blocks = self.shared.lock();
+        blocks
+            .state
+            .values()
+            .filter(|&&p| p == Primed::Done)
+            .count()
+    }
+
+    /// Waits until no block is queued.
+    pub(crate) fn wait_idle(&self) {
+        let mut blocks = self.shared.lock();
+        while blocks.state.values().any(|&p| p == Primed::Queued) {
+            blocks = self
+                .shared
+                .changed
+                .wait(blocks)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Holds the worker before its next block (`true`) or lets it go on.
+    pub(crate) fn hold(&self, held: bool) {
+        self.shared.lock().held = held;
+        self.shared.changed.notify_all();
+    }
+}
+
+fn compile_log() -> bool {
+    std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")
+}

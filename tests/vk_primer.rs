@@ -1,0 +1,143 @@
+//! `vk:N` on lavapipe runs a big GEMM block's first run, which compiles its machine
+//! code, on a primer device of its own (backends/vulkan/src/primer.rs), and a stand-in
+//! block meanwhile. Mesa's shader cache on disk gets an entry per compiled shader, so
+//! the training device's first run of a primed block must add none; a GEMM nobody
+//! primed still adds one, which shows the count tells the two apart. Its own binary:
+//! the cache directory is set for the whole process before any device opens.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use kiln::engine::{DType, Device, Kernel, Matmul};
+use kiln::vulkan::{GemmRoute, VkDevice};
+use kiln::wgpu::DeviceOptions;
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-vk-primer-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Compiled shaders in Mesa's cache (its index file aside).
+fn cache_entries(dir: &Path) -> usize {
+    let mut n = 0;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.file_name().is_some_and(|f| f != "index") {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// Mesa writes its entries from a thread of its own: the count once it stops moving.
+fn settled_entries(dir: &Path) -> usize {
+    let mut last = cache_entries(dir);
+    let start = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = cache_entries(dir);
+        if now == last || start.elapsed() > Duration::from_secs(20) {
+            return now;
+        }
+        last = now;
+    }
+}
+
+fn gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, kiln::engine::Buffer) {
+    let a = put(dev, &finite(DType::F32, m * k, 1));
+    let b = put(dev, &finite(DType::F32, k * n, 2));
+    let c = dev.alloc(DType::F32, m * n).unwrap();
+    (Kernel::Matmul(Matmul::new(a, b, c, m, n, k)), c)
+}
+
+#[test]
+fn a_big_gemm_block_first_runs_on_the_primer_and_a_stand_in_runs_meanwhile_with_the_same_bits() {
+    let mesa = scratch("mesa");
+    // Set before any device opens in this process (Mesa reads them per device).
+    std::env::set_var("MESA_SHADER_CACHE_DIR", &mesa);
+    std::env::remove_var("MESA_SHADER_CACHE_DISABLE");
+    let index = kiln::vulkan::physical_devices()
+        .into_iter()
+        .find(|d| d.caps.device_type == "cpu")
+        .expect("lavapipe (mesa-vulkan-drivers) must be installed: bash scripts/setup.sh")
+        .index;
+    let opts = DeviceOptions {
+        pipeline_cache_dir: Some(scratch("pipelines")),
+        ..DeviceOptions::default()
+    };
+    let dev = VkDevice::open(index, &opts).unwrap();
+    // 2^27 multiply-adds: the planner's 32-row block, one of those that get a primer.
+    let shape = (512, 512, 512);
+    let (big, c) = gemm(&dev, shape);
+    let Kernel::Matmul(mm) = &big else {
+        unreachable!()
+    };
+    let GemmRoute::Spirv(planned) = dev.gemm_route(mm).unwrap() else {
+        panic!("the test needs the SPIR-V GEMM")
+    };
+    assert!(
+        planned.tm >= 32,
+        "the test needs a big block, the planner chose {planned:?}"
+    );
+
+    // Held, the primer has not run the block: the launch runs a stand-in.
+    dev.hold_primer(true);
+    dev.prepare(std::slice::from_ref(&big)).unwrap();
+    dev.launch(&big).unwrap();
+    let stood_in = dev.download(c).unwrap();
+    assert_eq!(dev.gemm_stand_ins(), 1, "the launch ran a stand-in block");
+    assert_eq!(dev.primed_blocks(), 0);
+
+    dev.hold_primer(false);
+    dev.wait_for_primer();
+    assert_eq!(dev.primed_blocks(), 1, "the big block ran on the primer");
+    let primed = settled_entries(&mesa);
+    assert!(primed >= 1, "the primer's run left nothing in Mesa's cache");
+
+    dev.launch(&big).unwrap();
+    let got = dev.download(c).unwrap();
+    assert_eq!(dev.gemm_stand_ins(), 1, "the primed block itself ran");
+    assert_eq!(
+        settled_entries(&mesa),
+        primed,
+        "the device's first run of the primed block compiled it again"
+    );
+    // The stand-in sums every output as the big block does.
+    assert_bits_eq("stand-in vs primed block", &stood_in, &got);
+    assert!(got.to_f32().iter().any(|&x| x != 0.0));
+
+    // The same product on a device without a primer, which runs the planned block at
+    // once: the same bits.
+    let plain = VkDevice::open_unprimed(
+        index,
+        &DeviceOptions {
+            no_pipeline_cache: true,
+            ..DeviceOptions::default()
+        },
+    )
+    .unwrap();
+    let (big2, c2) = gemm(&plain, shape);
+    plain.launch(&big2).unwrap();
+    assert_eq!(plain.gemm_stand_ins(), 0);
+    assert_bits_eq("primed block", &got, &plain.download(c2).unwrap());
+
+    // A block nobody primed compiles at its first run: a new entry.
+    let (small, c_small) = gemm(&dev, (8, 16, 32));
+    dev.launch(&small).unwrap();
+    dev.download(c_small).unwrap();
+    assert!(
+        settled_entries(&mesa) > primed,
+        "a first run that compiled left no entry: the count cannot tell"
+    );
+    std::fs::remove_dir_all(&mesa).ok();
+}
