@@ -139,5 +139,81 @@ fn a_big_gemm_block_first_runs_on_the_primer_and_a_stand_in_runs_meanwhile_with_
         settled_entries(&mesa) > primed,
         "a first run that compiled left no entry: the count cannot tell"
     );
+
+    // The fused attention's passes with 8 rows per lane, forward and backward: one
+    // row per lane stands in until the primer has run them.
+    dev.hold_primer(true);
+    let (fwd, bwd, outs) = attention(&dev);
+    dev.launch(&fwd).unwrap();
+    dev.launch(&bwd).unwrap();
+    let stood_in: Vec<_> = outs.iter().map(|&b| dev.download(b).unwrap()).collect();
+    assert_eq!(
+        dev.gemm_stand_ins(),
+        3,
+        "forward and backward ran stand-ins"
+    );
+    dev.hold_primer(false);
+    dev.wait_for_primer();
+    assert_eq!(
+        dev.primed_blocks(),
+        3,
+        "both attention kernels ran on the primer"
+    );
+    let primed = settled_entries(&mesa);
+    dev.launch(&fwd).unwrap();
+    dev.launch(&bwd).unwrap();
+    let got: Vec<_> = outs.iter().map(|&b| dev.download(b).unwrap()).collect();
+    assert_eq!(dev.gemm_stand_ins(), 3, "the primed passes themselves ran");
+    assert_eq!(
+        settled_entries(&mesa),
+        primed,
+        "the device's first run of the primed attention passes compiled them again"
+    );
+    for (i, (a, b)) in stood_in.iter().zip(&got).enumerate() {
+        assert_bits_eq(&format!("attention output {i}: stand-in vs primed"), a, b);
+    }
     std::fs::remove_dir_all(&mesa).ok();
+}
+
+/// A causal attention forward and its backward (f32, 2 heads of 40 rows, d 32: the
+/// shape lavapipe's plan gives 8 rows per lane), and their outputs.
+fn attention(dev: &dyn Device) -> (Kernel, Kernel, Vec<kiln::engine::Buffer>) {
+    let (heads, seq, dim) = (2, 40, 32);
+    let len = heads * seq * dim;
+    let [q, k, v, dout] = [1, 2, 3, 4].map(|seed| put(dev, &finite(DType::F32, len, seed)));
+    let out = dev.alloc(DType::F32, len).unwrap();
+    let lse = dev.alloc(DType::F32, heads * seq).unwrap();
+    let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, len).unwrap());
+    let scale = 1.0 / (dim as f32).sqrt();
+    let fwd = Kernel::Attention {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        batch_heads: heads,
+        group: 1,
+        seq,
+        dim,
+        scale,
+        causal: true,
+    };
+    let bwd = Kernel::AttentionBackward {
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dq,
+        dk,
+        dv,
+        batch_heads: heads,
+        group: 1,
+        seq,
+        dim,
+        scale,
+        causal: true,
+    };
+    (fwd, bwd, vec![out, lse, dq, dk, dv])
 }

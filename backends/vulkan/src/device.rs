@@ -43,7 +43,7 @@ use crate::attention;
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
 use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
-use crate::primer::{Primed, Primer};
+use crate::primer::{AttentionRecipe, Block, Job, Primed, Primer};
 
 /// KILN_GEMM_LOG=1: say which GEMM each product runs on, and why not the others.
 fn gemm_log() -> bool {
@@ -113,6 +113,8 @@ pub struct State {
     /// GEMM blocks (pipeline keys) recorded here outside `prepare`: their first run,
     /// which compiles their machine code on a software driver, is behind them.
     ran: std::collections::HashSet<SpirvGemmPlan>,
+    /// Attention kernels (their pipelines' names) recorded here outside `prepare`.
+    ran_attention: std::collections::HashSet<String>,
     gemm_layout: Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>,
     stream: Option<Stream>,
     /// Last timeline value submitted.
@@ -181,7 +183,7 @@ pub struct VkDevice {
     coopmat: std::result::Result<CoopMat, String>,
     /// Runs big GEMM blocks first on a second device (software drivers; `primer.rs`).
     primer: Option<std::sync::Arc<Primer>>,
-    /// SPIR-V GEMM launches that ran a stand-in block while theirs was primed.
+    /// GEMM and attention launches that ran a stand-in while theirs was primed.
     stand_ins: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
     /// Dropped after `Drop` has destroyed the device, it destroys the instance last;
@@ -379,6 +381,7 @@ impl VkDevice {
                 glsl: HashMap::new(),
                 gemm: HashMap::new(),
                 ran: Default::default(),
+                ran_attention: Default::default(),
                 gemm_layout: None,
                 stream: None,
                 submitted: 0,
@@ -573,6 +576,62 @@ impl VkDevice {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let plan = forced.unwrap_or_else(|| attention::plan(&self.caps, dim));
+        let (Some(primer), None, true) = (&self.primer, forced, plan.rows > 1) else {
+            return self.record_attention_with(s, kernel, &plan);
+        };
+        // A pass with several rows per lane takes tens of seconds to compile at its
+        // first run on a software driver: until the primer has run it, one row per
+        // lane stands in (each row's sums are the same, in the same order).
+        let key = self.attention_names(kernel, &plan)?;
+        let block = Block::Attention(key.clone());
+        let ready = s.ran_attention.contains(&key)
+            || matches!(primer.state(&block), Some(Primed::Done | Primed::Failed));
+        if ready {
+            self.record_attention_with(s, kernel, &plan)?;
+            if s.collect.is_none() {
+                s.ran_attention.insert(key);
+            }
+            return Ok(());
+        }
+        primer.ask(Job {
+            block,
+            attention: Some(attention_recipe(kernel)),
+        });
+        if s.collect.is_some() {
+            // `prepare` builds the planned passes' pipelines too, so the switch once
+            // they are primed builds nothing.
+            self.record_attention_with(s, kernel, &plan)?;
+        } else {
+            self.stand_ins
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.record_attention_with(s, kernel, &AttentionPlan { rows: 1, ..plan })
+    }
+
+    /// The names of the pipelines `kernel`'s passes run with `plan`.
+    fn attention_names(&self, kernel: &Kernel, plan: &AttentionPlan) -> Result<String> {
+        let dim = attention_geometry(kernel).3;
+        let (launches, _) = attention_launches(&self.caps, kernel, plan)?;
+        let mut names: Vec<String> = launches
+            .iter()
+            .map(|l| {
+                let module = attention::module(l.pass, !self.caps.f16_arithmetic).0;
+                attention::pipeline_name(module, &attention::spec(plan, dim, &l.typed))
+            })
+            .collect();
+        names.dedup();
+        Ok(names.join("; "))
+    }
+
+    /// Records `kernel` with the GLSL passes shaped by `plan`.
+    fn record_attention_with(
+        &self,
+        s: &mut State,
+        kernel: &Kernel,
+        plan: &AttentionPlan,
+    ) -> Result<()> {
+        let dim = attention_geometry(kernel).3;
+        let plan = *plan;
         let (launches, scratch) = attention_launches(&self.caps, kernel, &plan)?;
         if scratch > 0 {
             Recorder::partials(self, s, scratch)?;
@@ -1864,7 +1923,7 @@ impl VkDevice {
             if s.ran.contains(&key) {
                 return Readiness::Ready;
             }
-            match primer.state(&key) {
+            match primer.state(&Block::Gemm(key)) {
                 Some(Primed::Done | Primed::Failed) => Readiness::Ready,
                 Some(Primed::Queued) => Readiness::Building,
                 None => Readiness::Absent,
@@ -1873,7 +1932,10 @@ impl VkDevice {
         let best = MatmulVariant::Cpu { tm: p.tm, nv: p.nv };
         // The ladder's rule: blocks of 32 rows and more take seconds to compile.
         if p.tm >= 32 && readiness(best) == Readiness::Absent {
-            primer.ask(p.pipeline_key());
+            primer.ask(Job {
+                block: Block::Gemm(p.pipeline_key()),
+                attention: None,
+            });
         }
         let ran = gemm_stand_in(best, readiness);
         match with(ran) {
@@ -1893,9 +1955,102 @@ impl VkDevice {
         }
     }
 
-    /// Runs `p`'s pipeline once over one tile (here, on the primer's device), so that
-    /// the driver compiles its machine code and keeps it in Mesa's cache.
-    pub(crate) fn prime_gemm(&self, p: &SpirvGemmPlan) -> Result<()> {
+    /// Runs `job`'s kernel once (here, on the primer's device), so that the driver
+    /// compiles its machine code and keeps it in Mesa's cache.
+    pub(crate) fn prime(&self, job: &Job) -> Result<()> {
+        match (&job.block, &job.attention) {
+            (Block::Gemm(p), _) => self.prime_gemm(p),
+            (Block::Attention(_), Some(r)) => self.prime_attention(r),
+            (Block::Attention(names), None) => Err(self.backend_error(format!(
+                "priming attention passes {names} without their kernel"
+            ))),
+        }
+    }
+
+    /// Runs the attention kernel `r` describes once, over one K/V head of 16 rows.
+    fn prime_attention(&self, r: &AttentionRecipe) -> Result<()> {
+        let seq = 16;
+        let (heads, dim) = (r.group, r.dim);
+        let q_len = heads * seq * dim;
+        let kv_len = seq * dim;
+        // Lengths in `Kernel::buffers` order: q, k, v, out, lse forward; q, k, v,
+        // out, dout, lse, dq, dk, dv backward.
+        let lens: Vec<usize> = if r.backward {
+            vec![
+                q_len,
+                kv_len,
+                kv_len,
+                q_len,
+                q_len,
+                heads * seq,
+                q_len,
+                kv_len,
+                kv_len,
+            ]
+        } else {
+            vec![q_len, kv_len, kv_len, q_len, heads * seq]
+        };
+        if lens.len() != r.dtypes.len() {
+            return Err(self.backend_error("an attention recipe with the wrong buffer count"));
+        }
+        let mut bufs = vec![];
+        for (&dtype, &len) in r.dtypes.iter().zip(&lens) {
+            match self.alloc(dtype, len) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    for b in bufs {
+                        self.free(b)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let (scale, causal, group) = (1.0, r.causal, r.group);
+        let kernel = if r.backward {
+            Kernel::AttentionBackward {
+                q: bufs[0],
+                k: bufs[1],
+                v: bufs[2],
+                out: bufs[3],
+                dout: bufs[4],
+                lse: bufs[5],
+                dq: bufs[6],
+                dk: bufs[7],
+                dv: bufs[8],
+                batch_heads: heads,
+                group,
+                seq,
+                dim,
+                scale,
+                causal,
+            }
+        } else {
+            Kernel::Attention {
+                q: bufs[0],
+                k: bufs[1],
+                v: bufs[2],
+                out: bufs[3],
+                lse: bufs[4],
+                batch_heads: heads,
+                group,
+                seq,
+                dim,
+                scale,
+                causal,
+            }
+        };
+        let ran = self.launch(&kernel).and_then(|()| {
+            let value = self.flush(&mut self.lock())?;
+            self.wait_for(value)
+        });
+        for b in bufs {
+            self.free(b)?;
+        }
+        ran
+    }
+
+    /// Runs `p`'s pipeline once over one tile (on the primer's device).
+    fn prime_gemm(&self, p: &SpirvGemmPlan) -> Result<()> {
         let storage = p.mixed.unwrap_or([p.dtype; 4]);
         // One tile: TM rows, the lanes' columns, and two subgroup steps of K (one per
         // K chunk when split) — enough for every load the block makes to land inside.
@@ -1941,13 +2096,15 @@ impl VkDevice {
         ran
     }
 
-    /// Big GEMM blocks run first on the primer's device so far (0 without a primer).
+    /// Big GEMM blocks and attention kernels run first on the primer's device so far
+    /// (0 without a primer; devices on one physical device share it).
     #[doc(hidden)]
     pub fn primed_blocks(&self) -> usize {
         self.primer.as_ref().map_or(0, |p| p.primed())
     }
 
-    /// Launches that ran a stand-in block while theirs was being primed.
+    /// GEMM and attention launches that ran a stand-in (a smaller GEMM block, one
+    /// attention row per lane) while theirs was being primed.
     #[doc(hidden)]
     pub fn gemm_stand_ins(&self) -> u64 {
         self.stand_ins.load(std::sync::atomic::Ordering::Relaxed)
@@ -2597,6 +2754,26 @@ impl Drop for VkDevice {
             self.device.destroy_command_pool(self.pool, None);
             self.device.destroy_device(None);
         }
+    }
+}
+
+/// What the primer needs to run an attention kernel like `kernel` (see `primer.rs`).
+fn attention_recipe(kernel: &Kernel) -> AttentionRecipe {
+    let (backward, group, dim, causal) = match *kernel {
+        Kernel::Attention {
+            group, dim, causal, ..
+        } => (false, group, dim, causal),
+        Kernel::AttentionBackward {
+            group, dim, causal, ..
+        } => (true, group, dim, causal),
+        _ => (false, 1, 1, false),
+    };
+    AttentionRecipe {
+        backward,
+        dtypes: kernel.buffers().iter().map(|b| b.dtype).collect(),
+        group: group.max(1),
+        dim,
+        causal,
     }
 }
 

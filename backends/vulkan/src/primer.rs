@@ -1,18 +1,21 @@
-//! Big GEMM blocks' first run on a second device (lavapipe), as the wgpu backend does
+//! Big kernels' first run on a second device (lavapipe), as the wgpu backend does
 //! (kiln-wgpu's `primer.rs` says why): lavapipe compiles a pipeline's machine code at
 //! its first run, on the one thread that runs the device's queue, and keeps it in
 //! Mesa's disk cache keyed by the shader. A 32- or 64-row block of
-//! `shaders/vulkan/matmul_cpu.comp` takes tens of seconds there on a cold cache, and
-//! every launch queued behind it waits. So a worker thread opens a device of its own
-//! on the same physical device, opened alike (the driver must see the same shader),
-//! and runs each big block there once over one tile; meanwhile the training device
-//! runs a stand-in block (`kiln_wgpu::gemm_stand_in`), which sums every output in the
-//! same order, so not a bit changes. Once primed, the block's first run on the
-//! training device finds its machine code in the cache.
+//! `shaders/vulkan/matmul_cpu.comp`, or a pass of `attention.comp` with 8 rows per
+//! lane, takes tens of seconds there on a cold cache, and every launch queued behind
+//! it waits. So a worker thread opens a device of its own on the same physical device,
+//! opened alike (the driver must see the same shader), and runs each such kernel
+//! there once on small operands; meanwhile the training device runs a stand-in (a
+//! smaller GEMM block, `kiln_wgpu::gemm_stand_in`; attention with one row per lane),
+//! which computes every output with the same operations in the same order, so not a
+//! bit changes. Once primed, the kernel's first run on the training device finds its
+//! machine code in the cache.
 
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 
+use kiln_engine::DType;
 use kiln_wgpu::DeviceOptions;
 
 use crate::gemm::SpirvGemmPlan;
@@ -30,9 +33,45 @@ pub(crate) enum Primed {
     Failed,
 }
 
+/// What is primed: a GEMM block (its pipeline key), or the attention passes of one
+/// kind of kernel (their pipelines' names).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Block {
+    Gemm(SpirvGemmPlan),
+    Attention(String),
+}
+
+/// An attention kernel to run once: its direction, its buffers' types (in
+/// `Kernel::buffers` order), query heads per K/V head and head dim; the primer sizes
+/// the rest.
+#[derive(Clone, Debug)]
+pub(crate) struct AttentionRecipe {
+    pub backward: bool,
+    pub dtypes: Vec<DType>,
+    pub group: usize,
+    pub dim: usize,
+    pub causal: bool,
+}
+
+/// One block to prime.
+pub(crate) struct Job {
+    pub block: Block,
+    /// For `Block::Attention`: the kernel that runs its passes.
+    pub attention: Option<AttentionRecipe>,
+}
+
+impl Block {
+    fn describe(&self) -> String {
+        match self {
+            Block::Gemm(p) => format!("GEMM block TM={} NV={}", p.tm, p.nv),
+            Block::Attention(names) => format!("attention passes {names}"),
+        }
+    }
+}
+
 #[derive(Default)]
 struct Blocks {
-    state: HashMap<SpirvGemmPlan, Primed>,
+    state: HashMap<Block, Primed>,
     /// Tests hold the worker to see the stand-in run ([`VkDevice::hold_primer`]).
     held: bool,
 }
@@ -52,7 +91,7 @@ impl Shared {
 /// The worker and what it has primed. Dropping it ends the worker after the block it
 /// is running (its device is dropped with it).
 pub(crate) struct Primer {
-    jobs: Mutex<mpsc::Sender<SpirvGemmPlan>>,
+    jobs: Mutex<mpsc::Sender<Job>>,
     shared: Arc<Shared>,
 }
 
@@ -86,7 +125,7 @@ impl Primer {
     /// Starts the worker; it opens `vk:index` with `options` (without a primer of its
     /// own) at its first block, off the caller's thread.
     fn start(index: usize, options: &DeviceOptions) -> Primer {
-        let (tx, rx) = mpsc::channel::<SpirvGemmPlan>();
+        let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared::default());
         let worker = Arc::clone(&shared);
         let options = DeviceOptions {
@@ -100,7 +139,7 @@ impl Primer {
             .spawn(move || {
                 // Opened at the first block: most devices never meet a big one.
                 let mut device = None;
-                for plan in rx {
+                for job in rx {
                     let mut blocks = worker.lock();
                     while blocks.held {
                         blocks = worker
@@ -113,16 +152,15 @@ impl Primer {
                     let device =
                         device.get_or_insert_with(|| VkDevice::open_unprimed(index, &options));
                     let result = match device {
-                        Ok(d) => d.prime_gemm(&plan).map_err(|e| e.to_string()),
+                        Ok(d) => d.prime(&job).map_err(|e| e.to_string()),
                         Err(e) => Err(format!("could not open the primer's device: {e}")),
                     };
                     let primed = match result {
                         Ok(()) => {
                             if compile_log() {
                                 eprintln!(
-                                    "kiln: vk primed GEMM block TM={} NV={}: {:.2} s",
-                                    plan.tm,
-                                    plan.nv,
+                                    "kiln: vk primed {}: {:.2} s",
+                                    job.block.describe(),
                                     t0.elapsed().as_secs_f64()
                                 );
                             }
@@ -132,14 +170,14 @@ impl Primer {
                             // Only time is at stake: the block compiles at its first
                             // run on the training device instead.
                             eprintln!(
-                                "kiln: vk could not prime a GEMM block (TM={} NV={}), so \
-                                 its first run compiles it on the training device: {why}",
-                                plan.tm, plan.nv
+                                "kiln: vk could not prime {}, so its first run compiles it \
+                                 on the training device: {why}",
+                                job.block.describe()
                             );
                             Primed::Failed
                         }
                     };
-                    worker.lock().state.insert(plan, primed);
+                    worker.lock().state.insert(job.block, primed);
                     worker.changed.notify_all();
                 }
             });
@@ -155,30 +193,31 @@ impl Primer {
     }
 
     /// Where `plan`'s priming stands; `None` if nobody asked for it.
-    pub(crate) fn state(&self, plan: &SpirvGemmPlan) -> Option<Primed> {
-        self.shared.lock().state.get(plan).copied()
+    pub(crate) fn state(&self, block: &Block) -> Option<Primed> {
+        self.shared.lock().state.get(block).copied()
     }
 
-    /// Queues `plan` for priming unless it was asked for before.
-    pub(crate) fn ask(&self, plan: SpirvGemmPlan) {
+    /// Queues `job` for priming unless its block was asked for before.
+    pub(crate) fn ask(&self, job: Job) {
         let mut blocks = self.shared.lock();
-        if blocks.state.contains_key(&plan) {
+        if blocks.state.contains_key(&job.block) {
             return;
         }
+        let block = job.block.clone();
         let sent = self
             .jobs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .send(plan);
+            .send(job);
         let state = if sent.is_ok() {
             Primed::Queued
         } else {
             Primed::Failed
         };
-        blocks.state.insert(plan, state);
+        blocks.state.insert(block, state);
     }
 
-    /// Blocks the primer has run so far.
+    /// Blocks (GEMM blocks, attention kernels) the primer has run so far.
     pub(crate) fn primed(&self) -> usize {
         let blocks = self.shared.lock();
         blocks
