@@ -175,8 +175,11 @@ pub struct State {
     staged: HashMap<u64, (Mem, Tag)>,
     /// The transfer queue, where downloads have one.
     transfer: Option<Transfer>,
-    /// Buffers (views resolved to their own buffer) a transfer copy still reads, and
-    /// the transfer value after which it no longer does.
+    /// Buffers (views resolved to their own buffer) a transfer copy may still read, and
+    /// the transfer value after which it no longer does; kept until a compute stream
+    /// waits for it, the buffer is freed, or the host has waited for the copy (dropping
+    /// it when the device alone has run the copy would make whether a wait is added
+    /// depend on timing).
     transfer_reads: HashMap<vk::Buffer, u64>,
     /// Timestamps of an open profile (`Device::profile_begin`).
     profiling: Option<Profiling>,
@@ -953,7 +956,6 @@ impl VkDevice {
             .into_iter()
             .partition(|((c, x), _)| *c <= done && *x <= copied);
         s.retired = waiting;
-        s.transfer_reads.retain(|_, x| *x > copied);
         for (_, r) in ready {
             for m in r.mems {
                 if m.arena {
@@ -2377,7 +2379,7 @@ impl Device for VkDevice {
             s.allocated -= slot.meta.bytes();
             // Launches already recorded that use it, and a transfer copy still reading
             // it, still complete.
-            let copy = s.transfer_reads.get(&mem.buffer).copied().unwrap_or(0);
+            let copy = s.transfer_reads.remove(&mem.buffer).unwrap_or(0);
             let tag = (Self::tag(&s), copy);
             Self::retire_at(&mut s, mem, tag);
         }
@@ -2558,6 +2560,10 @@ impl Device for VkDevice {
             Self::retire_at(&mut s, staging, tag);
             return Err(e);
         }
+        // The copies up to this one are done: what they read needs no wait any more.
+        if tag.0 == 0 {
+            s.transfer_reads.retain(|_, x| *x > tag.1);
+        }
         let buf = pending.buffer;
         // SAFETY: the handle is only used to invalidate the mapping below, while the
         // allocation is alive.
@@ -2622,6 +2628,8 @@ impl Device for VkDevice {
             self.wait_on(timeline, copied)?;
         }
         let mut s = self.lock();
+        s.transfer_reads
+            .retain(|_, x| *x > copies.map_or(0, |c| c.1));
         self.reclaim(&mut s)
     }
 
