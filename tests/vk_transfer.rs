@@ -133,8 +133,17 @@ fn views_and_a_free_right_after_begin_download_keep_the_copy_whole() {
 
     let kept = data(DType::F32, 1 << 16, 6, false);
     let z = put(&dev, &kept);
+    // The copy stays pending while the compute work before it completes.
+    dev.hold_transfers().unwrap();
     let pending = dev.begin_download(z).unwrap();
     dev.free(z).unwrap();
+    // Meanwhile the compute work before the copy completes, so the next allocations
+    // would get z's memory if the free let it go before the copy.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        dev.retired_bytes().unwrap() >= 4 << 16,
+        "z was released during its copy"
+    );
     for i in 0..8 {
         let w = dev.alloc(DType::F32, 1 << 16).unwrap();
         dev.launch(&Kernel::Fill {
@@ -145,6 +154,7 @@ fn views_and_a_free_right_after_begin_download_keep_the_copy_whole() {
         dev.submit().unwrap();
         dev.free(w).unwrap();
     }
+    dev.release_transfers().unwrap();
     assert_bits_eq("freed", &dev.finish_download(pending).unwrap(), &kept);
     dev.free(x).unwrap();
     dev.wait().unwrap();

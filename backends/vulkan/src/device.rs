@@ -141,6 +141,9 @@ struct Transfer {
     /// Last transfer timeline value submitted.
     submitted: u64,
     free_commands: Vec<vk::CommandBuffer>,
+    /// Test hook ([`VkDevice::hold_transfers`]): a timeline semaphore every copy
+    /// also waits for (value 1) until the host signals it, and whether it is holding.
+    gate: Option<(vk::Semaphore, bool)>,
 }
 
 #[doc(hidden)]
@@ -1518,6 +1521,7 @@ impl VkDevice {
         };
         let value = x.submitted + 1;
         let (queue, timeline) = (x.queue, x.timeline);
+        let gate = x.gate.filter(|g| g.1).map(|g| g.0);
         let begin = vk::CommandBufferBeginInfo::default()
             .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
         let region = vk::BufferCopy {
@@ -1553,17 +1557,24 @@ impl VkDevice {
                     let cmds = [cmd];
                     let signals = [timeline];
                     let values = [value];
-                    let waits = [self.timeline];
-                    let wait_values = [after];
-                    let stages = [vk::PipelineStageFlags::TRANSFER];
-                    let n = (after > 0) as usize;
+                    let mut waits = vec![];
+                    let mut wait_values = vec![];
+                    if after > 0 {
+                        waits.push(self.timeline);
+                        wait_values.push(after);
+                    }
+                    if let Some(g) = gate {
+                        waits.push(g);
+                        wait_values.push(1);
+                    }
+                    let stages = vec![vk::PipelineStageFlags::TRANSFER; waits.len()];
                     let mut sems = vk::TimelineSemaphoreSubmitInfo::default()
-                        .wait_semaphore_values(&wait_values[..n])
+                        .wait_semaphore_values(&wait_values)
                         .signal_semaphore_values(&values);
                     let submit = vk::SubmitInfo::default()
                         .command_buffers(&cmds)
-                        .wait_semaphores(&waits[..n])
-                        .wait_dst_stage_mask(&stages[..n])
+                        .wait_semaphores(&waits)
+                        .wait_dst_stage_mask(&stages)
                         .signal_semaphores(&signals)
                         .push_next(&mut sems);
                     self.device
@@ -1603,6 +1614,66 @@ impl VkDevice {
         let x = make_transfer(&self.device, self.family, self.queue)
             .map_err(|e| self.vk_error("setting up the transfer path", e))?;
         s.transfer = Some(x);
+        Ok(())
+    }
+
+    /// Test hook: transfer copies submitted from now on wait (on the device) until
+    /// [`VkDevice::release_transfers`], so that a test can act while a copy is still
+    /// pending, as on a GPU whose copy engine is busy. With the transfer path on the
+    /// compute queue, later compute submissions wait behind them too: nothing may wait
+    /// for the device before the release.
+    #[doc(hidden)]
+    pub fn hold_transfers(&self) -> Result<()> {
+        let mut s = self.lock();
+        let x = s.transfer.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("hold_transfers without a transfer path".into())
+        })?;
+        if x.gate.is_some() {
+            return Err(Error::InvalidArgument(
+                "hold_transfers: transfers are held already".into(),
+            ));
+        }
+        let mut sem_type = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
+        let info = vk::SemaphoreCreateInfo::default().push_next(&mut sem_type);
+        // SAFETY: a valid create info on a live device.
+        let gate = unsafe { self.device.create_semaphore(&info, None) }
+            .map_err(|e| self.vk_error("creating a semaphore", e))?;
+        x.gate = Some((gate, true));
+        Ok(())
+    }
+
+    /// Test hook: bytes of buffers freed (or otherwise retired) that submissions
+    /// still pending may use, after releasing what the device has finished with.
+    #[doc(hidden)]
+    pub fn retired_bytes(&self) -> Result<u64> {
+        let mut s = self.lock();
+        self.reclaim(&mut s)?;
+        Ok(s.retired
+            .iter()
+            .flat_map(|(_, r)| &r.mems)
+            .filter(|m| !m.arena)
+            .map(|m| m.size)
+            .sum())
+    }
+
+    /// Lets the copies held by [`VkDevice::hold_transfers`] run.
+    #[doc(hidden)]
+    pub fn release_transfers(&self) -> Result<()> {
+        let mut s = self.lock();
+        if let Some((gate, held)) = s.transfer.as_mut().and_then(|x| x.gate.as_mut()) {
+            if *held {
+                *held = false;
+                // SAFETY: a host signal of a timeline semaphore of this device, once.
+                unsafe {
+                    self.device.signal_semaphore(
+                        &vk::SemaphoreSignalInfo::default().semaphore(*gate).value(1),
+                    )
+                }
+                .map_err(|e| self.vk_error("releasing the transfers", e))?;
+            }
+        }
         Ok(())
     }
 
@@ -1656,6 +1727,7 @@ fn make_transfer(
         timeline,
         submitted: 0,
         free_commands: vec![],
+        gate: None,
     })
 }
 
@@ -2782,6 +2854,8 @@ impl Device for VkDevice {
 
 impl Drop for VkDevice {
     fn drop(&mut self) {
+        // Held copies would keep the device busy for ever.
+        let _ = self.release_transfers();
         // SAFETY: after the device is idle nothing uses any object below; each is
         // destroyed once, the device after them and the instance (a field) last.
         unsafe {
@@ -2846,6 +2920,9 @@ impl Drop for VkDevice {
             self.device.destroy_semaphore(self.timeline, None);
             self.device.destroy_command_pool(self.pool, None);
             if let Some(x) = s.transfer.take() {
+                if let Some((gate, _)) = x.gate {
+                    self.device.destroy_semaphore(gate, None);
+                }
                 self.device.destroy_semaphore(x.timeline, None);
                 self.device.destroy_command_pool(x.pool, None);
             }
