@@ -212,3 +212,69 @@ fn an_overlapped_data_parallel_step_on_the_transfer_path_changes_no_bits() {
         assert!(copies > 2, "{copies} downloads on the transfer path");
     }
 }
+
+/// Set in the child processes of the next test: the KILN_VK_TRANSFER it runs under.
+const TRANSFER_PROBE: &str = "KILN_TEST_VK_TRANSFER_PROBE";
+
+/// KILN_VK_TRANSFER as the device opens: `same-queue` takes the transfer path on the
+/// compute queue, `0` keeps downloads in the compute stream, anything else is an error
+/// naming the variable; KILN_GEMM_LOG=1 says which at open. Each case runs in a child
+/// process, since the variable is read as the device opens.
+#[test]
+fn kiln_vk_transfer_picks_the_download_path_at_open_and_the_log_says_which() {
+    if let Ok(case) = std::env::var(TRANSFER_PROBE) {
+        let opened = VkDevice::open(vk_index(), &Default::default());
+        if case == "bad" {
+            let e = opened.err().expect("no device").to_string();
+            assert!(
+                e.contains("KILN_VK_TRANSFER=dma") && e.contains("use 0"),
+                "{e}"
+            );
+            return;
+        }
+        let dev = opened.unwrap_or_else(|e| panic!("{e}"));
+        let x = put(&dev, &HostData::F32(vec![1.5; 64]));
+        assert_eq!(dev.download(x).unwrap(), HostData::F32(vec![1.5; 64]));
+        let copies = dev.transfer_counts().0;
+        match case.as_str() {
+            "same-queue" => assert!(dev.transfer_family().is_some() && copies == 1),
+            _ => assert!(dev.transfer_family().is_none() && copies == 0),
+        }
+        return;
+    }
+    let name = "kiln_vk_transfer_picks_the_download_path_at_open_and_the_log_says_which";
+    for (case, value, said) in [
+        // lavapipe has one queue family.
+        ("auto", None, "has no dedicated transfer queue family"),
+        (
+            "same-queue",
+            Some("same-queue"),
+            "through the transfer path on its compute queue",
+        ),
+        (
+            "off",
+            Some("0"),
+            "copies downloads on its compute queue (KILN_VK_TRANSFER=0)",
+        ),
+        ("bad", Some("dma"), ""),
+    ] {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(TRANSFER_PROBE, case)
+            .env_remove("KILN_VK_TRANSFER")
+            .env("KILN_GEMM_LOG", "1");
+        if let Some(v) = value {
+            child.env("KILN_VK_TRANSFER", v);
+        }
+        let out = child.output().unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && stdout.contains("1 passed") && stderr.contains(said),
+            "case {case}: {stdout}\n{stderr}"
+        );
+    }
+}
