@@ -11,7 +11,14 @@
 //! - launches are recorded into one open command buffer (the stream); their
 //!   parameters go into a host-visible arena bound as a uniform buffer by push
 //!   descriptor, and the stream is submitted as one batch that signals the next value
-//!   of the timeline semaphore.
+//!   of the timeline semaphore;
+//! - where the device has a dedicated transfer queue family, downloads are copied on
+//!   that queue ([`Transfer`]), with its own command pool and timeline: a copy waits
+//!   for the compute value that wrote its source, and only a compute stream that
+//!   overwrites a buffer a copy still reads waits for the copy's transfer value, so
+//!   the copy runs beside the rest of the compute work. Its staging buffer, its
+//!   command buffer and a buffer freed while a copy reads it are retired by both
+//!   timelines' values ([`Tag`]).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -1630,7 +1637,7 @@ impl VkDevice {
         })?;
         if x.gate.is_some() {
             return Err(Error::InvalidArgument(
-                "hold_transfers: transfers are held already".into(),
+                "hold_transfers holds a device's transfers once".into(),
             ));
         }
         let mut sem_type = vk::SemaphoreTypeCreateInfo::default()
