@@ -1087,9 +1087,6 @@ impl VkDevice {
             Some(x) if stream.wait_transfer > 0 => vec![(x.timeline, stream.wait_transfer)],
             _ => vec![],
         };
-        if !waits.is_empty() {
-            self.transfer_counts[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
         // SAFETY: the command buffer is recording; ending and submitting it under the
         // lock, with a signal value above every earlier one, waiting for values that
         // were submitted to be signalled.
@@ -1114,6 +1111,10 @@ impl VkDevice {
                     .wait_dst_stage_mask(&stages)
                     .signal_semaphores(&signals)
                     .push_next(&mut timeline);
+                // Counted as submitted: tests check that the wait reaches the queue.
+                if submit.wait_semaphore_count > 0 {
+                    self.transfer_counts[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 self.device
                     .queue_submit(self.queue, &[submit], vk::Fence::null())
             })
