@@ -107,7 +107,7 @@ struct Stream {
     /// Bytes of the arena used.
     used: u64,
     /// The transfer timeline value the stream must wait for before it runs (0: none):
-    /// it writes or frees a buffer a transfer copy still reads.
+    /// it writes a buffer a transfer copy still reads.
     wait_transfer: u64,
 }
 
@@ -130,7 +130,8 @@ fn transfer_choice(var: Option<&std::ffi::OsStr>) -> Result<TransferChoice> {
         Some(Some("0")) => Ok(TransferChoice::Off),
         Some(Some("same-queue")) => Ok(TransferChoice::SameQueue),
         Some(v) => Err(Error::InvalidArgument(format!(
-            "KILN_VK_TRANSFER={}: use 0 (downloads on the compute queue) or unset it (on a              dedicated transfer queue where the device has one)",
+            "KILN_VK_TRANSFER={}: use 0 (downloads on the compute queue) or unset it (on a \
+             dedicated transfer queue where the device has one)",
             v.unwrap_or("<not UTF-8>")
         ))),
     }
@@ -138,8 +139,9 @@ fn transfer_choice(var: Option<&std::ffi::OsStr>) -> Result<TransferChoice> {
 
 /// The queue downloads are copied on, beside the compute stream: its own command
 /// pool and timeline semaphore. Its copies wait for the compute timeline value that
-/// wrote their source; compute submissions that write or free a buffer a copy still
-/// reads wait for the copy's transfer value.
+/// wrote their source; compute submissions that write a buffer a copy still reads
+/// wait for the copy's transfer value, and a buffer freed meanwhile is released only
+/// after the copy.
 struct Transfer {
     queue: vk::Queue,
     family: u32,
@@ -1080,9 +1082,9 @@ impl VkDevice {
         };
         let _span = span("submit", SpanKind::Submit);
         let value = s.submitted + 1;
-        // A stream that writes or frees what a transfer copy still reads starts after
-        // the copy; its commands wait at the stages they write in (and everything
-        // later on the queue waits with them).
+        // A stream that writes what a transfer copy still reads starts after the copy;
+        // its commands wait at the stages they write in (and everything later on the
+        // queue waits with them).
         let waits: Vec<(vk::Semaphore, u64)> = match &s.transfer {
             Some(x) if stream.wait_transfer > 0 => vec![(x.timeline, stream.wait_transfer)],
             _ => vec![],
@@ -1693,7 +1695,7 @@ impl VkDevice {
     }
 
     /// Copies submitted to the transfer queue so far, and compute submissions that
-    /// waited for one (they overwrote or freed a buffer a copy was still reading).
+    /// waited for one (they overwrote a buffer a copy was still reading).
     #[doc(hidden)]
     pub fn transfer_counts(&self) -> (u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
