@@ -11,7 +11,14 @@
 //! - launches are recorded into one open command buffer (the stream); their
 //!   parameters go into a host-visible arena bound as a uniform buffer by push
 //!   descriptor, and the stream is submitted as one batch that signals the next value
-//!   of the timeline semaphore.
+//!   of the timeline semaphore;
+//! - where the device has a dedicated transfer queue family, downloads are copied on
+//!   that queue ([`Transfer`]), with its own command pool and timeline: a copy waits
+//!   for the compute value that wrote its source, and only a compute stream that
+//!   overwrites a buffer a copy still reads waits for the copy's transfer value, so
+//!   the copy runs beside the rest of the compute work. Its staging buffer, its
+//!   command buffer and a buffer freed while a copy reads it are retired by both
+//!   timelines' values ([`Tag`]).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -86,7 +93,13 @@ struct PipelineKey {
 struct Retired {
     mems: Vec<Mem>,
     commands: Vec<vk::CommandBuffer>,
+    /// Command buffers of the transfer queue's pool.
+    transfer_commands: Vec<vk::CommandBuffer>,
 }
+
+/// When something retired is unused: once the compute timeline has passed the first
+/// value and the transfer timeline the second (0: no wait on that one).
+type Tag = (u64, u64);
 
 /// The open stream.
 struct Stream {
@@ -94,6 +107,53 @@ struct Stream {
     arena: Mem,
     /// Bytes of the arena used.
     used: u64,
+    /// The transfer timeline value the stream must wait for before it runs (0: none):
+    /// it writes a buffer a transfer copy still reads.
+    wait_transfer: u64,
+}
+
+/// KILN_VK_TRANSFER: where downloads run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TransferChoice {
+    /// Unset: on the device's dedicated transfer family where it has one.
+    Auto,
+    /// `0`: on the compute stream, as a device without a transfer family does.
+    Off,
+    /// `same-queue` (for tests): the whole transfer path (its own command pool,
+    /// timeline and waits) on the compute queue, so a device without a transfer
+    /// family, such as lavapipe, runs it.
+    SameQueue,
+}
+
+fn transfer_choice(var: Option<&std::ffi::OsStr>) -> Result<TransferChoice> {
+    match var.map(|v| v.to_str()) {
+        None => Ok(TransferChoice::Auto),
+        Some(Some("0")) => Ok(TransferChoice::Off),
+        Some(Some("same-queue")) => Ok(TransferChoice::SameQueue),
+        Some(v) => Err(Error::InvalidArgument(format!(
+            "KILN_VK_TRANSFER={}: use 0 (downloads on the compute queue) or unset it (on a \
+             dedicated transfer queue where the device has one)",
+            v.unwrap_or("<not UTF-8>")
+        ))),
+    }
+}
+
+/// The queue downloads are copied on, beside the compute stream: its own command
+/// pool and timeline semaphore. Its copies wait for the compute timeline value that
+/// wrote their source; compute submissions that write a buffer a copy still reads
+/// wait for the copy's transfer value, and a buffer freed meanwhile is released only
+/// after the copy.
+struct Transfer {
+    queue: vk::Queue,
+    family: u32,
+    pool: vk::CommandPool,
+    timeline: vk::Semaphore,
+    /// Last transfer timeline value submitted.
+    submitted: u64,
+    free_commands: Vec<vk::CommandBuffer>,
+    /// Test hook ([`VkDevice::hold_transfers`]): a timeline semaphore every copy
+    /// also waits for (value 1) until the host signals it, and whether it is holding.
+    gate: Option<(vk::Semaphore, bool)>,
 }
 
 #[doc(hidden)]
@@ -119,8 +179,8 @@ pub struct State {
     stream: Option<Stream>,
     /// Last timeline value submitted.
     submitted: u64,
-    /// Resources waiting for the timeline to pass a value.
-    retired: Vec<(u64, Retired)>,
+    /// Resources waiting for the timelines to pass their values.
+    retired: Vec<(Tag, Retired)>,
     /// Command buffers and arenas free for reuse.
     free_commands: Vec<vk::CommandBuffer>,
     free_arenas: Vec<Mem>,
@@ -128,8 +188,17 @@ pub struct State {
     scratch: Option<Mem>,
     band_partials: Option<Mem>,
     dummy: Option<Mem>,
-    /// Begun downloads: their staging buffer and the timeline value that fills it.
-    staged: HashMap<u64, (Mem, u64)>,
+    /// Begun downloads: their staging buffer and the timeline values (compute,
+    /// transfer; one of them 0) after which it is filled.
+    staged: HashMap<u64, (Mem, Tag)>,
+    /// The transfer queue, where downloads have one.
+    transfer: Option<Transfer>,
+    /// Buffers (views resolved to their own buffer) a transfer copy may still read, and
+    /// the transfer value after which it no longer does; kept until a compute stream
+    /// waits for it, the buffer is freed, or the host has waited for the copy (dropping
+    /// it when the device alone has run the copy would make whether a wait is added
+    /// depend on timing).
+    transfer_reads: HashMap<vk::Buffer, u64>,
     /// Timestamps of an open profile (`Device::profile_begin`).
     profiling: Option<Profiling>,
     /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
@@ -162,6 +231,8 @@ pub struct VkDevice {
     device: ash::Device,
     push: ash::khr::push_descriptor::Device,
     queue: vk::Queue,
+    /// The compute queue's family.
+    family: u32,
     pool: vk::CommandPool,
     timeline: vk::Semaphore,
     cache: vk::PipelineCache,
@@ -181,10 +252,16 @@ pub struct VkDevice {
     attention_plan: Mutex<Option<AttentionPlan>>,
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
-    /// Runs big GEMM blocks first on a second device (software drivers; `primer.rs`).
+    /// Runs big GEMM blocks and attention passes first on a second device (software
+    /// drivers; `primer.rs`).
     primer: Option<std::sync::Arc<Primer>>,
     /// GEMM and attention launches that ran a stand-in while theirs was primed.
     stand_ins: std::sync::atomic::AtomicU64,
+    /// The compute and a dedicated transfer family, which user buffers are shared
+    /// between (`SharingMode::CONCURRENT`); empty without a dedicated one.
+    shared_families: Vec<u32>,
+    /// Submissions to the transfer queue, and compute submissions that waited for one.
+    transfer_counts: [std::sync::atomic::AtomicU64; 2],
     state: Mutex<State>,
     /// Dropped after `Drop` has destroyed the device, it destroys the instance last;
     /// read only for the validation layer's reports ([`VkDevice::validated`]).
@@ -238,9 +315,14 @@ impl VkDevice {
                  the driver, or use its wgpu device (`vulkan:N`)",
             ));
         }
-        let family = instance
-            .compute_family(pd)
+        let families = instance.queue_families(pd);
+        let family = crate::instance::compute_family(&families)
             .ok_or_else(|| unsupported("a compute queue"))?;
+        let choice = transfer_choice(std::env::var_os("KILN_VK_TRANSFER").as_deref())?;
+        let dedicated = match choice {
+            TransferChoice::Auto => crate::instance::transfer_family(&families, family),
+            TransferChoice::Off | TransferChoice::SameQueue => None,
+        };
         let f16 = caps.f16_arithmetic;
         let coopmat = match &features.coopmat {
             Ok(_) if !f16 => Err("f16 is turned off for this device (disable_f16)".into()),
@@ -261,6 +343,25 @@ impl VkDevice {
                     caps.name
                 ),
             }
+            eprintln!(
+                "kiln: vk:{index} ({}) {}",
+                caps.name,
+                match (dedicated, choice) {
+                    (Some(f), _) => format!(
+                        "copies downloads on its dedicated transfer queue (family {f}), beside \
+                         the compute queue (family {family})"
+                    ),
+                    (None, TransferChoice::Off) => {
+                        "copies downloads on its compute queue (KILN_VK_TRANSFER=0)".into()
+                    }
+                    (None, TransferChoice::SameQueue) => "copies downloads through the \
+                        transfer path on its compute queue (KILN_VK_TRANSFER=same-queue)"
+                        .into(),
+                    (None, TransferChoice::Auto) => "has no dedicated transfer queue family: \
+                        downloads are copied on its compute queue"
+                        .into(),
+                }
+            );
         }
         let mut f11 = vk::PhysicalDeviceVulkan11Features::default()
             .storage_buffer16_bit_access(f16)
@@ -270,9 +371,16 @@ impl VkDevice {
             .timeline_semaphore(true)
             .vulkan_memory_model(coopmat.is_ok());
         let priorities = [1.0];
-        let queues = [vk::DeviceQueueCreateInfo::default()
+        let mut queues = vec![vk::DeviceQueueCreateInfo::default()
             .queue_family_index(family)
             .queue_priorities(&priorities)];
+        if let Some(f) = dedicated {
+            queues.push(
+                vk::DeviceQueueCreateInfo::default()
+                    .queue_family_index(f)
+                    .queue_priorities(&priorities),
+            );
+        }
         let mut extensions = vec![ash::khr::push_descriptor::NAME.as_ptr()];
         // The SPIR-V GEMM requires its subgroup size where the device lets it.
         let mut size_control =
@@ -333,6 +441,30 @@ impl VkDevice {
                 ));
             }
         };
+        let transfer = match choice {
+            TransferChoice::Off => None,
+            TransferChoice::SameQueue => Some((family, queue)),
+            TransferChoice::Auto => dedicated.map(|f| {
+                // SAFETY: the family was asked for one queue at creation.
+                (f, unsafe { device.get_device_queue(f, 0) })
+            }),
+        };
+        let transfer = match transfer {
+            Some((f, q)) => match make_transfer(&device, f, q) {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    // SAFETY: as above; pool, semaphore and cache are unused yet.
+                    unsafe {
+                        device.destroy_pipeline_cache(cache, None);
+                        device.destroy_semaphore(timeline, None);
+                        device.destroy_command_pool(pool, None);
+                        device.destroy_device(None);
+                    }
+                    return Err(backend("could not set up the transfer queue", e));
+                }
+            },
+            None => None,
+        };
         let allocator = Allocator::new(&AllocatorCreateDesc {
             instance: instance.instance.clone(),
             device: device.clone(),
@@ -358,6 +490,7 @@ impl VkDevice {
             device,
             push,
             queue,
+            family,
             pool,
             timeline,
             cache,
@@ -371,6 +504,8 @@ impl VkDevice {
             coopmat,
             primer,
             stand_ins: Default::default(),
+            shared_families: dedicated.map_or(vec![], |f| vec![family, f]),
+            transfer_counts: Default::default(),
             state: Mutex::new(State {
                 next_id: 1,
                 buffers: HashMap::new(),
@@ -393,6 +528,8 @@ impl VkDevice {
                 band_partials: None,
                 dummy: None,
                 staged: HashMap::new(),
+                transfer,
+                transfer_reads: HashMap::new(),
                 profiling: None,
                 collect: None,
             }),
@@ -789,7 +926,7 @@ impl VkDevice {
         }
     }
 
-    /// A buffer with memory at `location`.
+    /// A buffer with memory at `location`, used by the compute queue only.
     fn make(
         &self,
         s: &mut State,
@@ -797,11 +934,30 @@ impl VkDevice {
         usage: vk::BufferUsageFlags,
         location: MemoryLocation,
     ) -> Result<Mem> {
+        self.make_shared(s, size, usage, location, false)
+    }
+
+    /// [`VkDevice::make`], with `shared`: usable by the compute and a dedicated
+    /// transfer queue alike (concurrent sharing, so no ownership transfers).
+    fn make_shared(
+        &self,
+        s: &mut State,
+        size: u64,
+        usage: vk::BufferUsageFlags,
+        location: MemoryLocation,
+        shared: bool,
+    ) -> Result<Mem> {
         let size = size.max(16);
         let info = vk::BufferCreateInfo::default()
             .size(size)
             .usage(usage)
             .sharing_mode(vk::SharingMode::EXCLUSIVE);
+        let info = if shared && self.shared_families.len() > 1 {
+            info.sharing_mode(vk::SharingMode::CONCURRENT)
+                .queue_family_indices(&self.shared_families)
+        } else {
+            info
+        };
         // SAFETY: a valid create info on a live device.
         let buffer = unsafe { self.device.create_buffer(&info, None) }
             .map_err(|e| self.vk_error("creating a buffer", e))?;
@@ -867,32 +1023,44 @@ impl VkDevice {
     }
 
     fn retire(s: &mut State, mem: Mem) {
-        let tag = Self::tag(s);
-        match s.retired.last_mut() {
-            Some((t, r)) if *t == tag => r.mems.push(mem),
-            _ => s.retired.push((
-                tag,
-                Retired {
-                    mems: vec![mem],
-                    commands: vec![],
-                },
-            )),
-        }
+        let tag = (Self::tag(s), 0);
+        Self::retire_at(s, mem, tag);
     }
 
-    /// The timeline's value now.
+    /// Retires `mem` until both timelines pass `tag`.
+    fn retire_at(s: &mut State, mem: Mem, tag: Tag) {
+        Self::retired_at(s, tag).mems.push(mem);
+    }
+
+    /// The entry of what is released once both timelines pass `tag`.
+    fn retired_at(s: &mut State, tag: Tag) -> &mut Retired {
+        if s.retired.last().is_none_or(|(t, _)| *t != tag) {
+            s.retired.push((tag, Retired::default()));
+        }
+        &mut s.retired.last_mut().expect("pushed above").1
+    }
+
+    /// The compute timeline's value now.
     fn completed(&self) -> Result<u64> {
+        self.counter(self.timeline)
+    }
+
+    fn counter(&self, semaphore: vk::Semaphore) -> Result<u64> {
         // SAFETY: a timeline semaphore of this device.
-        unsafe { self.device.get_semaphore_counter_value(self.timeline) }
+        unsafe { self.device.get_semaphore_counter_value(semaphore) }
             .map_err(|e| self.vk_error("reading the timeline", e))
     }
 
     /// Releases what finished submissions held.
     fn reclaim(&self, s: &mut State) -> Result<()> {
         let done = self.completed()?;
+        let copied = match &s.transfer {
+            Some(x) => self.counter(x.timeline)?,
+            None => 0,
+        };
         let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut s.retired)
             .into_iter()
-            .partition(|(t, _)| *t <= done);
+            .partition(|((c, x), _)| *c <= done && *x <= copied);
         s.retired = waiting;
         for (_, r) in ready {
             for m in r.mems {
@@ -903,13 +1071,21 @@ impl VkDevice {
                 }
             }
             s.free_commands.extend(r.commands);
+            if let Some(x) = s.transfer.as_mut() {
+                x.free_commands.extend(r.transfer_commands);
+            }
         }
         Ok(())
     }
 
-    /// Waits until the timeline reaches `value`.
+    /// Waits until the compute timeline reaches `value`.
     fn wait_for(&self, value: u64) -> Result<()> {
-        let semaphores = [self.timeline];
+        self.wait_on(self.timeline, value)
+    }
+
+    /// Waits until `semaphore`'s timeline reaches `value`.
+    fn wait_on(&self, semaphore: vk::Semaphore, value: u64) -> Result<()> {
+        let semaphores = [semaphore];
         let values = [value];
         let info = vk::SemaphoreWaitInfo::default()
             .semaphores(&semaphores)
@@ -961,6 +1137,7 @@ impl VkDevice {
                 cmd,
                 arena,
                 used: 0,
+                wait_transfer: 0,
             });
         }
         Ok(s.stream.as_mut().expect("opened above"))
@@ -999,38 +1176,50 @@ impl VkDevice {
         };
         let _span = span("submit", SpanKind::Submit);
         let value = s.submitted + 1;
+        // A stream that writes what a transfer copy still reads starts after the copy;
+        // its commands wait at the stages they write in (and everything later on the
+        // queue waits with them).
+        let waits: Vec<(vk::Semaphore, u64)> = match &s.transfer {
+            Some(x) if stream.wait_transfer > 0 => vec![(x.timeline, stream.wait_transfer)],
+            _ => vec![],
+        };
         // SAFETY: the command buffer is recording; ending and submitting it under the
-        // lock, with a signal value above every earlier one.
+        // lock, with a signal value above every earlier one, waiting for values that
+        // were submitted to be signalled.
         let result = unsafe {
             self.device.end_command_buffer(stream.cmd).and_then(|()| {
                 let cmds = [stream.cmd];
                 let signals = [self.timeline];
                 let values = [value];
-                let mut timeline =
-                    vk::TimelineSemaphoreSubmitInfo::default().signal_semaphore_values(&values);
+                let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|w| w.0).collect();
+                let wait_values: Vec<u64> = waits.iter().map(|w| w.1).collect();
+                let stages = vec![
+                    vk::PipelineStageFlags::COMPUTE_SHADER
+                        | vk::PipelineStageFlags::TRANSFER;
+                    waits.len()
+                ];
+                let mut timeline = vk::TimelineSemaphoreSubmitInfo::default()
+                    .wait_semaphore_values(&wait_values)
+                    .signal_semaphore_values(&values);
                 let submit = vk::SubmitInfo::default()
                     .command_buffers(&cmds)
+                    .wait_semaphores(&wait_sems)
+                    .wait_dst_stage_mask(&stages)
                     .signal_semaphores(&signals)
                     .push_next(&mut timeline);
+                // Counted as submitted: tests check that the wait reaches the queue.
+                if submit.wait_semaphore_count > 0 {
+                    self.transfer_counts[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 self.device
                     .queue_submit(self.queue, &[submit], vk::Fence::null())
             })
         };
         // Whatever the stream used is retired with its value (it was tagged with it).
         s.submitted = value;
-        match s.retired.last_mut() {
-            Some((t, r)) if *t == value => {
-                r.commands.push(stream.cmd);
-                r.mems.push(stream.arena);
-            }
-            _ => s.retired.push((
-                value,
-                Retired {
-                    mems: vec![stream.arena],
-                    commands: vec![stream.cmd],
-                },
-            )),
-        }
+        let r = Self::retired_at(s, (value, 0));
+        r.commands.push(stream.cmd);
+        r.mems.push(stream.arena);
         if let Err(e) = result {
             // Nothing will signal `value`: a wait for it would never end.
             // SAFETY: a host signal of a timeline semaphore to a higher value.
@@ -1384,6 +1573,266 @@ impl VkDevice {
         self.barrier(cmd);
         Ok(())
     }
+}
+
+impl VkDevice {
+    /// Makes the open stream wait for the transfer copies still reading any of
+    /// `buffers` (ids; views count as the buffer they view), which the stream is about
+    /// to write: a copy reads its source while later compute runs, so only a command
+    /// that overwrites it must wait for the copy.
+    fn after_transfer_reads(&self, s: &mut State, buffers: &[Buffer]) -> Result<()> {
+        if s.transfer_reads.is_empty() {
+            return Ok(());
+        }
+        let mut wait = 0;
+        for b in buffers {
+            let (buffer, _, _) = self.resolve(s, b.id)?;
+            // Once the stream waits, so does everything after it on the queue.
+            if let Some(x) = s.transfer_reads.remove(&buffer) {
+                wait = wait.max(x);
+            }
+        }
+        if wait > 0 {
+            let stream = self.stream(s)?;
+            stream.wait_transfer = stream.wait_transfer.max(wait);
+        }
+        Ok(())
+    }
+
+    /// Submits a copy of `src` (buffer, offset) into `staging` on the transfer queue,
+    /// after the compute timeline reaches `after`: the transfer timeline value it
+    /// signals.
+    fn submit_transfer_copy(
+        &self,
+        s: &mut State,
+        (src, base): (vk::Buffer, u64),
+        staging: vk::Buffer,
+        size: u64,
+        after: u64,
+    ) -> Result<u64> {
+        let x = s.transfer.as_mut().expect("called with a transfer queue");
+        let cmd = match x.free_commands.pop() {
+            Some(c) => c,
+            None => {
+                let info = vk::CommandBufferAllocateInfo::default()
+                    .command_pool(x.pool)
+                    .level(vk::CommandBufferLevel::PRIMARY)
+                    .command_buffer_count(1);
+                // SAFETY: the pool belongs to this device; access is under the lock.
+                unsafe { self.device.allocate_command_buffers(&info) }
+                    .map_err(|e| self.vk_error("allocating a command buffer", e))?[0]
+            }
+        };
+        let value = x.submitted + 1;
+        let (queue, timeline) = (x.queue, x.timeline);
+        let gate = x.gate.filter(|g| g.1).map(|g| g.0);
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        let region = vk::BufferCopy {
+            src_offset: base,
+            dst_offset: 0,
+            size,
+        };
+        let to_host = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(vk::AccessFlags::HOST_READ);
+        // SAFETY: the command buffer is not in use (fresh, or its submission done);
+        // both buffers are live and hold the ranges; it is submitted under the lock with
+        // a signal value above every earlier one, waiting for a compute value already
+        // submitted.
+        let result = unsafe {
+            self.device
+                .reset_command_buffer(cmd, vk::CommandBufferResetFlags::empty())
+                .and_then(|()| self.device.begin_command_buffer(cmd, &begin))
+                .and_then(|()| {
+                    self.device.cmd_copy_buffer(cmd, src, staging, &[region]);
+                    self.device.cmd_pipeline_barrier(
+                        cmd,
+                        vk::PipelineStageFlags::TRANSFER,
+                        vk::PipelineStageFlags::HOST,
+                        vk::DependencyFlags::empty(),
+                        &[to_host],
+                        &[],
+                        &[],
+                    );
+                    self.device.end_command_buffer(cmd)
+                })
+                .and_then(|()| {
+                    let cmds = [cmd];
+                    let signals = [timeline];
+                    let values = [value];
+                    let mut waits = vec![];
+                    let mut wait_values = vec![];
+                    if after > 0 {
+                        waits.push(self.timeline);
+                        wait_values.push(after);
+                    }
+                    if let Some(g) = gate {
+                        waits.push(g);
+                        wait_values.push(1);
+                    }
+                    let stages = vec![vk::PipelineStageFlags::TRANSFER; waits.len()];
+                    let mut sems = vk::TimelineSemaphoreSubmitInfo::default()
+                        .wait_semaphore_values(&wait_values)
+                        .signal_semaphore_values(&values);
+                    let submit = vk::SubmitInfo::default()
+                        .command_buffers(&cmds)
+                        .wait_semaphores(&waits)
+                        .wait_dst_stage_mask(&stages)
+                        .signal_semaphores(&signals)
+                        .push_next(&mut sems);
+                    self.device
+                        .queue_submit(queue, &[submit], vk::Fence::null())
+                })
+        };
+        s.transfer.as_mut().expect("checked above").submitted = value;
+        Self::retired_at(s, (0, value)).transfer_commands.push(cmd);
+        if let Err(e) = result {
+            // Nothing will signal `value`: a wait for it would never end.
+            // SAFETY: a host signal of a timeline semaphore to a higher value.
+            let _ = unsafe {
+                self.device.signal_semaphore(
+                    &vk::SemaphoreSignalInfo::default()
+                        .semaphore(timeline)
+                        .value(value),
+                )
+            };
+            return Err(self.vk_error("submitting a download", e));
+        }
+        self.transfer_counts[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let read = s.transfer_reads.entry(src).or_default();
+        *read = (*read).max(value);
+        Ok(value)
+    }
+
+    /// Test hook: from now on, downloads take the transfer path (their own command
+    /// pool, timeline semaphore and waits) on the compute queue, as on a device with a
+    /// dedicated transfer family, which lavapipe lacks. (KILN_VK_TRANSFER=same-queue
+    /// does the same from the open.)
+    #[doc(hidden)]
+    pub fn use_transfer_path_on_compute_queue(&self) -> Result<()> {
+        let mut s = self.lock();
+        if s.transfer.is_some() {
+            return Ok(());
+        }
+        let x = make_transfer(&self.device, self.family, self.queue)
+            .map_err(|e| self.vk_error("setting up the transfer path", e))?;
+        s.transfer = Some(x);
+        Ok(())
+    }
+
+    /// Test hook: transfer copies submitted from now on wait (on the device) until
+    /// [`VkDevice::release_transfers`], so that a test can act while a copy is still
+    /// pending, as on a GPU whose copy engine is busy. With the transfer path on the
+    /// compute queue, later compute submissions wait behind them too: nothing may wait
+    /// for the device before the release.
+    #[doc(hidden)]
+    pub fn hold_transfers(&self) -> Result<()> {
+        let mut s = self.lock();
+        let x = s.transfer.as_mut().ok_or_else(|| {
+            Error::InvalidArgument("hold_transfers without a transfer path".into())
+        })?;
+        if x.gate.is_some() {
+            return Err(Error::InvalidArgument(
+                "hold_transfers holds a device's transfers once".into(),
+            ));
+        }
+        let mut sem_type = vk::SemaphoreTypeCreateInfo::default()
+            .semaphore_type(vk::SemaphoreType::TIMELINE)
+            .initial_value(0);
+        let info = vk::SemaphoreCreateInfo::default().push_next(&mut sem_type);
+        // SAFETY: a valid create info on a live device.
+        let gate = unsafe { self.device.create_semaphore(&info, None) }
+            .map_err(|e| self.vk_error("creating a semaphore", e))?;
+        x.gate = Some((gate, true));
+        Ok(())
+    }
+
+    /// Test hook: bytes of buffers freed (or otherwise retired) that submissions
+    /// still pending may use, after releasing what the device has finished with.
+    #[doc(hidden)]
+    pub fn retired_bytes(&self) -> Result<u64> {
+        let mut s = self.lock();
+        self.reclaim(&mut s)?;
+        Ok(s.retired
+            .iter()
+            .flat_map(|(_, r)| &r.mems)
+            .filter(|m| !m.arena)
+            .map(|m| m.size)
+            .sum())
+    }
+
+    /// Lets the copies held by [`VkDevice::hold_transfers`] run.
+    #[doc(hidden)]
+    pub fn release_transfers(&self) -> Result<()> {
+        let mut s = self.lock();
+        if let Some((gate, held)) = s.transfer.as_mut().and_then(|x| x.gate.as_mut()) {
+            if *held {
+                *held = false;
+                // SAFETY: a host signal of a timeline semaphore of this device, once.
+                unsafe {
+                    self.device.signal_semaphore(
+                        &vk::SemaphoreSignalInfo::default().semaphore(*gate).value(1),
+                    )
+                }
+                .map_err(|e| self.vk_error("releasing the transfers", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The queue family downloads are copied on, where they take the transfer path
+    /// (a dedicated transfer family, or the compute family under
+    /// KILN_VK_TRANSFER=same-queue); None where they are copied in the compute stream.
+    pub fn transfer_family(&self) -> Option<u32> {
+        self.lock().transfer.as_ref().map(|x| x.family)
+    }
+
+    /// Copies submitted to the transfer queue so far, and compute submissions that
+    /// waited for one (they overwrote a buffer a copy was still reading).
+    #[doc(hidden)]
+    pub fn transfer_counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.transfer_counts[0].load(Relaxed),
+            self.transfer_counts[1].load(Relaxed),
+        )
+    }
+}
+
+/// The transfer queue's command pool and timeline semaphore on `family`'s `queue`.
+fn make_transfer(
+    device: &ash::Device,
+    family: u32,
+    queue: vk::Queue,
+) -> std::result::Result<Transfer, vk::Result> {
+    let pool_info = vk::CommandPoolCreateInfo::default()
+        .queue_family_index(family)
+        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+    let mut sem_type = vk::SemaphoreTypeCreateInfo::default()
+        .semaphore_type(vk::SemaphoreType::TIMELINE)
+        .initial_value(0);
+    let sem_info = vk::SemaphoreCreateInfo::default().push_next(&mut sem_type);
+    // SAFETY: valid create infos on a live device.
+    let pool = unsafe { device.create_command_pool(&pool_info, None) }?;
+    // SAFETY: as above.
+    let timeline = match unsafe { device.create_semaphore(&sem_info, None) } {
+        Ok(t) => t,
+        Err(e) => {
+            // SAFETY: the pool was just made and holds nothing.
+            unsafe { device.destroy_command_pool(pool, None) };
+            return Err(e);
+        }
+    };
+    Ok(Transfer {
+        queue,
+        family,
+        pool,
+        timeline,
+        submitted: 0,
+        free_commands: vec![],
+        gate: None,
+    })
 }
 
 /// What the cache file is keyed by: the device, driver, host CPU (a CPU device's
@@ -2289,13 +2738,15 @@ impl Device for VkDevice {
             });
         }
         let mut s = self.lock();
-        let mem = self.make(
+        // Downloads may copy it on the transfer queue.
+        let mem = self.make_shared(
             &mut s,
             bytes,
             vk::BufferUsageFlags::STORAGE_BUFFER
                 | vk::BufferUsageFlags::TRANSFER_SRC
                 | vk::BufferUsageFlags::TRANSFER_DST,
             MemoryLocation::GpuOnly,
+            true,
         )?;
         // Zero-filled, in stream order (memory may be recycled).
         let (buffer, size) = (mem.buffer, mem.size);
@@ -2340,8 +2791,11 @@ impl Device for VkDevice {
             .ok_or_else(|| self.unknown(buf.id))?;
         if let SlotKind::Own(mem) = slot.kind {
             s.allocated -= slot.meta.bytes();
-            // Launches already recorded that use it still complete.
-            Self::retire(&mut s, mem);
+            // Launches already recorded that use it, and a transfer copy still reading
+            // it, still complete.
+            let copy = s.transfer_reads.remove(&mem.buffer).unwrap_or(0);
+            let tag = (Self::tag(&s), copy);
+            Self::retire_at(&mut s, mem, tag);
         }
         Ok(())
     }
@@ -2410,7 +2864,10 @@ impl Device for VkDevice {
         mapped[..bytes.len()].copy_from_slice(bytes);
         mapped[bytes.len()..padded as usize].fill(0);
         let src = staging.buffer;
-        if let Err(e) = self.stream(&mut s) {
+        if let Err(e) = self
+            .after_transfer_reads(&mut s, &[buf])
+            .and_then(|()| self.stream(&mut s).map(drop))
+        {
             self.destroy(&mut s, staging);
             return Err(e);
         }
@@ -2430,6 +2887,33 @@ impl Device for VkDevice {
             MemoryLocation::GpuToCpu,
         )?;
         let dst = staging.buffer;
+        if padded > 0 && s.transfer.is_some() {
+            // The copy runs on the transfer queue once the compute work submitted so
+            // far (which wrote the source) is done, beside whatever compute comes next.
+            let copied = self.flush(&mut s).and_then(|after| {
+                self.submit_transfer_copy(&mut s, (src, base), dst, padded, after)
+            });
+            return match copied {
+                Ok(value) => {
+                    let ticket = s.next_id;
+                    s.next_id += 1;
+                    s.staged.insert(ticket, (staging, (0, value)));
+                    self.validated()?;
+                    Ok(PendingDownload {
+                        ticket,
+                        buffer: buf,
+                    })
+                }
+                Err(e) => {
+                    let tag = (
+                        Self::tag(&s),
+                        s.transfer.as_ref().map_or(0, |x| x.submitted),
+                    );
+                    Self::retire_at(&mut s, staging, tag);
+                    Err(e)
+                }
+            };
+        }
         if padded > 0 {
             if let Err(e) = self.record_copy(&mut s, (src, base), (dst, 0), padded) {
                 self.destroy(&mut s, staging);
@@ -2461,7 +2945,7 @@ impl Device for VkDevice {
         };
         let ticket = s.next_id;
         s.next_id += 1;
-        s.staged.insert(ticket, (staging, value));
+        s.staged.insert(ticket, (staging, (value, 0)));
         Ok(PendingDownload {
             ticket,
             buffer: buf,
@@ -2470,18 +2954,29 @@ impl Device for VkDevice {
 
     fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
         let _span = span("download", SpanKind::Transfer);
-        let (staging, value) = self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "download ticket {} is not pending on `{}` (already finished, or begun on \
-                 another device)",
-                pending.ticket, self.caps.name
-            ))
-        })?;
-        let waited = self.wait_for(value);
+        let (staging, tag, copies) = {
+            let mut s = self.lock();
+            let (staging, tag) = s.staged.remove(&pending.ticket).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "download ticket {} is not pending on `{}` (already finished, or begun \
+                     on another device)",
+                    pending.ticket, self.caps.name
+                ))
+            })?;
+            (staging, tag, s.transfer.as_ref().map(|x| x.timeline))
+        };
+        let waited = match (tag, copies) {
+            ((0, value), Some(timeline)) if value > 0 => self.wait_on(timeline, value),
+            ((value, _), _) => self.wait_for(value),
+        };
         let mut s = self.lock();
         if let Err(e) = waited {
-            Self::retire(&mut s, staging);
+            Self::retire_at(&mut s, staging, tag);
             return Err(e);
+        }
+        // The copies up to this one are done: what they read needs no wait any more.
+        if tag.0 == 0 {
+            s.transfer_reads.retain(|_, x| *x > tag.1);
         }
         let buf = pending.buffer;
         // SAFETY: the handle is only used to invalidate the mapping below, while the
@@ -2514,6 +3009,7 @@ impl Device for VkDevice {
         kernel.validate()?;
         let mut s = self.lock();
         self.check_live(&s, kernel.name(), &kernel.buffers())?;
+        self.after_transfer_reads(&mut s, &kernel.written())?;
         let Some(first) = self.stamp(&mut s)? else {
             return self.record(&mut s, kernel);
         };
@@ -2534,9 +3030,20 @@ impl Device for VkDevice {
 
     fn wait(&self) -> Result<()> {
         let _span = span("wait", SpanKind::Wait);
-        let value = self.lock().submitted;
+        let (value, copies) = {
+            let s = self.lock();
+            (
+                s.submitted,
+                s.transfer.as_ref().map(|x| (x.timeline, x.submitted)),
+            )
+        };
         self.wait_for(value)?;
+        if let Some((timeline, copied)) = copies {
+            self.wait_on(timeline, copied)?;
+        }
         let mut s = self.lock();
+        s.transfer_reads
+            .retain(|_, x| *x > copies.map_or(0, |c| c.1));
         self.reclaim(&mut s)
     }
 
@@ -2689,6 +3196,8 @@ impl Device for VkDevice {
 
 impl Drop for VkDevice {
     fn drop(&mut self) {
+        // Held copies would keep the device busy for ever.
+        let _ = self.release_transfers();
         // SAFETY: after the device is idle nothing uses any object below; each is
         // destroyed once, the device after them and the instance (a field) last.
         unsafe {
@@ -2752,6 +3261,13 @@ impl Drop for VkDevice {
             self.device.destroy_pipeline_cache(self.cache, None);
             self.device.destroy_semaphore(self.timeline, None);
             self.device.destroy_command_pool(self.pool, None);
+            if let Some(x) = s.transfer.take() {
+                if let Some((gate, _)) = x.gate {
+                    self.device.destroy_semaphore(gate, None);
+                }
+                self.device.destroy_semaphore(x.timeline, None);
+                self.device.destroy_command_pool(x.pool, None);
+            }
             self.device.destroy_device(None);
         }
     }
@@ -2780,6 +3296,27 @@ fn attention_recipe(kernel: &Kernel) -> AttentionRecipe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kiln_vk_transfer_chooses_where_downloads_are_copied() {
+        use std::ffi::OsStr;
+        assert_eq!(transfer_choice(None).unwrap(), TransferChoice::Auto);
+        assert_eq!(
+            transfer_choice(Some(OsStr::new("0"))).unwrap(),
+            TransferChoice::Off
+        );
+        assert_eq!(
+            transfer_choice(Some(OsStr::new("same-queue"))).unwrap(),
+            TransferChoice::SameQueue
+        );
+        let e = transfer_choice(Some(OsStr::new("dma")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("KILN_VK_TRANSFER=dma") && e.contains("use 0"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_damaged_spv_is_an_error_naming_the_file_and_the_fix() {

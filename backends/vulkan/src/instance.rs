@@ -286,15 +286,15 @@ impl Instance {
 
     /// A queue family with compute.
     pub fn compute_family(&self, pd: vk::PhysicalDevice) -> Option<u32> {
+        compute_family(&self.queue_families(pd))
+    }
+
+    pub fn queue_families(&self, pd: vk::PhysicalDevice) -> Vec<vk::QueueFamilyProperties> {
         // SAFETY: `pd` came from this instance.
-        let families = unsafe {
+        unsafe {
             self.instance
                 .get_physical_device_queue_family_properties(pd)
-        };
-        families
-            .iter()
-            .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
-            .map(|i| i as u32)
+        }
     }
 
     pub fn has_extension(&self, pd: vk::PhysicalDevice, name: &CStr) -> bool {
@@ -601,6 +601,32 @@ impl Features {
     }
 }
 
+/// The first queue family with compute (and a queue).
+pub(crate) fn compute_family(families: &[vk::QueueFamilyProperties]) -> Option<u32> {
+    families
+        .iter()
+        .position(|f| f.queue_count > 0 && f.queue_flags.contains(vk::QueueFlags::COMPUTE))
+        .map(|i| i as u32)
+}
+
+/// The queue family downloads run on beside the compute family: one that transfers
+/// and does neither graphics nor compute, which on discrete GPUs is a copy (DMA) engine
+/// that runs beside the kernels. None where the device has no such family: a family
+/// that also computes shares the compute engines, so a copy there would gain nothing.
+pub(crate) fn transfer_family(families: &[vk::QueueFamilyProperties], compute: u32) -> Option<u32> {
+    let engines = vk::QueueFlags::GRAPHICS | vk::QueueFlags::COMPUTE;
+    families
+        .iter()
+        .enumerate()
+        .position(|(i, f)| {
+            i as u32 != compute
+                && f.queue_count > 0
+                && f.queue_flags.contains(vk::QueueFlags::TRANSFER)
+                && !f.queue_flags.intersects(engines)
+        })
+        .map(|i| i as u32)
+}
+
 /// The Vulkan devices Kiln can open, as `vk:N` numbers them (none without a loader).
 pub fn physical_devices() -> Vec<VkSummary> {
     let Ok(instance) = Instance::unchecked() else {
@@ -649,6 +675,57 @@ mod tests {
         assert!(!use_layer(true, false, false).unwrap());
         assert!(use_layer(true, false, true).unwrap());
         assert!(!use_layer(false, false, true).unwrap());
+    }
+
+    fn families(flags: &[vk::QueueFlags]) -> Vec<vk::QueueFamilyProperties> {
+        flags
+            .iter()
+            .map(|&queue_flags| vk::QueueFamilyProperties {
+                queue_flags,
+                queue_count: 1,
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    /// Downloads get a queue of their own only on a family that copies and neither
+    /// computes nor draws (a DMA engine), never on the compute family itself.
+    #[test]
+    fn the_transfer_family_is_a_copy_only_family_beside_compute() {
+        use vk::QueueFlags as Q;
+        // An NVIDIA-like device: graphics+compute, copy-only, compute-only, video.
+        let nv = families(&[
+            Q::GRAPHICS | Q::COMPUTE | Q::TRANSFER | Q::SPARSE_BINDING,
+            Q::TRANSFER | Q::SPARSE_BINDING,
+            Q::COMPUTE | Q::TRANSFER | Q::SPARSE_BINDING,
+            Q::VIDEO_DECODE_KHR,
+        ]);
+        assert_eq!(compute_family(&nv), Some(0));
+        assert_eq!(transfer_family(&nv, 0), Some(1));
+        // lavapipe, Intel: one family that does everything.
+        let one = families(&[Q::GRAPHICS | Q::COMPUTE | Q::TRANSFER]);
+        assert_eq!(compute_family(&one), Some(0));
+        assert_eq!(transfer_family(&one, 0), None);
+        // A compute-only family with transfers is not a DMA engine.
+        let two = families(&[
+            Q::GRAPHICS | Q::COMPUTE | Q::TRANSFER,
+            Q::COMPUTE | Q::TRANSFER,
+        ]);
+        assert_eq!(transfer_family(&two, 0), None);
+        // A graphics family without compute (transfers implied) is no copy engine either.
+        let gfx = families(&[Q::COMPUTE | Q::TRANSFER, Q::GRAPHICS | Q::TRANSFER]);
+        assert_eq!(transfer_family(&gfx, 0), None);
+        // Transfer bits after the compute family: the first such family is taken.
+        let amd = families(&[Q::TRANSFER, Q::COMPUTE, Q::TRANSFER | Q::SPARSE_BINDING]);
+        assert_eq!(compute_family(&amd), Some(1));
+        assert_eq!(transfer_family(&amd, 1), Some(0));
+        // The compute family is never its own transfer family, and a family without
+        // queues is skipped.
+        assert_eq!(transfer_family(&families(&[Q::TRANSFER]), 0), None);
+        let mut empty = families(&[Q::COMPUTE, Q::TRANSFER, Q::TRANSFER]);
+        empty[1].queue_count = 0;
+        assert_eq!(transfer_family(&empty, 0), Some(2));
+        assert_eq!(compute_family(&families(&[Q::GRAPHICS, Q::TRANSFER])), None);
     }
 
     /// The layer is installed here (scripts/setup.sh installs it): asked for, the
