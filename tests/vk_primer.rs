@@ -1,8 +1,9 @@
-//! `vk:N` on lavapipe runs a big GEMM block's first run, which compiles its machine
-//! code, on a primer device of its own (backends/vulkan/src/primer.rs), and a stand-in
-//! block meanwhile. Mesa's shader cache on disk gets an entry per compiled shader, so
-//! the training device's first run of a primed block must add none; a GEMM nobody
-//! primed still adds one, which shows the count tells the two apart. Its own binary:
+//! `vk:N` on lavapipe runs a big GEMM block's or attention pass's first run, which
+//! compiles its machine code, on a primer device of its own
+//! (backends/vulkan/src/primer.rs), and a stand-in meanwhile. Mesa's shader cache on
+//! disk gets an entry per compiled shader, so the training device's first run of a
+//! primed kernel must add none; a GEMM nobody primed still adds one, which shows the
+//! count tells the two apart. Its own binary:
 //! the cache directory is set for the whole process before any device opens.
 
 mod common;
@@ -61,7 +62,7 @@ fn gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, kiln::en
 }
 
 #[test]
-fn a_big_gemm_block_first_runs_on_the_primer_and_a_stand_in_runs_meanwhile_with_the_same_bits() {
+fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_match_bits() {
     let mesa = scratch("mesa");
     // Set before any device opens in this process (Mesa reads them per device).
     std::env::set_var("MESA_SHADER_CACHE_DIR", &mesa);

@@ -732,7 +732,7 @@ impl VkDevice {
         }
         primer.ask(Job {
             block,
-            attention: Some(attention_recipe(kernel)),
+            attention: Some(attention_recipe(kernel, plan)),
         });
         if s.collect.is_some() {
             // `prepare` builds the planned passes' pipelines too, so the switch once
@@ -2488,8 +2488,12 @@ impl VkDevice {
                 causal,
             }
         };
-        let ran = self.launch(&kernel).and_then(|()| {
-            let value = self.flush(&mut self.lock())?;
+        // With the training device's plan, so that the driver sees its pipelines.
+        let ran = kernel.validate().and_then(|()| {
+            let mut s = self.lock();
+            self.record_attention_with(&mut s, &kernel, &r.plan)?;
+            let value = self.flush(&mut s)?;
+            drop(s);
             self.wait_for(value)
         });
         for b in bufs {
@@ -3274,7 +3278,7 @@ impl Drop for VkDevice {
 }
 
 /// What the primer needs to run an attention kernel like `kernel` (see `primer.rs`).
-fn attention_recipe(kernel: &Kernel) -> AttentionRecipe {
+fn attention_recipe(kernel: &Kernel, plan: AttentionPlan) -> AttentionRecipe {
     let (backward, group, dim, causal) = match *kernel {
         Kernel::Attention {
             group, dim, causal, ..
@@ -3290,6 +3294,7 @@ fn attention_recipe(kernel: &Kernel) -> AttentionRecipe {
         group: group.max(1),
         dim,
         causal,
+        plan,
     }
 }
 

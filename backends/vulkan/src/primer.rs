@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use kiln_engine::DType;
-use kiln_wgpu::DeviceOptions;
+use kiln_wgpu::{AttentionPlan, DeviceOptions};
 
 use crate::gemm::SpirvGemmPlan;
 use crate::VkDevice;
@@ -42,8 +42,8 @@ pub(crate) enum Block {
 }
 
 /// An attention kernel to run once: its direction, its buffers' types (in
-/// `Kernel::buffers` order), query heads per K/V head and head dim; the primer sizes
-/// the rest.
+/// `Kernel::buffers` order), query heads per K/V head, head dim and the training
+/// device's plan; the primer sizes the rest.
 #[derive(Clone, Debug)]
 pub(crate) struct AttentionRecipe {
     pub backward: bool,
@@ -51,6 +51,7 @@ pub(crate) struct AttentionRecipe {
     pub group: usize,
     pub dim: usize,
     pub causal: bool,
+    pub plan: AttentionPlan,
 }
 
 /// One block to prime.
