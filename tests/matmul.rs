@@ -711,6 +711,50 @@ fn gemv_runs_as_spirv_on_vk() {
     assert_eq!(dev.gemm_launches(), (cases, 0));
 }
 
+/// On `vk:0` with 16-bit storage off, f32 products still run in the twins, from their
+/// `_f32` modules (the others declare 16-bit storage, which such a device lacks: the
+/// validation layer would fail the launch), and f16 ones name why they take naga.
+#[test]
+fn f32_twins_run_without_16bit_storage_on_vk() {
+    let mut rng = Rng::new(2032);
+    let dev = vk_device(true);
+    let tile = MatmulVariant::Tiled {
+        bm: 32,
+        bn: 32,
+        bk: 8,
+    };
+    dev.force_gemm_variant(Some(tile));
+    for (dims, pad_b) in [((37, 29, 53), Some(5)), ((12, 1, 300), None)] {
+        let c = twin_case(
+            &mut rng,
+            dims,
+            2,
+            3,
+            pad_b,
+            (true, false),
+            [DType::F32; 3],
+            Some(DType::F32),
+        );
+        let what = format!("vk without 16-bit storage: {dims:?}");
+        check_on(&what, &dev, &c, &|mm| {
+            launch_as_spirv_gpu(&what, &dev, mm, |p| assert!(p.f32_only(), "{what}: {p:?}"))
+        });
+    }
+    let c = case(&mut rng, (37, 29, 53), (false, false), [DType::F16; 3]);
+    let f16 = Matmul {
+        a: put(&dev, &c.a),
+        b: put(&dev, &c.b),
+        c: put(&dev, &c.c),
+        ..c.mm.clone()
+    };
+    match dev.gemm_route(&f16).unwrap() {
+        kiln::vulkan::GemmRoute::Naga(why) => assert!(why.contains("native f16"), "{why}"),
+        other => panic!("f16 without 16-bit storage: {other:?}"),
+    }
+    dev.force_gemm_variant(None);
+    assert_eq!(dev.gemm_launches(), (2, 0));
+}
+
 /// `per` random shapes of every dtype mix and transpose, then the edge shapes every
 /// kernel must get right, each checked against the CPU; how many were checked.
 fn random_shapes(
