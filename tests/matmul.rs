@@ -605,7 +605,7 @@ fn tiled_gemm_runs_as_spirv_on_vk() {
                     // 16-byte loads where the contiguous dimension and the batch
                     // stride are multiples of 4 (all of them in the last shape).
                     let fours = |dim: usize, stride: usize| {
-                        dim % 4 == 0 && (mm.batch == 1 || stride % 4 == 0)
+                        dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
                     };
                     let a_dim = if mm.trans_a { mm.m } else { mm.k };
                     let b_dim = if mm.trans_b { mm.k } else { mm.n };
