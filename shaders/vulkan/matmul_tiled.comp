@@ -93,25 +93,30 @@ void put_b(uint x, uint at, bool ok) {
     tile_b[x] = ok ? v : 0.0;
 }
 // Four consecutive operand elements from element `at` (a multiple of 4), written to
-// tile elements x + step * e.
+// tile elements x + step * e. Loaded whether or not `ok`, then selected (as WGSL's
+// select): a load in a conditional's arm is a branch, and lanes that disagree on it
+// run both sides on a SIMD driver.
 void put_a4(uint x, uint step, uint at, bool ok) {
 #ifndef F32_ONLY
     if (A_H == 1u) {
-        f16vec4 v = ok ? a4_h[at / 4u] : f16vec4(0.0);
+        f16vec4 v = a4_h[at / 4u];
+        v = ok ? v : f16vec4(0.0);
         [[unroll]] for (uint e = 0u; e < 4u; e++) {
             tile_ah[x + step * e] = v[e];
         }
         return;
     }
     if (A_DT == 2u) {
-        vec4 v = ok ? uintBitsToFloat(uvec4(a4_b[at / 4u]) << 16) : vec4(0.0);
+        vec4 v = uintBitsToFloat(uvec4(a4_b[at / 4u]) << 16);
+        v = ok ? v : vec4(0.0);
         [[unroll]] for (uint e = 0u; e < 4u; e++) {
             tile_a[x + step * e] = v[e];
         }
         return;
     }
 #endif
-    vec4 v = ok ? a4[at / 4u] : vec4(0.0);
+    vec4 v = a4[at / 4u];
+    v = ok ? v : vec4(0.0);
     [[unroll]] for (uint e = 0u; e < 4u; e++) {
         tile_a[x + step * e] = v[e];
     }
@@ -119,21 +124,24 @@ void put_a4(uint x, uint step, uint at, bool ok) {
 void put_b4(uint x, uint step, uint at, bool ok) {
 #ifndef F32_ONLY
     if (B_H == 1u) {
-        f16vec4 v = ok ? b4_h[at / 4u] : f16vec4(0.0);
+        f16vec4 v = b4_h[at / 4u];
+        v = ok ? v : f16vec4(0.0);
         [[unroll]] for (uint e = 0u; e < 4u; e++) {
             tile_bh[x + step * e] = v[e];
         }
         return;
     }
     if (B_DT == 2u) {
-        vec4 v = ok ? uintBitsToFloat(uvec4(b4_b[at / 4u]) << 16) : vec4(0.0);
+        vec4 v = uintBitsToFloat(uvec4(b4_b[at / 4u]) << 16);
+        v = ok ? v : vec4(0.0);
         [[unroll]] for (uint e = 0u; e < 4u; e++) {
             tile_b[x + step * e] = v[e];
         }
         return;
     }
 #endif
-    vec4 v = ok ? b4[at / 4u] : vec4(0.0);
+    vec4 v = b4[at / 4u];
+    v = ok ? v : vec4(0.0);
     [[unroll]] for (uint e = 0u; e < 4u; e++) {
         tile_b[x + step * e] = v[e];
     }
