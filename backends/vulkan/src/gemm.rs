@@ -759,6 +759,13 @@ mod tests {
             }
         ))
         .contains("gemv256 kernel's workgroup of 256"));
+        // One dispatch of the twins takes every row: 70000 rows of a GEMV are over
+        // the 65535 workgroups a dimension allows (the naga path runs them in chunks).
+        let w = why(route(&mm(DType::F32, 70000, 1, 64), &caps, gpu_device()));
+        assert!(
+            w.contains("1 x 70000 x 1 workgroups of the gemv64 kernel, over the 65535"),
+            "{w}"
+        );
         let w = why(route(&product, &caps, forced(MatmulVariant::Naive)));
         assert!(w.contains("naive kernel, which has no SPIR-V twin"), "{w}");
         let packed = Capabilities {
