@@ -8,6 +8,10 @@
 //! the planner's tile shape. On vk the shape is passed as specialization constants
 //! (`constant_id` 1 and 2), so one module per storage type and transpose serves every
 //! shape the planner picks, where wgpu's passthrough needs a module per shape.
+//!
+//! The GPU-class tiled kernel and the GEMV have twins too ([`GemmRoute::SpirvGpu`]),
+//! run wherever the planner picks them, within the device's shared-memory and
+//! workgroup limits; one module each serves every shape, transpose and storage type.
 
 use kiln_engine::{Capabilities, DType, Matmul};
 use kiln_wgpu::{plan_matmul, MatmulVariant};
@@ -277,6 +281,8 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         // The naga path reports the planner's error at launch.
         Err(e) => return naga(format!("the GEMM planner refuses it ({e})")),
     };
+    // The CPU-class kernel's tile, or the GPU-class kernel whose twin runs it (which
+    // leaves `route` below, before the tile is read).
     let (tm, nv, gpu) = match plan.variant {
         MatmulVariant::Cpu { tm, nv } => (tm, nv, None),
         MatmulVariant::Tiled { bm, bn, bk } => (0, 0, Some(GpuKernel::Tiled { bm, bn, bk })),
