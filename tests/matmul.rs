@@ -755,6 +755,81 @@ fn f32_twins_run_without_16bit_storage_on_vk() {
     assert_eq!(dev.gemm_launches(), (2, 0));
 }
 
+/// `prepare` on `vk:0` builds the twins' pipelines (a split GEMV's with its
+/// matmul_finish, a forced tiled one's) without running them: the launches after it
+/// build nothing more, and they run in the twins.
+#[test]
+fn prepare_builds_the_twins_pipelines_on_vk() {
+    let mut rng = Rng::new(2033);
+    let dev = vk_device(false);
+    dev.force_gemm_variant(Some(MatmulVariant::Tiled {
+        bm: 48,
+        bn: 16,
+        bk: 12,
+    }));
+    let cases = [
+        twin_case(
+            &mut rng,
+            (2, 1, 3001),
+            2,
+            3,
+            Some(3),
+            (false, false),
+            [DType::BF16; 3],
+            Some(DType::F32),
+        ),
+        twin_case(
+            &mut rng,
+            (50, 19, 29),
+            1,
+            0,
+            Some(0),
+            (true, true),
+            [DType::F16; 3],
+            None,
+        ),
+    ];
+    let kernels: Vec<Kernel> = cases
+        .iter()
+        .map(|c| {
+            let mut mm = Matmul {
+                a: put(&dev, &c.a),
+                b: put(&dev, &c.b),
+                c: put(&dev, &c.c),
+                ..c.mm.clone()
+            };
+            mm.bias = c.bias.as_ref().map(|h| put(&dev, h));
+            mm.c_f32 =
+                c.mm.c_f32
+                    .map(|cf| put(&dev, &HostData::F32(vec![0.0; cf.len])));
+            let route = dev.gemm_route(&mm).unwrap();
+            assert!(
+                matches!(route, kiln::vulkan::GemmRoute::SpirvGpu(_)),
+                "{route:?}"
+            );
+            Kernel::Matmul(mm)
+        })
+        .collect();
+    let before = dev.pipeline_count();
+    dev.prepare(&kernels).unwrap();
+    let built = dev.pipeline_count();
+    // The two twins and the split's matmul_finish.
+    assert_eq!(built - before, 3);
+    assert_eq!(dev.gemm_launches(), (0, 0), "prepare ran nothing");
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    dev.submit().unwrap();
+    dev.wait().unwrap();
+    assert_eq!(
+        dev.pipeline_count(),
+        built,
+        "the launches built something more"
+    );
+    assert_eq!(dev.gemm_launches(), (2, 0));
+    dev.force_gemm_variant(None);
+}
+
 /// `per` random shapes of every dtype mix and transpose, then the edge shapes every
 /// kernel must get right, each checked against the CPU; how many were checked.
 fn random_shapes(

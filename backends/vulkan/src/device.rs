@@ -518,7 +518,8 @@ impl VkDevice {
         Ok(gemm::route(mm, &self.caps, dev))
     }
 
-    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMM, by the naga path); the
+    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMMs — the CPU-class kernel
+    /// and the tiled GEMM's and the GEMV's twins —, by the naga path); the
     /// cooperative-matrix GEMM's are [`VkDevice::coopmat_launches`].
     pub fn gemm_launches(&self) -> (u64, u64) {
         let get = |i: usize| self.gemm_counts[i].load(std::sync::atomic::Ordering::Relaxed);
