@@ -711,6 +711,39 @@ fn gemv_runs_as_spirv_on_vk() {
     assert_eq!(dev.gemm_launches(), (cases, 0));
 }
 
+/// A GEMV of 70000 rows on `vk:0`: more workgroups than one dispatch allows, so the
+/// twin runs the planner's row chunks, each from its first row; against the CPU and
+/// bit for bit against wgpu's WGSL GEMV (chunked alike).
+#[test]
+fn a_tall_gemv_runs_in_row_chunks_on_vk() {
+    let mut rng = Rng::new(2034);
+    let dev = vk_device(false);
+    let wgpu = wgpu_vulkan();
+    let c = twin_case(
+        &mut rng,
+        (70000, 1, 40),
+        1,
+        0,
+        Some(0),
+        (true, false),
+        [DType::F16; 3],
+        Some(DType::F32),
+    );
+    let what = "vk gemv 70000x1x40";
+    check_on(what, &dev, &c, &|mm| {
+        launch_as_spirv_gpu(what, &dev, mm, |p| {
+            assert_eq!(p.dispatches(mm).len(), 2, "{p:?}")
+        })
+    });
+    let vk = outputs(&dev, &c);
+    let w = outputs_with(&wgpu, &c, &|mm| {
+        wgpu.launch_matmul(mm, Some(MatmulVariant::Gemv { lanes: 64 }))
+            .map(drop)
+    });
+    assert!(vk == w, "{what}: vk and wgpu give different bits");
+    assert_eq!(dev.gemm_launches(), (2, 0));
+}
+
 /// On `vk:0` with 16-bit storage off, f32 products still run in the twins, from their
 /// `_f32` modules (the others declare 16-bit storage, which such a device lacks: the
 /// validation layer would fail the launch), and f16 ones name why they take naga.

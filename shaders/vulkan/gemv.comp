@@ -24,7 +24,7 @@ void main() {
     uint lane = gl_LocalInvocationID.x;
     uint g = gl_WorkGroupID.z / P.splits;
     uint split = gl_WorkGroupID.z % P.splits;
-    uint i = gl_WorkGroupID.y;
+    uint i = P.row_base + gl_WorkGroupID.y;
     uint k_begin = split * P.k_chunk;
     uint k_end = min(P.k, k_begin + P.k_chunk);
     float acc = 0.0;

@@ -237,7 +237,7 @@ void main() {
     uint tid = gl_LocalInvocationIndex;
     uint g = gl_WorkGroupID.z / P.splits;
     uint split = gl_WorkGroupID.z % P.splits;
-    uint i0 = gl_WorkGroupID.y * BM;
+    uint i0 = P.row_base + gl_WorkGroupID.y * BM;
     uint j0 = gl_WorkGroupID.x * BN;
     uint k_begin = split * P.k_chunk;
     uint k_end = min(P.k, k_begin + P.k_chunk);

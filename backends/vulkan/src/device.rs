@@ -1889,8 +1889,9 @@ impl VkDevice {
     }
 
     /// Records `mm` with the tiled GEMM's or the GEMV's SPIR-V twin as `p` plans it:
-    /// one dispatch over every tile, matrix and K split, then (split) the WGSL
-    /// `matmul_finish` over the partials, as [`VkDevice::record_spirv_gemm`] does.
+    /// a dispatch per chunk of the planner's rows over every column tile, matrix and K
+    /// split, then (split) the WGSL `matmul_finish` over the partials, as
+    /// [`VkDevice::record_spirv_gemm`] does.
     fn record_gpu_gemm(
         &self,
         s: &mut State,
@@ -1915,17 +1916,6 @@ impl VkDevice {
         if let Some(plan) = &split {
             split_partials(self, s, mm, plan)?;
         }
-        let mut infos = vec![];
-        for b in [mm.a, mm.b, mm.c] {
-            infos.push(self.buffer_info(s, b.id)?);
-        }
-        let params = p.params(mm);
-        let (cmd, arena, offset) = self.put_params(s, &params)?;
-        infos.push(vk::DescriptorBufferInfo {
-            buffer: arena,
-            offset,
-            range: 4 * params.len() as u64,
-        });
         // Stand-ins where the launch has no bias or copy; a split writes its partials
         // where the copy goes.
         let cf = if split.is_some() {
@@ -1933,17 +1923,38 @@ impl VkDevice {
         } else {
             mm.c_f32.map_or(DUMMY_ID, |b| b.id)
         };
-        infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
-        infos.push(self.buffer_info(s, cf)?);
-        let writes = buffer_writes(&infos, Some(3));
-        let (x, y, z) = p.groups(mm);
-        self.record_compute(
-            cmd,
-            (pipeline, layout),
-            &writes,
-            &[],
-            (x as u32, y as u32, z as u32),
-        );
+        let buffers = [
+            mm.a.id,
+            mm.b.id,
+            mm.c.id,
+            mm.bias.map_or(DUMMY_ID, |b| b.id),
+            cf,
+        ];
+        for (row_base, (x, y, z)) in p.dispatches(mm) {
+            let params = p.params(mm, row_base);
+            let (cmd, arena, offset) = self.put_params(s, &params)?;
+            let mut infos = vec![];
+            for id in buffers {
+                infos.push(self.buffer_info(s, id)?);
+            }
+            // The parameters' uniform at binding 3 (see `gemm_layout`).
+            infos.insert(
+                3,
+                vk::DescriptorBufferInfo {
+                    buffer: arena,
+                    offset,
+                    range: 4 * params.len() as u64,
+                },
+            );
+            let writes = buffer_writes(&infos, Some(3));
+            self.record_compute(
+                cmd,
+                (pipeline, layout),
+                &writes,
+                &[],
+                (x as u32, y as u32, z as u32),
+            );
+        }
         if let Some(plan) = &split {
             split_finish(self, s, mm, plan)?;
         }

@@ -122,6 +122,9 @@ pub struct GpuGemmPlan {
     /// split writes f32 partials for the WGSL `matmul_finish`.
     pub splits: u32,
     pub k_chunk: u32,
+    /// The planner's output rows per dispatch (a multiple of the kernel's rows per
+    /// workgroup), so that no dispatch runs long enough for a GPU's watchdog.
+    pub rows_per_dispatch: u32,
 }
 
 impl GpuGemmPlan {
@@ -138,12 +141,31 @@ impl GpuGemmPlan {
         )
     }
 
-    /// The shaders' `Params` block (shaders/vulkan/common/gemm_io.glsl): the
-    /// CPU-class kernel's, whose layout it shares.
-    pub fn params(&self, mm: &Matmul) -> [u32; 16] {
+    /// The dispatches of one product: each one's first output row and workgroups
+    /// (column tiles, row tiles, matrices x splits), rows in the planner's chunks.
+    pub fn dispatches(&self, mm: &Matmul) -> Vec<(u32, (u64, u64, u64))> {
+        let (x, _, z) = self.groups(mm);
+        let bm = match self.kernel {
+            GpuKernel::Tiled { bm, .. } => bm,
+            GpuKernel::Gemv { .. } => 1,
+        };
+        let m = mm.m as u32;
+        (0..m)
+            .step_by(self.rows_per_dispatch.max(1) as usize)
+            .map(|row| {
+                let rows = self.rows_per_dispatch.min(m - row);
+                (row, (x, rows.div_ceil(bm) as u64, z))
+            })
+            .collect()
+    }
+
+    /// The shaders' `Params` block (shaders/vulkan/common/gemm_io.glsl) of the
+    /// dispatch from output row `row_base`: the CPU-class kernel's layout, the first
+    /// row after it.
+    pub fn params(&self, mm: &Matmul, row_base: u32) -> [u32; 16] {
         let mut p = [0; 16];
         let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
-        p[..14].copy_from_slice(&[
+        p[..15].copy_from_slice(&[
             m,
             n,
             k,
@@ -158,6 +180,7 @@ impl GpuGemmPlan {
             self.splits,
             self.k_chunk,
             (mm.batch * mm.m * mm.n) as u32,
+            row_base,
         ]);
         p
     }
@@ -172,11 +195,13 @@ impl GpuGemmPlan {
         self.storage == [DType::F32; 4]
     }
 
-    /// What its pipeline depends on: not how K is split, only whether.
+    /// What its pipeline depends on: not how K or the rows are split, only whether
+    /// K is.
     pub fn pipeline_key(&self) -> GpuGemmPlan {
         GpuGemmPlan {
             splits: self.splits.min(2),
             k_chunk: 0,
+            rows_per_dispatch: 0,
             ..*self
         }
     }
@@ -439,6 +464,7 @@ fn route_gpu(
         } else {
             mm.k as u32
         },
+        rows_per_dispatch: plan.rows_per_dispatch,
     };
     let name = plan.variant.name();
     let shared = p.shared_bytes();
@@ -457,8 +483,13 @@ fn route_gpu(
             dev.max_invocations
         ));
     }
-    let (x, y, z) = p.groups(mm);
-    if x.max(y).max(z) > 65535 {
+    // The planner keeps each dimension within a dispatch's 65535 (it refuses wider
+    // products and deeper batches, and chunks the rows); checked here all the same.
+    if let Some((_, (x, y, z))) = p
+        .dispatches(mm)
+        .into_iter()
+        .find(|(_, (x, y, z))| *x.max(y).max(z) > 65535)
+    {
         return GemmRoute::Naga(format!(
             "{x} x {y} x {z} workgroups of the {name} kernel, over the 65535 per dimension \
              of one dispatch"
@@ -765,13 +796,6 @@ mod tests {
             }
         ))
         .contains("gemv256 kernel's workgroup of 256"));
-        // One dispatch of the twins takes every row: 70000 rows of a GEMV are over
-        // the 65535 workgroups a dimension allows (the naga path runs them in chunks).
-        let w = why(route(&mm(DType::F32, 70000, 1, 64), &caps, gpu_device()));
-        assert!(
-            w.contains("1 x 70000 x 1 workgroups of the gemv64 kernel, over the 65535"),
-            "{w}"
-        );
         let w = why(route(&product, &caps, forced(MatmulVariant::Naive)));
         assert!(w.contains("naive kernel, which has no SPIR-V twin"), "{w}");
         let packed = Capabilities {
@@ -890,6 +914,7 @@ mod tests {
         let other = GpuGemmPlan {
             splits: 3,
             k_chunk: 128,
+            rows_per_dispatch: 7,
             ..q
         };
         assert_eq!(other.pipeline_key(), q.pipeline_key());
@@ -913,5 +938,43 @@ mod tests {
             }
         );
         assert_eq!(r.groups(&mm(DType::F16, 37, 29, 53)), (1, 2, 1));
+    }
+
+    #[test]
+    fn the_twins_dispatch_rows_in_the_planners_chunks() {
+        let caps = lavapipe();
+        // 70000 rows of a GEMV: more workgroups than a dispatch's 65535, in two.
+        let tall = mm(DType::F32, 70000, 1, 64);
+        let plan = plan_matmul(&tall, &caps, None).unwrap();
+        let p = gpu_plan(route(&tall, &caps, gpu_device()));
+        assert_eq!(p.rows_per_dispatch, plan.rows_per_dispatch);
+        assert_eq!(
+            p.dispatches(&tall),
+            vec![(0, (1, 65535, 1)), (65535, (1, 4465, 1))]
+        );
+        // Each dispatch's parameters start at its row.
+        assert_eq!(p.params(&tall, 65535)[14], 65535);
+        // The tiled kernel's chunks are whole tiles of rows: a long product (4e9
+        // flops per dispatch) over three dispatches, the last one short.
+        let tiled = MatmulVariant::Tiled {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+        };
+        let dev = GemmDevice {
+            force: Some(tiled),
+            ..gpu_device()
+        };
+        let long = mm(DType::F16, 1000, 1024, 4096);
+        let q = gpu_plan(route(&long, &caps, dev));
+        assert_eq!(q.rows_per_dispatch, 448);
+        assert_eq!(
+            q.dispatches(&long),
+            vec![(0, (16, 7, 1)), (448, (16, 7, 1)), (896, (16, 2, 1))]
+        );
+        // A short product: one dispatch over every row.
+        let short = mm(DType::F16, 37, 29, 53);
+        let r = gpu_plan(route(&short, &caps, dev));
+        assert_eq!(r.dispatches(&short), vec![(0, r.groups(&short))]);
     }
 }

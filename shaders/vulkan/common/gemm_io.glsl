@@ -32,13 +32,16 @@ layout(set = 0, binding = 4) readonly buffer BufBias { float bias[]; };
 layout(set = 0, binding = 5) writeonly buffer BufCf { float cf[]; };
 
 // Row strides as stored (lda, ldb, ldc), batch strides (0: one matrix for all), the
-// epilogue's scalars, the K split and batch * m * n (one split's slab of partials).
+// epilogue's scalars, the K split, batch * m * n (one split's slab of partials) and the
+// first output row of this dispatch (the host cuts long products into row chunks, as
+// the WGSL kernels' host does, so that no dispatch runs long enough for a watchdog).
 layout(set = 0, binding = 3) uniform Params {
     uint m, n, k;
     uint lda, ldb, ldc;
     uint stride_a, stride_b, stride_c;
     float alpha, beta;
     uint splits, k_chunk, total;
+    uint row_base;
 } P;
 
 #ifdef F32_ONLY
