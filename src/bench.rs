@@ -302,8 +302,9 @@ pub struct Runs<'a> {
     /// The SPIR-V GEMM on the adapters named (Vulkan ones; f32 and f16).
     pub spirv: &'a [(String, SpirvMatmul)],
     /// The raw Vulkan backend's devices (`vk:N`), timed through the `Device` trait:
-    /// the planner's kernel, run as the hand-written SPIR-V GEMM where vk's route
-    /// gives it that (the row's variant then reads `spirv <kernel>`).
+    /// the planner's kernel and each of `extra` pinned, run as the hand-written SPIR-V
+    /// GEMMs where vk's route gives them that (the row's variant then reads
+    /// `spirv <kernel>`).
     pub vk: &'a [crate::vulkan::VkDevice],
 }
 
@@ -373,11 +374,15 @@ pub fn matmul_table(
         for dev in vk.iter() {
             let caps = dev.caps().clone();
             for &dtype in dtypes {
-                let (gflops, variant) = vk_gflops(dev, s, dtype, budget)
-                    .with_context(|| format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k))?;
-                let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
-                progress(&row);
-                rows.push(row);
+                for pin in std::iter::once(None).chain(extra.iter().copied().map(Some)) {
+                    let (gflops, variant) =
+                        vk_gflops(dev, s, dtype, pin, budget).with_context(|| {
+                            format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k)
+                        })?;
+                    let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
+                    progress(&row);
+                    rows.push(row);
+                }
             }
         }
     }
@@ -480,17 +485,28 @@ fn selected_gflops(
 }
 
 /// [`device_gflops`] on a `vk:N` device, the variant named `spirv <kernel>` where the
-/// product runs as the hand-written SPIR-V GEMM (as the wgpu passthrough's rows are),
-/// and `coopmat <tile>` where it runs on the cooperative-matrix GEMM.
+/// product runs as a hand-written SPIR-V GEMM (as the wgpu passthrough's rows are),
+/// and `coopmat <tile>` where it runs on the cooperative-matrix GEMM. With `pin`, the
+/// SPIR-V route runs that kernel instead of the planner's (the naga path keeps the
+/// planner's, and the row says so).
 fn vk_gflops(
     dev: &crate::vulkan::VkDevice,
     s: &Shape,
     dtype: DType,
+    pin: Option<MatmulVariant>,
     budget: Duration,
 ) -> Result<(f64, String)> {
     let (spirv, _) = dev.gemm_launches();
     let coop = dev.coopmat_launches();
-    let (gflops, variant) = device_gflops(dev, s, dtype, budget)?;
+    dev.force_gemm_variant(pin);
+    let timed = device_gflops(dev, s, dtype, budget);
+    dev.force_gemm_variant(None);
+    let (gflops, planned) = timed?;
+    let variant = match pin {
+        Some(v) if dev.gemm_launches().0 > spirv => v.name(),
+        Some(v) => format!("{planned} (pinned {} is not on the SPIR-V route)", v.name()),
+        None => planned,
+    };
     let ran_spirv = dev.gemm_launches().0 > spirv;
     let ran_coop = dev.coopmat_launches() > coop;
     Ok((

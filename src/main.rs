@@ -495,7 +495,8 @@ struct MatmulArgs {
     /// Turn native f16 off on every device (measures the packed path).
     #[arg(long)]
     no_f16: bool,
-    /// Also measure these kernel variants (e.g. `cpu24x8,tiled32x64x8,gemv128`) beside the planner's choice.
+    /// Also measure these kernel variants (e.g. `cpu24x8,tiled32x64x8,gemv128`) beside the planner's choice
+    /// (on `vk:N` too, as its hand-written SPIR-V GEMMs: `cpu`, `tiled` and `gemv` blocks).
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Also measure the hand-written SPIR-V GEMM (shaders/vulkan/matmul_cpu.comp) on

@@ -303,6 +303,8 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
         "96",
         "--naive-up-to",
         "0",
+        "--variants",
+        "tiled32x32x8,naive",
         "--budget-ms",
         "20",
         "--json",
@@ -328,15 +330,23 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
             )
         })
         .collect();
-    // wgpu's planner choice, the hand-written SPIR-V GEMM through wgpu, and the raw
-    // Vulkan backend running the planner's choice as that SPIR-V GEMM (its tile
-    // specialized).
+    // wgpu's planner choice and the pinned WGSL kernels, the hand-written SPIR-V GEMM
+    // through wgpu, and the raw Vulkan backend running the planner's choice as that
+    // SPIR-V GEMM (its tile specialized), the pinned tiled kernel as its twin, and the
+    // planner's kernel through naga where the pin (naive) has no twin, as it says.
     let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
-    assert_eq!(names.len(), 4, "{names:?}");
+    assert_eq!(names.len(), 8, "{names:?}");
     assert_eq!(names[0].0, "vulkan");
-    assert_eq!(names[1], ("vulkan", "spirv cpu16x8"));
-    assert_eq!(names[2], ("vulkan", "table cpu16x8 (too small to measure)"));
-    assert_eq!(names[3], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[1], ("vulkan", "tiled32x32x8"));
+    assert_eq!(names[2], ("vulkan", "naive"));
+    assert_eq!(names[3], ("vulkan", "spirv cpu16x8"));
+    assert_eq!(names[4], ("vulkan", "table cpu16x8 (too small to measure)"));
+    assert_eq!(names[5], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[6], ("vk", "spirv tiled32x32x8"));
+    assert_eq!(
+        names[7],
+        ("vk", "cpu16x8 (pinned naive is not on the SPIR-V route)")
+    );
     assert_eq!(names[0].1, "cpu16x8");
     // Only a wgpu Vulkan adapter runs the passthrough SPIR-V.
     let out = kiln(&[

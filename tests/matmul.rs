@@ -153,6 +153,15 @@ fn check_on(
 
 /// C (and its f32 copy) after one launch of `case` on `d`.
 fn outputs(d: &dyn Device, case: &Case) -> (Vec<u32>, Option<Vec<u32>>) {
+    outputs_with(d, case, &|mm| d.launch(&Kernel::Matmul(mm.clone())))
+}
+
+/// [`outputs`], `launch` recording the GEMM on `d`.
+fn outputs_with(
+    d: &dyn Device,
+    case: &Case,
+    launch: &dyn Fn(&Matmul) -> kiln::engine::Result<()>,
+) -> (Vec<u32>, Option<Vec<u32>>) {
     let put_all = |h: &HostData| put(d, h);
     let mut mm = Matmul {
         a: put_all(&case.a),
@@ -165,7 +174,7 @@ fn outputs(d: &dyn Device, case: &Case) -> (Vec<u32>, Option<Vec<u32>>) {
         .mm
         .c_f32
         .map(|cf| put(d, &HostData::F32(vec![0.0; cf.len])));
-    d.launch(&Kernel::Matmul(mm.clone())).unwrap();
+    launch(&mm).unwrap();
     d.submit().unwrap();
     let bits = |b| -> Vec<u32> {
         let v = d.download(b).unwrap().to_f32();
@@ -266,8 +275,8 @@ fn random_shapes_match_cpu_on_every_path() {
 
 /// The raw Vulkan backend (`vk:0`), on the same dtype mixes and transposes, one random
 /// shape of each (lavapipe compiles each kernel anew for this device): every product
-/// the route gives the hand-written SPIR-V GEMM runs there (its launch counter says so),
-/// the rest (GEMV) through naga's translation of the WGSL.
+/// runs in a hand-written SPIR-V GEMM (the CPU-class kernel, or for N = 1 the GEMV's
+/// twin), as the route says and its launch counter confirms.
 #[test]
 fn random_shapes_match_cpu_on_vk() {
     let mut rng = Rng::new(2025);
@@ -276,7 +285,7 @@ fn random_shapes_match_cpu_on_vk() {
     let launch = |mm: &Matmul| {
         let (s, n) = routed.get();
         routed.set(match dev.gemm_route(mm)? {
-            kiln::vulkan::GemmRoute::Spirv(_) => (s + 1, n),
+            kiln::vulkan::GemmRoute::Spirv(_) | kiln::vulkan::GemmRoute::SpirvGpu(_) => (s + 1, n),
             kiln::vulkan::GemmRoute::Naga(_) => (s, n + 1),
             // Counted apart (`coopmat_launches`); lavapipe has no cooperative matrix.
             kiln::vulkan::GemmRoute::CoopMat(_) => (s, n),
@@ -287,9 +296,10 @@ fn random_shapes_match_cpu_on_vk() {
     assert!(shapes >= 20, "only {shapes} shapes");
     let (spirv, naga) = dev.gemm_launches();
     assert_eq!((spirv, naga), routed.get());
-    // The naga path's: GEMV shapes.
-    assert!(
-        spirv >= 15 && naga >= 2,
+    // Every shape, the GEMV ones (N = 1) too, runs in a hand-written kernel.
+    assert_eq!(
+        (spirv, naga),
+        (shapes as u64, 0),
         "{spirv} SPIR-V and {naga} naga GEMMs of {shapes}"
     );
 }
@@ -489,6 +499,368 @@ fn split_k_runs_as_spirv_on_vk() {
         }
     }
     assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// Launches `mm` on `dev` once it is sure the product routes to the SPIR-V twin of the
+/// tiled GEMM or the GEMV and `check` accepts the plan.
+fn launch_as_spirv_gpu(
+    what: &str,
+    dev: &kiln::vulkan::VkDevice,
+    mm: &Matmul,
+    check: impl Fn(&kiln::vulkan::GpuGemmPlan),
+) -> kiln::engine::Result<()> {
+    let route = dev.gemm_route(mm)?;
+    let kiln::vulkan::GemmRoute::SpirvGpu(p) = route else {
+        panic!("{what}: {route:?}")
+    };
+    check(&p);
+    dev.launch(&Kernel::Matmul(mm.clone()))
+}
+
+/// wgpu's Vulkan device (lavapipe, as `vk:0`), to pin the WGSL kernel a twin mirrors.
+fn wgpu_vulkan() -> WgpuDevice {
+    WgpuDevice::open(adapter_index("vulkan"), &DeviceOptions::default()).unwrap()
+}
+
+/// One case of the GPU-class twins: `dims` x `batch` (`pad_b` None: B broadcast),
+/// operands `dtypes`, and with `epilogue` alpha, beta, a bias of `bias_dtype`, GELU and
+/// the f32 copy.
+#[allow(clippy::too_many_arguments)]
+fn twin_case(
+    rng: &mut Rng,
+    dims: (usize, usize, usize),
+    batch: usize,
+    pad_a: usize,
+    pad_b: Option<usize>,
+    trans: (bool, bool),
+    dtypes: [DType; 3],
+    epilogue: Option<DType>,
+) -> Case {
+    let mut c = strided_batch(rng, dims, trans, dtypes, batch, pad_a, pad_b, 7);
+    if let Some(bias_dtype) = epilogue {
+        let (n, len) = (c.mm.n, c.c.len());
+        c.c = random(rng, dtypes[2], len);
+        c.bias = Some(random(rng, bias_dtype, n));
+        let mut mm = c.mm.clone().scaled(0.75, -0.5).with_gelu();
+        mm.bias = Some(handle(bias_dtype, n));
+        mm.c_f32 = Some(handle(DType::F32, len));
+        c.mm = mm;
+    }
+    c
+}
+
+const TWIN_MIXES: [[DType; 3]; 5] = [
+    [DType::F32; 3],
+    [DType::F16; 3],
+    [DType::BF16; 3],
+    [DType::F16, DType::F16, DType::F32],
+    [DType::F32, DType::F16, DType::BF16],
+];
+const TRANSPOSES: [(bool, bool); 4] = [(false, false), (false, true), (true, false), (true, true)];
+
+/// The SPIR-V twin of the GPU-class tiled GEMM (`shaders/vulkan/matmul_tiled.comp`),
+/// forced on `vk:0` (lavapipe's planner picks the CPU-class kernel): three tile shapes,
+/// sizes of 1, primes and non-multiples of every tile, every transpose, strided batches
+/// and a broadcast B, alpha, beta, a bias, GELU and the f32 copy, f32, f16, bf16 and
+/// mixed storage, 16-byte loads and not, and split K; each routed there (by route and
+/// counter) and checked against the CPU, and bit for bit against wgpu's WGSL tiled
+/// kernel pinned to the same tile (same order of every sum, same epilogue).
+#[test]
+fn tiled_gemm_runs_as_spirv_on_vk() {
+    let mut rng = Rng::new(2030);
+    let dev = vk_device(false);
+    let wgpu = wgpu_vulkan();
+    let tiles = [(64, 64, 16), (32, 48, 8), (16, 16, 4)].map(|(bm, bn, bk)| MatmulVariant::Tiled {
+        bm,
+        bn,
+        bk,
+    });
+    // (dims, batch, pad_a, pad_b, 16-byte loads of A and B in NN)
+    let shapes = [
+        ((1, 1, 1), 1, 0, Some(0), false),
+        ((37, 29, 53), 1, 0, Some(0), false),
+        ((65, 70, 17), 3, 3, Some(5), false),
+        ((8, 36, 100), 2, 3, None, false),
+        ((12, 20, 64), 2, 4, Some(4), true),
+    ];
+    let mut cases = 0;
+    for (i, dtypes) in TWIN_MIXES.into_iter().enumerate() {
+        for (s, &(dims, batch, pad_a, pad_b, vec)) in shapes.iter().enumerate() {
+            let trans = TRANSPOSES[(i + s) % 4];
+            let tile = tiles[(i + 2 * s) % 3];
+            let bias_dtype = [None, Some(DType::F32), Some(dtypes[2])][(i + s) % 3];
+            let c = twin_case(
+                &mut rng, dims, batch, pad_a, pad_b, trans, dtypes, bias_dtype,
+            );
+            let what = format!(
+                "vk tiled {tile:?}: {dims:?} x{batch} {trans:?} {dtypes:?} epilogue {bias_dtype:?}"
+            );
+            dev.force_gemm_variant(Some(tile));
+            check_on(&what, &dev, &c, &|mm| {
+                launch_as_spirv_gpu(&what, &dev, mm, |p| {
+                    let kiln::vulkan::GpuKernel::Tiled { bm, bn, bk } = p.kernel else {
+                        panic!("{what}: {p:?}")
+                    };
+                    assert_eq!(MatmulVariant::Tiled { bm, bn, bk }, tile, "{what}");
+                    // 16-byte loads where the contiguous dimension and the batch
+                    // stride are multiples of 4 (all of them in the last shape).
+                    let fours = |dim: usize, stride: usize| {
+                        dim.is_multiple_of(4) && (mm.batch == 1 || stride.is_multiple_of(4))
+                    };
+                    let a_dim = if mm.trans_a { mm.m } else { mm.k };
+                    let b_dim = if mm.trans_b { mm.k } else { mm.n };
+                    let want = (fours(a_dim, mm.stride_a), fours(b_dim, mm.stride_b));
+                    assert_eq!((p.vec_a, p.vec_b), want, "{what}");
+                    assert!(want == (true, true) || !vec, "{what}");
+                    assert_eq!(p.splits, 1, "{what}");
+                })
+            });
+            let vk = outputs(&dev, &c);
+            let w = outputs_with(&wgpu, &c, &|mm| {
+                wgpu.launch_matmul(mm, Some(tile)).map(drop)
+            });
+            assert!(vk == w, "{what}: vk and wgpu give different bits");
+            cases += 2;
+        }
+    }
+    // Long K over few tiles: the planner splits K, the twin writes the partials and
+    // the WGSL matmul_finish sums them with the epilogue.
+    for (i, (dims, batch, pad_b)) in [
+        ((3, 9, 1500), 1, Some(0)),
+        ((13, 17, 1031), 2, Some(5)),
+        ((4, 8, 2053), 2, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dtypes = TWIN_MIXES[(2 * i + 1) % 5];
+        let trans = TRANSPOSES[i + 1];
+        let tile = tiles[i];
+        let c = twin_case(
+            &mut rng,
+            dims,
+            batch,
+            3,
+            pad_b,
+            trans,
+            dtypes,
+            Some(DType::F32),
+        );
+        let what = format!("vk tiled split K {tile:?}: {dims:?} x{batch} {trans:?} {dtypes:?}");
+        dev.force_gemm_variant(Some(tile));
+        check_on(&what, &dev, &c, &|mm| {
+            launch_as_spirv_gpu(&what, &dev, mm, |p| assert!(p.splits > 1, "{what}: {p:?}"))
+        });
+        let vk = outputs(&dev, &c);
+        let w = outputs_with(&wgpu, &c, &|mm| {
+            wgpu.launch_matmul(mm, Some(tile)).map(drop)
+        });
+        assert!(vk == w, "{what}: vk and wgpu give different bits");
+        cases += 2;
+    }
+    dev.force_gemm_variant(None);
+    assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// The SPIR-V twin of the GEMV (`shaders/vulkan/gemv.comp`), which the planner picks on
+/// `vk:0` for N = 1: sizes of 1 and primes, every transpose, strided batches and a
+/// broadcast B, the epilogue, every storage mix, and split K; each routed there (by
+/// route and counter) and checked against the CPU, and bit for bit against wgpu's WGSL
+/// GEMV (the same fixed reduction order).
+#[test]
+fn gemv_runs_as_spirv_on_vk() {
+    let mut rng = Rng::new(2031);
+    let dev = vk_device(false);
+    let wgpu = wgpu_vulkan();
+    let gemv = MatmulVariant::Gemv { lanes: 64 };
+    // (dims, batch, pad_b, split K)
+    let shapes = [
+        ((1, 1, 32), 1, Some(0), false),
+        ((37, 1, 53), 1, Some(0), false),
+        ((65, 1, 300), 3, Some(5), false),
+        ((8, 1, 100), 2, None, false),
+        ((1, 1, 2048), 1, Some(0), true),
+        ((2, 1, 3001), 2, Some(3), true),
+    ];
+    let mut cases = 0;
+    for (i, dtypes) in TWIN_MIXES.into_iter().enumerate() {
+        for (s, &(dims, batch, pad_b, split)) in shapes.iter().enumerate() {
+            let trans = TRANSPOSES[(i + s) % 4];
+            let bias_dtype = [None, Some(DType::F32), Some(dtypes[2])][(i + s) % 3];
+            let c = twin_case(&mut rng, dims, batch, 3, pad_b, trans, dtypes, bias_dtype);
+            let what =
+                format!("vk gemv: {dims:?} x{batch} {trans:?} {dtypes:?} epilogue {bias_dtype:?}");
+            check_on(&what, &dev, &c, &|mm| {
+                launch_as_spirv_gpu(&what, &dev, mm, |p| {
+                    assert_eq!(
+                        p.kernel,
+                        kiln::vulkan::GpuKernel::Gemv { lanes: 64 },
+                        "{what}"
+                    );
+                    assert_eq!(p.splits > 1, split, "{what}: {p:?}");
+                })
+            });
+            let vk = outputs(&dev, &c);
+            let w = outputs_with(&wgpu, &c, &|mm| {
+                wgpu.launch_matmul(mm, Some(gemv)).map(drop)
+            });
+            assert!(vk == w, "{what}: vk and wgpu give different bits");
+            cases += 2;
+        }
+    }
+    assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// A GEMV of 70000 rows on `vk:0`: more workgroups than one dispatch allows, so the
+/// twin runs the planner's row chunks, each from its first row; against the CPU and
+/// bit for bit against wgpu's WGSL GEMV (chunked alike).
+#[test]
+fn a_tall_gemv_runs_in_row_chunks_on_vk() {
+    let mut rng = Rng::new(2034);
+    let dev = vk_device(false);
+    let wgpu = wgpu_vulkan();
+    let c = twin_case(
+        &mut rng,
+        (70000, 1, 40),
+        1,
+        0,
+        Some(0),
+        (true, false),
+        [DType::F16; 3],
+        Some(DType::F32),
+    );
+    let what = "vk gemv 70000x1x40";
+    check_on(what, &dev, &c, &|mm| {
+        launch_as_spirv_gpu(what, &dev, mm, |p| {
+            assert_eq!(p.dispatches(mm).len(), 2, "{p:?}")
+        })
+    });
+    let vk = outputs(&dev, &c);
+    let w = outputs_with(&wgpu, &c, &|mm| {
+        wgpu.launch_matmul(mm, Some(MatmulVariant::Gemv { lanes: 64 }))
+            .map(drop)
+    });
+    assert!(vk == w, "{what}: vk and wgpu give different bits");
+    assert_eq!(dev.gemm_launches(), (2, 0));
+}
+
+/// On `vk:0` with 16-bit storage off, f32 products still run in the twins, from their
+/// `_f32` modules (the others declare 16-bit storage, which such a device lacks: the
+/// validation layer would fail the launch), and f16 ones name why they take naga.
+#[test]
+fn f32_twins_run_without_16bit_storage_on_vk() {
+    let mut rng = Rng::new(2032);
+    let dev = vk_device(true);
+    let tile = MatmulVariant::Tiled {
+        bm: 32,
+        bn: 32,
+        bk: 8,
+    };
+    dev.force_gemm_variant(Some(tile));
+    for (dims, pad_b) in [((37, 29, 53), Some(5)), ((12, 1, 300), None)] {
+        let c = twin_case(
+            &mut rng,
+            dims,
+            2,
+            3,
+            pad_b,
+            (true, false),
+            [DType::F32; 3],
+            Some(DType::F32),
+        );
+        let what = format!("vk without 16-bit storage: {dims:?}");
+        check_on(&what, &dev, &c, &|mm| {
+            launch_as_spirv_gpu(&what, &dev, mm, |p| assert!(p.f32_only(), "{what}: {p:?}"))
+        });
+    }
+    let c = case(&mut rng, (37, 29, 53), (false, false), [DType::F16; 3]);
+    let f16 = Matmul {
+        a: put(&dev, &c.a),
+        b: put(&dev, &c.b),
+        c: put(&dev, &c.c),
+        ..c.mm.clone()
+    };
+    match dev.gemm_route(&f16).unwrap() {
+        kiln::vulkan::GemmRoute::Naga(why) => assert!(why.contains("native f16"), "{why}"),
+        other => panic!("f16 without 16-bit storage: {other:?}"),
+    }
+    dev.force_gemm_variant(None);
+    assert_eq!(dev.gemm_launches(), (2, 0));
+}
+
+/// `prepare` on `vk:0` builds the twins' pipelines (a split GEMV's with its
+/// matmul_finish, a forced tiled one's) without running them: the launches after it
+/// build nothing more, and they run in the twins.
+#[test]
+fn prepare_builds_the_twins_pipelines_on_vk() {
+    let mut rng = Rng::new(2033);
+    let dev = vk_device(false);
+    dev.force_gemm_variant(Some(MatmulVariant::Tiled {
+        bm: 48,
+        bn: 16,
+        bk: 12,
+    }));
+    let cases = [
+        twin_case(
+            &mut rng,
+            (2, 1, 3001),
+            2,
+            3,
+            Some(3),
+            (false, false),
+            [DType::BF16; 3],
+            Some(DType::F32),
+        ),
+        twin_case(
+            &mut rng,
+            (50, 19, 29),
+            1,
+            0,
+            Some(0),
+            (true, true),
+            [DType::F16; 3],
+            None,
+        ),
+    ];
+    let kernels: Vec<Kernel> = cases
+        .iter()
+        .map(|c| {
+            let mut mm = Matmul {
+                a: put(&dev, &c.a),
+                b: put(&dev, &c.b),
+                c: put(&dev, &c.c),
+                ..c.mm.clone()
+            };
+            mm.bias = c.bias.as_ref().map(|h| put(&dev, h));
+            mm.c_f32 =
+                c.mm.c_f32
+                    .map(|cf| put(&dev, &HostData::F32(vec![0.0; cf.len])));
+            let route = dev.gemm_route(&mm).unwrap();
+            assert!(
+                matches!(route, kiln::vulkan::GemmRoute::SpirvGpu(_)),
+                "{route:?}"
+            );
+            Kernel::Matmul(mm)
+        })
+        .collect();
+    let before = dev.pipeline_count();
+    dev.prepare(&kernels).unwrap();
+    let built = dev.pipeline_count();
+    // The two twins and the split's matmul_finish.
+    assert_eq!(built - before, 3);
+    assert_eq!(dev.gemm_launches(), (0, 0), "prepare ran nothing");
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    dev.submit().unwrap();
+    dev.wait().unwrap();
+    assert_eq!(
+        dev.pipeline_count(),
+        built,
+        "the launches built something more"
+    );
+    assert_eq!(dev.gemm_launches(), (2, 0));
+    dev.force_gemm_variant(None);
 }
 
 /// `per` random shapes of every dtype mix and transpose, then the edge shapes every

@@ -51,8 +51,16 @@ fn committed_spirv_is_what_the_sources_compile_to() {
     );
     // matmul_cpu: 2 tiles x 2 storage types x 6 operand layouts, 12 `_epi` builds and
     // 6 `_mixed` ones (storage types by specialization) for the vk backend; gemm_f32;
-    // attention: 3 passes x (16-bit storage, `_packed`).
-    assert_eq!(modules.len(), 49);
+    // attention: 3 passes x (16-bit storage, `_packed`); matmul_tiled and gemv, each
+    // with any storage or `_f32` only.
+    assert_eq!(modules.len(), 53);
+    for kernel in ["matmul_tiled", "matmul_tiled_f32", "gemv", "gemv_f32"] {
+        let name = format!("{kernel}.spv");
+        assert!(
+            out.join(&name).exists(),
+            "build.sh no longer makes {name}, which kiln-vulkan's GEMM route runs"
+        );
+    }
     for path in modules {
         let name = path.file_name().unwrap();
         let fresh = std::fs::read(out.join(name)).unwrap();

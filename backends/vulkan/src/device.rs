@@ -48,7 +48,7 @@ use naga::back::spv::Capability;
 
 use crate::attention;
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
-use crate::gemm::{self, GemmDevice, GemmRoute, SpirvGemmPlan};
+use crate::gemm::{self, GemmDevice, GemmRoute, GpuGemmPlan, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
 use crate::primer::{AttentionRecipe, Block, Job, Primed, Primer};
 
@@ -175,6 +175,8 @@ pub struct State {
     ran: std::collections::HashSet<SpirvGemmPlan>,
     /// Attention kernels (their pipelines' names) recorded here outside `prepare`.
     ran_attention: std::collections::HashSet<String>,
+    /// The tiled GEMM's and the GEMV's SPIR-V twins' pipelines, by specialization.
+    gemm_gpu: HashMap<GpuGemmPlan, vk::Pipeline>,
     gemm_layout: Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>,
     stream: Option<Stream>,
     /// Last timeline value submitted.
@@ -250,6 +252,8 @@ pub struct VkDevice {
     attention_count: std::sync::atomic::AtomicU64,
     /// The attention plan tests force ([`VkDevice::force_attention_plan`]).
     attention_plan: Mutex<Option<AttentionPlan>>,
+    /// The GEMM kernel tests force ([`VkDevice::force_gemm_variant`]).
+    gemm_variant: Mutex<Option<MatmulVariant>>,
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
     /// Runs big GEMM blocks and attention passes first on a second device (software
@@ -501,6 +505,7 @@ impl VkDevice {
             gemm_counts: Default::default(),
             attention_count: Default::default(),
             attention_plan: Mutex::new(None),
+            gemm_variant: Mutex::new(None),
             coopmat,
             primer,
             stand_ins: Default::default(),
@@ -517,6 +522,7 @@ impl VkDevice {
                 gemm: HashMap::new(),
                 ran: Default::default(),
                 ran_attention: Default::default(),
+                gemm_gpu: HashMap::new(),
                 gemm_layout: None,
                 stream: None,
                 submitted: 0,
@@ -617,7 +623,7 @@ impl VkDevice {
     /// Pipelines built so far (tests check that a prepared plan's launches add none).
     pub fn pipeline_count(&self) -> usize {
         let s = self.lock();
-        s.pipelines.len() + s.gemm.len() + s.glsl.len()
+        s.pipelines.len() + s.gemm.len() + s.gemm_gpu.len() + s.glsl.len()
     }
 
     /// Which GEMM a `Kernel::Matmul` of `mm` runs here, and why (see [`GemmRoute`]).
@@ -666,14 +672,20 @@ impl VkDevice {
 
     fn route(&self, s: &State, mm: &kiln_engine::Matmul) -> Result<GemmRoute> {
         let (_, b_offset, _) = self.resolve(s, mm.b.id)?;
+        let (_, a_offset, _) = self.resolve(s, mm.a.id)?;
         let dev = GemmDevice {
             subgroup_control: self.features.subgroup_control.map(|c| c.sizes),
             b_offset,
+            a_offset,
+            max_shared: self.features.max_shared,
+            max_invocations: self.features.max_invocations,
+            force: *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()),
         };
         Ok(gemm::route(mm, &self.caps, dev))
     }
 
-    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMM, by the naga path); the
+    /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMMs — the CPU-class kernel
+    /// and the tiled GEMM's and the GEMV's twins —, by the naga path); the
     /// cooperative-matrix GEMM's are [`VkDevice::coopmat_launches`].
     pub fn gemm_launches(&self) -> (u64, u64) {
         let get = |i: usize| self.gemm_counts[i].load(std::sync::atomic::Ordering::Relaxed);
@@ -702,6 +714,15 @@ impl VkDevice {
             .attention_plan
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = plan;
+    }
+
+    /// Plans every GEMM with `variant` instead of the planner's choice (`None`: the
+    /// planner's again), so that tests reach the tiled GEMM's SPIR-V twin on a CPU
+    /// driver. Only the SPIR-V route follows it: a product it sends to the naga path
+    /// runs the planner's own kernel there.
+    #[doc(hidden)]
+    pub fn force_gemm_variant(&self, variant: Option<MatmulVariant>) {
+        *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()) = variant;
     }
 
     /// Records a validated attention kernel with the hand-written GLSL passes, over the
@@ -833,7 +854,7 @@ impl VkDevice {
             };
             if s.collect.is_none() {
                 let which = match route {
-                    GemmRoute::Spirv(_) => 0,
+                    GemmRoute::Spirv(_) | GemmRoute::SpirvGpu(_) => 0,
                     GemmRoute::Naga(_) => 1,
                     GemmRoute::CoopMat(_) => 2,
                 };
@@ -850,6 +871,7 @@ impl VkDevice {
                     }
                     return self.record_spirv_gemm(s, mm, &block);
                 }
+                GemmRoute::SpirvGpu(p) => return self.record_gpu_gemm(s, mm, &p),
                 GemmRoute::Naga(why) => {
                     if gemm_log() {
                         eprintln!(
@@ -2582,6 +2604,147 @@ impl VkDevice {
 }
 
 impl VkDevice {
+    /// The pipeline of the tiled GEMM's or the GEMV's SPIR-V twin for `p`: its
+    /// committed module with everything specialized, on the SPIR-V GEMM's layout;
+    /// built on first use.
+    fn gpu_gemm_pipeline(
+        &self,
+        s: &mut State,
+        p: &GpuGemmPlan,
+    ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
+        let (_, layout) = self.gemm_layout(s)?;
+        let p = &p.pipeline_key();
+        if let Some(&pipeline) = s.gemm_gpu.get(p) {
+            return Ok((pipeline, layout));
+        }
+        let t0 = std::time::Instant::now();
+        let (name, bytes) = gemm::gpu_module(p);
+        let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
+        let values = p.spec();
+        let entries: Vec<_> = (0..values.len() as u32)
+            .map(|i| vk::SpecializationMapEntry {
+                constant_id: i + 1,
+                offset: 4 * i,
+                size: 4,
+            })
+            .collect();
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let spec = vk::SpecializationInfo::default()
+            .map_entries(&entries)
+            .data(&data);
+        // SAFETY: a module checked as SPIR-V above (the committed output of
+        // glslangValidator, validated by tests/spirv.rs), on a live device; its
+        // bindings are the layout's, every load index it makes is clamped into the
+        // buffers a launch binds, and `gemm::route` checked its shared memory and
+        // workgroup against the device's limits.
+        let module = unsafe {
+            self.device
+                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+        }
+        .map_err(|e| self.vk_error(&format!("creating kernel {name}"), e))?;
+        let stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main")
+            .specialization_info(&spec);
+        let info = vk::ComputePipelineCreateInfo::default()
+            .stage(stage)
+            .layout(layout);
+        // SAFETY: module and layout are live; the module is destroyed once no
+        // pipeline creation uses it.
+        let made = unsafe {
+            self.device
+                .create_compute_pipelines(self.cache, &[info], None)
+        };
+        // SAFETY: as above.
+        unsafe { self.device.destroy_shader_module(module, None) };
+        let pipeline =
+            made.map_err(|(_, e)| self.vk_error(&format!("building kernel {name}"), e))?[0];
+        s.gemm_gpu.insert(*p, pipeline);
+        self.built.store(true, std::sync::atomic::Ordering::Relaxed);
+        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+            eprintln!(
+                "kiln: vk built {name} {:?}: {:.2} s",
+                p.kernel,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        Ok((pipeline, layout))
+    }
+
+    /// Records `mm` with the tiled GEMM's or the GEMV's SPIR-V twin as `p` plans it:
+    /// a dispatch per chunk of the planner's rows over every column tile, matrix and K
+    /// split, then (split) the WGSL `matmul_finish` over the partials, as
+    /// [`VkDevice::record_spirv_gemm`] does.
+    fn record_gpu_gemm(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        p: &GpuGemmPlan,
+    ) -> Result<()> {
+        let (pipeline, layout) = self.gpu_gemm_pipeline(s, p)?;
+        let split = if p.partial() {
+            let force = *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner());
+            let plan = plan_matmul(mm, &self.caps, force)?;
+            debug_assert_eq!((plan.splits, plan.k_chunk), (p.splits, p.k_chunk));
+            Some(plan)
+        } else {
+            None
+        };
+        if s.collect.is_some() {
+            if let Some(plan) = &split {
+                split_finish(self, s, mm, plan)?;
+            }
+            return Ok(());
+        }
+        if let Some(plan) = &split {
+            split_partials(self, s, mm, plan)?;
+        }
+        // Stand-ins where the launch has no bias or copy; a split writes its partials
+        // where the copy goes.
+        let cf = if split.is_some() {
+            PARTIALS_ID
+        } else {
+            mm.c_f32.map_or(DUMMY_ID, |b| b.id)
+        };
+        let buffers = [
+            mm.a.id,
+            mm.b.id,
+            mm.c.id,
+            mm.bias.map_or(DUMMY_ID, |b| b.id),
+            cf,
+        ];
+        for (row_base, (x, y, z)) in p.dispatches(mm) {
+            let params = p.params(mm, row_base);
+            let (cmd, arena, offset) = self.put_params(s, &params)?;
+            let mut infos = vec![];
+            for id in buffers {
+                infos.push(self.buffer_info(s, id)?);
+            }
+            // The parameters' uniform at binding 3 (see `gemm_layout`).
+            infos.insert(
+                3,
+                vk::DescriptorBufferInfo {
+                    buffer: arena,
+                    offset,
+                    range: 4 * params.len() as u64,
+                },
+            );
+            let writes = buffer_writes(&infos, Some(3));
+            self.record_compute(
+                cmd,
+                (pipeline, layout),
+                &writes,
+                &[],
+                (x as u32, y as u32, z as u32),
+            );
+        }
+        if let Some(plan) = &split {
+            split_finish(self, s, mm, plan)?;
+        }
+        Ok(())
+    }
+
     /// Records `mm` with the cooperative-matrix GEMM as `p` plans it: one dispatch, a
     /// workgroup (one subgroup) per tile of C and matrix. Its module is emitted for
     /// `p` when the pipeline is first built.
@@ -3250,6 +3413,9 @@ impl Drop for VkDevice {
                 self.device.destroy_pipeline(p, None);
             }
             for (_, p) in s.gemm.drain() {
+                self.device.destroy_pipeline(p, None);
+            }
+            for (_, p) in s.gemm_gpu.drain() {
                 self.device.destroy_pipeline(p, None);
             }
             if let Some((set, pl)) = s.gemm_layout.take() {

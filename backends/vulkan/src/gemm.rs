@@ -1,13 +1,17 @@
-//! Which GEMM a `Kernel::Matmul` on `vk:N` runs: the hand-written SPIR-V one
-//! (`shaders/vulkan/matmul_cpu.comp`, its committed modules) where it covers the
-//! product on a device it suits, else the WGSL GEMMs translated by naga — decided here
-//! only, with the reason.
+//! Which GEMM a `Kernel::Matmul` on `vk:N` runs: the hand-written SPIR-V ones
+//! (`shaders/vulkan/matmul_cpu.comp`, `matmul_tiled.comp` and `gemv.comp`, their
+//! committed modules) where they cover the product on the device, else the WGSL GEMMs
+//! translated by naga — decided here only, with the reason.
 //!
 //! The SPIR-V kernel is the twin of the WGSL CPU-class register-block kernel, so it
 //! runs exactly where kiln-wgpu's GEMM planner (`plan_matmul`) picks that kernel, with
 //! the planner's tile shape. On vk the shape is passed as specialization constants
 //! (`constant_id` 1 and 2), so one module per storage type and transpose serves every
 //! shape the planner picks, where wgpu's passthrough needs a module per shape.
+//!
+//! The GPU-class tiled kernel and the GEMV have twins too ([`GemmRoute::SpirvGpu`]),
+//! run wherever the planner picks them, within the device's shared-memory and
+//! workgroup limits; one module each serves every shape, transpose and storage type.
 
 use kiln_engine::{Capabilities, DType, Matmul};
 use kiln_wgpu::{plan_matmul, MatmulVariant};
@@ -86,6 +90,180 @@ impl SpirvGemmPlan {
     }
 }
 
+/// The GPU-class kernels' SPIR-V twins, with the planner's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuKernel {
+    /// `shaders/vulkan/matmul_tiled.comp`: `bm` x `bn` outputs per 16 x 16 workgroup,
+    /// K in steps of `bk` through shared memory.
+    Tiled { bm: u32, bn: u32, bk: u32 },
+    /// `shaders/vulkan/gemv.comp` (N = 1): `lanes` invocations per output row.
+    Gemv { lanes: u32 },
+}
+
+/// How the SPIR-V twins of the WGSL tiled GEMM and GEMV run one product: everything
+/// but the module (storage f32 only or any) is a specialization constant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GpuGemmPlan {
+    pub kernel: GpuKernel,
+    /// Storage of A, B, C and the bias (C's where there is none).
+    pub storage: [DType; 4],
+    pub trans_a: bool,
+    pub trans_b: bool,
+    /// 16-byte loads along A's / B's contiguous dimension (the tiled kernel only): it
+    /// is a multiple of 4, and so are the batch stride and the view's start.
+    pub vec_a: bool,
+    pub vec_b: bool,
+    pub bias: bool,
+    pub gelu: bool,
+    pub copy_f32: bool,
+    /// beta is not 0, so C is read.
+    pub use_beta: bool,
+    /// The planner's K split: `splits` chunks of `k_chunk` values (1 and K: none); a
+    /// split writes f32 partials for the WGSL `matmul_finish`.
+    pub splits: u32,
+    pub k_chunk: u32,
+    /// The planner's output rows per dispatch (a multiple of the kernel's rows per
+    /// workgroup), so that no dispatch runs long enough for a GPU's watchdog.
+    pub rows_per_dispatch: u32,
+}
+
+impl GpuGemmPlan {
+    /// Workgroups of one dispatch: column tiles, row tiles, matrices x splits.
+    pub fn groups(&self, mm: &Matmul) -> (u64, u64, u64) {
+        let (bm, bn) = match self.kernel {
+            GpuKernel::Tiled { bm, bn, .. } => (bm, bn),
+            GpuKernel::Gemv { .. } => (1, 1),
+        };
+        (
+            (mm.n as u64).div_ceil(bn as u64),
+            (mm.m as u64).div_ceil(bm as u64),
+            mm.batch as u64 * self.splits as u64,
+        )
+    }
+
+    /// The dispatches of one product: each one's first output row and workgroups
+    /// (column tiles, row tiles, matrices x splits), rows in the planner's chunks.
+    pub fn dispatches(&self, mm: &Matmul) -> Vec<(u32, (u64, u64, u64))> {
+        let (x, _, z) = self.groups(mm);
+        let bm = match self.kernel {
+            GpuKernel::Tiled { bm, .. } => bm,
+            GpuKernel::Gemv { .. } => 1,
+        };
+        let m = mm.m as u32;
+        (0..m)
+            .step_by(self.rows_per_dispatch.max(1) as usize)
+            .map(|row| {
+                let rows = self.rows_per_dispatch.min(m - row);
+                (row, (x, rows.div_ceil(bm) as u64, z))
+            })
+            .collect()
+    }
+
+    /// The shaders' `Params` block (shaders/vulkan/common/gemm_io.glsl) of the
+    /// dispatch from output row `row_base`: the CPU-class kernel's layout, the first
+    /// row after it.
+    pub fn params(&self, mm: &Matmul, row_base: u32) -> [u32; 16] {
+        let mut p = [0; 16];
+        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+        p[..15].copy_from_slice(&[
+            m,
+            n,
+            k,
+            if mm.trans_a { m } else { k },
+            if mm.trans_b { k } else { n },
+            n,
+            mm.stride_a as u32,
+            mm.stride_b as u32,
+            mm.stride_c as u32,
+            mm.alpha.to_bits(),
+            mm.beta.to_bits(),
+            self.splits,
+            self.k_chunk,
+            (mm.batch * mm.m * mm.n) as u32,
+            row_base,
+        ]);
+        p
+    }
+
+    /// Splits K (writes partials; `PARTIAL`).
+    pub fn partial(&self) -> bool {
+        self.splits > 1
+    }
+
+    /// Only f32 storage: the `_f32` module, which needs no 16-bit storage.
+    pub fn f32_only(&self) -> bool {
+        self.storage == [DType::F32; 4]
+    }
+
+    /// What its pipeline depends on: not how K or the rows are split, only whether
+    /// K is.
+    pub fn pipeline_key(&self) -> GpuGemmPlan {
+        GpuGemmPlan {
+            splits: self.splits.min(2),
+            k_chunk: 0,
+            rows_per_dispatch: 0,
+            ..*self
+        }
+    }
+
+    /// Specialization constants 1-16 of matmul_tiled.comp and gemv.comp (constant 1
+    /// is the GEMV's workgroup size; each module ignores the ones it lacks).
+    pub fn spec(&self) -> [u32; 16] {
+        let (one, two, bk) = match self.kernel {
+            GpuKernel::Tiled { bm, bn, bk } => (bm, bn, bk),
+            GpuKernel::Gemv { lanes } => (lanes, 0, 0),
+        };
+        let st = self.storage.map(storage_code);
+        let f = |b: bool| b as u32;
+        [
+            one,
+            two,
+            f(self.bias),
+            f(self.gelu),
+            f(self.copy_f32),
+            st[0],
+            st[1],
+            st[2],
+            st[3],
+            f(self.partial()),
+            f(self.use_beta),
+            bk,
+            f(self.trans_a),
+            f(self.trans_b),
+            f(self.vec_a),
+            f(self.vec_b),
+        ]
+    }
+
+    /// Bytes of shared memory its workgroup uses: the tiled kernel's two tiles (an
+    /// f16 operand's kept f16; the other type's array shrinks to one element), the
+    /// GEMV's partial sums.
+    pub fn shared_bytes(&self) -> u64 {
+        match self.kernel {
+            GpuKernel::Tiled { bm, bn, bk } => {
+                let tile = |side: u32, t: DType| {
+                    let len = bk as u64 * (side as u64 + 1);
+                    if t == DType::F16 {
+                        2 * len + 4
+                    } else {
+                        4 * len + 2
+                    }
+                };
+                tile(bm, self.storage[0]) + tile(bn, self.storage[1])
+            }
+            GpuKernel::Gemv { lanes } => 4 * lanes as u64,
+        }
+    }
+
+    /// Invocations per workgroup.
+    pub fn invocations(&self) -> u32 {
+        match self.kernel {
+            GpuKernel::Tiled { .. } => 256,
+            GpuKernel::Gemv { lanes } => lanes,
+        }
+    }
+}
+
 /// Which GEMM runs a product, and why.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GemmRoute {
@@ -94,6 +272,8 @@ pub enum GemmRoute {
     CoopMat(crate::coopmat::CoopMatPlan),
     /// The hand-written SPIR-V GEMM.
     Spirv(SpirvGemmPlan),
+    /// The hand-written SPIR-V twins of the GPU-class tiled GEMM and the GEMV.
+    SpirvGpu(GpuGemmPlan),
     /// The WGSL GEMMs through naga, for the reason given.
     Naga(String),
 }
@@ -107,22 +287,37 @@ pub struct GemmDevice {
     /// Bytes past a binding's offset alignment that B's binding starts at (a view):
     /// 4-value loads need B to start on a 16-byte boundary.
     pub b_offset: u64,
+    /// The same of A's binding (the tiled kernel loads A 4 values at a time too).
+    pub a_offset: u64,
+    /// `maxComputeSharedMemorySize`: the tiled kernel's tiles must fit it.
+    pub max_shared: u32,
+    /// The largest workgroup along x (`maxComputeWorkGroupInvocations` and
+    /// `maxComputeWorkGroupSize[0]`, the smaller).
+    pub max_invocations: u32,
+    /// The kernel the planner is made to pick ([`crate::VkDevice::force_gemm_variant`]).
+    pub force: Option<MatmulVariant>,
 }
 
 /// The route of `mm` (validated) on a device with `caps` and `dev`.
 pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     let naga = |why: String| GemmRoute::Naga(why);
-    let plan = match plan_matmul(mm, caps, None) {
+    let plan = match plan_matmul(mm, caps, dev.force) {
         Ok(p) => p,
         // The naga path reports the planner's error at launch.
         Err(e) => return naga(format!("the GEMM planner refuses it ({e})")),
     };
-    let MatmulVariant::Cpu { tm, nv } = plan.variant else {
-        return naga(format!(
-            "the GEMM planner chose its {} kernel; the SPIR-V GEMM is the twin of the \
-             CPU-class register-block kernel only",
-            plan.variant.name()
-        ));
+    // The CPU-class kernel's tile, or the GPU-class kernel whose twin runs it (which
+    // leaves `route` below, before the tile is read).
+    let (tm, nv, gpu) = match plan.variant {
+        MatmulVariant::Cpu { tm, nv } => (tm, nv, None),
+        MatmulVariant::Tiled { bm, bn, bk } => (0, 0, Some(GpuKernel::Tiled { bm, bn, bk })),
+        MatmulVariant::Gemv { lanes } => (0, 0, Some(GpuKernel::Gemv { lanes })),
+        MatmulVariant::Naive => {
+            return naga(format!(
+                "the GEMM planner chose its {} kernel, which has no SPIR-V twin",
+                plan.variant.name()
+            ))
+        }
     };
     let partials = kiln_wgpu::split_partial_bytes(mm, &plan);
     if plan.splits > 1 && partials > caps.max_storage_binding {
@@ -166,6 +361,9 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
              in blocks)",
             big.bytes()
         ));
+    }
+    if let Some(kernel) = gpu {
+        return route_gpu(mm, dev, kernel, storage, &plan);
     }
     let Some((lo, hi)) = caps.subgroup_sizes else {
         return naga("no subgroup operations in compute shaders".into());
@@ -217,6 +415,87 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         ));
     }
     GemmRoute::Spirv(p)
+}
+
+/// The route of `mm` on the tiled GEMM's or the GEMV's twin, once the checks every
+/// SPIR-V kernel shares have passed (storage the device stores, operands and partials
+/// within one binding): what is left is this device's workgroup limits.
+fn route_gpu(
+    mm: &Matmul,
+    dev: GemmDevice,
+    kernel: GpuKernel,
+    storage: [DType; 4],
+    plan: &kiln_wgpu::MatmulPlan,
+) -> GemmRoute {
+    // 16-byte loads need every 4-group of the contiguous dimension to start 4 values
+    // into the binding, which starts 4 values past an aligned offset.
+    let aligned = |dim: usize, stride: usize, offset: u64, t: DType| {
+        dim.is_multiple_of(4)
+            && (mm.batch == 1 || stride.is_multiple_of(4))
+            && offset.is_multiple_of(4 * t.size() as u64)
+    };
+    let tiled = matches!(kernel, GpuKernel::Tiled { .. });
+    let p = GpuGemmPlan {
+        kernel,
+        storage,
+        trans_a: mm.trans_a,
+        trans_b: mm.trans_b,
+        vec_a: tiled
+            && aligned(
+                if mm.trans_a { mm.m } else { mm.k },
+                mm.stride_a,
+                dev.a_offset,
+                mm.a.dtype,
+            ),
+        vec_b: tiled
+            && aligned(
+                if mm.trans_b { mm.k } else { mm.n },
+                mm.stride_b,
+                dev.b_offset,
+                mm.b.dtype,
+            ),
+        bias: mm.bias.is_some(),
+        gelu: mm.gelu,
+        copy_f32: mm.c_f32.is_some(),
+        use_beta: mm.beta != 0.0,
+        splits: plan.splits,
+        k_chunk: if plan.splits > 1 {
+            plan.k_chunk
+        } else {
+            mm.k as u32
+        },
+        rows_per_dispatch: plan.rows_per_dispatch,
+    };
+    let name = plan.variant.name();
+    let shared = p.shared_bytes();
+    if shared > dev.max_shared as u64 {
+        return GemmRoute::Naga(format!(
+            "the {name} kernel needs {shared} bytes of shared memory, over this device's \
+             {}-byte maxComputeSharedMemorySize",
+            dev.max_shared
+        ));
+    }
+    if p.invocations() > dev.max_invocations {
+        return GemmRoute::Naga(format!(
+            "the {name} kernel's workgroup of {} invocations is over this device's {} \
+             (maxComputeWorkGroupInvocations, maxComputeWorkGroupSize)",
+            p.invocations(),
+            dev.max_invocations
+        ));
+    }
+    // The planner keeps each dimension within a dispatch's 65535 (it refuses wider
+    // products and deeper batches, and chunks the rows); checked here all the same.
+    if let Some((_, (x, y, z))) = p
+        .dispatches(mm)
+        .into_iter()
+        .find(|(_, (x, y, z))| *x.max(y).max(z) > 65535)
+    {
+        return GemmRoute::Naga(format!(
+            "{x} x {y} x {z} workgroups of the {name} kernel, over the 65535 per dimension \
+             of one dispatch"
+        ));
+    }
+    GemmRoute::SpirvGpu(p)
 }
 
 /// A committed module (`shaders/vulkan/spv/NAME.spv`): its name and bytes.
@@ -312,6 +591,17 @@ fn epilogue_module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
     }
 }
 
+/// The committed module of a [`GpuGemmPlan`]: its kernel's, f32 only where it
+/// stores nothing else (no 16-bit storage needed).
+pub fn gpu_module(p: &GpuGemmPlan) -> (&'static str, &'static [u8]) {
+    match (p.kernel, p.f32_only()) {
+        (GpuKernel::Tiled { .. }, false) => spv!("matmul_tiled"),
+        (GpuKernel::Tiled { .. }, true) => spv!("matmul_tiled_f32"),
+        (GpuKernel::Gemv { .. }, false) => spv!("gemv"),
+        (GpuKernel::Gemv { .. }, true) => spv!("gemv_f32"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,6 +640,7 @@ mod tests {
         let control = GemmDevice {
             subgroup_control: Some((8, 8)),
             b_offset: 0,
+            ..GemmDevice::default()
         };
         let GemmRoute::Spirv(p) = route(&mm(DType::F16, 256, 256, 256), &lavapipe(), control)
         else {
@@ -371,6 +662,7 @@ mod tests {
         let fixed = GemmDevice {
             subgroup_control: None,
             b_offset: 8,
+            ..GemmDevice::default()
         };
         let GemmRoute::Spirv(p) = route(&mm(DType::F32, 40, 24, 9), &lavapipe(), fixed) else {
             panic!()
@@ -383,6 +675,7 @@ mod tests {
         let d = GemmDevice {
             subgroup_control: Some((8, 8)),
             b_offset: 0,
+            ..GemmDevice::default()
         };
         let caps = lavapipe();
         let mixed = |mm: &Matmul| match route(mm, &caps, d) {
@@ -465,7 +758,46 @@ mod tests {
             subgroup_sizes: Some((32, 32)),
             ..lavapipe()
         };
-        assert!(why(route(&mm(DType::F32, 256, 256, 256), &gpu, d)).contains("tiled"));
+        // The tiled GEMM's and the GEMV's twins: over this device's shared memory or
+        // workgroup limits; a kernel without a twin.
+        let product = mm(DType::F32, 256, 256, 256);
+        let tight = GemmDevice {
+            max_shared: 8 << 10,
+            max_invocations: 1024,
+            ..d
+        };
+        let w = why(route(&product, &gpu, tight));
+        assert!(
+            w.contains("tiled64x64x16 kernel needs 8324 bytes of shared memory")
+                && w.contains("8192-byte maxComputeSharedMemorySize"),
+            "{w}"
+        );
+        let narrow = GemmDevice {
+            max_shared: 48 << 10,
+            max_invocations: 128,
+            ..d
+        };
+        let w = why(route(&product, &gpu, narrow));
+        assert!(
+            w.contains("workgroup of 256 invocations is over this device's 128"),
+            "{w}"
+        );
+        let forced = |v| GemmDevice {
+            force: Some(v),
+            ..gpu_device()
+        };
+        let gemv = MatmulVariant::Gemv { lanes: 256 };
+        assert!(why(route(
+            &mm(DType::F32, 64, 1, 64),
+            &caps,
+            GemmDevice {
+                max_invocations: 128,
+                ..forced(gemv)
+            }
+        ))
+        .contains("gemv256 kernel's workgroup of 256"));
+        let w = why(route(&product, &caps, forced(MatmulVariant::Naive)));
+        assert!(w.contains("naive kernel, which has no SPIR-V twin"), "{w}");
         let packed = Capabilities {
             f16_arithmetic: false,
             ..lavapipe()
@@ -484,6 +816,7 @@ mod tests {
         let other = GemmDevice {
             subgroup_control: Some((16, 64)),
             b_offset: 0,
+            ..GemmDevice::default()
         };
         assert!(why(route(&mm(DType::F32, 64, 64, 64), &wide, other)).contains("16 to 64"));
         let small = Capabilities {
@@ -491,5 +824,157 @@ mod tests {
             ..lavapipe()
         };
         assert!(why(route(&mm(DType::F32, 64, 64, 64), &small, d)).contains("binding limit"));
+    }
+
+    /// A GPU's workgroup limits: Vulkan's minimum shared memory (16 KiB) is more than
+    /// the tiled kernel's default tiles need.
+    fn gpu_device() -> GemmDevice {
+        GemmDevice {
+            max_shared: 16 << 10,
+            max_invocations: 1024,
+            ..GemmDevice::default()
+        }
+    }
+
+    fn gpu_plan(r: GemmRoute) -> GpuGemmPlan {
+        match r {
+            GemmRoute::SpirvGpu(p) => p,
+            other => panic!("not routed to the GPU-class SPIR-V GEMM: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_planners_tiled_gemm_runs_as_spirv_with_its_shape() {
+        let gpu = Capabilities {
+            device_type: "discrete".into(),
+            subgroup_sizes: Some((32, 32)),
+            ..lavapipe()
+        };
+        let product = mm(DType::F32, 256, 200, 96);
+        let MatmulVariant::Tiled { bm, bn, bk } =
+            plan_matmul(&product, &gpu, None).unwrap().variant
+        else {
+            panic!()
+        };
+        let p = gpu_plan(route(&product, &gpu, gpu_device()));
+        assert_eq!(p.kernel, GpuKernel::Tiled { bm, bn, bk });
+        assert_eq!((p.splits, p.k_chunk, p.vec_a, p.vec_b), (1, 96, true, true));
+        assert_eq!(p.groups(&product), (4, 4, 1));
+        assert_eq!(gpu_module(&p).0, "matmul_tiled_f32");
+        // Constants 1, 2 and 12: the tile; 15 and 16 the 16-byte loads.
+        let spec = p.spec();
+        assert_eq!((spec[0], spec[1], spec[11]), (bm, bn, bk));
+        assert_eq!((spec[14], spec[15]), (1, 1));
+        // f16 operands keep f16 tiles: half the bytes (each tile's f32 array is one
+        // element then).
+        let half = gpu_plan(route(&mm(DType::F16, 256, 200, 96), &gpu, gpu_device()));
+        assert_eq!(gpu_module(&half).0, "matmul_tiled");
+        assert_eq!(half.shared_bytes(), 2 * 16 * 65 * 2 + 2 * 4);
+        assert_eq!(p.shared_bytes(), 2 * 16 * 65 * 4 + 2 * 2);
+        // A view of A off a 4-value boundary, an odd contiguous dimension of B: value
+        // by value.
+        let view = GemmDevice {
+            a_offset: 4,
+            ..gpu_device()
+        };
+        let q = gpu_plan(route(&mm(DType::F32, 256, 201, 96), &gpu, view));
+        assert!(!q.vec_a && !q.vec_b);
+        // Transposed, B's contiguous dimension is K.
+        let t = gpu_plan(route(
+            &mm(DType::F32, 256, 201, 96).transpose(false, true),
+            &gpu,
+            gpu_device(),
+        ));
+        assert!(t.vec_b && t.trans_b && !t.trans_a);
+    }
+
+    #[test]
+    fn gemv_runs_as_spirv_on_every_device_and_tiled_where_forced() {
+        let caps = lavapipe();
+        // N = 1: the planner's GEMV, on lavapipe too; bf16 storage specialized.
+        let product = mm(DType::BF16, 40, 1, 64);
+        let p = gpu_plan(route(&product, &caps, gpu_device()));
+        assert_eq!(p.kernel, GpuKernel::Gemv { lanes: 64 });
+        assert_eq!(
+            (p.storage, p.groups(&product)),
+            ([DType::BF16; 4], (1, 40, 1))
+        );
+        assert_eq!(gpu_module(&p).0, "gemv");
+        assert_eq!(p.spec()[..9], [64, 0, 0, 0, 0, 2, 2, 2, 2]);
+        // Long K over few rows: split, the partials for matmul_finish.
+        let long = mm(DType::F32, 2, 1, 4000);
+        let plan = plan_matmul(&long, &caps, None).unwrap();
+        let q = gpu_plan(route(&long, &caps, gpu_device()));
+        assert!(q.splits > 1 && q.partial());
+        assert_eq!((q.splits, q.k_chunk), (plan.splits, plan.k_chunk));
+        assert_eq!(q.groups(&long).2, plan.splits as u64);
+        assert_eq!(q.spec()[9], 1);
+        assert_eq!(gpu_module(&q).0, "gemv_f32");
+        // One pipeline for every chunk length.
+        let other = GpuGemmPlan {
+            splits: 3,
+            k_chunk: 128,
+            rows_per_dispatch: 7,
+            ..q
+        };
+        assert_eq!(other.pipeline_key(), q.pipeline_key());
+        // The tiled kernel where a test forces it on a CPU driver (no subgroup needs).
+        let tiled = MatmulVariant::Tiled {
+            bm: 32,
+            bn: 48,
+            bk: 8,
+        };
+        let dev = GemmDevice {
+            force: Some(tiled),
+            ..gpu_device()
+        };
+        let r = gpu_plan(route(&mm(DType::F16, 37, 29, 53), &caps, dev));
+        assert_eq!(
+            r.kernel,
+            GpuKernel::Tiled {
+                bm: 32,
+                bn: 48,
+                bk: 8
+            }
+        );
+        assert_eq!(r.groups(&mm(DType::F16, 37, 29, 53)), (1, 2, 1));
+    }
+
+    #[test]
+    fn the_twins_dispatch_rows_in_the_planners_chunks() {
+        let caps = lavapipe();
+        // 70000 rows of a GEMV: more workgroups than a dispatch's 65535, in two.
+        let tall = mm(DType::F32, 70000, 1, 64);
+        let plan = plan_matmul(&tall, &caps, None).unwrap();
+        let p = gpu_plan(route(&tall, &caps, gpu_device()));
+        assert_eq!(p.rows_per_dispatch, plan.rows_per_dispatch);
+        assert_eq!(
+            p.dispatches(&tall),
+            vec![(0, (1, 65535, 1)), (65535, (1, 4465, 1))]
+        );
+        // Each dispatch's parameters start at its row.
+        assert_eq!(p.params(&tall, 65535)[14], 65535);
+        // The tiled kernel's chunks are whole tiles of rows: a long product (4e9
+        // flops per dispatch) over three dispatches, the last one short.
+        let tiled = MatmulVariant::Tiled {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+        };
+        let dev = GemmDevice {
+            force: Some(tiled),
+            ..gpu_device()
+        };
+        let long = mm(DType::F16, 1000, 1024, 4096);
+        let q = gpu_plan(route(&long, &caps, dev));
+        assert_eq!(q.rows_per_dispatch, 448);
+        assert_eq!(
+            q.dispatches(&long),
+            vec![(0, (16, 7, 1)), (448, (16, 7, 1)), (896, (16, 2, 1))]
+        );
+        // A short product: one dispatch over every row.
+        let short = mm(DType::F16, 37, 29, 53);
+        let r = gpu_plan(route(&short, &caps, dev));
+        assert_eq!(r.dispatches(&short), vec![(0, r.groups(&short))]);
     }
 }

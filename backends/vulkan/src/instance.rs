@@ -404,6 +404,11 @@ impl Instance {
             min_uniform_align: props.limits.min_uniform_buffer_offset_alignment,
             min_storage_align: props.limits.min_storage_buffer_offset_alignment,
             memory_budget: self.memory_budget(pd),
+            max_shared: props.limits.max_compute_shared_memory_size,
+            max_invocations: props
+                .limits
+                .max_compute_work_group_invocations
+                .min(props.limits.max_compute_work_group_size[0]),
         }
     }
 
@@ -572,6 +577,10 @@ pub(crate) struct Features {
     pub min_uniform_align: u64,
     pub min_storage_align: u64,
     pub memory_budget: Option<u64>,
+    /// `maxComputeSharedMemorySize`, and the largest workgroup along x (the GEMM route
+    /// checks the hand-written tiled GEMM and GEMV against them).
+    pub max_shared: u32,
+    pub max_invocations: u32,
 }
 
 /// `subgroupSizeControl` for compute shaders.

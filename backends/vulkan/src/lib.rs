@@ -19,5 +19,5 @@ mod spirv;
 
 pub use coopmat::{CoopMat, CoopMatPlan, CoopMatShape};
 pub use device::VkDevice;
-pub use gemm::{GemmRoute, SpirvGemmPlan};
+pub use gemm::{GemmRoute, GpuGemmPlan, GpuKernel, SpirvGemmPlan};
 pub use instance::{physical_devices, VkSummary, NO_VULKAN_HINT};
