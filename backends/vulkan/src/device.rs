@@ -1380,27 +1380,10 @@ impl VkDevice {
         })?;
         self.dump_spirv(key, &words)?;
         let (_, layout) = self.layout(s, kernel)?;
-        let module_info = vk::ShaderModuleCreateInfo::default().code(&words);
-        // SAFETY: naga's validated SPIR-V for the capabilities the device has.
-        let module = unsafe { self.device.create_shader_module(&module_info, None) }
-            .map_err(|e| self.vk_error(&format!("creating kernel {}", kernel.name), e))?;
-        let stage = vk::PipelineShaderStageCreateInfo::default()
-            .stage(vk::ShaderStageFlags::COMPUTE)
-            .module(module)
-            .name(c"main");
-        let info = vk::ComputePipelineCreateInfo::default()
-            .stage(stage)
-            .layout(layout);
-        // SAFETY: module and layout are live; the module is destroyed once the pipeline
-        // holds what it needs.
-        let made = unsafe {
-            self.device
-                .create_compute_pipelines(self.cache, &[info], None)
-        };
-        // SAFETY: no pipeline creation uses the module any more.
-        unsafe { self.device.destroy_shader_module(module, None) };
-        let pipeline = made
-            .map_err(|(_, e)| self.vk_error(&format!("building kernel {}", kernel.name), e))?[0];
+        // SAFETY: naga's validated SPIR-V for the capabilities the device has, on the
+        // layout made for its bindings.
+        let pipeline = unsafe { self.compute_pipeline(&words, layout, &[], None) }
+            .map_err(|e| self.vk_error(&format!("building kernel {}", kernel.name), e))?;
         s.pipelines.insert(key.clone(), pipeline);
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
         if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
@@ -1987,6 +1970,56 @@ impl VkDevice {
         self.glsl_pipeline_with(s, name, words, (buffers, push), &[], None)
     }
 
+    /// A compute pipeline of SPIR-V `words` (entry point `main`) on `layout`, with
+    /// `spec` as its specialization constants (id, 32-bit value) and, where given, its
+    /// subgroup size required; the shader module is destroyed once it is built.
+    ///
+    /// # Safety
+    /// `words` is a valid compute module whose bindings and push constants `layout`
+    /// declares, and `subgroup` is a size the device lets a pipeline require.
+    unsafe fn compute_pipeline(
+        &self,
+        words: &[u32],
+        layout: vk::PipelineLayout,
+        spec: &[(u32, u32)],
+        subgroup: Option<u32>,
+    ) -> std::result::Result<vk::Pipeline, vk::Result> {
+        let module = self
+            .device
+            .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(words), None)?;
+        let entries: Vec<_> = (0..)
+            .zip(spec)
+            .map(|(i, &(id, _))| vk::SpecializationMapEntry {
+                constant_id: id,
+                offset: 4 * i,
+                size: 4,
+            })
+            .collect();
+        let data: Vec<u8> = spec.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
+        let spec_info = vk::SpecializationInfo::default()
+            .map_entries(&entries)
+            .data(&data);
+        let mut required = vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default()
+            .required_subgroup_size(subgroup.unwrap_or(0));
+        let mut stage = vk::PipelineShaderStageCreateInfo::default()
+            .stage(vk::ShaderStageFlags::COMPUTE)
+            .module(module)
+            .name(c"main")
+            .specialization_info(&spec_info);
+        if subgroup.is_some() {
+            stage = stage.push_next(&mut required);
+        }
+        let made = self.device.create_compute_pipelines(
+            self.cache,
+            &[vk::ComputePipelineCreateInfo::default()
+                .stage(stage)
+                .layout(layout)],
+            None,
+        );
+        self.device.destroy_shader_module(module, None);
+        made.map(|p| p[0]).map_err(|(_, e)| e)
+    }
+
     /// [`VkDevice::glsl_pipeline`] with specialization constants (`(constant_id,
     /// value)`, 32-bit each) and, where given, a required subgroup size. `name` must
     /// tell every specialization apart: it keys the pipeline.
@@ -2041,42 +2074,9 @@ impl VkDevice {
                 self.device.destroy_descriptor_set_layout(set, None);
                 self.vk_error(&format!("building kernel {name}"), e)
             };
-            let module = self
-                .device
-                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
+            let pipeline = self
+                .compute_pipeline(&words, layout, spec, subgroup)
                 .map_err(fail)?;
-            let entries: Vec<_> = spec
-                .iter()
-                .enumerate()
-                .map(|(i, &(id, _))| vk::SpecializationMapEntry {
-                    constant_id: id,
-                    offset: 4 * i as u32,
-                    size: 4,
-                })
-                .collect();
-            let data: Vec<u8> = spec.iter().flat_map(|(_, v)| v.to_le_bytes()).collect();
-            let spec_info = vk::SpecializationInfo::default()
-                .map_entries(&entries)
-                .data(&data);
-            let mut required = vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default()
-                .required_subgroup_size(subgroup.unwrap_or(0));
-            let mut stage = vk::PipelineShaderStageCreateInfo::default()
-                .stage(vk::ShaderStageFlags::COMPUTE)
-                .module(module)
-                .name(c"main")
-                .specialization_info(&spec_info);
-            if subgroup.is_some() {
-                stage = stage.push_next(&mut required);
-            }
-            let made = self.device.create_compute_pipelines(
-                self.cache,
-                &[vk::ComputePipelineCreateInfo::default()
-                    .stage(stage)
-                    .layout(layout)],
-                None,
-            );
-            self.device.destroy_shader_module(module, None);
-            let pipeline = made.map_err(|(_, e)| fail(e))?[0];
             s.glsl.insert(name.to_string(), (pipeline, set, layout));
             self.built.store(true, std::sync::atomic::Ordering::Relaxed);
             Ok((pipeline, layout))
@@ -2229,50 +2229,15 @@ impl VkDevice {
             p.partial() as u32,
             p.use_beta as u32,
         ];
-        let entries: Vec<_> = (0..values.len() as u32)
-            .map(|i| vk::SpecializationMapEntry {
-                constant_id: i + 1,
-                offset: 4 * i,
-                size: 4,
-            })
-            .collect();
-        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let spec = vk::SpecializationInfo::default()
-            .map_entries(&entries)
-            .data(&data);
-        let mut required = vk::PipelineShaderStageRequiredSubgroupSizeCreateInfo::default()
-            .required_subgroup_size(gemm::LANES);
-        // SAFETY: a module checked as SPIR-V above (the committed output of
-        // glslangValidator, validated by tests/spirv.rs), on a live device; its
-        // bindings are the layout's, and every load index it makes is clamped into the
-        // buffers a launch binds.
-        let module = unsafe {
-            self.device
-                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
-        }
-        .map_err(|e| self.vk_error(&format!("creating kernel {name}"), e))?;
-        let mut stage = vk::PipelineShaderStageCreateInfo::default()
-            .stage(vk::ShaderStageFlags::COMPUTE)
-            .module(module)
-            .name(c"main")
-            .specialization_info(&spec);
-        if p.require_subgroup {
-            // `gemm::route` asks only where the device can require this size.
-            stage = stage.push_next(&mut required);
-        }
-        let info = vk::ComputePipelineCreateInfo::default()
-            .stage(stage)
-            .layout(layout);
-        // SAFETY: module and layout are live; the module is destroyed once no
-        // pipeline creation uses it.
-        let made = unsafe {
-            self.device
-                .create_compute_pipelines(self.cache, &[info], None)
-        };
-        // SAFETY: as above.
-        unsafe { self.device.destroy_shader_module(module, None) };
-        let pipeline =
-            made.map_err(|(_, e)| self.vk_error(&format!("building kernel {name}"), e))?[0];
+        let spec: Vec<(u32, u32)> = (1..).zip(values).collect();
+        // `gemm::route` asks for the subgroup size only where the device can require it.
+        let subgroup = p.require_subgroup.then_some(gemm::LANES);
+        // SAFETY: a module checked as SPIR-V (the committed output of glslangValidator,
+        // validated by tests/spirv.rs), on a live device; its bindings are the
+        // layout's, and every load index it makes is clamped into the buffers a launch
+        // binds.
+        let pipeline = unsafe { self.compute_pipeline(&words, layout, &spec, subgroup) }
+            .map_err(|e| self.vk_error(&format!("building kernel {name}"), e))?;
         s.gemm.insert(*p, pipeline);
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
         if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
@@ -2620,46 +2585,14 @@ impl VkDevice {
         let t0 = std::time::Instant::now();
         let (name, bytes) = gemm::gpu_module(p);
         let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
-        let values = p.spec();
-        let entries: Vec<_> = (0..values.len() as u32)
-            .map(|i| vk::SpecializationMapEntry {
-                constant_id: i + 1,
-                offset: 4 * i,
-                size: 4,
-            })
-            .collect();
-        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let spec = vk::SpecializationInfo::default()
-            .map_entries(&entries)
-            .data(&data);
-        // SAFETY: a module checked as SPIR-V above (the committed output of
-        // glslangValidator, validated by tests/spirv.rs), on a live device; its
-        // bindings are the layout's, every load index it makes is clamped into the
-        // buffers a launch binds, and `gemm::route` checked its shared memory and
-        // workgroup against the device's limits.
-        let module = unsafe {
-            self.device
-                .create_shader_module(&vk::ShaderModuleCreateInfo::default().code(&words), None)
-        }
-        .map_err(|e| self.vk_error(&format!("creating kernel {name}"), e))?;
-        let stage = vk::PipelineShaderStageCreateInfo::default()
-            .stage(vk::ShaderStageFlags::COMPUTE)
-            .module(module)
-            .name(c"main")
-            .specialization_info(&spec);
-        let info = vk::ComputePipelineCreateInfo::default()
-            .stage(stage)
-            .layout(layout);
-        // SAFETY: module and layout are live; the module is destroyed once no
-        // pipeline creation uses it.
-        let made = unsafe {
-            self.device
-                .create_compute_pipelines(self.cache, &[info], None)
-        };
-        // SAFETY: as above.
-        unsafe { self.device.destroy_shader_module(module, None) };
-        let pipeline =
-            made.map_err(|(_, e)| self.vk_error(&format!("building kernel {name}"), e))?[0];
+        let spec: Vec<(u32, u32)> = (1..).zip(p.spec()).collect();
+        // SAFETY: a module checked as SPIR-V (the committed output of glslangValidator,
+        // validated by tests/spirv.rs), on a live device; its bindings are the
+        // layout's, every load index it makes is clamped into the buffers a launch
+        // binds, and `gemm::route` checked its shared memory and workgroup against the
+        // device's limits.
+        let pipeline = unsafe { self.compute_pipeline(&words, layout, &spec, None) }
+            .map_err(|e| self.vk_error(&format!("building kernel {name}"), e))?;
         s.gemm_gpu.insert(*p, pipeline);
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
         if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
