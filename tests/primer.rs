@@ -8,56 +8,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
 
 use common::*;
-use kiln::engine::{DType, Device, Kernel, Matmul};
+use kiln::engine::{Device, Kernel};
 use kiln::wgpu::{find_adapter, plan_matmul, DeviceOptions, MatmulVariant, WgpuDevice};
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-primer-{name}-{}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// Compiled shaders in Mesa's cache (its index file aside).
-fn cache_entries(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                todo.push(p);
-            } else if p.file_name().is_some_and(|f| f != "index") {
-                n += 1;
-            }
-        }
-    }
-    n
-}
-
-/// Mesa writes its entries from a thread of its own: the count once it stops moving.
-fn settled_entries(dir: &Path) -> usize {
-    let mut last = cache_entries(dir);
-    let start = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = cache_entries(dir);
-        if now == last || start.elapsed() > Duration::from_secs(20) {
-            return now;
-        }
-        last = now;
-    }
-}
-
-fn gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, kiln::engine::Buffer) {
-    let a = put(dev, &finite(DType::F32, m * k, 1));
-    let b = put(dev, &finite(DType::F32, k * n, 2));
-    let c = dev.alloc(DType::F32, m * n).unwrap();
-    (Kernel::Matmul(Matmul::new(a, b, c, m, n, k)), c)
+    scratch_dir("primer", name)
 }
 
 #[test]
@@ -76,7 +34,7 @@ fn a_big_gemm_block_first_runs_on_the_primer_and_the_device_compiles_it_no_more(
     let dev = WgpuDevice::open(adapter, &opts).unwrap();
     // 2^27 multiply-adds: the planner's 32-row block, one of those that get a primer.
     let shape = (512, 512, 512);
-    let (big, c) = gemm(&dev, shape);
+    let (big, c) = f32_gemm(&dev, shape);
     let Kernel::Matmul(mm) = &big else {
         unreachable!()
     };
@@ -88,13 +46,13 @@ fn a_big_gemm_block_first_runs_on_the_primer_and_the_device_compiles_it_no_more(
     dev.prepare(std::slice::from_ref(&big)).unwrap();
     dev.wait_for_builds();
     assert_eq!(dev.primed_pipelines(), 1, "the big block ran on the primer");
-    let primed = settled_entries(&mesa);
+    let primed = settled_mesa_entries(&mesa);
     assert!(primed >= 1, "the primer's run left nothing in Mesa's cache");
 
     dev.launch(&big).unwrap();
     let got = dev.download(c).unwrap();
     assert_eq!(
-        settled_entries(&mesa),
+        settled_mesa_entries(&mesa),
         primed,
         "the device's first run of the primed block compiled it again"
     );
@@ -110,17 +68,17 @@ fn a_big_gemm_block_first_runs_on_the_primer_and_the_device_compiles_it_no_more(
         },
     )
     .unwrap();
-    let (big2, c2) = gemm(&plain, shape);
+    let (big2, c2) = f32_gemm(&plain, shape);
     plain.launch(&big2).unwrap();
     assert_bits_eq("primed block", &got, &plain.download(c2).unwrap());
     assert!(got.to_f32().iter().any(|&x| x != 0.0));
 
     // A block nobody primed compiles at its first run: a new entry.
-    let (small, c_small) = gemm(&dev, (8, 16, 32));
+    let (small, c_small) = f32_gemm(&dev, (8, 16, 32));
     dev.launch(&small).unwrap();
     dev.download(c_small).unwrap();
     assert!(
-        settled_entries(&mesa) > primed,
+        settled_mesa_entries(&mesa) > primed,
         "a first run that compiled left no entry: the count cannot tell"
     );
     std::fs::remove_dir_all(&mesa).ok();

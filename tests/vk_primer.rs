@@ -8,8 +8,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
 
 use common::*;
 use kiln::engine::{DType, Device, Kernel, Matmul};
@@ -17,48 +16,7 @@ use kiln::vulkan::{GemmRoute, VkDevice};
 use kiln::wgpu::DeviceOptions;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kiln-vk-primer-{name}-{}", std::process::id()));
-    std::fs::remove_dir_all(&d).ok();
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// Compiled shaders in Mesa's cache (its index file aside).
-fn cache_entries(dir: &Path) -> usize {
-    let mut n = 0;
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                todo.push(p);
-            } else if p.file_name().is_some_and(|f| f != "index") {
-                n += 1;
-            }
-        }
-    }
-    n
-}
-
-/// Mesa writes its entries from a thread of its own: the count once it stops moving.
-fn settled_entries(dir: &Path) -> usize {
-    let mut last = cache_entries(dir);
-    let start = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = cache_entries(dir);
-        if now == last || start.elapsed() > Duration::from_secs(20) {
-            return now;
-        }
-        last = now;
-    }
-}
-
-fn gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, kiln::engine::Buffer) {
-    let a = put(dev, &finite(DType::F32, m * k, 1));
-    let b = put(dev, &finite(DType::F32, k * n, 2));
-    let c = dev.alloc(DType::F32, m * n).unwrap();
-    (Kernel::Matmul(Matmul::new(a, b, c, m, n, k)), c)
+    scratch_dir("vk-primer", name)
 }
 
 #[test]
@@ -79,7 +37,7 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     let dev = VkDevice::open(index, &opts).unwrap();
     // 2^27 multiply-adds: the planner's 32-row block, one of those that get a primer.
     let shape = (512, 512, 512);
-    let (big, c) = gemm(&dev, shape);
+    let (big, c) = f32_gemm(&dev, shape);
     let Kernel::Matmul(mm) = &big else {
         unreachable!()
     };
@@ -102,14 +60,14 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     dev.hold_primer(false);
     dev.wait_for_primer();
     assert_eq!(dev.primed_blocks(), 1, "the big block ran on the primer");
-    let primed = settled_entries(&mesa);
+    let primed = settled_mesa_entries(&mesa);
     assert!(primed >= 1, "the primer's run left nothing in Mesa's cache");
 
     dev.launch(&big).unwrap();
     let got = dev.download(c).unwrap();
     assert_eq!(dev.gemm_stand_ins(), 1, "the primed block itself ran");
     assert_eq!(
-        settled_entries(&mesa),
+        settled_mesa_entries(&mesa),
         primed,
         "the device's first run of the primed block compiled it again"
     );
@@ -127,17 +85,17 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
         },
     )
     .unwrap();
-    let (big2, c2) = gemm(&plain, shape);
+    let (big2, c2) = f32_gemm(&plain, shape);
     plain.launch(&big2).unwrap();
     assert_eq!(plain.gemm_stand_ins(), 0);
     assert_bits_eq("primed block", &got, &plain.download(c2).unwrap());
 
     // A block nobody primed compiles at its first run: a new entry.
-    let (small, c_small) = gemm(&dev, (8, 16, 32));
+    let (small, c_small) = f32_gemm(&dev, (8, 16, 32));
     dev.launch(&small).unwrap();
     dev.download(c_small).unwrap();
     assert!(
-        settled_entries(&mesa) > primed,
+        settled_mesa_entries(&mesa) > primed,
         "a first run that compiled left no entry: the count cannot tell"
     );
 
@@ -160,13 +118,13 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
         3,
         "both attention kernels ran on the primer"
     );
-    let primed = settled_entries(&mesa);
+    let primed = settled_mesa_entries(&mesa);
     dev.launch(&fwd).unwrap();
     dev.launch(&bwd).unwrap();
     let got: Vec<_> = outs.iter().map(|&b| dev.download(b).unwrap()).collect();
     assert_eq!(dev.gemm_stand_ins(), 3, "the primed passes themselves ran");
     assert_eq!(
-        settled_entries(&mesa),
+        settled_mesa_entries(&mesa),
         primed,
         "the device's first run of the primed attention passes compiled them again"
     );

@@ -480,3 +480,54 @@ impl<D: Device> Device for Shared<D> {
         self.0.allocated_bytes()
     }
 }
+
+/// A fresh, empty directory under the temp dir for test `prefix`'s `name`.
+pub fn scratch_dir(prefix: &str, name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln-{prefix}-{name}-{}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Compiled shaders in Mesa's shader cache at `dir` (its index file aside): lavapipe
+/// writes one per shader it compiles.
+pub fn mesa_cache_entries(dir: &std::path::Path) -> usize {
+    let mut n = 0;
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if p.file_name().is_some_and(|f| f != "index") {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// Mesa writes its entries from a thread of its own: the count once it stops moving.
+pub fn settled_mesa_entries(dir: &std::path::Path) -> usize {
+    let mut last = mesa_cache_entries(dir);
+    let start = std::time::Instant::now();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let now = mesa_cache_entries(dir);
+        if now == last || start.elapsed() > std::time::Duration::from_secs(20) {
+            return now;
+        }
+        last = now;
+    }
+}
+
+/// An f32 GEMM of `m x n x k` on `dev` over finite data, and its output.
+pub fn f32_gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, Buffer) {
+    let a = put(dev, &finite(DType::F32, m * k, 1));
+    let b = put(dev, &finite(DType::F32, k * n, 2));
+    let c = dev.alloc(DType::F32, m * n).unwrap();
+    (
+        Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, m, n, k)),
+        c,
+    )
+}
