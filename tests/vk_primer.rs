@@ -11,7 +11,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use kiln::engine::{DType, Device, Kernel, Matmul};
+use kiln::engine::{DType, Device, Kernel};
 use kiln::vulkan::{GemmRoute, VkDevice};
 use kiln::wgpu::DeviceOptions;
 
