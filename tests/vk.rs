@@ -156,6 +156,53 @@ fn an_allocation_over_the_largest_buffer_is_out_of_memory() {
     assert_eq!(dev.download(b).unwrap().len(), 64);
 }
 
+/// A lost device (the driver reset it, or a kernel ran past its watchdog) fails the
+/// call that meets it with an error that says so and what to do, and nothing after it
+/// hangs or panics: every later call errs or returns, and the device drops. Lavapipe
+/// never loses a device, so a test hook makes every submission fail from then on as a
+/// lost device's does (`VK_ERROR_DEVICE_LOST`); downloads through the transfer path
+/// (a second timeline) as well as the compute stream's.
+#[test]
+fn a_lost_vk_device_is_a_clear_error_and_nothing_after_it_hangs() {
+    use kiln::engine::{HostData, Kernel};
+    for transfer_path in [false, true] {
+        let dev = vk_device(false);
+        if transfer_path {
+            dev.use_transfer_path_on_compute_queue().unwrap();
+        }
+        let x = put(&dev, &HostData::F32(vec![1.5; 100]));
+        let y = put(&dev, &HostData::F32(vec![2.0; 100]));
+        let axpy = Kernel::Axpy { alpha: 2.0, x, y };
+        dev.launch(&axpy).unwrap();
+        assert_eq!(dev.download(y).unwrap(), HostData::F32(vec![5.0; 100]));
+        dev.simulate_device_lost();
+        dev.launch(&axpy).unwrap();
+        let lost = |what: &str, e: Error| {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("device was lost")
+                    && msg.contains("resume from a checkpoint")
+                    && msg.contains("llvmpipe"),
+                "transfer path {transfer_path}, {what}: {msg}"
+            );
+        };
+        lost("download", dev.download(y).unwrap_err());
+        dev.launch(&axpy).unwrap();
+        lost("submit", dev.submit().unwrap_err());
+        // Nothing is left in flight to wait for, and what was retired is released.
+        dev.wait().unwrap();
+        lost("begin_download", dev.begin_download(x).unwrap_err());
+        let z = dev.alloc(DType::F32, 8).unwrap();
+        lost(
+            "upload",
+            dev.upload(z, &HostData::F32(vec![0.0; 8]))
+                .and_then(|()| dev.download(z).map(drop))
+                .unwrap_err(),
+        );
+        dev.free(z).unwrap();
+    }
+}
+
 /// Runs one kernel on a `vk:0` opened with its pipeline cache in `dir`; checks the result.
 fn axpy_with_cache_in(dir: &std::path::Path) {
     let dev = kiln::vulkan::VkDevice::open(

@@ -261,6 +261,8 @@ pub struct VkDevice {
     primer: Option<std::sync::Arc<Primer>>,
     /// GEMM and attention launches that ran a stand-in while theirs was primed.
     stand_ins: std::sync::atomic::AtomicU64,
+    /// Submissions fail as on a lost device ([`VkDevice::simulate_device_lost`]).
+    lost: std::sync::atomic::AtomicBool,
     /// The compute and a dedicated transfer family, which user buffers are shared
     /// between (`SharingMode::CONCURRENT`); empty without a dedicated one.
     shared_families: Vec<u32>,
@@ -509,6 +511,7 @@ impl VkDevice {
             coopmat,
             primer,
             stand_ins: Default::default(),
+            lost: Default::default(),
             shared_families: dedicated.map_or(vec![], |f| vec![family, f]),
             transfer_counts: Default::default(),
             state: Mutex::new(State {
@@ -1233,8 +1236,7 @@ impl VkDevice {
                 if submit.wait_semaphore_count > 0 {
                     self.transfer_counts[1].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
-                self.device
-                    .queue_submit(self.queue, &[submit], vk::Fence::null())
+                self.queue_submit(self.queue, submit)
             })
         };
         // Whatever the stream used is retired with its value (it was tagged with it).
@@ -1256,6 +1258,32 @@ impl VkDevice {
         }
         self.validated()?;
         Ok(value)
+    }
+
+    /// Submits one batch to `queue`, or fails as a lost device does where a test said
+    /// the device is lost ([`VkDevice::simulate_device_lost`]).
+    ///
+    /// # Safety
+    /// As `vkQueueSubmit`: `submit` is valid and `queue`'s use is externally
+    /// synchronized (the caller holds the state lock).
+    unsafe fn queue_submit(
+        &self,
+        queue: vk::Queue,
+        submit: vk::SubmitInfo,
+    ) -> std::result::Result<(), vk::Result> {
+        if self.lost.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(vk::Result::ERROR_DEVICE_LOST);
+        }
+        self.device
+            .queue_submit(queue, &[submit], vk::Fence::null())
+    }
+
+    /// Test hook: from now on every queue submission fails with
+    /// `VK_ERROR_DEVICE_LOST`, as on a device the driver lost (lavapipe never loses
+    /// one), so that tests see what a lost device does to each call.
+    #[doc(hidden)]
+    pub fn simulate_device_lost(&self) {
+        self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The Vulkan buffer, byte offset and size bound for `id`.
@@ -1686,8 +1714,7 @@ impl VkDevice {
                         .wait_dst_stage_mask(&stages)
                         .signal_semaphores(&signals)
                         .push_next(&mut sems);
-                    self.device
-                        .queue_submit(queue, &[submit], vk::Fence::null())
+                    self.queue_submit(queue, submit)
                 })
         };
         s.transfer.as_mut().expect("checked above").submitted = value;
