@@ -744,35 +744,64 @@ fn a_tall_gemv_runs_in_row_chunks_on_vk() {
     assert_eq!(dev.gemm_launches(), (2, 0));
 }
 
-/// On `vk:0` with 16-bit storage off, f32 products still run in the twins, from their
-/// `_f32` modules (the others declare 16-bit storage, which such a device lacks: the
-/// validation layer would fail the launch), and f16 ones name why they take naga.
+/// On `vk:0` with 16-bit storage off, the twins run every storage mix from their
+/// `_packed` modules (the others declare 16-bit storage, which such a device lacks: the
+/// validation layer would fail the launch): f16 and bf16 read two to a word, a 16-bit C
+/// written by matmul_finish through the partials. Checked against the CPU and bit for
+/// bit against wgpu's WGSL kernels on a device with f16 off (its packed path), the
+/// tiled kernel forced and the GEMV the planner's own.
 #[test]
-fn f32_twins_run_without_16bit_storage_on_vk() {
+fn the_twins_run_without_16bit_storage_on_vk() {
     let mut rng = Rng::new(2032);
     let dev = vk_device(true);
+    let wgpu = WgpuDevice::open(
+        adapter_index("vulkan"),
+        &DeviceOptions {
+            disable_f16: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let tile = MatmulVariant::Tiled {
         bm: 32,
         bn: 32,
         bk: 8,
     };
-    dev.force_gemm_variant(Some(tile));
-    for (dims, pad_b) in [((37, 29, 53), Some(5)), ((12, 1, 300), None)] {
-        let c = twin_case(
-            &mut rng,
-            dims,
-            2,
-            3,
-            pad_b,
-            (true, false),
-            [DType::F32; 3],
-            Some(DType::F32),
-        );
-        let what = format!("vk without 16-bit storage: {dims:?}");
-        check_on(&what, &dev, &c, &|mm| {
-            launch_as_spirv_gpu(&what, &dev, mm, |p| assert!(p.f32_only(), "{what}: {p:?}"))
-        });
+    let gemv = MatmulVariant::Gemv { lanes: 64 };
+    // (kernel, dims, batch, pad_b)
+    let shapes = [
+        (Some(tile), (37, 29, 53), 2, Some(5)),
+        (Some(tile), (12, 20, 64), 2, Some(4)),
+        (Some(tile), (3, 9, 1500), 1, Some(0)),
+        (None, (12, 1, 300), 2, None),
+        (None, (37, 1, 53), 1, Some(0)),
+    ];
+    let mut cases = 0;
+    for (i, dtypes) in TWIN_MIXES.into_iter().enumerate() {
+        for (s, &(force, dims, batch, pad_b)) in shapes.iter().enumerate() {
+            let trans = TRANSPOSES[(i + s) % 4];
+            let bias_dtype = [None, Some(DType::F32), Some(dtypes[2])][(i + s) % 3];
+            let c = twin_case(&mut rng, dims, batch, 4, pad_b, trans, dtypes, bias_dtype);
+            let what = format!(
+                "vk without 16-bit storage {force:?}: {dims:?} x{batch} {trans:?} {dtypes:?} \
+                 epilogue {bias_dtype:?}"
+            );
+            dev.force_gemm_variant(force);
+            check_on(&what, &dev, &c, &|mm| {
+                launch_as_spirv_gpu(&what, &dev, mm, |p| {
+                    assert!(p.packed && p.no_16bit_storage(), "{what}: {p:?}");
+                    assert_eq!(p.partial_c, dtypes[2] != DType::F32, "{what}: {p:?}");
+                })
+            });
+            let vk = outputs(&dev, &c);
+            let pin = force.unwrap_or(gemv);
+            let w = outputs_with(&wgpu, &c, &|mm| wgpu.launch_matmul(mm, Some(pin)).map(drop));
+            assert!(vk == w, "{what}: vk and wgpu give different bits");
+            cases += 2;
+        }
     }
+    // The CPU-class kernel has no packed build: such products name why they take naga.
+    dev.force_gemm_variant(None);
     let c = case(&mut rng, (37, 29, 53), (false, false), [DType::F16; 3]);
     let f16 = Matmul {
         a: put(&dev, &c.a),
@@ -784,8 +813,7 @@ fn f32_twins_run_without_16bit_storage_on_vk() {
         kiln::vulkan::GemmRoute::Naga(why) => assert!(why.contains("native f16"), "{why}"),
         other => panic!("f16 without 16-bit storage: {other:?}"),
     }
-    dev.force_gemm_variant(None);
-    assert_eq!(dev.gemm_launches(), (2, 0));
+    assert_eq!(dev.gemm_launches(), (cases, 0));
 }
 
 /// `prepare` on `vk:0` builds the twins' pipelines (a split GEMV's with its

@@ -52,9 +52,9 @@ fn committed_spirv_is_what_the_sources_compile_to() {
     // matmul_cpu: 2 tiles x 2 storage types x 6 operand layouts, 12 `_epi` builds and
     // 6 `_mixed` ones (storage types by specialization) for the vk backend; gemm_f32;
     // attention: 3 passes x (16-bit storage, `_packed`); matmul_tiled and gemv, each
-    // with any storage or `_f32` only.
+    // with 16-bit storage or `_packed` (16-bit operands two to a word).
     assert_eq!(modules.len(), 53);
-    for kernel in ["matmul_tiled", "matmul_tiled_f32", "gemv", "gemv_f32"] {
+    for kernel in ["matmul_tiled", "matmul_tiled_packed", "gemv", "gemv_packed"] {
         let name = format!("{kernel}.spv");
         assert!(
             out.join(&name).exists(),

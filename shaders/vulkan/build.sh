@@ -55,13 +55,13 @@ done
 glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null
 # matmul_tiled and gemv: the GPU-class tiled GEMM and the GEMV, for Kiln's raw Vulkan
 # backend; tile shape, transposes, 16-byte loads, storage and the epilogue are all
-# specialization constants. The `_f32` builds declare f32 storage only (devices
-# without 16-bit storage).
+# specialization constants. The `_packed` builds are for devices without 16-bit
+# storage: f16 and bf16 operands read two to a 32-bit word.
 for kernel in matmul_tiled gemv; do
     glslangValidator -V --target-env vulkan1.2 \
         -o "$out/${kernel}.spv" "$here/${kernel}.comp" >/dev/null
-    glslangValidator -V --target-env vulkan1.2 -DF32_ONLY \
-        -o "$out/${kernel}_f32.spv" "$here/${kernel}.comp" >/dev/null
+    glslangValidator -V --target-env vulkan1.2 -DPACKED \
+        -o "$out/${kernel}_packed.spv" "$here/${kernel}.comp" >/dev/null
 done
 # attention: the fused attention's three passes (forward, dq, dk/dv), for Kiln's raw
 # Vulkan backend; tile shape, head dim and storage are specialization constants. The

@@ -8,7 +8,7 @@
 // (common/gemm_io.glsl); split K writes the f32 partials matmul_finish sums.
 
 #extension GL_GOOGLE_include_directive : require
-#ifndef F32_ONLY
+#ifndef PACKED
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #endif

@@ -19,7 +19,7 @@
 
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_GOOGLE_include_directive : require
-#ifndef F32_ONLY
+#ifndef PACKED
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #endif
@@ -35,7 +35,15 @@ layout(constant_id = 16) const bool VEC_B = false;
 
 layout(set = 0, binding = 0) readonly buffer BufA4 { vec4 a4[]; };
 layout(set = 0, binding = 1) readonly buffer BufB4 { vec4 b4[]; };
-#ifndef F32_ONLY
+#ifdef PACKED
+// Four 16-bit values in two words.
+layout(set = 0, binding = 0) readonly buffer BufA4w { uvec2 a4_w[]; };
+layout(set = 0, binding = 1) readonly buffer BufB4w { uvec2 b4_w[]; };
+vec4 from_words(uvec2 w, uint dt) {
+    return vec4(from_word(w.x, 0u, dt), from_word(w.x, 1u, dt), from_word(w.y, 0u, dt),
+                from_word(w.y, 1u, dt));
+}
+#else
 layout(set = 0, binding = 0) readonly buffer BufA4h { f16vec4 a4_h[]; };
 layout(set = 0, binding = 0) readonly buffer BufA4b { u16vec4 a4_b[]; };
 layout(set = 0, binding = 1) readonly buffer BufB4h { f16vec4 b4_h[]; };
@@ -52,7 +60,7 @@ const uint BS = BN + 1u;
 
 // 1 where the operand is f16 and its tile is kept f16; the other tile shrinks to one
 // element (array sizes are specialization constant expressions: arithmetic only).
-#ifdef F32_ONLY
+#ifdef PACKED
 const uint A_H = 0u;
 const uint B_H = 0u;
 #else
@@ -63,7 +71,7 @@ const uint A_LEN = BK * AS;
 const uint B_LEN = BK * BS;
 shared float tile_a[A_LEN - (A_LEN - 1u) * A_H];
 shared float tile_b[B_LEN - (B_LEN - 1u) * B_H];
-#ifndef F32_ONLY
+#ifndef PACKED
 shared float16_t tile_ah[1u + (A_LEN - 1u) * A_H];
 shared float16_t tile_bh[1u + (B_LEN - 1u) * B_H];
 #endif
@@ -71,7 +79,7 @@ shared float16_t tile_bh[1u + (B_LEN - 1u) * B_H];
 // Tile writes: element x of the tile from operand element `at` (0 where not `ok`;
 // indices are clamped into the operand by the callers, so the load is always valid).
 void put_a(uint x, uint at, bool ok) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (A_H == 1u) {
         float16_t v = a_h[at];
         tile_ah[x] = ok ? v : float16_t(0.0);
@@ -82,7 +90,7 @@ void put_a(uint x, uint at, bool ok) {
     tile_a[x] = ok ? v : 0.0;
 }
 void put_b(uint x, uint at, bool ok) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (B_H == 1u) {
         float16_t v = b_h[at];
         tile_bh[x] = ok ? v : float16_t(0.0);
@@ -97,7 +105,7 @@ void put_b(uint x, uint at, bool ok) {
 // select): a load in a conditional's arm is a branch, and lanes that disagree on it
 // run both sides on a SIMD driver.
 void put_a4(uint x, uint step, uint at, bool ok) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (A_H == 1u) {
         f16vec4 v = a4_h[at / 4u];
         v = ok ? v : f16vec4(0.0);
@@ -114,6 +122,15 @@ void put_a4(uint x, uint step, uint at, bool ok) {
         }
         return;
     }
+#else
+    if (A_DT != 0u) {
+        vec4 v = from_words(a4_w[at / 4u], A_DT);
+        v = ok ? v : vec4(0.0);
+        [[unroll]] for (uint e = 0u; e < 4u; e++) {
+            tile_a[x + step * e] = v[e];
+        }
+        return;
+    }
 #endif
     vec4 v = a4[at / 4u];
     v = ok ? v : vec4(0.0);
@@ -122,7 +139,7 @@ void put_a4(uint x, uint step, uint at, bool ok) {
     }
 }
 void put_b4(uint x, uint step, uint at, bool ok) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (B_H == 1u) {
         f16vec4 v = b4_h[at / 4u];
         v = ok ? v : f16vec4(0.0);
@@ -139,6 +156,15 @@ void put_b4(uint x, uint step, uint at, bool ok) {
         }
         return;
     }
+#else
+    if (B_DT != 0u) {
+        vec4 v = from_words(b4_w[at / 4u], B_DT);
+        v = ok ? v : vec4(0.0);
+        [[unroll]] for (uint e = 0u; e < 4u; e++) {
+            tile_b[x + step * e] = v[e];
+        }
+        return;
+    }
 #endif
     vec4 v = b4[at / 4u];
     v = ok ? v : vec4(0.0);
@@ -148,7 +174,7 @@ void put_b4(uint x, uint step, uint at, bool ok) {
 }
 
 float tile_a_at(uint x) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (A_H == 1u) {
         return float(tile_ah[x]);
     }
@@ -156,7 +182,7 @@ float tile_a_at(uint x) {
     return tile_a[x];
 }
 float tile_b_at(uint x) {
-#ifndef F32_ONLY
+#ifndef PACKED
     if (B_H == 1u) {
         return float(tile_bh[x]);
     }

@@ -101,7 +101,7 @@ pub enum GpuKernel {
 }
 
 /// How the SPIR-V twins of the WGSL tiled GEMM and GEMV run one product: everything
-/// but the module (storage f32 only or any) is a specialization constant.
+/// but the module (16-bit storage or not) is a specialization constant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GpuGemmPlan {
     pub kernel: GpuKernel,
@@ -125,6 +125,11 @@ pub struct GpuGemmPlan {
     /// The planner's output rows per dispatch (a multiple of the kernel's rows per
     /// workgroup), so that no dispatch runs long enough for a GPU's watchdog.
     pub rows_per_dispatch: u32,
+    /// The device has no 16-bit storage: f16 and bf16 operands are read two to a word
+    /// (the `_packed` module), and a 16-bit C is written through the partials
+    /// (`partial_c`), whose WGSL `matmul_finish` stores whole words.
+    pub packed: bool,
+    pub partial_c: bool,
 }
 
 impl GpuGemmPlan {
@@ -185,14 +190,16 @@ impl GpuGemmPlan {
         p
     }
 
-    /// Splits K (writes partials; `PARTIAL`).
+    /// Writes partials for `matmul_finish` (`PARTIAL`): K is split, or C is 16-bit
+    /// on a device without 16-bit storage.
     pub fn partial(&self) -> bool {
-        self.splits > 1
+        self.splits > 1 || self.partial_c
     }
 
-    /// Only f32 storage: the `_f32` module, which needs no 16-bit storage.
-    pub fn f32_only(&self) -> bool {
-        self.storage == [DType::F32; 4]
+    /// Runs the `_packed` module, which needs no 16-bit storage: the device has none,
+    /// or every operand is f32.
+    pub fn no_16bit_storage(&self) -> bool {
+        self.packed || self.storage == [DType::F32; 4]
     }
 
     /// What its pipeline depends on: not how K or the rows are split, only whether
@@ -346,7 +353,9 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     // own type: the `_mixed` modules.
     let alike = storage.iter().all(|&t| t == dtype) && dtype != DType::BF16;
     let f32_only = dtype == DType::F32 && alike;
-    if !f32_only && !caps.f16_arithmetic {
+    // The GPU-class twins read 16-bit operands two to a word where the device has no
+    // 16-bit storage; the CPU-class kernel does not.
+    if !f32_only && !caps.f16_arithmetic && gpu.is_none() {
         return naga(format!(
             "{} x {} -> {dtype} storage without the device's native f16 (shaderFloat16, \
              16-bit storage)",
@@ -363,7 +372,7 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
         ));
     }
     if let Some(kernel) = gpu {
-        return route_gpu(mm, dev, kernel, storage, &plan);
+        return route_gpu(mm, dev, kernel, storage, &plan, !caps.f16_arithmetic);
     }
     let Some((lo, hi)) = caps.subgroup_sizes else {
         return naga("no subgroup operations in compute shaders".into());
@@ -426,6 +435,7 @@ fn route_gpu(
     kernel: GpuKernel,
     storage: [DType; 4],
     plan: &kiln_wgpu::MatmulPlan,
+    packed: bool,
 ) -> GemmRoute {
     // 16-byte loads need every 4-group of the contiguous dimension to start 4 values
     // into the binding, which starts 4 values past an aligned offset.
@@ -435,6 +445,7 @@ fn route_gpu(
             && offset.is_multiple_of(4 * t.size() as u64)
     };
     let tiled = matches!(kernel, GpuKernel::Tiled { .. });
+    let partial_c = packed && storage[2] != DType::F32;
     let p = GpuGemmPlan {
         kernel,
         storage,
@@ -459,12 +470,16 @@ fn route_gpu(
         copy_f32: mm.c_f32.is_some(),
         use_beta: mm.beta != 0.0,
         splits: plan.splits,
-        k_chunk: if plan.splits > 1 {
+        // Through the partials, the planner's chunk, which they are laid out by (one
+        // chunk of at least K where K is not split).
+        k_chunk: if plan.splits > 1 || partial_c {
             plan.k_chunk
         } else {
             mm.k as u32
         },
         rows_per_dispatch: plan.rows_per_dispatch,
+        packed,
+        partial_c,
     };
     let name = plan.variant.name();
     let shared = p.shared_bytes();
@@ -591,14 +606,14 @@ fn epilogue_module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
     }
 }
 
-/// The committed module of a [`GpuGemmPlan`]: its kernel's, f32 only where it
-/// stores nothing else (no 16-bit storage needed).
+/// The committed module of a [`GpuGemmPlan`]: its kernel's, the `_packed` build
+/// where it needs no 16-bit storage.
 pub fn gpu_module(p: &GpuGemmPlan) -> (&'static str, &'static [u8]) {
-    match (p.kernel, p.f32_only()) {
+    match (p.kernel, p.no_16bit_storage()) {
         (GpuKernel::Tiled { .. }, false) => spv!("matmul_tiled"),
-        (GpuKernel::Tiled { .. }, true) => spv!("matmul_tiled_f32"),
+        (GpuKernel::Tiled { .. }, true) => spv!("matmul_tiled_packed"),
         (GpuKernel::Gemv { .. }, false) => spv!("gemv"),
-        (GpuKernel::Gemv { .. }, true) => spv!("gemv_f32"),
+        (GpuKernel::Gemv { .. }, true) => spv!("gemv_packed"),
     }
 }
 
@@ -860,7 +875,7 @@ mod tests {
         assert_eq!(p.kernel, GpuKernel::Tiled { bm, bn, bk });
         assert_eq!((p.splits, p.k_chunk, p.vec_a, p.vec_b), (1, 96, true, true));
         assert_eq!(p.groups(&product), (4, 4, 1));
-        assert_eq!(gpu_module(&p).0, "matmul_tiled_f32");
+        assert_eq!(gpu_module(&p).0, "matmul_tiled_packed");
         // Constants 1, 2 and 12: the tile; 15 and 16 the 16-byte loads.
         let spec = p.spec();
         assert_eq!((spec[0], spec[1], spec[11]), (bm, bn, bk));
@@ -889,6 +904,43 @@ mod tests {
     }
 
     #[test]
+    fn without_16bit_storage_the_twins_read_words_and_a_16bit_c_goes_through_partials() {
+        let packed = Capabilities {
+            device_type: "discrete".into(),
+            subgroup_sizes: Some((32, 32)),
+            f16_arithmetic: false,
+            ..lavapipe()
+        };
+        // f16 throughout: the `_packed` module, C written by matmul_finish.
+        let half = mm(DType::F16, 256, 200, 96);
+        let p = gpu_plan(route(&half, &packed, gpu_device()));
+        assert!(matches!(p.kernel, GpuKernel::Tiled { .. }));
+        assert!(
+            p.packed && p.partial_c && p.partial() && p.splits == 1,
+            "{p:?}"
+        );
+        assert_eq!(gpu_module(&p).0, "matmul_tiled_packed");
+        assert_eq!(p.spec()[9], 1, "PARTIAL");
+        // The planner sends such a C through the partials too (its finish packs it).
+        assert!(plan_matmul(&half, &packed, None).unwrap().partial);
+        // bf16 operands into an f32 C: read as words, C stored directly.
+        let mut grad = mm(DType::BF16, 40, 1, 64);
+        grad.c.dtype = DType::F32;
+        let q = gpu_plan(route(&grad, &packed, gpu_device()));
+        assert_eq!(q.kernel, GpuKernel::Gemv { lanes: 64 });
+        assert!(q.packed && !q.partial_c && !q.partial(), "{q:?}");
+        assert_eq!(gpu_module(&q).0, "gemv_packed");
+        // With 16-bit storage, a 16-bit C is stored by the kernel itself.
+        let native = Capabilities {
+            f16_arithmetic: true,
+            ..packed
+        };
+        let r = gpu_plan(route(&half, &native, gpu_device()));
+        assert!(!r.packed && !r.partial(), "{r:?}");
+        assert_eq!(gpu_module(&r).0, "matmul_tiled");
+    }
+
+    #[test]
     fn gemv_runs_as_spirv_on_every_device_and_tiled_where_forced() {
         let caps = lavapipe();
         // N = 1: the planner's GEMV, on lavapipe too; bf16 storage specialized.
@@ -909,7 +961,7 @@ mod tests {
         assert_eq!((q.splits, q.k_chunk), (plan.splits, plan.k_chunk));
         assert_eq!(q.groups(&long).2, plan.splits as u64);
         assert_eq!(q.spec()[9], 1);
-        assert_eq!(gpu_module(&q).0, "gemv_f32");
+        assert_eq!(gpu_module(&q).0, "gemv_packed");
         // One pipeline for every chunk length.
         let other = GpuGemmPlan {
             splits: 3,

@@ -8,8 +8,11 @@
 //
 // Storage of A, B, C and the bias is a specialization constant each (0 f32, 1 f16,
 // 2 bf16): every binding is declared once per type and the driver drops the unused
-// ones when it specializes. F32_ONLY builds declare f32 only, for devices without
-// 16-bit storage.
+// ones when it specializes. PACKED builds are for devices without 16-bit storage:
+// they read an f16 or bf16 operand two to a 32-bit word, the lower half first (the
+// bytes are the same, only the view differs: the WGSL kernels' packed representation),
+// and store f32 only; the host sends a 16-bit C there through the split-K partials,
+// whose matmul_finish stores whole words.
 
 layout(constant_id = 3) const bool BIAS = false;
 layout(constant_id = 4) const bool GELU = false;
@@ -44,12 +47,35 @@ layout(set = 0, binding = 3) uniform Params {
     uint row_base;
 } P;
 
-#ifdef F32_ONLY
-#define ld_a(i) a[i]
-#define ld_b(i) b[i]
-#define ld_c(i) c[i]
-#define ld_bias(i) bias[i]
-#define st_c(i, v) c[i] = (v)
+#ifdef PACKED
+layout(set = 0, binding = 0) readonly buffer BufAw { uint a_w[]; };
+layout(set = 0, binding = 1) readonly buffer BufBw { uint b_w[]; };
+layout(set = 0, binding = 2) readonly buffer BufCw { uint c_w[]; };
+layout(set = 0, binding = 4) readonly buffer BufBiasW { uint bias_w[]; };
+
+// Element `i` of an operand stored as `dt` (1 f16, 2 bf16) from its word `w`.
+float from_word(uint w, uint i, uint dt) {
+    uint bits = (i & 1u) == 0u ? (w & 0xffffu) : (w >> 16);
+    return dt == 1u ? unpackHalf2x16(bits).x : uintBitsToFloat(bits << 16);
+}
+float ld_a(uint i) {
+    return A_DT == 0u ? a[i] : from_word(a_w[i >> 1], i, A_DT);
+}
+float ld_b(uint i) {
+    return B_DT == 0u ? b[i] : from_word(b_w[i >> 1], i, B_DT);
+}
+float ld_c(uint i) {
+    return C_DT == 0u ? c[i] : from_word(c_w[i >> 1], i, C_DT);
+}
+float ld_bias(uint i) {
+    return BIAS_DT == 0u ? bias[i] : from_word(bias_w[i >> 1], i, BIAS_DT);
+}
+// A 16-bit C never gets here: its products go through the partials (PARTIAL).
+void st_c(uint i, float v) {
+    if (C_DT == 0u) {
+        c[i] = v;
+    }
+}
 #else
 layout(set = 0, binding = 0) readonly buffer BufAh { float16_t a_h[]; };
 layout(set = 0, binding = 0) readonly buffer BufAb { uint16_t a_b[]; };
