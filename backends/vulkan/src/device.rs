@@ -2292,78 +2292,86 @@ impl VkDevice {
         mm: &kiln_engine::Matmul,
         p: &SpirvGemmPlan,
     ) -> Result<()> {
-        // A K split: the planner's plan, whose partials layout and `matmul_finish`
-        // (the WGSL one, through naga) complete the product.
-        let split = if p.partial() {
-            let plan = plan_matmul(mm, &self.caps, None)?;
-            debug_assert_eq!((plan.splits, plan.k_chunk), (p.splits, p.k_chunk));
+        // Built now, also where `prepare` only collects.
+        self.gemm_pipeline(s, p)?;
+        self.record_gemm_with(s, mm, p.partial(), (p.splits, p.k_chunk), |dev, s, cf| {
+            let pipeline = dev.gemm_pipeline(s, p)?;
+            dev.dispatch_gemm(s, mm, pipeline, &p.params(mm), p.groups(mm), cf)?;
+            s.ran.insert(p.pipeline_key());
+            Ok(())
+        })
+    }
+
+    /// Records a hand-written GEMM of `mm` (its pipelines built): `dispatch` binds and
+    /// dispatches it given where the f32 copy of C goes; with `partial`, that is the
+    /// planner's f32 partials (`split`: its K split), which the WGSL `matmul_finish`
+    /// (through naga) then sums with the epilogue. While `prepare` collects, only the
+    /// finish's pipeline is collected.
+    fn record_gemm_with(
+        &self,
+        s: &mut State,
+        mm: &kiln_engine::Matmul,
+        partial: bool,
+        split: (u32, u32),
+        dispatch: impl FnOnce(&Self, &mut State, u64) -> Result<()>,
+    ) -> Result<()> {
+        let plan = if partial {
+            let force = *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner());
+            let plan = plan_matmul(mm, &self.caps, force)?;
+            debug_assert_eq!((plan.splits, plan.k_chunk), split);
             Some(plan)
         } else {
             None
         };
         if s.collect.is_some() {
-            // `prepare` wants the pipelines: this one built now, the finish's through
-            // its dispatch, which only collects here.
-            self.gemm_pipeline(s, p)?;
-            if let Some(plan) = &split {
+            if let Some(plan) = &plan {
                 split_finish(self, s, mm, plan)?;
             }
             return Ok(());
         }
-        if let Some(plan) = &split {
+        if let Some(plan) = &plan {
             split_partials(self, s, mm, plan)?;
         }
-        // A split writes its partials where the copy goes.
-        let cf = if split.is_some() {
+        let cf = if plan.is_some() {
             PARTIALS_ID
         } else {
             mm.c_f32.map_or(DUMMY_ID, |b| b.id)
         };
-        self.dispatch_spirv_gemm(s, mm, p, cf)?;
-        s.ran.insert(p.pipeline_key());
-        if let Some(plan) = &split {
+        dispatch(self, s, cf)?;
+        if let Some(plan) = &plan {
             split_finish(self, s, mm, plan)?;
         }
         Ok(())
     }
 
-    /// Binds `mm`'s operands (`cf`: the f32 copy of C, or the partials of a split)
-    /// and records one dispatch of `p`'s pipeline over every tile and matrix.
-    fn dispatch_spirv_gemm(
+    /// Records one dispatch of a hand-written GEMM's `pipeline` over `groups`: A, B
+    /// and C at bindings 0-2, `params` as the uniform at 3, the bias (a stand-in where
+    /// the launch has none: the modules that read it declare it) at 4 and `cf` (the f32
+    /// copy of C or the partials) at 5; see `gemm_layout`.
+    fn dispatch_gemm(
         &self,
         s: &mut State,
         mm: &kiln_engine::Matmul,
-        p: &SpirvGemmPlan,
+        pipeline: (vk::Pipeline, vk::PipelineLayout),
+        params: &[u32; 16],
+        groups: (u64, u64, u64),
         cf: u64,
     ) -> Result<()> {
-        let (pipeline, layout) = self.gemm_pipeline(s, p)?;
         let mut infos = vec![];
-        for b in [mm.a, mm.b, mm.c] {
-            infos.push(self.buffer_info(s, b.id)?);
+        for id in [mm.a.id, mm.b.id, mm.c.id] {
+            infos.push(self.buffer_info(s, id)?);
         }
-        let params = p.params(mm);
-        let (cmd, arena, offset) = self.put_params(s, &params)?;
+        let (cmd, arena, offset) = self.put_params(s, params)?;
         infos.push(vk::DescriptorBufferInfo {
             buffer: arena,
             offset,
             range: 4 * params.len() as u64,
         });
-        if p.epilogue() || p.mixed.is_some() {
-            // Stand-ins where the launch has no bias or copy: the module binds both,
-            // and its specialization never touches the absent one.
-            infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
-            infos.push(self.buffer_info(s, cf)?);
-        }
-        // The parameters' uniform at binding 3 (see `gemm_layout`).
+        infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
+        infos.push(self.buffer_info(s, cf)?);
         let writes = buffer_writes(&infos, Some(3));
-        let (x, y, z) = p.groups(mm);
-        self.record_compute(
-            cmd,
-            (pipeline, layout),
-            &writes,
-            &[],
-            (x as u32, y as u32, z as u32),
-        );
+        let (x, y, z) = groups;
+        self.record_compute(cmd, pipeline, &writes, &[], (x as u32, y as u32, z as u32));
         Ok(())
     }
 
@@ -2549,7 +2557,8 @@ impl VkDevice {
             } else {
                 copy.map_or(DUMMY_ID, |b| b.id)
             };
-            self.dispatch_spirv_gemm(&mut s, &mm, &q, cf)?;
+            let pipeline = self.gemm_pipeline(&mut s, &q)?;
+            self.dispatch_gemm(&mut s, &mm, pipeline, &q.params(&mm), q.groups(&mm), cf)?;
             let value = self.flush(&mut s)?;
             drop(s);
             self.wait_for(value)
@@ -2642,67 +2651,13 @@ impl VkDevice {
         mm: &kiln_engine::Matmul,
         p: &GpuGemmPlan,
     ) -> Result<()> {
-        let (pipeline, layout) = self.gpu_gemm_pipeline(s, p)?;
-        let split = if p.partial() {
-            let force = *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner());
-            let plan = plan_matmul(mm, &self.caps, force)?;
-            debug_assert_eq!((plan.splits, plan.k_chunk), (p.splits, p.k_chunk));
-            Some(plan)
-        } else {
-            None
-        };
-        if s.collect.is_some() {
-            if let Some(plan) = &split {
-                split_finish(self, s, mm, plan)?;
+        let pipeline = self.gpu_gemm_pipeline(s, p)?;
+        self.record_gemm_with(s, mm, p.partial(), (p.splits, p.k_chunk), |dev, s, cf| {
+            for (row_base, groups) in p.dispatches(mm) {
+                dev.dispatch_gemm(s, mm, pipeline, &p.params(mm, row_base), groups, cf)?;
             }
-            return Ok(());
-        }
-        if let Some(plan) = &split {
-            split_partials(self, s, mm, plan)?;
-        }
-        // Stand-ins where the launch has no bias or copy; a split writes its partials
-        // where the copy goes.
-        let cf = if split.is_some() {
-            PARTIALS_ID
-        } else {
-            mm.c_f32.map_or(DUMMY_ID, |b| b.id)
-        };
-        let buffers = [
-            mm.a.id,
-            mm.b.id,
-            mm.c.id,
-            mm.bias.map_or(DUMMY_ID, |b| b.id),
-            cf,
-        ];
-        for (row_base, (x, y, z)) in p.dispatches(mm) {
-            let params = p.params(mm, row_base);
-            let (cmd, arena, offset) = self.put_params(s, &params)?;
-            let mut infos = vec![];
-            for id in buffers {
-                infos.push(self.buffer_info(s, id)?);
-            }
-            // The parameters' uniform at binding 3 (see `gemm_layout`).
-            infos.insert(
-                3,
-                vk::DescriptorBufferInfo {
-                    buffer: arena,
-                    offset,
-                    range: 4 * params.len() as u64,
-                },
-            );
-            let writes = buffer_writes(&infos, Some(3));
-            self.record_compute(
-                cmd,
-                (pipeline, layout),
-                &writes,
-                &[],
-                (x as u32, y as u32, z as u32),
-            );
-        }
-        if let Some(plan) = &split {
-            split_finish(self, s, mm, plan)?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Records `mm` with the cooperative-matrix GEMM as `p` plans it: one dispatch, a

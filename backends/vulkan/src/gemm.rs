@@ -68,25 +68,7 @@ impl SpirvGemmPlan {
     /// The shader's `Params` block (strides of contiguous operands; the `_mixed`
     /// modules' K split and output count after them).
     pub fn params(&self, mm: &Matmul) -> [u32; 16] {
-        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
-        [
-            m,
-            n,
-            k,
-            if mm.trans_a { m } else { k },
-            if mm.trans_b { k } else { n },
-            n,
-            mm.stride_a as u32,
-            mm.stride_b as u32,
-            mm.stride_c as u32,
-            mm.alpha.to_bits(),
-            mm.beta.to_bits(),
-            self.splits,
-            self.k_chunk,
-            (mm.batch * mm.m * mm.n) as u32,
-            0,
-            0,
-        ]
+        params(mm, self.splits, self.k_chunk, 0)
     }
 }
 
@@ -168,26 +150,7 @@ impl GpuGemmPlan {
     /// dispatch from output row `row_base`: the CPU-class kernel's layout, the first
     /// row after it.
     pub fn params(&self, mm: &Matmul, row_base: u32) -> [u32; 16] {
-        let mut p = [0; 16];
-        let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
-        p[..15].copy_from_slice(&[
-            m,
-            n,
-            k,
-            if mm.trans_a { m } else { k },
-            if mm.trans_b { k } else { n },
-            n,
-            mm.stride_a as u32,
-            mm.stride_b as u32,
-            mm.stride_c as u32,
-            mm.alpha.to_bits(),
-            mm.beta.to_bits(),
-            self.splits,
-            self.k_chunk,
-            (mm.batch * mm.m * mm.n) as u32,
-            row_base,
-        ]);
-        p
+        params(mm, self.splits, self.k_chunk, row_base)
     }
 
     /// Writes partials for `matmul_finish` (`PARTIAL`): K is split, or C is 16-bit
@@ -269,6 +232,31 @@ impl GpuGemmPlan {
             GpuKernel::Gemv { lanes } => lanes,
         }
     }
+}
+
+/// The hand-written GEMMs' `Params` block: sizes, row strides of contiguous operands,
+/// batch strides, alpha and beta, the K split (`splits` chunks of `k_chunk`), the
+/// output count of one split's partials and the dispatch's first row.
+fn params(mm: &Matmul, splits: u32, k_chunk: u32, row_base: u32) -> [u32; 16] {
+    let (m, n, k) = (mm.m as u32, mm.n as u32, mm.k as u32);
+    [
+        m,
+        n,
+        k,
+        if mm.trans_a { m } else { k },
+        if mm.trans_b { k } else { n },
+        n,
+        mm.stride_a as u32,
+        mm.stride_b as u32,
+        mm.stride_c as u32,
+        mm.alpha.to_bits(),
+        mm.beta.to_bits(),
+        splits,
+        k_chunk,
+        (mm.batch * mm.m * mm.n) as u32,
+        row_base,
+        0,
+    ]
 }
 
 /// Which GEMM runs a product, and why.
