@@ -175,6 +175,9 @@ fn a_lost_vk_device_is_a_clear_error_and_nothing_after_it_hangs() {
         let axpy = Kernel::Axpy { alpha: 2.0, x, y };
         dev.launch(&axpy).unwrap();
         assert_eq!(dev.download(y).unwrap(), HostData::F32(vec![5.0; 100]));
+        // A download begun before the loss and finished after it: its data is gone.
+        dev.launch(&axpy).unwrap();
+        let pending = dev.begin_download(y).unwrap();
         dev.simulate_device_lost();
         dev.launch(&axpy).unwrap();
         let lost = |what: &str, e: Error| {
@@ -187,10 +190,13 @@ fn a_lost_vk_device_is_a_clear_error_and_nothing_after_it_hangs() {
             );
         };
         lost("download", dev.download(y).unwrap_err());
+        lost(
+            "a download begun before",
+            dev.finish_download(pending).unwrap_err(),
+        );
         dev.launch(&axpy).unwrap();
         lost("submit", dev.submit().unwrap_err());
-        // Nothing is left in flight to wait for, and what was retired is released.
-        dev.wait().unwrap();
+        lost("wait", dev.wait().unwrap_err());
         lost("begin_download", dev.begin_download(x).unwrap_err());
         let z = dev.alloc(DType::F32, 8).unwrap();
         lost(

@@ -902,6 +902,10 @@ impl VkDevice {
     /// A Vulkan error as Kiln reports it: a lost device and exhausted memory by name,
     /// with what to do.
     fn vk_error(&self, what: &str, e: vk::Result) -> Error {
+        if e == vk::Result::ERROR_DEVICE_LOST {
+            // It stays lost: later waits fail too (see `wait_on`).
+            self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         match e {
             vk::Result::ERROR_DEVICE_LOST => self.backend_error(format!(
                 "{what}: the Vulkan device was lost (the driver reset it or crashed; a \
@@ -1110,6 +1114,11 @@ impl VkDevice {
 
     /// Waits until `semaphore`'s timeline reaches `value`.
     fn wait_on(&self, semaphore: vk::Semaphore, value: u64) -> Result<()> {
+        if self.lost.load(std::sync::atomic::Ordering::Relaxed) {
+            // What the device was to finish is gone (the timeline was signalled from
+            // the host so that no wait hangs): nothing waited for is valid.
+            return Err(self.vk_error("waiting for the device", vk::Result::ERROR_DEVICE_LOST));
+        }
         let semaphores = [semaphore];
         let values = [value];
         let info = vk::SemaphoreWaitInfo::default()
@@ -1245,19 +1254,35 @@ impl VkDevice {
         r.commands.push(stream.cmd);
         r.mems.push(stream.arena);
         if let Err(e) = result {
-            // Nothing will signal `value`: a wait for it would never end.
-            // SAFETY: a host signal of a timeline semaphore to a higher value.
-            let _ = unsafe {
-                self.device.signal_semaphore(
-                    &vk::SemaphoreSignalInfo::default()
-                        .semaphore(self.timeline)
-                        .value(value),
-                )
-            };
-            return Err(self.vk_error("submitting work", e));
+            return Err(self.failed_submit(self.timeline, value, "submitting work", e));
         }
         self.validated()?;
         Ok(value)
+    }
+
+    /// After a submission of `semaphore`'s `value` failed with `e`: nothing will signal
+    /// that value, so the host does, once the queues are idle (a host signal must not
+    /// pass work still pending; a lost device returns at once), lest a wait for it
+    /// never end. A lost device stays lost: every later wait says so.
+    fn failed_submit(
+        &self,
+        semaphore: vk::Semaphore,
+        value: u64,
+        what: &str,
+        e: vk::Result,
+    ) -> Error {
+        // SAFETY: the caller holds the state lock, under which every queue of this
+        // device is used; then a host signal of a timeline semaphore to a value above
+        // every one submitted to it, none pending any more.
+        unsafe {
+            let _ = self.device.device_wait_idle();
+            let _ = self.device.signal_semaphore(
+                &vk::SemaphoreSignalInfo::default()
+                    .semaphore(semaphore)
+                    .value(value),
+            );
+        }
+        self.vk_error(what, e)
     }
 
     /// Submits one batch to `queue`, or fails as a lost device does where a test said
@@ -1720,16 +1745,7 @@ impl VkDevice {
         s.transfer.as_mut().expect("checked above").submitted = value;
         Self::retired_at(s, (0, value)).transfer_commands.push(cmd);
         if let Err(e) = result {
-            // Nothing will signal `value`: a wait for it would never end.
-            // SAFETY: a host signal of a timeline semaphore to a higher value.
-            let _ = unsafe {
-                self.device.signal_semaphore(
-                    &vk::SemaphoreSignalInfo::default()
-                        .semaphore(timeline)
-                        .value(value),
-                )
-            };
-            return Err(self.vk_error("submitting a download", e));
+            return Err(self.failed_submit(timeline, value, "submitting a download", e));
         }
         self.transfer_counts[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let read = s.transfer_reads.entry(src).or_default();
@@ -2144,6 +2160,8 @@ impl VkDevice {
         }
         let mut s = self.lock();
         self.check_live(&s, "matmul", &mm.buffers())?;
+        // C may be what a transfer copy still reads.
+        self.after_transfer_reads(&mut s, &[mm.c])?;
         let (pipeline, layout) = self.glsl_pipeline(
             &mut s,
             "gemm_f32",
@@ -2382,6 +2400,16 @@ impl VkDevice {
         let Some(primer) = &self.primer else {
             return *p;
         };
+        if self
+            .gemm_variant
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            // A pinned block (a benchmark's row, a test) runs as pinned.
+            return *p;
+        }
+        let best = MatmulVariant::Cpu { tm: p.tm, nv: p.nv };
         let with = |v: MatmulVariant| match v {
             MatmulVariant::Cpu { tm, nv } => Some(SpirvGemmPlan { tm, nv, ..*p }),
             _ => None,
@@ -2395,12 +2423,14 @@ impl VkDevice {
                 return Readiness::Ready;
             }
             match primer.state(&Block::Gemm(key)) {
-                Some(Primed::Done | Primed::Failed) => Readiness::Ready,
+                Some(Primed::Done) => Readiness::Ready,
+                // The planned block then compiles at its first run here, as without a
+                // primer; a smaller one that failed is no stand-in (it would too).
+                Some(Primed::Failed) if v == best => Readiness::Ready,
                 Some(Primed::Queued) => Readiness::Building,
-                None => Readiness::Absent,
+                _ => Readiness::Absent,
             }
         };
-        let best = MatmulVariant::Cpu { tm: p.tm, nv: p.nv };
         // The ladder's rule: blocks of 32 rows and more take seconds to compile.
         if p.tm >= 32 && readiness(best) == Readiness::Absent {
             primer.ask(Job {
@@ -2464,64 +2494,50 @@ impl VkDevice {
         if lens.len() != r.dtypes.len() {
             return Err(self.backend_error("an attention recipe with the wrong buffer count"));
         }
-        let mut bufs = vec![];
-        for (&dtype, &len) in r.dtypes.iter().zip(&lens) {
-            match self.alloc(dtype, len) {
-                Ok(b) => bufs.push(b),
-                Err(e) => {
-                    for b in bufs {
-                        self.free(b)?;
-                    }
-                    return Err(e);
+        let specs: Vec<(DType, usize)> = r.dtypes.iter().copied().zip(lens).collect();
+        self.with_buffers(&specs, |bufs| {
+            let (scale, causal, group) = (1.0, r.causal, r.group);
+            let kernel = if r.backward {
+                Kernel::AttentionBackward {
+                    q: bufs[0],
+                    k: bufs[1],
+                    v: bufs[2],
+                    out: bufs[3],
+                    dout: bufs[4],
+                    lse: bufs[5],
+                    dq: bufs[6],
+                    dk: bufs[7],
+                    dv: bufs[8],
+                    batch_heads: heads,
+                    group,
+                    seq,
+                    dim,
+                    scale,
+                    causal,
                 }
-            }
-        }
-        let (scale, causal, group) = (1.0, r.causal, r.group);
-        let kernel = if r.backward {
-            Kernel::AttentionBackward {
-                q: bufs[0],
-                k: bufs[1],
-                v: bufs[2],
-                out: bufs[3],
-                dout: bufs[4],
-                lse: bufs[5],
-                dq: bufs[6],
-                dk: bufs[7],
-                dv: bufs[8],
-                batch_heads: heads,
-                group,
-                seq,
-                dim,
-                scale,
-                causal,
-            }
-        } else {
-            Kernel::Attention {
-                q: bufs[0],
-                k: bufs[1],
-                v: bufs[2],
-                out: bufs[3],
-                lse: bufs[4],
-                batch_heads: heads,
-                group,
-                seq,
-                dim,
-                scale,
-                causal,
-            }
-        };
-        // With the training device's plan, so that the driver sees its pipelines.
-        let ran = kernel.validate().and_then(|()| {
+            } else {
+                Kernel::Attention {
+                    q: bufs[0],
+                    k: bufs[1],
+                    v: bufs[2],
+                    out: bufs[3],
+                    lse: bufs[4],
+                    batch_heads: heads,
+                    group,
+                    seq,
+                    dim,
+                    scale,
+                    causal,
+                }
+            };
+            // With the training device's plan, so that the driver sees its pipelines.
+            kernel.validate()?;
             let mut s = self.lock();
             self.record_attention_with(&mut s, &kernel, &r.plan)?;
             let value = self.flush(&mut s)?;
             drop(s);
             self.wait_for(value)
-        });
-        for b in bufs {
-            self.free(b)?;
-        }
-        ran
+        })
     }
 
     /// Runs `p`'s pipeline once over one tile (on the primer's device).
@@ -2530,46 +2546,68 @@ impl VkDevice {
         // One tile: TM rows, the lanes' columns, and two subgroup steps of K (one per
         // K chunk when split) — enough for every load the block makes to land inside.
         let (m, n, k) = (p.tm as usize, (gemm::LANES * 4 * p.nv) as usize, 16);
-        let a = self.alloc(storage[0], m * k)?;
-        let b = self.alloc(storage[1], k * n)?;
-        let c = self.alloc(storage[2], m * n)?;
-        let bias = p.bias.then(|| self.alloc(storage[3], n)).transpose()?;
-        let copy = p
-            .copy_f32
-            .then(|| self.alloc(DType::F32, m * n))
-            .transpose()?;
-        let mut mm = kiln_engine::Matmul::new(a, b, c, m, n, k);
-        mm.trans_a = p.trans_a;
-        mm.trans_b = p.trans_b;
-        mm.bias = bias;
-        mm.gelu = p.gelu;
-        mm.c_f32 = copy;
-        let q = SpirvGemmPlan {
-            splits: if p.partial() { 2 } else { 1 },
-            k_chunk: if p.partial() { 8 } else { 16 },
-            ..*p
-        };
-        let ran = (|| {
+        let mut specs = vec![
+            (storage[0], m * k),
+            (storage[1], k * n),
+            (storage[2], m * n),
+        ];
+        if p.bias {
+            specs.push((storage[3], n));
+        }
+        if p.copy_f32 {
+            specs.push((DType::F32, m * n));
+        }
+        self.with_buffers(&specs, |bufs| {
+            let mut mm = kiln_engine::Matmul::new(bufs[0], bufs[1], bufs[2], m, n, k);
+            mm.trans_a = p.trans_a;
+            mm.trans_b = p.trans_b;
+            mm.bias = p.bias.then(|| bufs[3]);
+            mm.gelu = p.gelu;
+            mm.c_f32 = p.copy_f32.then(|| bufs[bufs.len() - 1]);
+            let q = SpirvGemmPlan {
+                splits: if p.partial() { 2 } else { 1 },
+                k_chunk: if p.partial() { 8 } else { 16 },
+                ..*p
+            };
             let mut s = self.lock();
             let cf = if q.partial() {
                 Recorder::partials(self, &mut s, 2 * (m * n) as u64 * 4)?;
                 PARTIALS_ID
             } else {
-                copy.map_or(DUMMY_ID, |b| b.id)
+                mm.c_f32.map_or(DUMMY_ID, |b| b.id)
             };
             let pipeline = self.gemm_pipeline(&mut s, &q)?;
             self.dispatch_gemm(&mut s, &mm, pipeline, &q.params(&mm), q.groups(&mm), cf)?;
             let value = self.flush(&mut s)?;
             drop(s);
             self.wait_for(value)
-        })();
-        for buf in [Some(a), Some(b), Some(c), bias, copy]
-            .into_iter()
-            .flatten()
-        {
-            self.free(buf)?;
+        })
+    }
+
+    /// Runs `f` over new buffers of `specs` (type, length each) and frees them all
+    /// after, whatever happened (the primer's device lives on).
+    fn with_buffers<T>(
+        &self,
+        specs: &[(DType, usize)],
+        f: impl FnOnce(&[Buffer]) -> Result<T>,
+    ) -> Result<T> {
+        let mut bufs = vec![];
+        let mut made = Ok(());
+        for &(dtype, len) in specs {
+            match self.alloc(dtype, len) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    made = Err(e);
+                    break;
+                }
+            }
         }
-        ran
+        let result = made.and_then(|()| f(&bufs));
+        for b in bufs {
+            // Only an unknown buffer fails to free: these are all this device's.
+            let _ = self.free(b);
+        }
+        result
     }
 
     /// Big GEMM blocks and attention kernels run first on the primer's device so far

@@ -213,7 +213,8 @@ impl GpuGemmPlan {
             GpuKernel::Tiled { bm, bn, bk } => {
                 let tile = |side: u32, t: DType| {
                     let len = bk as u64 * (side as u64 + 1);
-                    if t == DType::F16 {
+                    // The `_packed` build keeps every tile f32.
+                    if t == DType::F16 && !self.packed {
                         2 * len + 4
                     } else {
                         4 * len + 2
@@ -306,6 +307,13 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     let (tm, nv, gpu) = match plan.variant {
         MatmulVariant::Cpu { tm, nv } => (tm, nv, None),
         MatmulVariant::Tiled { bm, bn, bk } => (0, 0, Some(GpuKernel::Tiled { bm, bn, bk })),
+        // The twin computes one column (a forced GEMV may be asked for more).
+        MatmulVariant::Gemv { .. } if mm.n != 1 => {
+            return naga(format!(
+                "a GEMV of {} columns; the GEMV's SPIR-V twin computes N = 1",
+                mm.n
+            ))
+        }
         MatmulVariant::Gemv { lanes } => (0, 0, Some(GpuKernel::Gemv { lanes })),
         MatmulVariant::Naive => {
             return naga(format!(
@@ -314,10 +322,12 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
             ))
         }
     };
+    // A 16-bit C without 16-bit storage goes through the partials too (`route_gpu`).
+    let partial_c = gpu.is_some() && !caps.f16_arithmetic && mm.c.dtype != DType::F32;
     let partials = kiln_wgpu::split_partial_bytes(mm, &plan);
-    if plan.splits > 1 && partials > caps.max_storage_binding {
+    if (plan.splits > 1 || partial_c) && partials > caps.max_storage_binding {
         return naga(format!(
-            "{partials} bytes of f32 partials for {} K splits, over the {}-byte binding \
+            "{partials} bytes of f32 partials for {} K split(s), over the {}-byte binding \
              limit (the naga path splits the product in blocks)",
             plan.splits, caps.max_storage_binding
         ));
@@ -921,11 +931,34 @@ mod tests {
         // With 16-bit storage, a 16-bit C is stored by the kernel itself.
         let native = Capabilities {
             f16_arithmetic: true,
-            ..packed
+            ..packed.clone()
         };
         let r = gpu_plan(route(&half, &native, gpu_device()));
         assert!(!r.packed && !r.partial(), "{r:?}");
         assert_eq!(gpu_module(&r).0, "matmul_tiled");
+        // Partials twice C's bytes: over the binding limit while C is within it.
+        let small = Capabilities {
+            max_storage_binding: (256 * 200 * 3) as u64,
+            ..packed.clone()
+        };
+        assert!(why(route(&half, &small, gpu_device())).contains("bytes of f32 partials"));
+        assert!(matches!(
+            route(
+                &half,
+                &Capabilities {
+                    f16_arithmetic: true,
+                    ..small
+                },
+                gpu_device()
+            ),
+            GemmRoute::SpirvGpu(_)
+        ));
+        // The GEMV twin computes one column: a GEMV forced on more takes naga.
+        let forced = GemmDevice {
+            force: Some(MatmulVariant::Gemv { lanes: 64 }),
+            ..gpu_device()
+        };
+        assert!(why(route(&mm(DType::F32, 8, 3, 64), &lavapipe(), forced)).contains("N = 1"));
     }
 
     #[test]

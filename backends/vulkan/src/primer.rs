@@ -8,8 +8,8 @@
 //! opened alike (the driver must see the same shader), and runs each such kernel
 //! there once on small operands; meanwhile the training device runs a stand-in (a
 //! smaller GEMM block, `kiln_wgpu::gemm_stand_in`; attention with one row per lane),
-//! which computes every output with the same operations in the same order, so not a
-//! bit changes. Once primed, the kernel's first run on the training device finds its
+//! which sums every output in the same order (a causal stand-in also skips key blocks
+//! wholly past its rows, which only add exact zeros), so not a bit changes. Once primed, the kernel's first run on the training device finds its
 //! machine code in the cache.
 
 use std::collections::HashMap;
@@ -75,6 +75,8 @@ struct Blocks {
     state: HashMap<Block, Primed>,
     /// Tests hold the worker to see the stand-in run ([`VkDevice::hold_primer`]).
     held: bool,
+    /// Its last device is gone: blocks still queued are dropped, not compiled.
+    closing: bool,
 }
 
 #[derive(Default)]
@@ -90,7 +92,9 @@ impl Shared {
 }
 
 /// The worker and what it has primed. Dropping it ends the worker after the block it
-/// is running (its device is dropped with it).
+/// is running, if any (its device is dropped with it); blocks still queued are left.
+/// The thread is not joined: a process that exits while it compiles abandons that
+/// compile (Mesa 22.3's lavapipe was seen to exit cleanly so, mid-compile).
 pub(crate) struct Primer {
     jobs: Mutex<mpsc::Sender<Job>>,
     shared: Arc<Shared>,
@@ -142,18 +146,26 @@ impl Primer {
                 let mut device = None;
                 for job in rx {
                     let mut blocks = worker.lock();
-                    while blocks.held {
+                    while blocks.held && !blocks.closing {
                         blocks = worker
                             .changed
                             .wait(blocks)
                             .unwrap_or_else(|e| e.into_inner());
+                    }
+                    if blocks.closing {
+                        return;
                     }
                     drop(blocks);
                     let t0 = std::time::Instant::now();
                     let device =
                         device.get_or_insert_with(|| VkDevice::open_unprimed(index, &options));
                     let result = match device {
-                        Ok(d) => d.prime(&job).map_err(|e| e.to_string()),
+                        // A panic there must not leave the block queued for ever
+                        // (launches would run its stand-in, and waits never end).
+                        Ok(d) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            d.prime(&job).map_err(|e| e.to_string())
+                        }))
+                        .unwrap_or_else(|_| Err("the primer panicked".into())),
                         Err(e) => Err(format!("could not open the primer's device: {e}")),
                     };
                     let primed = match result {
@@ -183,7 +195,10 @@ impl Primer {
                 }
             });
         if let Err(e) = spawned {
-            eprintln!("kiln: vk could not start the primer thread ({e}); big GEMM blocks compile at their first run");
+            eprintln!(
+                "kiln: vk could not start the primer thread ({e}); big GEMM blocks and \
+                 attention passes compile at their first run"
+            );
             // The receiver is gone with the closure: every `ask` finds the channel
             // closed and marks its block failed.
         }
@@ -243,6 +258,16 @@ impl Primer {
     /// Holds the worker before its next block (`true`) or lets it go on.
     pub(crate) fn hold(&self, held: bool) {
         self.shared.lock().held = held;
+        self.shared.changed.notify_all();
+    }
+}
+
+impl Drop for Primer {
+    fn drop(&mut self) {
+        let mut blocks = self.shared.lock();
+        blocks.closing = true;
+        blocks.held = false;
+        drop(blocks);
         self.shared.changed.notify_all();
     }
 }
