@@ -682,6 +682,7 @@ impl VkDevice {
             a_offset,
             max_shared: self.features.max_shared,
             max_invocations: self.features.max_invocations,
+            max_group_x: self.features.max_group_x,
             force: *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()),
         };
         Ok(gemm::route(mm, &self.caps, dev))
@@ -2254,9 +2255,6 @@ impl VkDevice {
         if let Some(&pipeline) = s.gemm.get(p) {
             return Ok((pipeline, layout));
         }
-        let t0 = std::time::Instant::now();
-        let (name, bytes) = gemm::module(p);
-        let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
         // constant_id 1-11 of matmul_cpu.comp: TM, NV, the epilogue's BIAS, GELU and
         // COPY_F32 (32-bit booleans), and the `_mixed` modules' storage of A, B, C and
         // the bias, PARTIAL and USE_BETA; a module without some ignores their entries.
@@ -2277,28 +2275,51 @@ impl VkDevice {
         let spec: Vec<(u32, u32)> = (1..).zip(values).collect();
         // `gemm::route` asks for the subgroup size only where the device can require it.
         let subgroup = p.require_subgroup.then_some(gemm::LANES);
+        let shape = format!(
+            "TM={} NV={} (subgroup size {})",
+            p.tm,
+            p.nv,
+            if p.require_subgroup {
+                "required"
+            } else {
+                "fixed"
+            }
+        );
+        let pipeline =
+            self.build_gemm_pipeline(layout, gemm::module(p), &spec, subgroup, &shape)?;
+        s.gemm.insert(*p, pipeline);
+        Ok((pipeline, layout))
+    }
+
+    /// A hand-written GEMM's pipeline from its committed module `(name, bytes)` on the
+    /// GEMM layout, specialized by `spec` (constant 1 up), `subgroup` required where
+    /// given; `shape` names it in `KILN_COMPILE_LOG`'s line.
+    fn build_gemm_pipeline(
+        &self,
+        layout: vk::PipelineLayout,
+        (name, bytes): (&str, &[u8]),
+        spec: &[(u32, u32)],
+        subgroup: Option<u32>,
+        shape: &str,
+    ) -> Result<vk::Pipeline> {
+        let t0 = std::time::Instant::now();
+        let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
         // SAFETY: a module checked as SPIR-V (the committed output of glslangValidator,
         // validated by tests/spirv.rs), on a live device; its bindings are the
-        // layout's, and every load index it makes is clamped into the buffers a launch
-        // binds.
-        let pipeline = unsafe { self.compute_pipeline(&words, layout, &spec, subgroup) }
+        // layout's, every load index it makes is clamped into the buffers a launch
+        // binds, `gemm::route` checked its shared memory and workgroup against the
+        // device's limits and asks for a subgroup size only where the device can
+        // require it.
+        let pipeline = unsafe { self.compute_pipeline(&words, layout, spec, subgroup) }
             .map_err(|e| self.vk_error(&format!("building kernel {name}"), e))?;
-        s.gemm.insert(*p, pipeline);
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
         if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
             eprintln!(
-                "kiln: vk built {name} TM={} NV={} (subgroup size {}): {:.2} s",
-                p.tm,
-                p.nv,
-                if p.require_subgroup {
-                    "required"
-                } else {
-                    "fixed"
-                },
+                "kiln: vk built {name} {shape}: {:.2} s",
                 t0.elapsed().as_secs_f64()
             );
         }
-        Ok((pipeline, layout))
+        Ok(pipeline)
     }
 
     /// Records `mm` with the SPIR-V GEMM as `p` plans it: one dispatch over every
@@ -2656,26 +2677,11 @@ impl VkDevice {
         if let Some(&pipeline) = s.gemm_gpu.get(p) {
             return Ok((pipeline, layout));
         }
-        let t0 = std::time::Instant::now();
-        let (name, bytes) = gemm::gpu_module(p);
-        let words = spirv_words(name, bytes).map_err(|e| self.backend_error(e))?;
         let spec: Vec<(u32, u32)> = (1..).zip(p.spec()).collect();
-        // SAFETY: a module checked as SPIR-V (the committed output of glslangValidator,
-        // validated by tests/spirv.rs), on a live device; its bindings are the
-        // layout's, every load index it makes is clamped into the buffers a launch
-        // binds, and `gemm::route` checked its shared memory and workgroup against the
-        // device's limits.
-        let pipeline = unsafe { self.compute_pipeline(&words, layout, &spec, None) }
-            .map_err(|e| self.vk_error(&format!("building kernel {name}"), e))?;
+        let shape = format!("{:?}", p.kernel);
+        let pipeline =
+            self.build_gemm_pipeline(layout, gemm::gpu_module(p), &spec, None, &shape)?;
         s.gemm_gpu.insert(*p, pipeline);
-        self.built.store(true, std::sync::atomic::Ordering::Relaxed);
-        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
-            eprintln!(
-                "kiln: vk built {name} {:?}: {:.2} s",
-                p.kernel,
-                t0.elapsed().as_secs_f64()
-            );
-        }
         Ok((pipeline, layout))
     }
 

@@ -287,9 +287,11 @@ pub struct GemmDevice {
     pub a_offset: u64,
     /// `maxComputeSharedMemorySize`: the tiled kernel's tiles must fit it.
     pub max_shared: u32,
-    /// The largest workgroup along x (`maxComputeWorkGroupInvocations` and
-    /// `maxComputeWorkGroupSize[0]`, the smaller).
+    /// The largest workgroup (`maxComputeWorkGroupInvocations`) and its largest side
+    /// along x (`maxComputeWorkGroupSize[0]`: the GEMV's lanes lie along x, the tiled
+    /// kernel's 16 x 16 within every device's).
     pub max_invocations: u32,
+    pub max_group_x: u32,
     /// The kernel the planner is made to pick ([`crate::VkDevice::force_gemm_variant`]).
     pub force: Option<MatmulVariant>,
 }
@@ -488,12 +490,18 @@ fn route_gpu(
             dev.max_shared
         ));
     }
-    if p.invocations() > dev.max_invocations {
+    let along_x = match p.kernel {
+        GpuKernel::Tiled { .. } => 16,
+        GpuKernel::Gemv { lanes } => lanes,
+    };
+    if p.invocations() > dev.max_invocations || along_x > dev.max_group_x {
         return GemmRoute::Naga(format!(
-            "the {name} kernel's workgroup of {} invocations is over this device's {} \
-             (maxComputeWorkGroupInvocations, maxComputeWorkGroupSize)",
+            "the {name} kernel's workgroup of {} invocations ({along_x} along x) is over \
+             this device's {} (maxComputeWorkGroupInvocations; {} along x, \
+             maxComputeWorkGroupSize[0])",
             p.invocations(),
-            dev.max_invocations
+            dev.max_invocations,
+            dev.max_group_x
         ));
     }
     // The planner keeps each dimension within a dispatch's 65535 (it refuses wider
@@ -777,6 +785,7 @@ mod tests {
         let tight = GemmDevice {
             max_shared: 8 << 10,
             max_invocations: 1024,
+            max_group_x: 1024,
             ..d
         };
         let w = why(route(&product, &gpu, tight));
@@ -788,13 +797,25 @@ mod tests {
         let narrow = GemmDevice {
             max_shared: 48 << 10,
             max_invocations: 128,
+            max_group_x: 1024,
             ..d
         };
         let w = why(route(&product, &gpu, narrow));
         assert!(
-            w.contains("workgroup of 256 invocations is over this device's 128"),
+            w.contains("workgroup of 256 invocations (16 along x) is over this device's 128"),
             "{w}"
         );
+        // 256 invocations but 128 along x: the tiled kernel's 16 x 16 fits.
+        let short_x = GemmDevice {
+            max_shared: 48 << 10,
+            max_invocations: 256,
+            max_group_x: 128,
+            ..d
+        };
+        assert!(matches!(
+            route(&product, &gpu, short_x),
+            GemmRoute::SpirvGpu(_)
+        ));
         let forced = |v| GemmDevice {
             force: Some(v),
             ..gpu_device()
@@ -804,11 +825,12 @@ mod tests {
             &mm(DType::F32, 64, 1, 64),
             &caps,
             GemmDevice {
-                max_invocations: 128,
+                max_invocations: 1024,
+                max_group_x: 128,
                 ..forced(gemv)
             }
         ))
-        .contains("gemv256 kernel's workgroup of 256"));
+        .contains("gemv256 kernel's workgroup of 256 invocations (256 along x)"));
         let w = why(route(&product, &caps, forced(MatmulVariant::Naive)));
         assert!(w.contains("naive kernel, which has no SPIR-V twin"), "{w}");
         let packed = Capabilities {
@@ -845,6 +867,7 @@ mod tests {
         GemmDevice {
             max_shared: 16 << 10,
             max_invocations: 1024,
+            max_group_x: 1024,
             ..GemmDevice::default()
         }
     }

@@ -405,10 +405,8 @@ impl Instance {
             min_storage_align: props.limits.min_storage_buffer_offset_alignment,
             memory_budget: self.memory_budget(pd),
             max_shared: props.limits.max_compute_shared_memory_size,
-            max_invocations: props
-                .limits
-                .max_compute_work_group_invocations
-                .min(props.limits.max_compute_work_group_size[0]),
+            max_invocations: props.limits.max_compute_work_group_invocations,
+            max_group_x: props.limits.max_compute_work_group_size[0],
         }
     }
 
@@ -577,10 +575,12 @@ pub(crate) struct Features {
     pub min_uniform_align: u64,
     pub min_storage_align: u64,
     pub memory_budget: Option<u64>,
-    /// `maxComputeSharedMemorySize`, and the largest workgroup along x (the GEMM route
-    /// checks the hand-written tiled GEMM and GEMV against them).
+    /// `maxComputeSharedMemorySize`, `maxComputeWorkGroupInvocations` and
+    /// `maxComputeWorkGroupSize[0]` (the GEMM route checks the hand-written tiled GEMM
+    /// and GEMV against them).
     pub max_shared: u32,
     pub max_invocations: u32,
+    pub max_group_x: u32,
 }
 
 /// `subgroupSizeControl` for compute shaders.
