@@ -77,6 +77,12 @@ struct Blocks {
     held: bool,
     /// Its last device is gone: blocks still queued are dropped, not compiled.
     closing: bool,
+    /// The worker is running a block.
+    busy: bool,
+    /// The primer was dropped while the worker ran a block, so nobody waits for the
+    /// worker: it leaves its device to the process's end rather than tearing it down
+    /// then (a teardown racing the process's exit crashed lavapipe).
+    abandoned: bool,
 }
 
 #[derive(Default)]
@@ -91,12 +97,13 @@ impl Shared {
     }
 }
 
-/// The worker and what it has primed. Dropping it ends the worker after the block it
-/// is running, if any (its device is dropped with it); blocks still queued are left.
-/// The thread is not joined: a process that exits while it compiles abandons that
-/// compile (Mesa 22.3's lavapipe was seen to exit cleanly so, mid-compile).
+/// The worker and what it has primed. Dropping it drops the blocks still queued; an
+/// idle worker is joined (its device torn down before the drop returns), a busy one
+/// is left to finish its block (tens of seconds) without delaying the caller: a process
+/// that exits meanwhile abandons that compile, which lavapipe takes cleanly.
 pub(crate) struct Primer {
-    jobs: Mutex<mpsc::Sender<Job>>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
     shared: Arc<Shared>,
 }
 
@@ -153,8 +160,9 @@ impl Primer {
                             .unwrap_or_else(|e| e.into_inner());
                     }
                     if blocks.closing {
-                        return;
+                        break;
                     }
+                    blocks.busy = true;
                     drop(blocks);
                     let t0 = std::time::Instant::now();
                     let device =
@@ -190,11 +198,21 @@ impl Primer {
                             Primed::Failed
                         }
                     };
-                    worker.lock().state.insert(job.block, primed);
+                    let mut blocks = worker.lock();
+                    blocks.state.insert(job.block, primed);
+                    blocks.busy = false;
+                    drop(blocks);
                     worker.changed.notify_all();
                 }
+                if worker.lock().abandoned {
+                    std::mem::forget(device);
+                }
             });
-        if let Err(e) = spawned {
+        let spawned = match spawned {
+            Ok(handle) => Ok(Some(handle)),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = &spawned {
             eprintln!(
                 "kiln: vk could not start the primer thread ({e}); big GEMM blocks and \
                  attention passes compile at their first run"
@@ -203,7 +221,8 @@ impl Primer {
             // closed and marks its block failed.
         }
         Primer {
-            jobs: Mutex::new(tx),
+            jobs: Mutex::new(Some(tx)),
+            worker: Mutex::new(spawned.unwrap_or(None)),
             shared,
         }
     }
@@ -220,16 +239,11 @@ impl Primer {
             return;
         }
         let block = job.block.clone();
-        let sent = self
-            .jobs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(job);
-        let state = if sent.is_ok() {
-            Primed::Queued
-        } else {
-            Primed::Failed
+        let sent = match &*self.jobs.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(jobs) => jobs.send(job).is_ok(),
+            None => false,
         };
+        let state = if sent { Primed::Queued } else { Primed::Failed };
         blocks.state.insert(block, state);
     }
 
@@ -267,8 +281,16 @@ impl Drop for Primer {
         let mut blocks = self.shared.lock();
         blocks.closing = true;
         blocks.held = false;
+        blocks.abandoned = blocks.busy;
+        let busy = blocks.busy;
         drop(blocks);
         self.shared.changed.notify_all();
+        // The channel closes: an idle worker wakes and ends.
+        drop(self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let worker = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let (Some(worker), false) = (worker, busy) {
+            let _ = worker.join();
+        }
     }
 }
 
