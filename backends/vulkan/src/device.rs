@@ -57,6 +57,11 @@ fn gemm_log() -> bool {
     std::env::var_os("KILN_GEMM_LOG").is_some_and(|v| v != "0")
 }
 
+/// KILN_COMPILE_LOG=1: say what each pipeline build (and each priming) took.
+pub(crate) fn compile_log() -> bool {
+    std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")
+}
+
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
 const ARENA_SLOTS: u64 = 4096;
 
@@ -1440,7 +1445,7 @@ impl VkDevice {
             .map_err(|e| self.vk_error(&format!("building kernel {}", kernel.name), e))?;
         s.pipelines.insert(key.clone(), pipeline);
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
-        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+        if compile_log() {
             eprintln!(
                 "kiln: vk built {} {:?} {:?} {:?}: {:.2} s",
                 key.name,
@@ -2313,7 +2318,7 @@ impl VkDevice {
         let pipeline = unsafe { self.compute_pipeline(&words, layout, spec, subgroup) }
             .map_err(|e| self.vk_error(&format!("building kernel {name}"), e))?;
         self.built.store(true, std::sync::atomic::Ordering::Relaxed);
-        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
+        if compile_log() {
             eprintln!(
                 "kiln: vk built {name} {shape}: {:.2} s",
                 t0.elapsed().as_secs_f64()

@@ -18,6 +18,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 use kiln_engine::DType;
 use kiln_wgpu::{AttentionPlan, DeviceOptions};
 
+use crate::device::compile_log;
 use crate::gemm::SpirvGemmPlan;
 use crate::VkDevice;
 
@@ -292,8 +293,4 @@ impl Drop for Primer {
             let _ = worker.join();
         }
     }
-}
-
-fn compile_log() -> bool {
-    std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")
 }
