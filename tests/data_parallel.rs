@@ -10,7 +10,7 @@ use kiln::engine::config::parse;
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::MicroBatch;
 use kiln::engine::train::trainer::Trainer;
-use kiln::engine::{DType, Device};
+use kiln::engine::{DType, Device, HostData};
 
 const STEPS: usize = 20;
 const B: usize = 2;
@@ -688,4 +688,150 @@ fn a_device_lost_mid_step_is_an_error_not_a_hang() {
         let e = group.step_group(&refs, &per_rank).unwrap_err().to_string();
         assert!(e.contains("device lost"), "overlap {overlap}: {e}");
     }
+}
+
+/// wgpu's GL backend drives every device of the adapter through one context, and a
+/// thread that waits over 6 s for it panics inside wgpu ("Could not lock adapter
+/// context"), which aborts the process when the unwind drops a device (issue 35). Here
+/// one GL device holds the context with a GEMM sized, on this host under this load,
+/// to run ~12 s in one submission, while a second device on the same adapter prepares
+/// a GPT's pipelines and trains, with two busy threads loading the machine: the
+/// trainer must wait its turn and train to the losses of an undisturbed run, and the
+/// GEMM must be right.
+#[test]
+fn gl_devices_on_several_threads_wait_for_their_shared_context() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    const LOCK_TIMEOUT: Duration = Duration::from_secs(6);
+    const HOLD: f64 = 12.0;
+    const STEPS: usize = 6;
+
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let busy: Vec<_> = (0..2)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut x = 1u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+                }
+            })
+        })
+        .collect();
+
+    // Both devices keep the planner's GEMM blocks: a block chosen by timing could
+    // differ between a loaded and a quiet run, and with it the rounding.
+    let gl = || -> Box<dyn Device> {
+        let options = kiln::wgpu::DeviceOptions {
+            no_tune: true,
+            ..Default::default()
+        };
+        Box::new(kiln::wgpu::WgpuDevice::open(adapter_index("gl"), &options).unwrap())
+    };
+    // The GEMM rate of this host, as loaded, at 768³ (the second run: the first builds).
+    let holder = gl();
+    let rate = {
+        let n = 768;
+        let bufs: Vec<_> = (0..3)
+            .map(|_| holder.alloc(DType::F32, n * n).unwrap())
+            .collect();
+        let mm = kiln::engine::Matmul::new(bufs[0], bufs[1], bufs[2], n, n, n);
+        let mut seconds = 0.0;
+        for _ in 0..2 {
+            let t = Instant::now();
+            holder
+                .launch(&kiln::engine::Kernel::Matmul(mm.clone()))
+                .unwrap();
+            holder.submit().unwrap();
+            holder.wait().unwrap();
+            seconds = t.elapsed().as_secs_f64();
+        }
+        for b in bufs {
+            holder.free(b).unwrap();
+        }
+        2.0 * (n * n * n) as f64 / seconds
+    };
+    let n = ((rate * HOLD / 2.0).cbrt() as usize).clamp(768, 4096);
+    let mut rng = Rng::new(35);
+    let a: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let b: Vec<f32> = (0..n * n).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let bufs: Vec<_> = (0..3)
+        .map(|_| holder.alloc(DType::F32, n * n).unwrap())
+        .collect();
+    holder.upload(bufs[0], &HostData::F32(a.clone())).unwrap();
+    holder.upload(bufs[1], &HostData::F32(b.clone())).unwrap();
+    holder.wait().unwrap();
+
+    let data = batches(1);
+    let train = |dev: &dyn Device| -> Vec<f32> {
+        let mut t = Trainer::new(dev, gpt(), config("", B, 1, 1), 3).unwrap();
+        data[..STEPS]
+            .iter()
+            .map(|step| {
+                let micro = MicroBatch::tokens(&step[0].0, &step[0].1);
+                t.step(dev, &[micro]).unwrap().loss
+            })
+            .collect()
+    };
+    // Opened before the hold: what waits for the context is its plan's pipeline
+    // builds (`prepare`) and its steps.
+    let trainer = gl();
+    let (go, started) = std::sync::mpsc::channel();
+    let (held, losses) = std::thread::scope(|scope| {
+        let hold = scope.spawn(|| {
+            let mm = kiln::engine::Matmul::new(bufs[0], bufs[1], bufs[2], n, n, n);
+            go.send(()).unwrap();
+            let t = Instant::now();
+            holder.launch(&kiln::engine::Kernel::Matmul(mm)).unwrap();
+            holder.submit().unwrap();
+            holder.wait().unwrap();
+            t.elapsed()
+        });
+        started.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let losses = train(trainer.as_ref());
+        (hold.join().unwrap(), losses)
+    });
+    stop.store(true, Ordering::Relaxed);
+    for t in busy {
+        t.join().unwrap();
+    }
+    eprintln!(
+        "GL context held {held:?} by a {n}³ GEMM ({:.2} GFLOP/s measured under load)",
+        rate / 1e9
+    );
+    assert!(
+        held > LOCK_TIMEOUT,
+        "the GEMM held the context {held:?} ({n}³ at {:.2} GFLOP/s measured): not past \
+         wgpu's {LOCK_TIMEOUT:?}, so this test proved nothing",
+        rate / 1e9
+    );
+
+    // Sampled entries of C against f64 dot products: f32 accumulation of k products is
+    // within k·2⁻²³·Σ|a·b| of the exact sum (the standard γ_k bound, rounding the
+    // products included).
+    let c = holder.download(bufs[2]).unwrap().to_f32();
+    for s in 0..64 {
+        let (i, j) = ((s * 7919) % n, (s * 104_729 + 13) % n);
+        let (exact, magnitude) = (0..n).fold((0.0f64, 0.0f64), |(e, m), k| {
+            let p = a[i * n + k] as f64 * b[k * n + j] as f64;
+            (e + p, m + p.abs())
+        });
+        let tol = n as f64 * 2f64.powi(-23) * magnitude;
+        let got = c[i * n + j] as f64;
+        assert!(
+            (got - exact).abs() <= tol,
+            "C[{i},{j}] = {got}, exact {exact} (tol {tol})"
+        );
+    }
+    for buf in bufs {
+        holder.free(buf).unwrap();
+    }
+    // The same training with the context to itself: the same losses, bit for bit.
+    let alone = train(holder.as_ref());
+    assert_eq!(
+        losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        alone.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        "losses under contention {losses:?}, alone {alone:?}"
+    );
 }

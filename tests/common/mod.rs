@@ -95,9 +95,8 @@ pub fn gpu_paths() -> Vec<Path> {
 }
 
 /// One of [`gpu_paths`], opened alone. A test that runs long GL work should open only
-/// what it uses: every GL device of the adapter shares one context, and opening one
-/// while another test's compile holds that context for over a second panics inside
-/// wgpu ("Could not lock adapter context").
+/// what it uses: every GL device of the adapter shares one context, so GL work of
+/// parallel tests takes turns (kiln-wgpu's `context.rs`).
 pub fn gpu_path(index: usize) -> Path {
     match index {
         0 => {

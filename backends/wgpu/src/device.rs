@@ -21,6 +21,7 @@ use kiln_engine::{
 };
 
 use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
+use crate::context::{self, Broken, ContextLock, Guarded};
 use crate::lower::{
     band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
     DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
@@ -35,30 +36,36 @@ const ARENA_SLOTS: u64 = 4096;
 
 pub struct WgpuDevice {
     pub(crate) caps: Capabilities,
-    pub(crate) device: wgpu::Device,
-    pub(crate) queue: wgpu::Queue,
+    /// The adapter's GL context lock (GL only), taken around every call that can reach
+    /// the driver (`context.rs`).
+    context: ContextLock,
+    /// Set when wgpu panicked in a call: every later call fails with `failure`.
+    broken: Broken,
+    failure: std::sync::OnceLock<String>,
+    pub(crate) device: Guarded<wgpu::Device>,
+    pub(crate) queue: Guarded<wgpu::Queue>,
     /// Alignment of dynamic uniform offsets.
     arena_stride: u64,
-    arena: wgpu::Buffer,
+    arena: Guarded<wgpu::Buffer>,
     /// Partials of a reduction's first pass; also bound where a kernel's optional
     /// operand is absent.
-    pub(crate) scratch: wgpu::Buffer,
+    pub(crate) scratch: Guarded<wgpu::Buffer>,
     /// Partials of a reduction over a buffer bound band by band (each band's first
     /// pass writes its own REDUCE_GROUPS of them).
-    pub(crate) band_partials: wgpu::Buffer,
+    pub(crate) band_partials: Guarded<wgpu::Buffer>,
     /// Bound read-only where a kernel's optional input is absent (a buffer may not be
     /// bound both read-only and writable in one dispatch, so it cannot be `scratch`).
-    pub(crate) dummy: wgpu::Buffer,
+    pub(crate) dummy: Guarded<wgpu::Buffer>,
     /// Validation errors wgpu reports out of band; checked at submit.
     errors: Arc<Mutex<Vec<String>>>,
-    state: Mutex<State>,
+    state: Guarded<Mutex<State>>,
     /// `KILN_PROFILE=1`: each launch is submitted and waited for alone, its wall time
     /// added up per kernel; the table is printed when the device is dropped. Slows
     /// everything down (no batching), so it is for finding hot spots, not for totals.
     profile: Option<Mutex<HashMap<String, (u32, f64)>>>,
     /// Compiled pipelines kept across runs, where the backend supports it.
     disk_cache: Option<Arc<crate::pipeline_cache::DiskCache>>,
-    built: Built,
+    built: Guarded<Built>,
     /// Where this device was opened and how: a software driver's big GEMM blocks get
     /// their first run on a second device opened alike (`primer.rs`).
     adapter: wgpu::Adapter,
@@ -341,6 +348,9 @@ impl WgpuDevice {
             max_storage_buffer_binding_size: caps.max_storage_binding,
             ..adapter.limits()
         };
+        // Every device of a GL adapter shares its one context: opening one takes it.
+        let lock = context::for_adapter(index, adapter.get_info().backend);
+        let _held = context::enter(lock);
         let (device, queue) =
             pollster::block_on(adapter.request_device(&device_descriptor(features, &limits)))
                 .map_err(|e| Error::Backend {
@@ -388,31 +398,65 @@ impl WgpuDevice {
             .map(Arc::new);
         let tuner =
             crate::tune::Tuner::open(&adapter.get_info(), options, caps.device_type == "cpu");
+        let broken = Broken::default();
+        let held_buffer = |v| Guarded::new(v, lock, &broken);
         Ok(WgpuDevice {
             disk_cache,
-            built: Arc::default(),
+            built: Guarded::new(Arc::default(), lock, &broken),
             adapter: adapter.clone(),
             features,
             limits,
             primer: std::sync::OnceLock::new(),
             primed_keys: Arc::default(),
             slow_lane: Arc::default(),
-            dummy,
-            band_partials,
+            dummy: held_buffer(dummy),
+            band_partials: held_buffer(band_partials),
+            arena: held_buffer(arena),
+            scratch: held_buffer(scratch),
             caps,
-            device,
-            queue,
+            device: Guarded::new(device, lock, &broken),
+            queue: Guarded::new(queue, lock, &broken),
             arena_stride,
-            arena,
-            scratch,
             errors,
-            state: Mutex::new(State {
-                next_id: 1,
-                tuner,
-                ..State::default()
-            }),
+            state: Guarded::new(
+                Mutex::new(State {
+                    next_id: 1,
+                    tuner,
+                    ..State::default()
+                }),
+                lock,
+                &broken,
+            ),
             profile: std::env::var_os("KILN_PROFILE").map(|_| Mutex::new(HashMap::new())),
+            context: lock,
+            failure: std::sync::OnceLock::new(),
+            broken,
         })
+    }
+
+    /// Runs one device call: inside the GL context lock on GL, refused once wgpu has
+    /// panicked on this device, and a panic in it turned into an error naming the
+    /// device (`context.rs`). Every public entry point that can reach wgpu goes
+    /// through here; calls nest (the lock is reentrant).
+    pub(crate) fn call<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let _held = context::enter(self.context);
+        if let Some(why) = self.failure.get() {
+            return Err(self.unusable(why));
+        }
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+            let why = context::panic_message(&*payload);
+            self.broken
+                .store(true, std::sync::atomic::Ordering::Release);
+            Err(self.unusable(self.failure.get_or_init(|| why)))
+        })
+    }
+
+    fn unusable(&self, why: &str) -> Error {
+        self.backend_error(format!(
+            "wgpu panicked in a call on this device ({why}); the device is unusable and its \
+             resources are left unfreed: open a new device (restart the run), and report the \
+             driver and this message if it repeats"
+        ))
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
@@ -603,6 +647,19 @@ impl WgpuDevice {
         for w in &wanted {
             self.check_kernel(w.kernel)?;
         }
+        if self.context.is_some() {
+            // GL: one thread at a time in the context (`context.rs`), so the pipelines
+            // build here, in launch order, before the step that needs them.
+            compiling::queued(wanted.len());
+            for w in wanted {
+                let t = std::time::Instant::now();
+                let built = self.pipeline(s, &w.key, w.kernel);
+                compiling::finished();
+                log_compile("built", &w.key, t);
+                built?;
+            }
+            return Ok(());
+        }
         // A software driver compiles in two halves, each counted: the pipeline's
         // creation (its IR passes; on the workers) and its first run (machine code).
         let compiles_on_first_run = self.caps.device_type == "cpu";
@@ -761,7 +818,7 @@ impl WgpuDevice {
 
     /// Takes a pipeline the workers build, waiting for it if it is not ready yet.
     fn take_built(&self, s: &mut State, key: &PipelineKey) -> Result<()> {
-        let (ready, cv) = &*self.built;
+        let (ready, cv) = &**self.built;
         let mut done = ready.lock().unwrap_or_else(|e| e.into_inner());
         let result = loop {
             if let Some(r) = done.remove(key) {
@@ -880,7 +937,7 @@ impl WgpuDevice {
 
     /// Waits until the compile workers have built every pipeline they were given.
     pub fn wait_for_builds(&self) {
-        let (ready, cv) = &*self.built;
+        let (ready, cv) = &**self.built;
         loop {
             // The state's lock before the workers' results, as `take_built` takes them;
             // a launch on another thread may take a result meanwhile, so look again.
@@ -1137,7 +1194,7 @@ impl Recorder for WgpuDevice {
         if !s.building.contains(&key) {
             return Readiness::Absent;
         }
-        let (ready, _) = &*self.built;
+        let (ready, _) = &**self.built;
         if ready
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1259,8 +1316,14 @@ impl Recorder for WgpuDevice {
 
 impl Drop for WgpuDevice {
     fn drop(&mut self) {
+        // The wgpu objects drop after this, each inside the context lock (`Guarded`).
+        let _held = context::enter(self.context);
         // Pipelines built after the plan's (evaluation, later micro-batches).
-        if let Some(c) = &self.disk_cache {
+        if let Some(c) = self
+            .disk_cache
+            .as_ref()
+            .filter(|_| self.failure.get().is_none())
+        {
             c.save();
         }
         let Some(profile) = &self.profile else { return };
@@ -1281,263 +1344,284 @@ impl Device for WgpuDevice {
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        // The kernels take element counts as 32-bit integers: a longer buffer would be
-        // processed only up to the wrapped count, silently.
-        if len > u32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
-                 elements; use smaller tensors (a smaller micro-batch, sequence or model \
-                 dimension)",
-                self.caps.name,
-                u32::MAX
-            )));
-        }
-        let bytes = dtype.padded_bytes(len);
-        let max = self.caps.max_buffer;
-        if bytes > max {
-            return Err(Error::OutOfMemory {
-                device: self.caps.name.clone(),
-                detail: format!(
-                    "{len} {dtype} elements need {bytes} bytes, over the adapter's largest \
-                     buffer of {max} bytes. For a model: a smaller micro-batch or sequence \
-                     (activations), or smaller model dimensions (parameters: the f32 master \
-                     weights of the largest tensor are one buffer); `kiln estimate` shows \
-                     which"
-                ),
+        self.call(|| {
+            // The kernels take element counts as 32-bit integers: a longer buffer would be
+            // processed only up to the wrapped count, silently.
+            if len > u32::MAX as usize {
+                return Err(Error::InvalidArgument(format!(
+                    "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
+                     elements; use smaller tensors (a smaller micro-batch, sequence or model \
+                     dimension)",
+                    self.caps.name,
+                    u32::MAX
+                )));
+            }
+            let bytes = dtype.padded_bytes(len);
+            let max = self.caps.max_buffer;
+            if bytes > max {
+                return Err(Error::OutOfMemory {
+                    device: self.caps.name.clone(),
+                    detail: format!(
+                        "{len} {dtype} elements need {bytes} bytes, over the adapter's largest \
+                         buffer of {max} bytes. For a model: a smaller micro-batch or sequence \
+                         (activations), or smaller model dimensions (parameters: the f32 master \
+                         weights of the largest tensor are one buffer); `kiln estimate` shows \
+                         which"
+                    ),
+                });
+            }
+            let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+            let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: bytes,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
             });
-        }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: None,
-            size: bytes,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(Error::OutOfMemory {
-                device: self.caps.name.clone(),
-                detail: format!(
-                    "allocating {bytes} bytes ({} bytes already allocated): {e}. Try a \
-                     smaller micro-batch (with more gradient accumulation) or sequence, \
-                     fp16/bf16 storage or a smaller model; memory that runs out during \
-                     training steps also shrinks with ZeRO stage 1 or 2 over more devices. \
-                     `kiln estimate` shows what each needs",
-                    self.lock().allocated
-                ),
-            });
-        }
-        let mut s = self.lock();
-        let meta = s.register(buffer, dtype, len, None);
-        s.allocated += bytes;
-        Ok(meta)
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return Err(Error::OutOfMemory {
+                    device: self.caps.name.clone(),
+                    detail: format!(
+                        "allocating {bytes} bytes ({} bytes already allocated): {e}. Try a \
+                         smaller micro-batch (with more gradient accumulation) or sequence, \
+                         fp16/bf16 storage or a smaller model; memory that runs out during \
+                         training steps also shrinks with ZeRO stage 1 or 2 over more devices. \
+                         `kiln estimate` shows what each needs",
+                        self.lock().allocated
+                    ),
+                });
+            }
+            let mut s = self.lock();
+            let meta = s.register(buffer, dtype, len, None);
+            s.allocated += bytes;
+            Ok(meta)
+        })
     }
 
     fn free(&self, buf: Buffer) -> Result<()> {
-        let mut s = self.lock();
-        if s.buffers
-            .values()
-            .any(|v| v.view_of.is_some_and(|(parent, _)| parent == buf.id))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{} still has views on `{}`: free them first",
-                buf.id, self.caps.name
-            )));
-        }
-        let slot = s
-            .buffers
-            .remove(&buf.id)
-            .ok_or_else(|| self.unknown(buf.id))?;
-        if slot.view_of.is_none() {
-            s.allocated -= slot.meta.bytes();
-        }
-        s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
-        // Launches already recorded keep their own reference; wgpu frees it after them.
-        drop(slot);
-        Ok(())
+        self.call(|| {
+            let mut s = self.lock();
+            if s.buffers
+                .values()
+                .any(|v| v.view_of.is_some_and(|(parent, _)| parent == buf.id))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "buffer #{} still has views on `{}`: free them first",
+                    buf.id, self.caps.name
+                )));
+            }
+            let slot = s
+                .buffers
+                .remove(&buf.id)
+                .ok_or_else(|| self.unknown(buf.id))?;
+            if slot.view_of.is_none() {
+                s.allocated -= slot.meta.bytes();
+            }
+            s.bind_groups.retain(|k, _| !k.buffers.contains(&buf.id));
+            // Launches already recorded keep their own reference; wgpu frees it after them.
+            drop(slot);
+            Ok(())
+        })
     }
 
     fn view(&self, parent: Buffer, offset: usize, len: usize) -> Result<Buffer> {
-        check_view(parent, offset, len)?;
-        let mut s = self.lock();
-        let slot = s
-            .buffers
-            .get(&parent.id)
-            .ok_or_else(|| self.unknown(parent.id))?;
-        if slot.view_of.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "buffer #{} is itself a view: take views of the buffer it views",
-                parent.id
-            )));
-        }
-        if slot.meta != parent {
-            return Err(Error::InvalidArgument(format!(
-                "handle for buffer #{} says {} x {} but it holds {} x {} (a handle from \
-                 another device?)",
-                parent.id, parent.len, parent.dtype, slot.meta.len, slot.meta.dtype
-            )));
-        }
-        let buffer = slot.buffer.clone();
-        let base = (offset * parent.dtype.size()) as u64;
-        Ok(s.register(buffer, parent.dtype, len, Some((parent.id, base))))
+        self.call(|| {
+            check_view(parent, offset, len)?;
+            let mut s = self.lock();
+            let slot = s
+                .buffers
+                .get(&parent.id)
+                .ok_or_else(|| self.unknown(parent.id))?;
+            if slot.view_of.is_some() {
+                return Err(Error::InvalidArgument(format!(
+                    "buffer #{} is itself a view: take views of the buffer it views",
+                    parent.id
+                )));
+            }
+            if slot.meta != parent {
+                return Err(Error::InvalidArgument(format!(
+                    "handle for buffer #{} says {} x {} but it holds {} x {} (a handle from \
+                     another device?)",
+                    parent.id, parent.len, parent.dtype, slot.meta.len, slot.meta.dtype
+                )));
+            }
+            let buffer = slot.buffer.clone();
+            let base = (offset * parent.dtype.size()) as u64;
+            Ok(s.register(buffer, parent.dtype, len, Some((parent.id, base))))
+        })
     }
 
     fn upload(&self, buf: Buffer, data: &HostData) -> Result<()> {
-        check_upload(buf, data)?;
-        let _span = span("upload", SpanKind::Transfer);
-        let mut s = self.lock();
-        let base = s.base(buf.id);
-        let target = &s
-            .buffers
-            .get(&buf.id)
-            .ok_or_else(|| self.unknown(buf.id))?
-            .buffer;
-        let bytes = data.as_bytes();
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        // write_buffer runs before the next submit's commands, so with launches pending
-        // it would jump ahead of them; then the copy goes through the stream instead.
-        let padded = buf.bytes();
-        if s.encoder.is_none() {
-            let mut view = self
-                .queue
-                .write_buffer_with(
-                    target,
-                    base,
-                    wgpu::BufferSize::new(padded).expect("padded > 0"),
-                )
-                .ok_or_else(|| self.backend_error("could not stage an upload"))?;
-            view.slice(..bytes.len()).copy_from_slice(bytes);
-            view.slice(bytes.len()..).fill(0);
-        } else {
-            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("kiln upload"),
-                size: padded,
-                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::MAP_WRITE,
-                mapped_at_creation: true,
-            });
-            staging
-                .slice(..)
-                .get_mapped_range_mut()
-                .map_err(|e| self.backend_error(format!("staging an upload: {e}")))?
-                .slice(..bytes.len())
-                .copy_from_slice(bytes);
-            staging.unmap();
-            let target = target.clone();
-            self.encoder(&mut s)
-                .copy_buffer_to_buffer(&staging, 0, &target, base, padded);
-        }
-        Ok(())
+        self.call(|| {
+            check_upload(buf, data)?;
+            let _span = span("upload", SpanKind::Transfer);
+            let mut s = self.lock();
+            let base = s.base(buf.id);
+            let target = &s
+                .buffers
+                .get(&buf.id)
+                .ok_or_else(|| self.unknown(buf.id))?
+                .buffer;
+            let bytes = data.as_bytes();
+            if bytes.is_empty() {
+                return Ok(());
+            }
+            // write_buffer runs before the next submit's commands, so with launches pending
+            // it would jump ahead of them; then the copy goes through the stream instead.
+            let padded = buf.bytes();
+            if s.encoder.is_none() {
+                let mut view = self
+                    .queue
+                    .write_buffer_with(
+                        target,
+                        base,
+                        wgpu::BufferSize::new(padded).expect("padded > 0"),
+                    )
+                    .ok_or_else(|| self.backend_error("could not stage an upload"))?;
+                view.slice(..bytes.len()).copy_from_slice(bytes);
+                view.slice(bytes.len()..).fill(0);
+            } else {
+                let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("kiln upload"),
+                    size: padded,
+                    usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::MAP_WRITE,
+                    mapped_at_creation: true,
+                });
+                staging
+                    .slice(..)
+                    .get_mapped_range_mut()
+                    .map_err(|e| self.backend_error(format!("staging an upload: {e}")))?
+                    .slice(..bytes.len())
+                    .copy_from_slice(bytes);
+                staging.unmap();
+                let target = target.clone();
+                self.encoder(&mut s)
+                    .copy_buffer_to_buffer(&staging, 0, &target, base, padded);
+            }
+            Ok(())
+        })
     }
 
     fn begin_download(&self, buf: Buffer) -> Result<PendingDownload> {
-        let _span = span("begin download", SpanKind::Transfer);
-        let mut s = self.lock();
-        let base = s.base(buf.id);
-        let src = s
-            .buffers
-            .get(&buf.id)
-            .ok_or_else(|| self.unknown(buf.id))?
-            .buffer
-            .clone();
-        let padded = buf.bytes();
-        let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("kiln download"),
-            size: padded,
-            usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
-            mapped_at_creation: false,
-        });
-        self.encoder(&mut s)
-            .copy_buffer_to_buffer(&src, base, &readback, 0, padded);
-        let index = self.flush(&mut s)?;
-        let ticket = s.next_id;
-        s.next_id += 1;
-        s.staged.insert(ticket, (readback, index));
-        Ok(PendingDownload {
-            ticket,
-            buffer: buf,
+        self.call(|| {
+            let _span = span("begin download", SpanKind::Transfer);
+            let mut s = self.lock();
+            let base = s.base(buf.id);
+            let src = s
+                .buffers
+                .get(&buf.id)
+                .ok_or_else(|| self.unknown(buf.id))?
+                .buffer
+                .clone();
+            let padded = buf.bytes();
+            let readback = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kiln download"),
+                size: padded,
+                usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::MAP_READ,
+                mapped_at_creation: false,
+            });
+            self.encoder(&mut s)
+                .copy_buffer_to_buffer(&src, base, &readback, 0, padded);
+            let index = self.flush(&mut s)?;
+            let ticket = s.next_id;
+            s.next_id += 1;
+            s.staged.insert(ticket, (readback, index));
+            Ok(PendingDownload {
+                ticket,
+                buffer: buf,
+            })
         })
     }
 
     fn finish_download(&self, pending: PendingDownload) -> Result<HostData> {
-        let _span = span("download", SpanKind::Transfer);
-        let (readback, index) = self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "download ticket {} is not pending on `{}` (already finished, or begun on \
-                 another device)",
-                pending.ticket, self.caps.name
-            ))
-        })?;
-        let buf = pending.buffer;
-        let slice = readback.slice(..);
-        let (tx, rx) = std::sync::mpsc::channel();
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        // Wait for the copy's own submission, not for work queued after it.
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: index,
-                timeout: None,
-            })
-            .map_err(|e| self.backend_error(format!("waiting for a download: {e}")))?;
-        rx.recv()
-            .map_err(|_| self.backend_error("download was cancelled"))?
-            .map_err(|e| self.backend_error(format!("mapping a download: {e}")))?;
-        let view = slice
-            .get_mapped_range()
-            .map_err(|e| self.backend_error(format!("reading a download: {e}")))?;
-        let data = HostData::from_bytes(buf.dtype, buf.len, &view);
-        drop(view);
-        readback.unmap();
-        self.check_errors()?;
-        Ok(data)
+        self.call(|| {
+            let _span = span("download", SpanKind::Transfer);
+            let (readback, index) =
+                self.lock().staged.remove(&pending.ticket).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "download ticket {} is not pending on `{}` (already finished, or begun on \
+                     another device)",
+                        pending.ticket, self.caps.name
+                    ))
+                })?;
+            let buf = pending.buffer;
+            let slice = readback.slice(..);
+            let (tx, rx) = std::sync::mpsc::channel();
+            slice.map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+            // Wait for the copy's own submission, not for work queued after it.
+            self.device
+                .poll(wgpu::PollType::Wait {
+                    submission_index: index,
+                    timeout: None,
+                })
+                .map_err(|e| self.backend_error(format!("waiting for a download: {e}")))?;
+            rx.recv()
+                .map_err(|_| self.backend_error("download was cancelled"))?
+                .map_err(|e| self.backend_error(format!("mapping a download: {e}")))?;
+            let view = slice
+                .get_mapped_range()
+                .map_err(|e| self.backend_error(format!("reading a download: {e}")))?;
+            let data = HostData::from_bytes(buf.dtype, buf.len, &view);
+            drop(view);
+            readback.unmap();
+            self.check_errors()?;
+            Ok(data)
+        })
     }
 
     fn launch(&self, kernel: &Kernel) -> Result<()> {
-        kernel.validate()?;
-        let mut s = self.lock();
-        self.check_live(&s, kernel.name(), &kernel.buffers())?;
-        let Some(profile) = &self.profile else {
-            return self.record_profiled(&mut s, kernel);
-        };
-        self.flush(&mut s)?;
-        self.wait()?;
-        let t0 = std::time::Instant::now();
-        self.record_profiled(&mut s, kernel)?;
-        self.flush(&mut s)?;
-        self.wait()?;
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        let key = match kernel {
-            Kernel::Matmul(m) => format!("matmul {}x{}x{} b{}", m.m, m.n, m.k, m.batch),
-            k => k.name().to_string(),
-        };
-        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
-        let e = p.entry(key).or_insert((0, 0.0));
-        e.0 += 1;
-        e.1 += ms;
-        Ok(())
+        self.call(|| {
+            kernel.validate()?;
+            let mut s = self.lock();
+            self.check_live(&s, kernel.name(), &kernel.buffers())?;
+            let Some(profile) = &self.profile else {
+                return self.record_profiled(&mut s, kernel);
+            };
+            self.flush(&mut s)?;
+            self.wait()?;
+            let t0 = std::time::Instant::now();
+            self.record_profiled(&mut s, kernel)?;
+            self.flush(&mut s)?;
+            self.wait()?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let key = match kernel {
+                Kernel::Matmul(m) => format!("matmul {}x{}x{} b{}", m.m, m.n, m.k, m.batch),
+                k => k.name().to_string(),
+            };
+            let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+            let e = p.entry(key).or_insert((0, 0.0));
+            e.0 += 1;
+            e.1 += ms;
+            Ok(())
+        })
     }
 
     fn prepare(&self, kernels: &[Kernel]) -> Result<()> {
-        let mut s = self.lock();
-        let wanted = self.missing_pipelines(&mut s, kernels)?;
-        self.compile_all(&mut s, wanted)
+        self.call(|| {
+            let mut s = self.lock();
+            let wanted = self.missing_pipelines(&mut s, kernels)?;
+            self.compile_all(&mut s, wanted)
+        })
     }
 
     fn submit(&self) -> Result<()> {
-        let mut s = self.lock();
-        self.flush(&mut s).map(drop)
+        self.call(|| {
+            let mut s = self.lock();
+            self.flush(&mut s).map(drop)
+        })
     }
 
     fn wait(&self) -> Result<()> {
-        let _span = span("wait", SpanKind::Wait);
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
-        self.check_errors()
+        self.call(|| {
+            let _span = span("wait", SpanKind::Wait);
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map_err(|e| self.backend_error(format!("waiting for the device: {e}")))?;
+            self.check_errors()
+        })
     }
 
     fn allocated_bytes(&self) -> u64 {
@@ -1545,10 +1629,10 @@ impl Device for WgpuDevice {
     }
 
     fn profile_begin(&self) -> Result<()> {
-        self.begin_profile()
+        self.call(|| self.begin_profile())
     }
 
     fn profile_end(&self) -> Result<Vec<KernelTiming>> {
-        self.end_profile()
+        self.call(|| self.end_profile())
     }
 }

@@ -3,6 +3,7 @@
 
 mod adapter;
 mod attention;
+mod context;
 mod device;
 mod launch;
 pub mod lower;

@@ -383,9 +383,11 @@ impl WgpuDevice {
             )));
         }
         let plan = plan(mm, &self.caps, variant)?;
-        let mut s = self.lock();
-        self.check_live(&s, "matmul", &mm.buffers())?;
-        LowerMatmul::matmul(self, &mut s, mm, &plan)?;
+        self.call(|| {
+            let mut s = self.lock();
+            self.check_live(&s, "matmul", &mm.buffers())?;
+            LowerMatmul::matmul(self, &mut s, mm, &plan)
+        })?;
         Ok(plan)
     }
 }

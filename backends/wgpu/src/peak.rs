@@ -36,9 +36,11 @@ const TARGET: Duration = Duration::from_millis(300);
 impl WgpuDevice {
     /// Measures this adapter's f32 FMA throughput and copy bandwidth.
     pub fn measure_peak(&self) -> Result<Peak> {
-        let gflops = self.peak_fma()?;
-        let gbps = self.peak_copy()?;
-        Ok(Peak { gflops, gbps })
+        self.call(|| {
+            let gflops = self.peak_fma()?;
+            let gbps = self.peak_copy()?;
+            Ok(Peak { gflops, gbps })
+        })
     }
 
     fn peak_pipeline(&self, source: &str, label: &str) -> Result<wgpu::ComputePipeline> {
