@@ -171,6 +171,14 @@ pub fn open_device(spec: &DeviceSpec, options: &DeviceOptions) -> Result<Box<dyn
 /// how multi-device training is tested on one machine.
 pub fn parse_devices(items: &[String]) -> Result<Vec<DeviceSpec>> {
     let mut out = vec![];
+    if items.iter().all(|i| i.trim().is_empty()) {
+        return Err(Error::InvalidArgument(
+            "--devices is empty: name at least one device, e.g. `--devices vulkan`, \
+             `--devices vk:0,gl` or `--devices cpu` (`kiln devices` lists them), or leave \
+             the option out for the best adapter"
+                .into(),
+        ));
+    }
     for item in items {
         let item = item.trim();
         if item.is_empty() {

@@ -52,11 +52,15 @@ impl InitWeights {
     /// any device opens.
     pub fn load(path: &Path) -> Result<InitWeights> {
         let source = path.display().to_string();
-        let meta = std::fs::metadata(path).with_context(|| {
-            format!(
-                "--init-from {source}: cannot read it; give a Kiln run or checkpoint \
-                 directory, a Hugging Face GPT-2 directory (model.safetensors + config.json) \
-                 or an llm.c .bin"
+        let meta = std::fs::metadata(path).map_err(|e| {
+            let what = if e.kind() == std::io::ErrorKind::NotFound {
+                "does not exist".to_string()
+            } else {
+                format!("cannot read it ({e})")
+            };
+            anyhow::anyhow!(
+                "--init-from {source}: {what}; give a Kiln run or checkpoint directory, a \
+                 Hugging Face GPT-2 directory (model.safetensors + config.json) or an llm.c .bin"
             )
         })?;
         // A Kiln checkpoint holds a model.safetensors too: its manifest tells it apart.

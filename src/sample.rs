@@ -162,8 +162,14 @@ impl Source {
     /// file to import. `dtype`: run in this dtype instead of the weights' own (rounded
     /// once, to nearest even).
     pub fn open(path: &Path, dtype: Option<DType>) -> Result<Source> {
-        let meta = std::fs::metadata(path)
-            .with_context(|| format!("{}: cannot read it; {SOURCE_HELP}", path.display()))?;
+        let meta = std::fs::metadata(path).map_err(|e| {
+            let what = if e.kind() == std::io::ErrorKind::NotFound {
+                "does not exist".to_string()
+            } else {
+                format!("cannot read it ({e})")
+            };
+            anyhow::anyhow!("{}: {what}; {SOURCE_HELP}", path.display())
+        })?;
         if let Some(d) = dtype {
             if !d.is_float() {
                 bail!("--dtype {d}: a model runs in f32, f16 or bf16");
@@ -659,6 +665,12 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
         (None, None) => bail!("no prompt: pass --prompt TEXT (or --prompts FILE, one per line)"),
     };
     let context = source.block_size();
+    if opts.tokens == Some(0) {
+        bail!(
+            "--tokens 0 asks for no new token: pass 1 to {context} (this model's context), or \
+             leave it out for as many as the context holds, at most {DEFAULT_NEW_TOKENS}"
+        );
+    }
     texts
         .into_iter()
         .map(|text| {

@@ -614,3 +614,74 @@ fn gpu_check_script_lists_its_steps_for_both_backends() {
     assert_eq!(code, Some(2));
     assert!(err.contains("unknown argument `--fast`"), "{err}");
 }
+
+/// An empty `--devices` is called empty (there is no comma to remove), before anything
+/// is created; a real stray comma is still named as one.
+#[test]
+fn an_empty_devices_list_is_named_as_such() {
+    let out_dir = std::env::temp_dir().join(format!("kiln-empty-devices-{}", std::process::id()));
+    let run = out_dir.join("run");
+    for (devices, want, not) in [
+        (
+            "",
+            "--devices is empty: name at least one device",
+            "stray comma",
+        ),
+        ("cpu,", "remove the stray comma", "is empty"),
+    ] {
+        let out = kiln(&[
+            "train",
+            "--devices",
+            devices,
+            "--steps",
+            "1",
+            "--out",
+            run.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{devices:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains(not),
+            "{devices:?}: {err}"
+        );
+        assert!(
+            !run.exists(),
+            "{devices:?}: a refused run created its directory"
+        );
+    }
+}
+
+/// A model file's impossible size is refused naming the file and the field, before the
+/// data (the addition task's rows of block_size + 1 tokens) makes another error of it.
+#[test]
+fn a_model_with_block_size_0_is_refused_naming_the_file_and_field() {
+    let dir = std::env::temp_dir().join(format!("kiln-block0-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("model.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 0, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    let out = kiln(&[
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{}: ", model.display()))
+            && err.contains("gpt: ")
+            && err.contains("block_size (0)"),
+        "{err}"
+    );
+    assert!(!err.contains("T + 1"), "{err}");
+    assert!(!run.exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

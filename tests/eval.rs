@@ -71,7 +71,11 @@ fn kiln_eval_scores_a_whole_token_file_and_refuses_ids_outside_the_vocabulary() 
 
     let o = kiln(&["eval", dir.join("no-such-run").to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("cannot read it"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no-such-run: does not exist"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

@@ -481,7 +481,7 @@ fn damaged_and_hostile_hf_files_are_refused_naming_file_and_tensor() {
     let (_, e) = case("llama", &bytes, &config.replace("\"gpt2\"", "\"llama\""));
     has(&e, &["model_type is `llama`", "GPT-2"]);
     // Not there at all.
-    has(&err(&dir.join("nope")), &["nope", "cannot read it"]);
+    has(&err(&dir.join("nope")), &["nope", "does not exist"]);
     // Not a model at all.
     let junk = dir.join("notes.txt");
     std::fs::write(&junk, "hello").unwrap();

@@ -274,7 +274,7 @@ fn the_cli_takes_init_from_and_names_a_missing_path() {
     assert!(!out.status.success());
     assert!(
         err.contains(&format!(
-            "--init-from {}: cannot read it",
+            "--init-from {}: does not exist",
             missing.display()
         )) && err.contains("Hugging Face GPT-2 directory"),
         "{err}"

@@ -282,8 +282,12 @@ fn kiln_sample_with_a_seed_repeats_its_text() {
 #[test]
 fn kiln_sample_refuses_bad_input_with_the_fix() {
     let (run, _) = demo_run::run("sample");
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--prompt", ""], "the prompt is empty"),
+        (
+            &["--prompt", "1+1=", "--tokens", "0"],
+            "--tokens 0 asks for no new token: pass 1 to 9",
+        ),
         (
             &["--prompt", "47x85="],
             "holds 'x', which the addition model's vocabulary lacks",
@@ -315,7 +319,7 @@ fn kiln_sample_refuses_bad_input_with_the_fix() {
     assert_eq!(o.status.code(), Some(1));
     let e = stderr(&o);
     assert!(
-        e.contains("/nonexistent/run: cannot read it") && e.contains("pass a run directory"),
+        e.contains("/nonexistent/run: does not exist") && e.contains("pass a run directory"),
         "{e}"
     );
     let o = kiln(&[

@@ -474,12 +474,31 @@ fn write_atomically<T>(
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp_name);
     let result = (|| {
-        let file = File::create(&tmp).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => DataError::format(
-                path,
-                "its directory does not exist: create it first, or write somewhere else",
-            ),
-            _ => DataError::io(&tmp, "create", e),
+        let file = File::create(&tmp).map_err(|e| {
+            let dir = path
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            match e.kind() {
+                std::io::ErrorKind::NotFound if !dir.is_dir() => DataError::format(
+                    path,
+                    "its directory does not exist: create it first, or write somewhere else",
+                ),
+                // The directory is there but takes no new file (/proc, a read-only
+                // mount, no permission): say so rather than that it is missing.
+                std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::PermissionDenied
+                | std::io::ErrorKind::ReadOnlyFilesystem => DataError::format(
+                    path,
+                    format!(
+                        "cannot create a file in {} ({e}): the directory exists but does not \
+                         take new files (no write permission, a read-only or virtual file \
+                         system); write somewhere else",
+                        dir.display()
+                    ),
+                ),
+                _ => DataError::io(&tmp, "create", e),
+            }
         })?;
         let mut w = BufWriter::new(file);
         let value = write(&mut w)?;
@@ -778,6 +797,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("directory does not exist"), "{e}");
+        // A directory that is there but takes no file is not called missing.
+        let e = prepare(&input, Path::new("/proc/kiln-x.bin"), Tokenizer::Bytes)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cannot create a file in /proc") && e.contains("does not take new files"),
+            "{e}"
+        );
+        assert!(!e.contains("does not exist"), "{e}");
     }
 
     #[test]

@@ -318,6 +318,14 @@ impl ModelConfig {
         }
     }
 
+    /// The sizes checked as the architecture checks them (see each config's `check`).
+    pub fn check(&self) -> Result<()> {
+        match self {
+            ModelConfig::Gpt2(c) => c.check(),
+            ModelConfig::Llama(c) => c.check(),
+        }
+    }
+
     /// The longest sequence the model takes (its trained length).
     pub fn block_size(&self) -> usize {
         match self {

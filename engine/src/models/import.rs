@@ -157,7 +157,10 @@ fn map(path: &Path) -> Result<Mmap> {
 /// `config.json`, a `.safetensors` file (its `config.json` beside it), or an llm.c
 /// `.bin` (told by its magic number).
 pub fn read(path: &Path) -> Result<Imported> {
-    let meta = std::fs::metadata(path).map_err(|e| bad(path, format!("cannot read it: {e}")))?;
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => bad(path, "does not exist".to_string()),
+        _ => bad(path, format!("cannot read it: {e}")),
+    })?;
     if meta.is_dir() {
         return read_hf(path);
     }
