@@ -211,6 +211,13 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     if writer || opts.resume {
         check_run_dir(&dir, opts.resume)?;
     }
+    // A run still going in that directory (two started at once, or a --resume of a
+    // live run) is refused here; a new run's directory is locked as it is created.
+    let mut _run_lock = if writer && opts.resume {
+        Some(runs::RunLock::acquire(&dir)?)
+    } else {
+        None
+    };
     // A resumed run continues with its own settings: its checkpoint holds them, and its
     // config.json the seed. Loaded before any device opens, so a damaged checkpoint is
     // reported at once.
@@ -275,6 +282,10 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         (Some(path), _) => {
             let text = read_json_input(path, "the model config")?;
             let m = ModelConfig::parse(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            // Its sizes before anything is derived from them (the data's rows of
+            // block_size + 1 tokens, say), so that an error names the file's field.
+            m.check()
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             if let Some(init) = &init {
                 init.check_model(&m, path)?;
@@ -504,7 +515,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             w
         }),
         None => {
-            create_run_dir(&dir, &record)?;
+            _run_lock = Some(create_run_dir(&dir, &record)?);
             Some(MetricsWriter::create(&dir)?)
         }
     };
@@ -1379,12 +1390,16 @@ fn check_run_dir(dir: &Path, resume: bool) -> Result<()> {
     Ok(())
 }
 
-/// Creates the directory of a new run and records what the run is.
-fn create_run_dir(dir: &Path, record: &Value) -> Result<()> {
+/// Creates the directory of a new run, locks it for this process and records what the
+/// run is. Another run that got there first since [`check_run_dir`] holds the lock, or
+/// has written its config.json: either way this one stops, touching nothing of it.
+fn create_run_dir(dir: &Path, record: &Value) -> Result<runs::RunLock> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("creating the run directory {}", dir.display()))?;
+    let lock = runs::RunLock::acquire(dir)?;
+    check_run_dir(dir, false)?;
     runs::write_config(dir, record)?;
-    Ok(())
+    Ok(lock)
 }
 
 /// Checks that a resumed run has the settings it was started with (`recorded`, its

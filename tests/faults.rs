@@ -212,6 +212,62 @@ fn steps_beyond_the_sample_counter_are_an_error_before_anything_is_created() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A run directory another live process is training into is refused, naming that
+/// process: two runs started at once into one `--out` used to interleave their
+/// checkpoints and metrics, both passing the existing-run check (issue 34). The test
+/// holds the directory's lock as a run that has just started does (no config.json yet).
+/// A lock file left by a process that has ended stops nothing.
+#[test]
+fn a_run_directory_another_process_trains_into_is_refused_naming_it() {
+    let dir = scratch("in-use");
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let refused = |args: &[&str]| {
+        let out = spawn_train(&dir, "run", args).wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        let holder = format!(
+            "another kiln process (pid {}) is training into it",
+            std::process::id()
+        );
+        assert!(
+            err.contains("is in use") && err.contains(&holder),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains("pick another --out"), "{err}");
+    };
+    let held = runs::RunLock::acquire(&run).unwrap();
+    refused(&["--steps", "2"]);
+    assert!(
+        !run.join(runs::CONFIG_FILE).exists() && !run.join(checkpoint::CHECKPOINTS_DIR).exists(),
+        "the refused run wrote into the directory"
+    );
+    drop(held);
+    // The lock file is still there, its holder gone: the run goes ahead.
+    assert!(run.join(runs::LOCK_FILE).exists());
+    let out = spawn_train(&dir, "run", &["--steps", "2"])
+        .wait_with_output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A --resume of a run that is still going is refused the same way.
+    let held = runs::RunLock::acquire(&run).unwrap();
+    refused(&["--steps", "3", "--resume"]);
+    drop(held);
+    let out = spawn_train(&dir, "run", &["--steps", "3", "--resume"])
+        .wait_with_output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Library options for the tiny model.
 fn options(dir: &Path, out: &str) -> TrainOptions {
     let (config, model) = files(dir, "");

@@ -25,6 +25,8 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const METRICS_FILE: &str = "metrics.jsonl";
 pub const SUMMARY_FILE: &str = "summary.json";
 pub const CHART_FILE: &str = "chart.svg";
+/// Locked by the process training into the run (see [`RunLock`]); holds its pid.
+pub const LOCK_FILE: &str = ".kiln-run.lock";
 /// Steps left out of the mean throughput by default (shader compilation, warm-up).
 pub const DEFAULT_WARMUP_STEPS: usize = 5;
 /// Config keys (matched on the last path segment) shown in a run's one-line summary.
@@ -74,6 +76,68 @@ pub enum RunError {
 
     #[error("drawing the chart `{}`: {detail}", .path.display())]
     Chart { path: PathBuf, detail: String },
+
+    #[error("`{}` is in use: another kiln process ({holder}) is training into it. Wait for it to end (--resume continues it then), or pick another --out", .dir.display())]
+    InUse { dir: PathBuf, holder: String },
+}
+
+/// An exclusive OS advisory lock on a run directory, held by the process that trains
+/// into it for the run's life. The OS releases it when the process ends, however it
+/// ends (a crash or a kill included), so a lock file left behind by a dead process is
+/// no obstacle: only a live holder refuses a second run (two started at once, or a
+/// `--resume` of a run still going).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: std::fs::File,
+}
+
+impl RunLock {
+    /// Takes the lock of the existing directory `dir`, or says which process holds it.
+    pub fn acquire(dir: &Path) -> Result<RunLock> {
+        let path = dir.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|err| RunError::Io {
+                action: "opening the run lock",
+                path: path.clone(),
+                err,
+            })?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = std::io::Read::read_to_string(&mut file, &mut pid);
+                let holder = match pid.trim() {
+                    "" => "its pid not yet written".to_string(),
+                    p => format!("pid {p}"),
+                };
+                return Err(RunError::InUse {
+                    dir: dir.to_path_buf(),
+                    holder,
+                });
+            }
+            Err(std::fs::TryLockError::Error(err)) => {
+                return Err(RunError::Io {
+                    action: "locking",
+                    path,
+                    err,
+                })
+            }
+        }
+        let pid = std::process::id().to_string();
+        file.set_len(0)
+            .and_then(|()| std::io::Write::write_all(&mut &file, pid.as_bytes()))
+            .map_err(|err| RunError::Io {
+                action: "writing the run lock",
+                path,
+                err,
+            })?;
+        Ok(RunLock { _file: file })
+    }
 }
 
 impl From<IoFailure> for RunError {
