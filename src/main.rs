@@ -933,6 +933,11 @@ fn config(what: ConfigWhat) -> Result<()> {
     match what {
         ConfigWhat::Check { file, world } => {
             let c = kiln::engine::config::load(&file, world)?;
+            // Keys accepted but doing nothing here are worth a line too: a user who set
+            // one expects it to act.
+            for n in &c.notes {
+                outln!("note: {n}");
+            }
             for w in &c.warnings {
                 outln!("warning: {w}");
             }

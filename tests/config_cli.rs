@@ -98,3 +98,31 @@ fn config_check_refuses_devices_and_impossible_worlds() {
     assert!(err.contains("at most 64 devices"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `config check` shows the notes `config explain` does: a key accepted but doing
+/// nothing at this stage (stage 3's prefetch bucket at stage 2) is said, not passed over.
+#[test]
+fn config_check_notes_a_key_that_does_nothing_here() {
+    let dir = scratch("inert");
+    let path = dir.join("ds.json");
+    std::fs::write(
+        &path,
+        r#"{"train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 50000000}}"#,
+    )
+    .unwrap();
+    let out = kiln(&["config", "check", path.to_str().unwrap(), "--world", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let note = text
+        .lines()
+        .find(|l| l.starts_with("note:") && l.contains("stage3_prefetch_bucket_size"))
+        .unwrap_or_else(|| panic!("no note on the stage-3 key: {text}"));
+    assert!(note.contains("only used by ZeRO stage 3"), "{note}");
+    assert!(text.contains(": ok ("), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
