@@ -429,3 +429,38 @@ fn bad_input_is_refused_before_anything_is_written() {
     assert!(checkpoint::list(&run).unwrap().is_empty());
     assert!(!run.join("checkpoints/latest").exists());
 }
+
+/// A hostile header length (2^64 - 1) in model.safetensors is named as what it is, not
+/// only as a checksum mismatch; with the manifest missing or damaged as well, the
+/// damaged header is still what the error reports first.
+#[test]
+fn a_hostile_header_length_is_named_with_or_without_the_manifest() {
+    let run = common::scratch("ckpt-hostile-header");
+    let dir = save_step(&run, 100, 3).dir;
+    let path = model_path(&run, 100);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let says = |e: &CheckpointError, also: &str| {
+        assert!(matches!(e, CheckpointError::InvalidFile { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert!(
+            msg.contains("header length field says 18446744073709551615 bytes")
+                && msg.contains(also),
+            "{msg}"
+        );
+    };
+    says(&load(&dir).unwrap_err(), "");
+    let mpath = dir.join(MANIFEST_FILE);
+    std::fs::write(&mpath, b"{\"format\": ").unwrap();
+    says(&load(&dir).unwrap_err(), "its manifest is unreadable too");
+    std::fs::remove_file(&mpath).unwrap();
+    says(&load(&dir).unwrap_err(), "its manifest is missing too");
+    // With sound files, a missing manifest is reported as before.
+    let run2 = common::scratch("ckpt-no-manifest");
+    let dir2 = save_step(&run2, 100, 3).dir;
+    std::fs::remove_file(dir2.join(MANIFEST_FILE)).unwrap();
+    let e = load(&dir2).unwrap_err();
+    assert!(matches!(e, CheckpointError::MissingFile { .. }), "{e}");
+}

@@ -582,10 +582,20 @@ fn write_contents(dir: &Path, step: u64, files: &[CheckpointFile], state: &Value
 /// shape (and nothing unlisted is).
 pub fn load(dir: &Path) -> Result<Checkpoint> {
     let mpath = dir.join(MANIFEST_FILE);
+    // Without a manifest to check them against, the data files' own headers are looked
+    // at first: a damaged one is the bigger news (and says the copy went wrong).
+    let without_manifest = |why: &str, e: CheckpointError| match damaged_header(dir) {
+        Some((path, damage)) => CheckpointError::InvalidFile {
+            path,
+            detail: format!("{damage}; its manifest {why} too"),
+        },
+        None => e,
+    };
     let text = match std::fs::read(&mpath) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(CheckpointError::MissingFile { path: mpath })
+            let missing = CheckpointError::MissingFile { path: mpath };
+            return Err(without_manifest("is missing", missing));
         }
         Err(err) => {
             return Err(CheckpointError::Io {
@@ -595,11 +605,13 @@ pub fn load(dir: &Path) -> Result<Checkpoint> {
             })
         }
     };
-    let manifest: Manifest =
-        serde_json::from_slice(&text).map_err(|e| CheckpointError::BadManifest {
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
+        let bad = CheckpointError::BadManifest {
             path: mpath.clone(),
             detail: e.to_string(),
-        })?;
+        };
+        without_manifest("is unreadable", bad)
+    })?;
     if manifest.format != FORMAT_NAME || manifest.format_version > FORMAT_VERSION {
         return Err(CheckpointError::Unsupported {
             path: mpath,
@@ -659,6 +671,12 @@ fn load_file(dir: &Path, entry: &FileEntry) -> Result<CheckpointFile> {
             expected: entry.bytes,
         });
     }
+    if let Some(damage) = header_damage(&bytes) {
+        return Err(CheckpointError::InvalidFile {
+            path,
+            detail: damage,
+        });
+    }
     let sum = sha256_hex(&bytes);
     if !sum.eq_ignore_ascii_case(&entry.sha256) {
         return Err(CheckpointError::Checksum {
@@ -710,6 +728,63 @@ fn load_file(dir: &Path, entry: &FileEntry) -> Result<CheckpointFile> {
     Ok(CheckpointFile {
         name: entry.name.clone(),
         tensors,
+    })
+}
+
+/// What is wrong with the header of the safetensors file `bytes` (its first 8 bytes, a
+/// little-endian length, then that many bytes of JSON), if anything: a length past the
+/// file's end (a damaged or hostile one, up to 2^64 - 1) or a header that is not JSON.
+fn header_damage(bytes: &[u8]) -> Option<String> {
+    let Some((len, rest)) = bytes.split_first_chunk::<8>() else {
+        return Some(format!(
+            "{} bytes, shorter than a safetensors header's 8-byte length",
+            bytes.len()
+        ));
+    };
+    let len = u64::from_le_bytes(*len);
+    if len > rest.len() as u64 {
+        return Some(format!(
+            "its header length field says {len} bytes, but only {} follow it",
+            rest.len()
+        ));
+    }
+    serde_json::from_slice::<serde_json::Value>(&rest[..len as usize])
+        .err()
+        .map(|e| format!("its {len}-byte header is not JSON ({e})"))
+}
+
+/// The first `.safetensors` file in `dir` (by name) whose header is damaged, read as
+/// far as its header needs.
+fn damaged_header(dir: &Path) -> Option<(PathBuf, String)> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.is_file())
+        .collect();
+    files.sort();
+    files.into_iter().find_map(|path| {
+        use std::io::Read;
+        let mut file = std::fs::File::open(&path).ok()?;
+        let mut len = [0u8; 8];
+        let got = file.read(&mut len).ok()?;
+        let size = file.metadata().ok()?.len();
+        let damage = if got < 8 {
+            header_damage(&len[..got])
+        } else {
+            let n = u64::from_le_bytes(len);
+            if n > size.saturating_sub(8) {
+                Some(format!(
+                    "its header length field says {n} bytes, but only {} follow it",
+                    size.saturating_sub(8)
+                ))
+            } else {
+                let mut head = len.to_vec();
+                file.take(n).read_to_end(&mut head).ok()?;
+                header_damage(&head)
+            }
+        };
+        damage.map(|d| (path, d))
     })
 }
 
