@@ -192,7 +192,7 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
         .as_str()
         .unwrap_or_default()
         .to_string();
-    if source.codec == TextCodec::Addition {
+    if source.codec == Ok(TextCodec::Addition) {
         let digits = recorded
             .strip_prefix("addition (")
             .and_then(|r| r.split_whitespace().next())

@@ -196,8 +196,9 @@ struct TrainArgs {
 
 #[derive(clap::Args)]
 struct SampleArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint directory
-    /// (runs/NAME/checkpoints/step-N).
+    /// A run directory (its latest checkpoint), a checkpoint directory
+    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 directory (model.safetensors
+    /// + config.json) or an llm.c .bin.
     source: PathBuf,
     /// The text to continue.
     #[arg(long)]
@@ -230,7 +231,9 @@ struct SampleArgs {
 
 #[derive(clap::Args)]
 struct EvalArgs {
-    /// A run directory (its latest checkpoint) or a checkpoint directory.
+    /// A run directory (its latest checkpoint), a checkpoint directory
+    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 directory (model.safetensors
+    /// + config.json) or an llm.c .bin (imported models need --data).
     source: PathBuf,
     /// Score every row of this token file (`kiln prepare`) or text file instead of the
     /// run's held-out data.

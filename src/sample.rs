@@ -144,7 +144,10 @@ pub struct Source {
     pub dtype: DType,
     /// The run's `config.json` (null for an imported file).
     pub record: Value,
-    pub codec: TextCodec,
+    /// How its token ids become text, or why that cannot be told (an imported vocabulary
+    /// of neither GPT-2's nor bytes' size, a token file without a sidecar): only
+    /// sampling needs it ([`Source::text_codec`]); scoring token ids does not.
+    pub codec: std::result::Result<TextCodec, String>,
     /// What the user should know (a dangling `latest`, a tokenizer inferred).
     pub notes: Vec<String>,
 }
@@ -243,7 +246,7 @@ impl Source {
             .map(|t| t.data.dtype())
             .ok_or_else(|| anyhow::anyhow!("{}: {MODEL_FILE} holds no tensor", ck.dir.display()))?;
         let mut notes = ck.notes.clone();
-        let codec = codec_of(&record, &model, &mut notes)?;
+        let codec = codec_of(&record, &model, &mut notes).map_err(|e| format!("{e:#}"));
         Ok(Source {
             run_dir: Some(run_dir),
             origin: ck.dir.clone(),
@@ -254,6 +257,17 @@ impl Source {
             record,
             codec,
             notes,
+        })
+    }
+
+    /// The tokenizer that turns text into this model's ids and back, or an error saying
+    /// why there is none here and what works without one.
+    pub fn text_codec(&self) -> Result<TextCodec> {
+        self.codec.clone().map_err(|why| {
+            anyhow::anyhow!(
+                "{why}, so text cannot be turned into its tokens or back; `kiln eval \
+                 SOURCE --data FILE.bin` scores token ids without a tokenizer"
+            )
         })
     }
 
@@ -340,17 +354,17 @@ fn import(path: &Path, dtype: Option<DType>) -> Result<Source> {
     let imported = kiln_engine::models::import::read(path)?;
     let cfg = imported.config.clone();
     let codec = if cfg.vocab_size == Tokenizer::Gpt2.vocab_size() {
-        TextCodec::Tokens(Tokenizer::Gpt2)
+        Ok(TextCodec::Tokens(Tokenizer::Gpt2))
     } else if cfg.vocab_size == Tokenizer::Bytes.vocab_size() {
-        TextCodec::Tokens(Tokenizer::Bytes)
+        Ok(TextCodec::Tokens(Tokenizer::Bytes))
     } else {
-        bail!(
-            "{}: a vocabulary of {} is neither GPT-2's ({}) nor bytes' (256), so its text \
-             cannot be decoded",
+        Err(format!(
+            "{}: a vocabulary of {} is neither GPT-2's ({}) nor bytes' (256), the two \
+             tokenizers Kiln has",
             path.display(),
             cfg.vocab_size,
             Tokenizer::Gpt2.vocab_size()
-        );
+        ))
     };
     Ok(Source {
         run_dir: None,
@@ -400,9 +414,16 @@ fn codec_of(record: &Value, model: &ModelConfig, notes: &mut Vec<String>) -> Res
                 TextCodec::Tokens(Tokenizer::Gpt2)
             }
             None if v == Tokenizer::Bytes.vocab_size() => TextCodec::Tokens(Tokenizer::Bytes),
+            // The file is here, made by another tool: nothing tells its tokenizer.
+            None if path.is_file() => bail!(
+                "the run trained on {data:?}, which has no sidecar {} naming its tokenizer \
+                 (it was not made by kiln prepare), and a vocabulary of {v} is neither \
+                 GPT-2's nor bytes'",
+                Sidecar::path_for(path).display()
+            ),
             None => bail!(
-                "the run trained on {data:?}, whose tokenizer cannot be told (no sidecar \
-                 {} there, and a vocabulary of {v} is neither GPT-2's nor bytes'): run kiln \
+                "the run trained on {data:?}, which is not here to say its tokenizer (no \
+                 sidecar {}), and a vocabulary of {v} is neither GPT-2's nor bytes': run kiln \
                  from the directory the run was started in",
                 Sidecar::path_for(path).display()
             ),
@@ -665,6 +686,7 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
         (None, None) => bail!("no prompt: pass --prompt TEXT (or --prompts FILE, one per line)"),
     };
     let context = source.block_size();
+    let codec = source.text_codec()?;
     if opts.tokens == Some(0) {
         bail!(
             "--tokens 0 asks for no new token: pass 1 to {context} (this model's context), or \
@@ -674,7 +696,7 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
     texts
         .into_iter()
         .map(|text| {
-            let ids = source.codec.encode(&text)?;
+            let ids = codec.encode(&text)?;
             let room = (context + 1).saturating_sub(ids.len());
             let new = opts.tokens.unwrap_or(DEFAULT_NEW_TOKENS.min(room));
             check_length(ids.len(), new, context).with_context(|| format!("prompt {text:?}"))?;
@@ -689,7 +711,8 @@ pub fn sample(opts: &SampleOptions) -> Result<Timing> {
     for note in &source.notes {
         crate::train::say(format!("note: {note}"));
     }
-    let mut sampler = TokenSampler::new(opts.sampling, source.codec.vocab_size(), opts.seed)?;
+    let codec = source.text_codec()?;
+    let mut sampler = TokenSampler::new(opts.sampling, codec.vocab_size(), opts.seed)?;
     let work = prompts(opts, &source)?;
     let dev = open_one_device(&opts.devices)?;
     let dev: &dyn Device = dev.as_ref();
@@ -697,7 +720,7 @@ pub fn sample(opts: &SampleOptions) -> Result<Timing> {
     let mut total = Timing::default();
     for (text, ids, new) in work {
         write_now(&text)?;
-        let mut stream = TextStream::new(source.codec);
+        let mut stream = TextStream::new(codec);
         let mut last = text.chars().last();
         let timing = generate(&mut decoder, dev, &ids, new, &mut sampler, &mut |id| {
             let piece = stream.push(id)?;

@@ -470,6 +470,78 @@ fn kiln_sample_and_eval_take_imported_hugging_face_and_llm_c_files() {
     assert!(j["step"].is_null());
 }
 
+/// A model whose vocabulary no Kiln tokenizer has (250: the byte run's weights with the
+/// last 6 embedding rows cut) scores a token file, which needs no tokenizer; only
+/// sampling, which does, is refused, saying what works instead. With the head tied to
+/// the embedding, its logits are the first 250 of the 256-token model's, so on ids below
+/// 250 its loss is below that model's by the log of the cut rows' share of the softmax:
+/// strictly lower, never higher.
+#[test]
+fn kiln_eval_scores_token_ids_of_a_vocabulary_no_tokenizer_has() {
+    use kiln::engine::models::{gpt::GptConfig, import};
+    let (run, _) = demo_run::text_run("sample");
+    let dir = run.parent().unwrap().join("vocab250");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = kiln::engine::train::checkpoint::load_latest(run).unwrap();
+    let mut weights = ck.file("model.safetensors").unwrap().tensors.clone();
+    let wte = weights
+        .iter_mut()
+        .find(|t| t.name == "transformer.wte.weight")
+        .unwrap();
+    let c = wte.shape[1];
+    let cut: Vec<f32> = wte.data.to_f32()[..250 * c].to_vec();
+    wte.shape = vec![250, c];
+    wte.data = kiln::engine::HostData::from_f32(wte.data.dtype(), &cut);
+    let cfg = GptConfig {
+        vocab_size: 250,
+        ..demo_run::model_config()
+    };
+    let model = dir.join("model250.bin");
+    import::write_llmc(&model, &cfg, &weights, kiln::engine::DType::F32).unwrap();
+    // The run's text as raw u16 ids (every byte below 250), no sidecar: a file another
+    // tool wrote.
+    let text = std::fs::read(run.parent().unwrap().join("text.txt")).unwrap();
+    assert!(text.iter().all(|&b| b < 250));
+    let ids: Vec<u8> = text
+        .iter()
+        .flat_map(|&b| (b as u16).to_le_bytes())
+        .collect();
+    let tokens = dir.join("ids.bin");
+    std::fs::write(&tokens, ids).unwrap();
+    let eval = |source: &std::path::Path| {
+        let o = kiln(&[
+            "eval",
+            source.to_str().unwrap(),
+            "--devices",
+            "cpu",
+            "--dtype",
+            "f32",
+            "--micro-batch",
+            "4",
+            "--data",
+            tokens.to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}: {}", source.display(), stderr(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        j["loss"].as_f64().unwrap()
+    };
+    let (cut_loss, full_loss) = (eval(&model), eval(run));
+    eprintln!("loss with vocabulary 250: {cut_loss}, 256: {full_loss}");
+    assert!(
+        cut_loss.is_finite() && cut_loss > 0.0 && cut_loss < full_loss,
+        "vocabulary 250: {cut_loss}, 256: {full_loss}"
+    );
+    let o = sample(&model, &["--prompt", "the "]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("a vocabulary of 250 is neither") && e.contains("--data FILE.bin"),
+        "{e}"
+    );
+    assert!(o.stdout.is_empty());
+}
+
 /// A padded vocabulary end to end: the byte run's weights with 64 padding rows (as
 /// llm.c pads GPT-2's 50257 to 50304), each three times a real row (ids 64-127, the
 /// letters among them), so that as candidates they would outscore the letters they copy.
