@@ -606,6 +606,12 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let mut interrupted = false;
     let mut since_print = (0.0f64, 0u32);
     let mut first_step = true;
+    // Set when the data could not be read (a file cut short mid-run): the steps done so
+    // far are then checkpointed before the error is returned.
+    let mut data_failed = false;
+    // The data position after the last completed step (a failed read may have moved
+    // `next_sample` past it).
+    let mut at_step_end = next_sample;
     // The loop's error (a failed or diverged step, unreadable data, a full disk) still
     // leaves a summary of the steps done before it is returned.
     let outcome = (|| -> Result<()> {
@@ -620,7 +626,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
                 let mut mine = Vec::with_capacity(ds.batch.grad_accum);
                 for _ in 0..ds.batch.grad_accum {
                     let input = span("next batch", SpanKind::Input);
-                    let mut f = loader.next()?;
+                    let mut f = loader.next().inspect_err(|_| data_failed = true)?;
                     drop(input);
                     stall += f.stall.as_secs_f64() * 1e3;
                     if rank == 0 {
@@ -662,6 +668,7 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             first_step = false;
             let s = result.map_err(|e| step_failure(e, step + 1, &dir, opts))?;
             step += 1;
+            at_step_end = next_sample;
             if let Some(p) = &mut profiler {
                 p.drain(step, &engine.devices())?;
             }
@@ -789,6 +796,33 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
         Ok(())
     })();
     bar.finish_and_clear();
+    // Unreadable data stops the run, but loses none of its steps: the last completed one
+    // is checkpointed (one process: a multi-process save takes every process, and the
+    // others may be mid-step) and the error says how to continue.
+    let outcome = match outcome {
+        Err(e) if data_failed && writer && opts.processes.is_none() && step > 0 => {
+            let saved_already = checkpoint::list(&dir)
+                .ok()
+                .and_then(|l| l.last().map(|(at, _)| *at))
+                == Some(step);
+            let saved = if saved_already {
+                Ok(())
+            } else {
+                save(&engine, &dir, step, at_step_end, &settings.run).map(drop)
+            };
+            Err(match saved {
+                Ok(()) => anyhow::anyhow!(
+                    "{e:#}\nstopped after step {step}, which is checkpointed; once the data is \
+                     whole again, continue with: {}",
+                    resume_command(opts, &dir)
+                ),
+                Err(s) => anyhow::anyhow!(
+                    "{e:#}\nstopped after step {step}; saving its checkpoint failed too ({s:#})"
+                ),
+            })
+        }
+        o => o,
+    };
     if let Some(p) = profiler {
         if let Some(table) = p.finish(&dir, &engine.devices())? {
             say(format!(

@@ -491,3 +491,106 @@ fn json_inputs_that_are_devices_or_directories_are_refused_at_once() {
     assert!(!run.exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A token file cut short while training reads it (another program truncating it in
+/// place) used to kill the run with SIGBUS: no message, no checkpoint, no summary. Now
+/// the run stops with an error naming the file, checkpoints its last completed step,
+/// writes its summary and prints the resume command, which continues once the data is
+/// whole again. (`kiln prepare` over the same name replaces the file by a rename, which
+/// the mapping survives; truncating in place is the harmful case.)
+#[test]
+fn a_token_file_truncated_mid_run_stops_cleanly_with_a_checkpoint() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let dir = scratch("truncated");
+    let text = dir.join("t.txt");
+    std::fs::write(&text, prose(200_000)).unwrap();
+    let data = dir.join("t.bin");
+    let out = kiln(&["prepare", s(&text), s(&data), "--tokenizer", "bytes"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let whole = std::fs::read(&data).unwrap();
+    let model = tiny_model(&dir, 256);
+    let run = dir.join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "train",
+            "--devices",
+            "cpu",
+            "--model",
+            s(&model),
+            "--data",
+            s(&data),
+        ])
+        .args([
+            "--out",
+            s(&run),
+            "--steps",
+            "1000000",
+            "--checkpoint-every",
+            "0",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        err.read_to_string(&mut s).ok();
+        s
+    });
+    let records = || {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let start = std::time::Instant::now();
+    while records() < 3 {
+        assert!(
+            start.elapsed().as_secs() < 120,
+            "no steps after two minutes"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{}",
+            reader.join().unwrap()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(64)
+        .unwrap();
+    let status = child.wait().unwrap();
+    let err = reader.join().unwrap();
+    assert_eq!(status.code(), Some(1), "{status}: {err}");
+    assert!(
+        err.contains(s(&data)) && err.contains("shrank to 64 bytes while training read it"),
+        "{err}"
+    );
+    let done = records() as u64;
+    assert!(
+        err.contains(&format!("stopped after step {done}, which is checkpointed")),
+        "{done} steps recorded: {err}"
+    );
+    assert!(err.contains("continue with: kiln train --resume"), "{err}");
+    let ck = kiln::engine::train::checkpoint::load_latest(&run).unwrap();
+    assert_eq!(ck.step(), done);
+    assert!(run.join("summary.json").is_file());
+    // The data restored, the printed command continues the run from that step.
+    std::fs::write(&data, &whole).unwrap();
+    let command = err
+        .split("continue with: kiln ")
+        .nth(1)
+        .and_then(|rest| rest.lines().next())
+        .unwrap();
+    let more = (done + 2).to_string();
+    let mut args: Vec<&str> = command.split_whitespace().collect();
+    args.extend(["--steps", &more]);
+    let out = kiln(&args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(records() as u64, done + 2);
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -9,7 +9,7 @@ use super::{check_range, not_a_regular_file, DataError, Result, TokenSource};
 /// A file whose bytes are the tokens (ids 0..=255), memory-mapped.
 pub struct ByteTextSource {
     path: PathBuf,
-    map: Mmap,
+    map: MappedFile,
 }
 
 impl ByteTextSource {
@@ -32,9 +32,53 @@ impl ByteTextSource {
     }
 }
 
+/// A whole file mapped read-only, kept open so that a read can see it shrink first:
+/// reading a page past the end of a file another program truncated would fault the
+/// process (SIGBUS: no message, nothing saved), so [`MappedFile::range`] checks the
+/// file's length before it touches the map. A file replaced by a rename (`kiln prepare`
+/// writes that way) or deleted keeps its mapped contents and reads on unharmed.
+pub(crate) struct MappedFile {
+    map: Mmap,
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl std::ops::Deref for MappedFile {
+    type Target = [u8];
+    /// The whole map, for the scans made as the file is opened.
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+impl MappedFile {
+    /// Bytes `start .. start + len` (inside the map), once the file is seen to still
+    /// hold them. Between the look and the read another program could still cut the
+    /// file: a window of microseconds per read, instead of the whole run.
+    pub(crate) fn range(&self, start: usize, len: usize) -> Result<&[u8]> {
+        let now = self
+            .file
+            .metadata()
+            .map_err(|e| DataError::io(&self.path, "stat", e))?
+            .len();
+        if now < (start + len) as u64 {
+            return Err(DataError::format(
+                &self.path,
+                format!(
+                    "the file shrank to {now} bytes while training read it ({} when it was \
+                     opened): another program truncated or rewrote it in place. Restore it (or \
+                     write new data under another name) and resume",
+                    self.map.len()
+                ),
+            ));
+        }
+        Ok(&self.map[start..start + len])
+    }
+}
+
 /// Maps a whole file read-only. An empty file gives an empty map (not an error here:
 /// callers say what they need).
-pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
+pub(crate) fn map_file(path: &Path) -> Result<MappedFile> {
     let file = std::fs::File::open(path).map_err(|e| DataError::io(path, "open", e))?;
     let meta = file
         .metadata()
@@ -50,16 +94,26 @@ pub(crate) fn map_file(path: &Path) -> Result<Mmap> {
     let len = meta.len();
     if len == 0 {
         // Mapping zero bytes fails on some platforms; an empty anonymous map stands in.
-        return memmap2::MmapOptions::new()
+        let map = memmap2::MmapOptions::new()
             .len(0)
             .map_anon()
             .and_then(|m| m.make_read_only())
-            .map_err(|e| DataError::io(path, "map", e));
+            .map_err(|e| DataError::io(path, "map", e))?;
+        return Ok(MappedFile {
+            map,
+            file,
+            path: path.to_path_buf(),
+        });
     }
     // SAFETY: the map is read-only and private to this process. Data files are not
-    // expected to change while training reads them; if another process truncates the file
-    // anyway, reads fault (SIGBUS) rather than silently returning stale data.
-    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, "memory-map", e))
+    // expected to change while training reads them; a file that another process
+    // truncates anyway is noticed by `MappedFile::range` before a read would fault.
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, "memory-map", e))?;
+    Ok(MappedFile {
+        map,
+        file,
+        path: path.to_path_buf(),
+    })
 }
 
 impl TokenSource for ByteTextSource {
@@ -74,8 +128,7 @@ impl TokenSource for ByteTextSource {
             start,
             out.len(),
         )?;
-        let s = start as usize;
-        let bytes = &self.map[s..s + out.len()];
+        let bytes = self.map.range(start as usize, out.len())?;
         for (o, &b) in out.iter_mut().zip(bytes) {
             *o = b as u32;
         }

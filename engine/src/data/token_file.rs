@@ -7,10 +7,9 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
-use super::text::map_file;
+use super::text::{map_file, MappedFile};
 use super::{check_range, DataError, Result, TokenSource};
 
 /// The `<file>.json` written next to a prepared `.bin`.
@@ -57,7 +56,7 @@ impl Sidecar {
 /// A memory-mapped `.bin` of little-endian `u16` tokens.
 pub struct TokenFile {
     path: PathBuf,
-    map: Mmap,
+    map: MappedFile,
     sidecar: Option<Sidecar>,
 }
 
@@ -129,8 +128,7 @@ impl TokenSource for TokenFile {
 
     fn read(&self, start: u64, out: &mut [u32]) -> Result<()> {
         check_range(&self.name(), self.len(), start, out.len())?;
-        let s = start as usize * 2;
-        let bytes = &self.map[s..s + out.len() * 2];
+        let bytes = self.map.range(start as usize * 2, out.len() * 2)?;
         for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
             *o = u16::from_le_bytes([c[0], c[1]]) as u32;
         }
