@@ -485,3 +485,39 @@ fn utc_dates() {
     assert_eq!(at(1_700_000_000), "2023-11-14 22:13");
     assert_eq!(at(1_735_689_599), "2024-12-31 23:59");
 }
+
+/// A run being written, as a reader meets it: its live writer holds the run's lock and
+/// its metrics end in the middle of a line. Listing and diffing read the complete lines
+/// only (the half line is no error), and the lock refuses a second writer while it is
+/// held, and nothing after it is released.
+#[test]
+fn a_run_being_written_reads_as_its_complete_lines_and_refuses_a_second_writer() {
+    use kiln_engine::train::runs::RunLock;
+    let root = common::scratch("runs-live");
+    make_run(&root, "a", base_config(), &[4.0, 3.0], 1000.0);
+    make_run(&root, "b", base_config(), &[4.0, 3.5, 3.2], 1000.0);
+    let held = RunLock::acquire(&root.join("b")).unwrap();
+    let metrics = root.join("b").join(METRICS_FILE);
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.push_str(r#"{"step": 4, "loss": 3.0, "lr": 0.0"#);
+    std::fs::write(&metrics, text).unwrap();
+    assert_eq!(steps(&read_metrics(&root.join("b")).unwrap()), [1, 2, 3]);
+    let b = list_runs(&root)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.name == "b")
+        .unwrap();
+    assert_eq!(b.steps, Some(3));
+    diff_runs(&root.join("a"), &root.join("b")).unwrap();
+    // A second writer is refused while the first holds the lock, from this process too
+    // (an OS lock per open file).
+    let e = RunLock::acquire(&root.join("b")).unwrap_err();
+    assert!(matches!(e, RunError::InUse { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("pid {}", std::process::id())),
+        "{e}"
+    );
+    drop(held);
+    let _again = RunLock::acquire(&root.join("b")).unwrap();
+}
