@@ -844,6 +844,8 @@ fn estimate(
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    m.check()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
         specs => {

@@ -1141,7 +1141,10 @@ fn resolve_settings(
 /// such as `/dev/zero` would be read until memory ran out, a directory fails cryptically.
 pub fn read_json_input(path: &Path, what: &str) -> Result<String> {
     let context = || format!("reading {what} {}", path.display());
-    let meta = std::fs::metadata(path).with_context(context)?;
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => anyhow::anyhow!("{}: it does not exist", context()),
+        _ => anyhow::Error::new(e).context(context()),
+    })?;
     if meta.is_dir() {
         bail!("{}: it is a directory, expected a JSON file", context());
     }
@@ -1428,8 +1431,10 @@ fn check_run_dir(dir: &Path, resume: bool) -> Result<()> {
 /// run is. Another run that got there first since [`check_run_dir`] holds the lock, or
 /// has written its config.json: either way this one stops, touching nothing of it.
 fn create_run_dir(dir: &Path, record: &Value) -> Result<runs::RunLock> {
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("creating the run directory {}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|e| {
+        let why = kiln_engine::fsutil::cannot_create(dir, &e).unwrap_or_else(|| e.to_string());
+        anyhow::anyhow!("creating the run directory {}: {why}", dir.display())
+    })?;
     let lock = runs::RunLock::acquire(dir)?;
     check_run_dir(dir, false)?;
     runs::write_config(dir, record)?;

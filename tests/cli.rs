@@ -685,3 +685,47 @@ fn a_model_with_block_size_0_is_refused_naming_the_file_and_field() {
     assert!(!run.exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The same causes met through other commands and flags: a run directory where none can
+/// be made, a config that is not there, `estimate` on an impossible model.
+#[test]
+fn sibling_refusals_name_the_real_cause_too() {
+    let cases: [(&[&str], &[&str]); 3] = [
+        (
+            &["train", "--steps", "1", "--out", "/proc/kiln-run"],
+            &["cannot create it in /proc", "does not take new entries"],
+        ),
+        (
+            &["train", "--config", "/nonexistent/ds.json", "--steps", "1"],
+            &["reading the config /nonexistent/ds.json: it does not exist"],
+        ),
+        (
+            &["estimate", "--model", "/nonexistent/m.json"],
+            &["it does not exist"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let out = kiln(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        for want in wants {
+            assert!(err.contains(want), "{args:?}: `{want}` missing from {err}");
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-estimate0-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("m.json");
+    std::fs::write(
+        &model,
+        r#"{"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 0, "vocab_size": 13}"#,
+    )
+    .unwrap();
+    let out = kiln(&["estimate", "--model", model.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{}: ", model.display())) && err.contains("block_size (0)"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

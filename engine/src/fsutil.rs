@@ -27,6 +27,34 @@ pub(crate) fn ctx<T>(r: std::io::Result<T>, action: &'static str, path: &Path) -
     })
 }
 
+/// Why `path` could not be created (`e`, from creating a file or a directory there),
+/// in words that send the user the right way: a parent that is missing, or one that is
+/// there but takes no new entry (no write permission, a read-only or virtual file
+/// system such as /proc, where creating reports "not found" too). `None` for other
+/// failures (a full disk, too many open files), which their own message says best.
+pub fn cannot_create(path: &Path, e: &std::io::Error) -> Option<String> {
+    use std::io::ErrorKind;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    match e.kind() {
+        ErrorKind::NotFound if !dir.is_dir() => Some(format!(
+            "its directory does not exist ({}): create it first, or write somewhere else",
+            dir.display()
+        )),
+        ErrorKind::NotFound | ErrorKind::PermissionDenied | ErrorKind::ReadOnlyFilesystem => {
+            Some(format!(
+                "cannot create it in {} ({e}): the directory exists but does not take new \
+                 entries (no write permission, a read-only or virtual file system); write \
+                 somewhere else",
+                dir.display()
+            ))
+        }
+        _ => None,
+    }
+}
+
 /// A temporary name for `path` while it is written: this process's and this write's
 /// own, so two threads saving the same file (two devices of one adapter saving their
 /// pipeline cache) do not rename each other's temporary file away.

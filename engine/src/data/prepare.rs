@@ -474,32 +474,11 @@ fn write_atomically<T>(
     tmp_name.push(format!(".tmp-{}", std::process::id()));
     let tmp = PathBuf::from(tmp_name);
     let result = (|| {
-        let file = File::create(&tmp).map_err(|e| {
-            let dir = path
-                .parent()
-                .filter(|d| !d.as_os_str().is_empty())
-                .unwrap_or(Path::new("."));
-            match e.kind() {
-                std::io::ErrorKind::NotFound if !dir.is_dir() => DataError::format(
-                    path,
-                    "its directory does not exist: create it first, or write somewhere else",
-                ),
-                // The directory is there but takes no new file (/proc, a read-only
-                // mount, no permission): say so rather than that it is missing.
-                std::io::ErrorKind::NotFound
-                | std::io::ErrorKind::PermissionDenied
-                | std::io::ErrorKind::ReadOnlyFilesystem => DataError::format(
-                    path,
-                    format!(
-                        "cannot create a file in {} ({e}): the directory exists but does not \
-                         take new files (no write permission, a read-only or virtual file \
-                         system); write somewhere else",
-                        dir.display()
-                    ),
-                ),
-                _ => DataError::io(&tmp, "create", e),
-            }
-        })?;
+        let file =
+            File::create(&tmp).map_err(|e| match crate::fsutil::cannot_create(path, &e) {
+                Some(why) => DataError::format(path, why),
+                None => DataError::io(&tmp, "create", e),
+            })?;
         let mut w = BufWriter::new(file);
         let value = write(&mut w)?;
         let file = w
@@ -802,7 +781,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("cannot create a file in /proc") && e.contains("does not take new files"),
+            e.contains("cannot create it in /proc") && e.contains("does not take new entries"),
             "{e}"
         );
         assert!(!e.contains("does not exist"), "{e}");
