@@ -243,28 +243,19 @@ fn a_run_directory_another_process_trains_into_is_refused_naming_it() {
         "the refused run wrote into the directory"
     );
     drop(held);
+    let trains = |args: &[&str]| {
+        let out = spawn_train(&dir, "run", args).wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+    };
     // The lock file is still there, its holder gone: the run goes ahead.
     assert!(run.join(runs::LOCK_FILE).exists());
-    let out = spawn_train(&dir, "run", &["--steps", "2"])
-        .wait_with_output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    trains(&["--steps", "2"]);
     // A --resume of a run that is still going is refused the same way.
     let held = runs::RunLock::acquire(&run).unwrap();
     refused(&["--steps", "3", "--resume"]);
     drop(held);
-    let out = spawn_train(&dir, "run", &["--steps", "3", "--resume"])
-        .wait_with_output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    trains(&["--steps", "3", "--resume"]);
     std::fs::remove_dir_all(&dir).ok();
 }
 
