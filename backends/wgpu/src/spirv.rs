@@ -388,23 +388,21 @@ impl SpirvMatmul {
                     ..Default::default()
                 })
         };
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some("matmul_cpu.comp"),
-                layout: Some(&self.pipeline_layout),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(Error::Backend {
-                device: self.name.clone(),
-                detail: format!("the SPIR-V GEMM {key:?} failed to build: {e}"),
-            });
-        }
+        let pipeline = crate::device::caught(&self.device, || {
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some("matmul_cpu.comp"),
+                    layout: Some(&self.pipeline_layout),
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                })
+        })
+        .map_err(|e| Error::Backend {
+            device: self.name.clone(),
+            detail: format!("the SPIR-V GEMM {key:?} failed to build: {e}"),
+        })?;
         built.insert(key, pipeline.clone());
         Ok(pipeline)
     }
