@@ -3,7 +3,9 @@
 //! for what it compiled. A big GEMM block's first run happens on a second device of the
 //! same adapter instead (the compile workers' primer), so the training device's own
 //! first run must compile nothing: no new cache entry. A GEMM nobody primed still adds
-//! one, which shows the count tells the two apart. Its own binary: the cache directory
+//! one, which shows the count tells the two apart. The fused attention passes with
+//! several rows per lane are primed alike, one row per lane standing in (same bits).
+//! Its own binary: the cache directory
 //! is set for the whole process before any device opens.
 
 mod common;
@@ -11,7 +13,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use kiln::engine::{Device, Kernel};
+use kiln::engine::{DType, Device, Kernel};
 use kiln::wgpu::{find_adapter, plan_matmul, DeviceOptions, MatmulVariant, WgpuDevice};
 
 fn scratch(name: &str) -> PathBuf {
@@ -19,7 +21,8 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 #[test]
-fn a_big_gemm_block_first_runs_on_the_primer_and_the_device_compiles_it_no_more() {
+fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_the_device_compiles_them_no_more(
+) {
     let mesa = scratch("mesa");
     // Set before any device opens in this process (Mesa reads them per device).
     std::env::set_var("MESA_SHADER_CACHE_DIR", &mesa);
@@ -81,5 +84,109 @@ fn a_big_gemm_block_first_runs_on_the_primer_and_the_device_compiles_it_no_more(
         settled_mesa_entries(&mesa) > primed,
         "a first run that compiled left no entry: the count cannot tell"
     );
+
+    // Fused attention with several rows per lane (4 at d = 64 on lavapipe): while the
+    // primer is held, launches run one row per lane, with the same bits as the planned
+    // passes once these have first run on the primer.
+    let attention = |dev: &WgpuDevice| -> (Vec<Kernel>, Vec<kiln::engine::Buffer>) {
+        let (heads, seq, dim) = (3, 37, 64);
+        let n = heads * seq * dim;
+        let [q, k, v, dout] = [11, 12, 13, 14].map(|seed| put(dev, &finite(DType::F32, n, seed)));
+        let out = dev.alloc(DType::F32, n).unwrap();
+        let lse = dev.alloc(DType::F32, heads * seq).unwrap();
+        let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, n).unwrap());
+        let (scale, causal) = (0.125, true);
+        let kernels = vec![
+            Kernel::Attention {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                batch_heads: heads,
+                group: 1,
+                seq,
+                dim,
+                scale,
+                causal,
+            },
+            Kernel::AttentionBackward {
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+                batch_heads: heads,
+                group: 1,
+                seq,
+                dim,
+                scale,
+                causal,
+            },
+        ];
+        (kernels, vec![out, lse, dq, dk, dv])
+    };
+    let fetch = |dev: &WgpuDevice, outs: &[kiln::engine::Buffer]| -> Vec<kiln::engine::HostData> {
+        outs.iter().map(|&b| dev.download(b).unwrap()).collect()
+    };
+    let (kernels, outs) = attention(&dev);
+    let primed_before = dev.primed_pipelines();
+    let stand_ins_before = dev.stand_in_launches();
+    dev.hold_primer(true);
+    dev.prepare(&kernels).unwrap();
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    let stood_in = fetch(&dev, &outs);
+    assert_eq!(
+        dev.stand_in_launches() - stand_ins_before,
+        2,
+        "the forward and the backward ran one row per lane while the primer was held"
+    );
+    dev.hold_primer(false);
+    dev.wait_for_builds();
+    assert_eq!(
+        dev.primed_pipelines() - primed_before,
+        3,
+        "the forward, dq and dk/dv passes with 4 rows per lane first ran on the primer"
+    );
+    let before_planned = settled_mesa_entries(&mesa);
+    let stand_ins_after = dev.stand_in_launches();
+    for k in &kernels {
+        dev.launch(k).unwrap();
+    }
+    let planned = fetch(&dev, &outs);
+    assert_eq!(
+        dev.stand_in_launches(),
+        stand_ins_after,
+        "the planned passes ran"
+    );
+    assert_eq!(
+        settled_mesa_entries(&mesa),
+        before_planned,
+        "the planned passes' first run compiled them again"
+    );
+    let (plain_kernels, plain_outs) = attention(&plain);
+    for k in &plain_kernels {
+        plain.launch(k).unwrap();
+    }
+    let unprimed = fetch(&plain, &plain_outs);
+    for (i, name) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        assert_bits_eq(
+            &format!("attention {name}, stand-in"),
+            &stood_in[i],
+            &planned[i],
+        );
+        assert_bits_eq(
+            &format!("attention {name}, unprimed"),
+            &unprimed[i],
+            &planned[i],
+        );
+    }
+    assert!(planned[2].to_f32().iter().any(|&x| x != 0.0));
     std::fs::remove_dir_all(&mesa).ok();
 }

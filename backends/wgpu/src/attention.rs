@@ -7,7 +7,7 @@
 
 use kiln_engine::{Buffer, Capabilities, Error, Kernel, Result};
 
-use crate::lower::{Dispatch, Recorder, PARTIALS_ID};
+use crate::lower::{Dispatch, Readiness, Recorder, PARTIALS_ID};
 use crate::shader::{self, KernelSource};
 
 /// Work per dispatch, in multiply-adds: ~0.1 s on lavapipe, so that no dispatch runs
@@ -246,17 +246,66 @@ pub fn launches(
     })
 }
 
+/// The plan a launch runs while `planned`'s passes are still building (and first
+/// running on the primer's device, on a software driver): one row per lane, whose
+/// passes compile in a fraction of the time. Each row's sums are the same, in the same
+/// order (a lane's rows are independent, and the masked blocks a larger row group
+/// walks past a row's causal end add exact zeros), so the results are bit-identical
+/// (tests/primer.rs). `None`
+/// where no pass takes several rows per lane.
+pub fn stand_in(planned: &AttentionPlan) -> Option<AttentionPlan> {
+    (planned.shared && planned.rows > 1).then_some(AttentionPlan {
+        rows: 1,
+        ..*planned
+    })
+}
+
 /// How fused attention becomes dispatches of the WGSL kernels, for any backend that
 /// records them.
 pub(crate) trait LowerAttention: Recorder {
     /// Records a validated `Kernel::Attention` or `Kernel::AttentionBackward`.
     fn attention(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
         let dim = geometry(kernel).3;
-        let plan = plan(self.caps(), dim);
-        let (all, scratch) = launches(self.caps(), kernel, &plan)?;
+        let planned = plan(self.caps(), dim);
+        let (mut launched, scratch) = launches(self.caps(), kernel, &planned)?;
+        let mut plan = planned;
+        if let Some(stand) = stand_in(&planned) {
+            // Built ahead by `prepare` too, so that a launch never waits for the
+            // planned passes' build.
+            let (stand_launches, _) = launches(self.caps(), kernel, &stand)?;
+            for l in &stand_launches {
+                let d = self.attention_dispatch(&stand, dim, l);
+                self.want_ahead(s, d);
+            }
+            let building = launched.iter().any(|l| {
+                self.readiness(s, &self.attention_dispatch(&planned, dim, l)) == Readiness::Building
+            });
+            if building {
+                self.note_stand_in(
+                    s,
+                    &format!("attention {} rows per lane", planned.rows),
+                    "attention 1 row per lane",
+                );
+                (plan, launched) = (stand, stand_launches);
+            }
+        }
         if scratch > 0 {
             self.partials(s, scratch)?;
         }
+        for l in launched {
+            let d = self.attention_dispatch(&plan, dim, &l);
+            self.dispatch(s, d)?;
+        }
+        Ok(())
+    }
+
+    /// The dispatch of one attention launch `l` under `plan` at head dim `dim`.
+    fn attention_dispatch(
+        &self,
+        plan: &AttentionPlan,
+        dim: usize,
+        l: &AttentionLaunch,
+    ) -> Dispatch {
         let consts = vec![
             ("SG", plan.sg),
             ("WG", plan.wg),
@@ -266,29 +315,23 @@ pub(crate) trait LowerAttention: Recorder {
             ("VEC", dim.is_multiple_of(4) as u32),
         ];
         let [fwd, dq, dkv] = kernels(plan.shared);
-        for l in all {
-            let kernel = match l.pass {
-                AttentionPass::Forward => fwd,
-                AttentionPass::Dq => dq,
-                AttentionPass::Dkv => dkv,
-            };
-            let mut buffers: Vec<u64> = l.typed.iter().map(|b| b.id).collect();
-            buffers.extend(&l.f32s);
-            self.dispatch(
-                s,
-                Dispatch {
-                    kernel,
-                    reprs: l.typed.iter().map(|b| self.repr(b.dtype)).collect(),
-                    consts: consts.clone(),
-                    overrides: vec![],
-                    buffers,
-                    ranges: vec![],
-                    params: l.params.to_vec(),
-                    groups: l.groups,
-                },
-            )?;
+        let kernel = match l.pass {
+            AttentionPass::Forward => fwd,
+            AttentionPass::Dq => dq,
+            AttentionPass::Dkv => dkv,
+        };
+        let mut buffers: Vec<u64> = l.typed.iter().map(|b| b.id).collect();
+        buffers.extend(&l.f32s);
+        Dispatch {
+            kernel,
+            reprs: l.typed.iter().map(|b| self.repr(b.dtype)).collect(),
+            consts,
+            overrides: vec![],
+            buffers,
+            ranges: vec![],
+            params: l.params.to_vec(),
+            groups: l.groups,
         }
-        Ok(())
     }
 }
 

@@ -76,6 +76,11 @@ pub struct WgpuDevice {
     primed_keys: Arc<Mutex<std::collections::HashSet<PipelineKey>>>,
     /// Held by the compile worker building a big GEMM block.
     slow_lane: Arc<Mutex<()>>,
+    /// The compile workers' queues, emptied when the device drops, and the jobs they
+    /// are running: a process must not exit while a worker is inside the driver's
+    /// compiler (lavapipe's LLVM tears itself down at exit under the running thread).
+    compile_queues: Mutex<Vec<std::sync::Weak<Mutex<Vec<Job>>>>>,
+    busy: Arc<(Mutex<usize>, std::sync::Condvar)>,
 }
 
 struct Slot {
@@ -286,9 +291,15 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
     }
 }
 
-/// A CPU-class GEMM block that takes seconds to build (see `matmul::stand_in`).
-fn slow_gemm(key: &PipelineKey) -> bool {
-    key.name.starts_with("matmul_cpu") && key.consts.iter().any(|&(c, v)| c == "TM" && v >= 32)
+/// A pipeline that takes seconds to build and to first run on a software driver, and
+/// has a stand-in meanwhile: a CPU-class GEMM block of 32 rows and up
+/// (`matmul::stand_in`), or a fused attention pass with several rows per lane (one row
+/// per lane stands in, `attention::stand_in`).
+fn slow_block(key: &PipelineKey) -> bool {
+    let has =
+        |name: &str, at_least: u32| key.consts.iter().any(|&(c, v)| c == name && v >= at_least);
+    (key.name.starts_with("matmul_cpu") && has("TM", 32))
+        || (key.name.starts_with("attention") && has("R", 2))
 }
 
 fn compile_log() -> bool {
@@ -441,6 +452,8 @@ impl WgpuDevice {
             primer: std::sync::OnceLock::new(),
             primed_keys: Arc::default(),
             slow_lane: Arc::default(),
+            compile_queues: Mutex::default(),
+            busy: Arc::default(),
             dummy: held_buffer(dummy),
             band_partials: held_buffer(band_partials),
             arena: held_buffer(arena),
@@ -698,8 +711,9 @@ impl WgpuDevice {
         compiling::queued(wanted.len() * if compiles_on_first_run { 2 } else { 1 });
         // Modules and layouts need the state; they are cheap next to the driver's
         // compile, which happens in the workers.
-        // GEMM blocks that take seconds to build (32 rows and up) get a stand-in while
-        // they build (`matmul::stand_in`, built ahead here), so they are off the
+        // GEMM blocks that take seconds to build (32 rows and up) and attention passes
+        // with several rows per lane get a stand-in while they build
+        // (`matmul::stand_in`, `attention::stand_in`, built ahead here), so they are off the
         // critical path: they build last, and every worker takes launch order, so the
         // step's own pipelines are ready first and the big blocks build while it runs.
         // Their first run, which compiles their machine code, happens on the primer's
@@ -715,7 +729,7 @@ impl WgpuDevice {
                     s.first_runs.insert(w.key.clone());
                 }
                 let source = shader::assemble(w.kernel, &w.key.reprs, &w.key.consts);
-                let prime = (stand_ins && slow_gemm(&w.key))
+                let prime = (stand_ins && slow_block(&w.key))
                     .then(|| self.primer())
                     .flatten()
                     .map(|primer| {
@@ -742,11 +756,20 @@ impl WgpuDevice {
         let mut jobs = jobs;
         let threads = compile_threads().min(jobs.len()).max(1);
         if stand_ins {
-            jobs.sort_by_key(|j| slow_gemm(&j.key));
+            jobs.sort_by_key(|j| slow_block(&j.key));
         }
         let queue = Arc::new(Mutex::new(jobs));
+        {
+            let mut queues = self
+                .compile_queues
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            queues.retain(|q| q.strong_count() > 0);
+            queues.push(Arc::downgrade(&queue));
+        }
         for worker in 0..threads {
             let (mine, built) = (queue.clone(), self.built.clone());
+            let busy = self.busy.clone();
             let (primed_keys, slow_lane) = (self.primed_keys.clone(), self.slow_lane.clone());
             let device = self.device.clone();
             let cache = self.disk_cache.clone();
@@ -759,7 +782,7 @@ impl WgpuDevice {
                             (0..q.len()).max_by_key(|&i| (q[i].cost, std::cmp::Reverse(i)))
                         } else if stand_ins
                             && worker > 0
-                            && q.first().is_some_and(|j| slow_gemm(&j.key))
+                            && q.first().is_some_and(|j| slow_block(&j.key))
                         {
                             // The big blocks (last in the queue) build one at a time on
                             // worker 0, so the step running their stand-ins keeps a core.
@@ -768,13 +791,19 @@ impl WgpuDevice {
                             (!q.is_empty()).then_some(0)
                         };
                         match pick {
-                            Some(i) => q.remove(i),
+                            Some(i) => {
+                                // Counted while the queue is locked, so that a drop that
+                                // empties the queue then waits for this job.
+                                *busy.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                                q.remove(i)
+                            }
                             None => return,
                         }
                     };
+                    let _done = Finished(&busy);
                     // One big block at a time on the device, whichever `compile_all`
                     // asked for it (a measurement may ask for one during the step).
-                    let _lane = (stand_ins && slow_gemm(&job.key))
+                    let _lane = (stand_ins && slow_block(&job.key))
                         .then(|| slow_lane.lock().unwrap_or_else(|e| e.into_inner()));
                     if let Some((primer, prime)) = &job.prime {
                         let t = std::time::Instant::now();
@@ -917,8 +946,9 @@ impl WgpuDevice {
         w
     }
 
-    /// GEMM launches so far that ran a smaller CPU block (same results) because their
-    /// own was still building on a compile worker.
+    /// GEMM and attention launches so far that ran a stand-in (a smaller CPU block, one
+    /// attention row per lane: same results) because their own was still building on
+    /// a compile worker.
     pub fn stand_in_launches(&self) -> u64 {
         self.lock().stand_ins
     }
@@ -956,6 +986,15 @@ impl WgpuDevice {
                 kernel: d.kernel,
             }],
         )
+    }
+
+    /// Holds the primer before its next first run (`true`), or lets it go on: tests see
+    /// launches run stand-ins meanwhile. The primer opens if it has not yet.
+    #[doc(hidden)]
+    pub fn hold_primer(&self, held: bool) {
+        if let Some(p) = self.primer() {
+            p.hold(held);
+        }
     }
 
     /// Pipelines whose first run (a software driver's machine code) happened on the
@@ -1346,8 +1385,38 @@ impl Recorder for WgpuDevice {
     }
 }
 
+/// Counts a compile job finished when the worker leaves it, also by a panic.
+struct Finished<'a>(&'a (Mutex<usize>, std::sync::Condvar));
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        *self.0 .0.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.0 .1.notify_all();
+    }
+}
+
 impl Drop for WgpuDevice {
     fn drop(&mut self) {
+        // Pipelines not started are not needed any more; those being built are waited
+        // for (see `busy`).
+        for q in self
+            .compile_queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+        {
+            q.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+        if let Some(p) = self.primer.get().and_then(Option::as_ref) {
+            p.hold(false);
+        }
+        let (count, idle) = &*self.busy;
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            n = idle.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(n);
         // The wgpu objects drop after this, each inside the context lock (`Guarded`).
         let _held = context::enter(self.context);
         // Pipelines built after the plan's (evaluation, later micro-batches).

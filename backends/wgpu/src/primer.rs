@@ -3,7 +3,8 @@
 //! Lavapipe turns a pipeline into machine code when it first runs it, on the one
 //! thread that runs the device's queue, and keeps that code in Mesa's shader cache on
 //! disk, keyed by the shader, not by the device. A big GEMM block takes tens of
-//! seconds there on a cold cache, and every launch queued behind its first run waits.
+//! seconds there on a cold cache (a fused attention pass with 4 rows per lane, 3–7 s),
+//! and every launch queued behind its first run waits.
 //! So a compile worker first runs such a block once on a device of its own on the same
 //! adapter, opened exactly like the training device (so the driver sees the same
 //! shader), with one-element operands: the machine code lands in the cache, and the
@@ -19,6 +20,8 @@ pub(crate) struct Primer {
     queue: wgpu::Queue,
     /// Pipelines run once here so far.
     pub(crate) primed: std::sync::atomic::AtomicU64,
+    /// Tests hold runs back to see launches run stand-ins ([`crate::WgpuDevice::hold_primer`]).
+    held: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
 
 /// One pipeline to run once: what the training device builds, in its parts.
@@ -52,11 +55,18 @@ impl Primer {
             device,
             queue,
             primed: Default::default(),
+            held: Default::default(),
         })
     }
 
     /// Builds `p` and runs it once over one workgroup, waiting for the driver.
     pub(crate) fn run_once(&self, p: &Prime) -> Result<(), String> {
+        let (held, changed) = &self.held;
+        let mut h = held.lock().unwrap_or_else(|e| e.into_inner());
+        while *h {
+            h = changed.wait(h).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(h);
         let d = &self.device;
         let scope = d.push_error_scope(wgpu::ErrorFilter::Validation);
         let desc = wgpu::ShaderModuleDescriptor {
@@ -153,5 +163,11 @@ impl Primer {
         self.primed
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Holds runs that have not started (`true`), or lets them go on.
+    pub(crate) fn hold(&self, held: bool) {
+        *self.held.0.lock().unwrap_or_else(|e| e.into_inner()) = held;
+        self.held.1.notify_all();
     }
 }
