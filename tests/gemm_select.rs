@@ -114,8 +114,8 @@ fn a_launch_runs_a_built_block_while_its_own_builds() {
     dev.prepare(&[Kernel::Matmul(mm.clone())]).unwrap();
     assert_eq!(
         dev.pipeline_count(),
-        2,
-        "prepare builds the planned block and its stand-in"
+        3,
+        "prepare builds the planned block and its stand-ins (16 x 8, itself primed, and 8 x 4)"
     );
     let early = run(&dev);
     assert_eq!(

@@ -292,13 +292,13 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
 }
 
 /// A pipeline that takes seconds to build and to first run on a software driver, and
-/// has a stand-in meanwhile: a CPU-class GEMM block of 32 rows and up
+/// has a stand-in meanwhile: a CPU-class GEMM block of 16 rows and up
 /// (`matmul::stand_in`), or a fused attention pass with several rows per lane (one row
 /// per lane stands in, `attention::stand_in`).
 fn slow_block(key: &PipelineKey) -> bool {
     let has =
         |name: &str, at_least: u32| key.consts.iter().any(|&(c, v)| c == name && v >= at_least);
-    (key.name.starts_with("matmul_cpu") && has("TM", 32))
+    (key.name.starts_with("matmul_cpu") && has("TM", 16))
         || (key.name.starts_with("attention") && has("R", 2))
 }
 

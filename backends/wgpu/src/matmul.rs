@@ -298,24 +298,36 @@ fn smaller_blocks(v: MatmulVariant) -> impl Iterator<Item = MatmulVariant> {
 }
 
 /// The block a launch runs when `best` is the plan's: `best` unless it is a block that
-/// takes seconds to build (32 rows and up) and a compile worker is still building it;
-/// then the largest smaller block of 16 rows or more already built, else 16 x 8, which
-/// `prepare` builds ahead (and which builds in under a second where it is missing). Launches switch to `best` once it is built.
+/// takes seconds to build and first run (16 rows and up: its machine code, compiled at
+/// the first run on lavapipe's queue thread, is primed on another device meanwhile,
+/// `primer.rs`) and a compile worker is still on it; then the largest smaller block of
+/// 16 rows or more that is ready, else 8 x 4 ([`QUICK`]), which `prepare` builds
+/// ahead and which compiles in a fraction of a second. Launches switch to `best` once
+/// it is built. Every block gives the same bits ([`plan`]'s K split).
 pub fn stand_in(best: MatmulVariant, state: impl Fn(MatmulVariant) -> Readiness) -> MatmulVariant {
-    let slow = matches!(best, MatmulVariant::Cpu { tm, .. } if tm >= 32);
-    if !slow || state(best) != Readiness::Building {
+    if !slow(best) || state(best) != Readiness::Building {
         return best;
     }
-    // Blocks under 16 rows run the big products several times slower: 16 x 8 (built
-    // ahead by `prepare`, or in under a second here) is better than those.
+    // Blocks under 16 rows run the big products several times slower: a built 16 x 8
+    // or larger is better while there is one.
     smaller_blocks(best)
         .filter(|&v| matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= 16))
         .find(|&v| state(v) == Readiness::Ready)
-        .unwrap_or(STAND_IN)
+        .unwrap_or(QUICK)
 }
 
-/// The block that stands in for a slow-to-build one when no other is built: the
-/// fastest of those that build in under a second on lavapipe.
+/// Whether `v` takes seconds to build and first run on lavapipe (0.4 s of IR and 1-2 s
+/// of machine code at 16 x 8 on a cold cache, 2 s and 7 s at 32 x 12, 11 s and 25 s at
+/// 64 x 16), so that a launch runs a stand-in while it is built and primed.
+pub(crate) fn slow(v: MatmulVariant) -> bool {
+    matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= 16)
+}
+
+/// The block that stands in when no block of 16 rows or more is ready: 8 rows, whose
+/// code compiles in a fraction of a second.
+pub(crate) const QUICK: MatmulVariant = MatmulVariant::Cpu { tm: 8, nv: 1 };
+
+/// The stand-in a 32- or 64-row block gets once it is primed itself.
 const STAND_IN: MatmulVariant = MatmulVariant::Cpu { tm: 16, nv: 2 };
 
 /// The table's register block for `mm` on a CPU-class adapter.
@@ -888,9 +900,17 @@ pub(crate) trait LowerMatmul: Recorder {
         }
         let view = View::whole(mm);
         if let MatmulVariant::Cpu { tm, .. } = best.variant {
+            // The stand-ins these blocks get while they build are built ahead too: 8 rows
+            // at once, 16 rows (primed itself) for the bigger blocks.
+            let mut ahead = vec![];
+            if tm >= 16 {
+                ahead.push(QUICK);
+            }
             if tm >= 32 {
-                // The stand-in these blocks get while they build is built ahead too.
-                let mut p = plan(mm, self.caps(), Some(STAND_IN))?;
+                ahead.push(STAND_IN);
+            }
+            for v in ahead {
+                let mut p = plan(mm, self.caps(), Some(v))?;
                 p.partial |= self.needs_partials(mm, &p, &view);
                 let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
                 self.want_ahead(s, d);
@@ -1160,7 +1180,7 @@ mod tests {
         // Not prepared: it builds on the spot, as without `prepare`.
         assert_eq!(stand_in(B64, states(&[])), B64);
         // Quick to build: waiting for it costs less than building another.
-        assert_eq!(stand_in(B16, states(&[(B16, Building)])), B16);
+        assert_eq!(stand_in(B8, states(&[(B8, Building)])), B8);
         let gemv = MatmulVariant::Gemv { lanes: 64 };
         assert_eq!(stand_in(gemv, states(&[(gemv, Building)])), gemv);
     }
@@ -1170,12 +1190,19 @@ mod tests {
         use Readiness::*;
         let s = [(B64, Building), (B32, Ready), (B16, Ready)];
         assert_eq!(stand_in(B64, states(&s)), B32);
-        // Blocks under 16 rows are too slow to stand in: 16 x 8 is built instead.
-        let s = [(B64, Building), (B32, Building), (B8, Ready)];
+        let s = [(B64, Building), (B32, Building), (B16, Ready), (B8, Ready)];
         assert_eq!(stand_in(B64, states(&s)), B16);
-        // None ready: 16 x 8, built on the spot (or waited for: it builds in < 1 s).
-        assert_eq!(stand_in(B64, states(&[(B64, Building)])), B16);
-        assert_eq!(stand_in(B32, states(&[(B32, Building), (B64, Ready)])), B16);
+        // None of 16 rows or more ready: 8 x 4, quick to build and first run.
+        let s = [
+            (B64, Building),
+            (B32, Building),
+            (B16, Building),
+            (B8, Ready),
+        ];
+        assert_eq!(stand_in(B64, states(&s)), B8);
+        assert_eq!(stand_in(B64, states(&[(B64, Building)])), B8);
+        assert_eq!(stand_in(B32, states(&[(B32, Building), (B64, Ready)])), B8);
+        assert_eq!(stand_in(B16, states(&[(B16, Building)])), B8);
         // Once built, the launch switches back.
         assert_eq!(stand_in(B64, states(&[(B64, Ready), (B32, Ready)])), B64);
     }
