@@ -302,6 +302,25 @@ fn slow_block(key: &PipelineKey) -> bool {
         || (key.name.starts_with("attention") && has("R", 2))
 }
 
+/// Where a pipeline goes in the compile queue: 0 for the step's own, then the slow
+/// ones (see [`slow_block`]) from the quickest to build and first run: 16-row GEMM
+/// blocks, attention passes, 32-row and 64-row blocks.
+fn slow_rank(key: &PipelineKey) -> u32 {
+    if !slow_block(key) {
+        return 0;
+    }
+    let tm = key
+        .consts
+        .iter()
+        .find(|&&(c, _)| c == "TM")
+        .map(|&(_, v)| v);
+    match tm {
+        Some(16) => 1,
+        None => 2,
+        Some(tm) => 2 + tm / 32,
+    }
+}
+
 fn compile_log() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
@@ -756,7 +775,9 @@ impl WgpuDevice {
         let mut jobs = jobs;
         let threads = compile_threads().min(jobs.len()).max(1);
         if stand_ins {
-            jobs.sort_by_key(|j| slow_block(&j.key));
+            // The slow ones last, cheapest first: a 16-row block is the stand-in of the
+            // bigger ones and takes a second or two, a 64-row one half a minute.
+            jobs.sort_by_key(|j| slow_rank(&j.key));
         }
         let queue = Arc::new(Mutex::new(jobs));
         {
