@@ -13,7 +13,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use kiln::engine::{DType, Device, Kernel};
+use kiln::engine::{Device, Kernel};
 use kiln::wgpu::{find_adapter, plan_matmul, DeviceOptions, MatmulVariant, WgpuDevice};
 
 fn scratch(name: &str) -> PathBuf {
@@ -92,52 +92,11 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_the_device_c
     // Fused attention with several rows per lane (4 at d = 64 on lavapipe): while the
     // primer is held, launches run one row per lane, with the same bits as the planned
     // passes once these have first run on the primer.
-    let attention = |dev: &WgpuDevice| -> (Vec<Kernel>, Vec<kiln::engine::Buffer>) {
-        let (heads, seq, dim) = (3, 37, 64);
-        let n = heads * seq * dim;
-        let [q, k, v, dout] = [11, 12, 13, 14].map(|seed| put(dev, &finite(DType::F32, n, seed)));
-        let out = dev.alloc(DType::F32, n).unwrap();
-        let lse = dev.alloc(DType::F32, heads * seq).unwrap();
-        let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, n).unwrap());
-        let (scale, causal) = (0.125, true);
-        let kernels = vec![
-            Kernel::Attention {
-                q,
-                k,
-                v,
-                out,
-                lse,
-                batch_heads: heads,
-                group: 1,
-                seq,
-                dim,
-                scale,
-                causal,
-            },
-            Kernel::AttentionBackward {
-                q,
-                k,
-                v,
-                out,
-                dout,
-                lse,
-                dq,
-                dk,
-                dv,
-                batch_heads: heads,
-                group: 1,
-                seq,
-                dim,
-                scale,
-                causal,
-            },
-        ];
-        (kernels, vec![out, lse, dq, dk, dv])
-    };
     let fetch = |dev: &WgpuDevice, outs: &[kiln::engine::Buffer]| -> Vec<kiln::engine::HostData> {
         outs.iter().map(|&b| dev.download(b).unwrap()).collect()
     };
-    let (kernels, outs) = attention(&dev);
+    let (fwd, bwd, outs) = causal_attention(&dev, (3, 37, 64));
+    let kernels = [fwd, bwd];
     let primed_before = dev.primed_pipelines();
     let stand_ins_before = dev.stand_in_launches();
     dev.hold_primer(true);
@@ -174,8 +133,8 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_the_device_c
         before_planned,
         "the planned passes' first run compiled them again"
     );
-    let (plain_kernels, plain_outs) = attention(&plain);
-    for k in &plain_kernels {
+    let (plain_fwd, plain_bwd, plain_outs) = causal_attention(&plain, (3, 37, 64));
+    for k in [&plain_fwd, &plain_bwd] {
         plain.launch(k).unwrap();
     }
     let unprimed = fetch(&plain, &plain_outs);

@@ -11,7 +11,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
-use kiln::engine::{DType, Device, Kernel};
+use kiln::engine::{Device, Kernel};
 use kiln::vulkan::{GemmRoute, VkDevice};
 use kiln::wgpu::DeviceOptions;
 
@@ -102,7 +102,8 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     // The fused attention's passes with 8 rows per lane, forward and backward: one
     // row per lane stands in until the primer has run them.
     dev.hold_primer(true);
-    let (fwd, bwd, outs) = attention(&dev);
+    // 2 heads of 40 rows at d 32: the shape lavapipe's plan gives 8 rows per lane.
+    let (fwd, bwd, outs) = causal_attention(&dev, (2, 40, 32));
     dev.launch(&fwd).unwrap();
     dev.launch(&bwd).unwrap();
     let stood_in: Vec<_> = outs.iter().map(|&b| dev.download(b).unwrap()).collect();
@@ -132,47 +133,4 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
         assert_bits_eq(&format!("attention output {i}: stand-in vs primed"), a, b);
     }
     std::fs::remove_dir_all(&mesa).ok();
-}
-
-/// A causal attention forward and its backward (f32, 2 heads of 40 rows, d 32: the
-/// shape lavapipe's plan gives 8 rows per lane), and their outputs.
-fn attention(dev: &dyn Device) -> (Kernel, Kernel, Vec<kiln::engine::Buffer>) {
-    let (heads, seq, dim) = (2, 40, 32);
-    let len = heads * seq * dim;
-    let [q, k, v, dout] = [1, 2, 3, 4].map(|seed| put(dev, &finite(DType::F32, len, seed)));
-    let out = dev.alloc(DType::F32, len).unwrap();
-    let lse = dev.alloc(DType::F32, heads * seq).unwrap();
-    let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, len).unwrap());
-    let scale = 1.0 / (dim as f32).sqrt();
-    let fwd = Kernel::Attention {
-        q,
-        k,
-        v,
-        out,
-        lse,
-        batch_heads: heads,
-        group: 1,
-        seq,
-        dim,
-        scale,
-        causal: true,
-    };
-    let bwd = Kernel::AttentionBackward {
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        dq,
-        dk,
-        dv,
-        batch_heads: heads,
-        group: 1,
-        seq,
-        dim,
-        scale,
-        causal: true,
-    };
-    (fwd, bwd, vec![out, lse, dq, dk, dv])
 }

@@ -530,3 +530,49 @@ pub fn f32_gemm(dev: &dyn Device, (m, n, k): (usize, usize, usize)) -> (Kernel, 
         c,
     )
 }
+
+/// A causal f32 attention forward and its backward over `heads` heads of `seq` rows of
+/// `dim` (inputs from seeds 1-4, scale 1/sqrt(dim)), and their outputs: out, lse, dq,
+/// dk, dv.
+pub fn causal_attention(
+    dev: &dyn Device,
+    (heads, seq, dim): (usize, usize, usize),
+) -> (Kernel, Kernel, Vec<Buffer>) {
+    let len = heads * seq * dim;
+    let [q, k, v, dout] = [1, 2, 3, 4].map(|seed| put(dev, &finite(DType::F32, len, seed)));
+    let out = dev.alloc(DType::F32, len).unwrap();
+    let lse = dev.alloc(DType::F32, heads * seq).unwrap();
+    let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, len).unwrap());
+    let (scale, causal, group) = (1.0 / (dim as f32).sqrt(), true, 1);
+    let fwd = Kernel::Attention {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        batch_heads: heads,
+        group,
+        seq,
+        dim,
+        scale,
+        causal,
+    };
+    let bwd = Kernel::AttentionBackward {
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dq,
+        dk,
+        dv,
+        batch_heads: heads,
+        group,
+        seq,
+        dim,
+        scale,
+        causal,
+    };
+    (fwd, bwd, vec![out, lse, dq, dk, dv])
+}
