@@ -298,7 +298,7 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
 fn slow_block(key: &PipelineKey) -> bool {
     let has =
         |name: &str, at_least: u32| key.consts.iter().any(|&(c, v)| c == name && v >= at_least);
-    (key.name.starts_with("matmul_cpu") && has("TM", 16))
+    (key.name.starts_with("matmul_cpu") && has("TM", crate::matmul::SLOW_ROWS))
         || (key.name.starts_with("attention") && has("R", 2))
 }
 

@@ -327,9 +327,12 @@ pub fn stand_in(best: MatmulVariant, state: impl Fn(MatmulVariant) -> Readiness)
 /// Whether `v` takes seconds to build and first run on lavapipe (0.4 s of IR and 1-2 s
 /// of machine code at 16 x 8 on a cold cache, 2 s and 7 s at 32 x 12, 11 s and 25 s at
 /// 64 x 16), so that a launch runs a stand-in while it is built and primed.
-pub(crate) fn slow(v: MatmulVariant) -> bool {
-    matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= 16)
+fn slow(v: MatmulVariant) -> bool {
+    matches!(v, MatmulVariant::Cpu { tm, .. } if tm >= SLOW_ROWS)
 }
+
+/// The rows from which a CPU block is [`slow`] (the compile queue reads it too).
+pub(crate) const SLOW_ROWS: u32 = 16;
 
 /// The block that stands in when no block of 16 rows or more is ready: 8 rows, whose
 /// code compiles in a fraction of a second.
