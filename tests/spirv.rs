@@ -217,39 +217,67 @@ fn values(dtype: DType, len: usize, rng: &mut Rng) -> HostData {
     HostData::from_f32(dtype, &v)
 }
 
-#[test]
-fn spirv_gemm_matches_an_f64_reference_over_awkward_shapes() {
-    let index = find_adapter("vulkan").expect("a Vulkan adapter (lavapipe: mesa-vulkan-drivers)");
-    let gemm = SpirvMatmul::open(index).unwrap();
-    // (batch, m, n, k, alpha, beta): ones, primes, shapes off the tiles (16 or 64 rows
-    // x 64 or 128 columns) and the 8-step K chunk, N a multiple of 4 (B read as vec4s
-    // when not transposed) and not, a batch with the epilogue, one exact small tile.
-    let shapes = [
-        (1, 1, 1, 1, 1.0, 0.0),
-        (1, 7, 13, 5, 1.0, 0.0),
-        (1, 5, 12, 7, 1.0, 0.0),
-        (1, 33, 17, 29, 1.0, 0.0),
-        (2, 70, 132, 65, 0.5, 0.25),
-        (1, 16, 64, 8, 1.0, 0.0),
-        (3, 1, 5, 9, -1.0, 1.0),
-    ];
-    let mut rng = Rng::new(7);
+// (batch, m, n, k, alpha, beta): ones, primes, shapes off the tiles (16 or 64 rows x 64 or
+// 128 columns) and the 8-step K chunk, N a multiple of 4 (B read as vec4s when not
+// transposed) and not, a batch with the epilogue, one exact small tile.
+const AWKWARD: [(usize, usize, usize, usize, f32, f32); 7] = [
+    (1, 1, 1, 1, 1.0, 0.0),
+    (1, 7, 13, 5, 1.0, 0.0),
+    (1, 5, 12, 7, 1.0, 0.0),
+    (1, 33, 17, 29, 1.0, 0.0),
+    (2, 70, 132, 65, 0.5, 0.25),
+    (1, 16, 64, 8, 1.0, 0.0),
+    (3, 1, 5, 9, -1.0, 1.0),
+];
+
+/// The small tile in `dtype` over every transpose and awkward shape. One test per dtype
+/// (and one for the large tile) so that libtest compiles their modules on both cores.
+fn small_tile_matches_the_reference(dtype: DType, seed: u64) {
     let ops = [(false, false), (false, true), (true, false), (true, true)];
     let mut cases = vec![];
-    for dtype in [DType::F32, DType::F16] {
-        for (ta, tb) in ops {
-            for &shape in &shapes {
-                cases.push((SpirvTile::Small, dtype, ta, tb, shape));
-            }
+    for (ta, tb) in ops {
+        for &shape in &AWKWARD {
+            cases.push((SpirvTile::Small, dtype, ta, tb, shape));
         }
     }
-    // A large tile's module takes lavapipe half a minute to compile: the one the
-    // benchmark runs (f32, B as vec4s) on shapes off that tile; the transposes and f16
-    // differ from it only in the load functions the small tile covers.
-    for shape in [shapes[3], shapes[4]] {
-        cases.push((SpirvTile::Large, DType::F32, false, false, shape));
-    }
-    for (tile, dtype, ta, tb, (batch, m, n, k, alpha, beta)) in cases {
+    gemm_matches_the_reference(&cases, seed);
+}
+
+#[test]
+fn spirv_gemm_matches_an_f64_reference_over_awkward_shapes_in_f32() {
+    small_tile_matches_the_reference(DType::F32, 7);
+}
+
+#[test]
+fn spirv_gemm_matches_an_f64_reference_over_awkward_shapes_in_f16() {
+    small_tile_matches_the_reference(DType::F16, 8);
+}
+
+/// A large tile's module takes lavapipe half a minute to compile: the one the benchmark
+/// runs (f32, B as vec4s) on shapes off that tile; the transposes and f16 differ from it
+/// only in the load functions the small tile covers.
+#[test]
+fn the_large_spirv_tile_matches_an_f64_reference_off_its_tile() {
+    let cases: Vec<_> = [AWKWARD[3], AWKWARD[4]]
+        .into_iter()
+        .map(|shape| (SpirvTile::Large, DType::F32, false, false, shape))
+        .collect();
+    gemm_matches_the_reference(&cases, 9);
+}
+
+type GemmCase = (
+    SpirvTile,
+    DType,
+    bool,
+    bool,
+    (usize, usize, usize, usize, f32, f32),
+);
+
+fn gemm_matches_the_reference(cases: &[GemmCase], seed: u64) {
+    let index = find_adapter("vulkan").expect("a Vulkan adapter (lavapipe: mesa-vulkan-drivers)");
+    let gemm = SpirvMatmul::open(index).unwrap();
+    let mut rng = Rng::new(seed);
+    for &(tile, dtype, ta, tb, (batch, m, n, k, alpha, beta)) in cases {
         let g = SpirvGemm {
             batch,
             m,
