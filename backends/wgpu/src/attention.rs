@@ -306,7 +306,7 @@ pub(crate) trait LowerAttention: Recorder {
         dim: usize,
         l: &AttentionLaunch,
     ) -> Dispatch {
-        let consts = vec![
+        let mut consts = vec![
             ("SG", plan.sg),
             ("WG", plan.wg),
             ("R", plan.rows),
@@ -314,6 +314,15 @@ pub(crate) trait LowerAttention: Recorder {
             ("D4", dim.div_ceil(4) as u32),
             ("VEC", dim.is_multiple_of(4) as u32),
         ];
+        if !plan.shared {
+            // Column groups as a loop past head dim 32 (`shader::unroll`). Without
+            // sharing, every lane loads each block row from memory anyway, so the loop
+            // costs little: llvmpipe through GL at d = 64, f16, T = 129 / 512, 8.5 / 86.9
+            // ms against 10.8 / 79.1 unrolled, while its compile went from 88 to 6 s
+            // (d = 128 bf16: 292 to 29 s). Unrolled, d = 128 is SG x D4 x R = 256+ copies
+            // of the block body, which NVIDIA's compiler refused (benches/RESULTS.md).
+            consts.push(("UNROLL_MAX", 8));
+        }
         let [fwd, dq, dkv] = kernels(plan.shared);
         let kernel = match l.pass {
             AttentionPass::Forward => fwd,

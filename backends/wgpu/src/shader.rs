@@ -793,6 +793,11 @@ pub fn assemble(kernel: &KernelSource, reprs: &[Repr], consts: &[(&str, u32)]) -
 /// directive ends in `{`) is repeated COUNT times with `{VAR}` replaced by 0, 1, ….
 /// COUNT is a number or a name from `consts`. Fully unrolled register blocks are what
 /// make register tiling work on compilers (like llvmpipe's) that will not unroll them.
+///
+/// A kernel built with the constant `UNROLL_MAX` gets a `for` loop instead wherever
+/// COUNT is above it (`{VAR}u` read from the loop's counter): nested blocks multiply, and
+/// a body repeated hundreds of times costs minutes of LLVM compile time and is refused by
+/// some GPU compilers (attention at head dim 128, `attention.rs`).
 pub fn unroll(text: &str, consts: &[(&str, u32)]) -> String {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = String::new();
@@ -843,6 +848,23 @@ fn statement(lines: &[&str], i: usize, consts: &[(&str, u32)]) -> (String, usize
     };
     let mut out = String::new();
     let key = format!("{{{var}}}");
+    let limit = consts.iter().find(|(n, _)| *n == "UNROLL_MAX").map(|c| c.1);
+    if limit.is_some_and(|max| count > max) {
+        // Over the kernel's limit: one loop, `{VAR}u` read from its counter.
+        let counter = format!("{var}_i");
+        let body = body.replace(&format!("{key}u"), &counter);
+        assert!(
+            !body.contains(&key),
+            "//@unroll {var} {count_word}: a block that may become a loop (the kernel sets \
+             UNROLL_MAX) must use `{key}` only as `{key}u`"
+        );
+        out.push_str(&format!(
+            "for (var {counter} = 0u; {counter} < {count}u; {counter}++) {{\n"
+        ));
+        out.push_str(&unroll(&body, consts));
+        out.push_str("}\n");
+        return (out, next);
+    }
     for v in 0..count {
         out.push_str(&unroll(&body.replace(&key, &v.to_string()), consts));
     }

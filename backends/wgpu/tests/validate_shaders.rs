@@ -59,8 +59,8 @@ const BASE: Capabilities = Capabilities::SHADER_FLOAT16_IN_FLOAT32;
 /// aligned and unaligned.
 fn const_sets(kernel: &shader::KernelSource) -> Vec<Vec<(&'static str, u32)>> {
     if kernel.name.starts_with("attention") {
-        // Head dims 64 (whole vec4 groups) and 6 (scalar loads, a partial group), with
-        // the register blocks the planner uses.
+        // Head dims 64 (whole vec4 groups), 6 (scalar loads, a partial group) and 128,
+        // with the register blocks the planner uses.
         vec![
             vec![
                 ("SG", 8),
@@ -77,6 +77,16 @@ fn const_sets(kernel: &shader::KernelSource) -> Vec<Vec<(&'static str, u32)>> {
                 ("DIM", 6),
                 ("D4", 2),
                 ("VEC", 0),
+            ],
+            // Without sharing at d = 128: the column groups as a loop.
+            vec![
+                ("SG", 8),
+                ("WG", 64),
+                ("R", 2),
+                ("DIM", 128),
+                ("D4", 32),
+                ("VEC", 1),
+                ("UNROLL_MAX", 8),
             ],
         ]
     } else if kernel.body.contains("//@unroll r TM") {
