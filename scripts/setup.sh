@@ -12,7 +12,7 @@ set -euo pipefail
 # .spv files are current); python3-pip: installs the newer spirv-val below;
 # vulkan-validationlayers: the Khronos validation layer, under which debug builds (the
 # tests) run the raw Vulkan backend, any error it reports failing the test
-# (KILN_VK_VALIDATION, README).
+# (KILN_VK_VALIDATION, docs/library.md).
 packages=(mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri
     libopenmpi-dev openmpi-bin libclang-dev spirv-tools glslang-tools python3-pip
     vulkan-validationlayers)
