@@ -248,7 +248,8 @@ impl Primer {
         blocks.state.insert(block, state);
     }
 
-    /// Blocks (GEMM blocks, attention kernels) the primer has run so far.
+    /// Blocks (GEMM blocks, attention kernels) the primer has run so far. (for the test hooks)
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     pub(crate) fn primed(&self) -> usize {
         let blocks = self.shared.lock();
         blocks
@@ -258,7 +259,8 @@ impl Primer {
             .count()
     }
 
-    /// Waits until no block is queued.
+    /// Waits until no block is queued. (for the test hooks)
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     pub(crate) fn wait_idle(&self) {
         let mut blocks = self.shared.lock();
         while blocks.state.values().any(|&p| p == Primed::Queued) {
