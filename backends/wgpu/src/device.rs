@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_engine::device::compiling;
 use kiln_engine::device::profile::{span, SpanKind};
-use kiln_engine::device::{check_upload, check_view, KernelTiming};
+use kiln_engine::device::{check_alloc, check_upload, check_view, KernelTiming};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
@@ -1467,31 +1467,7 @@ impl Device for WgpuDevice {
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
         self.call(|| {
-            // The kernels take element counts as 32-bit integers: a longer buffer would be
-            // processed only up to the wrapped count, silently.
-            if len > u32::MAX as usize {
-                return Err(Error::InvalidArgument(format!(
-                    "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
-                     elements; use smaller tensors (a smaller micro-batch, sequence or model \
-                     dimension)",
-                    self.caps.name,
-                    u32::MAX
-                )));
-            }
-            let bytes = dtype.padded_bytes(len);
-            let max = self.caps.max_buffer;
-            if bytes > max {
-                return Err(Error::OutOfMemory {
-                    device: self.caps.name.clone(),
-                    detail: format!(
-                        "{len} {dtype} elements need {bytes} bytes, over the adapter's largest \
-                         buffer of {max} bytes. For a model: a smaller micro-batch or sequence \
-                         (activations), or smaller model dimensions (parameters: the f32 master \
-                         weights of the largest tensor are one buffer); `kiln estimate` shows \
-                         which"
-                    ),
-                });
-            }
+            let bytes = check_alloc(&self.caps, dtype, len)?;
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
             let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: None,

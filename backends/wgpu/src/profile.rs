@@ -12,7 +12,7 @@
 use std::time::{Duration, Instant};
 
 use kiln_engine::device::cost::KernelCost;
-use kiln_engine::device::KernelTiming;
+use kiln_engine::device::{check_profile_begin, KernelTiming};
 use kiln_engine::{Error, Result};
 
 use crate::device::{State, WgpuDevice};
@@ -116,21 +116,8 @@ impl WgpuDevice {
     }
 
     pub(crate) fn begin_profile(&self) -> Result<()> {
-        if !self.caps.timestamp_queries {
-            return Err(Error::Unsupported {
-                device: self.caps.name.clone(),
-                what: "GPU timestamp queries, so its kernels cannot be timed: a profile \
-                       has host spans only"
-                    .to_string(),
-            });
-        }
         let mut s = self.lock();
-        if s.profiling.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "profile_begin on `{}` while a profile is already open: call profile_end first",
-                self.caps.name
-            )));
-        }
+        check_profile_begin(&self.caps, s.profiling.is_some())?;
         // Everything before the profiled stretch runs first, so it is not counted.
         self.flush(&mut s)?;
         drop(s);

@@ -185,6 +185,57 @@ impl Buffer {
     }
 }
 
+/// Checks an allocation of `len` elements of `dtype` against what a GPU backend can
+/// hold: element counts within the kernels' 32-bit indices, and bytes within the
+/// device's largest buffer (`caps.max_buffer`). Returns the bytes to allocate.
+pub fn check_alloc(caps: &Capabilities, dtype: DType, len: usize) -> Result<u64> {
+    // The kernels take element counts as 32-bit integers: a longer buffer would be
+    // processed only up to the wrapped count, silently.
+    if len > u32::MAX as usize {
+        return Err(crate::Error::InvalidArgument(format!(
+            "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
+             elements; use smaller tensors (a smaller micro-batch, sequence or model \
+             dimension)",
+            caps.name,
+            u32::MAX
+        )));
+    }
+    let bytes = dtype.padded_bytes(len);
+    let max = caps.max_buffer;
+    if bytes > max {
+        return Err(crate::Error::OutOfMemory {
+            device: caps.name.clone(),
+            detail: format!(
+                "{len} {dtype} elements need {bytes} bytes, over the device's largest \
+                 buffer of {max} bytes. For a model: a smaller micro-batch or sequence \
+                 (activations), or smaller model dimensions (parameters: the f32 master \
+                 weights of the largest tensor are one buffer); `kiln estimate` shows which"
+            ),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Checks that a GPU backend can open a profile: the device has timestamp queries and
+/// no profile is open (`open`).
+pub fn check_profile_begin(caps: &Capabilities, open: bool) -> Result<()> {
+    if !caps.timestamp_queries {
+        return Err(crate::Error::Unsupported {
+            device: caps.name.clone(),
+            what: "GPU timestamp queries, so its kernels cannot be timed: a profile has host \
+                   spans only"
+                .to_string(),
+        });
+    }
+    if open {
+        return Err(crate::Error::InvalidArgument(format!(
+            "profile_begin on `{}` while a profile is already open: call profile_end first",
+            caps.name
+        )));
+    }
+    Ok(())
+}
+
 /// Checks that host data fits a buffer exactly.
 pub fn check_upload(buf: Buffer, data: &HostData) -> Result<()> {
     if data.dtype() != buf.dtype {

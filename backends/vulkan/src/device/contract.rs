@@ -8,28 +8,7 @@ impl Device for VkDevice {
     }
 
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
-        // The kernels take element counts as 32-bit integers.
-        if len > u32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "a buffer of {len} {dtype} elements on `{}`: the kernels index at most {} \
-                 elements; use smaller tensors (a smaller micro-batch, sequence or model \
-                 dimension)",
-                self.caps.name,
-                u32::MAX
-            )));
-        }
-        let bytes = dtype.padded_bytes(len);
-        let max = self.caps.max_buffer;
-        if bytes > max {
-            return Err(Error::OutOfMemory {
-                device: self.caps.name.clone(),
-                detail: format!(
-                    "{len} {dtype} elements need {bytes} bytes, over the device's largest \
-                     buffer of {max} bytes: use a smaller micro-batch or sequence, or smaller \
-                     model dimensions; `kiln estimate` shows which"
-                ),
-            });
-        }
+        let bytes = check_alloc(&self.caps, dtype, len)?;
         let mut s = self.lock();
         // Downloads may copy it on the transfer queue.
         let mem = self.make_shared(
@@ -375,21 +354,8 @@ impl Device for VkDevice {
     }
 
     fn profile_begin(&self) -> Result<()> {
-        if !self.caps.timestamp_queries {
-            return Err(Error::Unsupported {
-                device: self.caps.name.clone(),
-                what: "timestamps on its compute queue, so its kernels cannot be timed: a \
-                       profile has host spans only"
-                    .to_string(),
-            });
-        }
         let mut s = self.lock();
-        if s.profiling.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "profile_begin on `{}` while a profile is already open: call profile_end first",
-                self.caps.name
-            )));
-        }
+        check_profile_begin(&self.caps, s.profiling.is_some())?;
         // Everything before the profiled stretch runs first, so it is not counted.
         self.flush(&mut s)?;
         drop(s);

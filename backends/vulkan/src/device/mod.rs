@@ -31,7 +31,9 @@ use gpu_allocator::MemoryLocation;
 use kiln_engine::device::compiling;
 use kiln_engine::device::cost::KernelCost;
 use kiln_engine::device::profile::{span, SpanKind};
-use kiln_engine::device::{check_upload, check_view, KernelTiming};
+use kiln_engine::device::{
+    check_alloc, check_profile_begin, check_upload, check_view, KernelTiming,
+};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
