@@ -2,12 +2,12 @@
 //! SPIR-V): one module per pass, specialized per launch shape.
 //!
 //! The launches themselves (bands of row blocks, parameters, the delta scratch) are
-//! the WGSL kernels' ([`kiln_wgpu::attention_launches`]), and so is the register-block
-//! shape ([`kiln_wgpu::plan_attention`]), so both backends walk the same blocks in the
+//! the WGSL kernels' ([`kiln_lowering::attention_launches`]), and so is the register-block
+//! shape ([`kiln_lowering::plan_attention`]), so both backends walk the same blocks in the
 //! same order; only the kernel that runs each dispatch differs.
 
 use kiln_engine::{Buffer, Capabilities};
-use kiln_wgpu::{plan_attention, AttentionPass, AttentionPlan};
+use kiln_lowering::{plan_attention, AttentionPass, AttentionPlan};
 
 use crate::gemm::storage_code;
 

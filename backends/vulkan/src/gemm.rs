@@ -4,8 +4,8 @@
 //! translated by naga — decided here only, with the reason.
 //!
 //! The SPIR-V kernel is the twin of the WGSL CPU-class register-block kernel, so it
-//! runs exactly where kiln-wgpu's GEMM planner (`plan_matmul`) picks that kernel, with
-//! the planner's tile shape. On vk the shape is passed as specialization constants
+//! runs exactly where the shared GEMM planner (`kiln_lowering::plan_matmul`) picks that
+//! kernel, with the planner's tile shape. On vk the shape is passed as specialization constants
 //! (`constant_id` 1 and 2), so one module per storage type and transpose serves every
 //! shape the planner picks, where wgpu's passthrough needs a module per shape.
 //!
@@ -14,7 +14,7 @@
 //! workgroup limits; one module each serves every shape, transpose and storage type.
 
 use kiln_engine::{Capabilities, DType, Matmul};
-use kiln_wgpu::{plan_matmul, MatmulVariant};
+use kiln_lowering::{plan_matmul, MatmulVariant};
 
 /// Lanes of one workgroup of matmul_cpu.comp (its `SG`): the subgroup its shuffles
 /// share values across, so the device's subgroups must hold exactly this many.
@@ -326,7 +326,7 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
     };
     // A 16-bit C without 16-bit storage goes through the partials too (`route_gpu`).
     let partial_c = gpu.is_some() && !caps.f16_arithmetic && mm.c.dtype != DType::F32;
-    let partials = kiln_wgpu::split_partial_bytes(mm, &plan);
+    let partials = kiln_lowering::split_partial_bytes(mm, &plan);
     if (plan.splits > 1 || partial_c) && partials > caps.max_storage_binding {
         return naga(format!(
             "{partials} bytes of f32 partials for {} K split(s), over the {}-byte binding \
@@ -434,7 +434,7 @@ fn route_gpu(
     dev: GemmDevice,
     kernel: GpuKernel,
     storage: [DType; 4],
-    plan: &kiln_wgpu::MatmulPlan,
+    plan: &kiln_lowering::MatmulPlan,
     packed: bool,
 ) -> GemmRoute {
     // 16-byte loads need every 4-group of the contiguous dimension to start 4 values

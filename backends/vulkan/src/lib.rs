@@ -2,8 +2,8 @@
 //! the wgpu backend, with Vulkan's own memory (gpu-allocator), push descriptors,
 //! timeline semaphores and a pipeline cache. Its kernels are the WGSL sources in
 //! `shaders/`, assembled per launch exactly as for wgpu and translated to SPIR-V by
-//! naga, and the kernel -> dispatch lowering is the wgpu backend's
-//! ([`kiln_wgpu::lower`]), so both backends run one op set from one source.
+//! naga, and the kernel -> dispatch lowering is the one `kiln-lowering` holds for both
+//! backends ([`kiln_lowering::record_kernel`]), so both run one op set from one source.
 //!
 //! Devices are named `vk:N` (the N-th Vulkan physical device, deduplicated by its
 //! device UUID), beside wgpu's `vulkan:N`, so the two host APIs can be compared on

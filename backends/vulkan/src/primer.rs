@@ -7,7 +7,7 @@
 //! it waits. So a worker thread opens a device of its own on the same physical device,
 //! opened alike (the driver must see the same shader), and runs each such kernel
 //! there once on small operands; meanwhile the training device runs a stand-in (a
-//! smaller GEMM block, `kiln_wgpu::gemm_stand_in`; attention with one row per lane),
+//! smaller GEMM block, `kiln_lowering::gemm_stand_in`; attention with one row per lane),
 //! which sums every output in the same order (a causal stand-in also skips key blocks
 //! wholly past its rows, which only add exact zeros), so not a bit changes. Once primed, the kernel's first run on the training device finds its
 //! machine code in the cache.
@@ -16,11 +16,21 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use kiln_engine::DType;
-use kiln_wgpu::{AttentionPlan, DeviceOptions};
+use kiln_lowering::{AttentionPlan, DeviceOptions};
 
-use crate::device::compile_log;
 use crate::gemm::SpirvGemmPlan;
-use crate::VkDevice;
+use kiln_engine::device::compiling::log_enabled as compile_log;
+
+/// The device the worker runs blocks on: `vk:index` opened without a primer of its
+/// own (the device module implements it, so this file need not know the device).
+pub(crate) trait PrimeOn: Send {
+    /// Runs `job`'s block once, so that the driver's cache holds its machine code.
+    fn run_once(&self, job: &Job) -> kiln_engine::Result<()>;
+}
+
+/// Opens the worker's device for `vk:index` with the options.
+pub(crate) type OpenPrimeDevice =
+    fn(usize, &DeviceOptions) -> kiln_engine::Result<Box<dyn PrimeOn>>;
 
 /// Where a block's priming stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +84,7 @@ impl Block {
 #[derive(Default)]
 struct Blocks {
     state: HashMap<Block, Primed>,
-    /// Tests hold the worker to see the stand-in run ([`VkDevice::hold_primer`]).
+    /// Tests hold the worker to see the stand-in run (`VkDevice::hold_primer`).
     held: bool,
     /// Its last device is gone: blocks still queued are dropped, not compiled.
     closing: bool,
@@ -119,7 +129,11 @@ type PrimerKey = (usize, bool);
 impl Primer {
     /// The primer of `vk:index` opened with `options`: a live one shared, else a new
     /// one started.
-    pub(crate) fn shared(index: usize, options: &DeviceOptions) -> Arc<Primer> {
+    pub(crate) fn shared(
+        index: usize,
+        options: &DeviceOptions,
+        open: OpenPrimeDevice,
+    ) -> Arc<Primer> {
         let key = (index, options.disable_f16);
         let mut primers = PRIMERS.lock().unwrap_or_else(|e| e.into_inner());
         primers.retain(|(_, p)| p.strong_count() > 0);
@@ -130,14 +144,14 @@ impl Primer {
         {
             return p;
         }
-        let p = Arc::new(Primer::start(index, options));
+        let p = Arc::new(Primer::start(index, options, open));
         primers.push((key, Arc::downgrade(&p)));
         p
     }
 
     /// Starts the worker; it opens `vk:index` with `options` (without a primer of its
     /// own) at its first block, off the caller's thread.
-    fn start(index: usize, options: &DeviceOptions) -> Primer {
+    fn start(index: usize, options: &DeviceOptions, open: OpenPrimeDevice) -> Primer {
         let (tx, rx) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared::default());
         let worker = Arc::clone(&shared);
@@ -166,13 +180,12 @@ impl Primer {
                     blocks.busy = true;
                     drop(blocks);
                     let t0 = std::time::Instant::now();
-                    let device =
-                        device.get_or_insert_with(|| VkDevice::open_unprimed(index, &options));
+                    let device = device.get_or_insert_with(|| open(index, &options));
                     let result = match device {
                         // A panic there must not leave the block queued for ever
                         // (launches would run its stand-in, and waits never end).
                         Ok(d) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            d.prime(&job).map_err(|e| e.to_string())
+                            d.run_once(&job).map_err(|e| e.to_string())
                         }))
                         .unwrap_or_else(|_| Err("the primer panicked".into())),
                         Err(e) => Err(format!("could not open the primer's device: {e}")),

@@ -2,7 +2,7 @@
 //! naga for the capabilities this device has.
 
 use ash::vk;
-use kiln_wgpu::shader::{self, KernelSource, Repr};
+use kiln_lowering::shader::{self, KernelSource, Repr};
 use naga::back::spv::{self, Capability};
 
 use crate::instance::Features;

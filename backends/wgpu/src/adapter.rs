@@ -3,29 +3,7 @@
 use std::sync::OnceLock;
 
 use kiln_engine::{Capabilities, Error, Result};
-
-/// How to open a device.
-#[derive(Clone, Debug, Default)]
-pub struct DeviceOptions {
-    /// Use the packed-f16 kernels even if the adapter computes in f16 natively
-    /// (to test that path, or to work around a driver bug).
-    pub disable_f16: bool,
-    /// Open the device with this per-binding limit (`max_storage_buffer_binding_size`)
-    /// instead of the adapter's, when smaller: kernels that split operands over the
-    /// limit are tested this way with megabytes instead of gigabytes.
-    pub max_storage_binding: Option<u64>,
-    /// Open the device without GPU timestamp queries, as on an adapter that lacks them
-    /// (the profiler's host-only fallback is tested this way).
-    pub disable_timestamps: bool,
-    /// Keep compiled pipelines here across runs instead of in the user cache
-    /// directory (`$KILN_CACHE_DIR/pipelines`, else `~/.cache/kiln/pipelines`).
-    pub pipeline_cache_dir: Option<std::path::PathBuf>,
-    /// Compile every pipeline from source, reading and writing no pipeline cache.
-    pub no_pipeline_cache: bool,
-    /// Keep the planner's table of GEMM blocks instead of timing candidates at a
-    /// shape's first use (`KILN_GEMM_TUNE=0` does the same).
-    pub no_tune: bool,
-}
+use kiln_lowering::DeviceOptions;
 
 /// One adapter as `kiln devices` shows it.
 #[derive(Clone, Debug, serde::Serialize)]

@@ -8,26 +8,29 @@
 //! - launches are recorded into one open command encoder (the stream); their
 //!   parameters go into a uniform arena, bound with dynamic offsets and written once
 //!   per submit, so a step of N launches is one `queue.submit`, not N. How each kernel
-//!   becomes dispatches is in `launch.rs` (GEMMs in `matmul.rs`).
+//!   becomes dispatches is the shared lowering's (`kiln-lowering`; this file is its
+//!   `Recorder`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kiln_engine::device::compiling;
+use kiln_engine::device::compiling::{self, log_enabled as compile_log};
 use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::device::{check_alloc, check_upload, check_view, KernelTiming};
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
 
-use crate::adapter::{capabilities, raw_adapters, DeviceOptions};
-use crate::context::{self, Broken, ContextLock, Guarded};
-use crate::lower::{
-    band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
-    DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
+use kiln_lowering::pipeline_cache::mesa_cache_on;
+use kiln_lowering::shader::{self, Access, KernelSource, Repr};
+use kiln_lowering::{
+    band_partials_bytes, scratch_bytes, DeviceOptions, Dispatch, Readiness, Recorder,
+    BAND_PARTIALS_ID, DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
 };
-use crate::primer::{mesa_cache_on, Prime, Primer};
-use crate::shader::{self, Access, KernelSource, Repr};
+
+use crate::adapter::{capabilities, raw_adapters};
+use crate::context::{self, Broken, ContextLock, Guarded};
+use crate::primer::{Prime, Primer};
 
 /// Bytes of the largest launch parameters (`shaders/common/matmul_params.wgsl`).
 const PARAMS_MAX: u64 = shader::MATMUL_PARAMS_SIZE;
@@ -138,7 +141,7 @@ pub struct State {
     /// Begun downloads: the staging buffer and the submission that fills it.
     staged: HashMap<u64, (wgpu::Buffer, Option<wgpu::SubmissionIndex>)>,
     /// Timestamp queries of an open profile (`Device::profile_begin`).
-    pub(crate) profiling: Option<crate::profile::Profiling>,
+    pub(crate) profiling: Option<crate::timestamps::Profiling>,
     /// While [`Device::prepare`] looks for missing pipelines: dispatches are collected
     /// here instead of recorded.
     collect: Option<Vec<Wanted>>,
@@ -298,7 +301,7 @@ fn log_compile(what: &str, key: &PipelineKey, since: std::time::Instant) {
 fn slow_block(key: &PipelineKey) -> bool {
     let has =
         |name: &str, at_least: u32| key.consts.iter().any(|&(c, v)| c == name && v >= at_least);
-    (key.name.starts_with("matmul_cpu") && has("TM", crate::matmul::SLOW_ROWS))
+    (key.name.starts_with("matmul_cpu") && has("TM", kiln_lowering::SLOW_ROWS))
         || (key.name.starts_with("attention") && has("R", 2))
 }
 
@@ -319,11 +322,6 @@ fn slow_rank(key: &PipelineKey) -> u32 {
         None => 2,
         Some(tm) => 2 + tm / 32,
     }
-}
-
-fn compile_log() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
 }
 
 /// Worker threads that compile a plan's pipelines: one per core unless
@@ -689,7 +687,7 @@ impl WgpuDevice {
             result = k
                 .validate()
                 .and_then(|()| self.check_live(s, k.name(), &k.buffers()))
-                .and_then(|()| crate::lower::record_kernel(self, s, k));
+                .and_then(|()| kiln_lowering::record_kernel(self, s, k));
             if result.is_err() {
                 break;
             }
@@ -1218,10 +1216,10 @@ impl WgpuDevice {
     /// Records a launch, with timestamps around it when a profile is open.
     fn record_profiled(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
         let Some(before) = self.launch_queries_begin(s) else {
-            return crate::lower::record_kernel(self, s, kernel);
+            return kiln_lowering::record_kernel(self, s, kernel);
         };
         let _span = span("record", SpanKind::Record);
-        crate::lower::record_kernel(self, s, kernel)?;
+        kiln_lowering::record_kernel(self, s, kernel)?;
         self.launch_queries_end(s, before, kernel.cost());
         Ok(())
     }
@@ -1327,10 +1325,10 @@ impl Recorder for WgpuDevice {
         &self,
         s: &mut State,
         mm: &kiln_engine::Matmul,
-        best: &crate::matmul::MatmulPlan,
-        state: &dyn Fn(crate::matmul::MatmulVariant) -> Readiness,
-        ran: &dyn Fn(crate::matmul::MatmulVariant) -> bool,
-    ) -> Result<Option<crate::matmul::MatmulVariant>> {
+        best: &kiln_lowering::MatmulPlan,
+        state: &dyn Fn(kiln_lowering::MatmulVariant) -> Readiness,
+        ran: &dyn Fn(kiln_lowering::MatmulVariant) -> bool,
+    ) -> Result<Option<kiln_lowering::MatmulVariant>> {
         self.tune(s, mm, best, state, ran)
     }
 

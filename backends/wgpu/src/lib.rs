@@ -1,36 +1,28 @@
 //! Kiln's WebGPU backend: every adapter wgpu can reach (Vulkan, Metal, DX12, GL),
-//! running the hand-written WGSL kernels in `shaders/`.
+//! running the hand-written WGSL kernels in `shaders/` as `kiln-lowering` lowers them.
 
 mod adapter;
-mod attention;
 mod context;
 mod device;
-mod launch;
-pub mod lower;
-mod matmul;
+mod gemm_timing;
 mod peak;
-/// The on-disk pipeline cache file format and place, shared with the raw Vulkan backend.
-pub mod pipeline_cache;
+mod pinned_matmul;
+/// wgpu's pipeline cache kept on disk (`kiln_lowering::pipeline_cache`'s format).
+mod pipeline_cache;
 mod primer;
 mod profile;
-pub mod shader;
 mod spirv;
+mod timestamps;
 /// Measured GEMM block selection on CPU-class adapters (`KILN_GEMM_TUNE`).
 pub mod tune;
 
-pub use adapter::{adapters, find_adapter, AdapterSummary, DeviceOptions, NO_ADAPTER_HINT};
-pub use attention::{
-    geometry as attention_geometry, launches as attention_launches, plan as plan_attention,
-    AttentionLaunch, AttentionPass, AttentionPlan,
-};
+pub use adapter::{adapters, find_adapter, AdapterSummary, NO_ADAPTER_HINT};
 pub use device::WgpuDevice;
-pub use matmul::{
-    plan as plan_matmul, split_finish, split_partial_bytes, split_partials,
-    stand_in as gemm_stand_in, MatmulPlan, MatmulVariant,
+// The planners live in the shared lowering; named here too, as the wgpu backend's API
+// for benchmarks and tests that pin a kernel.
+pub use kiln_lowering::{
+    attention_geometry, attention_launches, plan_attention, plan_matmul, AttentionLaunch,
+    AttentionPass, AttentionPlan, DeviceOptions, MatmulPlan, MatmulVariant,
 };
 pub use peak::Peak;
-pub use primer::mesa_cache_on;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};
-
-/// A fingerprint of every kernel source in `shaders/` (pipeline caches are keyed by it).
-pub const SHADER_HASH: &str = env!("KILN_SHADER_HASH");

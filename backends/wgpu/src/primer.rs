@@ -35,17 +35,6 @@ pub(crate) struct Prime {
     pub constants: Vec<(&'static str, f64)>,
 }
 
-/// Whether Mesa keeps compiled shaders on disk (its default): without it a first run
-/// elsewhere leaves nothing behind, so nothing is primed.
-pub fn mesa_cache_on() -> bool {
-    let off = |name: &str| {
-        std::env::var(name)
-            .map(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true" | "yes"))
-            .unwrap_or(false)
-    };
-    !off("MESA_SHADER_CACHE_DISABLE") && !off("MESA_GLSL_CACHE_DISABLE")
-}
-
 impl Primer {
     /// Opens the second device with the training device's descriptor; `None` when the
     /// adapter refuses (priming only saves time, so training goes on without it).

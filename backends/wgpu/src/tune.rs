@@ -6,7 +6,7 @@
 //! Lavapipe's speed per block depends on the host CPU (its vector width and registers),
 //! which the adapter's name does not tell, so a table tuned on one host is wrong on
 //! another; measuring is what makes it right on each. It never changes results: every
-//! CPU block splits K alike and sums in the same order (`matmul::plan`), so the bits
+//! CPU block splits K alike and sums in the same order (`kiln_lowering::plan_matmul`), so the bits
 //! are the same whichever block wins.
 //!
 //! Bounded: only the prior and neighbours that are built already or build in under a
@@ -23,11 +23,9 @@ use std::path::PathBuf;
 
 use kiln_engine::{Matmul, Result};
 
-use crate::device::{State, WgpuDevice};
-use crate::lower::{Readiness, Recorder, PARTIALS_ID};
-use crate::matmul::{LowerMatmul, MatmulPlan, MatmulVariant, View, CPU_LADDER};
-use crate::pipeline_cache;
-use crate::shader::Repr;
+use kiln_lowering::pipeline_cache;
+use kiln_lowering::shader::Repr;
+use kiln_lowering::{MatmulVariant, Readiness};
 
 /// Seconds one device may spend timing candidates, compiles for them included.
 pub const BUDGET_S: f64 = 5.0;
@@ -181,9 +179,9 @@ fn note(what: String) {
 /// directory (`None`: no cache directory).
 pub(crate) fn file_for(
     info: &wgpu::AdapterInfo,
-    options: &crate::adapter::DeviceOptions,
+    options: &kiln_lowering::DeviceOptions,
 ) -> Option<(PathBuf, u64)> {
-    let key = pipeline_cache::key(info);
+    let key = crate::pipeline_cache::key(info);
     let dir = pipeline_cache::dir(options)?;
     Some((dir.join(format!("{key:016x}.gemm")), key))
 }
@@ -222,7 +220,7 @@ impl Tuner {
     /// runs where their file is whole and written for this key.
     pub(crate) fn open(
         info: &wgpu::AdapterInfo,
-        options: &crate::adapter::DeviceOptions,
+        options: &kiln_lowering::DeviceOptions,
         cpu_class: bool,
     ) -> Tuner {
         let enabled = cpu_class && !options.no_tune && enabled_by_env();
@@ -270,153 +268,30 @@ impl Tuner {
     }
 }
 
-impl WgpuDevice {
-    /// The block measured for `mm`'s shape class and stored types on this device (this
-    /// run, or remembered from an earlier one), `None` where none was: selection off,
-    /// the product too small to repay timing, or the budget spent. `kiln bench matmul`
-    /// names its selected row by it.
-    pub fn gemm_selected(&self, mm: &Matmul) -> Option<MatmulVariant> {
-        let reprs = [mm.a, mm.b, mm.c].map(|b| self.repr(b.dtype));
-        self.lock().tuner.winners.get(&class(mm, reprs)).copied()
-    }
-
-    /// Whether this device selects GEMM blocks by measurement (CPU-class adapters
-    /// unless `KILN_GEMM_TUNE=0` / `--no-tune`).
-    pub fn gemm_selection_on(&self) -> bool {
-        self.lock().tuner.enabled
-    }
-}
-
-impl WgpuDevice {
-    /// The block `mm` runs by measurement: remembered, or timed now (see the module
-    /// docs); `None` keeps the table's `best`.
-    pub(crate) fn tune(
-        &self,
-        s: &mut State,
-        mm: &Matmul,
-        best: &MatmulPlan,
-        state: &dyn Fn(MatmulVariant) -> Readiness,
-        ran: &dyn Fn(MatmulVariant) -> bool,
-    ) -> Result<Option<MatmulVariant>> {
-        if !s.tuner.enabled {
-            return Ok(None);
-        }
-        let reprs = [mm.a, mm.b, mm.c].map(|b| self.repr(b.dtype));
-        let cls = class(mm, reprs);
-        if let Some(&w) = s.tuner.winners.get(&cls) {
-            // A winner of an earlier run is used (and, in `prepare`, built ahead)
-            // unless it would wait for a slow build: then the table's block runs until
-            // it is built.
-            let usable = w == best.variant
-                || match state(w) {
-                    Readiness::Ready => true,
-                    Readiness::Absent => quick(w),
-                    Readiness::Building => false,
-                };
-            return Ok(usable.then_some(w));
-        }
-        if WgpuDevice::collecting(s) || s.profiling.is_some() {
-            return Ok(None);
-        }
-        let work = mm.m as u64 * mm.n as u64 * mm.k as u64 * mm.batch as u64;
-        let limit = self.caps.max_storage_binding;
-        let fits = mm.buffers().iter().all(|b| b.bytes() <= limit);
-        let left = BUDGET_S - s.tuner.spent_s;
-        if work < MIN_WORK || !fits || left <= 0.0 || state(best.variant) == Readiness::Building {
-            // Measured later, once the block is built (or never: too small to matter,
-            // too large for one binding, or the budget is spent).
-            return Ok(None);
-        }
-        if self.primes_big_blocks() {
-            let view = View::whole(mm);
-            let missing = to_build(best.variant, &CPU_LADDER, state);
-            for &v in &missing {
-                let mut p = crate::matmul::plan(mm, &self.caps, Some(v))?;
-                p.partial |= self.needs_partials(mm, &p, &view);
-                let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
-                self.build_in_background(s, d)?;
-            }
-            // Asked for now or earlier: measured at a launch after they are built.
-            if !missing.is_empty() || awaiting(best.variant, &CPU_LADDER, state) {
-                return Ok(None);
-            }
-        }
-        let cands = candidates(best.variant, &CPU_LADDER, |v| {
-            as_candidate(v, best.variant, state(v), ran(v))
-        });
-        if cands.len() < 2 {
-            return Ok(None);
-        }
-        // Time on the launch's own A and B (read only), into scratch outputs: the
-        // stream recorded so far runs first, so that it is not timed.
-        self.finish(s)?;
-        let c = self.scratch_like(s, mm.c);
-        let cf = mm.c_f32.map(|f| self.scratch_like(s, f));
-        let probe = Matmul {
-            c,
-            c_f32: cf,
-            ..mm.clone()
-        };
-        let result = select(&cands, left, |v| self.time_block(s, &probe, v));
-        self.drop_scratch(s, c);
-        if let Some(f) = cf {
-            self.drop_scratch(s, f);
-        }
-        let (winner, spent) = result?;
-        if std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0") {
-            let names: Vec<String> = cands.iter().map(|v| v.name()).collect();
-            eprintln!(
-                "kiln: GEMM {cls}: {} of {} ({spent:.2} s measuring)",
-                winner.name(),
-                names.join(", ")
-            );
-        }
-        s.tuner.spent_s += spent;
-        s.tuner.winners.insert(cls, winner);
-        s.tuner.save();
-        Ok(Some(winner))
-    }
-
-    /// One block's measurement on `probe`: a warm-up run (which builds the pipeline
-    /// where missing and, on a software driver, compiles its machine code), then the
-    /// faster of two timed runs.
-    fn time_block(&self, s: &mut State, probe: &Matmul, v: MatmulVariant) -> Result<Timing> {
-        let t0 = std::time::Instant::now();
-        let p = crate::matmul::plan(probe, &self.caps, Some(v))?;
-        let view = View::whole(probe);
-        let run = |s: &mut State| -> Result<f64> {
-            let t = std::time::Instant::now();
-            self.record(s, probe, &p, &view)?;
-            self.finish(s)?;
-            Ok(t.elapsed().as_secs_f64())
-        };
-        run(s)?;
-        let run_s = run(s)?.min(run(s)?);
-        Ok(Timing {
-            run_s,
-            cost_s: t0.elapsed().as_secs_f64(),
-        })
-    }
-}
-
 /// Where `v` stands as a candidate against `prior`: a slow-to-build neighbour that is
 /// built but has not run would compile its machine code inside the measurement (25 s
 /// for a 32-row block on a cold lavapipe cache, seen), so it counts as still building.
 /// The prior is timed whatever it costs: the launch runs it anyway.
-fn as_candidate(v: MatmulVariant, prior: MatmulVariant, state: Readiness, ran: bool) -> Readiness {
+pub(crate) fn as_candidate(
+    v: MatmulVariant,
+    prior: MatmulVariant,
+    state: Readiness,
+    ran: bool,
+) -> Readiness {
     match state {
         Readiness::Ready if v != prior && !quick(v) && !ran => Readiness::Building,
         r => r,
     }
 }
 
-fn quick(v: MatmulVariant) -> bool {
+pub(crate) fn quick(v: MatmulVariant) -> bool {
     matches!(v, MatmulVariant::Cpu { tm, .. } if tm <= 16)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiln_lowering::CPU_LADDER;
 
     const B64: MatmulVariant = MatmulVariant::Cpu { tm: 64, nv: 4 };
     const B32: MatmulVariant = MatmulVariant::Cpu { tm: 32, nv: 3 };

@@ -6,6 +6,13 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// `KILN_COMPILE_LOG=1`: backends say what each pipeline build (and each priming or
+/// GEMM block measurement) took. Read once per process.
+pub fn log_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0"))
+}
+
 static QUEUED: AtomicUsize = AtomicUsize::new(0);
 static DONE: AtomicUsize = AtomicUsize::new(0);
 

@@ -10,7 +10,7 @@ pub(super) fn cache_key(f: &Features) -> u64 {
     } else {
         String::new()
     };
-    kiln_wgpu::pipeline_cache::fnv(
+    kiln_lowering::pipeline_cache::fnv(
         format!(
             "vk|{}|{}|{}|{}|{:?}|{}|{}|{}|kiln-vulkan {}",
             f.name,
@@ -20,7 +20,7 @@ pub(super) fn cache_key(f: &Features) -> u64 {
             f.cache_uuid,
             f.driver,
             host,
-            kiln_wgpu::SHADER_HASH,
+            kiln_lowering::SHADER_HASH,
             env!("CARGO_PKG_VERSION")
         )
         .as_bytes(),
@@ -36,7 +36,7 @@ pub(super) fn open_cache(
     options: &DeviceOptions,
 ) -> std::result::Result<(vk::PipelineCache, Option<(std::path::PathBuf, u64)>), vk::Result> {
     let place = (!options.no_pipeline_cache)
-        .then(|| kiln_wgpu::pipeline_cache::dir(options))
+        .then(|| kiln_lowering::pipeline_cache::dir(options))
         .flatten()
         .map(|dir| {
             let key = cache_key(features);
@@ -46,7 +46,7 @@ pub(super) fn open_cache(
         .as_ref()
         .and_then(|(path, _)| std::fs::read(path).ok());
     let data = match (&file, &place) {
-        (Some(f), Some((path, key))) => match kiln_wgpu::pipeline_cache::payload(f, *key) {
+        (Some(f), Some((path, key))) => match kiln_lowering::pipeline_cache::payload(f, *key) {
             Ok(d) => d,
             Err(why) => {
                 eprintln!(
@@ -87,8 +87,8 @@ impl VkDevice {
         let Ok(data) = (unsafe { self.device.get_pipeline_cache_data(self.cache) }) else {
             return;
         };
-        let file = kiln_wgpu::pipeline_cache::encode(*key, &data);
-        if let Err(e) = kiln_wgpu::pipeline_cache::write(path, &file) {
+        let file = kiln_lowering::pipeline_cache::encode(*key, &data);
+        if let Err(e) = kiln_lowering::pipeline_cache::write(path, &file) {
             eprintln!(
                 "kiln: note: could not save compiled kernels to {} ({e}); the next run compiles them again",
                 path.display()

@@ -1,6 +1,7 @@
 //! GEMMs on the hand-written SPIR-V: the GLSL tiled and GEMV twins, the CPU-class
 //! blocks, the GPU-class tile and cooperative matrices; their layouts and pipelines.
 
+use super::dispatch::buffer_writes;
 use super::*;
 
 /// The committed SPIR-V of a hand-written kernel (`shaders/vulkan/NAME.spv`), as words;

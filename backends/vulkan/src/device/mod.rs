@@ -28,7 +28,7 @@ use gpu_allocator::vulkan::{
     Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc,
 };
 use gpu_allocator::MemoryLocation;
-use kiln_engine::device::compiling;
+use kiln_engine::device::compiling::{self, log_enabled as compile_log};
 use kiln_engine::device::cost::KernelCost;
 use kiln_engine::device::profile::{span, SpanKind};
 use kiln_engine::device::{
@@ -37,14 +37,12 @@ use kiln_engine::device::{
 use kiln_engine::{
     Buffer, Capabilities, DType, Device, Error, HostData, Kernel, PendingDownload, Result,
 };
-use kiln_wgpu::lower::{
-    self, band_partials_bytes, scratch_bytes, Dispatch, Readiness, Recorder, BAND_PARTIALS_ID,
-    DUMMY_BYTES, DUMMY_ID, PARTIALS_ID, SCRATCH_ID,
-};
-use kiln_wgpu::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
-use kiln_wgpu::{
-    attention_geometry, attention_launches, gemm_stand_in, plan_matmul, split_finish,
-    split_partials, AttentionPlan, DeviceOptions, MatmulVariant,
+use kiln_lowering::shader::{Access, KernelSource, Repr, MATMUL_PARAMS_SIZE};
+use kiln_lowering::{
+    attention_geometry, attention_launches, band_partials_bytes, gemm_stand_in, plan_matmul,
+    record_kernel, scratch_bytes, split_finish, split_partials, AttentionPlan, DeviceOptions,
+    Dispatch, MatmulVariant, Readiness, Recorder, BAND_PARTIALS_ID, DUMMY_BYTES, DUMMY_ID,
+    PARTIALS_ID, SCRATCH_ID,
 };
 use naga::back::spv::Capability;
 
@@ -52,8 +50,9 @@ use crate::attention;
 use crate::coopmat::{self, CoopMat, CoopMatPlan};
 use crate::gemm::{self, GemmDevice, GemmRoute, GpuGemmPlan, SpirvGemmPlan};
 use crate::instance::{Features, Instance};
-use crate::primer::{AttentionRecipe, Block, Job, Primed, Primer};
+use crate::primer::{AttentionRecipe, Block, Job, PrimeOn, Primed, Primer};
 
+mod attention_launch;
 mod cache;
 mod contract;
 mod dispatch;
@@ -65,19 +64,9 @@ mod test_hooks;
 mod timeline;
 mod transfer;
 
-use cache::open_cache;
-use dispatch::buffer_writes;
-use gemm_launch::spirv_words;
-use transfer::make_transfer;
-
 /// KILN_GEMM_LOG=1: say which GEMM each product runs on, and why not the others.
 fn gemm_log() -> bool {
     std::env::var_os("KILN_GEMM_LOG").is_some_and(|v| v != "0")
-}
-
-/// KILN_COMPILE_LOG=1: say what each pipeline build (and each priming) took.
-pub(crate) fn compile_log() -> bool {
-    std::env::var_os("KILN_COMPILE_LOG").is_some_and(|v| v != "0")
 }
 
 /// Launches whose parameters fit one arena; past that the stream is submitted early.
@@ -316,7 +305,7 @@ impl VkDevice {
         let name = format!(
             "{}-{:016x}.spv",
             key.name,
-            kiln_wgpu::pipeline_cache::fnv(what.as_bytes())
+            kiln_lowering::pipeline_cache::fnv(what.as_bytes())
         );
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         std::fs::write(dir.join(&name), bytes)
@@ -418,107 +407,6 @@ impl VkDevice {
         *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()) = variant;
     }
 
-    /// Records a validated attention kernel with the hand-written GLSL passes, over the
-    /// WGSL kernels' launches (bands, parameters and the delta scratch are theirs).
-    fn record_attention(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
-        let dim = attention_geometry(kernel).3;
-        let forced = *self
-            .attention_plan
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let plan = forced.unwrap_or_else(|| attention::plan(&self.caps, dim));
-        let (Some(primer), None, true) = (&self.primer, forced, plan.rows > 1) else {
-            return self.record_attention_with(s, kernel, &plan);
-        };
-        // A pass with several rows per lane takes tens of seconds to compile at its
-        // first run on a software driver: until the primer has run it, one row per
-        // lane stands in (each row's sums are the same, in the same order).
-        let key = self.attention_names(kernel, &plan)?;
-        let block = Block::Attention(key.clone());
-        let ready = s.ran_attention.contains(&key)
-            || matches!(primer.state(&block), Some(Primed::Done | Primed::Failed));
-        if ready {
-            self.record_attention_with(s, kernel, &plan)?;
-            if s.collect.is_none() {
-                s.ran_attention.insert(key);
-            }
-            return Ok(());
-        }
-        primer.ask(Job {
-            block,
-            attention: Some(attention_recipe(kernel, plan)),
-        });
-        if s.collect.is_some() {
-            // `prepare` builds the planned passes' pipelines too, so the switch once
-            // they are primed builds nothing.
-            self.record_attention_with(s, kernel, &plan)?;
-        } else {
-            self.stand_ins
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        self.record_attention_with(s, kernel, &AttentionPlan { rows: 1, ..plan })
-    }
-
-    /// The names of the pipelines `kernel`'s passes run with `plan`.
-    fn attention_names(&self, kernel: &Kernel, plan: &AttentionPlan) -> Result<String> {
-        let dim = attention_geometry(kernel).3;
-        let (launches, _) = attention_launches(&self.caps, kernel, plan)?;
-        let mut names: Vec<String> = launches
-            .iter()
-            .map(|l| {
-                let module = attention::module(l.pass, !self.caps.f16_arithmetic).0;
-                attention::pipeline_name(module, &attention::spec(plan, dim, &l.typed))
-            })
-            .collect();
-        names.dedup();
-        Ok(names.join("; "))
-    }
-
-    /// Records `kernel` with the GLSL passes shaped by `plan`.
-    fn record_attention_with(
-        &self,
-        s: &mut State,
-        kernel: &Kernel,
-        plan: &AttentionPlan,
-    ) -> Result<()> {
-        let dim = attention_geometry(kernel).3;
-        let plan = *plan;
-        let (launches, scratch) = attention_launches(&self.caps, kernel, &plan)?;
-        if scratch > 0 {
-            Recorder::partials(self, s, scratch)?;
-        }
-        let subgroup =
-            attention::required_subgroup(&plan, self.features.subgroup_control.map(|c| c.sizes));
-        for l in &launches {
-            let spec = attention::spec(&plan, dim, &l.typed);
-            // Without f16 the device has no 16-bit storage either (see `open`).
-            let (module, bytes) = attention::module(l.pass, !self.caps.f16_arithmetic);
-            let (pipeline, layout) = self.glsl_pipeline_with(
-                s,
-                &attention::pipeline_name(module, &spec),
-                || spirv_words(module, bytes),
-                (attention::bindings(l.pass), attention::PUSH_BYTES),
-                &spec,
-                subgroup,
-            )?;
-            if s.collect.is_some() {
-                // `prepare` wanted the pipeline, now built.
-                continue;
-            }
-            let mut infos = vec![];
-            for id in l.typed.iter().map(|b| b.id).chain(l.f32s.iter().copied()) {
-                infos.push(self.buffer_info(s, id)?);
-            }
-            let writes = buffer_writes(&infos, None);
-            let push: Vec<u8> = l.params.iter().flat_map(|w| w.to_le_bytes()).collect();
-            let cmd = self.stream(s)?.cmd;
-            self.record_compute(cmd, (pipeline, layout), &writes, &push, l.groups);
-            self.attention_count
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        Ok(())
-    }
-
     /// Records `kernel` (validated, its buffers live): a GEMM the SPIR-V kernel covers
     /// through it, fused attention through the GLSL passes, everything else through the
     /// shared lowering.
@@ -575,7 +463,7 @@ impl VkDevice {
                 }
             }
         }
-        lower::record_kernel(self, s, kernel)
+        record_kernel(self, s, kernel)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -820,30 +708,9 @@ impl Drop for VkDevice {
     }
 }
 
-/// What the primer needs to run an attention kernel like `kernel` (see `primer.rs`).
-fn attention_recipe(kernel: &Kernel, plan: AttentionPlan) -> AttentionRecipe {
-    let (backward, group, dim, causal) = match *kernel {
-        Kernel::Attention {
-            group, dim, causal, ..
-        } => (false, group, dim, causal),
-        Kernel::AttentionBackward {
-            group, dim, causal, ..
-        } => (true, group, dim, causal),
-        _ => (false, 1, 1, false),
-    };
-    AttentionRecipe {
-        backward,
-        dtypes: kernel.buffers().iter().map(|b| b.dtype).collect(),
-        group: group.max(1),
-        dim,
-        causal,
-        plan,
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::gemm_launch::GEMM_F32_SPV;
+    use super::gemm_launch::{spirv_words, GEMM_F32_SPV};
     use super::*;
 
     #[test]

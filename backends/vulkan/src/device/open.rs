@@ -1,6 +1,8 @@
 //! Opening a device: the instance's physical device, its queues, features, memory
 //! allocator, pipeline cache and primer.
 
+use super::cache::open_cache;
+use super::transfer::make_transfer;
 use super::*;
 
 impl VkDevice {
@@ -220,8 +222,13 @@ impl VkDevice {
         let arena_stride = MATMUL_PARAMS_SIZE.next_multiple_of(features.min_uniform_align.max(16));
         // Only a software driver compiles at first run, on its queue's thread; without
         // Mesa's disk cache nothing a primer ran would be kept.
-        let primer = (primed && caps.device_type == "cpu" && kiln_wgpu::mesa_cache_on())
-            .then(|| Primer::shared(index, options));
+        let primer =
+            (primed && caps.device_type == "cpu" && kiln_lowering::pipeline_cache::mesa_cache_on())
+                .then(|| {
+                    Primer::shared(index, options, |i, o| {
+                        Ok(Box::new(VkDevice::open_unprimed(i, o)?) as Box<dyn PrimeOn>)
+                    })
+                });
         let dev = VkDevice {
             caps,
             features,

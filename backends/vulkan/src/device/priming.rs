@@ -2,6 +2,12 @@
 
 use super::*;
 
+impl PrimeOn for VkDevice {
+    fn run_once(&self, job: &Job) -> Result<()> {
+        self.prime(job)
+    }
+}
+
 impl VkDevice {
     /// Runs `job`'s kernel once (here, on the primer's device), so that the driver
     /// compiles its machine code and keeps it in Mesa's cache.

@@ -2,6 +2,7 @@
 //! enable): force a plan or a route, hold or release queues, make a submission fail or
 //! the validation layer object, and read counters the contract does not expose.
 
+use super::transfer::make_transfer;
 use super::*;
 
 impl VkDevice {

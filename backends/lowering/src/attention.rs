@@ -7,7 +7,8 @@
 
 use kiln_engine::{Buffer, Capabilities, Error, Kernel, Result};
 
-use crate::lower::{Dispatch, Readiness, Recorder, PARTIALS_ID};
+use crate::dispatch::{Dispatch, Readiness, PARTIALS_ID};
+use crate::recorder::Recorder;
 use crate::shader::{self, KernelSource};
 
 /// Work per dispatch, in multiply-adds: ~0.1 s on lavapipe, so that no dispatch runs

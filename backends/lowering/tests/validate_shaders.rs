@@ -2,7 +2,7 @@
 //! both with and without native f16 — so a shader error names its file and line here,
 //! before any device compiles it.
 
-use kiln_wgpu::shader::{self, Repr};
+use kiln_lowering::shader::{self, Repr};
 use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 
 /// Dtype mixes of the attention kernels (five or six typed slots, too many to try every

@@ -1,18 +1,20 @@
-//! Kernel launches: how each engine `Kernel` becomes the dispatches that run it.
+//! Kernel launches: how each engine `Kernel` becomes the dispatches that run it,
+//! written once against [`Recorder`] (GEMMs in `gemm.rs`, attention in
+//! `attention.rs`). The wgpu device records them through wgpu; `kiln-vulkan` records
+//! the same dispatches (the same WGSL, translated to SPIR-V by naga) through raw
+//! Vulkan, so both backends run one op set.
 
 use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
 use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
 
 use crate::attention::LowerAttention;
-use crate::lower::{Dispatch, Recorder, BAND_PARTIALS_ID, PARTIALS_ID, SCRATCH_ID};
-use crate::matmul::LowerMatmul;
+use crate::dispatch::{
+    groups, Dispatch, BAND_PARTIALS_ID, MAX_BANDS, MAX_GROUPS, PARTIALS_ID, REDUCE_GROUPS,
+    SCRATCH_ID,
+};
+use crate::gemm::LowerMatmul;
+use crate::recorder::Recorder;
 use crate::shader::{self, KernelSource, Repr};
-
-/// Workgroup size of the elementwise kernels, and the most workgroups in one dimension.
-const WORKGROUP: u32 = 256;
-const MAX_GROUPS: u32 = 65535;
-/// Workgroups in the first pass of a reduction, so also the partials the second folds.
-pub(crate) const REDUCE_GROUPS: u32 = 256;
 
 /// How each engine kernel becomes dispatches, for any backend that records them.
 pub(crate) trait Lower: Recorder {
@@ -1025,6 +1027,11 @@ pub(crate) trait Lower: Recorder {
 
 impl<R: Recorder + ?Sized> Lower for R {}
 
+/// Records `kernel` (validated, its buffers live on the device) through `r`.
+pub fn record_kernel<R: Recorder + ?Sized>(r: &R, s: &mut R::State, kernel: &Kernel) -> Result<()> {
+    Lower::record_kernel(r, s, kernel)
+}
+
 /// The KIND override of the activation kernels (common/activation.wgsl).
 fn activation_code(kind: Activation) -> u32 {
     match kind {
@@ -1032,11 +1039,6 @@ fn activation_code(kind: Activation) -> u32 {
         Activation::Tanh => 1,
         Activation::Silu => 2,
     }
-}
-
-/// Workgroups for a grid-strided walk over `words` items.
-pub(crate) fn groups(words: u32) -> u32 {
-    words.div_ceil(WORKGROUP).clamp(1, MAX_GROUPS)
 }
 
 /// A 2-D grid of at least `rows` workgroups (one per row; 65535 per dimension).
@@ -1099,8 +1101,6 @@ fn pairs(len: usize) -> u32 {
 /// Elements a band starts on a multiple of: 256 bytes (WebGPU's storage offset
 /// alignment on every adapter) of the narrowest dtype, 16-bit.
 const BAND_GRANULE: usize = 128;
-/// The most bands one reduction folds; its partials live in the scratch buffer.
-pub(crate) const MAX_BANDS: usize = 64;
 
 /// Elements `[start, start + len)` of a kernel's buffers, one pass of it; `whole` when
 /// the pass covers them all and they fit one binding, so they are bound whole.
