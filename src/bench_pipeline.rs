@@ -15,7 +15,7 @@ use serde::Serialize;
 use kiln_engine::models::{MicroBatch, ModelConfig, NetworkOptions};
 use kiln_engine::parallel::pipeline::{Pipeline, StepOptions};
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
-use kiln_engine::parallel::pipeline_schedule::{Instr, Schedule};
+use kiln_engine::parallel::pipeline_schedule::{theoretical_bubble, Instr, Schedule};
 use kiln_engine::{DType, Device, Optimizer};
 use kiln_wgpu::{DeviceOptions, WgpuDevice};
 
@@ -216,11 +216,6 @@ fn simulate_1f1b(
     Ok((free.iter().copied().fold(0.0, f64::max), busy))
 }
 
-/// The schedule's idle share of a step: each stage idles `p - 1` of `m + p - 1` slots.
-pub fn theoretical_bubble(p: usize, m: usize) -> f64 {
-    (p - 1) as f64 / (m + p - 1) as f64
-}
-
 /// Trains `model` split into `stages` stages, one device each, opened on adapter
 /// `adapter`, for a warm-up step (it compiles) and `steps` timed steps of
 /// `micro_batches` micro-batches of random tokens; and the same step modelled on `gpus`.
@@ -389,11 +384,13 @@ pub fn format_rows(rows: &[PipelineRow]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use kiln_engine::parallel::pipeline_schedule::theoretical_bubble;
+
     #[test]
     fn the_schedules_bubble_is_p_minus_1_of_m_plus_p_minus_1_slots() {
-        assert_eq!(super::theoretical_bubble(1, 8), 0.0);
-        assert_eq!(super::theoretical_bubble(2, 2), 1.0 / 3.0);
-        assert_eq!(super::theoretical_bubble(4, 16), 3.0 / 19.0);
+        assert_eq!(theoretical_bubble(1, 8), 0.0);
+        assert_eq!(theoretical_bubble(2, 2), 1.0 / 3.0);
+        assert_eq!(theoretical_bubble(4, 16), 3.0 / 19.0);
     }
 
     #[test]
@@ -402,12 +399,12 @@ mod tests {
         // stage computing 4 x 3 = 12 of them: bubble 3/15 = (p - 1)/(m + p - 1).
         let r = super::model_1f1b(&[1.0, 1.0], &[2.0, 2.0], 4, 0.0, 25.0, 0.0).unwrap();
         assert_eq!(r.step_ms, 15.0);
-        assert_eq!(r.bubble, super::theoretical_bubble(2, 4));
+        assert_eq!(r.bubble, theoretical_bubble(2, 4));
         assert_eq!(r.exposed_transfer, 0.0);
         // Four stages, eight micro-batches: 11 slots of 3 ms.
         let r = super::model_1f1b(&[1.0; 4], &[2.0; 4], 8, 0.0, 25.0, 0.0).unwrap();
         assert_eq!(r.step_ms, 33.0);
-        assert!((r.bubble - super::theoretical_bubble(4, 8)).abs() < 1e-15);
+        assert!((r.bubble - theoretical_bubble(4, 8)).abs() < 1e-15);
         // One stage: its micro-batches back to back, nothing moved, no bubble.
         let r = super::model_1f1b(&[1.0], &[2.0], 4, 1e9, 1.0, 10.0).unwrap();
         assert_eq!((r.step_ms, r.bubble, r.exposed_transfer), (12.0, 0.0, 0.0));

@@ -330,7 +330,8 @@ pub fn pipeline_report(
          gradient_accumulation_steps is (1F1B); parameters read on several stages (a tied \
          embedding) are held on each."
     )?;
-    let bubble = |m: usize| 100.0 * crate::bench_pipeline::theoretical_bubble(stages, m);
+    let bubble =
+        |m: usize| 100.0 * kiln_engine::parallel::pipeline_schedule::theoretical_bubble(stages, m);
     write!(
         out,
         "Bubble: the stages idle for (p-1)/(m+p-1) = {:.0}% of each step at m = {m} \

@@ -64,7 +64,7 @@ const ROWS_PER_PIECE: usize = 1024;
 pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
     let source = Source::open(&opts.source, opts.dtype)?;
     for note in &source.notes {
-        crate::train::say(format!("note: {note}"));
+        crate::say::say(format!("note: {note}"));
     }
     let t = source.block_size();
     let b = match opts.micro_batch {

@@ -21,6 +21,7 @@ pub mod eval;
 pub mod init_from;
 pub mod profile;
 pub mod sample;
+pub mod say;
 pub mod train;
 mod train_engine;
 

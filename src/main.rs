@@ -646,7 +646,7 @@ fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
             errln!(
                 "  m = {m} < 4p = {}: the schedule idles {:.0}% of each stage's step",
                 4 * p,
-                100.0 * kiln::bench_pipeline::theoretical_bubble(p, m)
+                100.0 * kiln::engine::parallel::pipeline_schedule::theoretical_bubble(p, m)
             );
         }
         rows.push(measure(adapter, &model, p, m, a.steps, &gpus)?);
@@ -771,7 +771,7 @@ fn train_with(
     };
     // The run's results are in its directory: a stdout that cannot take this summary
     // must not turn a finished run into a failure.
-    kiln::train::say_out(format_args!(
+    kiln::say::say_out(format_args!(
         "{} steps ({} skipped), final loss {:.4}, eval loss {eval}{acc}, {:.0} tokens/s, {:.1} s",
         r.steps,
         s.skipped_steps,
@@ -779,12 +779,12 @@ fn train_with(
         s.mean_tokens_per_s.unwrap_or(f64::NAN),
         s.total_time_s
     ));
-    kiln::train::say_out(format_args!(
+    kiln::say::say_out(format_args!(
         "run: {} (metrics.jsonl, summary.json, chart.svg, checkpoints/)",
         r.dir.display()
     ));
     for note in &s.non_finite {
-        kiln::train::say(format_args!("warning: {note}"));
+        kiln::say::say(format_args!("warning: {note}"));
     }
     Ok(if r.interrupted { 130 } else { 0 })
 }

@@ -14,7 +14,7 @@ use kiln_engine::device::profile::{self as spans};
 use kiln_engine::train::profile::{DeviceTrack, Profile};
 use kiln_engine::{Capabilities, Device, Error};
 
-use crate::train::say;
+use crate::say::say;
 
 /// Steps `--profile` covers when no count is given.
 pub const DEFAULT_PROFILE_STEPS: u64 = 3;

@@ -709,7 +709,7 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
 pub fn sample(opts: &SampleOptions) -> Result<Timing> {
     let source = Source::open(&opts.source, opts.dtype)?;
     for note in &source.notes {
-        crate::train::say(format!("note: {note}"));
+        crate::say::say(format!("note: {note}"));
     }
     let codec = source.text_codec()?;
     let mut sampler = TokenSampler::new(opts.sampling, codec.vocab_size(), opts.seed)?;
@@ -742,7 +742,7 @@ pub fn sample(opts: &SampleOptions) -> Result<Timing> {
         total.new_tokens += timing.new_tokens;
         total.decode_s += timing.decode_s;
     }
-    crate::train::say(format!(
+    crate::say::say(format!(
         "prompt: {} tokens in {:.1} ms ({:.1} tokens/s); decode: {} tokens in {:.1} ms ({:.1} \
          tokens/s); {} on {} ({})",
         total.prompt_tokens,

@@ -5,7 +5,6 @@
 //! With no arguments it trains the built-in demo: a small GPT learning 2-digit addition
 //! (`demos/addition.*.json`), scored by exact match on held-out problems.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -35,6 +34,7 @@ use kiln_wgpu::DeviceOptions;
 
 use crate::devices::{default_device, open_device, parse_devices};
 use crate::init_from::InitWeights;
+use crate::say::say;
 use crate::train_engine::Engine;
 
 /// The demo's DeepSpeed config and model, used when `--config` / `--model` are absent.
@@ -709,10 +709,12 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
             if let Some((bubble, bytes, exposed_ms)) = piped {
                 rec.pipeline_exposed_ms = Some(exposed_ms);
                 rec.pipeline_bubble = Some(bubble);
-                rec.pipeline_bubble_theory = Some(crate::bench_pipeline::theoretical_bubble(
-                    stages,
-                    ds.batch.grad_accum,
-                ));
+                rec.pipeline_bubble_theory = Some(
+                    kiln_engine::parallel::pipeline_schedule::theoretical_bubble(
+                        stages,
+                        ds.batch.grad_accum,
+                    ),
+                );
                 rec.pipeline_bytes = Some(bytes);
             }
             if stopping(
@@ -1011,18 +1013,6 @@ fn shell_word(p: &Path) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
-}
-
-/// Writes a line to stderr, ignoring failure: a closed pipe (`2>&1 | head`) or a
-/// terminal gone after SIGHUP must neither panic nor stop training, and everything a
-/// log line says is also in the run directory.
-pub fn say(line: impl std::fmt::Display) {
-    let _ = writeln!(std::io::stderr().lock(), "{line}");
-}
-
-/// [`say`] for stdout.
-pub fn say_out(line: impl std::fmt::Display) {
-    let _ = writeln!(std::io::stdout().lock(), "{line}");
 }
 
 /// A run's own settings: restored by `--resume` unless a flag overrides them.
@@ -1353,9 +1343,9 @@ pub fn bubble_warning(p: usize, m: usize) -> Option<String> {
              {:.0}% of each step, (p-1)/(m+p-1), waiting for each other. Raise \
              gradient_accumulation_steps to at least {} (4 x stages; the global batch grows, \
              or lower train_micro_batch_size_per_gpu to keep it) to bring that to {:.0}% or less",
-            100.0 * crate::bench_pipeline::theoretical_bubble(p, m),
+            100.0 * kiln_engine::parallel::pipeline_schedule::theoretical_bubble(p, m),
             4 * p,
-            100.0 * crate::bench_pipeline::theoretical_bubble(p, 4 * p)
+            100.0 * kiln_engine::parallel::pipeline_schedule::theoretical_bubble(p, 4 * p)
         )
     })
 }

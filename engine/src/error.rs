@@ -48,3 +48,9 @@ pub enum Error {
     #[error("training diverged at step {step}: {detail}")]
     Diverged { step: u64, detail: String },
 }
+
+impl From<crate::device::dtype::UnknownDType> for Error {
+    fn from(e: crate::device::dtype::UnknownDType) -> Error {
+        Error::InvalidArgument(e.to_string())
+    }
+}

@@ -21,7 +21,8 @@ pub use device::kernel::{
     Activation, BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET,
 };
 pub use device::matmul::Matmul;
-pub use device::optim::{AdamStep, Optimizer, SgdStep};
+pub use device::optim::Optimizer;
+pub use device::optim_step::{AdamStep, SgdStep};
 pub use device::{Buffer, Capabilities, Device, PendingDownload};
 pub use error::{Error, Result};
 pub use train::loss_scaler::{DynamicScaling, LossScaler, StepDecision};

@@ -57,17 +57,31 @@ impl fmt::Display for DType {
     }
 }
 
+/// A name that is no dtype (`Error::InvalidArgument` through `?`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownDType(pub String);
+
+impl fmt::Display for UnknownDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown dtype `{}`: expected one of f32, f16, bf16, u32",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownDType {}
+
 impl std::str::FromStr for DType {
-    type Err = crate::Error;
+    type Err = UnknownDType;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "fp32" | "float32" => Ok(DType::F32),
             "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "u32" | "uint32" => Ok(DType::U32),
-            _ => Err(crate::Error::InvalidArgument(format!(
-                "unknown dtype `{s}`: expected one of f32, f16, bf16, u32"
-            ))),
+            _ => Err(UnknownDType(s.to_string())),
         }
     }
 }

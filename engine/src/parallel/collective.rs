@@ -77,14 +77,14 @@ pub struct Ownership {
 
 impl Ownership {
     /// The owners of tensors of `sizes` elements when the flat partitioning of
-    /// `zero::segments` spans the devices of `devices[p]` per process.
+    /// `shard::segments` spans the devices of `devices[p]` per process.
     pub fn new(sizes: &[usize], devices: &[usize]) -> Ownership {
         let world = devices.iter().sum();
         let mut by_param = vec![vec![]; sizes.len()];
         let mut rank = 0;
         for (p, &n) in devices.iter().enumerate() {
             for r in rank..rank + n {
-                for seg in super::zero::segments(sizes, world, r) {
+                for seg in super::shard::segments(sizes, world, r) {
                     let pieces: &mut Vec<(usize, Range<usize>)> = &mut by_param[seg.param];
                     match pieces.last_mut() {
                         // A process's ranks own adjacent ranges: one piece.

@@ -150,6 +150,12 @@ impl Schedule {
     }
 }
 
+/// The schedule's idle share of a step: each of `p` stages idles `p - 1` of the
+/// `m + p - 1` slots a step of `m` micro-batches takes.
+pub fn theoretical_bubble(p: usize, m: usize) -> f64 {
+    (p - 1) as f64 / (m + p - 1) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

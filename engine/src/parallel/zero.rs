@@ -14,47 +14,11 @@
 //! receives only their gradients (`collective::Ownership`), and the updated weights
 //! and checkpointed states are gathered between processes.
 
-use std::ops::Range;
-
 use super::collective::{f32_parts, Processes};
+pub use super::shard::{segments, shard_range, Segment};
 use crate::device::optim::ParamBuffers;
 use crate::models::{ModelStateBytes, Network, ParamState};
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
-
-/// The part of one tensor a rank owns.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Segment {
-    /// Index of the tensor in model order.
-    pub param: usize,
-    /// Elements of that tensor.
-    pub range: Range<usize>,
-}
-
-/// The flat range rank `rank` of `world` owns out of `total` elements.
-pub fn shard_range(total: usize, world: usize, rank: usize) -> Range<usize> {
-    let (base, extra) = (total / world, total % world);
-    let start = rank * base + rank.min(extra);
-    start..start + base + usize::from(rank < extra)
-}
-
-/// Rank `rank`'s segments, for tensors of `sizes` elements.
-pub fn segments(sizes: &[usize], world: usize, rank: usize) -> Vec<Segment> {
-    let total = sizes.iter().sum();
-    let mine = shard_range(total, world, rank);
-    let mut out = vec![];
-    let mut offset = 0;
-    for (param, &n) in sizes.iter().enumerate() {
-        let (lo, hi) = (mine.start.max(offset), mine.end.min(offset + n));
-        if lo < hi {
-            out.push(Segment {
-                param,
-                range: lo - offset..hi - offset,
-            });
-        }
-        offset += n;
-    }
-    out
-}
 
 /// One segment of a rank's shard on its device: the f32 master, moments and reduced
 /// gradient of that slice of one tensor, and the slice's updated model copy.

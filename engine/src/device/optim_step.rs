@@ -1,0 +1,173 @@
+//! The optimizer kernels' arguments (one Adam or SGD step over flat buffers) and
+//! their checks; `optim.rs` launches them.
+
+use crate::{Buffer, DType, Error, Result};
+
+/// One Adam or AdamW step (PyTorch's formulas, bias-corrected, 1-based `step`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamStep {
+    /// f32 master weights, updated in place.
+    pub master: Buffer,
+    /// Gradients (any float dtype), multiplied by `grad_scale[0]` first.
+    pub grads: Buffer,
+    /// f32 first and second moments, updated in place.
+    pub m: Buffer,
+    pub v: Buffer,
+    /// The model's copy of the weights (f16, bf16 or f32), rewritten from the master.
+    pub params: Option<Buffer>,
+    /// f32[1]: factor applied to every gradient (1 / (loss scale * clip factor)).
+    pub grad_scale: Buffer,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// AdamW: decay the weights directly. Adam: add `weight_decay * w` to the gradient.
+    pub decoupled: bool,
+    pub step: u32,
+}
+
+/// One SGD step with momentum (PyTorch's form, no dampening).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SgdStep {
+    pub master: Buffer,
+    pub grads: Buffer,
+    /// f32 momentum buffer, updated in place.
+    pub momentum_buf: Buffer,
+    pub params: Option<Buffer>,
+    pub grad_scale: Buffer,
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+}
+
+fn check_state(kernel: &str, n: usize, named: &[(&str, Buffer, Option<DType>)]) -> Result<()> {
+    for (name, b, dtype) in named {
+        if let Some(d) = dtype {
+            if b.dtype != *d {
+                return Err(Error::DTypeMismatch {
+                    what: format!("{kernel}: `{name}` (buffer #{})", b.id),
+                    expected: *d,
+                    found: b.dtype,
+                });
+            }
+        } else if !b.dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "{kernel}: `{name}` (buffer #{}) is {}, expected f32, f16 or bf16",
+                b.id, b.dtype
+            )));
+        }
+        if b.len != n {
+            return Err(Error::LenMismatch {
+                what: format!("{kernel}: `{name}` (buffer #{})", b.id),
+                expected: n,
+                found: b.len,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_scale(kernel: &str, b: Buffer) -> Result<()> {
+    if b.dtype != DType::F32 || b.len != 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel}: grad_scale (buffer #{}) must be one f32, it is {} x {}",
+            b.id, b.len, b.dtype
+        )));
+    }
+    Ok(())
+}
+
+fn finite(kernel: &str, values: &[(&str, f32)]) -> Result<()> {
+    for (name, v) in values {
+        if !v.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "{kernel}: {name} is {v}; it must be finite"
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl AdamStep {
+    pub fn buffers(&self) -> Vec<Buffer> {
+        let mut v = vec![self.master, self.grads, self.m, self.v, self.grad_scale];
+        v.extend(self.params);
+        v
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let n = self.master.len;
+        let mut named = vec![
+            ("master", self.master, Some(DType::F32)),
+            ("grads", self.grads, None),
+            ("m", self.m, Some(DType::F32)),
+            ("v", self.v, Some(DType::F32)),
+        ];
+        if let Some(p) = self.params {
+            named.push(("params", p, None));
+        }
+        check_state("adam", n, &named)?;
+        check_scale("adam", self.grad_scale)?;
+        finite(
+            "adam",
+            &[
+                ("lr", self.lr),
+                ("eps", self.eps),
+                ("weight_decay", self.weight_decay),
+            ],
+        )?;
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(Error::InvalidArgument(format!(
+                    "adam: {name} is {b}; it must be in [0, 1)"
+                )));
+            }
+        }
+        if self.step == 0 {
+            return Err(Error::InvalidArgument(
+                "adam: step counts from 1 (bias correction divides by 1 - beta^step)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `1 - beta1^step` and `1 - beta2^step`, computed in f64 once per step.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = self.step as i32;
+        (
+            (1.0 - (self.beta1 as f64).powi(t)) as f32,
+            (1.0 - (self.beta2 as f64).powi(t)) as f32,
+        )
+    }
+}
+
+impl SgdStep {
+    pub fn buffers(&self) -> Vec<Buffer> {
+        let mut v = vec![self.master, self.grads, self.momentum_buf, self.grad_scale];
+        v.extend(self.params);
+        v
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let n = self.master.len;
+        let mut named = vec![
+            ("master", self.master, Some(DType::F32)),
+            ("grads", self.grads, None),
+            ("momentum_buf", self.momentum_buf, Some(DType::F32)),
+        ];
+        if let Some(p) = self.params {
+            named.push(("params", p, None));
+        }
+        check_state("sgd", n, &named)?;
+        check_scale("sgd", self.grad_scale)?;
+        finite(
+            "sgd",
+            &[
+                ("lr", self.lr),
+                ("momentum", self.momentum),
+                ("weight_decay", self.weight_decay),
+            ],
+        )
+    }
+}
