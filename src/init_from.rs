@@ -2,8 +2,10 @@
 //! sizes that come with them.
 //!
 //! PATH is a Kiln run directory (its latest checkpoint), one of its checkpoint
-//! directories, a Hugging Face GPT-2 directory or `model.safetensors` (with its
-//! `config.json`), or an llm.c `.bin`.
+//! directories, a Hugging Face directory — GPT-2, or a Llama (`model_type` `llama`:
+//! SmolLM2, TinyLlama, Llama 2/3 without rope scaling; one `model.safetensors` or
+//! shards with their index) — or a GPT-2 `model.safetensors` (with its `config.json`),
+//! or an llm.c `.bin`.
 //!
 //! Only the weights are taken, never the optimizer state: a fine-tuning run has its own
 //! learning rate, schedule and data, and Adam's moments and step count from another run
@@ -17,8 +19,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use kiln_engine::device::host::HostTensor;
-use kiln_engine::models::import;
 use kiln_engine::models::ModelConfig;
+use kiln_engine::models::{import, import_llama};
 use kiln_engine::train::checkpoint;
 use kiln_engine::train::runs;
 
@@ -65,7 +67,18 @@ impl InitWeights {
         })?;
         // A Kiln checkpoint holds a model.safetensors too: its manifest tells it apart.
         let kiln_checkpoint = path.join(checkpoint::MANIFEST_FILE).is_file();
-        if meta.is_dir() && (kiln_checkpoint || !path.join(import::HF_WEIGHTS).exists()) {
+        let hf_weights =
+            path.join(import::HF_WEIGHTS).exists() || path.join(import_llama::HF_INDEX).exists();
+        if meta.is_dir() && !kiln_checkpoint && hf_weights {
+            let kind = import_llama::model_type(path)?;
+            if kind
+                .as_deref()
+                .is_some_and(|k| import_llama::LLAMA_TYPES.contains(&k))
+            {
+                return InitWeights::from_llama(path, source);
+            }
+        }
+        if meta.is_dir() && (kiln_checkpoint || !hf_weights) {
             let (ck, run_dir) = if kiln_checkpoint {
                 let ck = checkpoint::load(path)?;
                 // <run>/checkpoints/step-…/
@@ -99,6 +112,34 @@ impl InitWeights {
         Ok(InitWeights {
             model: ModelConfig::Gpt2(imported.config),
             weights: imported.weights,
+            source,
+            describe,
+        })
+    }
+
+    /// A Hugging Face Llama directory's weights and sizes.
+    fn from_llama(path: &Path, source: String) -> Result<InitWeights> {
+        let m = import_llama::read_hf(path)?;
+        let c = &m.config;
+        let describe = format!(
+            "Hugging Face Llama {source} ({} layers, {} embd, {} heads / {} K/V, MLP {}, \
+             vocab {}{}, {} file(s))",
+            c.n_layer,
+            c.n_embd,
+            c.n_head,
+            c.kv_heads(),
+            c.intermediate(),
+            c.vocab_size,
+            if c.tie_word_embeddings {
+                ", tied head"
+            } else {
+                ""
+            },
+            m.files.len()
+        );
+        Ok(InitWeights {
+            model: ModelConfig::Llama(m.config),
+            weights: m.weights,
             source,
             describe,
         })

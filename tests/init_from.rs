@@ -285,3 +285,44 @@ fn the_cli_takes_init_from_and_names_a_missing_path() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A Hugging Face Llama directory (the grouped-query fixture of tests/import_llama.rs,
+/// vocabulary 37) starts a run: the recorded model is the directory's, and the
+/// imported weights learn a deterministic next-token rule from its token file.
+#[test]
+fn a_hugging_face_llama_directory_starts_a_run() {
+    let dir = scratch("hf-llama");
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/gqa_f32");
+    // Every token is followed by (7 t + 3) mod 37: learnable from one token back.
+    let mut ids = vec![1u32];
+    while ids.len() < 4000 {
+        ids.push((ids[ids.len() - 1] * 7 + 3) % 37);
+    }
+    let bin = dir.join("rule.bin");
+    kiln::engine::data::write_token_file(&bin, &ids, "custom", 37).unwrap();
+    let model = r#"{"architecture": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2,
+        "n_embd": 32, "block_size": 16, "vocab_size": 37, "intermediate_size": 40,
+        "rms_norm_eps": 1e-5}"#;
+    let r = train(&TrainOptions {
+        steps: Some(40),
+        init_from: Some(hf),
+        data: Some(bin),
+        ..options(&dir, "tuned", model)
+    })
+    .unwrap();
+    let l = losses(&r.dir);
+    let end = l[l.len() - 5..].iter().sum::<f32>() / 5.0;
+    assert!(
+        l[0] > 2.5 && end < l[0] - 1.5,
+        "the imported Llama did not learn the rule: {l:?}"
+    );
+    let recorded = runs::read_config(&r.dir).unwrap();
+    let m = &recorded["model"];
+    assert_eq!(m["architecture"], "llama", "{recorded}");
+    assert_eq!(
+        (&m["n_kv_head"], &m["intermediate_size"], &m["vocab_size"]),
+        (&2.into(), &40.into(), &37.into()),
+        "{recorded}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

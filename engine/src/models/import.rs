@@ -120,12 +120,12 @@ pub fn cut_positions(weights: &mut [HostTensor], block_size: usize) -> Result<()
 const WPE: &str = "transformer.wpe.weight";
 const PREFIX: &str = "transformer.";
 
-fn bad(path: &Path, msg: impl std::fmt::Display) -> Error {
+pub(super) fn bad(path: &Path, msg: impl std::fmt::Display) -> Error {
     Error::InvalidArgument(format!("`{}`: {msg}", path.display()))
 }
 
 /// `e` with the file it is about.
-fn wrap(path: &Path, e: Error) -> Error {
+pub(super) fn wrap(path: &Path, e: Error) -> Error {
     match e {
         Error::InvalidArgument(m) => bad(path, m),
         other => other,
@@ -133,7 +133,7 @@ fn wrap(path: &Path, e: Error) -> Error {
 }
 
 /// Maps a file read-only, refusing what is not a regular file.
-fn map(path: &Path) -> Result<Mmap> {
+pub(super) fn map(path: &Path) -> Result<Mmap> {
     let file = File::open(path).map_err(|e| bad(path, format!("cannot open it: {e}")))?;
     let meta = file
         .metadata()
@@ -211,30 +211,46 @@ fn size_field(path: &Path, obj: &serde_json::Map<String, Value>, keys: &[&str]) 
         })
 }
 
-/// Reads a Hugging Face GPT-2 `config.json`.
-pub fn read_hf_config(path: &Path) -> Result<GptConfig> {
+/// A model directory's JSON file (`config.json`, a shard index) as an object.
+pub(super) fn read_json_object(path: &Path) -> Result<serde_json::Map<String, Value>> {
     let meta = std::fs::metadata(path).map_err(|e| {
         bad(
             path,
-            format!("cannot read it ({e}); a Hugging Face model needs its config.json beside model.safetensors"),
+            format!(
+                "cannot read it ({e}); a Hugging Face model needs its config.json beside \
+                 model.safetensors"
+            ),
         )
     })?;
     // A config is a few kB; anything past 16 MiB is not one (and not read into memory).
     if !meta.is_file() || meta.len() > 16 << 20 {
-        return Err(bad(path, "not a config.json (not a file, or over 16 MiB)"));
+        return Err(bad(
+            path,
+            "not a model JSON file (not a file, or over 16 MiB)",
+        ));
     }
     let text =
         std::fs::read_to_string(path).map_err(|e| bad(path, format!("cannot read it: {e}")))?;
     let v: Value = serde_json::from_str(text.strip_prefix('\u{feff}').unwrap_or(&text))
         .map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| bad(path, "expected a JSON object of model settings"))?;
+    match v {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(bad(path, "expected a JSON object of model settings")),
+    }
+}
+
+/// Reads a Hugging Face GPT-2 `config.json`.
+pub fn read_hf_config(path: &Path) -> Result<GptConfig> {
+    let obj = &read_json_object(path)?;
     if let Some(t) = obj.get("model_type").and_then(Value::as_str) {
         if t != "gpt2" {
             return Err(bad(
                 path,
-                format!("model_type is `{t}`; Kiln imports GPT-2 (`gpt2`) checkpoints"),
+                format!(
+                    "model_type is `{t}`; this reads GPT-2 (`gpt2`) checkpoints (a Llama \
+                     directory, model_type `llama`, is read by `models::import_llama`, as \
+                     `--init-from` does)"
+                ),
             ));
         }
     }
@@ -275,7 +291,7 @@ fn expected(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-fn host_dtype(d: StDtype) -> Option<DType> {
+pub(super) fn host_dtype(d: StDtype) -> Option<DType> {
     match d {
         StDtype::F32 => Some(DType::F32),
         StDtype::F16 => Some(DType::F16),

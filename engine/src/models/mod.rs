@@ -8,6 +8,7 @@ mod config;
 pub mod generate;
 pub mod gpt;
 pub mod import;
+pub mod import_llama;
 pub mod llama;
 pub mod mlp;
 mod network;

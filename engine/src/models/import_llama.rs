@@ -1,0 +1,390 @@
+//! Llama-family checkpoints as the Hugging Face hub ships them (`LlamaForCausalLM`:
+//! SmolLM2, TinyLlama, Llama 2 and 3.0 without rope scaling): a directory with
+//! `config.json` and `model.safetensors`, or shards `model-0000N-of-0000M.safetensors`
+//! listed by `model.safetensors.index.json`. The weights are read memory-mapped and
+//! copied once, in the file's dtype (f32, f16 or bf16).
+//!
+//! Layout. Kiln's Llama ([`Llama`]) declares Hugging Face's names and layouts: linear
+//! weights (out, in), and rotary embeddings in the "rotate half" arrangement of
+//! `modeling_llama.py` (in each head, element i turns with element i + D/2), which is
+//! the arrangement Kiln's RoPE kernels compute. So q and k projections are taken as
+//! they are — no row permutation, unlike converters for interleaved-pair RoPE — and
+//! every tensor keeps its name.
+//!
+//! Strict: the architecture comes from `config.json`, and a setting that changes the
+//! math and that Kiln's Llama does not implement (rope scaling, attention or MLP
+//! biases, a head dim other than hidden / heads, another activation, a sliding window,
+//! attention dropout) is an error naming it; so are missing shards, tensors listed
+//! twice, and a tensor of the wrong shape or dtype.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+use super::import::{bad, host_dtype, map, read_json_object, wrap};
+use super::llama::{Llama, LlamaConfig};
+use super::Model;
+use crate::device::host::HostTensor;
+use crate::{HostData, Result};
+
+/// A sharded checkpoint's index (tensor name → shard file).
+pub const HF_INDEX: &str = "model.safetensors.index.json";
+
+/// The architectures this module reads, as `config.json`'s `model_type` names them.
+pub const LLAMA_TYPES: &[&str] = &["llama"];
+
+/// A Llama read from a Hugging Face directory: its sizes, one tensor per parameter of
+/// `Llama::new(config, …)` in parameter order under Kiln's (= Hugging Face's) names,
+/// and the weight files read.
+#[derive(Clone, Debug)]
+pub struct ImportedLlama {
+    pub config: LlamaConfig,
+    pub weights: Vec<HostTensor>,
+    pub files: Vec<PathBuf>,
+}
+
+/// The `model_type` of the Hugging Face model in `dir` (its `config.json`), if it has
+/// one: what decides which reader to use.
+pub fn model_type(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join(super::import::HF_CONFIG);
+    let obj = read_json_object(&path)?;
+    Ok(obj
+        .get("model_type")
+        .and_then(Value::as_str)
+        .map(str::to_string))
+}
+
+fn positive(path: &Path, obj: &serde_json::Map<String, Value>, key: &str) -> Result<usize> {
+    let v = obj.get(key).ok_or_else(|| {
+        bad(
+            path,
+            format!(
+                "no `{key}`; a Llama config.json gives hidden_size, num_hidden_layers, \
+                 num_attention_heads, intermediate_size, vocab_size and \
+                 max_position_embeddings"
+            ),
+        )
+    })?;
+    v.as_u64()
+        .filter(|&n| n > 0)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| {
+            bad(
+                path,
+                format!("`{key}` is {v}; it must be a positive integer"),
+            )
+        })
+}
+
+fn number(
+    path: &Path,
+    obj: &serde_json::Map<String, Value>,
+    key: &str,
+    default: f64,
+) -> Result<f64> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| bad(path, format!("`{key}` is {v}; it must be a number"))),
+    }
+}
+
+/// Reads a Hugging Face Llama `config.json` (`path`) into Kiln's sizes, refusing what
+/// Kiln's Llama does not compute.
+pub fn read_config(path: &Path) -> Result<LlamaConfig> {
+    let obj = read_json_object(path)?;
+    let kind = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if !LLAMA_TYPES.contains(&kind) {
+        return Err(bad(
+            path,
+            format!(
+                "model_type is `{kind}`; Kiln imports Hugging Face models of type {} \
+                 (LlamaForCausalLM: SmolLM2, TinyLlama, Llama 2/3) and gpt2",
+                LLAMA_TYPES.join(", ")
+            ),
+        ));
+    }
+    let refuse = |key: &str, why: &str| -> Result<()> {
+        match obj.get(key) {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
+            Some(v) => Err(bad(
+                path,
+                format!("`{key}` is {v}: {why}; Kiln's Llama cannot import this model yet"),
+            )),
+        }
+    };
+    refuse(
+        "rope_scaling",
+        "rotary frequencies rescaled per band (Llama 3.1/3.2) are not implemented",
+    )?;
+    refuse(
+        "attention_bias",
+        "q/k/v/o projections with biases are not implemented",
+    )?;
+    refuse(
+        "mlp_bias",
+        "MLP projections with biases are not implemented",
+    )?;
+    refuse(
+        "sliding_window",
+        "sliding-window attention is not implemented",
+    )?;
+    let act = obj
+        .get("hidden_act")
+        .and_then(Value::as_str)
+        .unwrap_or("silu");
+    if act != "silu" {
+        return Err(bad(
+            path,
+            format!("`hidden_act` is `{act}`; Kiln's Llama MLP is SwiGLU with SiLU (`silu`)"),
+        ));
+    }
+    let dropout = number(path, &obj, "attention_dropout", 0.0)?;
+    if dropout != 0.0 {
+        return Err(bad(
+            path,
+            format!(
+                "`attention_dropout` is {dropout}; Kiln's Llama has no attention dropout \
+                 (set it to 0.0 to fine-tune without)"
+            ),
+        ));
+    }
+    let n_embd = positive(path, &obj, "hidden_size")?;
+    let n_head = positive(path, &obj, "num_attention_heads")?;
+    let n_kv_head = match obj.get("num_key_value_heads") {
+        None | Some(Value::Null) => n_head,
+        Some(_) => positive(path, &obj, "num_key_value_heads")?,
+    };
+    if let Some(v) = obj.get("head_dim").filter(|v| !v.is_null()) {
+        let d = positive(path, &obj, "head_dim")?;
+        if n_embd % n_head != 0 || d != n_embd / n_head {
+            return Err(bad(
+                path,
+                format!(
+                    "`head_dim` is {v}, not hidden_size / num_attention_heads = {n_embd} / \
+                     {n_head}; Kiln's Llama derives the head dim from those"
+                ),
+            ));
+        }
+    }
+    let tie = match obj.get("tie_word_embeddings") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(bad(
+                path,
+                format!("`tie_word_embeddings` is {v}; it must be true or false"),
+            ))
+        }
+    };
+    let config = LlamaConfig {
+        n_layer: positive(path, &obj, "num_hidden_layers")?,
+        n_head,
+        n_kv_head: Some(n_kv_head),
+        n_embd,
+        block_size: positive(path, &obj, "max_position_embeddings")?,
+        vocab_size: positive(path, &obj, "vocab_size")?,
+        intermediate_size: Some(positive(path, &obj, "intermediate_size")?),
+        rope_theta: number(path, &obj, "rope_theta", 10000.0)? as f32,
+        // Hugging Face's LlamaConfig default.
+        rms_norm_eps: number(path, &obj, "rms_norm_eps", 1e-6)? as f32,
+        tie_word_embeddings: tie,
+    };
+    config.check().map_err(|e| wrap(path, e))?;
+    Ok(config)
+}
+
+/// Which shard file each tensor is in, as a sharded checkpoint's index says.
+type Placement = BTreeMap<String, PathBuf>;
+
+/// The weight files of the model in `dir`: `model.safetensors`, or the shards its
+/// index names (each once, in the index's order), with the shard each tensor is in.
+fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<Placement>)> {
+    let single = dir.join(super::import::HF_WEIGHTS);
+    let index = dir.join(HF_INDEX);
+    if !index.exists() {
+        if !single.exists() {
+            return Err(bad(
+                dir,
+                format!(
+                    "no {} and no {HF_INDEX}: a Hugging Face model directory holds its \
+                     weights in one or the other",
+                    super::import::HF_WEIGHTS
+                ),
+            ));
+        }
+        return Ok((vec![single], None));
+    }
+    let obj = read_json_object(&index)?;
+    let map_obj = obj
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| bad(&index, "no `weight_map` object (tensor name → shard file)"))?;
+    let mut files: Vec<PathBuf> = vec![];
+    let mut place = BTreeMap::new();
+    for (name, file) in map_obj {
+        let file = file
+            .as_str()
+            .filter(|f| !f.is_empty() && !f.contains('/') && !f.contains('\\') && *f != "..")
+            .ok_or_else(|| {
+                bad(
+                    &index,
+                    format!("tensor `{name}` maps to {file}, not a file name in the directory"),
+                )
+            })?;
+        let path = dir.join(file);
+        if !files.contains(&path) {
+            if !path.is_file() {
+                return Err(bad(
+                    &index,
+                    format!(
+                        "shard `{file}` (of tensor `{name}`) is missing from {}; download \
+                         every shard the index lists",
+                        dir.display()
+                    ),
+                ));
+            }
+            files.push(path.clone());
+        }
+        place.insert(name.clone(), path);
+    }
+    Ok((files, Some(place)))
+}
+
+/// Reads a Hugging Face Llama from `dir` (see the module docs).
+pub fn read_hf(dir: &Path) -> Result<ImportedLlama> {
+    let config_path = dir.join(super::import::HF_CONFIG);
+    let config = read_config(&config_path)?;
+    let (files, place) = weight_files(dir)?;
+    let says = format!(
+        "{} says {} layers, hidden {}, {} heads ({} K/V), MLP {}, vocab {}",
+        config_path.display(),
+        config.n_layer,
+        config.n_embd,
+        config.n_head,
+        config.kv_heads(),
+        config.intermediate(),
+        config.vocab_size
+    );
+    let want: Vec<(String, Vec<usize>)> = Llama::new(config.clone(), 1)
+        .parameters()
+        .into_iter()
+        .map(|p| (p.name, p.shape))
+        .collect();
+    let mut found: Vec<Option<HostTensor>> = vec![None; want.len()];
+    let mut where_found: Vec<Option<PathBuf>> = vec![None; want.len()];
+    let mut lm_head = None;
+    for file in &files {
+        let mapped = map(file)?;
+        let st = SafeTensors::deserialize(&mapped).map_err(|e| {
+            bad(
+                file,
+                format!("not a valid safetensors file (truncated or corrupted?): {e}"),
+            )
+        })?;
+        for (name, view) in st.tensors() {
+            // Rotary frequencies some older checkpoints store: recomputed, not weights.
+            if name.ends_with(".rotary_emb.inv_freq") {
+                continue;
+            }
+            if let Some(p) = place.as_ref().and_then(|p| p.get(&name)) {
+                if p != file {
+                    return Err(bad(
+                        file,
+                        format!(
+                            "tensor `{name}` is in this shard, but {HF_INDEX} puts it in {}",
+                            p.display()
+                        ),
+                    ));
+                }
+            }
+            let dtype = host_dtype(view.dtype()).ok_or_else(|| {
+                bad(
+                    file,
+                    format!(
+                        "tensor `{name}` is {:?}; weights must be F32, F16 or BF16",
+                        view.dtype()
+                    ),
+                )
+            })?;
+            let shape = view.shape().to_vec();
+            let copy = |name: &str| {
+                let len = shape.iter().product();
+                HostTensor::new(
+                    name,
+                    shape.clone(),
+                    HostData::from_bytes(dtype, len, view.data()),
+                )
+            };
+            if config.tie_word_embeddings && name == "lm_head.weight" {
+                // A tied head may be saved too; it must then be the embedding.
+                lm_head = Some(copy(&name));
+                continue;
+            }
+            let Some(i) = want.iter().position(|(n, _)| *n == name) else {
+                return Err(bad(
+                    file,
+                    format!(
+                        "tensor `{name}` is no parameter of the Llama that {says}: the weights \
+                         and config.json are of different models"
+                    ),
+                ));
+            };
+            if let Some(first) = &where_found[i] {
+                return Err(bad(
+                    file,
+                    format!(
+                        "tensor `{name}` is also in {}: listed twice",
+                        first.display()
+                    ),
+                ));
+            }
+            if shape != want[i].1 {
+                return Err(bad(
+                    file,
+                    format!(
+                        "tensor `{name}` has shape {shape:?}, but {says}, which makes it {:?}: \
+                         the weights and config.json are of different models",
+                        want[i].1
+                    ),
+                ));
+            }
+            found[i] = Some(copy(&name));
+            where_found[i] = Some(file.clone());
+        }
+    }
+    let weights = found
+        .into_iter()
+        .zip(&want)
+        .map(|(t, (n, _))| {
+            t.ok_or_else(|| {
+                bad(
+                    dir,
+                    format!(
+                        "no tensor `{n}`, which the Llama that {says} has: the checkpoint is \
+                         incomplete (a shard missing?) or of another model"
+                    ),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(head) = lm_head {
+        let embed = &weights[0];
+        if head.shape != embed.shape || head.data != embed.data {
+            return Err(bad(
+                dir,
+                "`lm_head.weight` differs from `model.embed_tokens.weight`, but config.json \
+                 says tie_word_embeddings: the head would be dropped; fix config.json",
+            ));
+        }
+    }
+    Ok(ImportedLlama {
+        config,
+        weights,
+        files,
+    })
+}
