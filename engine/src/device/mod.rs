@@ -13,6 +13,7 @@ pub mod cost;
 pub mod dtype;
 pub mod host;
 pub mod kernel;
+mod kernel_validate;
 pub mod matmul;
 pub mod optim;
 pub mod optim_step;
