@@ -4,7 +4,9 @@
 //! processes of a multi-process job (`collective`; over MPI in `mpi`, with the `mpi`
 //! feature), and for pipeline parallelism the 1F1B schedule (`pipeline_schedule`),
 //! the cut of a model's blocks into stages (`pipeline_partition`) and the executor
-//! that trains a model over several devices with them (`pipeline`).
+//! that trains a model over several devices with them (`pipeline`; its stages' cut,
+//! memory and compile in `pipeline_stages`, a step's threads and decision in
+//! `pipeline_run`).
 
 pub mod collective;
 pub mod exchange;
@@ -12,6 +14,8 @@ pub mod exchange;
 pub mod mpi;
 pub mod pipeline;
 pub mod pipeline_partition;
+mod pipeline_run;
 pub mod pipeline_schedule;
+mod pipeline_stages;
 pub mod shard;
 pub mod zero;
