@@ -1,8 +1,10 @@
 //! Models and the contract they meet: a [`Model`] declares its parameters, records its
 //! forward pass and loss on the graph, and names its blocks; a [`Network`] is a model
-//! on a device (parameters in flat buffers, a compiled plan). GPT-2 (`gpt`), a
-//! Llama-style model (`llama`) and an MLP classifier (`mlp`) are three implementations;
-//! `sample` chooses generated tokens from a language model's logits.
+//! on a device (parameters in flat buffers, a compiled plan: `network`; what is
+//! decided before a device is touched in `network_build`, its bytes in
+//! `network_memory`, its weights and checkpoint state in `network_state`). GPT-2
+//! (`gpt`), a Llama-style model (`llama`) and an MLP classifier (`mlp`) are three
+//! implementations; `sample` chooses generated tokens from a language model's logits.
 
 mod config;
 pub mod generate;
@@ -12,18 +14,22 @@ pub mod import_llama;
 pub mod llama;
 pub mod mlp;
 mod network;
+mod network_build;
+mod network_memory;
+mod network_state;
 pub mod sample;
 
 pub use config::ModelConfig;
 pub use generate::Generator;
-pub(crate) use network::{
-    batch_input, best_per_row, check_ids, check_sharing, check_specs, draw_initial,
-    hand_over_groups, in_file, random_key, record, shared_gradients, weight_copies,
+pub(crate) use network::{batch_input, best_per_row, check_ids, random_key};
+pub use network::{MicroBatch, Network, Ready};
+pub use network_build::NetworkOptions;
+pub(crate) use network_build::{
+    check_sharing, check_specs, draw_initial, hand_over_groups, record, shared_gradients,
 };
-pub use network::{
-    host_memory_available, MicroBatch, ModelStateBytes, Network, NetworkMemory, NetworkOptions,
-    ParamState, Ready,
-};
+pub use network_memory::{host_memory_available, ModelStateBytes, NetworkMemory};
+pub use network_state::ParamState;
+pub(crate) use network_state::{in_file, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};
