@@ -1,0 +1,259 @@
+//! The commands that look before and after training: `kiln devices`, `kiln config`,
+//! `kiln runs` and `kiln estimate`.
+
+use anyhow::{bail, Result};
+
+use kiln::engine::Device;
+
+use super::args::{ConfigWhat, RunsWhat};
+
+pub(crate) fn estimate(
+    model: &std::path::Path,
+    devices: &[String],
+    config: Option<&std::path::Path>,
+    seq: Option<usize>,
+    (stages, partition): (Option<usize>, Option<&str>),
+) -> Result<()> {
+    use kiln::engine::DType;
+    // The flag, else the config's (as `kiln train` reads them); an unreadable config
+    // is reported when it is loaded below.
+    let stages = stages.unwrap_or_else(|| {
+        config
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map_or(1, |text| kiln::train::configured_stages(&text))
+    });
+    if stages <= 1 && partition.is_some() {
+        bail!(
+            "--partition cuts a model into pipeline stages: give --pipeline-stages 2 or more \
+             (or pipeline.stages in the config)"
+        );
+    }
+    let mut method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
+    let text = kiln::train::read_json_input(model, "the model config")?;
+    let m = kiln::engine::models::ModelConfig::parse(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    m.check()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    let (world, adapters) = match devices {
+        [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
+        specs => {
+            let specs = kiln::devices::parse_devices(specs)?;
+            let all = kiln::wgpu::adapters();
+            let cpu = kiln::cpu::CpuDevice::new();
+            // One entry per device, as training would open them.
+            let mut caps = vec![];
+            for s in &specs {
+                if let kiln::DeviceSpec::Vk(n) = s {
+                    let vk = kiln::vulkan::physical_devices();
+                    let d = vk.get(*n).ok_or_else(|| {
+                        anyhow::anyhow!("no Vulkan device vk:{n}: see `kiln devices`")
+                    })?;
+                    caps.push(d.caps.clone());
+                    continue;
+                }
+                match s.adapter_index()? {
+                    None => caps.push(cpu.caps().clone()),
+                    Some(i) => caps.push(
+                        all.iter()
+                            .find(|a| a.index == i)
+                            .map(|a| a.caps.clone())
+                            .ok_or_else(|| anyhow::anyhow!("no adapter {i}: see `kiln devices`"))?,
+                    ),
+                }
+            }
+            (specs.len(), caps)
+        }
+    };
+    // A pipeline's data-parallel world is its replicas: the config's batch sizes are
+    // per replica's step. Checked before the config is read, whose batch sizes would
+    // otherwise be resolved for a world that does not exist.
+    if stages > 1 && !world.is_multiple_of(stages) {
+        bail!(
+            "{stages} pipeline stages (--pipeline-stages, else the config's pipeline.stages) \
+             do not divide the {world} device(s): a pipeline of p stages takes p devices per \
+             data-parallel replica; give a multiple of {stages} devices or another stage count"
+        );
+    }
+    let dp = if stages > 1 { world / stages } else { world };
+    let (micro, dtype, accum, zero) = match config {
+        Some(path) => {
+            let c = kiln::engine::config::load(path, dp)?;
+            if partition.is_none() && stages > 1 {
+                method = kiln::estimate::parse_partition(&c.pipeline.partition.spelled())?;
+            }
+            let zero = c.zero.stage;
+            (
+                c.batch.micro_batch,
+                c.precision.dtype(),
+                c.batch.grad_accum,
+                zero,
+            )
+        }
+        None => (1, DType::F16, 1, 0),
+    };
+    let model = m.build(seq.unwrap_or(m.block_size()));
+    if stages > 1 {
+        out!(
+            "{}",
+            kiln::estimate::pipeline_report(
+                model.as_ref(),
+                micro,
+                dtype,
+                (stages, world, accum),
+                &method,
+                zero
+            )?
+        );
+        return Ok(());
+    }
+    out!(
+        "{}",
+        kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?
+    );
+    Ok(())
+}
+
+pub(crate) fn config(what: ConfigWhat) -> Result<()> {
+    let (ConfigWhat::Check { world, .. } | ConfigWhat::Explain { world, .. }) = &what;
+    // The world is a device count: as many as `kiln train` can open.
+    if *world > kiln::devices::MAX_DEVICES {
+        bail!(
+            "--world {world}: Kiln trains on at most {} devices; pass the number of devices \
+             the run will use",
+            kiln::devices::MAX_DEVICES
+        );
+    }
+    match what {
+        ConfigWhat::Check { file, world } => {
+            let c = kiln::engine::config::load(&file, world)?;
+            // Keys accepted but doing nothing here are worth a line too: a user who set
+            // one expects it to act.
+            for n in &c.notes {
+                outln!("note: {n}");
+            }
+            for w in &c.warnings {
+                outln!("warning: {w}");
+            }
+            // A pipeline's world is its replicas, each taking one device per stage.
+            let p = c.pipeline.stages;
+            let stages = if p > 1 {
+                format!(
+                    "; {p} pipeline stages, partition {}: {} devices",
+                    c.pipeline.partition.spelled(),
+                    p * c.batch.world
+                )
+            } else {
+                String::new()
+            };
+            outln!(
+                "{}: ok (train_batch_size {} = micro-batch {} × accumulation {} × world {}{stages})",
+                file.display(),
+                c.batch.train_batch_size,
+                c.batch.micro_batch,
+                c.batch.grad_accum,
+                c.batch.world
+            );
+        }
+        ConfigWhat::Explain { file, world } => {
+            out!("{}", kiln::engine::config::load(&file, world)?.explain());
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()> {
+    use kiln::engine::train::runs;
+    match what {
+        None => {
+            let list = runs::list_runs(root)?;
+            if list.is_empty() {
+                outln!(
+                    "no runs under {} (kiln train writes them there)",
+                    root.display()
+                );
+            } else {
+                out!("{}", runs::RunsTable(&list));
+            }
+        }
+        Some(RunsWhat::Diff { a, b }) => out!("{}", runs::diff_runs(&a, &b)?),
+    }
+    Ok(())
+}
+
+pub(crate) fn devices(json: bool) -> Result<()> {
+    let mut rows = kiln::wgpu::adapters();
+    let cpu = kiln::cpu::CpuDevice::new();
+    // The raw Vulkan backend's devices, `vk:N`, listed after wgpu's adapters.
+    let vk = kiln::vulkan::physical_devices();
+    if json {
+        let mut list: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|a| {
+                let mut v = serde_json::to_value(a).expect("plain data serializes");
+                v["spec"] = a.index.to_string().into();
+                v
+            })
+            .collect();
+        for d in &vk {
+            let mut v = serde_json::to_value(&d.caps)?;
+            v["spec"] = format!("vk:{}", d.index).into();
+            list.push(v);
+        }
+        let mut c = serde_json::to_value(cpu.caps())?;
+        c["spec"] = "cpu".into();
+        list.push(c);
+        outln!("{}", serde_json::to_string_pretty(&list)?);
+        return Ok(());
+    }
+    if rows.is_empty() {
+        errln!("No GPU adapter found. {}", kiln::wgpu::NO_ADAPTER_HINT);
+    }
+    rows.sort_by_key(|a| a.index);
+    let mib = |b: u64| format!("{} MiB", b >> 20);
+    let header = [
+        "spec",
+        "backend",
+        "type",
+        "name",
+        "f16",
+        "subgroups",
+        "timestamps",
+        "max binding",
+        "max buffer",
+    ];
+    let mut table: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    let caps = rows
+        .iter()
+        .map(|a| (a.index.to_string(), &a.caps))
+        .chain(vk.iter().map(|d| (format!("vk:{}", d.index), &d.caps)))
+        .chain(std::iter::once(("cpu".to_string(), cpu.caps())));
+    for (spec, c) in caps {
+        table.push(vec![
+            spec,
+            c.backend.clone(),
+            c.device_type.clone(),
+            c.name.clone(),
+            if c.f16_arithmetic { "native" } else { "packed" }.into(),
+            c.subgroup_sizes.map_or("-".into(), |(a, b)| {
+                if a == b {
+                    a.to_string()
+                } else {
+                    format!("{a}-{b}")
+                }
+            }),
+            if c.timestamp_queries { "yes" } else { "no" }.into(),
+            if c.backend == "cpu" {
+                "-".into()
+            } else {
+                mib(c.max_storage_binding)
+            },
+            if c.backend == "cpu" {
+                "-".into()
+            } else {
+                mib(c.max_buffer)
+            },
+        ]);
+    }
+    outln!("{}", kiln::bench::align(&table));
+    Ok(())
+}
