@@ -23,7 +23,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::Dtype as StDtype;
+use safetensors::tensor::{Dtype as StDtype, TensorView};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -291,13 +291,36 @@ fn expected(config: &GptConfig) -> Vec<(String, Vec<usize>)> {
         .collect()
 }
 
-pub(super) fn host_dtype(d: StDtype) -> Option<DType> {
+fn host_dtype(d: StDtype) -> Option<DType> {
     match d {
         StDtype::F32 => Some(DType::F32),
         StDtype::F16 => Some(DType::F16),
         StDtype::BF16 => Some(DType::BF16),
         _ => None,
     }
+}
+
+/// The dtype of tensor `name` of `file`, which weights must have (f32, f16 or bf16).
+pub(super) fn weight_dtype(file: &Path, name: &str, view: &TensorView) -> Result<DType> {
+    host_dtype(view.dtype()).ok_or_else(|| {
+        bad(
+            file,
+            format!(
+                "tensor `{name}` is {:?}; weights must be F32, F16 or BF16",
+                view.dtype()
+            ),
+        )
+    })
+}
+
+/// A safetensors view copied into a host tensor named `name`, in its `dtype`.
+pub(super) fn copy_view(name: &str, view: &TensorView, dtype: DType) -> HostTensor {
+    let len = view.shape().iter().product();
+    HostTensor::new(
+        name,
+        view.shape().to_vec(),
+        HostData::from_bytes(dtype, len, view.data()),
+    )
 }
 
 /// Reads a Hugging Face GPT-2: `path` is the directory or its `model.safetensors`.
@@ -334,25 +357,10 @@ pub fn read_hf(path: &Path) -> Result<Imported> {
         if bare.ends_with(".attn.bias") || bare.ends_with(".attn.masked_bias") {
             continue;
         }
-        let dtype = host_dtype(view.dtype()).ok_or_else(|| {
-            bad(
-                &weights_path,
-                format!(
-                    "tensor `{name}` is {:?}; weights must be F32, F16 or BF16",
-                    view.dtype()
-                ),
-            )
-        })?;
+        let dtype = weight_dtype(&weights_path, &name, &view)?;
         let shape = view.shape().to_vec();
         // Copied only once its shape is checked (a view's bytes are within the file).
-        let copy = |name: &str| {
-            let len = shape.iter().product();
-            HostTensor::new(
-                name,
-                shape.clone(),
-                HostData::from_bytes(dtype, len, view.data()),
-            )
-        };
+        let copy = |name: &str| copy_view(name, &view, dtype);
         if bare == "lm_head.weight" {
             if shape != want[0].1 {
                 return Err(bad(

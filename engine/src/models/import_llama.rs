@@ -23,11 +23,11 @@ use std::path::{Path, PathBuf};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
-use super::import::{bad, host_dtype, map, read_json_object, wrap};
+use super::import::{bad, copy_view, map, read_json_object, weight_dtype, wrap};
 use super::llama::{Llama, LlamaConfig};
 use super::Model;
 use crate::device::host::HostTensor;
-use crate::{HostData, Result};
+use crate::Result;
 
 /// A sharded checkpoint's index (tensor name → shard file).
 pub const HF_INDEX: &str = "model.safetensors.index.json";
@@ -302,24 +302,9 @@ pub fn read_hf(dir: &Path) -> Result<ImportedLlama> {
                     ));
                 }
             }
-            let dtype = host_dtype(view.dtype()).ok_or_else(|| {
-                bad(
-                    file,
-                    format!(
-                        "tensor `{name}` is {:?}; weights must be F32, F16 or BF16",
-                        view.dtype()
-                    ),
-                )
-            })?;
+            let dtype = weight_dtype(file, &name, &view)?;
             let shape = view.shape().to_vec();
-            let copy = |name: &str| {
-                let len = shape.iter().product();
-                HostTensor::new(
-                    name,
-                    shape.clone(),
-                    HostData::from_bytes(dtype, len, view.data()),
-                )
-            };
+            let copy = |name: &str| copy_view(name, &view, dtype);
             if config.tie_word_embeddings && name == "lm_head.weight" {
                 // A tied head may be saved too; it must then be the embedding.
                 lm_head = Some(copy(&name));
