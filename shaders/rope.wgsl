@@ -1,5 +1,5 @@
 // Rotary position embedding ("rotate half"): in each head of `dim` values, pair (i,
-// i + dim/2) of the row at position t turns by a = t * theta^(-2i / dim) (by -a when
+// i + dim/2) of the row at position t turns by a = t * theta^(-2i / dim) (rescaled per band for Llama 3: rope_angle.wgsl) (by -a when
 // P.sign is -1: the backward pass). Two elements per step; dim is even, so a 32-bit word
 // of 16-bit values never straddles a head. Slots: x (read), out (write).
 

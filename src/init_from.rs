@@ -2,9 +2,9 @@
 //! sizes that come with them.
 //!
 //! PATH is a Kiln run directory (its latest checkpoint), one of its checkpoint
-//! directories, a Hugging Face directory — GPT-2, or a Llama (`model_type` `llama`:
-//! SmolLM2, TinyLlama, Llama 2/3 without rope scaling; one `model.safetensors` or
-//! shards with their index) — or a GPT-2 `model.safetensors` (with its `config.json`),
+//! directories, a Hugging Face directory — GPT-2, or a Llama-family model (`model_type`
+//! `llama`, `qwen2` or `mistral`: SmolLM2, TinyLlama, Llama 2/3.x, Qwen2.5, Mistral; one
+//! `model.safetensors` or shards with their index) — or a GPT-2 `model.safetensors` (with its `config.json`),
 //! or an llm.c `.bin`.
 //!
 //! Only the weights are taken, never the optimizer state: a fine-tuning run has its own

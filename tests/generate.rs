@@ -392,20 +392,32 @@ enum Arch {
     Gpt,
     /// 4 query heads over 2 K/V heads, an untied head.
     Llama,
+    /// What Llama 3.2, Qwen2 and Mistral-Nemo add: q/k/v biases, a head dim (12) other
+    /// than n_embd / n_head, llama3 rope scaling (original context 32, so that the
+    /// heads' wavelengths of 6.3, 29 and 136+ are kept, blended and slowed), a tied head.
+    Llama3,
 }
 
 fn model(arch: Arch, seq: usize) -> Arc<dyn Model> {
     match arch {
         Arch::Gpt => Arc::new(Gpt::new(config(), seq)),
-        Arch::Llama => Arc::new(llama(seq)),
+        Arch::Llama | Arch::Llama3 => Arc::new(llama(arch, seq)),
     }
 }
 
-fn llama(seq: usize) -> Llama {
-    let cfg = serde_json::from_str(
-        r#"{"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 80,
-            "vocab_size": 67, "tie_word_embeddings": false}"#,
-    )
+fn llama(arch: Arch, seq: usize) -> Llama {
+    let extra = match arch {
+        Arch::Llama3 => {
+            r#""tie_word_embeddings": true, "qkv_bias": true, "head_dim": 12,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}"#
+        }
+        _ => r#""tie_word_embeddings": false"#,
+    };
+    let cfg = serde_json::from_str(&format!(
+        r#"{{"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 32, "block_size": 80,
+            "vocab_size": 67, {extra}}}"#
+    ))
     .unwrap();
     Llama::new(cfg, seq)
 }
@@ -416,8 +428,8 @@ fn generator(dev: &dyn Device, arch: Arch, dtype: DType, max_len: usize) -> Gene
             let m = Gpt::new(config(), 1);
             Generator::new(dev, &m, &weights(&m), dtype, max_len).unwrap()
         }
-        Arch::Llama => {
-            let m = llama(1);
+        Arch::Llama | Arch::Llama3 => {
+            let m = llama(arch, 1);
             Generator::llama(dev, &m, &weights(&m), dtype, max_len).unwrap()
         }
     }
@@ -524,6 +536,7 @@ fn generation_matches_recomputation_cpu() {
     let all = [DType::F32, DType::F16, DType::BF16];
     check_generation("cpu", &cpu, Arch::Gpt, &all);
     check_generation("cpu", &cpu, Arch::Llama, &all);
+    check_generation("cpu", &cpu, Arch::Llama3, &all);
 }
 
 #[test]
@@ -537,6 +550,7 @@ fn generation_matches_recomputation_vulkan_native_f16() {
         Arch::Llama,
         &[DType::F32, DType::F16],
     );
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama3, &[DType::F32]);
 }
 
 #[test]
@@ -644,7 +658,7 @@ fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) ->
         positions: pos,
         cols,
         dim,
-        theta: 10000.0,
+        freqs: 10000.0f32.into(),
     })
     .unwrap();
     let got = dev.download(out).unwrap().to_f32();
@@ -670,7 +684,7 @@ fn rope_at_matches_rope_and_the_cpu() {
         cols: 30,
         dim: 10,
         seq: 5,
-        theta: 10000.0,
+        freqs: 10000.0f32.into(),
         inverse: false,
     })
     .unwrap();

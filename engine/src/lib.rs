@@ -23,6 +23,6 @@ pub use device::kernel::{
 pub use device::matmul::Matmul;
 pub use device::optim::Optimizer;
 pub use device::optim_step::{AdamStep, SgdStep};
-pub use device::{Buffer, Capabilities, Device, PendingDownload};
+pub use device::{Buffer, Capabilities, Device, PendingDownload, RopeFreqs, RopeScaling};
 pub use error::{Error, Result};
 pub use train::loss_scaler::{DynamicScaling, LossScaler, StepDecision};

@@ -18,7 +18,13 @@ fn rope_cos_sin(t: f32, i: u32) -> vec2<f32> {
     let fi = f32(i);
     let e_hi = fi * P.step_hi;
     let whole = floor(e_hi);
-    let inv_freq = ldexp(exp2(-((e_hi - whole) + fi * P.step_lo)), -i32(whole));
+    var inv_freq = ldexp(exp2(-((e_hi - whole) + fi * P.step_lo)), -i32(whole));
+    if (P.slow != 1.0) {
+        // Llama 3: r wavelengths in the original context; keep r > high, slow r < low
+        // by the factor, blend linearly between.
+        let r = inv_freq * P.ctx_over_2pi;
+        inv_freq = inv_freq * mix(P.slow, 1.0, clamp((r - P.low) / (P.high - P.low), 0.0, 1.0));
+    }
     let a = t * inv_freq;
     let k = u32(round(a * INV_TWO_PI));
     let k_hi = f32(k & 0xfffff000u);

@@ -15,7 +15,7 @@ use kiln_engine::device::kernel::{
     dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor,
 };
 use kiln_engine::device::matmul::{gelu_f64, gelu_grad_f64};
-use kiln_engine::device::{check_upload, check_view, KernelTiming};
+use kiln_engine::device::{check_upload, check_view, KernelTiming, RopeFreqs};
 use kiln_engine::{
     device::PendingDownload, Activation, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device,
     Error, HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
@@ -606,11 +606,11 @@ impl CpuDevice {
                 cols,
                 dim,
                 seq,
-                theta,
+                freqs,
                 inverse,
             } => {
                 let xs = s.f32s(*x, name)?;
-                let o = rope(&xs, (*cols, *dim, *seq), *theta as f64, *inverse);
+                let o = rope(&xs, (*cols, *dim, *seq), freqs, *inverse);
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
             Kernel::SwiGlu { gate, up, out } => {
@@ -649,11 +649,11 @@ impl CpuDevice {
                 positions,
                 cols,
                 dim,
-                theta,
+                freqs,
             } => {
                 let xs = s.f32s(*x, name)?;
                 let pos = s.get(*positions, name)?.bits();
-                let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, *theta as f64, false);
+                let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, freqs, false);
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
             Kernel::CacheWrite {
@@ -1177,11 +1177,17 @@ fn rmsnorm_backward(s: &mut State, b: [Buffer; 6], cols: usize, name: &str) -> R
     s.put(dweight, HostData::F32(dw), name)
 }
 
-/// Rotary embedding in f64 with exact angles `t * theta^(-2i / dim)` (the GPU's are
-/// f32): rows of `cols`, row r at position r % seq, each head's halves rotated
-/// pairwise; `inverse` rotates by the negative angle.
-fn rope(x: &[f32], (cols, dim, seq): (usize, usize, usize), theta: f64, inverse: bool) -> Vec<f32> {
-    rope_rows(x, (cols, dim), |r| (r % seq) as f64, theta, inverse)
+/// Rotary embedding in f64 with exact angles `t * f_i` (`f_i` = `theta^(-2i / dim)`,
+/// rescaled per band by `freqs`' scaling; the GPU's are f32): rows of `cols`, row r at
+/// position r % seq, each head's halves rotated pairwise; `inverse` rotates by the
+/// negative angle.
+fn rope(
+    x: &[f32],
+    (cols, dim, seq): (usize, usize, usize),
+    freqs: &RopeFreqs,
+    inverse: bool,
+) -> Vec<f32> {
+    rope_rows(x, (cols, dim), |r| (r % seq) as f64, freqs, inverse)
 }
 
 /// Rotary embedding with row `r` at position `position(r)`.
@@ -1189,7 +1195,7 @@ fn rope_rows(
     x: &[f32],
     (cols, dim): (usize, usize),
     position: impl Fn(usize) -> f64,
-    theta: f64,
+    freqs: &RopeFreqs,
     inverse: bool,
 ) -> Vec<f32> {
     let half = dim / 2;
@@ -1199,7 +1205,7 @@ fn rope_rows(
         let t = position(r);
         for h in (0..cols).step_by(dim) {
             for i in 0..half {
-                let a = t * theta.powf(-2.0 * i as f64 / dim as f64);
+                let a = t * freqs.inv_freq(i, dim);
                 let (sin, cos) = (sign * a.sin(), a.cos());
                 let (lo, hi) = (row[h + i] as f64, row[h + i + half] as f64);
                 out[r * cols + h + i] = (lo * cos - hi * sin) as f32;

@@ -5,7 +5,7 @@
 //! Vulkan, so both backends run one op set.
 
 use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
-use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result};
+use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result, RopeFreqs};
 
 use crate::attention::LowerAttention;
 use crate::dispatch::{
@@ -405,11 +405,11 @@ pub(crate) trait Lower: Recorder {
                 cols,
                 dim,
                 seq,
-                theta,
+                freqs,
                 inverse,
             } => {
                 if x.len > 0 {
-                    let [step_hi, step_lo] = rope_step(*theta, *dim);
+                    let [step_hi, step_lo] = rope_step(freqs.theta, *dim);
                     let words = (x.len / 2) as u32;
                     let sign: f32 = if *inverse { -1.0 } else { 1.0 };
                     self.dispatch(
@@ -427,7 +427,10 @@ pub(crate) trait Lower: Recorder {
                                 sign.to_bits(),
                                 step_hi.to_bits(),
                                 step_lo.to_bits(),
-                            ],
+                            ]
+                            .into_iter()
+                            .chain(rope_scaling(freqs))
+                            .collect(),
                             (groups(words), 1, 1),
                         ),
                     )?;
@@ -455,10 +458,10 @@ pub(crate) trait Lower: Recorder {
                 positions,
                 cols,
                 dim,
-                theta,
+                freqs,
             } => {
                 if x.len > 0 {
-                    let [step_hi, step_lo] = rope_step(*theta, *dim);
+                    let [step_hi, step_lo] = rope_step(freqs.theta, *dim);
                     let words = (x.len / 2) as u32;
                     self.dispatch(
                         s,
@@ -475,7 +478,10 @@ pub(crate) trait Lower: Recorder {
                                 1f32.to_bits(),
                                 step_hi.to_bits(),
                                 step_lo.to_bits(),
-                            ],
+                            ]
+                            .into_iter()
+                            .chain(rope_scaling(freqs))
+                            .collect(),
                             (groups(words), 1, 1),
                         ),
                     )?;
@@ -1057,6 +1063,22 @@ fn rope_step(theta: f32, dim: usize) -> [f32; 2] {
     let step = 2.0 * (theta as f64).log2() / dim as f64;
     let hi = f32::from_bits((step as f32).to_bits() & !0x1fff);
     [hi, (step - hi as f64) as f32]
+}
+
+/// The band rescaling's parameters of `shaders/common/rope_params.wgsl`: the original
+/// context over 2 pi, the low and high factors, and 1 / factor (1: no scaling, which the
+/// shader skips).
+fn rope_scaling(freqs: &RopeFreqs) -> [u32; 4] {
+    let [ctx, lo, hi, slow] = match freqs.scaling {
+        None => [0.0, 0.0, 1.0, 1.0],
+        Some(s) => [
+            (s.original_max_position_embeddings as f64 / std::f64::consts::TAU) as f32,
+            s.low_freq_factor,
+            s.high_freq_factor,
+            (1.0 / s.factor as f64) as f32,
+        ],
+    };
+    [ctx.to_bits(), lo.to_bits(), hi.to_bits(), slow.to_bits()]
 }
 
 fn gcd(a: usize, b: usize) -> usize {

@@ -377,16 +377,16 @@ pub const RMSNORM_BACKWARD_PARAMS: KernelSource = elementwise!(
         own("dweight", ReadWrite),
     ]
 );
-/// Rotary embedding, forward and inverse (32-byte parameter block).
+/// Rotary embedding, forward and inverse (48-byte parameter block).
 pub const ROPE: KernelSource = KernelSource {
     prelude: &[ROPE_PARAMS, ROPE_ANGLE],
-    params_size: 32,
+    params_size: 48,
     ..elementwise!("rope", &[typed("x", Read), typed("out", ReadWrite)])
 };
 /// Rotary embedding at positions read from a u32 buffer (generation).
 pub const ROPE_AT: KernelSource = KernelSource {
     prelude: &[ROPE_PARAMS, ROPE_ANGLE],
-    params_size: 32,
+    params_size: 48,
     ..elementwise!(
         "rope_at",
         &[

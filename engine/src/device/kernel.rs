@@ -5,7 +5,7 @@
 //! ([`Kernel::validate`]) live in `kernel_validate.rs`, once, so every backend rejects
 //! the same bad launches with the same words.
 
-use crate::{AdamStep, Buffer, Matmul, SgdStep};
+use crate::{AdamStep, Buffer, Matmul, RopeFreqs, SgdStep};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
@@ -383,7 +383,8 @@ pub enum Kernel {
     /// Rotary position embedding, the "rotate half" form of Hugging Face's Llama: `x`
     /// holds rows of `cols` = heads x `dim` elements, row `r` at position
     /// `t = r % seq`. Each head's `dim` (even) values split into halves; for
-    /// `i < dim / 2` and `a = t * theta^(-2i / dim)`:
+    /// `i < dim / 2` and `a = t * f_i` (`f_i = theta^(-2i / dim)`, rescaled per band
+    /// where `freqs` has a scaling: [`RopeFreqs`]):
     /// `out[i] = x[i] cos a - x[i + dim/2] sin a`,
     /// `out[i + dim/2] = x[i + dim/2] cos a + x[i] sin a`.
     /// With `inverse`, the rotation by `-a`: the backward pass (`dx` from `dout`).
@@ -399,7 +400,7 @@ pub enum Kernel {
         cols: usize,
         dim: usize,
         seq: usize,
-        theta: f32,
+        freqs: RopeFreqs,
         inverse: bool,
     },
     /// SwiGLU's gate (Llama's MLP): `out = silu(gate) * up` elementwise, with
@@ -429,7 +430,7 @@ pub enum Kernel {
         positions: Buffer,
         cols: usize,
         dim: usize,
-        theta: f32,
+        freqs: RopeFreqs,
     },
     /// Appends new K or V rows to a generation cache at positions read from the device,
     /// so that one recorded launch serves every step. `src` holds `rows` rows of `width`

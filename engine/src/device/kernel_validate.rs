@@ -493,7 +493,7 @@ impl Kernel {
                 cols,
                 dim,
                 seq,
-                theta,
+                freqs,
                 ..
             } => {
                 if *dim == 0 || !dim.is_multiple_of(2) {
@@ -517,11 +517,8 @@ impl Kernel {
                          must be 1..={ROPE_MAX_SEQ} and divide the rows)"
                     )));
                 }
-                if !(*theta > 0.0 && theta.is_finite()) {
-                    return Err(Error::InvalidArgument(format!(
-                        "{k}: theta (the frequency base, 10000 in Llama) must be positive, \
-                         not {theta}"
-                    )));
+                if let Some(why) = freqs.problem() {
+                    return Err(Error::InvalidArgument(format!("{k}: {why}")));
                 }
                 Ok(())
             }
@@ -531,7 +528,7 @@ impl Kernel {
                 positions,
                 cols,
                 dim,
-                theta,
+                freqs,
             } => {
                 if *dim == 0 || !dim.is_multiple_of(2) || *cols == 0 || !cols.is_multiple_of(*dim) {
                     return Err(Error::InvalidArgument(format!(
@@ -544,11 +541,8 @@ impl Kernel {
                 same_len(k, "out", out, x.len)?;
                 same_dtype(k, "positions", positions, DType::U32)?;
                 same_len(k, "positions", positions, rows)?;
-                if !(*theta > 0.0 && theta.is_finite()) {
-                    return Err(Error::InvalidArgument(format!(
-                        "{k}: theta (the frequency base, 10000 in Llama) must be positive, \
-                         not {theta}"
-                    )));
+                if let Some(why) = freqs.problem() {
+                    return Err(Error::InvalidArgument(format!("{k}: {why}")));
                 }
                 Ok(())
             }

@@ -18,6 +18,7 @@ pub mod matmul;
 pub mod optim;
 pub mod optim_step;
 pub mod profile;
+pub mod rope;
 pub mod safetensors_io;
 
 use serde::Serialize;
@@ -25,6 +26,7 @@ use serde::Serialize;
 use crate::{DType, HostData, Kernel, Result};
 pub use buffer::{check_view, Buffer, VIEW_ALIGN};
 pub use profile::KernelTiming;
+pub use rope::{RopeFreqs, RopeScaling};
 
 /// What a device is and what it can do.
 #[derive(Clone, Debug, Serialize)]

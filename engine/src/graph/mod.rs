@@ -22,7 +22,7 @@ mod split;
 pub use plan::{Bindings, Group, Plan, PlanMemory};
 pub use split::{Boundary, StageGraph};
 
-use crate::{Activation, DType, Error, HostData, Result};
+use crate::{Activation, DType, Error, HostData, Result, RopeFreqs};
 
 /// Sequences shorter than this use the straightforward attention by default.
 pub const SHORTEST_FUSED: usize = 32;
@@ -202,13 +202,14 @@ pub(crate) enum Op {
         out: Tensor,
         eps: f32,
     },
-    /// Rotary position embedding of `x` (B, T, H * D), `heads` heads, frequency base
-    /// `theta`: position `t` of each sequence rotated by `t * theta^(-2i / D)`.
+    /// Rotary position embedding of `x` (B, T, H * D), `heads` heads: position `t` of
+    /// each sequence rotated by `t * f_i` (`f_i = theta^(-2i / D)`, rescaled per band
+    /// where `freqs` says so).
     Rope {
         x: Tensor,
         out: Tensor,
         heads: usize,
-        theta: f32,
+        freqs: RopeFreqs,
     },
     /// `out = silu(gate) * up`, elementwise.
     SwiGlu {
@@ -733,8 +734,10 @@ impl Graph {
     /// Rotary position embedding (Hugging Face Llama's "rotate half" form) of `x`
     /// (B, T, C) split into `heads` heads of D = C / heads (even): at position `t`, each
     /// head's pair `(i, i + D/2)` is rotated by `t * theta^(-2i / D)` (`theta` is
-    /// Llama's `rope_theta`, e.g. 10000).
-    pub fn rope(&mut self, x: Tensor, heads: usize, theta: f32) -> Result<Tensor> {
+    /// Llama's `rope_theta`, e.g. 10000; `freqs` is a plain `theta` or [`RopeFreqs`]
+    /// with Llama 3's band rescaling).
+    pub fn rope(&mut self, x: Tensor, heads: usize, freqs: impl Into<RopeFreqs>) -> Result<Tensor> {
+        let freqs = freqs.into();
         let xi = self.float("rope", x)?.clone();
         if xi.shape.len() != 3 || heads == 0 || xi.cols() % heads != 0 {
             return Err(Error::InvalidArgument(format!(
@@ -751,10 +754,9 @@ impl Graph {
                 xi.name, xi.shape
             )));
         }
-        if !(theta > 0.0 && theta.is_finite()) {
+        if let Some(why) = freqs.problem() {
             return Err(Error::InvalidArgument(format!(
-                "graph: rope of `{}`: theta (the frequency base, 10000 in Llama) must be \
-                 positive, not {theta}",
+                "graph: rope of `{}`: {why}",
                 xi.name
             )));
         }
@@ -763,7 +765,7 @@ impl Graph {
             x,
             out,
             heads,
-            theta,
+            freqs,
         });
         Ok(out)
     }

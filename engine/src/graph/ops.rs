@@ -12,7 +12,7 @@ use super::autodiff::Grads;
 use super::plan::Emitter;
 use super::{Attention, Op, Tensor};
 use crate::device::kernel::dropout_seed;
-use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result};
+use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result, RopeFreqs};
 
 /// What an op's backward reads besides its operands and output.
 pub(super) enum Saved {
@@ -212,11 +212,11 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             x,
             out,
             heads,
-            theta,
+            freqs,
         } => {
             // out (B, T, C) = x rotated per head (D = C / H), row (b, t) by angles of t.
             let o = e.define(out);
-            e.launch(rope(g, x, heads, theta, e.val(x), o, false))?;
+            e.launch(rope(g, x, heads, freqs, e.val(x), o, false))?;
             Ok(Saved::None)
         }
         Op::SwiGlu { gate, up, out } => {
@@ -557,7 +557,7 @@ pub(super) fn backward(
         }
         (
             &Op::Rope {
-                x, heads, theta, ..
+                x, heads, freqs, ..
             },
             _,
         ) => {
@@ -566,7 +566,7 @@ pub(super) fn backward(
                 return Ok(());
             }
             let dx = gr.overwriting(e, x)?;
-            e.launch(rope(g, x, heads, theta, dout(), dx.buf, true))?;
+            e.launch(rope(g, x, heads, freqs, dout(), dx.buf, true))?;
             gr.finish(e, dx)
         }
         (&Op::SwiGlu { gate, up, .. }, _) => {
@@ -694,7 +694,7 @@ fn rope(
     g: &super::Graph,
     x: super::Tensor,
     heads: usize,
-    theta: f32,
+    freqs: RopeFreqs,
     src: Buffer,
     dst: Buffer,
     inverse: bool,
@@ -706,7 +706,7 @@ fn rope(
         cols: s[2],
         dim: s[2] / heads,
         seq: s[1],
-        theta,
+        freqs,
         inverse,
     }
 }

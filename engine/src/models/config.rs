@@ -5,7 +5,7 @@ use serde::Deserialize;
 
 use super::{gpt, llama, tensor_elements, Model, MAX_LAYERS, MAX_PARAMETERS};
 use crate::graph::Attention;
-use crate::{DType, Error, Result};
+use crate::{DType, Error, Result, RopeFreqs, RopeScaling};
 
 /// Model sizes, as in a GPT-2 config file.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -124,6 +124,21 @@ pub struct LlamaConfig {
     /// The LM head reads the token embedding (one tensor) instead of its own.
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// Each attention head's width D; default n_embd / n_head (Mistral-Nemo's 128 is
+    /// not 5120 / 32). q is (H·D, C), k and v (K·D, C), o (C, H·D).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// q, k and v projections with biases (Qwen2); o and the MLP have none.
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Llama 3's rotary frequencies rescaled per band; none: plain `rope_theta`.
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Mistral's sliding window: each position attends to at most this many (itself
+    /// included). Kiln computes full causal attention, which equals it while sequences
+    /// are no longer than the window, so longer ones are refused.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
 }
 
 fn default_theta() -> f32 {
@@ -137,6 +152,29 @@ fn default_eps() -> f32 {
 impl LlamaConfig {
     pub fn kv_heads(&self) -> usize {
         self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// Parameters per block: input norm, q, k, v, (q, k, v biases,) o, post-attention
+    /// norm, gate, up, down.
+    pub fn per_block(&self) -> usize {
+        if self.qkv_bias {
+            12
+        } else {
+            9
+        }
+    }
+
+    /// D, each head's width.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.n_embd / self.n_head.max(1))
+    }
+
+    /// The rotary embedding's frequencies.
+    pub fn rope(&self) -> RopeFreqs {
+        RopeFreqs {
+            theta: self.rope_theta,
+            scaling: self.rope_scaling,
+        }
     }
 
     /// The MLP width (saturating where 8/3 · n_embd overflows, which
@@ -154,14 +192,21 @@ impl LlamaConfig {
     /// Ψ, or `None` where it overflows.
     pub fn checked_parameter_count(&self) -> Option<usize> {
         let (e, v, i) = (self.n_embd, self.vocab_size, self.intermediate());
-        let kv = self.kv_heads().checked_mul(e / self.n_head.max(1))?;
+        let q = self.n_head.checked_mul(self.head_dim())?;
+        let kv = self.kv_heads().checked_mul(self.head_dim())?;
         let heads = if self.tie_word_embeddings { 1 } else { 2 };
-        let block = e
+        let biases = if self.qkv_bias {
+            q.checked_add(kv.checked_mul(2)?)?
+        } else {
+            0
+        };
+        let block = q
             .checked_mul(e)?
             .checked_mul(2)?
             .checked_add(kv.checked_mul(e)?.checked_mul(2)?)?
             .checked_add(i.checked_mul(e)?.checked_mul(3)?)?
-            .checked_add(e.checked_mul(2)?)?;
+            .checked_add(e.checked_mul(2)?)?
+            .checked_add(biases)?;
         v.checked_mul(e)?
             .checked_mul(heads)?
             .checked_add(self.n_layer.checked_mul(block)?)?
@@ -189,7 +234,18 @@ impl LlamaConfig {
             )));
         }
         tensor_elements("llama: the token embedding (vocab_size × n_embd)", &[v, e])?;
-        tensor_elements("llama: a projection (n_embd × n_embd)", &[e, e])?;
+        if self.head_dim == Some(0) || self.sliding_window == Some(0) {
+            return Err(Error::InvalidArgument(
+                "llama: head_dim and sliding_window must be at least 1 where given".into(),
+            ));
+        }
+        if let Some(why) = self.rope_scaling.as_ref().and_then(RopeScaling::problem) {
+            return Err(Error::InvalidArgument(format!("llama: {why}")));
+        }
+        tensor_elements(
+            "llama: a projection (n_head × head_dim × n_embd)",
+            &[self.n_head, self.head_dim(), e],
+        )?;
         tensor_elements(
             "llama: an MLP weight (intermediate_size × n_embd)",
             &[self.intermediate(), e],
@@ -213,12 +269,22 @@ impl LlamaConfig {
     ) -> Result<Attention> {
         let c = self;
         let (h, k) = (c.n_head, c.kv_heads());
-        let even_heads = c.n_embd.is_multiple_of(h) && (c.n_embd / h).is_multiple_of(2);
+        let even_heads = match c.head_dim {
+            Some(d) => d > 0 && d.is_multiple_of(2),
+            None => c.n_embd.is_multiple_of(h) && (c.n_embd / h).is_multiple_of(2),
+        };
         if h == 0 || k == 0 || !even_heads || !h.is_multiple_of(k) {
             return Err(Error::InvalidArgument(format!(
-                "llama: n_embd {} must split into n_head {h} heads of an even size, and n_head \
-                 into n_kv_head {k} groups",
+                "llama: n_embd {} must split into n_head {h} heads of an even size (or \
+                 head_dim be even), and n_head into n_kv_head {k} groups",
                 c.n_embd
+            )));
+        }
+        if let Some(w) = c.sliding_window.filter(|&w| seq > w) {
+            return Err(Error::InvalidArgument(format!(
+                "llama: sequences of {seq} tokens are longer than the sliding window of {w}; \
+                 Kiln computes full causal attention, equal to the window's only up to {w} \
+                 tokens: train with seq <= {w}"
             )));
         }
         if seq == 0 || seq > c.block_size || batch == 0 || c.n_layer == 0 {
@@ -227,7 +293,7 @@ impl LlamaConfig {
                 seq, c.block_size
             )));
         }
-        let d = c.n_embd / h;
+        let d = c.head_dim();
         let attention = Attention::choose(pinned, (d, dtype, seq), "llama")?;
         let t = seq;
         tensor_elements(
@@ -308,7 +374,8 @@ impl ModelConfig {
                         e,
                         "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"; \
                      optional \"n_kv_head\", \"intermediate_size\", \"rope_theta\", \
-                     \"rms_norm_eps\", \"tie_word_embeddings\"",
+                     \"rms_norm_eps\", \"tie_word_embeddings\", \"head_dim\", \"qkv_bias\", \
+                     \"rope_scaling\", \"sliding_window\"",
                     )
                 }),
             other => Err(format!(
@@ -375,7 +442,8 @@ impl ModelConfig {
                 }
                 v
             }
-            ModelConfig::Llama(c) => serde_json::json!({
+            ModelConfig::Llama(c) => {
+                let mut v = serde_json::json!({
                 "architecture": "llama",
                 "n_layer": c.n_layer,
                 "n_head": c.n_head,
@@ -387,7 +455,22 @@ impl ModelConfig {
                 "rope_theta": c.rope_theta,
                 "rms_norm_eps": c.rms_norm_eps,
                 "tie_word_embeddings": c.tie_word_embeddings,
-            }),
+                });
+                // Only where set, so the runs recorded before them compare the same.
+                if let Some(d) = c.head_dim {
+                    v["head_dim"] = d.into();
+                }
+                if c.qkv_bias {
+                    v["qkv_bias"] = true.into();
+                }
+                if let Some(s) = c.rope_scaling {
+                    v["rope_scaling"] = serde_json::to_value(s).unwrap_or_default();
+                }
+                if let Some(w) = c.sliding_window {
+                    v["sliding_window"] = w.into();
+                }
+                v
+            }
         }
     }
 }

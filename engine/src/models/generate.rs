@@ -77,6 +77,17 @@ impl Arch {
     }
 }
 
+impl Arch {
+    /// D, each head's width (0 where n_embd does not split into GPT-2's heads).
+    fn head_dim(&self) -> usize {
+        match self {
+            Arch::Gpt(c) if c.n_head > 0 && c.n_embd % c.n_head == 0 => c.n_embd / c.n_head,
+            Arch::Gpt(_) => 0,
+            Arch::Llama(c) => c.head_dim(),
+        }
+    }
+}
+
 /// A GPT-2 or a Llama on one device that generates one sequence token by token.
 pub struct Generator {
     arch: Arch,
@@ -136,18 +147,19 @@ impl Generator {
             )));
         }
         let (c, h, kvh, _, block_size, n_layer) = arch.sizes();
-        if h == 0 || c % h != 0 || c % 2 != 0 || kvh == 0 || h % kvh != 0 {
+        let dim = arch.head_dim();
+        if h == 0 || dim == 0 || !c.is_multiple_of(2) || kvh == 0 || !h.is_multiple_of(kvh) {
             return Err(Error::InvalidArgument(format!(
-                "generate: n_embd {c} must be even and divisible by n_head {h}, and n_head \
-                 a multiple of the {kvh} K/V heads"
+                "generate: n_embd {c} must be even and split into n_head {h} heads (or \
+                 head_dim be given), and n_head a multiple of the {kvh} K/V heads"
             )));
         }
-        let dim = c / h;
         let rope = matches!(arch, Arch::Llama(_));
-        if dim > crate::ATTENTION_MAX_DIM || ((dtype.size() == 2 || rope) && dim % 2 != 0) {
+        let odd = !dim.is_multiple_of(2);
+        if dim > crate::ATTENTION_MAX_DIM || ((dtype.size() == 2 || rope) && odd) {
             return Err(Error::InvalidArgument(format!(
                 "generate: the cached attention takes head dims up to {} (even for 16-bit \
-                 activations and RoPE), not {dim} (n_embd {c} / n_head {h})",
+                 activations and RoPE), not {dim} ({h} heads on n_embd {c})",
                 crate::ATTENTION_MAX_DIM
             )));
         }
@@ -156,6 +168,19 @@ impl Generator {
                 "generate: max_len {max_len} must be 1..={block_size} (the model's \
                  block_size: the positions it has weights or training for)"
             )));
+        }
+        if let Arch::Llama(LlamaConfig {
+            sliding_window: Some(w),
+            ..
+        }) = &arch
+        {
+            if max_len > *w {
+                return Err(Error::InvalidArgument(format!(
+                    "generate: max_len {max_len} is past the model's sliding window of {w}; \
+                     the cached attention is full attention, equal to the window's only up \
+                     to {w} positions: generate at most {w}"
+                )));
+            }
         }
         super::tensor_elements(
             "generate: a layer's K/V cache (n_head × max_len × head dim)",
@@ -421,7 +446,7 @@ impl Generator {
                 w[0]
             }
             Arch::Llama(cfg) => {
-                let norm = 1 + LLAMA_PER_BLOCK * cfg.n_layer;
+                let norm = 1 + cfg.per_block() * cfg.n_layer;
                 launches.push(Kernel::RmsNorm {
                     x: last,
                     weight: w[norm],
@@ -583,18 +608,19 @@ impl Generator {
         owned: &mut Vec<Buffer>,
     ) -> Result<(Vec<Kernel>, Buffer)> {
         let (c, h, kvh, _, _, _) = self.arch.sizes();
-        let (dim, inter) = (c / h, cfg.intermediate());
+        let (dim, inter) = (self.arch.head_dim(), cfg.intermediate());
+        let qw = h * dim;
         let act = self.dtype;
         let mut alloc = |dtype: DType, len: usize| alloc(dev, owned, dtype, len);
         let x0 = alloc(act, rows * c)?;
         let x1 = alloc(act, rows * c)?;
         let n = alloc(act, rows * c)?;
-        let q = alloc(act, rows * c)?;
-        let qr = alloc(act, rows * c)?;
+        let q = alloc(act, rows * qw)?;
+        let qr = alloc(act, rows * qw)?;
         let k = alloc(act, rows * kvh * dim)?;
         let kr = alloc(act, rows * kvh * dim)?;
         let v = alloc(act, rows * kvh * dim)?;
-        let y = alloc(act, rows * c)?;
+        let y = alloc(act, rows * qw)?;
         let o = alloc(act, rows * c)?;
         let gate = alloc(act, rows * inter)?;
         let up = alloc(act, rows * inter)?;
@@ -611,10 +637,16 @@ impl Generator {
             cols: c,
             eps,
         };
-        // Every Llama linear reads its weight (out, in) transposed, with no bias.
-        let linear = |x: Buffer, w: Buffer, out: Buffer, n_out: usize, k_in: usize| {
-            Kernel::Matmul(Matmul::new(x, w, out, rows, n_out, k_in).transpose(false, true))
+        // Every Llama linear reads its weight (out, in) transposed; only Qwen2's q, k
+        // and v have biases.
+        let biased = |x: Buffer, w: Buffer, b: Option<Buffer>, out, n_out, k_in| {
+            let m = Matmul::new(x, w, out, rows, n_out, k_in).transpose(false, true);
+            Kernel::Matmul(match b {
+                Some(b) => m.with_bias(b),
+                None => m,
+            })
         };
+        let linear = |x, w, out, n_out, k_in| biased(x, w, None, out, n_out, k_in);
         let add = |a: Buffer, b: Buffer, out: Buffer| Kernel::Binary {
             op: BinaryOp::Add,
             a,
@@ -627,7 +659,7 @@ impl Generator {
             positions,
             cols: heads * dim,
             dim,
-            theta: cfg.rope_theta,
+            freqs: cfg.rope(),
         };
         let mut launches = vec![Kernel::Embedding {
             tokens,
@@ -636,7 +668,13 @@ impl Generator {
             dim: c,
         }];
         for (l, &(kc, vc)) in self.caches.iter().enumerate() {
-            let p = &w[1 + LLAMA_PER_BLOCK * l..1 + LLAMA_PER_BLOCK * (l + 1)];
+            let per = cfg.per_block();
+            let p = &w[1 + per * l..1 + per * (l + 1)];
+            // The q, k, v biases (Qwen2) sit after their weights; the rest shift by 3.
+            let (b, r) = match cfg.qkv_bias {
+                true => ([Some(p[4]), Some(p[5]), Some(p[6])], &p[7..]),
+                false => ([None; 3], &p[4..]),
+            };
             let write = |src: Buffer, cache: Buffer| Kernel::CacheWrite {
                 src,
                 cache,
@@ -649,9 +687,9 @@ impl Generator {
             };
             launches.extend([
                 norm(x0, p[0], n),
-                linear(n, p[1], q, c, c),
-                linear(n, p[2], k, kvh * dim, c),
-                linear(n, p[3], v, kvh * dim, c),
+                biased(n, p[1], b[0], q, qw, c),
+                biased(n, p[2], b[1], k, kvh * dim, c),
+                biased(n, p[3], b[2], v, kvh * dim, c),
                 rope(q, qr, h),
                 rope(k, kr, kvh),
                 write(kr, kc),
@@ -665,28 +703,24 @@ impl Generator {
                     heads: h,
                     group: h / kvh,
                     dim,
-                    width: c,
+                    width: qw,
                     offset: 0,
                     max_len: self.max_len,
                     scale: 1.0 / (dim as f32).sqrt(),
                 },
-                linear(y, p[4], o, c, c),
+                linear(y, r[0], o, c, qw),
                 add(x0, o, x1),
-                norm(x1, p[5], n),
-                linear(n, p[6], gate, inter, c),
-                linear(n, p[7], up, inter, c),
+                norm(x1, r[1], n),
+                linear(n, r[2], gate, inter, c),
+                linear(n, r[3], up, inter, c),
                 Kernel::SwiGlu { gate, up, out: f },
-                linear(f, p[8], d, c, inter),
+                linear(f, r[4], d, c, inter),
                 add(x1, d, x0),
             ]);
         }
         Ok((launches, x0))
     }
 }
-
-/// Parameters per Llama block (input norm, q, k, v, o, post-attention norm, gate, up,
-/// down), as `llama.rs` declares them.
-const LLAMA_PER_BLOCK: usize = 9;
 
 /// Allocates a buffer that `owned` keeps (and frees if recording fails).
 fn alloc(dev: &dyn Device, owned: &mut Vec<Buffer>, dtype: DType, len: usize) -> Result<Buffer> {

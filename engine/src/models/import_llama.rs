@@ -1,5 +1,7 @@
 //! Llama-family checkpoints as the Hugging Face hub ships them (`LlamaForCausalLM`:
-//! SmolLM2, TinyLlama, Llama 2 and 3.0 without rope scaling): a directory with
+//! SmolLM2, TinyLlama, Llama 2 and 3.x with `llama3` rope scaling; `Qwen2ForCausalLM`:
+//! Qwen2 and Qwen2.5, biases on q, k and v; `MistralForCausalLM`, its sliding window
+//! taken as full attention up to the window and refused past it): a directory with
 //! `config.json` and `model.safetensors`, or shards `model-0000N-of-0000M.safetensors`
 //! listed by `model.safetensors.index.json`. The weights are read memory-mapped and
 //! copied once, in the file's dtype (f32, f16 or bf16).
@@ -12,10 +14,11 @@
 //! every tensor keeps its name.
 //!
 //! Strict: the architecture comes from `config.json`, and a setting that changes the
-//! math and that Kiln's Llama does not implement (rope scaling, attention or MLP
-//! biases, a head dim other than hidden / heads, another activation, a sliding window,
+//! math and that Kiln's Llama does not implement (rope scaling other than `llama3`, an
+//! o-projection or MLP bias, another activation, Qwen2's per-layer sliding window,
 //! attention dropout) is an error naming it; so are missing shards, tensors listed
-//! twice, and a tensor of the wrong shape or dtype.
+//! twice, and a tensor of the wrong shape or dtype. A `head_dim` other than hidden /
+//! heads is computed (q is then (heads × head_dim, hidden)).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,13 +30,13 @@ use super::import::{bad, copy_view, map, read_json_object, weight_dtype, wrap};
 use super::llama::{Llama, LlamaConfig};
 use super::Model;
 use crate::device::host::HostTensor;
-use crate::Result;
+use crate::{Result, RopeScaling};
 
 /// A sharded checkpoint's index (tensor name → shard file).
 pub const HF_INDEX: &str = "model.safetensors.index.json";
 
 /// The architectures this module reads, as `config.json`'s `model_type` names them.
-pub const LLAMA_TYPES: &[&str] = &["llama"];
+pub const LLAMA_TYPES: &[&str] = &["llama", "mistral", "qwen2"];
 
 /// A Llama read from a Hugging Face directory: its sizes, one tensor per parameter of
 /// `Llama::new(config, …)` in parameter order under Kiln's (= Hugging Face's) names,
@@ -93,8 +96,8 @@ fn number(
     }
 }
 
-/// Reads a Hugging Face Llama `config.json` (`path`) into Kiln's sizes, refusing what
-/// Kiln's Llama does not compute.
+/// Reads a Hugging Face Llama, Qwen2 or Mistral `config.json` (`path`) into Kiln's
+/// sizes, refusing what Kiln's Llama does not compute.
 pub fn read_config(path: &Path) -> Result<LlamaConfig> {
     let obj = read_json_object(path)?;
     let kind = obj.get("model_type").and_then(Value::as_str).unwrap_or("");
@@ -103,7 +106,8 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
             path,
             format!(
                 "model_type is `{kind}`; Kiln imports Hugging Face models of type {} \
-                 (LlamaForCausalLM: SmolLM2, TinyLlama, Llama 2/3) and gpt2",
+                 (LlamaForCausalLM: SmolLM2, TinyLlama, Llama 2/3.x; Qwen2ForCausalLM: \
+                 Qwen2/2.5; MistralForCausalLM) and gpt2",
                 LLAMA_TYPES.join(", ")
             ),
         ));
@@ -113,26 +117,41 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
             None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
             Some(v) => Err(bad(
                 path,
-                format!("`{key}` is {v}: {why}; Kiln's Llama cannot import this model yet"),
+                format!("`{key}` is {v}: {why}; Kiln cannot import this {kind} model yet"),
             )),
         }
     };
     refuse(
-        "rope_scaling",
-        "rotary frequencies rescaled per band (Llama 3.1/3.2) are not implemented",
-    )?;
-    refuse(
         "attention_bias",
-        "q/k/v/o projections with biases are not implemented",
+        "an o projection with a bias is not implemented (Qwen2's q/k/v biases are)",
     )?;
     refuse(
         "mlp_bias",
         "MLP projections with biases are not implemented",
     )?;
-    refuse(
-        "sliding_window",
-        "sliding-window attention is not implemented",
-    )?;
+    let sliding_window = match kind {
+        // Hugging Face's MistralConfig default where the key is absent.
+        "mistral" => match obj.get("sliding_window") {
+            None => Some(4096),
+            Some(Value::Null) => None,
+            Some(_) => Some(positive(path, &obj, "sliding_window")?),
+        },
+        // Qwen2 keeps `sliding_window` but applies it only with use_sliding_window.
+        "qwen2" => {
+            refuse(
+                "use_sliding_window",
+                "sliding-window attention on some layers is not implemented",
+            )?;
+            None
+        }
+        _ => {
+            refuse(
+                "sliding_window",
+                "sliding-window attention is not implemented",
+            )?;
+            None
+        }
+    };
     let act = obj
         .get("hidden_act")
         .and_then(Value::as_str)
@@ -159,18 +178,12 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
         None | Some(Value::Null) => n_head,
         Some(_) => positive(path, &obj, "num_key_value_heads")?,
     };
-    if let Some(v) = obj.get("head_dim").filter(|v| !v.is_null()) {
-        let d = positive(path, &obj, "head_dim")?;
-        if n_embd % n_head != 0 || d != n_embd / n_head {
-            return Err(bad(
-                path,
-                format!(
-                    "`head_dim` is {v}, not hidden_size / num_attention_heads = {n_embd} / \
-                     {n_head}; Kiln's Llama derives the head dim from those"
-                ),
-            ));
-        }
-    }
+    // Recorded only where it differs from hidden / heads, as Kiln's own configs leave it.
+    let head_dim = match obj.get("head_dim") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(positive(path, &obj, "head_dim")?)
+            .filter(|&d| n_embd % n_head != 0 || d != n_embd / n_head),
+    };
     let tie = match obj.get("tie_word_embeddings") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -193,9 +206,77 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
         // Hugging Face's LlamaConfig default.
         rms_norm_eps: number(path, &obj, "rms_norm_eps", 1e-6)? as f32,
         tie_word_embeddings: tie,
+        head_dim,
+        qkv_bias: kind == "qwen2",
+        rope_scaling: rope_scaling(path, &obj)?,
+        sliding_window,
     };
     config.check().map_err(|e| wrap(path, e))?;
     Ok(config)
+}
+
+/// `rope_scaling`: none, or Llama 3's band rescaling; other kinds are refused by name.
+fn rope_scaling(path: &Path, obj: &serde_json::Map<String, Value>) -> Result<Option<RopeScaling>> {
+    let scaling = match obj.get("rope_scaling") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(bad(
+                path,
+                format!("`rope_scaling` is {v}; it must be null or an object"),
+            ))
+        }
+    };
+    // Older configs name the kind `type`.
+    let kind = scaling
+        .get("rope_type")
+        .or_else(|| scaling.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    match kind {
+        "default" => return Ok(None),
+        "llama3" => {}
+        other => {
+            return Err(bad(
+                path,
+                format!(
+                    "`rope_scaling` is of type `{other}`; Kiln implements `llama3` (Llama \
+                     3.1/3.2) only, not linear, dynamic, yarn or longrope scaling"
+                ),
+            ))
+        }
+    }
+    let field = |key: &str| {
+        scaling
+            .get(key)
+            .and_then(Value::as_f64)
+            .filter(|x| x.is_finite())
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    format!(
+                        "`rope_scaling.{key}` is missing or not a number; llama3 scaling \
+                             gives factor, low_freq_factor, high_freq_factor and \
+                             original_max_position_embeddings"
+                    ),
+                )
+            })
+    };
+    let original = field("original_max_position_embeddings")?;
+    let s = RopeScaling {
+        factor: field("factor")? as f32,
+        low_freq_factor: field("low_freq_factor")? as f32,
+        high_freq_factor: field("high_freq_factor")? as f32,
+        original_max_position_embeddings: if original >= 1.0 && original.fract() == 0.0 {
+            original as usize
+        } else {
+            0
+        },
+    };
+    match s.problem() {
+        Some(why) => Err(bad(path, format!("`rope_scaling`: {why}"))),
+        None => Ok(Some(s)),
+    }
 }
 
 /// Which shard file each tensor is in, as a sharded checkpoint's index says.

@@ -1,12 +1,14 @@
 //! A Llama-style language model on the graph: RMSNorm pre-norm blocks, rotary position
-//! embeddings on queries and keys, grouped-query attention (`n_kv_head` K/V heads shared
-//! by `n_head / n_kv_head` query heads each), a SwiGLU MLP, no biases, an LM head of its
-//! own (or tied to the embedding). Tensors carry Hugging Face's Llama names and layouts
+//! embeddings on queries and keys (Llama 3's band rescaling where the config has it),
+//! grouped-query attention (`n_kv_head` K/V heads shared by `n_head / n_kv_head` query
+//! heads each), a SwiGLU MLP, no biases but Qwen2's on q, k and v, an LM head of its
+//! own (or tied to the embedding). The same model is Qwen2 (`qkv_bias`) and Mistral
+//! (`sliding_window`, refused past the sequence length). Tensors carry Hugging Face's Llama names and layouts
 //! (`model.layers.0.self_attn.q_proj.weight`, linear weights stored (out, in)), so a
 //! checkpoint's model file reads as a Hugging Face state dict.
 //!
-//! Shapes: B batch, T sequence, C = n_embd, H heads, K = n_kv_head, D = C / H,
-//! I = intermediate_size, V vocabulary.
+//! Shapes: B batch, T sequence, C = n_embd, H heads, K = n_kv_head, D = head_dim
+//! (C / H unless given), I = intermediate_size, V vocabulary.
 
 pub use super::config::LlamaConfig;
 use super::{Forward, Init, Model, ParamSpec};
@@ -22,9 +24,6 @@ pub struct Llama {
     /// precision and the sequence length.
     pub attention: Option<Attention>,
 }
-
-/// Parameters per block: input norm, q, k, v, o, post-attention norm, gate, up, down.
-const PER_BLOCK: usize = 9;
 
 impl Llama {
     pub fn new(config: LlamaConfig, seq: usize) -> Llama {
@@ -54,9 +53,10 @@ impl Model for Llama {
     fn parameters(&self) -> Vec<ParamSpec> {
         let c = &self.config;
         let (e, v, i) = (c.n_embd, c.vocab_size, c.intermediate());
-        let kv = c.kv_heads() * (e / c.n_head.max(1));
+        let (q, kv) = (c.n_head * c.head_dim(), c.kv_heads() * c.head_dim());
         let (std, out_std) = (0.02, 0.02 / (2.0 * c.n_layer as f32).sqrt());
         let norm = |name: String| ParamSpec::new(name, &[e], Init::Const(1.0)).f32_grad();
+        let bias = |name: String, n: usize| ParamSpec::new(name, &[n], Init::Const(0.0));
         let dense = |name: String, out: usize, inp: usize, s: f32| {
             ParamSpec::new(name, &[out, inp], Init::Uniform(s)).decayed()
         };
@@ -69,10 +69,19 @@ impl Model for Llama {
             let n = |s: &str| format!("model.layers.{l}.{s}");
             p.extend([
                 norm(n("input_layernorm.weight")),
-                dense(n("self_attn.q_proj.weight"), e, e, std),
+                dense(n("self_attn.q_proj.weight"), q, e, std),
                 dense(n("self_attn.k_proj.weight"), kv, e, std),
                 dense(n("self_attn.v_proj.weight"), kv, e, std),
-                dense(n("self_attn.o_proj.weight"), e, e, out_std),
+            ]);
+            if c.qkv_bias {
+                p.extend([
+                    bias(n("self_attn.q_proj.bias"), q),
+                    bias(n("self_attn.k_proj.bias"), kv),
+                    bias(n("self_attn.v_proj.bias"), kv),
+                ]);
+            }
+            p.extend([
+                dense(n("self_attn.o_proj.weight"), e, q, out_std),
                 norm(n("post_attention_layernorm.weight")),
                 dense(n("mlp.gate_proj.weight"), i, e, std),
                 dense(n("mlp.up_proj.weight"), i, e, std),
@@ -91,31 +100,37 @@ impl Model for Llama {
             .config
             .check_batch((batch, self.seq), dtype, self.attention)?;
         let c = &self.config;
-        let (h, k, theta, eps) = (c.n_head, c.kv_heads(), c.rope_theta, c.rms_norm_eps);
+        let (h, k, rope, eps) = (c.n_head, c.kv_heads(), c.rope(), c.rms_norm_eps);
+        let per = c.per_block();
         let tokens = g.input("tokens", &[batch, self.seq], DType::U32);
         let targets = g.input("targets", &[batch, self.seq], DType::U32);
         // x (B, T, C) = embed[tokens]; every linear reads its weight (out, in) transposed.
         let mut x = g.embedding(tokens, p[0])?;
         for l in 0..c.n_layer {
-            let w = &p[1 + PER_BLOCK * l..1 + PER_BLOCK * (l + 1)];
+            let w = &p[1 + per * l..1 + per * (l + 1)];
+            // The q, k, v biases (Qwen2) sit after their weights; the rest shift by 3.
+            let (b, r) = match c.qkv_bias {
+                true => ([Some(w[4]), Some(w[5]), Some(w[6])], &w[7..]),
+                false => ([None; 3], &w[4..]),
+            };
             // x = x + o(attention(rope(q(n)), rope(k(n)), v(n))), n = rmsnorm(x)
             let n = g.rmsnorm(x, w[0], eps)?;
-            let q = g.linear_transposed(n, w[1], None)?; // (B, T, H*D)
-            let kk = g.linear_transposed(n, w[2], None)?; // (B, T, K*D)
-            let v = g.linear_transposed(n, w[3], None)?; // (B, T, K*D)
-            let (q, kk) = (g.rope(q, h, theta)?, g.rope(kk, k, theta)?);
-            let y = g.attention(q, kk, v, h, k, attention)?; // (B, T, C)
-            let y = g.linear_transposed(y, w[4], None)?;
+            let q = g.linear_transposed(n, w[1], b[0])?; // (B, T, H*D)
+            let kk = g.linear_transposed(n, w[2], b[1])?; // (B, T, K*D)
+            let v = g.linear_transposed(n, w[3], b[2])?; // (B, T, K*D)
+            let (q, kk) = (g.rope(q, h, rope)?, g.rope(kk, k, rope)?);
+            let y = g.attention(q, kk, v, h, k, attention)?; // (B, T, H*D)
+            let y = g.linear_transposed(y, r[0], None)?; // (B, T, C)
             x = g.add(x, y)?;
             // x = x + down(silu(gate(n)) * up(n)), n = rmsnorm(x)
-            let n = g.rmsnorm(x, w[5], eps)?;
-            let gate = g.linear_transposed(n, w[6], None)?; // (B, T, I)
-            let up = g.linear_transposed(n, w[7], None)?; // (B, T, I)
+            let n = g.rmsnorm(x, r[1], eps)?;
+            let gate = g.linear_transposed(n, r[2], None)?; // (B, T, I)
+            let up = g.linear_transposed(n, r[3], None)?; // (B, T, I)
             let f = g.swiglu(gate, up)?;
-            let f = g.linear_transposed(f, w[8], None)?;
+            let f = g.linear_transposed(f, r[4], None)?;
             x = g.add(x, f)?;
         }
-        let last = 1 + PER_BLOCK * c.n_layer;
+        let last = 1 + per * c.n_layer;
         let xf = g.rmsnorm(x, p[last], eps)?;
         let head = if c.tie_word_embeddings {
             p[0]
@@ -131,8 +146,9 @@ impl Model for Llama {
     }
 
     fn blocks(&self) -> Vec<Vec<usize>> {
+        let per = self.config.per_block();
         (0..self.config.n_layer)
-            .map(|l| (1 + PER_BLOCK * l..1 + PER_BLOCK * (l + 1)).collect())
+            .map(|l| (1 + per * l..1 + per * (l + 1)).collect())
             .collect()
     }
 }
