@@ -19,7 +19,7 @@ use kiln_engine::{
 };
 
 /// The model sizes `--model` names, beside a model JSON file.
-pub const MODELS: [&str; 3] = ["small", "demo", "gpt2"];
+pub const MODELS: [&str; 4] = ["small", "demo", "gpt2", "smollm2-135m"];
 
 /// A model to measure: its sizes and the micro-batch it trains with.
 #[derive(Clone, Debug)]
@@ -47,6 +47,16 @@ pub fn bench_model(name: &str, micro_batch: Option<usize>) -> Result<BenchModel>
         ),
         "gpt2" => (
             r#"{"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50257}"#
+                .to_string(),
+            1,
+        ),
+        // SmolLM2-135M's shapes (its Hugging Face config.json) at T 128: the workload
+        // public training benchmarks compare engines on.
+        "smollm2-135m" => (
+            r#"{"architecture": "llama", "n_layer": 30, "n_head": 9, "n_kv_head": 3,
+                "n_embd": 576, "intermediate_size": 1536, "block_size": 128,
+                "vocab_size": 49152, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                "tie_word_embeddings": true}"#
                 .to_string(),
             1,
         ),

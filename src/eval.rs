@@ -28,6 +28,9 @@ pub struct EvalOptions {
     pub micro_batch: Option<usize>,
     /// Run in this dtype; `None`: the checkpoint's own (16-bit for imported files).
     pub dtype: Option<kiln_engine::DType>,
+    /// Positions per scored row; `None`: the model's block_size (at most
+    /// [`IMPORT_CONTEXT`](crate::sample::IMPORT_CONTEXT) for an imported Llama).
+    pub seq: Option<usize>,
     /// Draw a progress bar on stderr.
     pub progress: bool,
 }
@@ -62,7 +65,11 @@ const ROWS_PER_PIECE: usize = 1024;
 
 /// Loads the checkpoint, builds its data and scores it.
 pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
-    let source = Source::open(&opts.source, opts.dtype)?;
+    let mut source = Source::open(&opts.source, opts.dtype)?;
+    match opts.seq {
+        Some(seq) => source = source.with_context(seq)?,
+        None => source.notes.extend(source.context_note()),
+    }
     for note in &source.notes {
         crate::say::say(format!("note: {note}"));
     }

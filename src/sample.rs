@@ -13,6 +13,7 @@ use serde_json::Value;
 use kiln_engine::data::{Addition, Sidecar, Tokenizer};
 use kiln_engine::models::generate::Generator;
 use kiln_engine::models::gpt::Gpt;
+use kiln_engine::models::import_llama;
 use kiln_engine::models::llama::Llama;
 use kiln_engine::models::sample::TokenSampler;
 use kiln_engine::models::{MicroBatch, ModelConfig, Network, NetworkOptions, ParamSpec};
@@ -150,11 +151,20 @@ pub struct Source {
     pub codec: std::result::Result<TextCodec, String>,
     /// What the user should know (a dangling `latest`, a tokenizer inferred).
     pub notes: Vec<String>,
+    /// The context it runs with: positions per scored row, the generator's cache. The
+    /// model's block_size, except for an imported Llama (see [`IMPORT_CONTEXT`]).
+    pub context: usize,
 }
+
+/// The longest context an imported Llama runs with unless asked (`kiln eval --seq`):
+/// their configs give what the model can reach (8192 for SmolLM2, 131072 for Llama
+/// 3.2), whose activations or K/V cache would not fit a small device.
+pub const IMPORT_CONTEXT: usize = 1024;
 
 const SOURCE_HELP: &str = "pass a run directory (runs/NAME, written by `kiln train`), one of \
                            its checkpoints (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 \
-                           directory (model.safetensors + config.json) or an llm.c .bin";
+                           or Llama-family directory (config.json + model.safetensors or \
+                           shards) or an llm.c .bin";
 
 /// The dtype imported weights run in when `--dtype` does not say: 16-bit, as training
 /// stores its weights (an f32 GPT-2's embedding is over lavapipe's 128 MiB binding).
@@ -182,7 +192,7 @@ impl Source {
         // model.safetensors as a checkpoint does, but no manifest.json; a run never holds
         // a model.safetensors at its top.
         let hf_dir = meta.is_dir()
-            && path.join(MODEL_FILE).is_file()
+            && (path.join(MODEL_FILE).is_file() || path.join(import_llama::HF_INDEX).is_file())
             && !path.join(checkpoint::MANIFEST_FILE).is_file();
         if meta.is_file() || hf_dir {
             return import(path, dtype);
@@ -252,12 +262,27 @@ impl Source {
             origin: ck.dir.clone(),
             step: Some(ck.step()),
             weights,
+            context: model.block_size(),
             model,
             dtype: dtype.unwrap_or(stored),
             record,
             codec,
             notes,
         })
+    }
+
+    /// Runs with a context of `seq` positions instead (`kiln eval --seq`): at most the
+    /// model's block_size.
+    pub fn with_context(mut self, seq: usize) -> Result<Source> {
+        let most = self.model.block_size();
+        if seq == 0 || seq > most {
+            bail!(
+                "--seq {seq}: give 1 to {most} positions (the model's block_size, the longest \
+                 context it has weights or training for)"
+            );
+        }
+        self.context = seq;
+        Ok(self)
     }
 
     /// The tokenizer that turns text into this model's ids and back, or an error saying
@@ -271,9 +296,21 @@ impl Source {
         })
     }
 
-    /// The sequence length the model was trained on: the longest context it takes.
+    /// What to tell the user where the context is shorter than the model takes.
+    pub fn context_note(&self) -> Option<String> {
+        let most = self.model.block_size();
+        (self.context < most).then(|| {
+            format!(
+                "running with a context of {} positions (the model takes up to {most}); \
+                 kiln eval --seq N changes it",
+                self.context
+            )
+        })
+    }
+
+    /// The context the model runs with ([`Source::context`]).
     pub fn block_size(&self) -> usize {
-        self.model.block_size()
+        self.context
     }
 
     /// The weights of `spec` in the source's dtype, checked against its shape.
@@ -348,9 +385,41 @@ impl Source {
     }
 }
 
+/// A Hugging Face Llama-family directory, whose tokenizer Kiln cannot read yet: it
+/// runs with a context of at most [`IMPORT_CONTEXT`] (and its sliding window).
+fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
+    let m = import_llama::read_hf(path)?;
+    let most = m.config.block_size;
+    let context = most
+        .min(IMPORT_CONTEXT)
+        .min(m.config.sliding_window.unwrap_or(usize::MAX));
+    Ok(Source {
+        run_dir: None,
+        origin: path.to_path_buf(),
+        step: None,
+        weights: m.weights,
+        model: ModelConfig::Llama(m.config),
+        dtype: dtype.unwrap_or(IMPORT_DTYPE),
+        record: Value::Null,
+        codec: Err(format!(
+            "{}: a Hugging Face model's tokenizer (tokenizer.json) is not read by Kiln yet",
+            path.display()
+        )),
+        notes: vec![],
+        context,
+    })
+}
+
 /// GPT-2 weights from a Hugging Face directory or `.safetensors` file, or an llm.c
-/// `.bin` (the importer tells them apart); the tokenizer follows the vocabulary.
+/// `.bin` (the importer tells them apart); the tokenizer follows the vocabulary. A
+/// Hugging Face Llama-family directory goes to [`import_llama_dir`].
 fn import(path: &Path, dtype: Option<DType>) -> Result<Source> {
+    if path.is_dir() {
+        let kind = import_llama::model_type(path)?;
+        if kind.is_some_and(|k| import_llama::LLAMA_TYPES.contains(&k.as_str())) {
+            return import_llama_dir(path, dtype);
+        }
+    }
     let imported = kiln_engine::models::import::read(path)?;
     let cfg = imported.config.clone();
     let codec = if cfg.vocab_size == Tokenizer::Gpt2.vocab_size() {
@@ -371,6 +440,7 @@ fn import(path: &Path, dtype: Option<DType>) -> Result<Source> {
         origin: imported.path.clone(),
         step: None,
         weights: imported.weights,
+        context: cfg.block_size,
         model: ModelConfig::Gpt2(cfg),
         dtype: dtype.unwrap_or(IMPORT_DTYPE),
         record: Value::Null,

@@ -194,8 +194,9 @@ pub(crate) struct SampleArgs {
 #[derive(clap::Args)]
 pub(crate) struct EvalArgs {
     /// A run directory (its latest checkpoint), a checkpoint directory
-    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 directory (model.safetensors
-    /// + config.json) or an llm.c .bin (imported models need --data).
+    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 or Llama-family directory
+    /// (config.json + model.safetensors or shards) or an llm.c .bin (imported models
+    /// need --data).
     pub(crate) source: PathBuf,
     /// Score every row of this token file (`kiln prepare`) or text file instead of the
     /// run's held-out data.
@@ -210,6 +211,10 @@ pub(crate) struct EvalArgs {
     /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
     #[arg(long)]
     pub(crate) dtype: Option<String>,
+    /// Positions per scored row [default: the model's block_size; for a Hugging Face
+    /// Llama directory at most 1024 and its sliding window].
+    #[arg(long)]
+    pub(crate) seq: Option<usize>,
     /// Print the result as JSON.
     #[arg(long)]
     pub(crate) json: bool,
@@ -303,7 +308,8 @@ pub(crate) struct PipelineBenchArgs {
 #[derive(clap::Args)]
 pub(crate) struct TrainBenchArgs {
     /// Models: `small` (5.29M GPT, T 128, micro-batch 8), `demo` (the addition demo),
-    /// `gpt2` (124M at T 1024, micro-batch 1), or model JSON files.
+    /// `gpt2` (124M at T 1024, micro-batch 1), `smollm2-135m` (SmolLM2-135M's Llama
+    /// shapes at T 128, micro-batch 1), or model JSON files.
     #[arg(long, value_delimiter = ',', default_value = "small")]
     pub(crate) model: Vec<String>,
     /// Devices to measure (`kiln devices` lists them); default: every adapter.

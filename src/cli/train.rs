@@ -131,6 +131,7 @@ pub(crate) fn eval(a: EvalArgs) -> Result<()> {
         devices: a.devices,
         micro_batch: a.micro_batch,
         dtype: a.dtype.map(|d| d.parse()).transpose()?,
+        seq: a.seq,
         progress: !a.json,
     })?;
     if a.json {
