@@ -18,6 +18,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
+use kiln_engine::data::hf_tokenizer::TOKENIZER_FILE;
+use kiln_engine::data::{HfTokenizer, Sidecar};
 use kiln_engine::device::host::HostTensor;
 use kiln_engine::models::ModelConfig;
 use kiln_engine::models::{import, import_llama};
@@ -39,6 +41,9 @@ pub struct InitWeights {
     pub source: String,
     /// What was read, for the log: "the latest checkpoint (step 40) of run …".
     pub describe: String,
+    /// A Hugging Face directory's tokenizer (its `tokenizer.json`), which the data
+    /// must have been prepared with.
+    pub tokenizer: Option<HfTokenizer>,
 }
 
 fn vocabulary_name(v: usize) -> &'static str {
@@ -114,6 +119,7 @@ impl InitWeights {
             weights: imported.weights,
             source,
             describe,
+            tokenizer: None,
         })
     }
 
@@ -137,11 +143,25 @@ impl InitWeights {
             },
             m.files.len()
         );
+        let tokenizer = match path.join(TOKENIZER_FILE).is_file() {
+            true => Some(HfTokenizer::open(path)?),
+            false => None,
+        };
+        if let Some(t) = tokenizer.as_ref().filter(|t| t.vocab_size() > c.vocab_size) {
+            bail!(
+                "--init-from {source}: its tokenizer has {} ids but the model's embedding only \
+                 {} rows: {} and the weights are of different models",
+                t.vocab_size(),
+                c.vocab_size,
+                t.file.display()
+            );
+        }
         Ok(InitWeights {
             model: ModelConfig::Llama(m.config),
             weights: m.weights,
             source,
             describe,
+            tokenizer,
         })
     }
 
@@ -188,6 +208,7 @@ impl InitWeights {
             model,
             weights,
             source,
+            tokenizer: None,
         })
     }
 
@@ -238,6 +259,40 @@ impl InitWeights {
             );
         }
         Ok(())
+    }
+
+    /// Data for a Hugging Face model with a tokenizer must be made with that tokenizer:
+    /// its sidecar (`sidecar`, where the data has one) records the same tokenizer.json
+    /// SHA-256. Returns whether it does (the data's vocabulary may then be smaller than
+    /// the embedding's rows, as Qwen2's is); `false` where the model has no tokenizer.
+    pub fn check_tokenizer(&self, sidecar: Option<&Sidecar>, data_name: &str) -> Result<bool> {
+        let Some(t) = &self.tokenizer else {
+            return Ok(false);
+        };
+        let fix = format!(
+            "prepare it with the model's tokenizer: kiln prepare TEXT OUT.bin --tokenizer {}",
+            self.source
+        );
+        match sidecar {
+            Some(s) if s.tokenizer_sha256.as_deref() == Some(t.sha256.as_str()) => Ok(true),
+            Some(s) => bail!(
+                "{data_name} was tokenized by {}, but the weights of --init-from {} read the \
+                 ids of {} (SHA-256 {}): the same ids would stand for other text; {fix}",
+                match (&s.tokenizer_file, &s.tokenizer_sha256) {
+                    (Some(f), Some(h)) => format!("{} (SHA-256 {h})", f.display()),
+                    _ => format!("the `{}` tokenizer", s.tokenizer),
+                },
+                self.source,
+                t.file.display(),
+                t.sha256
+            ),
+            None => bail!(
+                "{data_name} has no sidecar naming its tokenizer (a text file is read one token \
+                 per byte), but the weights of --init-from {} read the ids of {}; {fix}",
+                self.source,
+                t.file.display()
+            ),
+        }
     }
 
     /// The data's token ids must be the ones the weights were trained on: the same

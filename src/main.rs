@@ -86,13 +86,13 @@ fn run(cli: Cli) -> Result<()> {
             output,
             tokenizer,
         } => {
-            let tok: kiln::engine::data::Tokenizer = tokenizer.parse()?;
+            let tok = kiln::engine::data::Tokenizer::open(&tokenizer)?;
+            let (name, vocab) = (tok.name(), tok.vocab_size());
             let n = kiln::engine::data::prepare(&input, &output, tok)?;
+            let width = kiln::engine::data::TokenDtype::for_vocab(vocab);
             outln!(
-                "{}: {n} tokens ({}, vocab {}) from {}",
+                "{}: {n} tokens ({name}, vocab {vocab}, {width}) from {}",
                 output.display(),
-                tok.name(),
-                tok.vocab_size(),
                 input.display()
             );
             Ok(())

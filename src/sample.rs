@@ -10,7 +10,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use kiln_engine::data::{Addition, Sidecar, Tokenizer};
+use kiln_engine::data::hf_tokenizer::TOKENIZER_FILE;
+use kiln_engine::data::{Addition, HfTokenizer, Sidecar, Tokenizer};
 use kiln_engine::models::generate::Generator;
 use kiln_engine::models::gpt::Gpt;
 use kiln_engine::models::import_llama;
@@ -22,11 +23,12 @@ use kiln_engine::train::runs;
 use kiln_engine::{DType, Device, HostData, Optimizer, IGNORE_TARGET};
 
 /// How token ids become text and back, as the run's data was tokenized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TextCodec {
     /// The built-in addition task's 13 tokens (digits, `+`, `=`, newline).
     Addition,
-    /// `kiln prepare`'s tokenizers: GPT-2's BPE or one token per byte.
+    /// `kiln prepare`'s tokenizers: GPT-2's BPE, one token per byte, or a Hugging Face
+    /// model's.
     Tokens(Tokenizer),
 }
 
@@ -74,10 +76,16 @@ impl TextCodec {
 }
 
 /// Turns tokens into text as they come: a GPT-2 or byte token may end in the middle of
-/// a UTF-8 character, which is held back until the bytes that complete it arrive.
+/// a UTF-8 character, which is held back until the bytes that complete it arrive. A
+/// Hugging Face tokenizer's decoder may depend on the tokens before (SentencePiece drops
+/// the space that starts the text), so its text is the decoded whole less what was
+/// shown, held back while it ends in an incomplete character.
 pub struct TextStream {
     codec: TextCodec,
     pending: Vec<u8>,
+    /// A Hugging Face codec's ids so far and the bytes of their text already shown.
+    ids: Vec<u32>,
+    shown: usize,
 }
 
 impl TextStream {
@@ -85,11 +93,33 @@ impl TextStream {
         TextStream {
             codec,
             pending: vec![],
+            ids: vec![],
+            shown: 0,
         }
+    }
+
+    /// Starts after `prompt`, shown already: a Hugging Face decoder then renders the
+    /// first new token as it follows the prompt (with the space between them).
+    pub fn after(mut self, prompt: &[u32]) -> Result<TextStream> {
+        if let TextCodec::Tokens(Tokenizer::Hf(t)) = &self.codec {
+            self.ids = prompt.to_vec();
+            self.shown = t.decode(prompt)?.len();
+        }
+        Ok(self)
     }
 
     /// The text that `id` completes (possibly empty).
     pub fn push(&mut self, id: u32) -> Result<String> {
+        if let TextCodec::Tokens(Tokenizer::Hf(t)) = &self.codec {
+            self.ids.push(id);
+            let text = t.decode(&self.ids)?;
+            if text.ends_with('\u{FFFD}') || !text.is_char_boundary(self.shown.min(text.len())) {
+                return Ok(String::new());
+            }
+            let new = text.get(self.shown..).unwrap_or_default().to_string();
+            self.shown = self.shown.max(text.len());
+            return Ok(new);
+        }
         self.pending.extend(self.codec.bytes(id)?);
         let mut out = String::new();
         loop {
@@ -122,6 +152,12 @@ impl TextStream {
 
     /// What is left at the end (an incomplete character, as U+FFFD).
     pub fn finish(&mut self) -> String {
+        if let TextCodec::Tokens(Tokenizer::Hf(t)) = &self.codec {
+            let text = t.decode(&self.ids).unwrap_or_default();
+            let rest = text.get(self.shown..).unwrap_or_default().to_string();
+            self.shown = self.shown.max(text.len());
+            return rest;
+        }
         let s = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         s
@@ -389,6 +425,7 @@ impl Source {
 /// runs with a context of at most [`IMPORT_CONTEXT`] (and its sliding window).
 fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
     let m = import_llama::read_hf(path)?;
+    let codec = hf_codec(path, m.config.vocab_size)?;
     let most = m.config.block_size;
     let context = most
         .min(IMPORT_CONTEXT)
@@ -401,13 +438,32 @@ fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
         model: ModelConfig::Llama(m.config),
         dtype: dtype.unwrap_or(IMPORT_DTYPE),
         record: Value::Null,
-        codec: Err(format!(
-            "{}: a Hugging Face model's tokenizer (tokenizer.json) is not read by Kiln yet",
-            path.display()
-        )),
+        codec,
         notes: vec![],
         context,
     })
+}
+
+/// The tokenizer of a Hugging Face model directory: its `tokenizer.json`, whose ids must
+/// all be rows of the model's embedding (it may have more rows, padding). `Err` (a
+/// reason) where the directory has none; a tokenizer that does not fit is an error.
+pub fn hf_codec(dir: &Path, vocab_rows: usize) -> Result<std::result::Result<TextCodec, String>> {
+    if !dir.join(TOKENIZER_FILE).is_file() {
+        return Ok(Err(format!(
+            "{} has no {TOKENIZER_FILE} (download it with the weights)",
+            dir.display()
+        )));
+    }
+    let t = HfTokenizer::open(dir)?;
+    if t.vocab_size() > vocab_rows {
+        bail!(
+            "{}: the tokenizer has {} ids but the model's embedding only {vocab_rows} rows: \
+             they are of different models",
+            t.file.display(),
+            t.vocab_size()
+        );
+    }
+    Ok(Ok(TextCodec::Tokens(Tokenizer::Hf(std::sync::Arc::new(t)))))
 }
 
 /// GPT-2 weights from a Hugging Face directory or `.safetensors` file, or an llm.c
@@ -467,12 +523,14 @@ fn codec_of(record: &Value, model: &ModelConfig, notes: &mut Vec<String>) -> Res
             None
         };
         match side {
-            Some(s) => TextCodec::Tokens(s.tokenizer.parse().with_context(|| {
-                format!(
-                    "{}: the token file's tokenizer",
-                    Sidecar::path_for(path).display()
-                )
-            })?),
+            Some(s) => TextCodec::Tokens(
+                Tokenizer::of_sidecar(&s, &Sidecar::path_for(path)).with_context(|| {
+                    format!(
+                        "{}: the token file's tokenizer",
+                        Sidecar::path_for(path).display()
+                    )
+                })?,
+            ),
             None if !is_bin && !data.is_empty() => TextCodec::Tokens(Tokenizer::Bytes),
             // The token file moved (or was named relative to another directory): its
             // vocabulary size still says which tokenizer made it.
@@ -653,21 +711,29 @@ pub fn check_length(prompt: usize, new: usize, context: usize) -> Result<()> {
     Ok(())
 }
 
-/// Feeds `prompt` and draws `new` tokens, handing each to `emit` as it comes.
+/// Feeds `prompt` and draws `new` tokens, handing each to `emit` as it comes; a token
+/// of `stop` (the model's end of text) ends it early and is not handed on.
 pub fn generate(
     decoder: &mut dyn Decoder,
     dev: &dyn Device,
     prompt: &[u32],
     new: usize,
     sampler: &mut TokenSampler,
+    stop: &[u32],
     emit: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Timing> {
     check_length(prompt.len(), new, decoder.context())?;
     let t0 = Instant::now();
     let mut logits = decoder.prefill(dev, prompt)?;
     let t1 = Instant::now();
+    let mut made = 0;
     for i in 0..new {
         let id = sampler.sample(&logits)?;
+        made += 1;
+        // The model's end of text: drawn, not shown.
+        if stop.contains(&id) {
+            break;
+        }
         emit(id)?;
         if i + 1 < new {
             logits = decoder.step(dev, id)?;
@@ -676,7 +742,7 @@ pub fn generate(
     Ok(Timing {
         prompt_tokens: prompt.len(),
         prompt_s: (t1 - t0).as_secs_f64(),
-        new_tokens: new,
+        new_tokens: made,
         decode_s: t1.elapsed().as_secs_f64(),
     })
 }
@@ -787,18 +853,31 @@ pub fn sample(opts: &SampleOptions) -> Result<Timing> {
     let dev = open_one_device(&opts.devices)?;
     let dev: &dyn Device = dev.as_ref();
     let mut decoder = Cached(source.generator(dev)?);
+    // A Hugging Face model's end-of-text tokens end a continuation early.
+    let stop = match &codec {
+        TextCodec::Tokens(Tokenizer::Hf(t)) => t.eos.clone(),
+        _ => vec![],
+    };
     let mut total = Timing::default();
     for (text, ids, new) in work {
         write_now(&text)?;
-        let mut stream = TextStream::new(codec);
+        let mut stream = TextStream::new(codec.clone()).after(&ids)?;
         let mut last = text.chars().last();
-        let timing = generate(&mut decoder, dev, &ids, new, &mut sampler, &mut |id| {
-            let piece = stream.push(id)?;
-            if let Some(c) = piece.chars().last() {
-                last = Some(c);
-            }
-            write_now(&piece)
-        })?;
+        let timing = generate(
+            &mut decoder,
+            dev,
+            &ids,
+            new,
+            &mut sampler,
+            &stop,
+            &mut |id| {
+                let piece = stream.push(id)?;
+                if let Some(c) = piece.chars().last() {
+                    last = Some(c);
+                }
+                write_now(&piece)
+            },
+        )?;
         let rest = stream.finish();
         if let Some(c) = rest.chars().last() {
             last = Some(c);

@@ -326,3 +326,67 @@ fn a_hugging_face_llama_directory_starts_a_run() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A Hugging Face model directory with a tokenizer.json takes only data prepared with
+/// that tokenizer (the sidecar's SHA-256 says so): data of another tokenizer, a text
+/// file (bytes) or a bare token file would be trained on ids that mean other text.
+#[test]
+fn a_hugging_face_model_takes_only_data_of_its_own_tokenizer() {
+    let dir = scratch("hf-llama-tokenizer");
+    let hf = dir.join("model");
+    std::fs::create_dir_all(&hf).unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/gqa_f32");
+    for f in std::fs::read_dir(fixture).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, hf.join(f.file_name().unwrap())).unwrap();
+    }
+    // A word-level tokenizer of the model's 37 ids, and one that numbers them in reverse.
+    let tokenizer = |reverse: bool| {
+        let vocab: serde_json::Map<String, serde_json::Value> = (0..37u32)
+            .map(|i| (format!("w{i}"), (if reverse { 36 - i } else { i }).into()))
+            .collect();
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}
+        })
+        .to_string()
+    };
+    std::fs::write(hf.join("tokenizer.json"), tokenizer(false)).unwrap();
+    let other = dir.join("other.json");
+    std::fs::write(&other, tokenizer(true)).unwrap();
+    let text = dir.join("words.txt");
+    let words: Vec<String> = (0..600).map(|i| format!("w{}", (i * 7 + 3) % 37)).collect();
+    std::fs::write(&text, words.join(" ")).unwrap();
+    let prepared = |name: &str, tok: &Path| {
+        let bin = dir.join(name);
+        let t = kiln::engine::data::Tokenizer::open(tok.to_str().unwrap()).unwrap();
+        kiln::engine::data::prepare(&text, &bin, t).unwrap();
+        bin
+    };
+    let model = r#"{"architecture": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2,
+        "n_embd": 32, "block_size": 16, "vocab_size": 37, "intermediate_size": 40,
+        "rms_norm_eps": 1e-5}"#;
+    let run = |data: PathBuf, out: &str| {
+        train(&TrainOptions {
+            steps: Some(2),
+            init_from: Some(hf.clone()),
+            data: Some(data),
+            ..options(&dir, out, model)
+        })
+    };
+    let own = prepared("own.bin", &hf);
+    run(own, "own").expect("data of the model's own tokenizer trains");
+    let e = format!(
+        "{:#}",
+        run(prepared("other.bin", &other), "other").unwrap_err()
+    );
+    assert!(
+        e.contains("other.json") && e.contains("was tokenized by") && e.contains("kiln prepare"),
+        "{e}"
+    );
+    let e = format!("{:#}", run(text.clone(), "text").unwrap_err());
+    assert!(e.contains("has no sidecar naming its tokenizer"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

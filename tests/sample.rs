@@ -374,7 +374,7 @@ fn streamed_text_waits_for_whole_characters() {
     use kiln::sample::{TextCodec, TextStream};
     let text = "naïve 日本語 — ok";
     for tok in [Tokenizer::Bytes, Tokenizer::Gpt2] {
-        let codec = TextCodec::Tokens(tok);
+        let codec = TextCodec::Tokens(tok.clone());
         let ids = codec.encode(text).unwrap();
         let mut s = TextStream::new(codec);
         let pieces: Vec<String> = ids.iter().map(|&id| s.push(id).unwrap()).collect();

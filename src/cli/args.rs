@@ -34,14 +34,17 @@ pub(crate) enum Command {
         #[command(subcommand)]
         what: ConfigWhat,
     },
-    /// Turn a text file into a `.bin` token file (u16 tokens, with a `.json` sidecar).
+    /// Turn a text file into a `.bin` token file (u16 tokens, u32 past 65536 ids, with a
+    /// `.json` sidecar).
     Prepare {
-        /// The text file (UTF-8 for the GPT-2 tokenizer).
+        /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers).
         input: PathBuf,
         /// The token file to write; its name must end in `.bin` (`kiln train` reads any
         /// other file as text), and it must not be the input.
         output: PathBuf,
-        /// `gpt2` (GPT-2's BPE, vocab 50257) or `bytes` (vocab 256).
+        /// `gpt2` (GPT-2's BPE, vocab 50257), `bytes` (vocab 256), or a Hugging Face
+        /// model directory or its tokenizer.json (the model's own tokenizer: Llama 3,
+        /// SmolLM2, Qwen2.5, ...).
         #[arg(long, default_value = "gpt2")]
         tokenizer: String,
     },

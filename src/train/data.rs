@@ -91,7 +91,18 @@ pub(super) fn load(
                     })?);
                 }
                 if let Some(init) = init {
-                    init.check_vocabulary(model, src.vocab_hint(), &src.name())?;
+                    let is_bin = path
+                        .extension()
+                        .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
+                    let sidecar = match is_bin {
+                        true => data::Sidecar::read_for(path)?,
+                        false => None,
+                    };
+                    // The model's own tokenizer: its ids are rows of the embedding,
+                    // which may have more (padding).
+                    if !init.check_tokenizer(sidecar.as_ref(), &src.name())? {
+                        init.check_vocabulary(model, src.vocab_hint(), &src.name())?;
+                    }
                 }
                 data::check_source(src.as_ref(), t, model.vocab_size())?;
                 let len = src.len();

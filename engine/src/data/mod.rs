@@ -8,13 +8,15 @@
 //!   [`MemorySource`] (tokens held in memory, e.g. the synthetic [`addition`] data),
 //!   [`ByteTextSource`] (a text file, one token per byte, vocabulary 256) and
 //!   [`TokenFile`] (a memory-mapped `.bin` of little-endian `u16` tokens, the nanoGPT
-//!   layout, with an optional `.json` sidecar written by [`prepare()`]).
+//!   layout, or `u32` past 65536 ids, with an optional `.json` sidecar written by
+//!   [`prepare()`]).
 //! - [`Sampler`]: cuts the stream into non-overlapping windows of `T + 1` tokens and
 //!   visits them in a seeded, per-epoch permutation. Which window a sample reads is a
 //!   pure function of (seed, sample index), so a checkpoint stores one counter.
 //! - [`Loader`]: worker threads that build the batches ahead of the training step, handed
 //!   out in the same order whatever the worker count.
-//! - [`prepare`](prepare::prepare): text file to `.bin` token file (GPT-2 BPE or bytes).
+//! - [`prepare`](prepare::prepare): text file to `.bin` token file (GPT-2 BPE, bytes or a
+//!   Hugging Face `tokenizer.json`, [`HfTokenizer`]).
 //! - [`clusters()`]: a synthetic classification task for small examples.
 //!
 //! Token ids are checked against the model's vocabulary once over the whole source when
@@ -23,6 +25,7 @@
 
 pub mod addition;
 pub mod clusters;
+pub mod hf_tokenizer;
 pub mod memory;
 pub mod prefetch;
 pub mod prefix;
@@ -35,13 +38,14 @@ use std::path::{Path, PathBuf};
 
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows, DEFAULT_DIGITS};
 pub use clusters::clusters;
+pub use hf_tokenizer::HfTokenizer;
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
 pub use prefix::Prefix;
 pub use prepare::{prepare, write_token_file, Tokenizer};
 pub use sampler::{Batch, BatchLayout, Sampler};
 pub use text::ByteTextSource;
-pub use token_file::{Sidecar, TokenFile};
+pub use token_file::{Sidecar, TokenDtype, TokenFile};
 
 pub type Result<T, E = DataError> = std::result::Result<T, E>;
 

@@ -1,6 +1,8 @@
-//! Text file to `.bin` token file (little-endian `u16`, no header), with the GPT-2 BPE or
-//! one token per byte, plus a `<out>.json` sidecar naming the tokenizer, its vocabulary
-//! size and the token count (read back by [`TokenFile`](super::TokenFile)).
+//! Text file to `.bin` token file (little-endian `u16`, or `u32` for a vocabulary past
+//! 65536 ids; no header), with the GPT-2 BPE, one token per byte or a Hugging Face
+//! `tokenizer.json`, plus a `<out>.json` sidecar naming the tokenizer (a Hugging Face
+//! one by its file and SHA-256), its vocabulary size, the id width and the token count
+//! (read back by [`TokenFile`](super::TokenFile)).
 //!
 //! The GPT-2 BPE is tiktoken's `r50k_base` as packaged by the `tiktoken-rs` crate, whose
 //! merge table is compiled into the binary (`include_str!`): nothing is downloaded at run
@@ -11,10 +13,14 @@ use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use std::sync::Arc;
+
+use super::hf_tokenizer::HfTokenizer;
+use super::token_file::TokenDtype;
 use super::{not_a_regular_file, DataError, Result, Sidecar};
 
 /// How text becomes token ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Tokenizer {
     /// GPT-2's byte-level BPE (tiktoken `r50k_base`), 50257 ids. Text must be UTF-8.
     /// The text is encoded as ordinary text: a literal `<|endoftext|>` in it is not the
@@ -22,14 +28,17 @@ pub enum Tokenizer {
     Gpt2,
     /// Each byte is one token, 256 ids. Any file.
     Bytes,
+    /// A Hugging Face `tokenizer.json` (the model directory's). Text must be UTF-8.
+    Hf(Arc<HfTokenizer>),
 }
 
 impl Tokenizer {
-    /// The name written in the sidecar: `"gpt2"` or `"bytes"`.
+    /// The name written in the sidecar: `"gpt2"`, `"bytes"` or `"huggingface"`.
     pub fn name(&self) -> &'static str {
         match self {
             Tokenizer::Gpt2 => "gpt2",
             Tokenizer::Bytes => "bytes",
+            Tokenizer::Hf(_) => HF_NAME,
         }
     }
 
@@ -37,13 +46,72 @@ impl Tokenizer {
         match self {
             Tokenizer::Gpt2 => 50257,
             Tokenizer::Bytes => 256,
+            Tokenizer::Hf(t) => t.vocab_size(),
         }
+    }
+
+    /// `gpt2` or `bytes` by name, or a Hugging Face tokenizer: a `tokenizer.json` or a
+    /// model directory holding one.
+    pub fn open(spec: &str) -> Result<Tokenizer> {
+        // Names first: a directory called `gpt2` (a downloaded model) is `./gpt2`.
+        if let Ok(t) = spec.parse() {
+            return Ok(t);
+        }
+        let path = Path::new(spec);
+        if !path.exists() {
+            return Err(DataError::InvalidArgument(format!(
+                "unknown tokenizer `{spec}`: use `gpt2` (GPT-2 BPE, r50k_base), `bytes`, or the \
+                 path of a Hugging Face tokenizer.json or model directory (no such file)"
+            )));
+        }
+        Ok(Tokenizer::Hf(Arc::new(HfTokenizer::open(path)?)))
+    }
+
+    /// The tokenizer a sidecar names: by name, or a Hugging Face one from the file it
+    /// records, which must still have the recorded SHA-256.
+    pub fn of_sidecar(side: &Sidecar, sidecar_path: &Path) -> Result<Tokenizer> {
+        if side.tokenizer != HF_NAME {
+            return side.tokenizer.parse();
+        }
+        let (Some(file), Some(sha)) = (&side.tokenizer_file, &side.tokenizer_sha256) else {
+            return Err(DataError::format(
+                sidecar_path,
+                "names a Hugging Face tokenizer but not its tokenizer_file and \
+                 tokenizer_sha256: prepare the data again",
+            ));
+        };
+        let t = HfTokenizer::open(file)?;
+        if &t.sha256 != sha {
+            return Err(DataError::format(
+                sidecar_path,
+                format!(
+                    "the data was made with a tokenizer.json of SHA-256 {sha}, but {} now has \
+                     {}: the file changed since; prepare the data again",
+                    file.display(),
+                    t.sha256
+                ),
+            ));
+        }
+        Ok(Tokenizer::Hf(Arc::new(t)))
     }
 
     /// Token ids of `text`. `what` names the text in errors (usually its path).
     pub fn encode(&self, text: &[u8], what: &Path) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Bytes => Ok(text.iter().map(|&b| b as u32).collect()),
+            Tokenizer::Hf(t) => {
+                let text = std::str::from_utf8(text).map_err(|e| {
+                    DataError::format(
+                        what,
+                        format!(
+                            "not UTF-8 text (invalid byte at offset {}), which a Hugging Face \
+                             tokenizer needs: convert it to UTF-8",
+                            e.valid_up_to()
+                        ),
+                    )
+                })?;
+                t.encode(text, true, what)
+            }
             Tokenizer::Gpt2 => {
                 let text = std::str::from_utf8(text).map_err(|e| {
                     DataError::format(
@@ -79,12 +147,16 @@ impl Tokenizer {
         }
         Ok(match self {
             Tokenizer::Bytes => ids.iter().map(|&id| id as u8).collect(),
+            Tokenizer::Hf(t) => t.decode(ids)?.into_bytes(),
             Tokenizer::Gpt2 => tiktoken_rs::r50k_base_singleton()
                 .decode_bytes(ids)
                 .map_err(|e| DataError::InvalidArgument(format!("gpt2 tokenizer: {e:?}")))?,
         })
     }
 }
+
+/// The sidecar's name of a Hugging Face tokenizer.
+pub const HF_NAME: &str = "huggingface";
 
 impl FromStr for Tokenizer {
     type Err = DataError;
@@ -194,13 +266,36 @@ fn prepare_chunked(
     }
     check_token_file_name(output)?;
     let (name, vocab) = (tokenizer.name(), tokenizer.vocab_size());
+    let dtype = TokenDtype::for_vocab(vocab);
     let count = write_atomically(output, |w| {
         let mut count = 0u64;
-        encode_stream(file, input, tokenizer, read_bytes, max_uncut, |ids| {
-            write_ids(w, output, ids, count, name, vocab)?;
+        let mut emit = |ids: &[u32]| {
+            write_ids(w, output, ids, count, (name, vocab, dtype))?;
             count += ids.len() as u64;
             Ok(())
-        })?;
+        };
+        match &tokenizer {
+            // A Hugging Face tokenizer's pre-tokenizer may be anything (SentencePiece
+            // marks the text's start), so no cut is known to be safe: the whole text is
+            // encoded at once, and held in memory.
+            Tokenizer::Hf(t) => {
+                let mut text = String::new();
+                let mut file = file;
+                file.read_to_string(&mut text).map_err(|e| {
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        DataError::format(
+                            input,
+                            "not UTF-8 text, which a Hugging Face tokenizer needs: convert \
+                             it to UTF-8",
+                        )
+                    } else {
+                        DataError::io(input, "read", e)
+                    }
+                })?;
+                emit(&t.encode(&text, true, input)?)?;
+            }
+            _ => encode_stream(file, input, &tokenizer, read_bytes, max_uncut, emit)?,
+        }
         if count == 0 {
             // The file was emptied between the size check and the read.
             return Err(DataError::format(
@@ -210,7 +305,7 @@ fn prepare_chunked(
         }
         Ok(count)
     })?;
-    write_sidecar(output, name, vocab, count)?;
+    write_sidecar(output, &tokenizer, count)?;
     Ok(count)
 }
 
@@ -266,7 +361,7 @@ fn check_token_file_name(path: &Path) -> Result<()> {
 fn encode_stream(
     mut input: impl Read,
     what: &Path,
-    tokenizer: Tokenizer,
+    tokenizer: &Tokenizer,
     read_bytes: usize,
     max_uncut: usize,
     mut emit: impl FnMut(&[u32]) -> Result<()>,
@@ -291,7 +386,7 @@ fn encode_stream(
             }
         }
         buf.truncate(start + filled);
-        if tokenizer == Tokenizer::Bytes {
+        if *tokenizer == Tokenizer::Bytes {
             let ids: Vec<u32> = buf.iter().map(|&b| b as u32).collect();
             emit(&ids)?;
             buf.clear();
@@ -395,26 +490,27 @@ fn not_utf8(what: &Path, offset: u64) -> DataError {
     )
 }
 
-/// Writes `ids` (token `first` on) as little-endian u16, refusing an id that does not fit
-/// in a u16 or is not below `vocab_size`.
+/// Writes `ids` (token `first` on) as little-endian `dtype`, refusing an id that does
+/// not fit in it or is not below `vocab_size`.
 fn write_ids(
     w: &mut impl Write,
     path: &Path,
     ids: &[u32],
     first: u64,
-    tokenizer: &str,
-    vocab_size: usize,
+    (tokenizer, vocab_size, dtype): (&str, usize, TokenDtype),
 ) -> Result<()> {
+    let most = dtype.max_id();
     if let Some((i, &id)) = ids
         .iter()
         .enumerate()
-        .find(|(_, &id)| id > u16::MAX as u32 || id as usize >= vocab_size)
+        .find(|(_, &id)| id > most || id as usize >= vocab_size)
     {
         let i = first + i as u64;
-        let detail = if id > u16::MAX as u32 {
+        let detail = if id > most {
             format!(
-                "token id {id} (token {i}) does not fit in the u16 of a .bin token file \
-                 (ids up to 65535): use a tokenizer with at most 65536 ids"
+                "token id {id} (token {i}) does not fit in the {dtype} of this .bin token \
+                 file (ids up to {most}): give the vocabulary size it needs (past 65536 ids \
+                 the file is u32)"
             )
         } else {
             format!(
@@ -423,18 +519,22 @@ fn write_ids(
         };
         return Err(DataError::format(path, detail));
     }
-    let mut bytes = Vec::with_capacity(ids.len() * 2);
+    let mut bytes = Vec::with_capacity(ids.len() * dtype.bytes());
     for &id in ids {
-        bytes.extend_from_slice(&(id as u16).to_le_bytes());
+        match dtype {
+            TokenDtype::U16 => bytes.extend_from_slice(&(id as u16).to_le_bytes()),
+            TokenDtype::U32 => bytes.extend_from_slice(&id.to_le_bytes()),
+        }
     }
     w.write_all(&bytes)
         .map_err(|e| DataError::io(path, "write", e))
 }
 
-/// Writes `tokens` as a `.bin` of little-endian `u16` at `path`, then the sidecar
-/// `<path>.json`, each through a temporary file that is synced and renamed into place
-/// (a reader never sees a partial file). Errors if an id does not fit in `u16` or is not
-/// below `vocab_size`, or if `path` is not named `.bin`. Returns the number of tokens.
+/// Writes `tokens` as a `.bin` of little-endian `u16` (`u32` where `vocab_size` is past
+/// 65536) at `path`, then the sidecar `<path>.json`, each through a temporary file that
+/// is synced and renamed into place (a reader never sees a partial file). Errors if an
+/// id is not below `vocab_size`, or if `path` is not named `.bin`. Returns the number of
+/// tokens.
 pub fn write_token_file(
     path: &Path,
     tokens: &[u32],
@@ -442,20 +542,29 @@ pub fn write_token_file(
     vocab_size: usize,
 ) -> Result<u64> {
     check_token_file_name(path)?;
+    let dtype = TokenDtype::for_vocab(vocab_size);
     write_atomically(path, |w| {
-        write_ids(w, path, tokens, 0, tokenizer, vocab_size)
+        write_ids(w, path, tokens, 0, (tokenizer, vocab_size, dtype))
     })?;
-    write_sidecar(path, tokenizer, vocab_size, tokens.len() as u64)?;
+    let sidecar = Sidecar::new(tokenizer, vocab_size, tokens.len() as u64);
+    write_sidecar_file(path, &sidecar)?;
     Ok(tokens.len() as u64)
 }
 
-fn write_sidecar(bin: &Path, tokenizer: &str, vocab_size: usize, tokens: u64) -> Result<()> {
-    let sidecar = Sidecar {
-        tokenizer: tokenizer.to_string(),
-        vocab_size,
-        tokens,
-    };
-    let json = serde_json::to_string_pretty(&sidecar).expect("a sidecar serialises");
+/// The sidecar of `tokens` ids made by `tokenizer` (a Hugging Face one by its file and
+/// SHA-256).
+fn write_sidecar(bin: &Path, tokenizer: &Tokenizer, tokens: u64) -> Result<()> {
+    let mut sidecar = Sidecar::new(tokenizer.name(), tokenizer.vocab_size(), tokens);
+    if let Tokenizer::Hf(t) = tokenizer {
+        // Absolute, so the data still finds its tokenizer from another directory.
+        sidecar.tokenizer_file = Some(std::path::absolute(&t.file).unwrap_or(t.file.clone()));
+        sidecar.tokenizer_sha256 = Some(t.sha256.clone());
+    }
+    write_sidecar_file(bin, &sidecar)
+}
+
+fn write_sidecar_file(bin: &Path, sidecar: &Sidecar) -> Result<()> {
+    let json = serde_json::to_string_pretty(sidecar).expect("a sidecar serialises");
     write_atomically(&Sidecar::path_for(bin), |w| {
         w.write_all(json.as_bytes())
             .map_err(|e| DataError::io(bin, "write", e))
@@ -528,14 +637,7 @@ mod tests {
         let f = TokenFile::open(&output).unwrap();
         let ids = read_all(&f);
         assert_eq!(ids.iter().map(|&t| t as u8).collect::<Vec<_>>(), text);
-        assert_eq!(
-            f.sidecar().unwrap(),
-            &Sidecar {
-                tokenizer: "bytes".into(),
-                vocab_size: 256,
-                tokens: 264
-            }
-        );
+        assert_eq!(f.sidecar().unwrap(), &Sidecar::new("bytes", 256, 264));
         assert_eq!(f.vocab_hint(), Some(256));
         assert_eq!(std::fs::read(&output).unwrap().len(), 2 * 264);
         // No temporary files are left behind.
@@ -591,18 +693,24 @@ mod tests {
             .to_string();
         assert!(e.contains("latin1.txt") && e.contains("offset 3"), "{e}");
 
-        let e = write_token_file(&out, &[1, 70_000], "big", 100_000)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("out.bin") && e.contains("70000") && e.contains("u16"),
-            "{e}"
-        );
         let e = write_token_file(&out, &[1, 300], "bytes", 256)
             .unwrap_err()
             .to_string();
         assert!(e.contains("300") && e.contains("256"), "{e}");
         assert!(!out.exists());
+        let e = write_token_file(&out, &[1, 100_000], "big", 100_000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("out.bin") && e.contains("100000") && e.contains("vocabulary"),
+            "{e}"
+        );
+        // Past 65536 ids the file is u32, and says so.
+        write_token_file(&out, &[1, 70_000], "big", 100_000).unwrap();
+        let f = TokenFile::open(&out).unwrap();
+        assert_eq!(f.sidecar().unwrap().dtype, TokenDtype::U32);
+        assert_eq!(read_all(&f), [1, 70_000]);
+        assert_eq!(std::fs::read(&out).unwrap().len(), 8);
     }
 
     /// Text with what the GPT-2 pre-tokenizer treats specially: contractions, runs of

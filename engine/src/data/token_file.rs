@@ -1,6 +1,8 @@
 //! `.bin` token files: little-endian `u16` token ids, no header (the nanoGPT layout),
-//! memory-mapped. An optional sidecar `<file>.json` (written by [`prepare`]) records the
-//! tokenizer, its vocabulary size and the token count.
+//! memory-mapped; `u32` where the sidecar says so (vocabularies past 65536 ids: Llama 3's
+//! 128256, Qwen2's 151936). An optional sidecar `<file>.json` (written by [`prepare`])
+//! records the tokenizer (a Hugging Face one by its file and SHA-256), its vocabulary
+//! size, the id width and the token count. Without a sidecar a file is `u16`.
 //!
 //! [`prepare`]: super::prepare::prepare
 
@@ -12,18 +14,95 @@ use serde::{Deserialize, Serialize};
 use super::text::{map_file, MappedFile};
 use super::{check_range, DataError, Result, TokenSource};
 
+/// The width of a token file's ids.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenDtype {
+    #[default]
+    U16,
+    U32,
+}
+
+impl TokenDtype {
+    /// The narrowest width that holds every id below `vocab_size`.
+    pub fn for_vocab(vocab_size: usize) -> TokenDtype {
+        if vocab_size <= 1 << 16 {
+            TokenDtype::U16
+        } else {
+            TokenDtype::U32
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            TokenDtype::U16 => 2,
+            TokenDtype::U32 => 4,
+        }
+    }
+
+    pub fn max_id(self) -> u32 {
+        match self {
+            TokenDtype::U16 => u16::MAX as u32,
+            TokenDtype::U32 => u32::MAX,
+        }
+    }
+
+    fn read(self, b: &[u8]) -> u32 {
+        match self {
+            TokenDtype::U16 => u16::from_le_bytes([b[0], b[1]]) as u32,
+            TokenDtype::U32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TokenDtype::U16 => "u16",
+            TokenDtype::U32 => "u32",
+        })
+    }
+}
+
+fn is_u16(d: &TokenDtype) -> bool {
+    *d == TokenDtype::U16
+}
+
 /// The `<file>.json` written next to a prepared `.bin`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sidecar {
-    /// `"gpt2"` (tiktoken's r50k_base BPE) or `"bytes"`, or any name another tool wrote.
+    /// `"gpt2"` (tiktoken's r50k_base BPE), `"bytes"`, `"huggingface"`, or any name
+    /// another tool wrote.
     pub tokenizer: String,
     /// Every id in the file is below this.
     pub vocab_size: usize,
-    /// Number of tokens in the `.bin` (its byte length / 2).
+    /// Number of tokens in the `.bin` (its byte length / the id width).
     pub tokens: u64,
+    /// The ids' width; `u16` where absent (as sidecars before `u32` files were).
+    #[serde(default, skip_serializing_if = "is_u16")]
+    pub dtype: TokenDtype,
+    /// A Hugging Face tokenizer's `tokenizer.json` (absolute path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_file: Option<PathBuf>,
+    /// Its SHA-256, lowercase hex: what a model's tokenizer must match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer_sha256: Option<String>,
 }
 
 impl Sidecar {
+    /// A sidecar of `tokens` ids below `vocab_size`, named `tokenizer`, as wide as the
+    /// vocabulary needs.
+    pub fn new(tokenizer: &str, vocab_size: usize, tokens: u64) -> Sidecar {
+        Sidecar {
+            tokenizer: tokenizer.to_string(),
+            vocab_size,
+            tokens,
+            dtype: TokenDtype::for_vocab(vocab_size),
+            tokenizer_file: None,
+            tokenizer_sha256: None,
+        }
+    }
+
     /// `<bin>.json`: the sidecar's path for a token file.
     pub fn path_for(bin: &Path) -> PathBuf {
         let mut s = OsString::from(bin.as_os_str());
@@ -53,11 +132,12 @@ impl Sidecar {
     }
 }
 
-/// A memory-mapped `.bin` of little-endian `u16` tokens.
+/// A memory-mapped `.bin` of little-endian `u16` (or `u32`) tokens.
 pub struct TokenFile {
     path: PathBuf,
     map: MappedFile,
     sidecar: Option<Sidecar>,
+    dtype: TokenDtype,
 }
 
 impl TokenFile {
@@ -69,20 +149,22 @@ impl TokenFile {
                 "the token file is empty. Prepare it again from a non-empty text",
             ));
         }
-        if !map.len().is_multiple_of(2) {
+        let sidecar = Sidecar::read_for(path)?;
+        let dtype = sidecar.as_ref().map_or(TokenDtype::U16, |s| s.dtype);
+        if !map.len().is_multiple_of(dtype.bytes()) {
             return Err(DataError::format(
                 path,
                 format!(
-                    "{} bytes is an odd length, but a .bin token file holds 2-byte \
-                     little-endian u16 tokens: the file is truncated or not a token file. \
-                     Prepare it again",
-                    map.len()
+                    "{} bytes is not a whole number of tokens, but this .bin token file holds \
+                     {}-byte little-endian {dtype} tokens: the file is truncated or not a \
+                     token file. Prepare it again",
+                    map.len(),
+                    dtype.bytes()
                 ),
             ));
         }
-        let sidecar = Sidecar::read_for(path)?;
         if let Some(s) = &sidecar {
-            let tokens = map.len() as u64 / 2;
+            let tokens = (map.len() / dtype.bytes()) as u64;
             if s.tokens != tokens {
                 return Err(DataError::format(
                     &Sidecar::path_for(path),
@@ -99,6 +181,7 @@ impl TokenFile {
             path: path.to_path_buf(),
             map,
             sidecar,
+            dtype,
         })
     }
 
@@ -114,8 +197,8 @@ impl TokenFile {
     /// ids with [`check_ids`](super::check_ids) instead, which names the first bad one.
     pub fn max_token(&self) -> u32 {
         self.map
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+            .chunks_exact(self.dtype.bytes())
+            .map(|c| self.dtype.read(c))
             .max()
             .unwrap_or(0)
     }
@@ -123,14 +206,15 @@ impl TokenFile {
 
 impl TokenSource for TokenFile {
     fn len(&self) -> u64 {
-        self.map.len() as u64 / 2
+        (self.map.len() / self.dtype.bytes()) as u64
     }
 
     fn read(&self, start: u64, out: &mut [u32]) -> Result<()> {
         check_range(&self.name(), self.len(), start, out.len())?;
-        let bytes = self.map.range(start as usize * 2, out.len() * 2)?;
-        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-            *o = u16::from_le_bytes([c[0], c[1]]) as u32;
+        let w = self.dtype.bytes();
+        let bytes = self.map.range(start as usize * w, out.len() * w)?;
+        for (o, c) in out.iter_mut().zip(bytes.chunks_exact(w)) {
+            *o = self.dtype.read(c);
         }
         Ok(())
     }
@@ -141,12 +225,12 @@ impl TokenSource for TokenFile {
 
     fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {
         // Straight off the map, without widening blocks through `read`.
-        let id = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]) as u32;
+        let w = self.dtype.bytes();
         Ok(self
             .map
-            .chunks_exact(2)
-            .position(|c| id(c) >= limit)
-            .map(|k| (k as u64, id(&self.map[2 * k..2 * k + 2]))))
+            .chunks_exact(w)
+            .position(|c| self.dtype.read(c) >= limit)
+            .map(|k| (k as u64, self.dtype.read(&self.map[w * k..w * (k + 1)]))))
     }
 
     fn name(&self) -> String {
@@ -215,7 +299,10 @@ mod tests {
         let odd = dir.path("odd.bin");
         std::fs::write(&odd, [1u8, 0, 2]).unwrap();
         let e = TokenFile::open(&odd).err().unwrap().to_string();
-        assert!(e.contains("odd.bin") && e.contains("odd length"), "{e}");
+        assert!(
+            e.contains("odd.bin") && e.contains("not a whole number"),
+            "{e}"
+        );
 
         let short = dir.path("short.bin");
         write_u16(&short, &[1, 2, 3]);
@@ -250,11 +337,7 @@ mod tests {
         let dir = TempDir::new();
         let p = dir.path("s.bin");
         write_u16(&p, &[1, 2, 3, 4]);
-        let side = Sidecar {
-            tokenizer: "gpt2".into(),
-            vocab_size: 50257,
-            tokens: 4,
-        };
+        let side = Sidecar::new("gpt2", 50257, 4);
         std::fs::write(Sidecar::path_for(&p), serde_json::to_string(&side).unwrap()).unwrap();
         let f = TokenFile::open(&p).unwrap();
         assert_eq!(f.sidecar(), Some(&side));

@@ -1,0 +1,228 @@
+//! Hugging Face tokenizers: a model directory's `tokenizer.json`, read and run by the
+//! `tokenizers` crate (byte-level BPE of Llama 3, Qwen2 and SmolLM2, SentencePiece-style
+//! BPE of Llama 2 and Mistral, WordPiece, ...), with the special tokens the model's
+//! `tokenizer_config.json` and `generation_config.json` name (BOS, EOS — several for
+//! instruct models — and the chat template).
+//!
+//! A tokenizer is known by the SHA-256 of its `tokenizer.json`: `kiln prepare` records it
+//! in the token file's sidecar, and training refuses data whose tokenizer is not the
+//! model's (the same ids would mean other text).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::{DataError, Result};
+
+pub use tokenizers;
+
+/// The file a Hugging Face model directory keeps its tokenizer in.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// A Hugging Face tokenizer with its model's special tokens.
+#[derive(Clone)]
+pub struct HfTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The `tokenizer.json` it was read from.
+    pub file: PathBuf,
+    /// SHA-256 of that file, lowercase hex.
+    pub sha256: String,
+    /// The beginning-of-sequence token, where the model has one.
+    pub bos: Option<u32>,
+    /// Tokens that end generation (an instruct model may have several, e.g. Llama 3's
+    /// `<|eot_id|>` beside `<|end_of_text|>`).
+    pub eos: Vec<u32>,
+    /// The Jinja chat template of `tokenizer_config.json`, where there is one.
+    pub chat_template: Option<String>,
+    /// The largest id plus one (ids of a tokenizer.json need not be dense).
+    vocab_size: usize,
+}
+
+impl std::fmt::Debug for HfTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HfTokenizer")
+            .field("file", &self.file)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+impl PartialEq for HfTokenizer {
+    /// The same `tokenizer.json` bytes.
+    fn eq(&self, other: &Self) -> bool {
+        self.sha256 == other.sha256
+    }
+}
+
+impl Eq for HfTokenizer {}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A special token as `tokenizer_config.json` gives it: a string, or an added-token
+/// object with its `content`.
+fn token_text(v: &Value) -> Option<&str> {
+    v.as_str()
+        .or_else(|| v.get("content").and_then(Value::as_str))
+}
+
+/// A JSON file beside the tokenizer, if there is one; an unreadable one is an error.
+fn side_json(dir: &Path, name: &str) -> Result<Option<serde_json::Map<String, Value>>> {
+    let path = dir.join(name);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(DataError::io(&path, "read", e)),
+    };
+    match serde_json::from_str(text.strip_prefix('\u{feff}').unwrap_or(&text)) {
+        Ok(Value::Object(m)) => Ok(Some(m)),
+        Ok(_) => Err(DataError::format(&path, "not a JSON object")),
+        Err(e) => Err(DataError::format(&path, format!("not valid JSON: {e}"))),
+    }
+}
+
+impl HfTokenizer {
+    /// Reads `path`: a `tokenizer.json`, or a model directory holding one (with its
+    /// `tokenizer_config.json` and `generation_config.json`, read where present).
+    pub fn open(path: &Path) -> Result<HfTokenizer> {
+        let file = if path.is_dir() {
+            path.join(TOKENIZER_FILE)
+        } else {
+            path.to_path_buf()
+        };
+        let bytes = std::fs::read(&file).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                DataError::format(
+                    &file,
+                    format!(
+                        "no such file: a Hugging Face tokenizer is a {TOKENIZER_FILE} (download \
+                         it with the model: huggingface-cli download REPO {TOKENIZER_FILE} \
+                         tokenizer_config.json)"
+                    ),
+                )
+            } else {
+                DataError::io(&file, "read", e)
+            }
+        })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            DataError::format(
+                &file,
+                format!("not a Hugging Face tokenizer.json the tokenizers crate reads: {e}"),
+            )
+        })?;
+        let mut t = HfTokenizer {
+            inner,
+            sha256: sha256_hex(&bytes),
+            file: file.clone(),
+            bos: None,
+            eos: vec![],
+            chat_template: None,
+            vocab_size: 0,
+        };
+        t.vocab_size = t
+            .inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1);
+        let dir = file.parent().unwrap_or(Path::new("."));
+        let id_of = |what: &str, text: &str, from: &Path| {
+            t.inner.token_to_id(text).ok_or_else(|| {
+                DataError::format(
+                    from,
+                    format!("its {what} `{text}` is not a token of {}", file.display()),
+                )
+            })
+        };
+        let (mut bos, mut eos, mut template) = (None, vec![], None);
+        if let Some(cfg) = side_json(dir, "tokenizer_config.json")? {
+            let from = dir.join("tokenizer_config.json");
+            if let Some(b) = cfg.get("bos_token").and_then(token_text) {
+                bos = Some(id_of("bos_token", b, &from)?);
+            }
+            if let Some(e) = cfg.get("eos_token").and_then(token_text) {
+                eos.push(id_of("eos_token", e, &from)?);
+            }
+            template = match cfg.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // A list of named templates: the default one.
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                _ => None,
+            };
+        }
+        if let Some(gen) = side_json(dir, "generation_config.json")? {
+            // Ids here; an instruct model lists every token that ends a turn.
+            let ids = |v: Option<&Value>| -> Vec<u32> {
+                match v {
+                    Some(Value::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as u32)
+                        .collect(),
+                    _ => vec![],
+                }
+            };
+            for id in ids(gen.get("eos_token_id")) {
+                if !eos.contains(&id) {
+                    eos.push(id);
+                }
+            }
+            bos = bos.or(ids(gen.get("bos_token_id")).first().copied());
+        }
+        let vocab = t.vocab_size();
+        if let Some(&bad) = eos.iter().chain(&bos).find(|&&id| id as usize >= vocab) {
+            return Err(DataError::format(
+                dir,
+                format!("a BOS/EOS id {bad} is outside the tokenizer's {vocab} ids"),
+            ));
+        }
+        (t.bos, t.eos, t.chat_template) = (bos, eos, template);
+        Ok(t)
+    }
+
+    /// Every id the tokenizer gives (added tokens included) is below this.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The ids of `text`; `special`: with the tokens the tokenizer's post-processor adds
+    /// (Llama's BOS, for one).
+    pub fn encode(&self, text: &str, special: bool, what: &Path) -> Result<Vec<u32>> {
+        self.inner
+            .encode_fast(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| DataError::format(what, format!("the tokenizer failed on it: {e}")))
+    }
+
+    /// The text of `ids`, special tokens included. Ids outside the vocabulary are errors.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= self.vocab_size()) {
+            return Err(DataError::InvalidArgument(format!(
+                "{}: id {id} is outside its vocabulary of {}",
+                self.file.display(),
+                self.vocab_size()
+            )));
+        }
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| DataError::InvalidArgument(format!("{}: {e}", self.file.display())))
+    }
+
+    /// The tokenizers crate's tokenizer itself.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

@@ -1,0 +1,247 @@
+//! Hugging Face tokenizers (issue 29): `kiln prepare --tokenizer DIR` gives the ids the
+//! `tokenizers` crate gives for a real byte-level BPE (trained here by that crate's own
+//! trainer, as Llama 3's, Qwen2's and SmolLM2's are built), records the tokenizer in the
+//! sidecar by file and SHA-256, writes u32 token files past 65536 ids, and `kiln sample`
+//! on a Hugging Face Llama directory decodes with its tokenizer and stops at its EOS.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::scratch_dir;
+use kiln::engine::data::hf_tokenizer::tokenizers;
+use kiln::engine::data::{
+    prepare, HfTokenizer, Sidecar, TokenDtype, TokenFile, TokenSource, Tokenizer,
+};
+use kiln::sample::{TextCodec, TextStream};
+
+const CORPUS: &str = "The kiln fires the clay. The clay hardens in the kiln.\n\
+    Héllo wörld: naïve café, smörgåsbord, 東京, emoji 😀🔥 and tabs\tand  double spaces.\n\
+    Numbers 12345 and 3.14159, code `fn main() { println!(\"hi\"); }`.\n";
+
+/// A byte-level BPE of 300 ids (256 bytes, merges, `<|endoftext|>`) trained on
+/// CORPUS by the tokenizers crate, saved in `dir` with a tokenizer_config.json naming
+/// its EOS.
+fn trained_bpe(dir: &Path) -> PathBuf {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::normalizers::NormalizerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, TokenizerBuilder};
+    let corpus = dir.join("corpus.txt");
+    std::fs::write(&corpus, CORPUS.repeat(4)).unwrap();
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(300)
+        .min_frequency(1)
+        .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let mut tok =
+        TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
+            .with_model(BPE::default())
+            .with_normalizer(None)
+            // As Llama 3's and Qwen2's: no space added before the text.
+            .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+            .with_post_processor(Some(ByteLevel::default()))
+            .with_decoder(Some(ByteLevel::default()))
+            .build()
+            .unwrap();
+    tok.train_from_files(&mut trainer, vec![corpus.display().to_string()])
+        .unwrap();
+    let file = dir.join("tokenizer.json");
+    tok.save(&file, false).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token": "<|endoftext|>", "bos_token": null}"#,
+    )
+    .unwrap();
+    file
+}
+
+/// A word-level tokenizer.json: whitespace-separated words, the given ids.
+fn word_level(words: &[(String, u32)]) -> String {
+    let vocab: serde_json::Map<String, serde_json::Value> = words
+        .iter()
+        .map(|(w, id)| (w.clone(), (*id).into()))
+        .collect();
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "w0"}
+    })
+    .to_string()
+}
+
+fn read_all(f: &TokenFile) -> Vec<u32> {
+    let mut out = vec![0; f.len() as usize];
+    f.read(0, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn prepare_with_a_hugging_face_tokenizer_gives_its_ids_and_names_it() {
+    let dir = scratch_dir("hf-tokenizer", "bpe");
+    let file = trained_bpe(&dir);
+    let reference = tokenizers::Tokenizer::from_file(&file).unwrap();
+    assert_eq!(reference.get_vocab_size(true), 300);
+    let text = dir.join("text.txt");
+    std::fs::write(&text, CORPUS).unwrap();
+    let out = dir.join("text.bin");
+    // The model directory, as `--tokenizer DIR` gives it.
+    let tok = Tokenizer::open(dir.to_str().unwrap()).unwrap();
+    let n = prepare(&text, &out, tok.clone()).unwrap();
+    let want: Vec<u32> = reference.encode(CORPUS, true).unwrap().get_ids().to_vec();
+    let f = TokenFile::open(&out).unwrap();
+    assert_eq!(n as usize, want.len());
+    assert_eq!(read_all(&f), want);
+    // Byte-level BPE is lossless: the ids decode to the text, emoji and all.
+    assert_eq!(tok.decode(&want).unwrap(), CORPUS);
+    let side = f.sidecar().unwrap();
+    let Tokenizer::Hf(t) = &tok else {
+        panic!("not a Hugging Face tokenizer")
+    };
+    assert_eq!(
+        (side.tokenizer.as_str(), side.vocab_size, side.dtype),
+        ("huggingface", 300, TokenDtype::U16)
+    );
+    assert!(side.tokenizer_file.as_ref().unwrap().is_absolute());
+    assert_eq!(side.tokenizer_sha256.as_deref(), Some(t.sha256.as_str()));
+    assert_eq!(t.sha256.len(), 64);
+    assert_eq!(t.eos, [reference.token_to_id("<|endoftext|>").unwrap()]);
+    // The sidecar finds the tokenizer again, and notices when its file changed.
+    let again = Tokenizer::of_sidecar(side, &Sidecar::path_for(&out)).unwrap();
+    assert_eq!(again, tok);
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    json["added_tokens"][0]["content"] = "<|end|>".into();
+    std::fs::write(&file, json.to_string()).unwrap();
+    let e = Tokenizer::of_sidecar(side, &Sidecar::path_for(&out)).unwrap_err();
+    assert!(e.to_string().contains("the file changed since"), "{e}");
+    // Streamed a token at a time, the text comes out whole: a character split across
+    // tokens waits for its last byte.
+    let mut stream = TextStream::new(TextCodec::Tokens(tok));
+    let mut shown = String::new();
+    for &id in &want {
+        let piece = stream.push(id).unwrap();
+        assert!(!piece.contains('\u{FFFD}'), "{piece:?}");
+        shown += &piece;
+    }
+    shown += &stream.finish();
+    assert_eq!(shown, CORPUS);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_vocabulary_past_65536_ids_makes_a_u32_token_file() {
+    let dir = scratch_dir("hf-tokenizer", "u32");
+    let words: Vec<(String, u32)> = [("w0", 0), ("hello", 5), ("big", 70_000), ("top", 131_071)]
+        .iter()
+        .map(|(w, i)| (w.to_string(), *i))
+        .collect();
+    std::fs::write(dir.join("tokenizer.json"), word_level(&words)).unwrap();
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "hello big top hello\nbig").unwrap();
+    let out = dir.join("text.bin");
+    let tok = Tokenizer::open(dir.join("tokenizer.json").to_str().unwrap()).unwrap();
+    assert_eq!(tok.vocab_size(), 131_072);
+    prepare(&text, &out, tok).unwrap();
+    let want = [5, 70_000, 131_071, 5, 70_000];
+    assert_eq!(
+        std::fs::metadata(&out).unwrap().len(),
+        4 * want.len() as u64
+    );
+    let f = TokenFile::open(&out).unwrap();
+    assert_eq!(f.sidecar().unwrap().dtype, TokenDtype::U32);
+    assert_eq!(read_all(&f), want);
+    assert_eq!(f.max_token(), 131_071);
+    // Read without its sidecar, the file would be u16: 10 ids of nonsense, so the
+    // sidecar says u32 and training reads it so.
+    assert_eq!(f.len(), 5);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A copy of the Llama fixture `gqa_f32` (vocabulary 37) with a word-level tokenizer
+/// of its 37 ids (`w0` … `w36`) and `eos` as its EOS, where given.
+fn llama_with_tokenizer(tag: &str, eos: Option<&str>) -> PathBuf {
+    let dir = scratch_dir("hf-tokenizer", tag);
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/gqa_f32");
+    for f in std::fs::read_dir(fixture).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let words: Vec<(String, u32)> = (0..37).map(|i| (format!("w{i}"), i)).collect();
+    std::fs::write(dir.join("tokenizer.json"), word_level(&words)).unwrap();
+    if let Some(e) = eos {
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            format!(r#"{{"eos_token": "{e}"}}"#),
+        )
+        .unwrap();
+    }
+    dir
+}
+
+fn sample(dir: &Path) -> Vec<String> {
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["sample", dir.to_str().unwrap(), "--prompt", "w1 w2 w3"])
+        .args([
+            "--temperature",
+            "0",
+            "--tokens",
+            "12",
+            "--devices",
+            "cpu",
+            "--dtype",
+            "f32",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).unwrap();
+    let words: Vec<String> = text.split_whitespace().map(str::to_string).collect();
+    assert_eq!(words[..3], ["w1", "w2", "w3"], "{text:?}");
+    words[3..].to_vec()
+}
+
+#[test]
+fn kiln_sample_decodes_with_the_model_tokenizer_and_stops_at_its_eos() {
+    let dir = llama_with_tokenizer("sample", None);
+    let free = sample(&dir);
+    assert_eq!(free.len(), 12, "{free:?}");
+    assert!(free.iter().all(|w| w.starts_with('w')), "{free:?}");
+    // The fifth greedy word made the EOS: generation stops before it, the same four
+    // words first.
+    let eos = free[4].clone();
+    let first = free.iter().position(|w| *w == eos).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        format!(r#"{{"eos_token": "{eos}"}}"#),
+    )
+    .unwrap();
+    let stopped = sample(&dir);
+    assert_eq!(stopped, free[..first], "EOS {eos}");
+    // A tokenizer with more ids than the embedding has rows is another model's.
+    let words: Vec<(String, u32)> = (0..40).map(|i| (format!("w{i}"), i)).collect();
+    std::fs::write(dir.join("tokenizer.json"), word_level(&words)).unwrap();
+    let e = HfTokenizer::open(&dir).unwrap();
+    assert_eq!(e.vocab_size(), 40);
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "sample",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "w1",
+            "--devices",
+            "cpu",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("40 ids") && err.contains("37 rows"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
