@@ -219,6 +219,7 @@ impl InitWeights {
             let mut r = m.record();
             if let Some(o) = r.as_object_mut() {
                 o.remove("block_size");
+                o.remove("max_position_embeddings");
             }
             r
         };

@@ -18,6 +18,7 @@ pub mod bench_train;
 pub mod devices;
 pub mod estimate;
 pub mod eval;
+pub mod export;
 pub mod init_from;
 pub mod profile;
 pub mod sample;

@@ -80,6 +80,24 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Eval(a) => eval(a),
+        Command::Export {
+            source,
+            format,
+            out,
+        } => {
+            let e = kiln::export::export(&source, &format, &out)?;
+            outln!(
+                "{}: a Hugging Face {} model{}",
+                e.dir.display(),
+                e.model_type,
+                if e.tokenizer_files.is_empty() {
+                    " (no tokenizer: the model has none Kiln knows of)".to_string()
+                } else {
+                    format!(" with its tokenizer ({} files)", e.tokenizer_files.len())
+                }
+            );
+            Ok(())
+        }
         Command::Config { what } => config(what),
         Command::Prepare {
             input,

@@ -365,19 +365,48 @@ fn a_hugging_face_model_takes_only_data_of_its_own_tokenizer() {
         kiln::engine::data::prepare(&text, &bin, t).unwrap();
         bin
     };
-    let model = r#"{"architecture": "llama", "n_layer": 2, "n_head": 4, "n_kv_head": 2,
-        "n_embd": 32, "block_size": 16, "vocab_size": 37, "intermediate_size": 40,
-        "rms_norm_eps": 1e-5}"#;
+    // The sizes from the directory, the sequence from --seq (the fixture's
+    // max_position_embeddings is 64).
     let run = |data: PathBuf, out: &str| {
         train(&TrainOptions {
             steps: Some(2),
             init_from: Some(hf.clone()),
             data: Some(data),
-            ..options(&dir, out, model)
+            model: None,
+            seq: Some(16),
+            ..options(&dir, out, "")
         })
     };
     let own = prepared("own.bin", &hf);
-    run(own, "own").expect("data of the model's own tokenizer trains");
+    let r = run(own.clone(), "own").expect("data of the model's own tokenizer trains");
+    let recorded = runs::read_config(&r.dir).unwrap();
+    assert_eq!(recorded["model"]["block_size"], 16, "{recorded}");
+    // Exported, the fine-tuned model is a Hugging Face Llama again: its own positions
+    // (64, not the 16 it trained on), the tuned weights, the tokenizer beside them.
+    let out = dir.join("export");
+    let e = kiln::export::export(&r.dir, "hf", &out).unwrap();
+    assert_eq!(e.model_type, "llama");
+    let back = kiln::engine::models::import_llama::read_hf(&out).unwrap();
+    assert_eq!(back.config.block_size, 64);
+    let tuned = kiln::sample::Source::open(&r.dir, None).unwrap();
+    for (a, b) in back.weights.iter().zip(&tuned.weights) {
+        assert_eq!(a.name, b.name);
+        assert!(a.data.as_bytes() == b.data.as_bytes(), "{} differs", a.name);
+    }
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        std::fs::read(hf.join("tokenizer.json")).unwrap()
+    );
+    let e = train(&TrainOptions {
+        steps: Some(2),
+        init_from: Some(hf.clone()),
+        data: Some(own),
+        model: None,
+        seq: Some(65),
+        ..options(&dir, "long", "")
+    })
+    .unwrap_err();
+    assert!(format!("{e:#}").contains("--seq 65: give 1 to 64"), "{e:#}");
     let e = format!(
         "{:#}",
         run(prepared("other.bin", &other), "other").unwrap_err()

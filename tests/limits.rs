@@ -175,6 +175,7 @@ fn absurd_sizes_are_errors_not_hangs_or_aborts() {
                     qkv_bias: false,
                     rope_scaling: None,
                     sliding_window: None,
+                    max_position_embeddings: None,
                 },
                 8,
             )),

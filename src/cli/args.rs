@@ -29,6 +29,19 @@ pub(crate) enum Command {
     Sample(SampleArgs),
     /// Loss and perplexity of a trained model on held-out data or a token file.
     Eval(EvalArgs),
+    /// Write a trained or imported model as a Hugging Face directory (config.json,
+    /// model.safetensors, the tokenizer files) that `transformers` loads.
+    Export {
+        /// A run directory (its latest checkpoint), a checkpoint directory, or a model to
+        /// import (as `kiln sample` takes them).
+        source: PathBuf,
+        /// `hf`: a Hugging Face model directory (GPT-2, Llama, Qwen2 or Mistral).
+        #[arg(long, default_value = "hf")]
+        format: String,
+        /// The directory to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Check or explain a DeepSpeed config file.
     Config {
         #[command(subcommand)]
@@ -129,11 +142,17 @@ pub(crate) struct TrainArgs {
     #[arg(long)]
     pub(crate) resume: bool,
     /// Start from these weights, with a fresh optimizer: a Kiln run directory (its
-    /// latest checkpoint) or checkpoint directory, a Hugging Face GPT-2 directory or
-    /// model.safetensors (config.json beside it), or an llm.c .bin. The model's sizes
-    /// come from it (a --model must agree; only its block_size may be smaller).
+    /// latest checkpoint) or checkpoint directory, a Hugging Face GPT-2 or Llama-family
+    /// directory or GPT-2 model.safetensors (config.json beside it), or an llm.c .bin.
+    /// The model's sizes come from it (a --model must agree; only its block_size may be
+    /// smaller).
     #[arg(long, value_name = "PATH")]
     pub(crate) init_from: Option<PathBuf>,
+    /// Train on sequences of this many tokens instead of the model's block_size (at
+    /// most it): a Hugging Face model's block_size is the longest context it reaches
+    /// (8192 for SmolLM2), more than a fine-tuning step needs.
+    #[arg(long)]
+    pub(crate) seq: Option<usize>,
     /// Seed of the weights and the data order [default: a resumed run's own, else
     /// kiln.seed, else 1].
     #[arg(long)]

@@ -82,6 +82,7 @@ fn train_with(
         keep_checkpoints: a.keep_checkpoints,
         resume: a.resume,
         init_from: a.init_from,
+        seq: a.seq,
         seed: a.seed,
         progress: true,
         interrupt: Some(interrupt),

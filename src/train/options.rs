@@ -45,6 +45,9 @@ pub struct TrainOptions {
     /// checkpoint) or checkpoint directory, a Hugging Face GPT-2 directory or
     /// `model.safetensors`, or an llm.c `.bin`. The model's sizes come from it.
     pub init_from: Option<PathBuf>,
+    /// Train on sequences of this many tokens, at most the model's block_size (which
+    /// becomes it); `None`: the block_size.
+    pub seq: Option<usize>,
     /// Draw a progress bar and print log lines.
     pub progress: bool,
     /// Set (by Ctrl-C, SIGTERM or SIGHUP) to stop after the current step, checkpointing

@@ -216,8 +216,14 @@ pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             if let Some(init) = &init {
                 init.check_model(&m, path)?;
+                // The same model (checked), cut to the file's block_size: the weights'
+                // own config keeps what the file may not say (a Llama's reach).
+                let mut same = init.model.clone();
+                same.set_block_size(m.block_size());
+                (same, true)
+            } else {
+                (m, true)
             }
-            (m, true)
         }
         (None, Some(init)) => (init.model.clone(), true),
         (None, None) => (
@@ -225,6 +231,20 @@ pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
             false,
         ),
     };
+    let mut model = model;
+    if let Some(seq) = opts.seq {
+        if opts.resume {
+            bail!("--seq with --resume: a resumed run keeps its sequence length; drop --seq");
+        }
+        let most = model.block_size();
+        if seq == 0 || seq > most {
+            bail!(
+                "--seq {seq}: give 1 to {most} tokens (the model's block_size, the longest \
+                 sequence it has positions for)"
+            );
+        }
+        model.set_block_size(seq);
+    }
     Ok(Resolved {
         started,
         writer,

@@ -139,6 +139,10 @@ pub struct LlamaConfig {
     /// are no longer than the window, so longer ones are refused.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// The positions the model reaches (Hugging Face's `max_position_embeddings`),
+    /// where it is more than `block_size`, the sequence Kiln trains on: kept for export.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
 }
 
 fn default_theta() -> f32 {
@@ -162,6 +166,13 @@ impl LlamaConfig {
         } else {
             9
         }
+    }
+
+    /// The positions the model reaches: its `max_position_embeddings`, else block_size.
+    pub fn reach(&self) -> usize {
+        self.max_position_embeddings
+            .unwrap_or(self.block_size)
+            .max(self.block_size)
     }
 
     /// D, each head's width.
@@ -375,7 +386,7 @@ impl ModelConfig {
                         "\"n_layer\", \"n_head\", \"n_embd\", \"block_size\", \"vocab_size\"; \
                      optional \"n_kv_head\", \"intermediate_size\", \"rope_theta\", \
                      \"rms_norm_eps\", \"tie_word_embeddings\", \"head_dim\", \"qkv_bias\", \
-                     \"rope_scaling\", \"sliding_window\"",
+                     \"rope_scaling\", \"sliding_window\", \"max_position_embeddings\"",
                     )
                 }),
             other => Err(format!(
@@ -405,6 +416,19 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt2(c) => c.vocab_size,
             ModelConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// Trains on sequences of `t` tokens (GPT-2's position embedding keeps its first `t`
+    /// rows).
+    pub fn set_block_size(&mut self, t: usize) {
+        match self {
+            ModelConfig::Gpt2(c) => c.block_size = t,
+            ModelConfig::Llama(c) => {
+                // RoPE has no table: the positions past t stay the model's.
+                c.max_position_embeddings = Some(c.reach()).filter(|&p| p > t);
+                c.block_size = t;
+            }
         }
     }
 
@@ -468,6 +492,9 @@ impl ModelConfig {
                 }
                 if let Some(w) = c.sliding_window {
                     v["sliding_window"] = w.into();
+                }
+                if let Some(p) = c.max_position_embeddings {
+                    v["max_position_embeddings"] = p.into();
                 }
                 v
             }

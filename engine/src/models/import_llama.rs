@@ -210,6 +210,7 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
         qkv_bias: kind == "qwen2",
         rope_scaling: rope_scaling(path, &obj)?,
         sliding_window,
+        max_position_embeddings: None,
     };
     config.check().map_err(|e| wrap(path, e))?;
     Ok(config)
@@ -453,4 +454,114 @@ pub fn read_hf(dir: &Path) -> Result<ImportedLlama> {
         weights,
         files,
     })
+}
+
+/// The Hugging Face family a config is: Qwen2 (q/k/v biases), Mistral (a sliding
+/// window) or Llama; with its `architectures` name.
+pub fn family(config: &LlamaConfig) -> (&'static str, &'static str) {
+    if config.qkv_bias {
+        ("qwen2", "Qwen2ForCausalLM")
+    } else if config.sliding_window.is_some() {
+        ("mistral", "MistralForCausalLM")
+    } else {
+        ("llama", "LlamaForCausalLM")
+    }
+}
+
+/// The `config.json` of `config` as Hugging Face's family config reads it.
+fn hf_config(config: &LlamaConfig, dtype: crate::DType) -> Value {
+    let (model_type, arch) = family(config);
+    let mut cfg = serde_json::json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.intermediate(),
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads(),
+        "head_dim": config.head_dim(),
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.reach(),
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "torch_dtype": match dtype {
+            crate::DType::F16 => "float16",
+            crate::DType::BF16 => "bfloat16",
+            _ => "float32",
+        },
+    });
+    cfg["rope_scaling"] = match config.rope_scaling {
+        None => Value::Null,
+        Some(s) => serde_json::json!({
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }),
+    };
+    match model_type {
+        "qwen2" => {
+            cfg["use_sliding_window"] = false.into();
+        }
+        "mistral" => cfg["sliding_window"] = config.sliding_window.into(),
+        _ => {
+            cfg["attention_bias"] = false.into();
+            cfg["mlp_bias"] = false.into();
+        }
+    }
+    cfg
+}
+
+/// Writes `weights` (one per parameter of `Llama::new(config, …)`, by name, as
+/// [`read_hf`] returns them or a checkpoint holds them) as a Hugging Face directory of
+/// the config's family: `model.safetensors` in each tensor's own dtype, under
+/// Hugging Face's names (Kiln's), a tied head not repeated, and `config.json`. What
+/// [`read_hf`] reads back is the same config and the same bits.
+pub fn write_hf(dir: &Path, config: &LlamaConfig, weights: &[HostTensor]) -> Result<()> {
+    config.check()?;
+    let specs = Llama::new(config.clone(), 1).parameters();
+    let mut named = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        let t = weights
+            .iter()
+            .find(|t| t.name == spec.name || Some(&t.name) == spec.tied.as_ref())
+            .ok_or_else(|| {
+                crate::Error::InvalidArgument(format!(
+                    "export: no tensor `{}` among the weights",
+                    spec.name
+                ))
+            })?;
+        if t.shape != spec.shape || !t.data.dtype().is_float() {
+            return Err(crate::Error::InvalidArgument(format!(
+                "export: tensor `{}` is {} {:?}, but the model has a float {:?}",
+                t.name,
+                t.data.dtype(),
+                t.shape,
+                spec.shape
+            )));
+        }
+        named.push((spec.name.as_str(), t.shape.as_slice(), &t.data));
+    }
+    let dtype = named[0].2.dtype();
+    let bytes = crate::device::safetensors_io::encode(&named).map_err(|e| bad(dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| bad(dir, format!("cannot create it: {e}")))?;
+    let text =
+        serde_json::to_string_pretty(&hf_config(config, dtype)).expect("a JSON value serializes");
+    for (name, bytes) in [
+        (super::import::HF_WEIGHTS, bytes),
+        (super::import::HF_CONFIG, text.into_bytes()),
+    ] {
+        crate::fsutil::write_atomic(&dir.join(name), &bytes)
+            .map_err(|f| bad(&f.path, format!("{}: {}", f.action, f.err)))?;
+    }
+    // A sharded checkpoint's index would now name shards that are not there.
+    let index = dir.join(HF_INDEX);
+    if index.exists() {
+        std::fs::remove_file(&index).map_err(|e| bad(&index, format!("cannot remove it: {e}")))?;
+    }
+    Ok(())
 }

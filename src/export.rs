@@ -1,0 +1,72 @@
+//! `kiln export`: a trained or imported model written as a Hugging Face directory that
+//! `transformers` loads (`AutoModelForCausalLM.from_pretrained(DIR)`): GPT-2, or a Llama,
+//! Qwen2 or Mistral as its config says, with the tokenizer files of a Hugging Face
+//! tokenizer copied beside it. Weights keep their stored dtype, so an import exported
+//! again is bit-exact.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+
+use kiln_engine::data::Tokenizer;
+use kiln_engine::models::{import, import_llama, ModelConfig};
+
+use crate::sample::{Source, TextCodec};
+
+/// The files of a Hugging Face tokenizer that travel with it.
+const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+];
+
+/// What `kiln export` wrote.
+#[derive(Debug)]
+pub struct Exported {
+    pub dir: PathBuf,
+    /// The family written (`gpt2`, `llama`, `qwen2`, `mistral`).
+    pub model_type: &'static str,
+    /// Tokenizer files copied beside the weights.
+    pub tokenizer_files: Vec<PathBuf>,
+}
+
+/// Writes the model of `source` (a run, a checkpoint or an importable file, as `kiln
+/// sample` takes it) to `out` in `format` (`hf`).
+pub fn export(source: &Path, format: &str, out: &Path) -> Result<Exported> {
+    if format != "hf" {
+        bail!("--format {format}: Kiln exports `hf` (a Hugging Face model directory)");
+    }
+    let src = Source::open(source, None)?;
+    if out.exists() && !out.is_dir() {
+        bail!("--out {}: is a file; give a directory", out.display());
+    }
+    let model_type = match &src.model {
+        ModelConfig::Gpt2(c) => {
+            import::write_hf(out, c, &src.weights)?;
+            "gpt2"
+        }
+        ModelConfig::Llama(c) => {
+            import_llama::write_hf(out, c, &src.weights)?;
+            import_llama::family(c).0
+        }
+    };
+    let mut tokenizer_files = vec![];
+    if let Ok(TextCodec::Tokens(Tokenizer::Hf(t))) = &src.codec {
+        let from = t.file.parent().unwrap_or(Path::new("."));
+        for name in TOKENIZER_FILES {
+            let f = from.join(name);
+            let to = out.join(name);
+            if f.is_file() && f != to {
+                std::fs::copy(&f, &to)
+                    .with_context(|| format!("copying {} to {}", f.display(), to.display()))?;
+                tokenizer_files.push(to);
+            }
+        }
+    }
+    Ok(Exported {
+        dir: out.to_path_buf(),
+        model_type,
+        tokenizer_files,
+    })
+}
