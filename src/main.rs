@@ -76,6 +76,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed: a.seed,
                 devices: a.devices,
                 dtype: a.dtype.map(|d| d.parse()).transpose()?,
+                chat: a.chat,
             })?;
             Ok(())
         }

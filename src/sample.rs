@@ -796,6 +796,9 @@ pub struct SampleOptions {
     pub devices: Vec<String>,
     /// Run in this dtype; `None`: the checkpoint's own (16-bit for imported files).
     pub dtype: Option<DType>,
+    /// Each prompt is a user's message, put in the model's chat template (an instruct
+    /// model's Hugging Face tokenizer has one); the model answers it.
+    pub chat: bool,
 }
 
 /// New tokens when `--tokens` is not given, if the context has room for them.
@@ -829,10 +832,30 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
              leave it out for as many as the context holds, at most {DEFAULT_NEW_TOKENS}"
         );
     }
+    let chat = match (&codec, opts.chat) {
+        (_, false) => None,
+        (TextCodec::Tokens(Tokenizer::Hf(t)), true) => Some(t.clone()),
+        (other, true) => bail!(
+            "--chat needs a Hugging Face tokenizer with a chat template, and this model's \
+             tokenizer is {}",
+            other.name()
+        ),
+    };
     texts
         .into_iter()
         .map(|text| {
-            let ids = codec.encode(&text)?;
+            let (text, ids) = match &chat {
+                // The template marks its own special tokens (BOS included): none added.
+                Some(t) => {
+                    let rendered = t.chat(&[("user", &text)], true)?;
+                    let ids = t.encode(&rendered, false, Path::new("the chat prompt"))?;
+                    (format!("{text}\n"), ids)
+                }
+                None => {
+                    let ids = codec.encode(&text)?;
+                    (text, ids)
+                }
+            };
             let room = (context + 1).saturating_sub(ids.len());
             let new = opts.tokens.unwrap_or(DEFAULT_NEW_TOKENS.min(room));
             check_length(ids.len(), new, context).with_context(|| format!("prompt {text:?}"))?;

@@ -245,3 +245,96 @@ fn kiln_sample_decodes_with_the_model_tokenizer_and_stops_at_its_eos() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Chat templates render as Jinja with Python's string methods: a ChatML-style template
+/// that adds a system turn when none is given, and a Llama-3-style one with the BOS
+/// token and `.strip()`; `raise_exception` fails with the template's message. The
+/// expected strings are written out by hand from the templates.
+#[test]
+fn chat_templates_render_conversations() {
+    let dir = scratch_dir("hf-tokenizer", "chat");
+    trained_bpe(&dir);
+    let set_template = |template: &str| {
+        let cfg = serde_json::json!({
+            "eos_token": "<|endoftext|>",
+            "bos_token": "<|endoftext|>",
+            "chat_template": template,
+        });
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        HfTokenizer::open(&dir).unwrap()
+    };
+    let chatml = "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}\
+        <|im_start|>system\nBe brief.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n\
+        {{ m['content'] }}<|im_end|>\n{% endfor %}\
+        {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let t = set_template(chatml);
+    assert_eq!(
+        t.chat(&[("user", "Hi there")], true).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    assert_eq!(
+        t.chat(&[("system", "S"), ("user", "U")], false).unwrap(),
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+    );
+    let llama3 = "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}\
+        <|end_header_id|>\n\n{{ m['content'].strip() }}<|eot_id|>{% endfor %}\
+        {% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
+    let t = set_template(llama3);
+    assert_eq!(
+        t.chat(&[("user", "  What is a kiln?\n")], true).unwrap(),
+        "<|endoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is a kiln?<|eot_id|>\
+         <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    let strict = "{% if messages[0]['role'] != 'system' %}\
+        {{ raise_exception('Conversations must start with a system turn') }}{% endif %}";
+    let e = set_template(strict)
+        .chat(&[("user", "x")], true)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("Conversations must start with a system turn"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `kiln sample --chat` puts the prompt in the template and continues the template's
+/// tokens: the same words as continuing the rendered text itself.
+#[test]
+fn kiln_sample_chat_answers_inside_the_template() {
+    let dir = llama_with_tokenizer("sample-chat", None);
+    let template = "{% for m in messages %}w30 {{ m['content'].strip() }} w31 {% endfor %}\
+        {% if add_generation_prompt %}w32{% endif %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({ "chat_template": template }).to_string(),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["sample", dir.to_str().unwrap()])
+            .args(args)
+            .args([
+                "--temperature",
+                "0",
+                "--tokens",
+                "6",
+                "--devices",
+                "cpu",
+                "--dtype",
+                "f32",
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let chat = run(&["--chat", "--prompt", " w1 w2 "]);
+    let plain = run(&["--prompt", "w30 w1 w2 w31 w32"]);
+    let answer: Vec<&str> = chat.lines().nth(1).unwrap().split_whitespace().collect();
+    let words: Vec<&str> = plain.split_whitespace().collect();
+    assert_eq!(answer, words[5..], "chat {chat:?}, plain {plain:?}");
+    assert_eq!(answer.len(), 6);
+    std::fs::remove_dir_all(&dir).ok();
+}

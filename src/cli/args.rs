@@ -181,8 +181,9 @@ pub(crate) struct TrainArgs {
 #[derive(clap::Args)]
 pub(crate) struct SampleArgs {
     /// A run directory (its latest checkpoint), a checkpoint directory
-    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 directory (model.safetensors
-    /// + config.json) or an llm.c .bin.
+    /// (runs/NAME/checkpoints/step-N), a Hugging Face GPT-2 or Llama-family directory
+    /// (config.json + model.safetensors or shards; a Llama's tokenizer.json decodes) or
+    /// an llm.c .bin.
     pub(crate) source: PathBuf,
     /// The text to continue.
     #[arg(long)]
@@ -211,6 +212,10 @@ pub(crate) struct SampleArgs {
     /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
     #[arg(long)]
     pub(crate) dtype: Option<String>,
+    /// Treat each prompt as a user's message in the model's chat template (an instruct
+    /// model's tokenizer_config.json has one): the model answers it.
+    #[arg(long)]
+    pub(crate) chat: bool,
 }
 
 #[derive(clap::Args)]

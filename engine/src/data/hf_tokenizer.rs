@@ -221,6 +221,54 @@ impl HfTokenizer {
             .map_err(|e| DataError::InvalidArgument(format!("{}: {e}", self.file.display())))
     }
 
+    /// The text of a conversation as the model was tuned on it: `messages` (role,
+    /// content) through the tokenizer's chat template, with the assistant's header
+    /// after them where `generation_prompt` (Hugging Face's `add_generation_prompt`).
+    /// The template is Jinja, run by minijinja with Python's string methods
+    /// (`.strip()`, …) and `raise_exception`; it sees `bos_token` and `eos_token`.
+    pub fn chat(&self, messages: &[(&str, &str)], generation_prompt: bool) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            DataError::InvalidArgument(format!(
+                "{}: the tokenizer has no chat_template (in tokenizer_config.json): the \
+                 model is not a chat model, so give it text to continue instead",
+                self.file.display()
+            ))
+        })?;
+        let fail = |e: minijinja::Error| {
+            DataError::InvalidArgument(format!(
+                "{}: the chat template failed: {e:#}",
+                self.file.display()
+            ))
+        };
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", template).map_err(fail)?;
+        let token = |id: Option<&u32>| id.and_then(|&i| self.inner.id_to_token(i));
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        env.get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => messages,
+                    add_generation_prompt => generation_prompt,
+                    bos_token => token(self.bos.as_ref()).unwrap_or_default(),
+                    eos_token => token(self.eos.first()).unwrap_or_default(),
+                })
+            })
+            .map_err(fail)
+    }
+
     /// The tokenizers crate's tokenizer itself.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
