@@ -248,8 +248,10 @@ fn kiln_sample_decodes_with_the_model_tokenizer_and_stops_at_its_eos() {
 
 /// Chat templates render as Jinja with Python's string methods: a ChatML-style template
 /// that adds a system turn when none is given, and a Llama-3-style one with the BOS
-/// token and `.strip()`; `raise_exception` fails with the template's message. The
-/// expected strings are written out by hand from the templates.
+/// token and `.strip()`; block tags trimmed as transformers sets Jinja up; a runaway
+/// template stopped; `raise_exception` fails with the template's message. The expected
+/// strings are written out by hand from the templates (and agree with Python's jinja2
+/// set up as transformers sets it up: sandboxed, trim_blocks, lstrip_blocks).
 #[test]
 fn chat_templates_render_conversations() {
     let dir = scratch_dir("hf-tokenizer", "chat");
@@ -285,6 +287,23 @@ fn chat_templates_render_conversations() {
         t.chat(&[("user", "  What is a kiln?\n")], true).unwrap(),
         "<|endoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is a kiln?<|eot_id|>\
          <|start_header_id|>assistant<|end_header_id|>\n\n"
+    );
+    // As transformers sets Jinja up: a block tag's newline is dropped (trim_blocks) and
+    // the indentation from a line's start to a block tag too (lstrip_blocks), not
+    // before a variable.
+    let t = set_template("{% for m in messages %}\n    {{ m['content'] }}\n{% endfor %}\n  {% if true %}x{% endif %}\n");
+    assert_eq!(
+        t.chat(&[("user", "a"), ("assistant", "b")], false).unwrap(),
+        "    a\n    b\nx"
+    );
+    // An untrusted template that would run for ever is stopped.
+    let t = set_template(
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    );
+    let e = t.chat(&[("user", "x")], false).unwrap_err().to_string();
+    assert!(
+        e.contains("chat template failed") && e.contains("fuel"),
+        "{e}"
     );
     let strict = "{% if messages[0]['role'] != 'system' %}\
         {{ raise_exception('Conversations must start with a system turn') }}{% endif %}";

@@ -20,6 +20,10 @@ pub use tokenizers;
 /// The file a Hugging Face model directory keeps its tokenizer in.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The instructions a chat template may run for one conversation (minijinja's fuel):
+/// real templates take thousands; a runaway loop stops here, with an error.
+const CHAT_FUEL: u64 = 10_000_000;
+
 /// A Hugging Face tokenizer with its model's special tokens.
 #[derive(Clone)]
 pub struct HfTokenizer {
@@ -240,7 +244,15 @@ impl HfTokenizer {
                 self.file.display()
             ))
         };
+        // Set up as transformers renders chat templates: blocks trimmed and
+        // left-stripped, no trailing newline kept. A template comes with a downloaded
+        // model and is untrusted: minijinja has no file or process access (none is
+        // registered here), and fuel bounds the work, so a template that loops for
+        // ever is stopped.
         let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(CHAT_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
