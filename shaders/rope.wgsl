@@ -1,7 +1,8 @@
 // Rotary position embedding ("rotate half"): in each head of `dim` values, pair (i,
-// i + dim/2) of the row at position t turns by a = t * theta^(-2i / dim) (rescaled per band for Llama 3: rope_angle.wgsl) (by -a when
-// P.sign is -1: the backward pass). Two elements per step; dim is even, so a 32-bit word
-// of 16-bit values never straddles a head. Slots: x (read), out (write).
+// i + dim/2) of the row at position t turns by a = t * theta^(-2i / dim), rescaled per
+// band for Llama 3 (rope_angle.wgsl), or by -a when P.sign is -1 (the backward pass).
+// Two elements per step; dim is even, so a 32-bit word of 16-bit values never straddles
+// a head. Slots: x (read), out (write).
 
 // Output element e, whose input value is v.
 fn one(e: u32, v: f32) -> f32 {

@@ -46,6 +46,29 @@ pub struct InitWeights {
     pub tokenizer: Option<HfTokenizer>,
 }
 
+/// The Hugging Face tokenizer a run's data was prepared with (its sidecar names it),
+/// which data for a run started from its weights must share; `None` where the data is
+/// not a Hugging Face token file (or is not here to say).
+fn run_tokenizer(record: &serde_json::Value) -> Result<Option<HfTokenizer>> {
+    let data = Path::new(record["data"].as_str().unwrap_or_default());
+    let is_bin = data
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
+    let side = match is_bin {
+        true => Sidecar::read_for(data)?,
+        false => None,
+    };
+    match side {
+        Some(s) if s.tokenizer == kiln_engine::data::prepare::HF_NAME => {
+            match kiln_engine::data::Tokenizer::of_sidecar(&s, &Sidecar::path_for(data))? {
+                kiln_engine::data::Tokenizer::Hf(t) => Ok(Some((*t).clone())),
+                _ => Ok(None),
+            }
+        }
+        _ => Ok(None),
+    }
+}
+
 fn vocabulary_name(v: usize) -> &'static str {
     match v {
         GPT2_VOCAB => " (GPT-2's BPE)",
@@ -208,7 +231,7 @@ impl InitWeights {
             model,
             weights,
             source,
-            tokenizer: None,
+            tokenizer: run_tokenizer(&record)?,
         })
     }
 

@@ -421,8 +421,8 @@ impl Source {
     }
 }
 
-/// A Hugging Face Llama-family directory, whose tokenizer Kiln cannot read yet: it
-/// runs with a context of at most [`IMPORT_CONTEXT`] (and its sliding window).
+/// A Hugging Face Llama-family directory, decoded with its `tokenizer.json`: it runs
+/// with a context of at most [`IMPORT_CONTEXT`] (and its sliding window).
 fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
     let m = import_llama::read_hf(path)?;
     let codec = hf_codec(path, m.config.vocab_size)?;
@@ -518,7 +518,7 @@ fn codec_of(record: &Value, model: &ModelConfig, notes: &mut Vec<String>) -> Res
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
         let side = if is_bin {
-            Sidecar::read_for(path).ok().flatten()
+            Sidecar::read_for(path)?
         } else {
             None
         };
@@ -534,7 +534,9 @@ fn codec_of(record: &Value, model: &ModelConfig, notes: &mut Vec<String>) -> Res
             None if !is_bin && !data.is_empty() => TextCodec::Tokens(Tokenizer::Bytes),
             // The token file moved (or was named relative to another directory): its
             // vocabulary size still says which tokenizer made it.
-            None if v >= Tokenizer::Gpt2.vocab_size() => {
+            // (A GPT-2 vocabulary, padded or not: a Llama's larger one is another
+            // tokenizer's, which only the sidecar can name.)
+            None if matches!(model, ModelConfig::Gpt2(_)) && v >= Tokenizer::Gpt2.vocab_size() => {
                 notes.push(format!(
                     "the run's data {data:?} is not here to say its tokenizer; decoding with \
                      GPT-2's (the model's vocabulary is {v})"

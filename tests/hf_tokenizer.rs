@@ -109,6 +109,8 @@ fn prepare_with_a_hugging_face_tokenizer_gives_its_ids_and_names_it() {
     assert!(side.tokenizer_file.as_ref().unwrap().is_absolute());
     assert_eq!(side.tokenizer_sha256.as_deref(), Some(t.sha256.as_str()));
     assert_eq!(t.sha256.len(), 64);
+    // Byte-level BPE: long texts are encoded in pieces (checked below).
+    assert!(t.cuts_at_lines());
     assert_eq!(t.eos, [reference.token_to_id("<|endoftext|>").unwrap()]);
     // The sidecar finds the tokenizer again, and notices when its file changed.
     let again = Tokenizer::of_sidecar(side, &Sidecar::path_for(&out)).unwrap();
@@ -119,6 +121,18 @@ fn prepare_with_a_hugging_face_tokenizer_gives_its_ids_and_names_it() {
     std::fs::write(&file, json.to_string()).unwrap();
     let e = Tokenizer::of_sidecar(side, &Sidecar::path_for(&out)).unwrap_err();
     assert!(e.to_string().contains("the file changed since"), "{e}");
+    // A text past the 1 MiB that prepare reads at a time is encoded in pieces cut after
+    // newlines: the same ids as the whole text encoded at once.
+    let long: String = CORPUS.repeat((1 << 20) / CORPUS.len() + 500);
+    std::fs::write(&text, &long).unwrap();
+    let big = dir.join("long.bin");
+    prepare(&text, &big, tok.clone()).unwrap();
+    let whole: Vec<u32> = reference
+        .encode(long.as_str(), true)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(read_all(&TokenFile::open(&big).unwrap()), whole);
     // Streamed a token at a time, the text comes out whole: a character split across
     // tokens waits for its last byte.
     let mut stream = TextStream::new(TextCodec::Tokens(tok));

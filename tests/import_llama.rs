@@ -219,6 +219,22 @@ fn the_config_gives_the_sizes_and_the_weights_keep_their_names() {
     );
     let m = import_llama::read_hf(&fixture("mistral_f32")).unwrap();
     assert_eq!(m.config.sliding_window, Some(7));
+    // transformers 5 writes theta and scaling as one `rope_parameters` object.
+    for name in ["llama3_f32", "gqa_f32"] {
+        let dir = copy(name, "rope-parameters");
+        let path = dir.join("config.json");
+        edit_json(&path, |c| {
+            let mut p = match c.remove("rope_scaling") {
+                Some(Value::Object(m)) => m,
+                _ => serde_json::Map::from_iter([("rope_type".into(), "default".into())]),
+            };
+            p.insert("rope_theta".into(), c.remove("rope_theta").unwrap());
+            c.insert("rope_parameters".into(), Value::Object(p));
+        });
+        let v5 = import_llama::read_hf(&dir).unwrap();
+        let v4 = import_llama::read_hf(&fixture(name)).unwrap();
+        assert_eq!(v5.config, v4.config, "{name}");
+    }
 }
 
 /// Mistral's sliding window is full attention only up to its length: training on

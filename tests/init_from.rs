@@ -407,6 +407,23 @@ fn a_hugging_face_model_takes_only_data_of_its_own_tokenizer() {
     })
     .unwrap_err();
     assert!(format!("{e:#}").contains("--seq 65: give 1 to 64"), "{e:#}");
+    // A run started from the tuned run's weights takes the same tokenizer's data only:
+    // the tuned run's data sidecar names it.
+    let again = |data: PathBuf, out: &str| {
+        train(&TrainOptions {
+            steps: Some(2),
+            init_from: Some(r.dir.clone()),
+            data: Some(data),
+            model: None,
+            ..options(&dir, out, "")
+        })
+    };
+    again(dir.join("own.bin"), "again").expect("the same tokenizer's data trains");
+    let e = format!(
+        "{:#}",
+        again(prepared("other2.bin", &other), "again-other").unwrap_err()
+    );
+    assert!(e.contains("was tokenized by"), "{e}");
     let e = format!(
         "{:#}",
         run(prepared("other.bin", &other), "other").unwrap_err()

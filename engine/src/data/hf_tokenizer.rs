@@ -70,6 +70,70 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
+/// `strftime_now` of chat templates (Llama 3.1's puts today's date in the system turn):
+/// `format` with `%d %m %Y %y %b %B %H %M %S %%` filled from `now` in UTC.
+fn strftime(format: &str, now: std::time::SystemTime) -> Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // The proleptic Gregorian date of a day count since 1970-01-01, by 400-year eras.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let name = MONTHS[(month - 1) as usize];
+        match chars.next() {
+            Some('d') => out += &format!("{day:02}"),
+            Some('m') => out += &format!("{month:02}"),
+            Some('Y') => out += &year.to_string(),
+            Some('y') => out += &format!("{:02}", year % 100),
+            Some('b') => out += &name[..3],
+            Some('B') => out += name,
+            Some('H') => out += &format!("{:02}", rem / 3600),
+            Some('M') => out += &format!("{:02}", rem / 60 % 60),
+            Some('S') => out += &format!("{:02}", rem % 60),
+            Some('%') => out.push('%'),
+            other => {
+                return Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: %{} is not supported (use %d %m %Y %y %b %B %H %M %S)",
+                        other.map_or(String::new(), String::from)
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A special token as `tokenizer_config.json` gives it: a string, or an added-token
 /// object with its `content`.
 fn token_text(v: &Value) -> Option<&str> {
@@ -115,12 +179,18 @@ impl HfTokenizer {
                 DataError::io(&file, "read", e)
             }
         })?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
             DataError::format(
                 &file,
                 format!("not a Hugging Face tokenizer.json the tokenizers crate reads: {e}"),
             )
         })?;
+        // transformers saves the last call's truncation and padding in the file: they
+        // would cut a corpus to max_length tokens, or pad a prompt, without a word.
+        inner
+            .with_truncation(None)
+            .map_err(|e| DataError::format(&file, format!("cannot turn truncation off: {e}")))?;
+        inner.with_padding(None);
         let mut t = HfTokenizer {
             inner,
             sha256: sha256_hex(&bytes),
@@ -263,6 +333,9 @@ impl HfTokenizer {
                 ))
             },
         );
+        env.add_function("strftime_now", |format: String| {
+            strftime(&format, std::time::SystemTime::now())
+        });
         env.add_template("chat", template).map_err(fail)?;
         let token = |id: Option<&u32>| id.and_then(|&i| self.inner.id_to_token(i));
         let messages: Vec<_> = messages
@@ -273,6 +346,9 @@ impl HfTokenizer {
             .and_then(|t| {
                 t.render(minijinja::context! {
                     messages => messages,
+                    // As transformers passes them when a conversation has none.
+                    tools => minijinja::Value::from(()),
+                    documents => minijinja::Value::from(()),
                     add_generation_prompt => generation_prompt,
                     bos_token => token(self.bos.as_ref()).unwrap_or_default(),
                     eos_token => token(self.eos.first()).unwrap_or_default(),
@@ -281,8 +357,76 @@ impl HfTokenizer {
             .map_err(fail)
     }
 
+    /// Whether text may be encoded in pieces cut after a newline that non-whitespace
+    /// follows, with the same ids as encoding it whole: true for byte-level BPE
+    /// (GPT-2, Llama 3, Qwen2, SmolLM2: their pre-tokenizers never join a newline with
+    /// the character after it) with no normalizer or a Unicode-form one; false for
+    /// SentencePiece-style tokenizers, which mark where a text starts.
+    pub fn cuts_at_lines(&self) -> bool {
+        use tokenizers::normalizers::NormalizerWrapper as N;
+        use tokenizers::pre_tokenizers::PreTokenizerWrapper as P;
+        let byte_level = match self.inner.get_pre_tokenizer() {
+            Some(P::ByteLevel(_)) => true,
+            Some(P::Sequence(seq)) => {
+                let parts = seq.as_ref();
+                parts.iter().any(|p| matches!(p, P::ByteLevel(_)))
+                    && parts
+                        .iter()
+                        .all(|p| matches!(p, P::ByteLevel(_) | P::Split(_) | P::Digits(_)))
+            }
+            _ => false,
+        };
+        let normal = matches!(
+            self.inner.get_normalizer(),
+            None | Some(N::NFC(_) | N::NFD(_) | N::NFKC(_) | N::NFKD(_))
+        );
+        byte_level && normal
+    }
+
+    /// The ids the post-processor puts before and after a text's (Llama 3's BOS
+    /// before; none for GPT-2's), so that pieces encoded without them can be joined.
+    pub fn special_affixes(&self, what: &Path) -> Result<(Vec<u32>, Vec<u32>)> {
+        let plain = self.encode("a", false, what)?;
+        let with = self.encode("a", true, what)?;
+        let at = with
+            .windows(plain.len().max(1))
+            .position(|w| w == plain.as_slice())
+            .ok_or_else(|| {
+                DataError::format(
+                    &self.file,
+                    "its post-processor changes a text's own tokens, so a long text cannot \
+                     be encoded in pieces",
+                )
+            })?;
+        Ok((with[..at].to_vec(), with[at + plain.len()..].to_vec()))
+    }
+
     /// The tokenizers crate's tokenizer itself.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strftime;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    /// Dates worked out by hand: the epoch, a leap day, and 2026-12-05 12:34:56 UTC
+    /// (1,796,474,096 s: 20,792 days and 45,296 s).
+    #[test]
+    fn strftime_now_formats_dates() {
+        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
+        assert_eq!(strftime("%d %b %Y", at(0)).unwrap(), "01 Jan 1970");
+        // 2024-02-29: 19,782 days after the epoch.
+        assert_eq!(
+            strftime("%Y-%m-%d", at(19_782 * 86_400)).unwrap(),
+            "2024-02-29"
+        );
+        assert_eq!(
+            strftime("%d %B %y %H:%M:%S %%", at(1_796_474_096)).unwrap(),
+            "05 December 26 12:34:56 %"
+        );
+        assert!(strftime("%A", at(0)).is_err());
     }
 }

@@ -275,9 +275,15 @@ fn prepare_chunked(
             Ok(())
         };
         match &tokenizer {
-            // A Hugging Face tokenizer's pre-tokenizer may be anything (SentencePiece
-            // marks the text's start), so no cut is known to be safe: the whole text is
-            // encoded at once, and held in memory.
+            // Byte-level BPE: read and encoded a piece at a time, cut after newlines.
+            Tokenizer::Hf(t) if t.cuts_at_lines() => {
+                let (before, after) = t.special_affixes(input)?;
+                emit(&before)?;
+                encode_lines(file, input, t, read_bytes, &mut emit)?;
+                emit(&after)?;
+            }
+            // Other Hugging Face tokenizers (SentencePiece marks the text's start): no
+            // cut is known to be safe, so the whole text is encoded at once, in memory.
             Tokenizer::Hf(t) => {
                 let mut text = String::new();
                 let mut file = file;
@@ -431,6 +437,75 @@ fn encode_stream(
         base += cut as u64;
     }
     Ok(())
+}
+
+/// Reads `input` to its end, `read_bytes` at a time, and hands `emit` the ids of each
+/// piece cut after a newline that non-whitespace follows (see
+/// [`HfTokenizer::cuts_at_lines`]), encoded without the post-processor's specials.
+fn encode_lines(
+    mut input: impl Read,
+    what: &Path,
+    t: &HfTokenizer,
+    read_bytes: usize,
+    emit: &mut impl FnMut(&[u32]) -> Result<()>,
+) -> Result<()> {
+    let mut buf: Vec<u8> = Vec::with_capacity(read_bytes);
+    let mut base = 0u64;
+    let mut eof = false;
+    while !eof {
+        let start = buf.len();
+        buf.resize(start + read_bytes, 0);
+        let mut filled = 0;
+        while filled < read_bytes {
+            match input.read(&mut buf[start + filled..]) {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(DataError::io(what, "read", e)),
+            }
+        }
+        buf.truncate(start + filled);
+        let valid = match std::str::from_utf8(&buf) {
+            Ok(_) => buf.len(),
+            Err(e) if e.error_len().is_none() && !eof => e.valid_up_to(),
+            Err(e) => {
+                return Err(DataError::format(
+                    what,
+                    format!(
+                        "not UTF-8 text (invalid byte at offset {}), which a Hugging Face \
+                         tokenizer needs: convert it to UTF-8",
+                        base + e.valid_up_to() as u64
+                    ),
+                ))
+            }
+        };
+        let text = std::str::from_utf8(&buf[..valid]).expect("validated above");
+        let cut = if eof { valid } else { line_cut(text) };
+        if cut == 0 {
+            // No line ends here yet: read on (a text without newlines is encoded whole).
+            continue;
+        }
+        emit(&t.encode(&text[..cut], false, what)?)?;
+        buf.drain(..cut);
+        base += cut as u64;
+    }
+    Ok(())
+}
+
+/// The byte offset just after the last newline in `text` that a non-whitespace
+/// character follows; 0 if there is none.
+fn line_cut(text: &str) -> usize {
+    let b = text.as_bytes();
+    (1..b.len())
+        .rev()
+        .find(|&i| {
+            b[i - 1] == b'\n' && !(b[i] as char).is_ascii_whitespace() && text.is_char_boundary(i)
+        })
+        .filter(|&i| !text[i..].starts_with(char::is_whitespace))
+        .unwrap_or(0)
 }
 
 /// The byte offset of the last place in `text` where the GPT-2 pre-tokenizer splits

@@ -250,6 +250,13 @@ impl LlamaConfig {
                 "llama: head_dim and sliding_window must be at least 1 where given".into(),
             ));
         }
+        if self.head_dim.is_none() && !e.is_multiple_of(self.n_head) {
+            return Err(Error::InvalidArgument(format!(
+                "llama: n_embd {e} does not split into n_head {} heads; give head_dim, or \
+                 a head count that divides n_embd",
+                self.n_head
+            )));
+        }
         if let Some(why) = self.rope_scaling.as_ref().and_then(RopeScaling::problem) {
             return Err(Error::InvalidArgument(format!("llama: {why}")));
         }
@@ -313,7 +320,11 @@ impl LlamaConfig {
         )?;
         tensor_elements(
             "llama: the MLP activations (micro-batch × seq × intermediate_size)",
-            &[batch, t, c.intermediate().max(c.n_embd)],
+            &[
+                batch,
+                t,
+                c.intermediate().max(c.n_embd).max(c.n_head * c.head_dim()),
+            ],
         )?;
         if attention == Attention::Straightforward {
             tensor_elements(

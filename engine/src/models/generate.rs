@@ -16,8 +16,8 @@
 //! A Llama's positions reach RoPE through [`Kernel::RopeAt`], which reads them from the
 //! same u32 buffer.
 //!
-//! Shapes: C = n_embd, H heads, KV K/V heads, D = C / H, V vocabulary, R rows of a
-//! pass.
+//! Shapes: C = n_embd, H heads, KV K/V heads, D the head dim (C / H for GPT-2; a
+//! Llama's may be given apart), V vocabulary, R rows of a pass.
 
 use std::collections::BTreeMap;
 

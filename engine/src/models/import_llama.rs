@@ -202,13 +202,22 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
         block_size: positive(path, &obj, "max_position_embeddings")?,
         vocab_size: positive(path, &obj, "vocab_size")?,
         intermediate_size: Some(positive(path, &obj, "intermediate_size")?),
-        rope_theta: number(path, &obj, "rope_theta", 10000.0)? as f32,
+        rope_theta: match obj.get("rope_parameters").and_then(Value::as_object) {
+            // transformers 5 writes the rotary settings as one `rope_parameters` object.
+            Some(p) if p.contains_key("rope_theta") => number(path, p, "rope_theta", 10000.0)?,
+            _ => number(path, &obj, "rope_theta", 10000.0)?,
+        } as f32,
         // Hugging Face's LlamaConfig default.
         rms_norm_eps: number(path, &obj, "rms_norm_eps", 1e-6)? as f32,
         tie_word_embeddings: tie,
         head_dim,
         qkv_bias: kind == "qwen2",
-        rope_scaling: rope_scaling(path, &obj)?,
+        rope_scaling: match obj.get("rope_scaling") {
+            None | Some(Value::Null) => {
+                rope_scaling(path, "rope_parameters", obj.get("rope_parameters"))?
+            }
+            v => rope_scaling(path, "rope_scaling", v)?,
+        },
         sliding_window,
         max_position_embeddings: None,
     };
@@ -216,15 +225,16 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
     Ok(config)
 }
 
-/// `rope_scaling`: none, or Llama 3's band rescaling; other kinds are refused by name.
-fn rope_scaling(path: &Path, obj: &serde_json::Map<String, Value>) -> Result<Option<RopeScaling>> {
-    let scaling = match obj.get("rope_scaling") {
+/// `rope_scaling` (or transformers 5's `rope_parameters`, as `key` says): none, or
+/// Llama 3's band rescaling; other kinds are refused by name.
+fn rope_scaling(path: &Path, key: &str, value: Option<&Value>) -> Result<Option<RopeScaling>> {
+    let scaling = match value {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::Object(m)) => m,
         Some(v) => {
             return Err(bad(
                 path,
-                format!("`rope_scaling` is {v}; it must be null or an object"),
+                format!("`{key}` is {v}; it must be null or an object"),
             ))
         }
     };
@@ -236,27 +246,29 @@ fn rope_scaling(path: &Path, obj: &serde_json::Map<String, Value>) -> Result<Opt
         .unwrap_or("");
     match kind {
         "default" => return Ok(None),
+        // rope_parameters of an unscaled model may give the theta alone.
+        "" if key == "rope_parameters" => return Ok(None),
         "llama3" => {}
         other => {
             return Err(bad(
                 path,
                 format!(
-                    "`rope_scaling` is of type `{other}`; Kiln implements `llama3` (Llama \
+                    "`{key}` is of type `{other}`; Kiln implements `llama3` (Llama \
                      3.1/3.2) only, not linear, dynamic, yarn or longrope scaling"
                 ),
             ))
         }
     }
-    let field = |key: &str| {
+    let field = |field: &str| {
         scaling
-            .get(key)
+            .get(field)
             .and_then(Value::as_f64)
             .filter(|x| x.is_finite())
             .ok_or_else(|| {
                 bad(
                     path,
                     format!(
-                        "`rope_scaling.{key}` is missing or not a number; llama3 scaling \
+                        "`{key}.{field}` is missing or not a number; llama3 scaling \
                              gives factor, low_freq_factor, high_freq_factor and \
                              original_max_position_embeddings"
                     ),
@@ -275,7 +287,7 @@ fn rope_scaling(path: &Path, obj: &serde_json::Map<String, Value>) -> Result<Opt
         },
     };
     match s.problem() {
-        Some(why) => Err(bad(path, format!("`rope_scaling`: {why}"))),
+        Some(why) => Err(bad(path, format!("`{key}`: {why}"))),
         None => Ok(Some(s)),
     }
 }
@@ -523,6 +535,14 @@ fn hf_config(config: &LlamaConfig, dtype: crate::DType) -> Value {
 /// [`read_hf`] reads back is the same config and the same bits.
 pub fn write_hf(dir: &Path, config: &LlamaConfig, weights: &[HostTensor]) -> Result<()> {
     config.check()?;
+    if config.qkv_bias && config.sliding_window.is_some() {
+        // No Hugging Face family has both: Qwen2 would drop the window.
+        return Err(crate::Error::InvalidArgument(
+            "export: a model with q/k/v biases and a sliding window is neither a Qwen2 nor \
+             a Mistral; Hugging Face has no family for it"
+                .into(),
+        ));
+    }
     let specs = Llama::new(config.clone(), 1).parameters();
     let mut named = Vec::with_capacity(specs.len());
     for spec in &specs {
