@@ -430,13 +430,17 @@ fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
     let context = most
         .min(IMPORT_CONTEXT)
         .min(m.config.sliding_window.unwrap_or(usize::MAX));
+    // The checkpoint's own 16-bit dtype: Llama 3 and Qwen2 are published in bf16, and
+    // their activations can overflow f16's range.
+    let stored = m.weights.first().map(|t| t.data.dtype());
+    let own = stored.filter(|d| d.size() == 2).unwrap_or(IMPORT_DTYPE);
     Ok(Source {
         run_dir: None,
         origin: path.to_path_buf(),
         step: None,
         weights: m.weights,
         model: ModelConfig::Llama(m.config),
-        dtype: dtype.unwrap_or(IMPORT_DTYPE),
+        dtype: dtype.unwrap_or(own),
         record: Value::Null,
         codec,
         notes: vec![],

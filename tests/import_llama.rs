@@ -411,6 +411,15 @@ fn kiln_eval_scores_a_llama_directory_with_the_reference_loss() {
     let source = kiln::sample::Source::open(&fixture("gqa_f32"), None).unwrap();
     let e = source.text_codec().unwrap_err();
     assert!(format!("{e:#}").contains("tokenizer.json"), "{e:#}");
+    // Without --dtype a directory runs in its weights' 16-bit dtype (f16 for f32 ones).
+    for (name, dtype) in [
+        ("gqa_f32", DType::F16),
+        ("tied_bf16", DType::BF16),
+        ("sharded_f16", DType::F16),
+    ] {
+        let s = kiln::sample::Source::open(&fixture(name), None).unwrap();
+        assert_eq!(s.dtype, dtype, "{name}");
+    }
 }
 
 /// Export writes what import reads: every fixture (each family, tied or not, f32, f16

@@ -209,7 +209,8 @@ pub(crate) struct SampleArgs {
     /// The device (`kiln devices` lists them); default: the best adapter.
     #[arg(long, value_delimiter = ',')]
     pub(crate) devices: Vec<String>,
-    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; for imported files their
+    /// 16-bit dtype, else f16].
     #[arg(long)]
     pub(crate) dtype: Option<String>,
     /// Treat each prompt as a user's message in the model's chat template (an instruct
@@ -235,7 +236,8 @@ pub(crate) struct EvalArgs {
     /// Sequences per forward pass [default: the run's micro-batch].
     #[arg(long)]
     pub(crate) micro_batch: Option<usize>,
-    /// Run in f32, f16 or bf16 [default: the checkpoint's own; f16 for imported files].
+    /// Run in f32, f16 or bf16 [default: the checkpoint's own; for imported files their
+    /// 16-bit dtype, else f16].
     #[arg(long)]
     pub(crate) dtype: Option<String>,
     /// Positions per scored row [default: the model's block_size; for a Hugging Face
