@@ -53,6 +53,22 @@ pub fn export(source: &Path, format: &str, out: &Path) -> Result<Exported> {
     };
     let mut tokenizer_files = vec![];
     if let Ok(TextCodec::Tokens(Tokenizer::Hf(t))) = &src.codec {
+        // transformers' generate reads BOS and EOS from config.json where no
+        // generation_config.json says them.
+        let path = out.join(import::HF_CONFIG);
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading back {}", path.display()))?;
+        let mut cfg: serde_json::Value = serde_json::from_str(&text)?;
+        if let Some(b) = t.bos {
+            cfg["bos_token_id"] = b.into();
+        }
+        match t.eos.as_slice() {
+            [] => {}
+            [one] => cfg["eos_token_id"] = (*one).into(),
+            many => cfg["eos_token_id"] = many.into(),
+        }
+        std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
+            .with_context(|| format!("writing {}", path.display()))?;
         let from = t.file.parent().unwrap_or(Path::new("."));
         for name in TOKENIZER_FILES {
             let f = from.join(name);

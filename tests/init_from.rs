@@ -354,6 +354,7 @@ fn a_hugging_face_model_takes_only_data_of_its_own_tokenizer() {
         .to_string()
     };
     std::fs::write(hf.join("tokenizer.json"), tokenizer(false)).unwrap();
+    std::fs::write(hf.join("tokenizer_config.json"), r#"{"eos_token": "w36"}"#).unwrap();
     let other = dir.join("other.json");
     std::fs::write(&other, tokenizer(true)).unwrap();
     let text = dir.join("words.txt");
@@ -397,6 +398,10 @@ fn a_hugging_face_model_takes_only_data_of_its_own_tokenizer() {
         std::fs::read(out.join("tokenizer.json")).unwrap(),
         std::fs::read(hf.join("tokenizer.json")).unwrap()
     );
+    assert_eq!(e.tokenizer_files.len(), 2);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["eos_token_id"], 36, "{cfg}");
     let e = train(&TrainOptions {
         steps: Some(2),
         init_from: Some(hf.clone()),
