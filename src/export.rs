@@ -14,9 +14,10 @@ use kiln_engine::models::{import, import_llama, ModelConfig};
 use crate::sample::{Source, TextCodec};
 
 /// The files of a Hugging Face tokenizer that travel with it.
-const TOKENIZER_FILES: [&str; 4] = [
+const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "generation_config.json",
     "special_tokens_map.json",
 ];

@@ -735,11 +735,11 @@ pub fn generate(
     let mut made = 0;
     for i in 0..new {
         let id = sampler.sample(&logits)?;
-        made += 1;
-        // The model's end of text: drawn, not shown.
+        // The model's end of text: drawn, not shown or counted.
         if stop.contains(&id) {
             break;
         }
+        made += 1;
         emit(id)?;
         if i + 1 < new {
             logits = decoder.step(dev, id)?;

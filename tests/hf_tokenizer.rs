@@ -319,6 +319,16 @@ fn chat_templates_render_conversations() {
         e.contains("chat template failed") && e.contains("fuel"),
         "{e}"
     );
+    // A template of its own file (as transformers saves them since 2025) comes before
+    // tokenizer_config.json's.
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ messages[0]['content'] }}!",
+    )
+    .unwrap();
+    let t = HfTokenizer::open(&dir).unwrap();
+    assert_eq!(t.chat(&[("user", "own file")], true).unwrap(), "own file!");
+    std::fs::remove_file(dir.join("chat_template.jinja")).unwrap();
     let strict = "{% if messages[0]['role'] != 'system' %}\
         {{ raise_exception('Conversations must start with a system turn') }}{% endif %}";
     let e = set_template(strict)

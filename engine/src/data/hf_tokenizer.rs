@@ -20,6 +20,10 @@ pub use tokenizers;
 /// The file a Hugging Face model directory keeps its tokenizer in.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The chat template's own file, where a model has one (else it is in
+/// `tokenizer_config.json`).
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
 /// The instructions a chat template may run for one conversation (minijinja's fuel):
 /// real templates take thousands; a runaway loop stops here, with an error.
 const CHAT_FUEL: u64 = 10_000_000;
@@ -37,7 +41,8 @@ pub struct HfTokenizer {
     /// Tokens that end generation (an instruct model may have several, e.g. Llama 3's
     /// `<|eot_id|>` beside `<|end_of_text|>`).
     pub eos: Vec<u32>,
-    /// The Jinja chat template of `tokenizer_config.json`, where there is one.
+    /// The Jinja chat template (`chat_template.jinja`, else `tokenizer_config.json`'s),
+    /// where there is one.
     pub chat_template: Option<String>,
     /// The largest id plus one (ids of a tokenizer.json need not be dense).
     vocab_size: usize,
@@ -235,6 +240,14 @@ impl HfTokenizer {
                     .map(str::to_string),
                 _ => None,
             };
+        }
+        // transformers saves a template of its own file (`chat_template.jinja`) since
+        // 2025, and reads it before tokenizer_config.json's.
+        let jinja = dir.join(CHAT_TEMPLATE_FILE);
+        match std::fs::read_to_string(&jinja) {
+            Ok(t) => template = Some(t),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(DataError::io(&jinja, "read", e)),
         }
         if let Some(gen) = side_json(dir, "generation_config.json")? {
             // Ids here; an instruct model lists every token that ends a turn.
