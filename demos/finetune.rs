@@ -117,7 +117,7 @@ pub fn run(
 
     // 3. Generate from the fine-tuned weights (the f32 masters, rounded once to f16).
     let weights = trainer.model.parameters(dev)?;
-    let mut gen = Generator::new(dev, &model(), &weights, DType::F16, T)?;
+    let mut gen = Generator::new(dev, model().as_ref(), &weights, DType::F16, T)?;
     let ids = Addition::encode(prompt)
         .ok_or_else(|| anyhow::anyhow!("`{prompt}`: the addition task reads digits, + and ="))?;
     let mut logits = gen.prefill(dev, &ids)?;

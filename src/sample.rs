@@ -415,7 +415,7 @@ impl Source {
             }
             ModelConfig::Llama(cfg) => {
                 let llama = Llama::new(cfg.clone(), block_size);
-                Generator::llama(dev, &llama, &weights, self.dtype, block_size)?
+                Generator::new(dev, &llama, &weights, self.dtype, block_size)?
             }
         })
     }

@@ -4,7 +4,9 @@
 //! - both kernels on every GPU path against the CPU reference over awkward shapes;
 //! - cached generation against full recomputation by the training graph (the network's
 //!   forward over the whole sequence), logits and 64 greedy tokens, on the CPU and
-//!   every GPU path.
+//!   every GPU path, for GPT-2, the Llama family and an architecture written here
+//!   (the generator has no code of its own per architecture);
+//! - the decode pass's shape: no loss, the head on the last row only.
 
 mod common;
 
@@ -12,10 +14,13 @@ use std::sync::Arc;
 
 use common::*;
 use kiln::cpu::CpuDevice;
+use kiln::engine::graph::{Graph, Tensor};
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::llama::Llama;
-use kiln::engine::models::{Generator, MicroBatch, Model, Network, NetworkOptions};
-use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer};
+use kiln::engine::models::{
+    Decoder, Forward, Generator, Init, MicroBatch, Model, Network, NetworkOptions, ParamSpec,
+};
+use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, Result};
 
 /// One cache-kernel case: `rows` new tokens of `batch` sequences.
 #[derive(Clone, Copy, Debug)]
@@ -396,12 +401,91 @@ enum Arch {
     /// than n_embd / n_head, llama3 rope scaling (original context 32, so that the
     /// heads' wavelengths of 6.3, 29 and 136+ are kept, blended and slowed), a tied head.
     Llama3,
+    /// [`Tiny`], known to nothing in the engine.
+    Tiny,
 }
 
 fn model(arch: Arch, seq: usize) -> Arc<dyn Model> {
     match arch {
         Arch::Gpt => Arc::new(Gpt::new(config(), seq)),
         Arch::Llama | Arch::Llama3 => Arc::new(llama(arch, seq)),
+        Arch::Tiny => Arc::new(Tiny { seq }),
+    }
+}
+
+/// An architecture of this test alone, mixing what the engine's models do: learned
+/// positions added to the embedding and RoPE on q and k, multi-query attention (2
+/// query heads, 1 K/V head of 16), a ReLU MLP, an RMS-normed untied head, vocabulary
+/// 67. Shapes: T tokens, C = 32.
+struct Tiny {
+    seq: usize,
+}
+
+impl Model for Tiny {
+    fn describe(&self) -> String {
+        format!("tiny (T {})", self.seq)
+    }
+
+    fn parameters(&self) -> Vec<ParamSpec> {
+        let p = |n: &str, shape: &[usize]| ParamSpec::new(n, shape, Init::Uniform(0.1));
+        let mut out = vec![
+            p("wte", &[67, 32]).f32_grad(),
+            p("wpe", &[80, 32]).f32_grad(),
+        ];
+        for l in 0..2 {
+            let n = |s: &str| format!("h.{l}.{s}");
+            out.extend([
+                p(&n("ln_1.weight"), &[32]).f32_grad(),
+                p(&n("ln_1.bias"), &[32]).f32_grad(),
+                p(&n("q"), &[32, 32]),
+                p(&n("kv"), &[32, 16]), // k and v share one projection here
+                p(&n("o"), &[32, 32]),
+                p(&n("fc"), &[32, 48]),
+                p(&n("fc.bias"), &[48]),
+                p(&n("proj"), &[48, 32]),
+            ]);
+        }
+        out.extend([p("norm.weight", &[32]).f32_grad(), p("head", &[32, 67])]);
+        out
+    }
+
+    fn forward(&self, g: &mut Graph, p: &[Tensor], batch: usize, _: DType) -> Result<Forward> {
+        let tokens = g.input("tokens", &[batch, self.seq], DType::U32);
+        let targets = g.input("targets", &[batch, self.seq], DType::U32);
+        let positions = g.positions(batch, self.seq)?;
+        let (tok, pos) = (g.embedding(tokens, p[0])?, g.embedding(positions, p[1])?);
+        let mut x = g.add(tok, pos)?; // (B, T, 32)
+        for w in p[2..p.len() - 2].chunks(8) {
+            let n = g.layernorm(x, w[0], w[1])?;
+            let q = g.linear(n, w[2], None)?; // (B, T, 2 * 16)
+            let kv = g.linear(n, w[3], None)?; // (B, T, 16)
+            let (q, k) = (g.rope(q, 2, 10000.0)?, g.rope(kv, 1, 10000.0)?);
+            let y = g.attention(q, k, kv, 2, 1, Default::default())?;
+            let y = g.linear(y, w[4], None)?;
+            x = g.add(x, y)?;
+            let f = g.linear(x, w[5], Some(w[6]))?; // (B, T, 48)
+            let f = g.relu(f)?;
+            let f = g.linear(f, w[7], None)?;
+            x = g.add(x, f)?;
+        }
+        let xf = g.rmsnorm(x, p[p.len() - 2], 1e-5)?;
+        let logits = g.linear(xf, p[p.len() - 1], None)?; // (B, T, 67)
+        g.cross_entropy(logits, targets)?;
+        Ok(Forward {
+            inputs: vec![tokens, targets],
+            prediction: logits,
+        })
+    }
+}
+
+impl Decoder for Tiny {
+    fn check_context(&self, max_len: usize) -> Result<()> {
+        assert!(max_len <= 80, "the test stays inside wpe");
+        Ok(())
+    }
+
+    fn with_seq(&self, seq: usize) -> Box<dyn Decoder> {
+        Box::new(Tiny { seq })
     }
 }
 
@@ -430,7 +514,11 @@ fn generator(dev: &dyn Device, arch: Arch, dtype: DType, max_len: usize) -> Gene
         }
         Arch::Llama | Arch::Llama3 => {
             let m = llama(arch, 1);
-            Generator::llama(dev, &m, &weights(&m), dtype, max_len).unwrap()
+            Generator::new(dev, &m, &weights(&m), dtype, max_len).unwrap()
+        }
+        Arch::Tiny => {
+            let m = Tiny { seq: 1 };
+            Generator::new(dev, &m, &weights(&m), dtype, max_len).unwrap()
         }
     }
 }
@@ -537,6 +625,7 @@ fn generation_matches_recomputation_cpu() {
     check_generation("cpu", &cpu, Arch::Gpt, &all);
     check_generation("cpu", &cpu, Arch::Llama, &all);
     check_generation("cpu", &cpu, Arch::Llama3, &all);
+    check_generation("cpu", &cpu, Arch::Tiny, &all);
 }
 
 #[test]
@@ -551,6 +640,7 @@ fn generation_matches_recomputation_vulkan_native_f16() {
         &[DType::F32, DType::F16],
     );
     check_generation(p.name, p.dev.as_ref(), Arch::Llama3, &[DType::F32]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Tiny, &[DType::F16]);
 }
 
 #[test]
@@ -756,4 +846,63 @@ fn bench_sample_reports_prompt_and_decode_rates() {
     let out = kiln(&["bench", "sample", "--models", "gpt5"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("use addition or gpt2-124m"));
+}
+
+/// A decode pass of R > 1 rows runs no loss, and its rows after the last attention's
+/// output (projection, residual, MLP, final norm, head) on the last row alone, reading
+/// the last row of the attention output and of the residual stream: 2 gathers more
+/// than a one-row pass, which gathers nothing. A decoding graph does not train.
+#[test]
+fn decode_pass_keeps_what_the_next_token_needs() {
+    let cpu = CpuDevice::new();
+    let compiled = |rows: usize| -> (Vec<usize>, usize) {
+        let m = Gpt::new(config(), rows);
+        let mut g = Graph::decoding(8);
+        let specs = m.parameters();
+        let params: Vec<Tensor> = specs
+            .iter()
+            .map(|s| g.param(&s.name, &s.shape, DType::F32, DType::F32, false))
+            .collect::<Result<_>>()
+            .unwrap();
+        let f = m.forward(&mut g, &params, 1, DType::F32).unwrap();
+        let e = g
+            .compile(&cpu, &Default::default(), None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("compile_forward"), "{e}");
+        let (pass, logits) = g.decode_pass(f.prediction).unwrap();
+        let mut owned = vec![];
+        let mut buf = |dtype: DType, shape: &[usize]| {
+            let b = cpu.alloc(dtype, shape.iter().product()).unwrap();
+            owned.push(b);
+            b
+        };
+        let weights: Vec<Buffer> = specs.iter().map(|s| buf(DType::F32, &s.shape)).collect();
+        let tokens = pass.decode_tokens().unwrap();
+        let mut inputs = vec![(tokens, buf(DType::U32, &[rows]))];
+        let positions = pass.decode_positions().unwrap();
+        inputs.push((positions, buf(DType::U32, &[rows])));
+        for &(k, v) in pass.decode_caches() {
+            inputs.push((k, buf(DType::F32, pass.shape(k))));
+            inputs.push((v, buf(DType::F32, pass.shape(v))));
+        }
+        assert_eq!(pass.decode_caches().len(), 2, "one cache pair per layer");
+        let mut plan = pass.compile_forward(&cpu, &weights, &inputs).unwrap();
+        let launches = plan.launch_count();
+        plan.free(&cpu).unwrap();
+        for b in owned {
+            cpu.free(b).unwrap();
+        }
+        (pass.shape(logits).to_vec(), launches)
+    };
+    // Embeddings 3; per layer: ln, qkv, 2 cache writes, cached attention, proj, add,
+    // ln, fc, gelu, proj, add = 12; final ln and head 2: 29, and no cross-entropy.
+    assert_eq!(compiled(1), (vec![1, 1, 67], 29));
+    assert_eq!(compiled(4), (vec![1, 1, 67], 31));
+    assert_eq!(cpu.allocated_bytes(), 0);
+    let mut g = Graph::new();
+    let x = g.input("x", &[2, 3], DType::F32);
+    let e = g.decode_pass(x).unwrap_err().to_string();
+    assert!(e.contains("Graph::decoding"), "{e}");
 }

@@ -264,11 +264,11 @@ fn sequences_past_a_sliding_window_are_refused() {
         .map(|t| (t.name.clone(), t.data.to_f32()))
         .collect();
     let model = Llama::new(m.config.clone(), 7);
-    let e = Generator::llama(&cpu, &model, &weights, DType::F32, 8)
+    let e = Generator::new(&cpu, &model, &weights, DType::F32, 8)
         .unwrap_err()
         .to_string();
     assert!(e.contains("sliding window of 7"), "{e}");
-    assert!(Generator::llama(&cpu, &model, &weights, DType::F32, 7).is_ok());
+    assert!(Generator::new(&cpu, &model, &weights, DType::F32, 7).is_ok());
 }
 
 /// A copy of fixture `name` in a scratch directory, for damaging.

@@ -281,7 +281,8 @@ pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
         }
         Op::CausalAttention { qkv, out, .. } => (vec![qkv], out),
         Op::RmsNorm { x, weight, out, .. } => (vec![x, weight], out),
-        Op::Rope { x, out, .. } => (vec![x], out),
+        Op::Rope { x, out, .. } | Op::LastRow { x, out } => (vec![x], out),
+        Op::CachedAttention { q, k, v, out, .. } => (vec![q, k, v], out),
         Op::SwiGlu { gate, up, out } => (vec![gate, up], out),
         Op::GroupedAttention { q, k, v, out, .. } => (vec![q, k, v], out),
         Op::CrossEntropy { logits, losses, .. } => (vec![logits], losses),

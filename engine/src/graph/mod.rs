@@ -11,14 +11,21 @@
 //!   (a tensor used twice, the tied GPT embedding) is accumulated.
 //! - `plan.rs`: compilation into a flat launch list over placeholders, liveness-based
 //!   sharing of intermediate buffers, and replay.
+//! - `decode.rs`: the same forward recorded for generation (attention over K/V caches
+//!   at positions read from the device), and the pass that runs only what the next
+//!   token's logits need; `forward_plan.rs` compiles a forward alone (no backward, no
+//!   optimizer) over plain weight buffers.
 //!
 //! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
 
 mod autodiff;
+mod decode;
+mod forward_plan;
 mod ops;
 mod plan;
 mod split;
 
+pub use forward_plan::ForwardPlan;
 pub use plan::{Bindings, Group, Plan, PlanMemory};
 pub use split::{Boundary, StageGraph};
 
@@ -210,6 +217,8 @@ pub(crate) enum Op {
         out: Tensor,
         heads: usize,
         freqs: RopeFreqs,
+        /// Decoding: each row's position (u32, one per row) instead of `t`.
+        positions: Option<Tensor>,
     },
     /// `out = silu(gate) * up`, elementwise.
     SwiGlu {
@@ -241,6 +250,29 @@ pub(crate) enum Op {
         pred: Tensor,
         target: Tensor,
         losses: Tensor,
+    },
+    /// Decoding ([`Graph::decoding`]) instead of either attention: the new rows' keys
+    /// and values (`k`, `v` (1, R, width) from column `offsets[1]`, `offsets[2]`) are
+    /// written into the layer's caches (KV, max_len, D) at `positions`, then query row
+    /// `r` (`q` from column `offsets[0]`) attends over cache rows `0..=positions[r]`
+    /// -> `out` (1, R, H*D). GPT-2's q, k and v are one tensor at three offsets.
+    CachedAttention {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        offsets: [usize; 3],
+        k_cache: Tensor,
+        v_cache: Tensor,
+        positions: Tensor,
+        out: Tensor,
+        heads: usize,
+        kv_heads: usize,
+    },
+    /// The last row of `x` (..., C) -> (1, .., 1, C): what a decode pass's row-wise
+    /// tail (the final norm and head) reads. Forward only.
+    LastRow {
+        x: Tensor,
+        out: Tensor,
     },
 }
 
@@ -278,6 +310,9 @@ pub struct Graph {
     /// Per op, the index it had in the graph it was cut from (empty: its own): dropout
     /// masks derive from it, so a stage draws the masks the whole model would.
     pub(crate) op_ids: Vec<usize>,
+    /// Recorded for decoding ([`Graph::decoding`]): the caches and positions its
+    /// attention ops read. Such a graph compiles with [`Graph::compile_forward`] only.
+    pub(crate) decode: Option<decode::Decoding>,
 }
 
 impl Graph {
@@ -613,7 +648,8 @@ impl Graph {
     /// Inverted dropout: each element of `x` is zeroed with probability `p` and the
     /// others are scaled by `1 / (1 - p)`. The mask comes from the plan's random state
     /// ([`Plan::set_random_state`]) and this op's index, so it is reproducible on any
-    /// device; [`Plan::evaluate`] runs the forward pass with dropout as the identity.
+    /// device; [`Plan::evaluate`] runs the forward pass with dropout as the identity,
+    /// and a decoding graph ([`Graph::decoding`]) records none.
     pub fn dropout(&mut self, x: Tensor, p: f32) -> Result<Tensor> {
         let xi = self.float("dropout", x)?.clone();
         if !(0.0..1.0).contains(&p) {
@@ -629,6 +665,9 @@ impl Graph {
                  32-bit element index cannot tell apart; split it",
                 xi.name, xi.shape
             )));
+        }
+        if self.decode.is_some() {
+            return Ok(x);
         }
         let out = self.op_out("dropout", xi.shape, xi.dtype);
         self.ops.push(Op::Dropout { x, out, p });
@@ -683,6 +722,9 @@ impl Graph {
                  16-bit activations), not {dim}; use Attention::Straightforward",
                 crate::ATTENTION_MAX_DIM
             )));
+        }
+        if self.decode.is_some() {
+            return self.cached_attention([qkv; 3], [0, c, 2 * c], heads, heads, dim);
         }
         let shape = vec![qi.shape[0], qi.shape[1], c];
         let out = self.op_out("attention", shape, qi.dtype);
@@ -760,12 +802,14 @@ impl Graph {
                 xi.name
             )));
         }
+        let positions = self.decode_positions_for("rope", &xi.shape)?;
         let out = self.op_out("rope", xi.shape.clone(), xi.dtype);
         self.ops.push(Op::Rope {
             x,
             out,
             heads,
             freqs,
+            positions,
         });
         Ok(out)
     }
@@ -832,6 +876,9 @@ impl Graph {
                  16-bit activations), not {dim}; use Attention::Straightforward",
                 crate::ATTENTION_MAX_DIM
             )));
+        }
+        if self.decode.is_some() {
+            return self.cached_attention([q, k, v], [0; 3], heads, kv_heads, dim);
         }
         let out = self.op_out("attention", qi.shape.clone(), qi.dtype);
         self.ops.push(Op::GroupedAttention {

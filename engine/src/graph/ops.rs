@@ -213,10 +213,22 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             out,
             heads,
             freqs,
+            positions,
         } => {
-            // out (B, T, C) = x rotated per head (D = C / H), row (b, t) by angles of t.
+            // out (B, T, C) = x rotated per head (D = C / H), row (b, t) by angles of t;
+            // decoding, row r by angles of positions[r].
             let o = e.define(out);
-            e.launch(rope(g, x, heads, freqs, e.val(x), o, false))?;
+            e.launch(match positions {
+                None => rope(g, x, heads, freqs, e.val(x), o, false),
+                Some(p) => Kernel::RopeAt {
+                    x: e.val(x),
+                    out: o,
+                    positions: e.val(p),
+                    cols: g.t(x).cols(),
+                    dim: g.t(x).cols() / heads,
+                    freqs,
+                },
+            })?;
             Ok(Saved::None)
         }
         Op::SwiGlu { gate, up, out } => {
@@ -274,6 +286,65 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 yh,
                 att,
             })
+        }
+        Op::CachedAttention {
+            q,
+            k,
+            v,
+            offsets,
+            k_cache,
+            v_cache,
+            positions,
+            out,
+            heads: h,
+            kv_heads: kv,
+        } => {
+            // k, v rows -> caches (KV, max_len, D) at positions; then out (1, R, H*D):
+            // row r of q against cache rows 0..=positions[r].
+            let (d, max_len) = (g.t(out).cols() / h, g.t(k_cache).shape[1]);
+            let pos = e.val(positions);
+            for (src, offset, cache) in [(k, offsets[1], k_cache), (v, offsets[2], v_cache)] {
+                e.launch(Kernel::CacheWrite {
+                    src: e.val(src),
+                    cache: e.val(cache),
+                    positions: pos,
+                    heads: kv,
+                    dim: d,
+                    width: g.t(src).cols(),
+                    offset,
+                    max_len,
+                })?;
+            }
+            let o = e.define(out);
+            e.launch(Kernel::CachedAttention {
+                q: e.val(q),
+                k_cache: e.val(k_cache),
+                v_cache: e.val(v_cache),
+                positions: pos,
+                out: o,
+                heads: h,
+                group: h / kv,
+                dim: d,
+                width: g.t(q).cols(),
+                offset: offsets[0],
+                max_len,
+                scale: 1.0 / (d as f32).sqrt(),
+            })?;
+            Ok(Saved::None)
+        }
+        Op::LastRow { x, out } => {
+            // out (1, C) = x (M, C) [M - 1], a gather of one row by a constant index.
+            let index = e.pinned(DType::U32, 1);
+            let last = g.t(x).rows().saturating_sub(1) as u32;
+            e.constants.push((index, crate::HostData::U32(vec![last])));
+            let o = e.define(out);
+            e.launch(Kernel::Embedding {
+                tokens: index,
+                table: e.val(x),
+                out: o,
+                dim: g.t(x).cols(),
+            })?;
+            Ok(Saved::None)
         }
         Op::CrossEntropy {
             logits,
@@ -685,6 +756,7 @@ pub(super) fn backward(
             })?;
             gr.finish(e, dpred)
         }
+        // Decoding ops have no backward: Graph::compile refuses a decoding graph.
         _ => unreachable!("forward saves what each op's backward reads"),
     }
 }

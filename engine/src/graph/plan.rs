@@ -125,7 +125,7 @@ pub(super) struct Emitter<'g> {
 }
 
 impl<'g> Emitter<'g> {
-    fn new(g: &'g Graph) -> Emitter<'g> {
+    pub(super) fn new(g: &'g Graph) -> Emitter<'g> {
         Emitter {
             g,
             launches: vec![],
@@ -279,6 +279,13 @@ impl Graph {
         bindings: &Bindings,
         optimizer: Option<&Optimizer>,
     ) -> Result<(Emitter<'_>, Plan)> {
+        if self.decode.is_some() {
+            return Err(Error::InvalidArgument(
+                "graph: recorded for decoding (Graph::decoding), which has no backward; \
+                 compile it with Graph::compile_forward"
+                    .into(),
+            ));
+        }
         if self.loss.is_none() && self.grad_seeds.is_empty() {
             return Err(Error::InvalidArgument(
                 "graph: nothing to differentiate; end the forward pass with a loss: \
@@ -487,29 +494,7 @@ fn bind(
             b.params.len()
         )));
     }
-    let external = |what: String, buf: Buffer, dtype: DType, len: usize| -> Result<()> {
-        if buf.id >= PLACEHOLDER {
-            return Err(Error::InvalidArgument(format!(
-                "plan: {what} (buffer #{}) is not a device buffer",
-                buf.id
-            )));
-        }
-        if buf.dtype != dtype {
-            return Err(Error::DTypeMismatch {
-                what: format!("plan: {what}"),
-                expected: dtype,
-                found: buf.dtype,
-            });
-        }
-        if buf.len != len {
-            return Err(Error::LenMismatch {
-                what: format!("plan: {what}"),
-                expected: len,
-                found: buf.len,
-            });
-        }
-        Ok(())
-    };
+    let external = check_external;
     let mut grads = HashMap::new();
     let mut fresh = false;
     // A set, not a look back over the earlier parameters (layers squared when deep).
@@ -597,20 +582,46 @@ fn bind(
     Ok((grads, fresh))
 }
 
+/// Checks a caller's buffer bound to a graph tensor (`what`): a device buffer of the
+/// tensor's dtype and length.
+pub(super) fn check_external(what: String, buf: Buffer, dtype: DType, len: usize) -> Result<()> {
+    if buf.id >= PLACEHOLDER {
+        return Err(Error::InvalidArgument(format!(
+            "plan: {what} (buffer #{}) is not a device buffer",
+            buf.id
+        )));
+    }
+    if buf.dtype != dtype {
+        return Err(Error::DTypeMismatch {
+            what: format!("plan: {what}"),
+            expected: dtype,
+            found: buf.dtype,
+        });
+    }
+    if buf.len != len {
+        return Err(Error::LenMismatch {
+            what: format!("plan: {what}"),
+            expected: len,
+            found: buf.len,
+        });
+    }
+    Ok(())
+}
+
 /// Which device buffer each placeholder gets: pinned ones their own, the others a
 /// shared slot, decided without a device.
-struct Sharing {
+pub(super) struct Sharing {
     /// Placeholder id -> index into `slots` (shared) or into the emitter's pinned list
     /// (offset by the number of slots).
     place: HashMap<u64, usize>,
     slots: Vec<(DType, usize)>,
-    memory: PlanMemory,
+    pub memory: PlanMemory,
 }
 
 /// Live ranges and greedy interval sharing in order of first use: a placeholder takes a
 /// free slot of its dtype and length whose last user ran strictly before its first
 /// launch (a launch never gets one buffer for two operands).
-fn share(e: &Emitter) -> Result<Sharing> {
+pub(super) fn share(e: &Emitter) -> Result<Sharing> {
     // First and last launch of every placeholder.
     let mut range: HashMap<u64, (usize, usize, Buffer)> = HashMap::new();
     for (i, k) in e.launches.iter().enumerate() {
@@ -686,36 +697,71 @@ fn share(e: &Emitter) -> Result<Sharing> {
     })
 }
 
+/// A plan's launches on device buffers, and the buffers it allocated for them.
+pub(super) struct Placed {
+    pub launches: Vec<Kernel>,
+    /// Every buffer allocated (the shared slots first).
+    pub owned: Vec<Buffer>,
+    pub slots: Vec<Buffer>,
+    /// Placeholder id -> device buffer.
+    map: HashMap<u64, Buffer>,
+}
+
+impl Placed {
+    /// The device buffer a placeholder became (a real buffer is itself).
+    pub fn map(&self, b: Buffer) -> Buffer {
+        self.map.get(&b.id).copied().unwrap_or(b)
+    }
+}
+
+/// Allocates the slots and pinned buffers, uploads the constants and rewrites every
+/// launch to real buffers; on an error, frees what it allocated.
+pub(super) fn place(dev: &dyn Device, e: Emitter, sharing: &Sharing) -> Result<Placed> {
+    let mut owned = vec![];
+    let placed = (|| {
+        for &(dtype, len) in &sharing.slots {
+            owned.push(dev.alloc(dtype, len)?);
+        }
+        for p in &e.pinned {
+            owned.push(dev.alloc(p.dtype, p.len)?);
+        }
+        let mut map: HashMap<u64, Buffer> = e.external.clone();
+        for (&id, &k) in &sharing.place {
+            map.insert(id, owned[k]);
+        }
+        let mapped = |b: Buffer| map.get(&b.id).copied().unwrap_or(b);
+        for (p, data) in &e.constants {
+            dev.upload(mapped(*p), data)?;
+        }
+        let mut launches = e.launches.clone();
+        for k in &mut launches {
+            for b in k.buffers_mut() {
+                *b = mapped(*b);
+            }
+            k.validate()?;
+        }
+        Ok((launches, map))
+    })();
+    match placed {
+        Ok((launches, map)) => Ok(Placed {
+            launches,
+            slots: owned[..sharing.slots.len()].to_vec(),
+            owned,
+            map,
+        }),
+        Err(e) => {
+            for b in owned {
+                let _ = dev.free(b);
+            }
+            Err(e)
+        }
+    }
+}
+
 /// Allocates the slots and pinned buffers and rewrites every launch to real buffers.
 fn allocate(dev: &dyn Device, e: Emitter, sharing: Sharing, mut plan: Plan) -> Result<Plan> {
-    let mut bufs = vec![];
-    for &(dtype, len) in &sharing.slots {
-        let b = dev.alloc(dtype, len)?;
-        plan.owned.push(b);
-        plan.slots.push(b);
-        bufs.push(b);
-    }
-    for p in &e.pinned {
-        let b = dev.alloc(p.dtype, p.len)?;
-        plan.owned.push(b);
-        bufs.push(b);
-    }
-    let map = |b: Buffer| match (e.external.get(&b.id), sharing.place.get(&b.id)) {
-        (Some(&ext), _) => ext,
-        (None, Some(&k)) => bufs[k],
-        (None, None) => b,
-    };
-    for (p, data) in &e.constants {
-        dev.upload(map(*p), data)?;
-    }
-    let mut launches = e.launches;
-    for k in &mut launches {
-        for b in k.buffers_mut() {
-            *b = map(*b);
-        }
-        k.validate()?;
-    }
-    plan.launches = launches;
+    let placed = place(dev, e, &sharing)?;
+    let map = |b: Buffer| placed.map(b);
     plan.losses = map(plan.losses);
     plan.loss_acc = map(plan.loss_acc);
     plan.flag = map(plan.flag);
@@ -729,6 +775,9 @@ fn allocate(dev: &dyn Device, e: Emitter, sharing: Sharing, mut plan: Plan) -> R
         *b = map(*b);
     }
     plan.memory = sharing.memory;
+    plan.launches = placed.launches;
+    plan.owned = placed.owned;
+    plan.slots = placed.slots;
     Ok(plan)
 }
 

@@ -50,7 +50,7 @@ pub struct StageGraph {
 }
 
 /// Every tensor field of an op, its output last.
-fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
+pub(super) fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
     match op {
         Op::Embedding { tokens, table, out } => vec![tokens, table, out],
         Op::Linear { x, w, b, out, .. } => {
@@ -70,7 +70,25 @@ fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
         | Op::Activation { x, out, .. }
         | Op::Softmax { x, out }
         | Op::Dropout { x, out, .. }
-        | Op::Rope { x, out, .. } => vec![x, out],
+        | Op::LastRow { x, out } => vec![x, out],
+        Op::Rope {
+            x, out, positions, ..
+        } => {
+            let mut v = vec![x];
+            v.extend(positions.as_mut());
+            v.push(out);
+            v
+        }
+        Op::CachedAttention {
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            positions,
+            out,
+            ..
+        } => vec![q, k, v, k_cache, v_cache, positions, out],
         Op::Add { a, b, out } => vec![a, b, out],
         Op::CausalAttention { qkv, out, .. } => vec![qkv, out],
         Op::RmsNorm { x, weight, out, .. } => vec![x, weight, out],
@@ -91,11 +109,18 @@ fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
 }
 
 /// What an op reads (every operand, float or not).
-fn reads(op: &Op) -> Vec<Tensor> {
+pub(super) fn reads(op: &Op) -> Vec<Tensor> {
     let mut op = op.clone();
     let mut all: Vec<Tensor> = tensors_mut(&mut op).into_iter().map(|t| *t).collect();
     all.pop();
     all
+}
+
+/// What an op writes.
+pub(super) fn output(op: &Op) -> Tensor {
+    let mut op = op.clone();
+    let out = *tensors_mut(&mut op).pop().expect("an op has an output");
+    out
 }
 
 impl Graph {

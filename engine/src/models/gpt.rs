@@ -8,9 +8,9 @@
 //! Shapes: B batch, T sequence, C = n_embd, H heads, V vocabulary (Vp padded).
 
 pub use super::config::GptConfig;
-use super::{tensor_elements, Forward, Init, Model, ParamSpec};
+use super::{tensor_elements, Decoder, Forward, Init, Model, ParamSpec};
 use crate::graph::{Attention, Graph, Tensor};
-use crate::{DType, Error, HostData, Result};
+use crate::{DType, Error, Result};
 
 /// GPT-2 trained on sequences of `seq` tokens (at most `block_size`).
 #[derive(Clone, Debug)]
@@ -156,8 +156,7 @@ impl Model for Gpt {
         let attention = self.attention(dtype);
         let tokens = g.input("tokens", &[b, t], DType::U32);
         let targets = g.input("targets", &[b, t], DType::U32);
-        let positions: Vec<u32> = (0..b * t).map(|i| (i % t) as u32).collect();
-        let positions = g.constant("positions", &[b, t], HostData::U32(positions))?;
+        let positions = g.positions(b, t)?; // (B, T): t of each row, or decoding's
         let (wte, wpe) = (p[0], p[1]);
         // x (B, T, C) = wte[tokens] + wpe[positions]
         let tok = g.embedding(tokens, wte)?;
@@ -195,5 +194,22 @@ impl Model for Gpt {
         (0..self.config.n_layer)
             .map(|l| (2 + PER_BLOCK * l..2 + PER_BLOCK * (l + 1)).collect())
             .collect()
+    }
+}
+
+impl Decoder for Gpt {
+    fn check_context(&self, max_len: usize) -> Result<()> {
+        let block_size = self.config.block_size;
+        if max_len == 0 || max_len > block_size {
+            return Err(Error::InvalidArgument(format!(
+                "generate: max_len {max_len} must be 1..={block_size} (the model's \
+                 block_size: GPT-2 has no position embedding past it)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn with_seq(&self, seq: usize) -> Box<dyn Decoder> {
+        Box::new(Gpt::new(self.config.clone(), seq))
     }
 }

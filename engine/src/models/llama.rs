@@ -11,9 +11,9 @@
 //! (C / H unless given), I = intermediate_size, V vocabulary.
 
 pub use super::config::LlamaConfig;
-use super::{Forward, Init, Model, ParamSpec};
+use super::{Decoder, Forward, Init, Model, ParamSpec};
 use crate::graph::{Attention, Graph, Tensor};
-use crate::{DType, Result};
+use crate::{DType, Error, Result};
 
 /// Llama trained on sequences of `seq` tokens (at most `block_size`).
 #[derive(Clone, Debug)]
@@ -150,5 +150,29 @@ impl Model for Llama {
         (0..self.config.n_layer)
             .map(|l| (1 + per * l..1 + per * (l + 1)).collect())
             .collect()
+    }
+}
+
+impl Decoder for Llama {
+    fn check_context(&self, max_len: usize) -> Result<()> {
+        let block_size = self.config.block_size;
+        if max_len == 0 || max_len > block_size {
+            return Err(Error::InvalidArgument(format!(
+                "generate: max_len {max_len} must be 1..={block_size} (the model's \
+                 block_size: the positions it was trained for)"
+            )));
+        }
+        if let Some(w) = self.config.sliding_window.filter(|&w| max_len > w) {
+            return Err(Error::InvalidArgument(format!(
+                "generate: max_len {max_len} is past the model's sliding window of {w}; \
+                 the cached attention is full attention, equal to the window's only up to \
+                 {w} positions: generate at most {w}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn with_seq(&self, seq: usize) -> Box<dyn Decoder> {
+        Box::new(Llama::new(self.config.clone(), seq))
     }
 }

@@ -199,6 +199,20 @@ pub trait Model: Send + Sync {
     }
 }
 
+/// A language model that generates ([`Generator`]): its forward, recorded on a
+/// decoding graph ([`Graph::decoding`]), is its generation too, so all a model adds is
+/// how far it may generate and a copy of itself for a pass of other length.
+pub trait Decoder: Model {
+    /// Refuses generating `max_len` positions past what the model has weights or
+    /// training for (GPT-2's position table, a Llama's context or sliding window),
+    /// naming the limit.
+    fn check_context(&self, max_len: usize) -> Result<()>;
+
+    /// The same model recording sequences of `seq` tokens: a decode pass of `seq` new
+    /// rows.
+    fn with_seq(&self, seq: usize) -> Box<dyn Decoder>;
+}
+
 #[cfg(test)]
 mod tests {
     use super::ModelConfig;
