@@ -24,6 +24,5 @@ pub mod profile;
 pub mod sample;
 pub mod say;
 pub mod train;
-mod train_engine;
 
 pub use devices::{open_device, DeviceSpec};

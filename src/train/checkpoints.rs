@@ -7,13 +7,13 @@ use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
 use kiln_engine::train::checkpoint;
+use kiln_engine::train::engine::TrainingEngine;
 
 use super::settings::{RunSettings, RUN_STATE_KEY};
-use crate::train_engine::Engine;
 
 /// Writes a checkpoint of everything `--resume` needs, the run's own settings included.
 pub(super) fn save(
-    engine: &Engine,
+    engine: &dyn TrainingEngine,
     dir: &Path,
     step: u64,
     next_sample: u64,
@@ -35,7 +35,7 @@ pub(super) fn save(
 
 /// Restores a checkpoint into the engine; returns the data position to continue from.
 pub(super) fn restore(
-    engine: &mut Engine,
+    engine: &mut dyn TrainingEngine,
     ck: &checkpoint::Checkpoint,
     global: u64,
 ) -> Result<u64> {

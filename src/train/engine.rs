@@ -1,5 +1,5 @@
 //! `kiln train`'s engine phase: the devices opened, the run's record checked against a
-//! resumed run's, and the [`Engine`] built (a data-parallel [`Trainer`] or a
+//! resumed run's, and the engine built (a [`DataParallel`] [`Trainer`] or a
 //! [`PipelineTrainer`]), restored from the checkpoint or given `--init-from`'s weights.
 
 use std::ops::Range;
@@ -8,11 +8,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use serde_json::{json, Value};
 
-use kiln_engine::models::{Model, ModelStateBytes, NetworkOptions};
+use kiln_engine::models::{Model, ModelStateBytes};
 use kiln_engine::parallel::collective::Processes;
-use kiln_engine::parallel::pipeline::Pipeline;
+use kiln_engine::train::engine::{DataParallel, TrainingEngine};
 use kiln_engine::train::pipeline_trainer::PipelineTrainer;
-use kiln_engine::train::trainer::{self as engine_trainer, Trainer};
+use kiln_engine::train::trainer::Trainer;
 use kiln_engine::Device;
 use kiln_wgpu::DeviceOptions;
 
@@ -23,11 +23,10 @@ use super::resolve::Resolved;
 use super::run_dir::{check_inputs_survive, check_same_run, run_record};
 use crate::devices::open_device;
 use crate::say::say;
-use crate::train_engine::Engine;
 
 /// What the engine phase gives the run.
 pub(super) struct Built {
-    pub engine: Engine,
+    pub engine: Box<dyn TrainingEngine>,
     pub network: Arc<dyn Model>,
     pub parameters: usize,
     /// Each device as `name (backend)`.
@@ -60,7 +59,6 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
         ..
     } = &*run;
     let t = model.block_size();
-    let b = ds.batch.micro_batch;
     let data_name = &data.name;
 
     // Devices: each spec opens its own device, so `vulkan:0x2` gives two.
@@ -103,78 +101,39 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     }
 
     let network = model.build(t);
+    let mut next_sample = 0;
     let first_rank = procs.as_ref().map_or(0, Processes::first_rank);
     // Data-parallel ranks this process reads batches for (a pipeline is one).
     let local_ranks = opened.len() / stages;
-    let (mut engine, parameters) = if stages > 1 {
-        let options = NetworkOptions {
-            batch: b,
-            dtype: engine_trainer::precision(ds)?.0,
-            optimizer: ds.optimizer.clone(),
-            seed,
-        };
-        // Per device, stage-major (device s * dp + r runs stage s of replica r).
-        let dp = opened.len() / stages;
-        let memory = Pipeline::memory(network.as_ref(), &options, method, stages)?
-            .iter()
-            .flat_map(|m| {
-                // ZeRO 1/2 leave each replica a 1/dp shard of its stage's optimizer
-                // state (to within one element's rounding); under 2 the stage's alike
-                // blocks share one set of gradient buffers.
-                let sharded = ds.zero.stage >= 1 && dp > 1;
-                let bytes = ModelStateBytes {
-                    weights: m.weights,
-                    gradients: if ds.zero.stage == 2 && dp > 1 {
-                        m.shared_gradients
-                    } else {
-                        m.gradients
-                    },
-                    optimizer: if sharded {
-                        m.optimizer.div_ceil(dp as u64)
-                    } else {
-                        m.optimizer
-                    },
-                };
-                std::iter::repeat_n(bytes, dp)
-            })
-            .collect();
-        let trainer =
+    let (engine, parameters): (Box<dyn TrainingEngine>, usize) = if stages > 1 {
+        let mut trainer =
             PipelineTrainer::new(opened, network.clone(), ds.clone(), seed, method, stages)?;
+        if let Some((_, ck)) = &resumed {
+            next_sample = restore(&mut trainer, ck, ds.batch.train_batch_size as u64)?;
+        }
         let parameters = network.parameters().iter().map(|p| p.len()).sum::<usize>();
-        let trainer = Box::new(trainer);
-        (Engine::Pipeline { trainer, memory }, parameters)
+        (Box::new(trainer), parameters)
     } else {
         let devs: Vec<&dyn Device> = opened.iter().map(|d| d.as_ref()).collect();
         let trainer = Trainer::new_processes(&devs, network.clone(), ds.clone(), seed, procs)?;
-        let parameters = trainer.model.parameter_count();
         drop(devs);
-        let trainer = Box::new(trainer);
-        (
-            Engine::Data {
-                trainer,
-                devs: opened,
-            },
-            parameters,
-        )
+        let mut engine = DataParallel::new(trainer, opened);
+        if let Some((_, ck)) = &resumed {
+            next_sample = restore(&mut engine, ck, ds.batch.train_batch_size as u64)?;
+        }
+        if let Some(init) = init {
+            let weights = init.weights_for(model)?;
+            engine
+                .set_weights(&weights)
+                .with_context(|| format!("--init-from {}", init.source))?;
+            if progress {
+                say(format!("weights from {}; a fresh optimizer", init.describe));
+            }
+        }
+        let parameters = engine.trainer.model.parameter_count();
+        (Box::new(engine), parameters)
     };
     let model_states = engine.model_state_bytes();
-    let mut next_sample = 0;
-    if let Some((_, ck)) = &resumed {
-        next_sample = restore(&mut engine, ck, ds.batch.train_batch_size as u64)?;
-    }
-    if let Some(init) = init {
-        let weights = init.weights_for(model)?;
-        let Engine::Data { trainer, devs } = &mut engine else {
-            unreachable!("--init-from with pipeline stages is refused before any device opens")
-        };
-        let devs: Vec<&dyn Device> = devs.iter().map(|d| d.as_ref()).collect();
-        trainer
-            .set_weights(&devs, &weights)
-            .with_context(|| format!("--init-from {}", init.source))?;
-        if progress {
-            say(format!("weights from {}; a fresh optimizer", init.describe));
-        }
-    }
     Ok(Built {
         engine,
         network,

@@ -28,7 +28,7 @@ use super::resolve::Resolved;
 use super::run_dir::open_metrics;
 use super::settings::RunSettings;
 use crate::say::say;
-use crate::train_engine::Engine;
+use kiln_engine::train::engine::TrainingEngine;
 
 /// Writes the run directory (now that everything is valid), then trains from the
 /// engine's step to the run's last, evaluating, logging and checkpointing as it goes;
@@ -146,7 +146,7 @@ pub(super) fn run(
             } else {
                 "device(s)"
             },
-            precision_name(&ds),
+            ds.precision.describe(),
             dir.display()
         ),
     );
@@ -350,7 +350,7 @@ pub(super) fn run(
                 since_print = (0.0, 0);
             }
             if s.skipped {
-                log(&bar, skipped_line(&ds, &engine, step, s.loss_scale));
+                log(&bar, skipped_line(&ds, engine.as_ref(), step, s.loss_scale));
             }
             bar.set_position(step);
             bar.set_message(format!(
@@ -359,7 +359,7 @@ pub(super) fn run(
             ));
             if last || (checkpoint_every > 0 && step.is_multiple_of(checkpoint_every)) {
                 let _span = span("checkpoint", SpanKind::Checkpoint);
-                let saved = save(&engine, &dir, step, next_sample, &settings)?;
+                let saved = save(engine.as_ref(), &dir, step, next_sample, &settings)?;
                 for note in saved.notes {
                     log(&bar, format!("note: {note}"));
                 }
@@ -383,7 +383,7 @@ pub(super) fn run(
             let saved = if saved_already {
                 Ok(())
             } else {
-                save(&engine, &dir, step, at_step_end, &settings).map(drop)
+                save(engine.as_ref(), &dir, step, at_step_end, &settings).map(drop)
             };
             Err(match saved {
                 Ok(()) => anyhow::anyhow!(
@@ -484,7 +484,7 @@ fn show_compiling(bar: &ProgressBar, finished: mpsc::Receiver<()>, since: Instan
 
 /// The log line of a skipped step: an fp16 overflow the scaler handles, or (without
 /// fp16 loss scaling) non-finite gradients that stop the run if they persist.
-fn skipped_line(ds: &TrainConfig, trainer: &Engine, step: u64, scale: f32) -> String {
+fn skipped_line(ds: &TrainConfig, trainer: &dyn TrainingEngine, step: u64, scale: f32) -> String {
     let now = trainer.scaler().scale();
     match (&ds.precision, trainer.scaler()) {
         (config::Precision::Fp16 { .. }, LossScaler::Dynamic { .. }) => format!(
@@ -602,12 +602,4 @@ pub fn bubble_warning(p: usize, m: usize) -> Option<String> {
             100.0 * kiln_engine::parallel::pipeline_schedule::theoretical_bubble(p, 4 * p)
         )
     })
-}
-
-fn precision_name(ds: &TrainConfig) -> &'static str {
-    match ds.precision {
-        config::Precision::Fp32 => "fp32",
-        config::Precision::Fp16 { .. } => "fp16 (fp32 master weights, loss scaling)",
-        config::Precision::Bf16 => "bf16 (fp32 master weights)",
-    }
 }

@@ -29,6 +29,24 @@ impl Precision {
             Precision::Bf16 => crate::DType::BF16,
         }
     }
+
+    /// As configs and logs name it: `fp32`, `fp16` or `bf16`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 { .. } => "fp16",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// What a run's log says of it.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16 { .. } => "fp16 (fp32 master weights, loss scaling)",
+            Precision::Bf16 => "bf16 (fp32 master weights)",
+        }
+    }
 }
 
 /// Settings of the dynamic scaler; `Default` is DeepSpeed's documented defaults.

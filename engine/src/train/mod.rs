@@ -1,8 +1,9 @@
 //! Training machinery above the models: the engine that steps a model (`trainer`) or
-//! a pipeline of it (`pipeline_trainer`), the fp16 loss scaler, checkpoints, the
-//! profiler's trace and the run ledger.
+//! a pipeline of it (`pipeline_trainer`), the one contract both meet (`engine`), the
+//! fp16 loss scaler, checkpoints, the profiler's trace and the run ledger.
 
 pub mod checkpoint;
+pub mod engine;
 pub mod loss_scaler;
 pub mod pipeline_trainer;
 pub mod profile;

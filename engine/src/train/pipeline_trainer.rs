@@ -19,7 +19,7 @@ use super::loss_scaler::{LossScaler, StepDecision};
 use super::trainer::{
     precision, read_states, save_states, watch_divergence, StepStats, TrainerState,
 };
-use crate::models::{MicroBatch, Model, NetworkOptions, ParamState};
+use crate::models::{MicroBatch, Model, ModelStateBytes, NetworkOptions, ParamState};
 use crate::parallel::pipeline::{replicas, Pipeline, StepOptions, StepReport};
 use crate::parallel::pipeline_partition::PartitionMethod;
 use crate::{Device, Error, Result, TrainConfig};
@@ -27,6 +27,8 @@ use crate::{Device, Error, Result, TrainConfig};
 /// A model trained as a pipeline under a training config.
 pub struct PipelineTrainer {
     pipe: Pipeline,
+    /// Per device, the model states it holds.
+    memory: Vec<ModelStateBytes>,
     config: TrainConfig,
     scaler: LossScaler,
     /// Steps attempted (applied + skipped).
@@ -69,9 +71,11 @@ impl PipelineTrainer {
             seed,
         };
         let zero = u32::from(config.zero.stage);
+        let memory = model_states(model.as_ref(), &options, method, stages, dp, zero)?;
         let pipe = Pipeline::replicated(devs, model, &options, method, stages, zero)?;
         Ok(PipelineTrainer {
             pipe,
+            memory,
             config,
             scaler,
             steps: 0,
@@ -142,6 +146,12 @@ impl PipelineTrainer {
     /// The pipeline: stages, copies, memory, weights.
     pub fn pipeline(&self) -> &Pipeline {
         &self.pipe
+    }
+
+    /// Per device (stage-major, as [`PipelineTrainer::new`] takes them), the model
+    /// states it holds.
+    pub fn model_state_bytes(&self) -> Vec<ModelStateBytes> {
+        self.memory.clone()
     }
 
     /// The last step's pipeline report (measured bubble, bytes moved).
@@ -216,4 +226,37 @@ impl PipelineTrainer {
         self.watch = (trainer.consecutive_skips, trainer.steps_at_min_scale);
         Ok(ck.state().clone())
     }
+}
+
+/// Per device (stage-major), the model states of `stages` stages in `dp` replicas:
+/// ZeRO 1 and 2 leave each replica a 1/dp shard of its stage's optimizer state (to
+/// within one element's rounding); under 2 a stage's alike blocks share one set of
+/// gradient buffers.
+fn model_states(
+    model: &dyn Model,
+    options: &NetworkOptions,
+    method: &PartitionMethod,
+    stages: usize,
+    dp: usize,
+    zero: u32,
+) -> Result<Vec<ModelStateBytes>> {
+    Ok(Pipeline::memory(model, options, method, stages)?
+        .iter()
+        .flat_map(|m| {
+            let bytes = ModelStateBytes {
+                weights: m.weights,
+                gradients: if zero == 2 && dp > 1 {
+                    m.shared_gradients
+                } else {
+                    m.gradients
+                },
+                optimizer: if zero >= 1 && dp > 1 {
+                    m.optimizer.div_ceil(dp as u64)
+                } else {
+                    m.optimizer
+                },
+            };
+            std::iter::repeat_n(bytes, dp)
+        })
+        .collect())
 }

@@ -160,17 +160,15 @@ pub struct Trainer {
 
 /// The storage dtype and loss scaler a config's precision section asks for.
 pub fn precision(config: &TrainConfig) -> Result<(DType, LossScaler)> {
-    Ok(match &config.precision {
-        Precision::Fp32 => (DType::F32, LossScaler::fixed(1.0)?),
-        Precision::Bf16 => (DType::BF16, LossScaler::fixed(1.0)?),
-        Precision::Fp16 { loss_scaling, .. } => (
-            DType::F16,
-            match loss_scaling {
-                LossScaling::Dynamic(d) => LossScaler::dynamic(d.clone())?,
-                LossScaling::Static(s) => LossScaler::fixed(*s)?,
-            },
-        ),
-    })
+    let scaler = match &config.precision {
+        Precision::Fp16 { loss_scaling, .. } => match loss_scaling {
+            LossScaling::Dynamic(d) => LossScaler::dynamic(d.clone())?,
+            LossScaling::Static(s) => LossScaler::fixed(*s)?,
+        },
+        // bf16 has fp32's exponent range: no scaling.
+        Precision::Fp32 | Precision::Bf16 => LossScaler::fixed(1.0)?,
+    };
+    Ok((config.precision.dtype(), scaler))
 }
 
 impl Trainer {
@@ -792,11 +790,7 @@ pub(crate) fn watch_divergence(
                     _ => (
                         format!(
                             "the gradients were not finite (NaN or infinite) in this {} run",
-                            if matches!(precision, Precision::Bf16) {
-                                "bf16"
-                            } else {
-                                "fp32"
-                            }
+                            precision.name()
                         ),
                         "lower the learning rate (or warm it up longer), set \
                          gradient_clipping (1.0 is typical), and check the data and the \
