@@ -201,27 +201,6 @@ fn unique(devices: &[Capabilities]) -> Vec<&Capabilities> {
         .collect()
 }
 
-/// `--partition`: `uniform`, `parameters` (DeepSpeed's default) or blocks per stage
-/// (`3,5`).
-pub fn parse_partition(text: &str) -> Result<PartitionMethod> {
-    match text {
-        "uniform" => Ok(PartitionMethod::Uniform),
-        "parameters" => Ok(PartitionMethod::Parameters),
-        counts => {
-            let parsed: Result<Vec<usize>, _> = counts
-                .split(',')
-                .map(|c| c.trim().parse::<usize>())
-                .collect();
-            parsed.map(PartitionMethod::Blocks).map_err(|_| {
-                anyhow::anyhow!(
-                    "--partition {counts:?}: give `uniform`, `parameters` or blocks per stage \
-                     such as `3,5`"
-                )
-            })
-        }
-    }
-}
-
 /// Each stage's device bytes in a pipeline of `stages` stages × `dp` replicas under
 /// ZeRO stage `zero_stage`: [`Pipeline::memory`] (what `Pipeline::new` allocates), then
 /// with ZeRO 1/2 over the replicas a rank's slice of the stage's parameters in place of
@@ -284,10 +263,8 @@ pub fn pipeline_report(
     let sharded = zero_stage >= 1 && dp > 1;
     let partitioned = zero_stage == 2 && dp > 1;
     let cut = match method {
-        PartitionMethod::Uniform => "uniform".to_string(),
-        PartitionMethod::Parameters => "parameters".to_string(),
         PartitionMethod::Blocks(counts) => format!("blocks {counts:?}"),
-        PartitionMethod::Measured { .. } => "measured".to_string(),
+        other => other.spelled(),
     };
     let mut out = String::new();
     writeln!(

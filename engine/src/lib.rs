@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod graph;
 pub mod models;
 pub mod parallel;
+pub mod partition;
 pub mod rng;
 pub mod train;
 

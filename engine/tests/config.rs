@@ -1076,10 +1076,10 @@ fn the_kiln_section_holds_our_own_settings_strictly() {
 
 #[test]
 fn pipeline_section_sets_stages_and_partition() {
-    use kiln_engine::config::PipelinePartition;
+    use kiln_engine::config::PartitionMethod;
     let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": 2, "partition": "uniform"}}"#);
     assert_eq!(c.pipeline.stages, 2);
-    assert_eq!(c.pipeline.partition, PipelinePartition::Uniform);
+    assert_eq!(c.pipeline.partition, PartitionMethod::Uniform);
     let text = c.explain();
     assert!(text.contains("pipeline.stages = 2 (file)"), "{text}");
     assert!(
@@ -1089,12 +1089,12 @@ fn pipeline_section_sets_stages_and_partition() {
     // No section: one stage, DeepSpeed's default method.
     let c = ok(r#"{"train_batch_size": 32}"#);
     assert_eq!(c.pipeline.stages, 1);
-    assert_eq!(c.pipeline.partition, PipelinePartition::Parameters);
+    assert_eq!(c.pipeline.partition, PartitionMethod::Parameters);
     // Block counts, under the PipelineModule's spelling; DeepSpeed's section defaults.
     let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": 2,
         "partition_method": [1, 3], "seed_layers": false, "pipe_partitioned": true,
         "grad_partitioned": true, "activation_checkpoint_interval": 0}}"#);
-    assert_eq!(c.pipeline.partition, PipelinePartition::Blocks(vec![1, 3]));
+    assert_eq!(c.pipeline.partition, PartitionMethod::Blocks(vec![1, 3]));
     assert!(
         c.notes
             .iter()
@@ -1105,7 +1105,7 @@ fn pipeline_section_sets_stages_and_partition() {
     // DeepSpeed's own defaults ("auto", "best") are read as Kiln's.
     let c = ok(r#"{"train_batch_size": 32, "pipeline": {"stages": "auto", "partition": "best"}}"#);
     assert_eq!(c.pipeline.stages, 1);
-    assert_eq!(c.pipeline.partition, PipelinePartition::Parameters);
+    assert_eq!(c.pipeline.partition, PartitionMethod::Parameters);
     assert!(c.explain().contains("\"best\""), "{}", c.explain());
 }
 

@@ -21,7 +21,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
 ];
 
-const LEAVES: &[&str] = &["error", "rng", "fsutil"];
+const LEAVES: &[&str] = &["error", "rng", "fsutil", "partition"];
 
 /// Names `lib.rs` re-exports at the crate root, by the layer that defines them.
 fn owner(name: &str) -> Option<&'static str> {

@@ -28,7 +28,9 @@ pub(crate) fn estimate(
              (or pipeline.stages in the config)"
         );
     }
-    let mut method = kiln::estimate::parse_partition(partition.unwrap_or("parameters"))?;
+    let mut method =
+        kiln::engine::partition::PartitionMethod::parse(partition.unwrap_or("parameters"))
+            .map_err(anyhow::Error::msg)?;
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
         .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
@@ -79,7 +81,7 @@ pub(crate) fn estimate(
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;
             if partition.is_none() && stages > 1 {
-                method = kiln::estimate::parse_partition(&c.pipeline.partition.spelled())?;
+                method = c.pipeline.partition.clone();
             }
             let zero = c.zero.stage;
             (

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use kiln_engine::config::{self, PipelinePartition, TrainConfig};
+use kiln_engine::config::{self, TrainConfig};
 use kiln_engine::models::ModelConfig;
 use kiln_engine::parallel::collective::Processes;
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
@@ -345,29 +345,22 @@ fn pipeline_settings(opts: &TrainOptions, ds: &mut TrainConfig) -> Result<Partit
                  more (or pipeline.stages in the config)"
             );
         }
-        ds.pipeline.partition = match crate::estimate::parse_partition(text)? {
-            PartitionMethod::Uniform => PipelinePartition::Uniform,
-            PartitionMethod::Blocks(counts) => PipelinePartition::Blocks(counts),
-            _ => PipelinePartition::Parameters,
-        };
+        ds.pipeline.partition = PartitionMethod::parse(text).map_err(anyhow::Error::msg)?;
         ds.provenance
             .insert("pipeline.partition".into(), config::Provenance::Caller);
     }
-    Ok(match &ds.pipeline.partition {
-        PipelinePartition::Parameters => PartitionMethod::Parameters,
-        PipelinePartition::Uniform => PartitionMethod::Uniform,
-        PipelinePartition::Blocks(counts) => {
-            if stages > 1 && counts.len() != stages {
-                bail!(
-                    "the partition lists {} block counts ({}) but the run has {stages} pipeline \
-                     stages: give one count per stage, or another --partition",
-                    counts.len(),
-                    ds.pipeline.partition.spelled()
-                );
-            }
-            PartitionMethod::Blocks(counts.clone())
+    let method = ds.pipeline.partition.clone();
+    if let PartitionMethod::Blocks(counts) = &method {
+        if stages > 1 && counts.len() != stages {
+            bail!(
+                "the partition lists {} block counts ({}) but the run has {stages} pipeline \
+                 stages: give one count per stage, or another --partition",
+                counts.len(),
+                method.spelled()
+            );
         }
-    })
+    }
+    Ok(method)
 }
 
 /// Refuses what `kiln train` does not combine with pipeline stages yet, before

@@ -97,7 +97,7 @@ pub use batch::{BatchConfig, MAX_BATCH};
 pub use error::{ConfigError, Problem};
 pub use flops_profiler::FlopsProfiler;
 pub use kiln::KilnSettings;
-pub use pipeline::{PipelineConfig, PipelinePartition, MAX_PIPELINE_STAGES};
+pub use pipeline::{PartitionMethod, PipelineConfig, MAX_PIPELINE_STAGES};
 pub use precision::{DynamicScaling, LossScaling, Precision};
 pub use provenance::Provenance;
 pub use scheduler::{Schedule, WarmupType};

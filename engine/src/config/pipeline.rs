@@ -14,47 +14,23 @@ use serde_json::{Map, Value};
 use super::keys::{Inert, Spec};
 use super::provenance::Provenance;
 use super::reader::{describe, is_auto, Reader};
+pub use crate::partition::PartitionMethod;
 
 /// Stages a pipeline may have: a stage is a device, and Kiln opens at most this many.
 pub const MAX_PIPELINE_STAGES: u64 = 64;
 
-/// How the model's blocks are cut into stages.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PipelinePartition {
-    /// Balance the stages' parameter counts (DeepSpeed's default).
-    Parameters,
-    /// Blocks as evenly as counts allow.
-    Uniform,
-    /// Blocks per stage, first stage first.
-    Blocks(Vec<usize>),
-}
-
-impl PipelinePartition {
-    /// As `--partition` spells it: `parameters`, `uniform` or `3,5`.
-    pub fn spelled(&self) -> String {
-        match self {
-            PipelinePartition::Parameters => "parameters".to_string(),
-            PipelinePartition::Uniform => "uniform".to_string(),
-            PipelinePartition::Blocks(c) => {
-                c.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
-            }
-        }
-    }
-}
-
 /// The resolved pipeline settings: 1 stage is no pipeline.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PipelineConfig {
     pub stages: usize,
-    pub partition: PipelinePartition,
+    pub partition: PartitionMethod,
 }
 
 impl Default for PipelineConfig {
     fn default() -> Self {
         PipelineConfig {
             stages: 1,
-            partition: PipelinePartition::Parameters,
+            partition: PartitionMethod::Parameters,
         }
     }
 }
@@ -165,8 +141,8 @@ impl Reader {
         PipelineConfig { stages, partition }
     }
 
-    fn partition(&mut self, s: &Map<String, Value>, stages: usize) -> PipelinePartition {
-        let d = PipelinePartition::Parameters;
+    fn partition(&mut self, s: &Map<String, Value>, stages: usize) -> PartitionMethod {
+        let d = PartitionMethod::Parameters;
         // DeepSpeed's section says "partition"; its PipelineModule "partition_method".
         let key = match (s.get("partition"), s.get("partition_method")) {
             (Some(a), Some(b)) if !a.is_null() && !b.is_null() => {
@@ -190,7 +166,7 @@ impl Reader {
         };
         let got = match v {
             Value::String(text) => match text.to_ascii_lowercase().as_str() {
-                "parameters" => Some(PipelinePartition::Parameters),
+                "parameters" => Some(PartitionMethod::Parameters),
                 // DeepSpeed's section default: its engine leaves the method to the
                 // PipelineModule, whose default is "parameters".
                 "best" => {
@@ -198,9 +174,9 @@ impl Reader {
                         "{path} \"best\" (DeepSpeed's default) is read as \"parameters\", the \
                          PipelineModule's default"
                     ));
-                    Some(PipelinePartition::Parameters)
+                    Some(PartitionMethod::Parameters)
                 }
-                "uniform" => Some(PipelinePartition::Uniform),
+                "uniform" => Some(PartitionMethod::Uniform),
                 t if t.starts_with("type:") => {
                     self.problem(
                         &path,
@@ -230,7 +206,7 @@ impl Reader {
                     .collect();
                 match counts {
                     Some(c) if !c.is_empty() && (stages <= 1 || c.len() == stages) => {
-                        Some(PipelinePartition::Blocks(c))
+                        Some(PartitionMethod::Blocks(c))
                     }
                     Some(c) if !c.is_empty() => {
                         self.problem(
@@ -258,7 +234,7 @@ impl Reader {
         match got {
             Some(method) => {
                 self.mark("pipeline.partition", Provenance::File);
-                if stages <= 1 && method != PipelinePartition::Parameters {
+                if stages <= 1 && method != PartitionMethod::Parameters {
                     self.warnings.push(format!(
                         "{path} is set but the run has 1 pipeline stage, so nothing is cut; \
                          set pipeline.stages (or pass --pipeline-stages) to use it"

@@ -17,23 +17,8 @@
 
 use std::ops::Range;
 
+pub use crate::partition::PartitionMethod;
 use crate::{Error, Result};
-
-/// How to cut the blocks.
-#[derive(Clone, Debug, PartialEq)]
-pub enum PartitionMethod {
-    Uniform,
-    Parameters,
-    /// Blocks per stage, first stage first.
-    Blocks(Vec<usize>),
-    /// Per stage: the device's seconds per block, and for the ends the seconds of
-    /// the embeddings (first stage) and the head (last stage).
-    Measured {
-        per_block: Vec<f64>,
-        embeddings: f64,
-        head: f64,
-    },
-}
 
 /// What the model contributes: parameters per block, and of the embeddings and head.
 #[derive(Clone, Debug, PartialEq)]
