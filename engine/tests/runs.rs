@@ -7,9 +7,10 @@ use std::path::Path;
 use std::time::{Duration, SystemTime};
 
 use kiln_engine::train::runs::{
-    diff_runs, format_utc, list_runs, read_metrics, render_chart, write_chart, write_config,
-    ChangeKind, MetricsWriter, RunError, RunsTable, StepRecord, Summary, CHART_FILE, METRICS_FILE,
+    diff_runs, format_utc, list_runs, read_metrics, write_config, ChangeKind, MetricsWriter,
+    RunError, RunsTable, StepRecord, Summary, CHART_FILE, METRICS_FILE,
 };
+use kiln_engine::train::runs_chart::{render_chart, write_chart};
 use serde_json::json;
 
 fn record(step: u64, loss: f32) -> StepRecord {

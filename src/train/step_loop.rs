@@ -424,7 +424,7 @@ pub(super) fn run(
         summary.model_states = model_states;
         summary.no_held_out_data = no_held_out;
         summary.write(&dir)?;
-        runs::write_chart(&dir)?;
+        kiln_engine::train::runs_chart::write_chart(&dir)?;
         Ok(summary)
     })();
     // The loop's error is the one to report; a summary that could not be written after

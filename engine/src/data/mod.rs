@@ -25,6 +25,11 @@
 
 pub mod addition;
 pub mod clusters;
+mod gpt2_bpe;
+#[cfg(feature = "tokenizers")]
+pub mod hf_tokenizer;
+#[cfg(not(feature = "tokenizers"))]
+#[path = "hf_tokenizer_absent.rs"]
 pub mod hf_tokenizer;
 pub mod memory;
 pub mod prefetch;

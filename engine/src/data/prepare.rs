@@ -123,7 +123,7 @@ impl Tokenizer {
                         ),
                     )
                 })?;
-                Ok(tiktoken_rs::r50k_base_singleton().encode_ordinary(text))
+                super::gpt2_bpe::encode(text)
             }
         }
     }
@@ -148,9 +148,7 @@ impl Tokenizer {
         Ok(match self {
             Tokenizer::Bytes => ids.iter().map(|&id| id as u8).collect(),
             Tokenizer::Hf(t) => t.decode(ids)?.into_bytes(),
-            Tokenizer::Gpt2 => tiktoken_rs::r50k_base_singleton()
-                .decode_bytes(ids)
-                .map_err(|e| DataError::InvalidArgument(format!("gpt2 tokenizer: {e:?}")))?,
+            Tokenizer::Gpt2 => super::gpt2_bpe::decode_bytes(ids)?,
         })
     }
 }
@@ -162,7 +160,8 @@ impl FromStr for Tokenizer {
     type Err = DataError;
     fn from_str(s: &str) -> Result<Tokenizer> {
         match s {
-            "gpt2" | "r50k_base" => Ok(Tokenizer::Gpt2),
+            "gpt2" | "r50k_base" if cfg!(feature = "tokenizers") => Ok(Tokenizer::Gpt2),
+            "gpt2" | "r50k_base" => Err(super::gpt2_bpe::absent()),
             "bytes" | "byte" => Ok(Tokenizer::Bytes),
             _ => Err(DataError::InvalidArgument(format!(
                 "unknown tokenizer `{s}`: use `gpt2` (GPT-2 BPE, r50k_base) or `bytes`"
@@ -431,7 +430,7 @@ fn encode_stream(
             }
             continue;
         }
-        let ids = tiktoken_rs::r50k_base_singleton().encode_ordinary(&text[..cut]);
+        let ids = super::gpt2_bpe::encode(&text[..cut])?;
         emit(&ids)?;
         buf.drain(..cut);
         base += cut as u64;
@@ -836,6 +835,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "tokenizers")] // compares with tiktoken-rs itself
     fn chunked_encoding_equals_encoding_the_whole_text() {
         let dir = TempDir::new();
         let (input, output) = (dir.path("in.txt"), dir.path("out.bin"));

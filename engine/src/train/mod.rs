@@ -8,4 +8,6 @@ pub mod loss_scaler;
 pub mod pipeline_trainer;
 pub mod profile;
 pub mod runs;
+#[cfg(feature = "chart")]
+pub mod runs_chart;
 pub mod trainer;
