@@ -19,6 +19,71 @@ use crate::shader::{self, KernelSource, Repr};
 /// How each engine kernel becomes dispatches, for any backend that records them.
 pub(crate) trait Lower: Recorder {
     /// Records `kernel` (already validated: its buffers are live on the device).
+    /// A norm's backward (LayerNorm's and RMSNorm's are the same three passes): per
+    /// row, the statistics dx needs into the partials (`stat_bytes` a row); dx by pairs
+    /// of elements; the weight (and bias) gradients by columns. `saved` are the
+    /// forward's per-row statistics (mean and rstd, or rstd), `grads` the parameter
+    /// gradients (dweight and dbias, or dweight).
+    #[allow(clippy::type_complexity)]
+    fn norm_backward(
+        &self,
+        s: &mut Self::State,
+        [stats, dx_pass, params]: [&'static KernelSource; 3],
+        [x, weight, dout, dx]: [&Buffer; 4],
+        (saved, grads): (&[&Buffer], &[&Buffer]),
+        (cols, stat_bytes): (usize, u64),
+    ) -> Result<()> {
+        if x.len == 0 {
+            return Ok(());
+        }
+        let h = |b: &&Buffer| b.id;
+        let (n, cols) = (x.len as u32, cols as u32);
+        let rows = n / cols;
+        self.partials(s, rows as u64 * stat_bytes)?;
+        let reprs = |bs: &[&Buffer]| bs.iter().map(|b| self.repr(b.dtype)).collect();
+        let (lanes, grid) = self.row_plan(rows, cols);
+        let mut buffers: Vec<u64> = [x, weight, dout].iter().map(h).collect();
+        buffers.extend(saved.iter().map(h));
+        buffers.push(PARTIALS_ID);
+        self.dispatch(
+            s,
+            Dispatch::new(
+                stats,
+                reprs(&[x, weight, dout]),
+                buffers,
+                vec![rows, 0, 0, cols],
+                grid,
+            )
+            .with_overrides(lanes),
+        )?;
+        let words = pairs(x.len);
+        let mut buffers: Vec<u64> = [x, weight, dout, dx].iter().map(h).collect();
+        buffers.extend(saved.iter().map(h));
+        buffers.push(PARTIALS_ID);
+        self.dispatch(
+            s,
+            Dispatch::new(
+                dx_pass,
+                reprs(&[x, weight, dout, dx]),
+                buffers,
+                vec![n, words, 0, cols],
+                (groups(words), 1, 1),
+            ),
+        )?;
+        let mut buffers: Vec<u64> = [x, dout].iter().map(h).collect();
+        buffers.extend(saved.iter().chain(grads).map(h));
+        self.dispatch(
+            s,
+            Dispatch::new(
+                params,
+                reprs(&[x, dout]),
+                buffers,
+                vec![rows, 0, 0, cols],
+                (groups(cols), 1, 1),
+            ),
+        )
+    }
+
     fn record_kernel(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
         let h = |b: &Buffer| b.id;
         match kernel {
@@ -253,52 +318,17 @@ pub(crate) trait Lower: Recorder {
                 dweight,
                 dbias,
                 cols,
-            } => {
-                let (n, cols) = (x.len as u32, *cols as u32);
-                let rows = n / cols;
-                self.partials(s, rows as u64 * 8)?;
-                let stats = PARTIALS_ID;
-                let st = stats;
-                let (lanes, grid) = self.row_plan(rows, cols);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::LAYERNORM_BACKWARD_STATS,
-                        [x, weight, dout]
-                            .iter()
-                            .map(|b| self.repr(b.dtype))
-                            .collect(),
-                        vec![h(x), h(weight), h(dout), h(mean), h(rstd), st],
-                        vec![rows, 0, 0, cols],
-                        grid,
-                    )
-                    .with_overrides(lanes),
-                )?;
-                let words = pairs(x.len);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::LAYERNORM_BACKWARD_DX,
-                        [x, weight, dout, dx]
-                            .iter()
-                            .map(|b| self.repr(b.dtype))
-                            .collect(),
-                        vec![h(x), h(weight), h(dout), h(dx), h(mean), h(rstd), st],
-                        vec![n, words, 0, cols],
-                        (groups(words), 1, 1),
-                    ),
-                )?;
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::LAYERNORM_BACKWARD_PARAMS,
-                        [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
-                        vec![h(x), h(dout), h(mean), h(rstd), h(dweight), h(dbias)],
-                        vec![rows, 0, 0, cols],
-                        (groups(cols), 1, 1),
-                    ),
-                )?;
-            }
+            } => self.norm_backward(
+                s,
+                [
+                    &shader::LAYERNORM_BACKWARD_STATS,
+                    &shader::LAYERNORM_BACKWARD_DX,
+                    &shader::LAYERNORM_BACKWARD_PARAMS,
+                ],
+                [x, weight, dout, dx],
+                (&[mean, rstd], &[dweight, dbias]),
+                (*cols, 8),
+            )?,
             Kernel::RmsNorm {
                 x,
                 weight,
@@ -348,57 +378,17 @@ pub(crate) trait Lower: Recorder {
                 dx,
                 dweight,
                 cols,
-            } => {
-                if x.len == 0 {
-                    return Ok(());
-                }
-                let (n, cols) = (x.len as u32, *cols as u32);
-                let rows = n / cols;
-                // Pass 1: per row -> mean(dy w xhat) in partials; pass 2: dx by pairs;
-                // pass 3: dweight by columns.
-                self.partials(s, rows as u64 * 4)?;
-                let stats = PARTIALS_ID;
-                let st = stats;
-                let (lanes, grid) = self.row_plan(rows, cols);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::RMSNORM_BACKWARD_STATS,
-                        [x, weight, dout]
-                            .iter()
-                            .map(|b| self.repr(b.dtype))
-                            .collect(),
-                        vec![h(x), h(weight), h(dout), h(rstd), st],
-                        vec![rows, 0, 0, cols],
-                        grid,
-                    )
-                    .with_overrides(lanes),
-                )?;
-                let words = pairs(x.len);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::RMSNORM_BACKWARD_DX,
-                        [x, weight, dout, dx]
-                            .iter()
-                            .map(|b| self.repr(b.dtype))
-                            .collect(),
-                        vec![h(x), h(weight), h(dout), h(dx), h(rstd), st],
-                        vec![n, words, 0, cols],
-                        (groups(words), 1, 1),
-                    ),
-                )?;
-                self.dispatch(
-                    s,
-                    Dispatch::new(
-                        &shader::RMSNORM_BACKWARD_PARAMS,
-                        [x, dout].iter().map(|b| self.repr(b.dtype)).collect(),
-                        vec![h(x), h(dout), h(rstd), h(dweight)],
-                        vec![rows, 0, 0, cols],
-                        (groups(cols), 1, 1),
-                    ),
-                )?;
-            }
+            } => self.norm_backward(
+                s,
+                [
+                    &shader::RMSNORM_BACKWARD_STATS,
+                    &shader::RMSNORM_BACKWARD_DX,
+                    &shader::RMSNORM_BACKWARD_PARAMS,
+                ],
+                [x, weight, dout, dx],
+                (&[rstd], &[dweight]),
+                (*cols, 4),
+            )?,
             Kernel::Rope {
                 x,
                 out,
