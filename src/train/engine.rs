@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use kiln_engine::models::{Model, ModelStateBytes};
@@ -106,6 +106,15 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     // Data-parallel ranks this process reads batches for (a pipeline is one).
     let local_ranks = opened.len() / stages;
     let (engine, parameters): (Box<dyn TrainingEngine>, usize) = if stages > 1 {
+        if init.is_some() {
+            // refuse_with_pipeline says so before any device opens; kept here so the
+            // weights are never dropped silently.
+            bail!(
+                "--init-from with pipeline stages is not supported yet: start from those \
+                 weights without --pipeline-stages, then continue the run with --resume \
+                 --pipeline-stages N"
+            );
+        }
         let mut trainer =
             PipelineTrainer::new(opened, network.clone(), ds.clone(), seed, method, stages)?;
         if let Some((_, ck)) = &resumed {

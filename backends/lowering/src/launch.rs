@@ -18,7 +18,6 @@ use crate::shader::{self, KernelSource, Repr};
 
 /// How each engine kernel becomes dispatches, for any backend that records them.
 pub(crate) trait Lower: Recorder {
-    /// Records `kernel` (already validated: its buffers are live on the device).
     /// A norm's backward (LayerNorm's and RMSNorm's are the same three passes): per
     /// row, the statistics dx needs into the partials (`stat_bytes` a row); dx by pairs
     /// of elements; the weight (and bias) gradients by columns. `saved` are the
@@ -84,6 +83,7 @@ pub(crate) trait Lower: Recorder {
         )
     }
 
+    /// Records `kernel` (already validated: its buffers are live on the device).
     fn record_kernel(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
         let h = |b: &Buffer| b.id;
         match kernel {

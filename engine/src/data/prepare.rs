@@ -689,7 +689,7 @@ fn write_atomically<T>(
     result
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "tokenizers"))] // most use the GPT-2 BPE
 mod tests {
     use super::*;
     use crate::data::test_util::TempDir;

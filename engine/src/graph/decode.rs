@@ -190,13 +190,14 @@ impl Graph {
                 continue;
             }
             live[i] = true;
-            last_row_op[i] = need[out.0] == Need::LastRow && row_wise(op);
-            let n = if last_row_op[i] {
-                Need::LastRow
-            } else {
-                Need::All
-            };
+            let rows = self.row_operands(op);
+            last_row_op[i] = need[out.0] == Need::LastRow && rows.is_some();
+            let rows = rows.unwrap_or_default();
             for r in split::reads(op) {
+                let n = match last_row_op[i] && rows.contains(&r) {
+                    true => Need::LastRow,
+                    false => Need::All,
+                };
                 if need[r.0] < n {
                     need[r.0] = n;
                 }
@@ -231,11 +232,13 @@ impl Graph {
             }
             let mut op = op.clone();
             if last_row_op[i] {
+                let rows = self
+                    .row_operands(&op)
+                    .expect("a last-row op has row operands");
                 let mut fields = split::tensors_mut(&mut op);
                 let out = fields.pop().expect("an op has an output");
                 for t in fields {
-                    let rows = matches!(g.t(*t).source, Source::Op | Source::Input);
-                    if rows && !on_last_row[t.0] {
+                    if rows.contains(t) && !on_last_row[t.0] {
                         *t = gather(&mut g, *t);
                     }
                 }
@@ -254,19 +257,29 @@ impl Graph {
     }
 }
 
-/// Ops whose every output row depends on the same row of their row operands alone.
-fn row_wise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Linear { .. }
-            | Op::LayerNorm { .. }
-            | Op::RmsNorm { .. }
-            | Op::Add { .. }
-            | Op::Gelu { .. }
-            | Op::Activation { .. }
-            | Op::Softmax { .. }
-            | Op::SwiGlu { .. }
-    )
+impl Graph {
+    /// The operands of `op` whose rows it maps one to one to its output's rows, when
+    /// that is all it reads besides parameters and constants (so its last output row
+    /// needs only their last rows); `None` for any other op.
+    fn row_operands(&self, op: &Op) -> Option<Vec<Tensor>> {
+        let rows = match *op {
+            Op::Linear { x, .. }
+            | Op::LayerNorm { x, .. }
+            | Op::RmsNorm { x, .. }
+            | Op::Gelu { x, .. }
+            | Op::Activation { x, .. }
+            | Op::Softmax { x, .. } => vec![x],
+            Op::Add { a, b, .. } => vec![a, b],
+            Op::SwiGlu { gate, up, .. } => vec![gate, up],
+            _ => return None,
+        };
+        let fixed =
+            |t: &Tensor| matches!(self.t(*t).source, Source::Param(_) | Source::Constant(_));
+        split::reads(op)
+            .iter()
+            .all(|t| rows.contains(t) || fixed(t))
+            .then_some(rows)
+    }
 }
 
 /// One row of a tensor of `shape`: the leading dims 1, the feature dim kept.

@@ -50,7 +50,7 @@ impl Graph {
             self.ops.iter().flat_map(split::reads).collect();
         for (t, info) in self.tensors.iter().enumerate() {
             match info.source {
-                Source::Constant(k) => {
+                Source::Constant(k) if read.contains(&Tensor(t)) => {
                     let b = e.pinned(info.dtype, info.len());
                     e.constants.push((b, self.constants[k].clone()));
                     e.value[t] = Some(b);

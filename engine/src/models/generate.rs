@@ -165,14 +165,22 @@ impl Generator {
                 self.max_len,
             )));
         }
-        let mut rest = tokens;
+        let (start, mut rest) = (self.position, tokens);
         let mut logits = None;
         while !rest.is_empty() {
             // The largest power of two that fits: a bounded set of passes serves any
             // prompt length.
             let rows = 1 << rest.len().min(PREFILL_ROWS).ilog2();
             let (chunk, tail) = rest.split_at(rows);
-            logits = Some(self.run(dev, chunk, tail.is_empty())?);
+            match self.run(dev, chunk, tail.is_empty()) {
+                Ok(l) => logits = Some(l),
+                Err(e) => {
+                    // All or nothing: the sequence stays as it was before the call (the
+                    // cache rows the earlier passes wrote are overwritten later).
+                    self.position = start;
+                    return Err(e);
+                }
+            }
             rest = tail;
         }
         Ok(logits.flatten().expect("the last pass reads its logits"))
