@@ -650,6 +650,14 @@ fn generation_matches_recomputation_vulkan_packed_f16() {
     check_generation(p.name, p.dev.as_ref(), Arch::Llama, &[DType::F16]);
 }
 
+/// The raw Vulkan backend (its own GEMM and attention SPIR-V) runs the decode passes too.
+#[test]
+fn generation_matches_recomputation_vk() {
+    let p = gpu_path(3);
+    check_generation(p.name, p.dev.as_ref(), Arch::Gpt, &[DType::F16]);
+    check_generation(p.name, p.dev.as_ref(), Arch::Llama3, &[DType::F32]);
+}
+
 #[test]
 fn generation_matches_recomputation_gl() {
     let p = gpu_path(2);
@@ -905,4 +913,32 @@ fn decode_pass_keeps_what_the_next_token_needs() {
     let x = g.input("x", &[2, 3], DType::F32);
     let e = g.decode_pass(x).unwrap_err().to_string();
     assert!(e.contains("Graph::decoding"), "{e}");
+
+    // A linear whose weight is computed (not a parameter) needs all of it: it runs over
+    // every row, and only its result's last row is gathered (embedding, add, linear,
+    // gather: 4 launches).
+    let mut g = Graph::decoding(8);
+    let table = g
+        .param("table", &[5, 4], DType::F32, DType::F32, false)
+        .unwrap();
+    let w = g
+        .param("w", &[4, 6], DType::F32, DType::F32, false)
+        .unwrap();
+    let tokens = g.input("tokens", &[1, 3], DType::U32);
+    let x = g.embedding(tokens, table).unwrap();
+    let w2 = g.add(w, w).unwrap();
+    let y = g.linear(x, w2, None).unwrap();
+    let (pass, out) = g.decode_pass(y).unwrap();
+    assert_eq!(pass.shape(out), [1, 1, 6]);
+    let bufs = [
+        cpu.alloc(DType::F32, 20).unwrap(),
+        cpu.alloc(DType::F32, 24).unwrap(),
+    ];
+    let t = cpu.alloc(DType::U32, 3).unwrap();
+    let mut plan = pass.compile_forward(&cpu, &bufs, &[(tokens, t)]).unwrap();
+    assert_eq!(plan.launch_count(), 4);
+    plan.free(&cpu).unwrap();
+    for b in bufs.into_iter().chain([t]) {
+        cpu.free(b).unwrap();
+    }
 }
