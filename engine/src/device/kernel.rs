@@ -680,8 +680,11 @@ impl Kernel {
 
     /// Every buffer the launch touches.
     pub fn buffers(&self) -> Vec<Buffer> {
-        // One list of fields, `buffers_mut`'s, read through a copy of the launch.
-        self.clone().buffers_mut().into_iter().map(|b| *b).collect()
+        self.clone()
+            .operands_mut()
+            .into_iter()
+            .map(|o| *o.buf)
+            .collect()
     }
 
     /// The buffers a backend must bind whole, so each must fit one storage binding
@@ -691,77 +694,82 @@ impl Kernel {
     /// model's memory check refuses, before anything is allocated, a buffer here over
     /// the limit.
     pub fn bound_whole(&self) -> Vec<Buffer> {
-        match self {
-            Kernel::Matmul(_)
-            | Kernel::Fill { .. }
-            | Kernel::Copy { .. }
-            | Kernel::Cast { .. }
-            | Kernel::Binary { .. }
-            | Kernel::Scale { .. }
-            | Kernel::Axpy { .. }
-            | Kernel::Reduce { .. }
-            | Kernel::Gelu { .. }
-            | Kernel::GeluBackward { .. }
-            | Kernel::Activation { .. }
-            | Kernel::ActivationBackward { .. }
-            | Kernel::MseBackward { .. }
-            | Kernel::SwiGlu { .. }
-            | Kernel::SwiGluBackward { .. }
-            | Kernel::NonFinite { .. }
-            | Kernel::Adam(_)
-            | Kernel::Sgd(_) => vec![],
-            Kernel::EmbeddingBackward { tokens, dout, .. } => vec![*tokens, *dout],
-            k => k.buffers(),
-        }
+        let mut k = self.clone();
+        let ops = k.operands_mut();
+        ops.into_iter()
+            .filter(|o| o.whole)
+            .map(|o| *o.buf)
+            .collect()
     }
 
     /// Every buffer field of the launch, mutably, in the order of [`Kernel::buffers`]: a
     /// plan records launches over placeholders and rewrites them to device buffers.
     pub fn buffers_mut(&mut self) -> Vec<&mut Buffer> {
+        self.operands_mut().into_iter().map(|o| o.buf).collect()
+    }
+
+    /// Buffers the launch writes (an accumulating kernel's destination included).
+    pub fn written(&self) -> Vec<Buffer> {
+        let mut k = self.clone();
+        let ops = k.operands_mut();
+        ops.into_iter()
+            .filter(|o| o.written)
+            .map(|o| *o.buf)
+            .collect()
+    }
+
+    /// Each kernel's buffers in one table: every buffer field, in a fixed order, with
+    /// whether the launch writes it and whether a backend binds it whole (else it may
+    /// split it at the binding limit). [`Kernel::buffers`], [`Kernel::buffers_mut`],
+    /// [`Kernel::written`] and [`Kernel::bound_whole`] all read it.
+    pub fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        // r/w: read or written, bound whole; rs/ws: the same, split where too large.
+        let (r, w) = (Operand::read, Operand::write);
+        let (rs, ws) = (Operand::read_split, Operand::write_split);
         match self {
-            Kernel::Fill { dst, .. } => vec![dst],
-            Kernel::Copy { src, dst } | Kernel::Cast { src, dst } => vec![src, dst],
-            Kernel::Binary { a, b, out, .. } => vec![a, b, out],
-            Kernel::Scale { x, out, .. } => vec![x, out],
-            Kernel::Axpy { x, y, .. } => vec![x, y],
-            Kernel::Reduce { src, dst, .. } => vec![src, dst],
-            Kernel::NonFinite { srcs, flag } => srcs.iter_mut().chain([flag]).collect(),
-            Kernel::Matmul(mm) => [&mut mm.a, &mut mm.b, &mut mm.c]
+            Kernel::Fill { dst, .. } => vec![ws(dst)],
+            Kernel::Copy { src, dst } | Kernel::Cast { src, dst } => vec![rs(src), ws(dst)],
+            Kernel::Binary { a, b, out, .. } => vec![rs(a), rs(b), ws(out)],
+            Kernel::Scale { x, out, .. } => vec![rs(x), ws(out)],
+            Kernel::Axpy { x, y, .. } => vec![rs(x), ws(y)],
+            Kernel::Reduce { src, dst, .. } => vec![rs(src), ws(dst)],
+            Kernel::NonFinite { srcs, flag } => srcs.iter_mut().map(rs).chain([ws(flag)]).collect(),
+            Kernel::Matmul(mm) => [rs(&mut mm.a), rs(&mut mm.b), ws(&mut mm.c)]
                 .into_iter()
-                .chain(mm.bias.as_mut())
-                .chain(mm.c_f32.as_mut())
+                .chain(mm.bias.as_mut().map(rs))
+                .chain(mm.c_f32.as_mut().map(ws))
                 .collect(),
             Kernel::GradScale {
                 sum_squares, out, ..
-            } => vec![sum_squares, out],
-            Kernel::Adam(a) => [&mut a.master, &mut a.grads, &mut a.m, &mut a.v]
+            } => vec![r(sum_squares), w(out)],
+            Kernel::Adam(a) => [ws(&mut a.master), rs(&mut a.grads)]
                 .into_iter()
-                .chain([&mut a.grad_scale])
-                .chain(a.params.as_mut())
+                .chain([ws(&mut a.m), ws(&mut a.v), rs(&mut a.grad_scale)])
+                .chain(a.params.as_mut().map(ws))
                 .collect(),
-            Kernel::Sgd(s) => [&mut s.master, &mut s.grads, &mut s.momentum_buf]
+            Kernel::Sgd(s) => [ws(&mut s.master), rs(&mut s.grads)]
                 .into_iter()
-                .chain([&mut s.grad_scale])
-                .chain(s.params.as_mut())
+                .chain([ws(&mut s.momentum_buf), rs(&mut s.grad_scale)])
+                .chain(s.params.as_mut().map(ws))
                 .collect(),
-            Kernel::Gelu { x, out } => vec![x, out],
-            Kernel::GeluBackward { x, dout, dx } => vec![x, dout, dx],
-            Kernel::Activation { x, out, .. } => vec![x, out],
-            Kernel::ActivationBackward { x, dout, dx, .. } => vec![x, dout, dx],
-            Kernel::Dropout { x, out, .. } => vec![x, out],
-            Kernel::DropoutBackward { dout, dx, .. } => vec![dout, dx],
+            Kernel::Gelu { x, out } => vec![rs(x), ws(out)],
+            Kernel::GeluBackward { x, dout, dx } => vec![rs(x), rs(dout), ws(dx)],
+            Kernel::Activation { x, out, .. } => vec![rs(x), ws(out)],
+            Kernel::ActivationBackward { x, dout, dx, .. } => vec![rs(x), rs(dout), ws(dx)],
+            Kernel::Dropout { x, out, .. } => vec![r(x), w(out)],
+            Kernel::DropoutBackward { dout, dx, .. } => vec![r(dout), w(dx)],
             Kernel::MseLoss {
                 pred,
                 target,
                 losses,
                 ..
-            } => vec![pred, target, losses],
+            } => vec![r(pred), r(target), w(losses)],
             Kernel::MseBackward {
                 pred,
                 target,
                 dpred,
                 ..
-            } => vec![pred, target, dpred],
+            } => vec![rs(pred), rs(target), ws(dpred)],
             Kernel::LayerNorm {
                 x,
                 weight,
@@ -770,7 +778,7 @@ impl Kernel {
                 mean,
                 rstd,
                 ..
-            } => vec![x, weight, bias, out, mean, rstd],
+            } => vec![r(x), r(weight), r(bias), w(out), w(mean), w(rstd)],
             Kernel::LayerNormBackward {
                 x,
                 weight,
@@ -781,17 +789,26 @@ impl Kernel {
                 dweight,
                 dbias,
                 ..
-            } => vec![x, weight, mean, rstd, dout, dx, dweight, dbias],
+            } => vec![
+                r(x),
+                r(weight),
+                r(mean),
+                r(rstd),
+                r(dout),
+                w(dx),
+                w(dweight),
+                w(dbias),
+            ],
             Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
-                vec![src, dst]
+                vec![r(src), w(dst)]
             }
-            Kernel::Softmax { x, out, stats, .. } => vec![x, out, stats],
+            Kernel::Softmax { x, out, stats, .. } => vec![r(x), w(out), w(stats)],
             Kernel::SoftmaxBackward {
                 p, dout, dx, stats, ..
-            } => vec![p, dout, dx, stats],
+            } => vec![r(p), r(dout), w(dx), w(stats)],
             Kernel::Attention {
                 q, k, v, out, lse, ..
-            } => vec![q, k, v, out, lse],
+            } => vec![r(q), r(k), r(v), w(out), w(lse)],
             Kernel::AttentionBackward {
                 q,
                 k,
@@ -803,37 +820,47 @@ impl Kernel {
                 dk,
                 dv,
                 ..
-            } => vec![q, k, v, out, dout, lse, dq, dk, dv],
+            } => vec![
+                r(q),
+                r(k),
+                r(v),
+                r(out),
+                r(dout),
+                r(lse),
+                w(dq),
+                w(dk),
+                w(dv),
+            ],
             Kernel::CrossEntropy {
                 logits,
                 targets,
                 losses,
                 lse,
                 ..
-            } => vec![logits, targets, losses, lse],
+            } => vec![r(logits), r(targets), w(losses), w(lse)],
             Kernel::CrossEntropyBackward {
                 logits,
                 targets,
                 lse,
                 dlogits,
                 ..
-            } => vec![logits, targets, lse, dlogits],
+            } => vec![r(logits), r(targets), r(lse), w(dlogits)],
             Kernel::Embedding {
                 tokens, table, out, ..
-            } => vec![tokens, table, out],
+            } => vec![r(tokens), r(table), w(out)],
             Kernel::EmbeddingBackward {
                 tokens,
                 dout,
                 dtable,
                 ..
-            } => vec![tokens, dout, dtable],
+            } => vec![r(tokens), r(dout), ws(dtable)],
             Kernel::RmsNorm {
                 x,
                 weight,
                 out,
                 rstd,
                 ..
-            } => vec![x, weight, out, rstd],
+            } => vec![r(x), r(weight), w(out), w(rstd)],
             Kernel::RmsNormBackward {
                 x,
                 weight,
@@ -842,25 +869,25 @@ impl Kernel {
                 dx,
                 dweight,
                 ..
-            } => vec![x, weight, rstd, dout, dx, dweight],
-            Kernel::Rope { x, out, .. } => vec![x, out],
-            Kernel::SwiGlu { gate, up, out } => vec![gate, up, out],
+            } => vec![r(x), r(weight), r(rstd), r(dout), w(dx), w(dweight)],
+            Kernel::Rope { x, out, .. } => vec![r(x), w(out)],
+            Kernel::SwiGlu { gate, up, out } => vec![rs(gate), rs(up), ws(out)],
             Kernel::SwiGluBackward {
                 gate,
                 up,
                 dout,
                 dgate,
                 dup,
-            } => vec![gate, up, dout, dgate, dup],
+            } => vec![rs(gate), rs(up), rs(dout), ws(dgate), ws(dup)],
             Kernel::RopeAt {
                 x, out, positions, ..
-            } => vec![x, out, positions],
+            } => vec![r(x), w(out), r(positions)],
             Kernel::CacheWrite {
                 src,
                 cache,
                 positions,
                 ..
-            } => vec![src, cache, positions],
+            } => vec![r(src), w(cache), r(positions)],
             Kernel::CachedAttention {
                 q,
                 k_cache,
@@ -868,61 +895,51 @@ impl Kernel {
                 positions,
                 out,
                 ..
-            } => vec![q, k_cache, v_cache, positions, out],
+            } => vec![r(q), r(k_cache), r(v_cache), r(positions), w(out)],
+        }
+    }
+}
+
+/// One buffer of a launch, as [`Kernel::operands_mut`] lists it.
+#[derive(Debug)]
+pub struct Operand<'a> {
+    pub buf: &'a mut Buffer,
+    /// The launch writes it (wholly, or adds into it).
+    pub written: bool,
+    /// A backend binds it whole: it must fit one storage binding.
+    pub whole: bool,
+}
+
+impl<'a> Operand<'a> {
+    fn read(buf: &'a mut Buffer) -> Operand<'a> {
+        Operand {
+            buf,
+            written: false,
+            whole: true,
         }
     }
 
-    /// Buffers the launch writes.
-    pub fn written(&self) -> Vec<Buffer> {
-        match self {
-            Kernel::Fill { dst, .. } | Kernel::Copy { dst, .. } | Kernel::Cast { dst, .. } => {
-                vec![*dst]
-            }
-            Kernel::Binary { out, .. } | Kernel::Scale { out, .. } | Kernel::Gelu { out, .. } => {
-                vec![*out]
-            }
-            Kernel::Axpy { y, .. } => vec![*y],
-            Kernel::Reduce { dst, .. } => vec![*dst],
-            Kernel::NonFinite { flag, .. } => vec![*flag],
-            Kernel::Matmul(mm) => [Some(mm.c), mm.c_f32].into_iter().flatten().collect(),
-            Kernel::GradScale { out, .. } => vec![*out],
-            Kernel::Adam(a) => [Some(a.master), Some(a.m), Some(a.v), a.params]
-                .into_iter()
-                .flatten()
-                .collect(),
-            Kernel::Sgd(s) => [Some(s.master), Some(s.momentum_buf), s.params]
-                .into_iter()
-                .flatten()
-                .collect(),
-            Kernel::GeluBackward { dx, .. } => vec![*dx],
-            Kernel::Activation { out, .. } | Kernel::Dropout { out, .. } => vec![*out],
-            Kernel::ActivationBackward { dx, .. } | Kernel::DropoutBackward { dx, .. } => {
-                vec![*dx]
-            }
-            Kernel::MseLoss { losses, .. } => vec![*losses],
-            Kernel::MseBackward { dpred, .. } => vec![*dpred],
-            Kernel::LayerNorm {
-                out, mean, rstd, ..
-            } => vec![*out, *mean, *rstd],
-            Kernel::LayerNormBackward {
-                dx, dweight, dbias, ..
-            } => vec![*dx, *dweight, *dbias],
-            Kernel::SplitHeads { dst, .. } | Kernel::MergeHeads { dst, .. } => vec![*dst],
-            Kernel::Softmax { out, stats, .. } => vec![*out, *stats],
-            Kernel::SoftmaxBackward { dx, stats, .. } => vec![*dx, *stats],
-            Kernel::Attention { out, lse, .. } => vec![*out, *lse],
-            Kernel::AttentionBackward { dq, dk, dv, .. } => vec![*dq, *dk, *dv],
-            Kernel::CrossEntropy { losses, lse, .. } => vec![*losses, *lse],
-            Kernel::CrossEntropyBackward { dlogits, .. } => vec![*dlogits],
-            Kernel::Embedding { out, .. } => vec![*out],
-            Kernel::EmbeddingBackward { dtable, .. } => vec![*dtable],
-            Kernel::RmsNorm { out, rstd, .. } => vec![*out, *rstd],
-            Kernel::RmsNormBackward { dx, dweight, .. } => vec![*dx, *dweight],
-            Kernel::Rope { out, .. } | Kernel::SwiGlu { out, .. } => vec![*out],
-            Kernel::SwiGluBackward { dgate, dup, .. } => vec![*dgate, *dup],
-            Kernel::RopeAt { out, .. } => vec![*out],
-            Kernel::CacheWrite { cache, .. } => vec![*cache],
-            Kernel::CachedAttention { out, .. } => vec![*out],
+    fn write(buf: &'a mut Buffer) -> Operand<'a> {
+        Operand {
+            buf,
+            written: true,
+            whole: true,
+        }
+    }
+
+    fn read_split(buf: &'a mut Buffer) -> Operand<'a> {
+        Operand {
+            buf,
+            written: false,
+            whole: false,
+        }
+    }
+
+    fn write_split(buf: &'a mut Buffer) -> Operand<'a> {
+        Operand {
+            buf,
+            written: true,
+            whole: false,
         }
     }
 }
