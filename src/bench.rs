@@ -171,6 +171,39 @@ pub struct Row {
     pub ratio: f64,
 }
 
+/// Runs `warm_up` until every pipeline queued since `before` (a
+/// `compiling::snapshot()` taken before the work was built) is built and has run, at
+/// least once and for at most 300 s, saying so (as `what`) when the bound is hit. A
+/// plan compiles its pipelines ahead of its first run, and on a software driver its big
+/// GEMM blocks build in the background behind smaller stand-ins (`Device::prepare`),
+/// counted done at their first run: timing before that measures the stand-ins while a
+/// build takes a core.
+pub(crate) fn warm_until_built<E>(
+    what: &str,
+    before: (usize, usize),
+    mut warm_up: impl FnMut() -> std::result::Result<(), E>,
+) -> std::result::Result<(), E> {
+    let building = || {
+        let (done, queued) = crate::engine::device::compiling::snapshot();
+        done - before.0 < queued - before.1
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        warm_up()?;
+        if !building() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            eprintln!(
+                "{what}: pipelines still building after 300 s of warm-up; measuring anyway \
+                 (the figures may be low)"
+            );
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// Runs `f` once to warm up, then until `budget` has passed (at least `min_reps`
 /// times); returns the mean seconds per run.
 pub(crate) fn time_it(

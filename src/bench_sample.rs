@@ -109,32 +109,9 @@ pub fn measure(
         }
         Ok((t1 - t0, t1.elapsed()))
     };
-    // A pass compiles its pipelines ahead of its first run, and on a software driver
-    // its big GEMM blocks build in the background behind smaller stand-ins (see
-    // `Device::prepare`); a built pipeline counts as done at its first run. Warm up
-    // until every build is done and has run, so the figures are the steady state's
-    // and no build steals a core from them.
-    // Counted from before this model's generator, so other models' builds do not
-    // count; bounded, and said when the bound is reached.
-    let building = || {
-        let (done, queued) = compiling::snapshot();
-        done - before.0 < queued - before.1
-    };
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        run(&mut gen, decode.min(2))?;
-        if !building() {
-            break;
-        }
-        if Instant::now() > deadline {
-            eprintln!(
-                "bench sample: {name}: pipelines still building after 300 s of warm-up; \
-                 measuring anyway (the figures may be low)"
-            );
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    crate::bench::warm_until_built(&format!("bench sample: {name}"), before, || {
+        run(&mut gen, decode.min(2)).map(drop)
+    })?;
     let setup_s = started.elapsed().as_secs_f64();
     // Whole sequences until about a second has gone (at least 3): tiny models take
     // milliseconds per sequence, where one run would be mostly noise.

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::plan::{check_external, place, share, Emitter};
+use super::plan::{bind_data, check_external, place, share, Emitter};
 use super::{ops, split, Graph, PlanMemory, Source, Tensor};
 use crate::{Buffer, Device, Error, Kernel, Result};
 
@@ -48,32 +48,7 @@ impl Graph {
         }
         let read: std::collections::HashSet<Tensor> =
             self.ops.iter().flat_map(split::reads).collect();
-        for (t, info) in self.tensors.iter().enumerate() {
-            match info.source {
-                Source::Constant(k) if read.contains(&Tensor(t)) => {
-                    let b = e.pinned(info.dtype, info.len());
-                    e.constants.push((b, self.constants[k].clone()));
-                    e.value[t] = Some(b);
-                }
-                Source::Input if read.contains(&Tensor(t)) => {
-                    let mut bound = inputs.iter().filter(|(x, _)| x.0 == t);
-                    let (Some(&(_, buf)), None) = (bound.next(), bound.next()) else {
-                        return Err(Error::InvalidArgument(format!(
-                            "plan: input `{}` must be bound to exactly one buffer ({} {:?})",
-                            info.name, info.dtype, info.shape
-                        )));
-                    };
-                    check_external(
-                        format!("input `{}`", info.name),
-                        buf,
-                        info.dtype,
-                        info.len(),
-                    )?;
-                    e.value[t] = Some(buf);
-                }
-                _ => {}
-            }
-        }
+        bind_data(self, &mut e, inputs, |t| read.contains(&t))?;
         if let Some((t, _)) = inputs.iter().find(|(t, _)| {
             self.tensors.get(t.0).map(|i| i.source) != Some(Source::Input) || !read.contains(t)
         }) {

@@ -544,31 +544,7 @@ fn bind(
             }
         }
     }
-    for (t, info) in g.tensors.iter().enumerate() {
-        if let Source::Constant(k) = info.source {
-            let b = e.pinned(info.dtype, info.len());
-            e.constants.push((b, g.constants[k].clone()));
-            e.value[t] = Some(b);
-            continue;
-        }
-        if info.source != Source::Input {
-            continue;
-        }
-        let mut bound = b.inputs.iter().filter(|(x, _)| x.0 == t);
-        let (Some(&(_, buf)), None) = (bound.next(), bound.next()) else {
-            return Err(Error::InvalidArgument(format!(
-                "plan: input `{}` must be bound to exactly one buffer ({} {:?})",
-                info.name, info.dtype, info.shape
-            )));
-        };
-        external(
-            format!("input `{}`", info.name),
-            buf,
-            info.dtype,
-            info.len(),
-        )?;
-        e.value[t] = Some(buf);
-    }
+    bind_data(g, e, &b.inputs, |_| true)?;
     if let Some((t, _)) = b
         .inputs
         .iter()
@@ -580,6 +556,46 @@ fn bind(
         )));
     }
     Ok((grads, fresh))
+}
+
+/// Enters the graph's constants (pinned, uploaded once) and the caller's input buffers
+/// into `e`, for the tensors `wanted` keeps: each input exactly once in `inputs`, of its
+/// dtype and length.
+pub(super) fn bind_data(
+    g: &Graph,
+    e: &mut Emitter,
+    inputs: &[(Tensor, Buffer)],
+    wanted: impl Fn(Tensor) -> bool,
+) -> Result<()> {
+    for (t, info) in g.tensors.iter().enumerate() {
+        if !wanted(Tensor(t)) {
+            continue;
+        }
+        if let Source::Constant(k) = info.source {
+            let b = e.pinned(info.dtype, info.len());
+            e.constants.push((b, g.constants[k].clone()));
+            e.value[t] = Some(b);
+            continue;
+        }
+        if info.source != Source::Input {
+            continue;
+        }
+        let mut bound = inputs.iter().filter(|(x, _)| x.0 == t);
+        let (Some(&(_, buf)), None) = (bound.next(), bound.next()) else {
+            return Err(Error::InvalidArgument(format!(
+                "plan: input `{}` must be bound to exactly one buffer ({} {:?})",
+                info.name, info.dtype, info.shape
+            )));
+        };
+        check_external(
+            format!("input `{}`", info.name),
+            buf,
+            info.dtype,
+            info.len(),
+        )?;
+        e.value[t] = Some(buf);
+    }
+    Ok(())
 }
 
 /// Checks a caller's buffer bound to a graph tensor (`what`): a device buffer of the

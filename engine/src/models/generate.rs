@@ -271,11 +271,7 @@ impl Generator {
         }
         let (dtype, model) = (self.dtype, self.model.with_seq(rows));
         let mut g = Graph::decoding(self.max_len);
-        let mut params = vec![];
-        for s in model.parameters() {
-            let grad = if s.f32_grad { DType::F32 } else { dtype };
-            params.push(g.param(&s.name, &s.shape, dtype, grad, s.decay)?);
-        }
+        let params = super::declare_params(&mut g, &model.parameters(), dtype)?;
         let forward = model.forward(&mut g, &params, 1, dtype)?;
         self.vocab = g.classes_of(forward.prediction);
         let (g, logits) = g.decode_pass(forward.prediction)?;

@@ -199,14 +199,8 @@ impl Model for Gpt {
 
 impl Decoder for Gpt {
     fn check_context(&self, max_len: usize) -> Result<()> {
-        let block_size = self.config.block_size;
-        if max_len == 0 || max_len > block_size {
-            return Err(Error::InvalidArgument(format!(
-                "generate: max_len {max_len} must be 1..={block_size} (the model's \
-                 block_size: GPT-2 has no position embedding past it)"
-            )));
-        }
-        Ok(())
+        let why = "GPT-2 has no position embedding past it";
+        super::check_block_size(max_len, self.config.block_size, why)
     }
 
     fn with_seq(&self, seq: usize) -> Box<dyn Decoder> {

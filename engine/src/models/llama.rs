@@ -155,13 +155,8 @@ impl Model for Llama {
 
 impl Decoder for Llama {
     fn check_context(&self, max_len: usize) -> Result<()> {
-        let block_size = self.config.block_size;
-        if max_len == 0 || max_len > block_size {
-            return Err(Error::InvalidArgument(format!(
-                "generate: max_len {max_len} must be 1..={block_size} (the model's \
-                 block_size: the positions it was trained for)"
-            )));
-        }
+        let why = "the positions it was trained for";
+        super::check_block_size(max_len, self.config.block_size, why)?;
         if let Some(w) = self.config.sliding_window.filter(|&w| max_len > w) {
             return Err(Error::InvalidArgument(format!(
                 "generate: max_len {max_len} is past the model's sliding window of {w}; \

@@ -25,7 +25,8 @@ pub(crate) use network::{batch_input, best_per_row, check_ids, random_key};
 pub use network::{MicroBatch, Network, Ready};
 pub use network_build::NetworkOptions;
 pub(crate) use network_build::{
-    check_sharing, check_specs, draw_initial, hand_over_groups, record, shared_gradients,
+    check_sharing, check_specs, declare_params, draw_initial, hand_over_groups, record,
+    shared_gradients,
 };
 pub use network_memory::{host_memory_available, ModelStateBytes, NetworkMemory};
 pub use network_state::ParamState;
@@ -211,6 +212,18 @@ pub trait Decoder: Model {
     /// The same model recording sequences of `seq` tokens: a decode pass of `seq` new
     /// rows.
     fn with_seq(&self, seq: usize) -> Box<dyn Decoder>;
+}
+
+/// Refuses generating `max_len` positions outside `1..=block_size`, saying what the
+/// model has for those positions (`why`): the check every [`Decoder`] starts with.
+pub(crate) fn check_block_size(max_len: usize, block_size: usize, why: &str) -> Result<()> {
+    if max_len == 0 || max_len > block_size {
+        return Err(Error::InvalidArgument(format!(
+            "generate: max_len {max_len} must be 1..={block_size} (the model's block_size: \
+             {why})"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use std::collections::HashSet;
 use super::network_memory::NetworkMemory;
 use super::{Forward, Init, Model, ParamSpec, MAX_PARAMETERS, MAX_TENSOR_ELEMENTS};
 use crate::device::optim::ParamBuffers;
-use crate::graph::{Bindings, Graph, Group};
+use crate::graph::{Bindings, Graph, Group, Tensor};
 use crate::rng::SplitMix;
 use crate::{Buffer, DType, Error, Optimizer, Result};
 
@@ -199,11 +199,7 @@ pub(crate) fn record(
         ));
     }
     let mut g = Graph::new();
-    let mut params = vec![];
-    for s in specs {
-        let grad = if s.f32_grad { DType::F32 } else { act };
-        params.push(g.param(&s.name, &s.shape, act, grad, s.decay)?);
-    }
+    let params = declare_params(&mut g, specs, act)?;
     let forward = model.forward(&mut g, &params, options.batch, act)?;
     g.output(forward.prediction)?;
     let declared = g.inputs();
@@ -219,6 +215,22 @@ pub(crate) fn record(
         )));
     }
     Ok(Recorded { graph: g, forward })
+}
+
+/// Declares `specs` on `g` in order, stored in `act`, each gradient f32 where the spec
+/// says so and in `act` otherwise: the tensors a model's forward receives.
+pub(crate) fn declare_params(
+    g: &mut Graph,
+    specs: &[ParamSpec],
+    act: DType,
+) -> Result<Vec<Tensor>> {
+    specs
+        .iter()
+        .map(|s| {
+            let grad = if s.f32_grad { DType::F32 } else { act };
+            g.param(&s.name, &s.shape, act, grad, s.decay)
+        })
+        .collect()
 }
 
 /// Checks a model's parameter table before anything is recorded or allocated: every

@@ -62,6 +62,11 @@ pub trait TrainingEngine {
     fn load_checkpoint(&mut self, ck: &Checkpoint) -> checkpoint::Result<Value>;
 }
 
+/// The devices as the trainers take them.
+fn refs(devs: &[Box<dyn Device>]) -> Vec<&dyn Device> {
+    devs.iter().map(|d| d.as_ref()).collect()
+}
+
 /// A [`Trainer`] with the devices it runs on: one replica per device.
 pub struct DataParallel {
     pub trainer: Trainer,
@@ -76,19 +81,17 @@ impl DataParallel {
 
     /// Replaces every replica's weights ([`Trainer::set_weights`]): a fine-tune's start.
     pub fn set_weights(&mut self, weights: &[HostTensor]) -> Result<()> {
-        let devs: Vec<&dyn Device> = self.devs.iter().map(|d| d.as_ref()).collect();
-        self.trainer.set_weights(&devs, weights)
+        self.trainer.set_weights(&refs(&self.devs), weights)
     }
 }
 
 impl TrainingEngine for DataParallel {
     fn devices(&self) -> Vec<&dyn Device> {
-        self.devs.iter().map(|d| d.as_ref()).collect()
+        refs(&self.devs)
     }
 
     fn step(&mut self, micro: &[Vec<MicroBatch>]) -> Result<StepStats> {
-        let devs: Vec<&dyn Device> = self.devs.iter().map(|d| d.as_ref()).collect();
-        self.trainer.step_group(&devs, micro)
+        self.trainer.step_group(&refs(&self.devs), micro)
     }
 
     fn comm(&self) -> CommStats {
@@ -128,24 +131,18 @@ impl TrainingEngine for DataParallel {
         state: Map<String, Value>,
         keep: usize,
     ) -> checkpoint::Result<checkpoint::Saved> {
-        let devs = self.devices();
         self.trainer
-            .save_checkpoint(&devs, run_dir, step, state, keep)
+            .save_checkpoint(&refs(&self.devs), run_dir, step, state, keep)
     }
 
     fn load_checkpoint(&mut self, ck: &Checkpoint) -> checkpoint::Result<Value> {
-        let devs: Vec<&dyn Device> = self.devs.iter().map(|d| d.as_ref()).collect();
-        self.trainer.load_checkpoint(&devs, ck)
+        self.trainer.load_checkpoint(&refs(&self.devs), ck)
     }
 }
 
 impl TrainingEngine for PipelineTrainer {
     fn devices(&self) -> Vec<&dyn Device> {
-        self.pipeline()
-            .devices()
-            .iter()
-            .map(|d| d.as_ref())
-            .collect()
+        refs(self.pipeline().devices())
     }
 
     /// Replica `r` takes the `r`-th run of micro-batches, as rank `r` reads them.
