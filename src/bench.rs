@@ -1,6 +1,7 @@
 //! `kiln bench matmul`: GEMM throughput per adapter, dtype and shape, with a CPU sgemm
 //! reference and the naive kernel measured in the same run.
 
+use kiln_engine::kernels::{self, AttentionBackward, Softmax, SoftmaxBackward};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -637,7 +638,7 @@ fn fused_attention(
     Ok(AttnRun {
         bufs: vec![out, lse, dq, dk, dv],
         launches: vec![
-            Kernel::Attention {
+            Kernel::Attention(kernels::Attention {
                 q,
                 k,
                 v,
@@ -649,8 +650,8 @@ fn fused_attention(
                 dim,
                 scale,
                 causal: true,
-            },
-            Kernel::AttentionBackward {
+            }),
+            Kernel::AttentionBackward(AttentionBackward {
                 q,
                 k,
                 v,
@@ -666,7 +667,7 @@ fn fused_attention(
                 dim,
                 scale,
                 causal: true,
-            },
+            }),
         ],
     })
 }
@@ -699,14 +700,14 @@ fn straight_attention(
                 .batched(heads, t * d, t * d, t * t)
                 .scaled(scale, 0.0),
         ),
-        Kernel::Softmax {
+        Kernel::Softmax(Softmax {
             x: scores,
             out: att,
             stats,
             cols: t,
             scale: 1.0,
             causal: true,
-        },
+        }),
         Kernel::Matmul(Matmul::new(att, v, out, t, d, t).batched(heads, t * t, t * d, t * d)),
         Kernel::Matmul(
             Matmul::new(dout, v, datt, t, t, d)
@@ -718,14 +719,14 @@ fn straight_attention(
                 .transpose(true, false)
                 .batched(heads, t * t, t * d, t * d),
         ),
-        Kernel::SoftmaxBackward {
+        Kernel::SoftmaxBackward(SoftmaxBackward {
             p: att,
             dout: datt,
             dx: scores,
             stats,
             cols: t,
             scale,
-        },
+        }),
         Kernel::Matmul(Matmul::new(scores, k, dq, t, d, t).batched(heads, t * t, t * d, t * d)),
         Kernel::Matmul(
             Matmul::new(scores, q, dk, t, d, t)

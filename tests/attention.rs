@@ -9,6 +9,7 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
+use kiln::engine::kernels::{self, AttentionBackward};
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel};
 
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +44,7 @@ fn inputs(c: &Case, seed: u64) -> [HostData; 4] {
 fn forward(dev: &dyn Device, c: &Case, q: Buffer, k: Buffer, v: Buffer) -> (Buffer, Buffer) {
     let out = dev.alloc(c.dtype, c.len()).unwrap();
     let lse = dev.alloc(DType::F32, c.heads * c.seq).unwrap();
-    dev.launch(&Kernel::Attention {
+    dev.launch(&Kernel::Attention(kernels::Attention {
         q,
         k,
         v,
@@ -55,7 +56,7 @@ fn forward(dev: &dyn Device, c: &Case, q: Buffer, k: Buffer, v: Buffer) -> (Buff
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
-    })
+    }))
     .unwrap();
     (out, lse)
 }
@@ -75,7 +76,7 @@ fn run(
         None => (out, lse),
     };
     let grads = [0; 3].map(|_| dev.alloc(c.dtype, c.len()).unwrap());
-    dev.launch(&Kernel::AttentionBackward {
+    dev.launch(&Kernel::AttentionBackward(AttentionBackward {
         q,
         k,
         v,
@@ -91,7 +92,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     let res = [out, lse, grads[0], grads[1], grads[2]].map(|b| dev.download(b).unwrap());
@@ -337,7 +338,7 @@ fn fused_memory_is_linear_in_seq() {
         let (out, lse) = forward(dev, &c, q, k, v);
         let g = [0; 3].map(|_| dev.alloc(c.dtype, c.len()).unwrap());
         bytes.push(dev.allocated_bytes() - before);
-        dev.launch(&Kernel::AttentionBackward {
+        dev.launch(&Kernel::AttentionBackward(AttentionBackward {
             q,
             k,
             v,
@@ -353,7 +354,7 @@ fn fused_memory_is_linear_in_seq() {
             dim,
             scale: c.scale(),
             causal: true,
-        })
+        }))
         .unwrap();
         dev.submit().unwrap();
         for b in [out, g[0], g[1], g[2]] {
@@ -386,18 +387,20 @@ fn validation_rejects_bad_launches() {
     let n = h * s * d;
     let [q, k, v] = [0; 3].map(|_| t(DType::F32, n));
     let lse = t(DType::F32, h * s);
-    let fwd = |out: Buffer, lse: Buffer, dim: usize, k: Buffer| Kernel::Attention {
-        q,
-        k,
-        v,
-        out,
-        lse,
-        batch_heads: h,
-        group: 1,
-        seq: s,
-        dim,
-        scale: 0.5,
-        causal: true,
+    let fwd = |out: Buffer, lse: Buffer, dim: usize, k: Buffer| {
+        Kernel::Attention(kernels::Attention {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            batch_heads: h,
+            group: 1,
+            seq: s,
+            dim,
+            scale: 0.5,
+            causal: true,
+        })
     };
     let err = |k: Kernel| k.validate().unwrap_err().to_string();
     let out = t(DType::F32, n);
@@ -405,7 +408,7 @@ fn validation_rejects_bad_launches() {
     assert!(err(fwd(out, t(DType::F16, h * s), d, k)).contains("lse"));
     assert!(err(fwd(out, lse, d, t(DType::F32, n + 1))).contains("`k`"));
     let wide = t(DType::F32, h * s * 130);
-    let e = Kernel::Attention {
+    let e = Kernel::Attention(kernels::Attention {
         q: wide,
         k: wide,
         v: wide,
@@ -417,10 +420,10 @@ fn validation_rejects_bad_launches() {
         dim: 130,
         scale: 0.5,
         causal: false,
-    };
+    });
     assert!(err(e).contains("1..=128"));
     let [q5, k5, v5] = [0; 3].map(|_| t(DType::F32, h * s * 5));
-    let odd = Kernel::Attention {
+    let odd = Kernel::Attention(kernels::Attention {
         q: q5,
         k: k5,
         v: v5,
@@ -432,17 +435,17 @@ fn validation_rejects_bad_launches() {
         dim: 5,
         scale: 0.5,
         causal: true,
-    };
+    });
     assert!(err(odd).contains("even head dim"));
     let mut nan = fwd(out, lse, d, k);
-    if let Kernel::Attention { scale, .. } = &mut nan {
+    if let Kernel::Attention(kernels::Attention { scale, .. }) = &mut nan {
         *scale = f32::NAN;
     }
     assert!(err(nan).contains("scale"));
     // Writing q's buffer, or two gradients into one buffer, is refused.
     assert!(err(fwd(q, lse, d, k)).contains("both written"));
     let dq = t(DType::F32, n);
-    let bwd = Kernel::AttentionBackward {
+    let bwd = Kernel::AttentionBackward(AttentionBackward {
         q,
         k,
         v,
@@ -458,7 +461,7 @@ fn validation_rejects_bad_launches() {
         dim: d,
         scale: 0.5,
         causal: true,
-    };
+    });
     assert!(err(bwd).contains("both written"));
 }
 

@@ -9,6 +9,7 @@
 
 mod common;
 
+use kiln::engine::kernels::{Axpy, Cast, EmbeddingBackward, Fill, GradScale, NonFinite, Reduce};
 use std::sync::Arc;
 
 use common::*;
@@ -67,18 +68,18 @@ fn optimizer_chain(
     let sumsq = dev.alloc(DType::F32, 1).unwrap();
     let scale = dev.alloc(DType::F32, 1).unwrap();
     for step in 1..=3 {
-        dev.launch(&Kernel::Reduce {
+        dev.launch(&Kernel::Reduce(Reduce {
             op: ReduceOp::SumSquares,
             src: grad,
             dst: sumsq,
-        })
+        }))
         .unwrap();
-        dev.launch(&Kernel::GradScale {
+        dev.launch(&Kernel::GradScale(GradScale {
             sum_squares: sumsq,
             out: scale,
             loss_scale: 1024.0,
             clip: 0.5,
-        })
+        }))
         .unwrap();
         let k = if kind == "sgd" {
             Kernel::Sgd(SgdStep {
@@ -170,10 +171,10 @@ fn elementwise_fill_cast_and_overflow_check_over_bands_match_cpu_bit_for_bit() {
             ],
             |b| {
                 (
-                    Kernel::Cast {
+                    Kernel::Cast(Cast {
                         src: b[0],
                         dst: b[1],
-                    },
+                    }),
                     vec![1],
                 )
             },
@@ -187,11 +188,11 @@ fn elementwise_fill_cast_and_overflow_check_over_bands_match_cpu_bit_for_bit() {
             ],
             |b| {
                 (
-                    Kernel::Axpy {
+                    Kernel::Axpy(Axpy {
                         alpha: 0.37,
                         x: b[0],
                         y: b[1],
-                    },
+                    }),
                     vec![1],
                 )
             },
@@ -201,10 +202,10 @@ fn elementwise_fill_cast_and_overflow_check_over_bands_match_cpu_bit_for_bit() {
         let f16 = HostData::from_f32(DType::F16, &x[..N - 2]);
         let pairs = run_both(&dev, &[f16], |b| {
             (
-                Kernel::Fill {
+                Kernel::Fill(Fill {
                     dst: b[0],
                     value: 0.25,
-                },
+                }),
                 vec![0],
             )
         });
@@ -219,10 +220,10 @@ fn elementwise_fill_cast_and_overflow_check_over_bands_match_cpu_bit_for_bit() {
             for dtype in [DType::F32, DType::F16] {
                 let src = put(&dev, &HostData::from_f32(dtype, &g));
                 let flag = dev.alloc(DType::U32, 1).unwrap();
-                dev.launch(&Kernel::NonFinite {
+                dev.launch(&Kernel::NonFinite(NonFinite {
                     srcs: vec![src],
                     flag,
-                })
+                }))
                 .unwrap();
                 dev.submit().unwrap();
                 let found = dev.download(flag).unwrap().bits()[0] != 0;
@@ -252,12 +253,12 @@ fn embedding_backward_over_a_banded_table_matches_cpu_bit_for_bit() {
             ],
             |b: &[Buffer]| {
                 (
-                    Kernel::EmbeddingBackward {
+                    Kernel::EmbeddingBackward(EmbeddingBackward {
                         tokens: b[0],
                         dout: b[1],
                         dtable: b[2],
                         dim,
-                    },
+                    }),
                     vec![2],
                 )
             },

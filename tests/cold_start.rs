@@ -5,6 +5,7 @@
 
 mod common;
 
+use kiln::engine::kernels::{Gelu, Scale};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -32,12 +33,12 @@ fn launches(dev: &dyn Device) -> (Vec<Kernel>, Vec<kiln::engine::Buffer>) {
     let out = dev.alloc(DType::F32, m * n).unwrap();
     let ks = vec![
         Kernel::Matmul(Matmul::new(a, b, c, m, n, k).with_bias(bias)),
-        Kernel::Gelu { x: c, out: g },
-        Kernel::Scale {
+        Kernel::Gelu(Gelu { x: c, out: g }),
+        Kernel::Scale(Scale {
             alpha: 0.5,
             x: g,
             out,
-        },
+        }),
     ];
     (ks, vec![c, g, out])
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use kiln::engine::kernels::{self, Axpy, Binary, Cast, Fill, NonFinite, Reduce, Softmax};
 use kiln::engine::{DType, Device, Error, HostData, Kernel};
 use kiln::wgpu::{DeviceOptions, WgpuDevice};
 use kiln::{open_device, DeviceSpec};
@@ -28,10 +29,10 @@ fn two_devices_on_one_adapter_round_trip_exactly() {
         let back = d0.download(b0).unwrap();
         let b1 = put(&d1, &back);
         // Work on device 1 must not touch device 0's memory.
-        d1.launch(&Kernel::Fill {
+        d1.launch(&Kernel::Fill(Fill {
             dst: b1,
             value: 3.0,
-        })
+        }))
         .unwrap();
         d1.upload(b1, &back).unwrap();
         let again = d1.download(b1).unwrap();
@@ -98,7 +99,7 @@ fn freed_buffers_are_errors_everywhere() {
         );
         assert!(dev.free(b).is_err(), "{name}: double free");
         let e = dev
-            .launch(&Kernel::Fill { dst: b, value: 1.0 })
+            .launch(&Kernel::Fill(Fill { dst: b, value: 1.0 }))
             .unwrap_err();
         assert!(matches!(e, Error::UnknownBuffer { .. }), "{name}: {e}");
     }
@@ -112,40 +113,40 @@ fn bad_launches_are_errors() {
         let ints = dev.alloc(DType::U32, 5).unwrap();
         let scalar = dev.alloc(DType::F32, 1).unwrap();
         let bad = [
-            Kernel::Copy { src: a, dst: short },
-            Kernel::Cast { src: ints, dst: a },
-            Kernel::Binary {
+            Kernel::Copy(kernels::Copy { src: a, dst: short }),
+            Kernel::Cast(Cast { src: ints, dst: a }),
+            Kernel::Binary(Binary {
                 op: kiln::engine::BinaryOp::Add,
                 a,
                 b: short,
                 out: a,
-            },
-            Kernel::Reduce {
+            }),
+            Kernel::Reduce(Reduce {
                 op: kiln::engine::ReduceOp::Sum,
                 src: a,
                 dst: short,
-            },
-            Kernel::Reduce {
+            }),
+            Kernel::Reduce(Reduce {
                 op: kiln::engine::ReduceOp::Sum,
                 src: ints,
                 dst: scalar,
-            },
-            Kernel::NonFinite {
+            }),
+            Kernel::NonFinite(NonFinite {
                 srcs: vec![],
                 flag: ints,
-            },
-            Kernel::NonFinite {
+            }),
+            Kernel::NonFinite(NonFinite {
                 srcs: vec![a],
                 flag: scalar,
-            },
-            Kernel::Fill {
+            }),
+            Kernel::Fill(Fill {
                 dst: ints,
                 value: -1.0,
-            },
-            Kernel::Fill {
+            }),
+            Kernel::Fill(Fill {
                 dst: ints,
                 value: 0.5,
-            },
+            }),
         ];
         for k in bad {
             let e = dev
@@ -157,16 +158,17 @@ fn bad_launches_are_errors() {
         let forged = kiln::engine::Buffer { len: 99, ..a };
         if dev.caps().backend != "cpu" {
             assert!(
-                dev.launch(&Kernel::Fill {
+                dev.launch(&Kernel::Fill(Fill {
                     dst: forged,
                     value: 0.0
-                })
+                }))
                 .is_err(),
                 "{name}"
             );
         }
         // Nothing bad was recorded: the device still works.
-        dev.launch(&Kernel::Fill { dst: a, value: 2.0 }).unwrap();
+        dev.launch(&Kernel::Fill(Fill { dst: a, value: 2.0 }))
+            .unwrap();
         dev.submit().unwrap();
         assert_eq!(
             dev.download(a).unwrap(),
@@ -252,11 +254,11 @@ fn uploads_are_staged_behind_running_work_without_waiting_for_it() {
     let small = dev.alloc(DType::F32, 256).unwrap();
     let gemm = Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, n, n, n));
     let one = put(dev.as_ref(), &HostData::F32(vec![1.0; 256]));
-    let axpy = Kernel::Axpy {
+    let axpy = Kernel::Axpy(Axpy {
         alpha: 1.0,
         x: one,
         y: small,
-    };
+    });
     // Warm-up: compiles the pipelines, so the timed part is staging alone.
     dev.launch(&axpy).unwrap();
     dev.launch(&gemm).unwrap();
@@ -298,14 +300,14 @@ fn a_buffer_over_the_binding_limit_is_a_clear_error() {
     let out = dev.alloc(DType::F32, rows * cols).unwrap();
     let stats = dev.alloc(DType::F32, 2 * rows).unwrap();
     let e = dev
-        .launch(&Kernel::Softmax {
+        .launch(&Kernel::Softmax(Softmax {
             x,
             out,
             stats,
             cols,
             scale: 1.0,
             causal: true,
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(
@@ -351,14 +353,15 @@ fn views_touch_exactly_their_range() {
             let other = dev.alloc(dtype, per + 10).unwrap();
             dev.upload(other, &HostData::from_f32(dtype, &vec![0.5; per + 10]))
                 .unwrap();
-            dev.launch(&Kernel::Axpy {
+            dev.launch(&Kernel::Axpy(Axpy {
                 alpha: 2.0,
                 x: other,
                 y: b,
-            })
+            }))
             .unwrap();
             let c = dev.view(parent, 0, 6).unwrap();
-            dev.launch(&Kernel::Copy { src: a, dst: c }).unwrap();
+            dev.launch(&Kernel::Copy(kernels::Copy { src: a, dst: c }))
+                .unwrap();
             dev.submit().unwrap();
             let mut want = base.clone();
             want[per..per + 6].fill(-1.0);
@@ -406,7 +409,8 @@ fn a_view_read_and_its_buffer_written_in_one_launch_is_an_error() {
         if dev.caps().backend == "vk" {
             dev.upload(x, &HostData::F32(vec![1.5; 64])).unwrap();
             dev.upload(y, &HostData::F32(vec![2.0; 64])).unwrap();
-            dev.launch(&Kernel::Axpy { alpha: 2.0, x, y }).unwrap();
+            dev.launch(&Kernel::Axpy(Axpy { alpha: 2.0, x, y }))
+                .unwrap();
             dev.submit().unwrap();
             assert_eq!(
                 dev.download(y).unwrap(),
@@ -417,7 +421,7 @@ fn a_view_read_and_its_buffer_written_in_one_launch_is_an_error() {
             continue;
         }
         let e = dev
-            .launch(&Kernel::Axpy { alpha: 1.0, x, y })
+            .launch(&Kernel::Axpy(Axpy { alpha: 1.0, x, y }))
             .unwrap_err()
             .to_string();
         assert!(e.contains("views of one buffer"), "{}: {e}", p.name);

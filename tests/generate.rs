@@ -10,6 +10,7 @@
 
 mod common;
 
+use kiln::engine::kernels::{self, CacheWrite, CachedAttention, Rope, RopeAt};
 use std::sync::Arc;
 
 use common::*;
@@ -68,19 +69,21 @@ fn run_cache(dev: &dyn Device, c: &Case, last: &[usize], seed: u64) -> [HostData
     let pos = put(dev, &HostData::U32(positions));
     let out = dev.alloc(c.dtype, c.rows * c.heads * c.dim).unwrap();
     let kv = c.kv_heads();
-    let write = |cache: Buffer, offset: usize| Kernel::CacheWrite {
-        src,
-        cache,
-        positions: pos,
-        heads: kv,
-        dim: c.dim,
-        width: c.width(),
-        offset,
-        max_len: c.max_len,
+    let write = |cache: Buffer, offset: usize| {
+        Kernel::CacheWrite(CacheWrite {
+            src,
+            cache,
+            positions: pos,
+            heads: kv,
+            dim: c.dim,
+            width: c.width(),
+            offset,
+            max_len: c.max_len,
+        })
     };
     dev.launch(&write(kc, c.heads * c.dim)).unwrap();
     dev.launch(&write(vc, (c.heads + kv) * c.dim)).unwrap();
-    dev.launch(&Kernel::CachedAttention {
+    dev.launch(&Kernel::CachedAttention(CachedAttention {
         q: src,
         k_cache: kc,
         v_cache: vc,
@@ -93,7 +96,7 @@ fn run_cache(dev: &dyn Device, c: &Case, last: &[usize], seed: u64) -> [HostData
         offset: 0,
         max_len: c.max_len,
         scale: 1.0 / (c.dim as f32).sqrt(),
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     let res = [kc, vc, out].map(|b| dev.download(b).unwrap());
@@ -220,7 +223,7 @@ fn cpu_cached_attention_equals_causal_attention() {
     let out = cpu.alloc(DType::F32, heads * seq * dim).unwrap();
     let lse = cpu.alloc(DType::F32, heads * seq).unwrap();
     let scale = 0.4;
-    cpu.launch(&Kernel::Attention {
+    cpu.launch(&Kernel::Attention(kernels::Attention {
         q: bq,
         k: bk,
         v: bv,
@@ -232,7 +235,7 @@ fn cpu_cached_attention_equals_causal_attention() {
         dim,
         scale,
         causal: true,
-    })
+    }))
     .unwrap();
     let want = cpu.download(out).unwrap().to_f32();
     let src = f(&rows);
@@ -244,7 +247,7 @@ fn cpu_cached_attention_equals_causal_attention() {
     let pos = put(&cpu, &HostData::U32(positions));
     let y = cpu.alloc(DType::F32, seq * heads * dim).unwrap();
     for (cache, offset) in [(kc, heads * dim), (vc, 2 * heads * dim)] {
-        cpu.launch(&Kernel::CacheWrite {
+        cpu.launch(&Kernel::CacheWrite(CacheWrite {
             src,
             cache,
             positions: pos,
@@ -253,10 +256,10 @@ fn cpu_cached_attention_equals_causal_attention() {
             width,
             offset,
             max_len,
-        })
+        }))
         .unwrap();
     }
-    cpu.launch(&Kernel::CachedAttention {
+    cpu.launch(&Kernel::CachedAttention(CachedAttention {
         q: src,
         k_cache: kc,
         v_cache: vc,
@@ -269,7 +272,7 @@ fn cpu_cached_attention_equals_causal_attention() {
         offset: 0,
         max_len,
         scale,
-    })
+    }))
     .unwrap();
     let got = cpu.download(y).unwrap().to_f32();
     for t in 0..seq {
@@ -316,15 +319,17 @@ fn bad_cache_launches_are_refused() {
     let src = cpu.alloc(DType::F16, 2 * 3 * 5).unwrap();
     let cache = cpu.alloc(DType::F16, 5 * 4).unwrap();
     let pos = cpu.alloc(DType::U32, 2).unwrap();
-    let write = |offset: usize, max_len: usize, positions: Buffer| Kernel::CacheWrite {
-        src,
-        cache,
-        positions,
-        heads: 1,
-        dim: 5,
-        width: 15,
-        offset,
-        max_len,
+    let write = |offset: usize, max_len: usize, positions: Buffer| {
+        Kernel::CacheWrite(CacheWrite {
+            src,
+            cache,
+            positions,
+            heads: 1,
+            dim: 5,
+            width: 15,
+            offset,
+            max_len,
+        })
     };
     let e = cpu.launch(&write(5, 4, pos)).unwrap_err().to_string();
     assert!(e.contains("head dim 5 is odd"), "{e}");
@@ -750,14 +755,14 @@ fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) ->
     let bx = put(dev, &HostData::from_f32(dtype, &x));
     let pos = put(dev, &HostData::U32(positions.to_vec()));
     let out = dev.alloc(dtype, x.len()).unwrap();
-    dev.launch(&Kernel::RopeAt {
+    dev.launch(&Kernel::RopeAt(RopeAt {
         x: bx,
         out,
         positions: pos,
         cols,
         dim,
         freqs: 10000.0f32.into(),
-    })
+    }))
     .unwrap();
     let got = dev.download(out).unwrap().to_f32();
     for b in [bx, pos, out] {
@@ -776,7 +781,7 @@ fn rope_at_matches_rope_and_the_cpu() {
     let x: Vec<f32> = (0..10 * 30).map(|_| rng.uniform(-2.0, 2.0)).collect();
     let bx = put(&cpu, &HostData::F32(x));
     let out = cpu.alloc(DType::F32, 300).unwrap();
-    cpu.launch(&Kernel::Rope {
+    cpu.launch(&Kernel::Rope(Rope {
         x: bx,
         out,
         cols: 30,
@@ -784,7 +789,7 @@ fn rope_at_matches_rope_and_the_cpu() {
         seq: 5,
         freqs: 10000.0f32.into(),
         inverse: false,
-    })
+    }))
     .unwrap();
     assert_eq!(got, cpu.download(out).unwrap().to_f32());
     let scattered = [0u32, 4095, 1, 17, 1000, 2, 333];

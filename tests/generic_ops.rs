@@ -14,10 +14,13 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
-use kiln::engine::device::kernel::{dropout_hash, dropout_scale, dropout_threshold};
 use kiln::engine::device::optim::ParamBuffers;
 use kiln::engine::graph::{Bindings, Graph, Loss, Plan, Tensor};
-use kiln::engine::{Activation, Buffer, DType, Device, HostData, Kernel, Optimizer};
+use kiln::engine::kernels::{dropout_hash, dropout_scale, dropout_threshold};
+use kiln::engine::kernels::{
+    Activation, ActivationBackward, Dropout, DropoutBackward, MseBackward, MseLoss,
+};
+use kiln::engine::{ActivationKind, Buffer, DType, Device, HostData, Kernel, Optimizer};
 
 /// Odd and prime lengths, one past a workgroup of pairs (2 x 256 + 1), and a prime
 /// that needs several workgroups and has an odd tail.
@@ -83,7 +86,7 @@ fn activations_match_cpu_on_every_gpu_path() {
     for p in gpu_paths() {
         let dev = p.dev.as_ref();
         for dtype in DType::FLOATS {
-            for kind in Activation::ALL {
+            for kind in ActivationKind::ALL {
                 for n in LENS {
                     let x = HostData::from_f32(dtype, &activation_inputs(&mut rng, n));
                     let dout: Vec<f32> = (0..n).map(|_| rng.uniform(-1.0, 1.0)).collect();
@@ -91,27 +94,27 @@ fn activations_match_cpu_on_every_gpu_path() {
                     let what = format!("{}: {} {dtype} x{n}", p.name, kind.name());
                     let fwd = run_both(dev, &[x.clone(), HostData::zeros(dtype, n)], |b| {
                         (
-                            Kernel::Activation {
+                            Kernel::Activation(Activation {
                                 kind,
                                 x: b[0],
                                 out: b[1],
-                            },
+                            }),
                             vec![1],
                         )
                     });
                     let inputs = [x.clone(), dout.clone(), HostData::zeros(dtype, n)];
                     let bwd = run_both(dev, &inputs, |b| {
                         (
-                            Kernel::ActivationBackward {
+                            Kernel::ActivationBackward(ActivationBackward {
                                 kind,
                                 x: b[0],
                                 dout: b[1],
                                 dx: b[2],
-                            },
+                            }),
                             vec![2],
                         )
                     });
-                    if kind == Activation::Relu {
+                    if kind == ActivationKind::Relu {
                         // A select: no arithmetic, so bit for bit.
                         assert_bits_eq(&what, &fwd[0].0, &fwd[0].1);
                         assert_bits_eq(&format!("{what} backward"), &bwd[0].0, &bwd[0].1);
@@ -133,7 +136,7 @@ fn activations_match_cpu_on_every_gpu_path() {
                         .collect();
                     let out_mag: Vec<f32> = fwd[0].1.to_f32().iter().map(|v| v.abs()).collect();
                     let grad_mag: Vec<f32> = match kind {
-                        Activation::Silu => xs
+                        ActivationKind::Silu => xs
                             .iter()
                             .zip(&ds)
                             .map(|(&v, &d)| {
@@ -165,11 +168,11 @@ fn activation_kernels_match_their_definitions_on_cpu() {
     // The CPU reference against hand-derived values (f64 math rounded once to f32).
     let cpu = CpuDevice::new();
     let xs = [-2.0f32, -0.5, 0.0, 0.25, 3.0];
-    for kind in Activation::ALL {
+    for kind in ActivationKind::ALL {
         let (f, df): (Real, Real) = match kind {
-            Activation::Relu => (|x| x.max(0.0), |x| if x > 0.0 { 1.0 } else { 0.0 }),
-            Activation::Tanh => (|x| x.tanh(), |x| 1.0 - x.tanh() * x.tanh()),
-            Activation::Silu => (
+            ActivationKind::Relu => (|x| x.max(0.0), |x| if x > 0.0 { 1.0 } else { 0.0 }),
+            ActivationKind::Tanh => (|x| x.tanh(), |x| 1.0 - x.tanh() * x.tanh()),
+            ActivationKind::Silu => (
                 |x| x / (1.0 + (-x).exp()),
                 |x| {
                     let s = 1.0 / (1.0 + (-x).exp());
@@ -182,11 +185,11 @@ fn activation_kernels_match_their_definitions_on_cpu() {
             &[HostData::F32(xs.to_vec()), HostData::zeros(DType::F32, 5)],
             |b| {
                 (
-                    Kernel::Activation {
+                    Kernel::Activation(Activation {
                         kind,
                         x: b[0],
                         out: b[1],
-                    },
+                    }),
                     vec![1],
                 )
             },
@@ -200,12 +203,12 @@ fn activation_kernels_match_their_definitions_on_cpu() {
             ],
             |b| {
                 (
-                    Kernel::ActivationBackward {
+                    Kernel::ActivationBackward(ActivationBackward {
                         kind,
                         x: b[0],
                         dout: b[1],
                         dx: b[2],
-                    },
+                    }),
                     vec![2],
                 )
             },
@@ -258,12 +261,12 @@ fn mse_kernels_match_cpu_on_every_gpu_path() {
                 let what = format!("{}: mse {dp}/{dt} -> {dd} {rows}x{cols}", p.name);
                 let fwd = run_both(dev, &inputs, |b| {
                     (
-                        Kernel::MseLoss {
+                        Kernel::MseLoss(MseLoss {
                             pred: b[0],
                             target: b[1],
                             losses: b[2],
                             cols,
-                        },
+                        }),
                         vec![2],
                     )
                 });
@@ -282,13 +285,13 @@ fn mse_kernels_match_cpu_on_every_gpu_path() {
                 let scale = 0.37;
                 let bwd = run_both(dev, &inputs, |b| {
                     (
-                        Kernel::MseBackward {
+                        Kernel::MseBackward(MseBackward {
                             pred: b[0],
                             target: b[1],
                             dpred: b[3],
                             cols,
                             scale,
-                        },
+                        }),
                         vec![3],
                     )
                 });
@@ -315,12 +318,12 @@ fn mse_kernels_match_a_hand_computation() {
         ],
         |b| {
             (
-                Kernel::MseLoss {
+                Kernel::MseLoss(MseLoss {
                     pred: b[0],
                     target: b[1],
                     losses: b[2],
                     cols: 3,
-                },
+                }),
                 vec![2],
             )
         },
@@ -337,13 +340,13 @@ fn mse_kernels_match_a_hand_computation() {
         ],
         |b| {
             (
-                Kernel::MseBackward {
+                Kernel::MseBackward(MseBackward {
                     pred: b[0],
                     target: b[1],
                     dpred: b[2],
                     cols: 3,
                     scale: 1.5,
-                },
+                }),
                 vec![2],
             )
         },
@@ -376,22 +379,22 @@ fn dropout_matches_cpu_bit_exactly_on_every_gpu_path() {
                     // Every value is a single f32 product or +0, stored with one
                     // rounding, and the mask is integer arithmetic: bit for bit.
                     let fwd = run_both(dev, &inputs, |b| {
-                        let k = Kernel::Dropout {
+                        let k = Kernel::Dropout(Dropout {
                             x: b[0],
                             out: b[1],
                             p: prob,
                             seed,
-                        };
+                        });
                         (k, vec![1])
                     });
                     assert_bits_eq(&what, &fwd[0].0, &fwd[0].1);
                     let bwd = run_both(dev, &inputs, |b| {
-                        let k = Kernel::DropoutBackward {
+                        let k = Kernel::DropoutBackward(DropoutBackward {
                             dout: b[0],
                             dx: b[1],
                             p: prob,
                             seed,
-                        };
+                        });
                         (k, vec![1])
                     });
                     assert_bits_eq(&format!("{what} backward"), &bwd[0].0, &bwd[0].1);
@@ -410,12 +413,12 @@ fn mask(dev: &dyn Device, n: usize, p: f32, seed: u64) -> Vec<bool> {
         &[HostData::F32(vec![1.0; n]), HostData::zeros(DType::F32, n)],
         |b| {
             (
-                Kernel::Dropout {
+                Kernel::Dropout(Dropout {
                     x: b[0],
                     out: b[1],
                     p,
                     seed,
-                },
+                }),
                 vec![1],
             )
         },
@@ -578,7 +581,7 @@ fn uniform(rng: &mut Rng, n: usize, (lo, hi): (f32, f32)) -> HostData {
 
 /// x (5, 3) -> linear (w1, b1) -> `act` -> linear (w2, b2) -> mse against a target
 /// (5, 2). Returns the model and the pre-activation tensor (kept readable).
-fn activation_model(dev: &dyn Device, act: Activation, seed: u64) -> (Model, Tensor) {
+fn activation_model(dev: &dyn Device, act: ActivationKind, seed: u64) -> (Model, Tensor) {
     let mut rng = Rng::new(seed);
     let (rows, i, h, o) = (5, 3, 6, 2);
     let mut m = Model::new();
@@ -602,9 +605,9 @@ fn activation_model(dev: &dyn Device, act: Activation, seed: u64) -> (Model, Ten
     let a = g.linear(x, w1, Some(b1)).unwrap();
     g.output(a).unwrap();
     let z = match act {
-        Activation::Relu => g.relu(a),
-        Activation::Tanh => g.tanh(a),
-        Activation::Silu => g.silu(a),
+        ActivationKind::Relu => g.relu(a),
+        ActivationKind::Tanh => g.tanh(a),
+        ActivationKind::Silu => g.silu(a),
     }
     .unwrap();
     let pred = g.linear(z, w2, Some(b2)).unwrap();
@@ -616,9 +619,9 @@ fn activation_model(dev: &dyn Device, act: Activation, seed: u64) -> (Model, Ten
 #[test]
 fn relu_tanh_and_silu_match_finite_differences() {
     let dev = CpuDevice::new();
-    for act in Activation::ALL {
+    for act in ActivationKind::ALL {
         let (m, a) = activation_model(&dev, act, 24);
-        if act == Activation::Relu {
+        if act == ActivationKind::Relu {
             // ReLU's kink: a weight moved by h = 1e-2 moves a pre-activation by at most
             // h (|x| < 1, one weight or the bias); none may lie within 0.02 of 0, or the
             // difference would straddle it.
@@ -1013,34 +1016,34 @@ fn bad_generic_ops_are_errors_that_name_the_problem() {
         cpu.alloc(DType::F32, 6).unwrap(),
     );
     let e = cpu
-        .launch(&Kernel::Dropout {
+        .launch(&Kernel::Dropout(Dropout {
             x: a,
             out: b,
             p: 1.0,
             seed: 0,
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(e.contains("dropout") && e.contains("[0, 1)"), "{e}");
     let losses = cpu.alloc(DType::F16, 2).unwrap();
     let e = cpu
-        .launch(&Kernel::MseLoss {
+        .launch(&Kernel::MseLoss(MseLoss {
             pred: a,
             target: b,
             losses,
             cols: 3,
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(e.contains("mse_loss") && e.contains("losses"), "{e}");
     let e = cpu
-        .launch(&Kernel::MseBackward {
+        .launch(&Kernel::MseBackward(MseBackward {
             pred: a,
             target: b,
             dpred: cpu.alloc(DType::F32, 5).unwrap(),
             cols: 3,
             scale: 1.0,
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(e.contains("mse_backward") && e.contains("dpred"), "{e}");

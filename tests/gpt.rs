@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::graph::Attention;
+use kiln::engine::kernels::SplitHeads;
 use kiln::engine::models::gpt::GptConfig;
 use kiln::engine::models::{MicroBatch, Network, NetworkOptions};
 use kiln::engine::{DType, Device, IGNORE_TARGET};
@@ -503,14 +504,14 @@ fn out_of_vocabulary_ids_and_wrong_batch_sizes_are_errors() {
     // Empty head tensors validate (no division by zero rows).
     let z = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
     let z2 = kiln::engine::Device::alloc(&dev, kiln::engine::DType::F32, 0).unwrap();
-    let k = kiln::engine::Kernel::SplitHeads {
+    let k = kiln::engine::Kernel::SplitHeads(SplitHeads {
         src: z,
         dst: z2,
         seq: 1,
         heads: 1,
         width: 2,
         offset: 0,
-    };
+    });
     kiln::engine::Device::launch(&dev, &k).unwrap();
 }
 

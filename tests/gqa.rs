@@ -15,6 +15,7 @@
 
 mod common;
 
+use kiln::engine::kernels::{self, AttentionBackward};
 use std::sync::Mutex;
 
 use common::*;
@@ -89,7 +90,7 @@ fn run(
     let [q, k, v, dout] = data.each_ref().map(|d| put(dev, d));
     let out = dev.alloc(c.dtype, c.q_len()).unwrap();
     let lse = dev.alloc(DType::F32, c.heads() * c.seq).unwrap();
-    dev.launch(&Kernel::Attention {
+    dev.launch(&Kernel::Attention(kernels::Attention {
         q,
         k,
         v,
@@ -101,7 +102,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
-    })
+    }))
     .unwrap();
     let (bout, blse) = match saved {
         Some((o, l)) => (put(dev, o), put(dev, l)),
@@ -109,7 +110,7 @@ fn run(
     };
     let dq = dev.alloc(c.dtype, c.q_len()).unwrap();
     let [dk, dv] = [0; 2].map(|_| dev.alloc(c.dtype, c.kv_len()).unwrap());
-    dev.launch(&Kernel::AttentionBackward {
+    dev.launch(&Kernel::AttentionBackward(AttentionBackward {
         q,
         k,
         v,
@@ -125,7 +126,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     let res = [out, lse, dq, dk, dv].map(|b| dev.download(b).unwrap());
@@ -456,18 +457,20 @@ fn validation_rejects_bad_groups() {
     let (q, out, dout, dq) = (t(bh * s * d), t(bh * s * d), t(bh * s * d), t(bh * s * d));
     let lse = t(bh * s);
     let kv2 = |n| [0; 4].map(|_| t(bh / n * s * d));
-    let fwd = |group: usize, k, v| Kernel::Attention {
-        q,
-        k,
-        v,
-        out,
-        lse,
-        batch_heads: bh,
-        group,
-        seq: s,
-        dim: d,
-        scale: 0.5,
-        causal: true,
+    let fwd = |group: usize, k, v| {
+        Kernel::Attention(kernels::Attention {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            batch_heads: bh,
+            group,
+            seq: s,
+            dim: d,
+            scale: 0.5,
+            causal: true,
+        })
     };
     let err = |k: Kernel| k.validate().unwrap_err().to_string();
     let [k2, v2, dk2, dv2] = kv2(2);
@@ -487,22 +490,24 @@ fn validation_rejects_bad_groups() {
     // Full-size k with group 2: the message names k and the K/V head count.
     let e = err(fwd(2, kf, v2));
     assert!(e.contains("`k`") && e.contains("= 3"), "{e}");
-    let bwd = |dq, dk, dv| Kernel::AttentionBackward {
-        q,
-        k: k2,
-        v: v2,
-        out,
-        dout,
-        lse,
-        dq,
-        dk,
-        dv,
-        batch_heads: bh,
-        group: 2,
-        seq: s,
-        dim: d,
-        scale: 0.5,
-        causal: false,
+    let bwd = |dq, dk, dv| {
+        Kernel::AttentionBackward(AttentionBackward {
+            q,
+            k: k2,
+            v: v2,
+            out,
+            dout,
+            lse,
+            dq,
+            dk,
+            dv,
+            batch_heads: bh,
+            group: 2,
+            seq: s,
+            dim: d,
+            scale: 0.5,
+            causal: false,
+        })
     };
     assert!(bwd(dq, dk2, dv2).validate().is_ok());
     let e = err(bwd(dq, dk2, t(bh * s * d)));

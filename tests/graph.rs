@@ -10,6 +10,7 @@ use kiln::cpu::CpuDevice;
 use kiln::engine::device::optim::ParamBuffers;
 use kiln::engine::graph::Attention;
 use kiln::engine::graph::{Bindings, Graph, Plan};
+use kiln::engine::kernels::Fill;
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel, Optimizer, IGNORE_TARGET};
 
 /// A graph with its parameters and inputs on a device, ready to compile.
@@ -358,10 +359,10 @@ fn train(dev: &dyn Device, m: &Model, plan: &mut Plan, steps: u32, poison: bool)
     for s in 1..=steps {
         if poison {
             for &b in plan.shared_buffers() {
-                dev.launch(&Kernel::Fill {
+                dev.launch(&Kernel::Fill(Fill {
                     dst: b,
                     value: f64::NAN,
-                })
+                }))
                 .unwrap();
             }
         }

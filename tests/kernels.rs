@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use kiln::engine::kernels::{self, Axpy, Binary, Cast, Fill, NonFinite, Reduce, Scale};
 use kiln::engine::{BinaryOp, DType, HostData, Kernel, ReduceOp};
 
 /// 0 where legal, 1, odd and prime lengths, one past a workgroup of pairs, and a
@@ -22,7 +23,7 @@ fn fill_matches_cpu_bit_exactly() {
             for &value in values {
                 for len in SIZES {
                     let out = run_both(p.dev.as_ref(), &[HostData::zeros(dtype, len)], |b| {
-                        (Kernel::Fill { dst: b[0], value }, vec![0])
+                        (Kernel::Fill(Fill { dst: b[0], value }), vec![0])
                     });
                     let what = format!("{}: fill {dtype} x{len} with {value}", p.name);
                     assert_bits_eq(&what, &out[0].0, &out[0].1);
@@ -43,10 +44,10 @@ fn copy_is_bit_exact() {
                     &[src.clone(), HostData::zeros(dtype, len)],
                     |b| {
                         (
-                            Kernel::Copy {
+                            Kernel::Copy(kernels::Copy {
                                 src: b[0],
                                 dst: b[1],
-                            },
+                            }),
                             vec![1],
                         )
                     },
@@ -68,10 +69,10 @@ fn cast_matches_cpu_bit_exactly_between_all_float_dtypes() {
                     let src = data(from, len, 17 + len as u64, true);
                     let out = run_both(p.dev.as_ref(), &[src, HostData::zeros(to, len)], |b| {
                         (
-                            Kernel::Cast {
+                            Kernel::Cast(Cast {
                                 src: b[0],
                                 dst: b[1],
-                            },
+                            }),
                             vec![1],
                         )
                     });
@@ -109,12 +110,12 @@ fn add_and_mul_match_cpu() {
                         HostData::zeros(dout, len),
                     ];
                     let out = run_both(p.dev.as_ref(), &inputs, |b| {
-                        let k = Kernel::Binary {
+                        let k = Kernel::Binary(Binary {
                             op,
                             a: b[0],
                             b: b[1],
                             out: b[2],
-                        };
+                        });
                         (k, vec![2])
                     });
                     let what = format!("{}: {op:?} {da},{db} -> {dout} x{len}", p.name);
@@ -138,11 +139,11 @@ fn scale_and_axpy_match_cpu() {
                 ];
                 let scaled = run_both(p.dev.as_ref(), &inputs, |b| {
                     (
-                        Kernel::Scale {
+                        Kernel::Scale(Scale {
                             alpha,
                             x: b[0],
                             out: b[1],
-                        },
+                        }),
                         vec![1],
                     )
                 });
@@ -151,11 +152,11 @@ fn scale_and_axpy_match_cpu() {
 
                 let axpy = run_both(p.dev.as_ref(), &inputs, |b| {
                     (
-                        Kernel::Axpy {
+                        Kernel::Axpy(Axpy {
                             alpha,
                             x: b[0],
                             y: b[1],
-                        },
+                        }),
                         vec![1],
                     )
                 });
@@ -180,11 +181,11 @@ fn sum_and_max_match_cpu_within_f32_accumulation_error() {
                         &[src.clone(), HostData::zeros(DType::F32, 1)],
                         |b| {
                             (
-                                Kernel::Reduce {
+                                Kernel::Reduce(Reduce {
                                     op,
                                     src: b[0],
                                     dst: b[1],
-                                },
+                                }),
                                 vec![1],
                             )
                         },
@@ -244,10 +245,10 @@ fn nonfinite_flags_any_inf_or_nan_across_buffers() {
                     all.push(HostData::U32(vec![7])); // stale flag: the kernel must clear it
                     let n = inputs.len();
                     let out = run_both(p.dev.as_ref(), &all, |b| {
-                        let k = Kernel::NonFinite {
+                        let k = Kernel::NonFinite(NonFinite {
                             srcs: b[..n].to_vec(),
                             flag: b[n],
-                        };
+                        });
                         (k, vec![n])
                     });
                     let what = format!("{}: nonfinite {dtype} x{len} {case}", p.name);
@@ -268,11 +269,13 @@ fn many_launches_share_one_submit_and_keep_program_order() {
         let x = put(dev, &HostData::F32(vec![1.0; 9]));
         let y = put(dev, &HostData::F32(vec![0.0; 9]));
         for _ in 0..3000 {
-            dev.launch(&Kernel::Axpy { alpha: 1.0, x, y }).unwrap();
+            dev.launch(&Kernel::Axpy(Axpy { alpha: 1.0, x, y }))
+                .unwrap();
         }
         // Uploaded after the launches above were recorded: must not overwrite `x` before them.
         dev.upload(x, &HostData::F32(vec![2.0; 9])).unwrap();
-        dev.launch(&Kernel::Axpy { alpha: 1.0, x, y }).unwrap();
+        dev.launch(&Kernel::Axpy(Axpy { alpha: 1.0, x, y }))
+            .unwrap();
         dev.submit().unwrap();
         dev.wait().unwrap();
         assert_eq!(

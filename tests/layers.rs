@@ -7,6 +7,10 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
+use kiln::engine::kernels::{
+    Gelu, GeluBackward, LayerNorm, LayerNormBackward, MergeHeads, Softmax, SoftmaxBackward,
+    SplitHeads,
+};
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel};
 
 fn vals(rng: &mut Rng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
@@ -21,7 +25,7 @@ fn f32s(dev: &dyn Device, b: Buffer) -> Vec<f32> {
 fn gelu_loss(dev: &CpuDevice, x: &[f32], r: &[f32]) -> f64 {
     let xb = put(dev, &HostData::F32(x.to_vec()));
     let out = dev.alloc(DType::F32, x.len()).unwrap();
-    dev.launch(&Kernel::Gelu { x: xb, out }).unwrap();
+    dev.launch(&Kernel::Gelu(Gelu { x: xb, out })).unwrap();
     f32s(dev, out)
         .iter()
         .zip(r)
@@ -40,11 +44,11 @@ fn gelu_backward_matches_finite_differences() {
         put(&dev, &HostData::F32(r.clone())),
     );
     let dx = dev.alloc(DType::F32, 40).unwrap();
-    dev.launch(&Kernel::GeluBackward {
+    dev.launch(&Kernel::GeluBackward(GeluBackward {
         x: xb,
         dout: rb,
         dx,
-    })
+    }))
     .unwrap();
     let dx = f32s(&dev, dx);
     let h = 1e-2f32;
@@ -83,7 +87,7 @@ fn ln_forward(
     let out = dev.alloc(dtype, ln.x.len()).unwrap();
     let mean = dev.alloc(DType::F32, rows).unwrap();
     let rstd = dev.alloc(DType::F32, rows).unwrap();
-    dev.launch(&Kernel::LayerNorm {
+    dev.launch(&Kernel::LayerNorm(LayerNorm {
         x,
         weight: w,
         bias: b,
@@ -92,7 +96,7 @@ fn ln_forward(
         rstd,
         cols: ln.cols,
         eps: 1e-5,
-    })
+    }))
     .unwrap();
     (x, w, b, out, mean, rstd)
 }
@@ -119,7 +123,7 @@ fn ln_backward(
     let dx = dev.alloc(dtype, ln.x.len()).unwrap();
     let dweight = put(dev, &HostData::F32(vec![0.5; ln.cols]));
     let dbias = put(dev, &HostData::F32(vec![0.5; ln.cols]));
-    dev.launch(&Kernel::LayerNormBackward {
+    dev.launch(&Kernel::LayerNormBackward(LayerNormBackward {
         x,
         weight: w,
         mean,
@@ -129,7 +133,7 @@ fn ln_backward(
         dweight,
         dbias,
         cols: ln.cols,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     (f32s(dev, dx), f32s(dev, dweight), f32s(dev, dbias))
@@ -223,18 +227,18 @@ fn gpu_layers_match_cpu_on_both_f16_paths() {
             for n in [1usize, 7, 4099] {
                 let x = HostData::from_f32(dtype, &vals(&mut rng, n, -6.0, 6.0));
                 let out = run_both(dev, &[x.clone(), HostData::zeros(dtype, n)], |b| {
-                    (Kernel::Gelu { x: b[0], out: b[1] }, vec![1])
+                    (Kernel::Gelu(Gelu { x: b[0], out: b[1] }), vec![1])
                 });
                 let what = format!("{}: gelu {dtype} x{n}", p.name);
                 near(&what, &out[0].0.to_f32(), &out[0].1.to_f32(), 2e-6, dtype);
                 let dy = HostData::from_f32(dtype, &vals(&mut rng, n, -1.0, 1.0));
                 let out = run_both(dev, &[x, dy, HostData::zeros(dtype, n)], |b| {
                     (
-                        Kernel::GeluBackward {
+                        Kernel::GeluBackward(GeluBackward {
                             x: b[0],
                             dout: b[1],
                             dx: b[2],
-                        },
+                        }),
                         vec![2],
                     )
                 });
@@ -307,25 +311,25 @@ fn softmax_both(
     let p = dev.alloc(dtype, x.len()).unwrap();
     let stats = dev.alloc(DType::F32, 2 * rows).unwrap();
     let scale = 0.37;
-    dev.launch(&Kernel::Softmax {
+    dev.launch(&Kernel::Softmax(Softmax {
         x: xb,
         out: p,
         stats,
         cols,
         scale,
         causal,
-    })
+    }))
     .unwrap();
     let dout = put(dev, &HostData::from_f32(dtype, r));
     let dx = dev.alloc(dtype, x.len()).unwrap();
-    dev.launch(&Kernel::SoftmaxBackward {
+    dev.launch(&Kernel::SoftmaxBackward(SoftmaxBackward {
         p,
         dout,
         dx,
         stats,
         cols,
         scale,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     (f32s(dev, p), f32s(dev, dx))
@@ -405,14 +409,14 @@ fn split_and_merge_heads_match_cpu_and_invert_each_other() {
                 let inputs = [rows.clone(), HostData::zeros(dtype, b * heads * t * dim)];
                 let out = run_both(p.dev.as_ref(), &inputs, |bf| {
                     (
-                        Kernel::SplitHeads {
+                        Kernel::SplitHeads(SplitHeads {
                             src: bf[0],
                             dst: bf[1],
                             seq: t,
                             heads,
                             width,
                             offset,
-                        },
+                        }),
                         vec![1],
                     )
                 });
@@ -422,14 +426,14 @@ fn split_and_merge_heads_match_cpu_and_invert_each_other() {
                 let inputs = [split, rows.clone()];
                 let back = run_both(p.dev.as_ref(), &inputs, |bf| {
                     (
-                        Kernel::MergeHeads {
+                        Kernel::MergeHeads(MergeHeads {
                             src: bf[0],
                             dst: bf[1],
                             seq: t,
                             heads,
                             width,
                             offset,
-                        },
+                        }),
                         vec![1],
                     )
                 });

@@ -16,6 +16,7 @@ use common::*;
 use kiln::cpu::CpuDevice;
 use kiln::engine::device::optim::ParamBuffers;
 use kiln::engine::graph::{Bindings, Graph, Tensor};
+use kiln::engine::kernels::{RmsNorm, RmsNormBackward, Rope, SwiGlu, SwiGluBackward};
 use kiln::engine::{
     Buffer, DType, Device, HostData, Kernel, Optimizer, RopeFreqs, RopeScaling, IGNORE_TARGET,
 };
@@ -99,14 +100,14 @@ fn rms_forward(dev: &dyn Device, rms: &Rms, [dx, dw, dout]: [DType; 3]) -> [Buff
     let w = put(dev, &HostData::from_f32(dw, &rms.w));
     let out = dev.alloc(dout, rms.x.len()).unwrap();
     let rstd = dev.alloc(DType::F32, rows).unwrap();
-    dev.launch(&Kernel::RmsNorm {
+    dev.launch(&Kernel::RmsNorm(RmsNorm {
         x,
         weight: w,
         out,
         rstd,
         cols: rms.cols,
         eps: 1e-5,
-    })
+    }))
     .unwrap();
     [x, w, out, rstd]
 }
@@ -123,7 +124,7 @@ fn rms_backward(
     let dout = put(dev, &HostData::from_f32(dtypes[2], r));
     let dx = dev.alloc(dtypes[0], rms.x.len()).unwrap();
     let dweight = put(dev, &HostData::F32(vec![0.5; rms.cols]));
-    dev.launch(&Kernel::RmsNormBackward {
+    dev.launch(&Kernel::RmsNormBackward(RmsNormBackward {
         x,
         weight: w,
         rstd,
@@ -131,7 +132,7 @@ fn rms_backward(
         dx,
         dweight,
         cols: rms.cols,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     (f32s(dev, dx), f32s(dev, dweight))
@@ -299,7 +300,7 @@ fn rope_on(
 ) -> Vec<f32> {
     let xb = put(dev, &HostData::from_f32(dx, x));
     let out = dev.alloc(dout, x.len()).unwrap();
-    dev.launch(&Kernel::Rope {
+    dev.launch(&Kernel::Rope(Rope {
         x: xb,
         out,
         cols,
@@ -307,7 +308,7 @@ fn rope_on(
         seq,
         freqs: freqs.into(),
         inverse,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     let o = f32s(dev, out);
@@ -568,21 +569,21 @@ fn swiglu_on(
     let g = put(dev, &HostData::from_f32(dg, gate));
     let u = put(dev, &HostData::from_f32(du, up));
     let out = dev.alloc(dout, n).unwrap();
-    dev.launch(&Kernel::SwiGlu {
+    dev.launch(&Kernel::SwiGlu(SwiGlu {
         gate: g,
         up: u,
         out,
-    })
+    }))
     .unwrap();
     let d = put(dev, &HostData::from_f32(dout, r));
     let (dgate, dup) = (dev.alloc(ddg, n).unwrap(), dev.alloc(ddu, n).unwrap());
-    dev.launch(&Kernel::SwiGluBackward {
+    dev.launch(&Kernel::SwiGluBackward(SwiGluBackward {
         gate: g,
         up: u,
         dout: d,
         dgate,
         dup,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     let res = [f32s(dev, out), f32s(dev, dgate), f32s(dev, dup)];
@@ -910,14 +911,16 @@ fn bad_llama_ops_are_errors_that_name_the_problem() {
 
     // Kernel arguments, checked once for every backend.
     let buf = |id, dtype, len| Buffer { id, dtype, len };
-    let rope = |dim, seq| Kernel::Rope {
-        x: buf(1, DType::F32, 24),
-        out: buf(2, DType::F16, 24),
-        cols: 6,
-        dim,
-        seq,
-        freqs: 10000.0f32.into(),
-        inverse: false,
+    let rope = |dim, seq| {
+        Kernel::Rope(Rope {
+            x: buf(1, DType::F32, 24),
+            out: buf(2, DType::F16, 24),
+            cols: 6,
+            dim,
+            seq,
+            freqs: 10000.0f32.into(),
+            inverse: false,
+        })
     };
     let e = rope(3, 2).validate().unwrap_err().to_string();
     assert!(e.contains("rope") && e.contains("even"), "{e}");
@@ -926,19 +929,19 @@ fn bad_llama_ops_are_errors_that_name_the_problem() {
     let e = rope(2, 3).validate().unwrap_err().to_string();
     assert!(e.contains("whole sequences of 3"), "{e}");
     rope(2, 4).validate().unwrap();
-    let e = Kernel::RmsNorm {
+    let e = Kernel::RmsNorm(RmsNorm {
         x: buf(1, DType::F16, 12),
         weight: buf(2, DType::F32, 4),
         out: buf(3, DType::F16, 12),
         rstd: buf(4, DType::F16, 3),
         cols: 4,
         eps: 1e-5,
-    }
+    })
     .validate()
     .unwrap_err()
     .to_string();
     assert!(e.contains("rmsnorm") && e.contains("`rstd`"), "{e}");
-    let e = Kernel::RmsNormBackward {
+    let e = Kernel::RmsNormBackward(RmsNormBackward {
         x: buf(1, DType::F16, 12),
         weight: buf(2, DType::F32, 4),
         rstd: buf(3, DType::F32, 3),
@@ -946,18 +949,18 @@ fn bad_llama_ops_are_errors_that_name_the_problem() {
         dx: buf(5, DType::F16, 12),
         dweight: buf(6, DType::BF16, 4),
         cols: 4,
-    }
+    })
     .validate()
     .unwrap_err()
     .to_string();
     assert!(e.contains("`dweight`"), "{e}");
-    let e = Kernel::SwiGluBackward {
+    let e = Kernel::SwiGluBackward(SwiGluBackward {
         gate: buf(1, DType::F32, 10),
         up: buf(2, DType::F32, 10),
         dout: buf(3, DType::F32, 10),
         dgate: buf(4, DType::F32, 9),
         dup: buf(5, DType::F32, 10),
-    }
+    })
     .validate()
     .unwrap_err()
     .to_string();
@@ -965,11 +968,11 @@ fn bad_llama_ops_are_errors_that_name_the_problem() {
         e.contains("swiglu_backward") && e.contains("`dgate`"),
         "{e}"
     );
-    let e = Kernel::SwiGlu {
+    let e = Kernel::SwiGlu(SwiGlu {
         gate: buf(1, DType::F32, 10),
         up: buf(2, DType::F32, 10),
         out: buf(1, DType::F32, 10),
-    }
+    })
     .validate()
     .unwrap_err()
     .to_string();

@@ -6,6 +6,7 @@ mod common;
 
 use common::*;
 use kiln::cpu::CpuDevice;
+use kiln::engine::kernels::{CrossEntropy, CrossEntropyBackward, Embedding, EmbeddingBackward};
 use kiln::engine::{DType, Device, HostData, Kernel, IGNORE_TARGET};
 
 #[test]
@@ -22,14 +23,14 @@ fn cross_entropy_backward_matches_finite_differences() {
             dev.alloc(DType::F32, rows).unwrap(),
             dev.alloc(DType::F32, rows).unwrap(),
         );
-        dev.launch(&Kernel::CrossEntropy {
+        dev.launch(&Kernel::CrossEntropy(CrossEntropy {
             logits: lb,
             targets: t,
             losses,
             lse,
             vocab,
             classes: vocab,
-        })
+        }))
         .unwrap();
         dev.download(losses)
             .unwrap()
@@ -45,18 +46,18 @@ fn cross_entropy_backward_matches_finite_differences() {
         dev.alloc(DType::F32, rows).unwrap(),
         dev.alloc(DType::F32, rows).unwrap(),
     );
-    dev.launch(&Kernel::CrossEntropy {
+    dev.launch(&Kernel::CrossEntropy(CrossEntropy {
         logits: lb,
         targets: t,
         losses,
         lse,
         vocab,
         classes: vocab,
-    })
+    }))
     .unwrap();
     let dl = dev.alloc(DType::F32, rows * vocab).unwrap();
     // d mean-loss / d loss_r = 1 / rows.
-    let k = Kernel::CrossEntropyBackward {
+    let k = Kernel::CrossEntropyBackward(CrossEntropyBackward {
         logits: lb,
         targets: t,
         lse,
@@ -64,7 +65,7 @@ fn cross_entropy_backward_matches_finite_differences() {
         vocab,
         classes: vocab,
         scale: 1.0 / rows as f32,
-    };
+    });
     dev.launch(&k).unwrap();
     let grad = dev.download(dl).unwrap().to_f32();
     let h = 1e-2f32;
@@ -125,14 +126,14 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                 ];
                 let out = run_both(p.dev.as_ref(), &inputs, |b| {
                     (
-                        Kernel::CrossEntropy {
+                        Kernel::CrossEntropy(CrossEntropy {
                             logits: b[0],
                             targets: b[1],
                             losses: b[2],
                             lse: b[3],
                             vocab,
                             classes: vocab,
-                        },
+                        }),
                         vec![2, 3],
                     )
                 });
@@ -162,16 +163,16 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                 let cpu = CpuDevice::new();
                 let grads = [dev, &cpu as &dyn Device].map(|d| {
                     let b: Vec<_> = inputs.iter().map(|h| put(d, h)).collect();
-                    d.launch(&Kernel::CrossEntropy {
+                    d.launch(&Kernel::CrossEntropy(CrossEntropy {
                         logits: b[0],
                         targets: b[1],
                         losses: b[2],
                         lse: b[3],
                         vocab,
                         classes: vocab,
-                    })
+                    }))
                     .unwrap();
-                    d.launch(&Kernel::CrossEntropyBackward {
+                    d.launch(&Kernel::CrossEntropyBackward(CrossEntropyBackward {
                         logits: b[0],
                         targets: b[1],
                         lse: b[3],
@@ -179,7 +180,7 @@ fn cross_entropy_matches_cpu_on_both_f16_paths() {
                         vocab,
                         classes: vocab,
                         scale: 1024.0,
-                    })
+                    }))
                     .unwrap();
                     d.submit().unwrap();
                     d.download(b[4]).unwrap().to_f32()
@@ -226,12 +227,12 @@ fn embedding_matches_cpu_with_repeated_and_invalid_tokens() {
                 ];
                 let out = run_both(p.dev.as_ref(), &inputs, |b| {
                     (
-                        Kernel::Embedding {
+                        Kernel::Embedding(Embedding {
                             tokens: b[1],
                             table: b[0],
                             out: b[2],
                             dim,
-                        },
+                        }),
                         vec![2],
                     )
                 });
@@ -252,12 +253,12 @@ fn embedding_matches_cpu_with_repeated_and_invalid_tokens() {
                 ];
                 let out = run_both(p.dev.as_ref(), &inputs, |b| {
                     (
-                        Kernel::EmbeddingBackward {
+                        Kernel::EmbeddingBackward(EmbeddingBackward {
                             tokens: b[0],
                             dout: b[1],
                             dtable: b[2],
                             dim,
-                        },
+                        }),
                         vec![2],
                     )
                 });
@@ -282,16 +283,16 @@ fn cross_entropy_on(
         dev.alloc(DType::F32, rows).unwrap(),
     );
     let dl = dev.alloc(logits.dtype(), rows * vocab).unwrap();
-    dev.launch(&Kernel::CrossEntropy {
+    dev.launch(&Kernel::CrossEntropy(CrossEntropy {
         logits: l,
         targets: t,
         losses,
         lse,
         vocab,
         classes,
-    })
+    }))
     .unwrap();
-    dev.launch(&Kernel::CrossEntropyBackward {
+    dev.launch(&Kernel::CrossEntropyBackward(CrossEntropyBackward {
         logits: l,
         targets: t,
         lse,
@@ -299,7 +300,7 @@ fn cross_entropy_on(
         vocab,
         classes,
         scale: 64.0,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     (
@@ -399,14 +400,14 @@ fn padding_columns_stay_out_of_the_cross_entropy() {
     let b = cpu.alloc(DType::F32, 4).unwrap();
     let t = cpu.alloc(DType::U32, 2).unwrap();
     let e = cpu
-        .launch(&Kernel::CrossEntropy {
+        .launch(&Kernel::CrossEntropy(CrossEntropy {
             logits: b,
             targets: t,
             losses: cpu.alloc(DType::F32, 2).unwrap(),
             lse: cpu.alloc(DType::F32, 2).unwrap(),
             vocab: 2,
             classes: 3,
-        })
+        }))
         .unwrap_err()
         .to_string();
     assert!(e.contains("3 classes in rows of 2"), "{e}");

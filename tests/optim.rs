@@ -11,6 +11,7 @@
 mod common;
 
 use common::*;
+use kiln::engine::kernels::{GradScale, Reduce};
 use kiln::engine::{AdamStep, Buffer, DType, Device, HostData, Kernel, ReduceOp, SgdStep};
 
 fn close(what: &str, got: &HostData, want: &HostData) {
@@ -56,20 +57,20 @@ fn state(dev: &dyn Device, n: usize, grads: DType, params: Option<DType>) -> Fla
 /// Records three optimizer steps, each preceded by the norm and the scale factor.
 fn steps(dev: &dyn Device, f: &Flat, kind: &str) {
     for step in 1..=3 {
-        dev.launch(&Kernel::Reduce {
+        dev.launch(&Kernel::Reduce(Reduce {
             op: ReduceOp::SumSquares,
             src: f.grads,
             dst: f.sumsq,
-        })
+        }))
         .unwrap();
         // Loss scale 1024, clip at global norm 0.001: below the unscaled norm (~0.02 and
         // up) of every multi-element case, so clipping is active there.
-        dev.launch(&Kernel::GradScale {
+        dev.launch(&Kernel::GradScale(GradScale {
             sum_squares: f.sumsq,
             out: f.scale,
             loss_scale: 1024.0,
             clip: 0.001,
-        })
+        }))
         .unwrap();
         let k = match kind {
             "sgd" => Kernel::Sgd(SgdStep {
@@ -209,12 +210,12 @@ fn grad_scale_without_clipping_is_the_inverse_loss_scale() {
         let ss = put(p.dev.as_ref(), &HostData::F32(vec![1e12]));
         let out = p.dev.alloc(DType::F32, 1).unwrap();
         p.dev
-            .launch(&Kernel::GradScale {
+            .launch(&Kernel::GradScale(GradScale {
                 sum_squares: ss,
                 out,
                 loss_scale: 65536.0,
                 clip: 0.0,
-            })
+            }))
             .unwrap();
         p.dev.submit().unwrap();
         assert_eq!(

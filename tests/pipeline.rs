@@ -5,6 +5,7 @@
 mod common;
 
 use common::Shared;
+use kiln::engine::kernels::NonFinite;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -438,7 +439,7 @@ impl Device for Faulty {
                 "simulated device loss (the adapter went away)".into(),
             ));
         }
-        if let Kernel::NonFinite { srcs, .. } = kernel {
+        if let Kernel::NonFinite(NonFinite { srcs, .. }) = kernel {
             if self.armed.swap(false, Ordering::SeqCst) {
                 let grad = srcs[0];
                 let mut values = self.inner.download(grad)?.to_f32();

@@ -5,6 +5,7 @@
 //! Runs on CPU devices (`cpux2`): the pipeline's arithmetic is the backends', and the
 //! CLI's part (config, loop, checkpoints) is what is tested here.
 
+use kiln::engine::kernels::NonFinite;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -598,7 +599,7 @@ impl Device for Losable {
                 "simulated device loss (the adapter went away)".into(),
             ));
         }
-        if let Kernel::NonFinite { srcs, .. } = kernel {
+        if let Kernel::NonFinite(NonFinite { srcs, .. }) = kernel {
             if self.poison.load(Ordering::SeqCst) {
                 let grad = srcs[0];
                 let mut values = self.inner.download(grad)?.to_f32();

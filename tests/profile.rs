@@ -5,6 +5,7 @@
 
 mod common;
 
+use kiln::engine::kernels::{self, Binary};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -357,7 +358,8 @@ fn without_gpu_timestamps_the_profile_says_so_and_keeps_host_spans() {
     let start = Instant::now();
     let x = put(&dev, &HostData::F32(vec![1.0; 4096]));
     let y = dev.alloc(DType::F32, 4096).unwrap();
-    dev.launch(&Kernel::Copy { src: x, dst: y }).unwrap();
+    dev.launch(&Kernel::Copy(kernels::Copy { src: x, dst: y }))
+        .unwrap();
     dev.download(y).unwrap();
     let end = Instant::now();
     p.after_step(1, start, end, &devs).unwrap();
@@ -382,12 +384,12 @@ fn the_cpu_reference_times_each_launch_on_the_host() {
     let out = dev.alloc(DType::F32, n).unwrap();
     let before = Instant::now();
     dev.profile_begin().unwrap();
-    let add = Kernel::Binary {
+    let add = Kernel::Binary(Binary {
         op: kiln::engine::BinaryOp::Add,
         a,
         b,
         out,
-    };
+    });
     dev.launch(&add).unwrap();
     dev.launch(&add).unwrap();
     let t = dev.profile_end().unwrap();

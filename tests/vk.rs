@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use kiln::engine::kernels::{Axpy, Reduce};
 use kiln::engine::models::gpt::GptConfig;
 use kiln::engine::models::MicroBatch;
 use kiln::engine::{DType, Device, Error};
@@ -172,7 +173,7 @@ fn a_lost_vk_device_is_a_clear_error_and_nothing_after_it_hangs() {
         }
         let x = put(&dev, &HostData::F32(vec![1.5; 100]));
         let y = put(&dev, &HostData::F32(vec![2.0; 100]));
-        let axpy = Kernel::Axpy { alpha: 2.0, x, y };
+        let axpy = Kernel::Axpy(Axpy { alpha: 2.0, x, y });
         dev.launch(&axpy).unwrap();
         assert_eq!(dev.download(y).unwrap(), HostData::F32(vec![5.0; 100]));
         // A download begun before the loss and finished after it: its data is gone.
@@ -221,7 +222,7 @@ fn axpy_with_cache_in(dir: &std::path::Path) {
     .unwrap();
     let x = put(&dev, &kiln::engine::HostData::F32(vec![1.5; 100]));
     let y = put(&dev, &kiln::engine::HostData::F32(vec![2.0; 100]));
-    dev.launch(&kiln::engine::Kernel::Axpy { alpha: 2.0, x, y })
+    dev.launch(&kiln::engine::Kernel::Axpy(Axpy { alpha: 2.0, x, y }))
         .unwrap();
     assert_eq!(
         dev.download(y).unwrap(),
@@ -270,7 +271,7 @@ fn launches_past_one_parameter_arena_keep_their_order() {
     let y = put(dev.as_ref(), &kiln::engine::HostData::F32(vec![0.0; 9]));
     for round in 1..=2 {
         for _ in 0..9000 {
-            dev.launch(&kiln::engine::Kernel::Axpy { alpha: 1.0, x, y })
+            dev.launch(&kiln::engine::Kernel::Axpy(Axpy { alpha: 1.0, x, y }))
                 .unwrap();
         }
         dev.submit().unwrap();
@@ -369,11 +370,11 @@ fn prepared_launches_build_no_more_pipelines() {
     let sum = dev.alloc(DType::F32, 1).unwrap();
     let kernels = [
         kiln::engine::Kernel::Matmul(kiln::engine::Matmul::new(a, b, c, 24, 16, 40)),
-        kiln::engine::Kernel::Reduce {
+        kiln::engine::Kernel::Reduce(Reduce {
             op: kiln::engine::ReduceOp::SumSquares,
             src: c,
             dst: sum,
-        },
+        }),
     ];
     assert_eq!(dev.pipeline_count(), 0);
     dev.prepare(&kernels).unwrap();

@@ -10,6 +10,7 @@
 mod common;
 
 use common::*;
+use kiln::engine::kernels::{Axpy, Fill, Scale};
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::MicroBatch;
 use kiln::engine::train::trainer::Trainer;
@@ -33,11 +34,11 @@ fn round_trips(dev: &VkDevice) -> Vec<HostData> {
     {
         let x = put(dev, &data(dtype, 300, seed as u64, true));
         let y = dev.alloc(dtype, 300).unwrap();
-        dev.launch(&Kernel::Scale {
+        dev.launch(&Kernel::Scale(Scale {
             alpha: 0.5,
             x,
             out: y,
-        })
+        }))
         .unwrap();
         let v = dev.view(x, 128, 20).unwrap();
         for b in [y, v, x] {
@@ -71,7 +72,8 @@ fn an_overwrite_of_a_buffer_being_downloaded_waits_for_the_copy_and_nothing_else
     let x = put(&dev, &old);
     let pending = dev.begin_download(x).unwrap();
     // At once: nothing else on the queue orders the copy before it.
-    dev.launch(&Kernel::Fill { dst: x, value: 7.0 }).unwrap();
+    dev.launch(&Kernel::Fill(Fill { dst: x, value: 7.0 }))
+        .unwrap();
     dev.submit().unwrap();
     assert_eq!(dev.transfer_counts(), (1, 1));
     assert_bits_eq("download", &dev.finish_download(pending).unwrap(), &old);
@@ -81,11 +83,11 @@ fn an_overwrite_of_a_buffer_being_downloaded_waits_for_the_copy_and_nothing_else
     // The rest of a backward: reads the buffer being downloaded, writes others.
     let y = put(&dev, &old);
     let pending = dev.begin_download(y).unwrap();
-    dev.launch(&Kernel::Axpy {
+    dev.launch(&Kernel::Axpy(Axpy {
         alpha: 1.0,
         x: y,
         y: x,
-    })
+    }))
     .unwrap();
     dev.submit().unwrap();
     assert_eq!(dev.transfer_counts(), (3, 1));
@@ -120,7 +122,8 @@ fn views_and_a_free_right_after_begin_download_keep_the_copy_whole() {
     let x = put(&dev, &whole);
     let (a, b) = (dev.view(x, 0, 64).unwrap(), dev.view(x, 64, 64).unwrap());
     let pending = dev.begin_download(a).unwrap();
-    dev.launch(&Kernel::Fill { dst: b, value: 1.0 }).unwrap();
+    dev.launch(&Kernel::Fill(Fill { dst: b, value: 1.0 }))
+        .unwrap();
     dev.submit().unwrap();
     assert_eq!(dev.transfer_counts(), (1, 1));
     let HostData::F32(w) = &whole else {
@@ -148,10 +151,10 @@ fn views_and_a_free_right_after_begin_download_keep_the_copy_whole() {
     );
     for i in 0..8 {
         let w = dev.alloc(DType::F32, 1 << 16).unwrap();
-        dev.launch(&Kernel::Fill {
+        dev.launch(&Kernel::Fill(Fill {
             dst: w,
             value: i as f64,
-        })
+        }))
         .unwrap();
         dev.submit().unwrap();
         dev.free(w).unwrap();

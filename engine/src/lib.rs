@@ -18,12 +18,11 @@ pub mod train;
 pub use config::{ConfigError, TrainConfig};
 pub use device::dtype::DType;
 pub use device::host::HostData;
-pub use device::kernel::{
-    Activation, BinaryOp, HeadsLayout, Kernel, ReduceOp, ATTENTION_MAX_DIM, IGNORE_TARGET,
+pub use device::kernels::{
+    self as kernels, ActivationKind, AdamStep, BinaryOp, HeadsLayout, Kernel, Matmul, ReduceOp,
+    SgdStep, ATTENTION_MAX_DIM, IGNORE_TARGET,
 };
-pub use device::matmul::Matmul;
 pub use device::optim::Optimizer;
-pub use device::optim_step::{AdamStep, SgdStep};
 pub use device::{Buffer, Capabilities, Device, PendingDownload, RopeFreqs, RopeScaling};
 pub use error::{Error, Result};
 pub use train::loss_scaler::{DynamicScaling, LossScaler, StepDecision};

@@ -28,8 +28,8 @@ fn owner(name: &str) -> Option<&'static str> {
     Some(match name {
         "Buffer" | "Capabilities" | "Device" | "PendingDownload" | "DType" | "HostData"
         | "Kernel" | "BinaryOp" | "HeadsLayout" | "ReduceOp" | "ATTENTION_MAX_DIM"
-        | "IGNORE_TARGET" | "Matmul" | "AdamStep" | "Optimizer" | "SgdStep" | "Activation"
-        | "RopeFreqs" | "RopeScaling" => "device",
+        | "IGNORE_TARGET" | "Matmul" | "AdamStep" | "Optimizer" | "SgdStep" | "ActivationKind"
+        | "RopeFreqs" | "RopeScaling" | "kernels" => "device",
         "Error" | "Result" => "error",
         "ConfigError" | "TrainConfig" | "DynamicScaling" => "config",
         "LossScaler" | "StepDecision" => "train",

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use half::{bf16, f16};
+use kiln::engine::kernels::{self, AttentionBackward};
 use kiln::engine::{Buffer, DType, Device, HostData, Kernel};
 use kiln::wgpu::{find_adapter, DeviceOptions, WgpuDevice};
 
@@ -544,7 +545,7 @@ pub fn causal_attention(
     let lse = dev.alloc(DType::F32, heads * seq).unwrap();
     let [dq, dk, dv] = [0; 3].map(|_| dev.alloc(DType::F32, len).unwrap());
     let (scale, causal, group) = (1.0 / (dim as f32).sqrt(), true, 1);
-    let fwd = Kernel::Attention {
+    let fwd = Kernel::Attention(kernels::Attention {
         q,
         k,
         v,
@@ -556,8 +557,8 @@ pub fn causal_attention(
         dim,
         scale,
         causal,
-    };
-    let bwd = Kernel::AttentionBackward {
+    });
+    let bwd = Kernel::AttentionBackward(AttentionBackward {
         q,
         k,
         v,
@@ -573,6 +574,6 @@ pub fn causal_attention(
         dim,
         scale,
         causal,
-    };
+    });
     (fwd, bwd, vec![out, lse, dq, dk, dv])
 }

@@ -6,19 +6,24 @@
 //! f32, compute in f32, round to nearest-even on store — while reductions accumulate
 //! in f64 so that they are a tighter reference than any kernel.
 
+use kiln_engine::kernels::{
+    self, Activation, ActivationBackward, AttentionBackward, Axpy, Binary, CacheWrite,
+    CachedAttention, Cast, CrossEntropy, CrossEntropyBackward, Dropout, DropoutBackward, Embedding,
+    EmbeddingBackward, Fill, Gelu, GeluBackward, GradScale, LayerNorm, LayerNormBackward,
+    MergeHeads, MseBackward, MseLoss, NonFinite, Reduce, RmsNorm, RmsNormBackward, Rope, RopeAt,
+    Scale, Softmax, SoftmaxBackward, SplitHeads, SwiGlu, SwiGluBackward,
+};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use half::{bf16, f16};
-use kiln_engine::device::kernel::{
-    dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor,
-};
-use kiln_engine::device::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::device::{check_upload, check_view, KernelTiming, RopeFreqs};
+use kiln_engine::kernels::matmul::{gelu_f64, gelu_grad_f64};
+use kiln_engine::kernels::{dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor};
 use kiln_engine::{
-    device::PendingDownload, Activation, AdamStep, BinaryOp, Buffer, Capabilities, DType, Device,
-    Error, HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
+    device::PendingDownload, ActivationKind, AdamStep, BinaryOp, Buffer, Capabilities, DType,
+    Device, Error, HostData, Kernel, Matmul, ReduceOp, Result, SgdStep, IGNORE_TARGET,
 };
 
 pub struct CpuDevice {
@@ -135,7 +140,7 @@ impl CpuDevice {
             s.get(b, name)?;
         }
         match kernel {
-            Kernel::Fill { dst, value } => {
+            Kernel::Fill(Fill { dst, value }) => {
                 let v = match dst.dtype {
                     DType::U32 => HostData::U32(vec![*value as u32; dst.len]),
                     // Rounds once, from the f64 value, as the GPU fill pattern does.
@@ -143,15 +148,15 @@ impl CpuDevice {
                 };
                 s.put(*dst, v, name)
             }
-            Kernel::Copy { src, dst } => {
+            Kernel::Copy(kernels::Copy { src, dst }) => {
                 let v = s.get(*src, name)?.into_owned();
                 s.put(*dst, v, name)
             }
-            Kernel::Cast { src, dst } => {
+            Kernel::Cast(Cast { src, dst }) => {
                 let v = s.f32s(*src, name)?;
                 s.put(*dst, HostData::from_f32(dst.dtype, &v), name)
             }
-            Kernel::Binary { op, a, b, out } => {
+            Kernel::Binary(Binary { op, a, b, out }) => {
                 let (x, y) = (s.f32s(*a, name)?, s.f32s(*b, name)?);
                 let r: Vec<f32> = match op {
                     BinaryOp::Add => x.iter().zip(&y).map(|(p, q)| p + q).collect(),
@@ -159,17 +164,17 @@ impl CpuDevice {
                 };
                 s.put(*out, HostData::from_f32(out.dtype, &r), name)
             }
-            Kernel::Scale { alpha, x, out } => {
+            Kernel::Scale(Scale { alpha, x, out }) => {
                 let r: Vec<f32> = s.f32s(*x, name)?.iter().map(|v| alpha * v).collect();
                 s.put(*out, HostData::from_f32(out.dtype, &r), name)
             }
-            Kernel::Axpy { alpha, x, y } => {
+            Kernel::Axpy(Axpy { alpha, x, y }) => {
                 let xs = s.f32s(*x, name)?;
                 let ys = s.f32s(*y, name)?;
                 let r: Vec<f32> = xs.iter().zip(&ys).map(|(a, b)| alpha * a + b).collect();
                 s.put(*y, HostData::from_f32(y.dtype, &r), name)
             }
-            Kernel::Reduce { op, src, dst } => {
+            Kernel::Reduce(Reduce { op, src, dst }) => {
                 let xs = s.f32s(*src, name)?;
                 let r = match op {
                     ReduceOp::Sum => xs.iter().map(|&v| v as f64).sum::<f64>() as f32,
@@ -180,7 +185,7 @@ impl CpuDevice {
                 };
                 s.put(*dst, HostData::F32(vec![r]), name)
             }
-            Kernel::NonFinite { srcs, flag } => {
+            Kernel::NonFinite(NonFinite { srcs, flag }) => {
                 let mut any = false;
                 for b in srcs {
                     any |= s.f32s(*b, name)?.iter().any(|v| !v.is_finite());
@@ -188,19 +193,19 @@ impl CpuDevice {
                 s.put(*flag, HostData::U32(vec![any as u32]), name)
             }
             Kernel::Matmul(mm) => matmul(&mut s, mm, name),
-            Kernel::GradScale {
+            Kernel::GradScale(GradScale {
                 sum_squares,
                 out,
                 loss_scale,
                 clip,
-            } => {
+            }) => {
                 let ss = s.f32s(*sum_squares, name)?[0] as f64;
                 let v = kiln_engine::device::optim::grad_scale_reference(ss, *loss_scale, *clip);
                 s.put(*out, HostData::F32(vec![v]), name)
             }
             Kernel::Adam(a) => adam(&mut s, a, name),
             Kernel::Sgd(step) => sgd(&mut s, step, name),
-            Kernel::Gelu { x, out } => {
+            Kernel::Gelu(Gelu { x, out }) => {
                 let r: Vec<f32> = s
                     .f32s(*x, name)?
                     .iter()
@@ -208,7 +213,7 @@ impl CpuDevice {
                     .collect();
                 s.put(*out, HostData::from_f32(out.dtype, &r), name)
             }
-            Kernel::GeluBackward { x, dout, dx } => {
+            Kernel::GeluBackward(GeluBackward { x, dout, dx }) => {
                 let (xs, ds) = (s.f32s(*x, name)?, s.f32s(*dout, name)?);
                 let r: Vec<f32> = xs
                     .iter()
@@ -217,7 +222,7 @@ impl CpuDevice {
                     .collect();
                 s.put(*dx, HostData::from_f32(dx.dtype, &r), name)
             }
-            Kernel::Activation { kind, x, out } => {
+            Kernel::Activation(Activation { kind, x, out }) => {
                 let r: Vec<f32> = s
                     .f32s(*x, name)?
                     .iter()
@@ -225,7 +230,7 @@ impl CpuDevice {
                     .collect();
                 s.put(*out, HostData::from_f32(out.dtype, &r), name)
             }
-            Kernel::ActivationBackward { kind, x, dout, dx } => {
+            Kernel::ActivationBackward(ActivationBackward { kind, x, dout, dx }) => {
                 let (xs, ds) = (s.f32s(*x, name)?, s.f32s(*dout, name)?);
                 let r: Vec<f32> = xs
                     .iter()
@@ -234,18 +239,18 @@ impl CpuDevice {
                     .collect();
                 s.put(*dx, HostData::from_f32(dx.dtype, &r), name)
             }
-            Kernel::Dropout {
+            Kernel::Dropout(Dropout {
                 x: src,
                 out: dst,
                 p,
                 seed,
-            }
-            | Kernel::DropoutBackward {
+            })
+            | Kernel::DropoutBackward(DropoutBackward {
                 dout: src,
                 dx: dst,
                 p,
                 seed,
-            } => {
+            }) => {
                 // The GPU contract exactly: one f32 product for kept elements, +0 else.
                 let (t, k) = (dropout_threshold(*p), dropout_scale(*p));
                 let r: Vec<f32> = s
@@ -259,12 +264,12 @@ impl CpuDevice {
                     .collect();
                 s.put(*dst, HostData::from_f32(dst.dtype, &r), name)
             }
-            Kernel::MseLoss {
+            Kernel::MseLoss(MseLoss {
                 pred,
                 target,
                 losses,
                 cols,
-            } => {
+            }) => {
                 let (ps, ts) = (s.f32s(*pred, name)?, s.f32s(*target, name)?);
                 let l: Vec<f32> = ps
                     .chunks(*cols)
@@ -280,20 +285,20 @@ impl CpuDevice {
                     .collect();
                 s.put(*losses, HostData::F32(l), name)
             }
-            Kernel::MseBackward {
+            Kernel::MseBackward(MseBackward {
                 pred,
                 target,
                 dpred,
                 cols,
                 scale,
-            } => {
+            }) => {
                 // The kernel's contract: an f32 difference times one f32 factor.
                 let (ps, ts) = (s.f32s(*pred, name)?, s.f32s(*target, name)?);
                 let f = mse_grad_factor(*scale, *cols);
                 let d: Vec<f32> = ps.iter().zip(&ts).map(|(&a, &b)| (a - b) * f).collect();
                 s.put(*dpred, HostData::from_f32(dpred.dtype, &d), name)
             }
-            Kernel::LayerNorm {
+            Kernel::LayerNorm(LayerNorm {
                 x,
                 weight,
                 bias,
@@ -302,7 +307,7 @@ impl CpuDevice {
                 rstd,
                 cols,
                 eps,
-            } => {
+            }) => {
                 let (xs, w, b) = (
                     s.f32s(*x, name)?,
                     s.f32s(*weight, name)?,
@@ -328,7 +333,8 @@ impl CpuDevice {
                 s.put(*mean, HostData::F32(mu), name)?;
                 s.put(*rstd, HostData::F32(rs), name)
             }
-            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+            Kernel::SplitHeads(SplitHeads { src, dst, .. })
+            | Kernel::MergeHeads(MergeHeads { src, dst, .. }) => {
                 let l = kernel.heads_layout().expect("a heads kernel");
                 let from = s.f32s(*src, name)?;
                 let mut to = s.f32s(*dst, name)?;
@@ -342,14 +348,14 @@ impl CpuDevice {
                 }
                 s.put(*dst, HostData::from_f32(dst.dtype, &to), name)
             }
-            Kernel::Softmax {
+            Kernel::Softmax(Softmax {
                 x,
                 out,
                 stats,
                 cols,
                 scale,
                 causal,
-            } => {
+            }) => {
                 let xs = s.f32s(*x, name)?;
                 let mut o = vec![0f32; xs.len()];
                 let mut st = vec![0f32; 2 * xs.len() / cols];
@@ -370,14 +376,14 @@ impl CpuDevice {
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
                 s.put(*stats, HostData::F32(st), name)
             }
-            Kernel::SoftmaxBackward {
+            Kernel::SoftmaxBackward(SoftmaxBackward {
                 p,
                 dout,
                 dx,
                 stats,
                 cols,
                 scale,
-            } => {
+            }) => {
                 let (ps, ds) = (s.f32s(*p, name)?, s.f32s(*dout, name)?);
                 let mut d = vec![0f32; ps.len()];
                 let mut st = vec![0f32; 2 * ps.len() / cols];
@@ -396,7 +402,7 @@ impl CpuDevice {
                 s.put(*dx, HostData::from_f32(dx.dtype, &d), name)?;
                 s.put(*stats, HostData::F32(st), name)
             }
-            Kernel::Attention {
+            Kernel::Attention(kernels::Attention {
                 q,
                 k,
                 v,
@@ -408,7 +414,7 @@ impl CpuDevice {
                 dim,
                 scale,
                 causal,
-            } => {
+            }) => {
                 let shape = AttnShape {
                     heads: *batch_heads,
                     group: *group,
@@ -422,7 +428,7 @@ impl CpuDevice {
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
                 s.put(*lse, HostData::F32(z), name)
             }
-            Kernel::AttentionBackward {
+            Kernel::AttentionBackward(AttentionBackward {
                 q,
                 k,
                 v,
@@ -438,7 +444,7 @@ impl CpuDevice {
                 dim,
                 scale,
                 causal,
-            } => {
+            }) => {
                 let shape = AttnShape {
                     heads: *batch_heads,
                     group: *group,
@@ -456,14 +462,14 @@ impl CpuDevice {
                 s.put(*dk, HostData::from_f32(dk.dtype, &g_k), name)?;
                 s.put(*dv, HostData::from_f32(dv.dtype, &g_v), name)
             }
-            Kernel::CrossEntropy {
+            Kernel::CrossEntropy(CrossEntropy {
                 logits,
                 targets,
                 losses,
                 lse,
                 vocab,
                 classes,
-            } => {
+            }) => {
                 let l = s.f32s(*logits, name)?;
                 let t = s.get(*targets, name)?.bits();
                 let (mut loss, mut lses) = (vec![0f32; t.len()], vec![0f32; t.len()]);
@@ -482,7 +488,7 @@ impl CpuDevice {
                 s.put(*losses, HostData::F32(loss), name)?;
                 s.put(*lse, HostData::F32(lses), name)
             }
-            Kernel::CrossEntropyBackward {
+            Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits,
                 targets,
                 lse,
@@ -490,7 +496,7 @@ impl CpuDevice {
                 vocab,
                 classes,
                 scale,
-            } => {
+            }) => {
                 let l = s.f32s(*logits, name)?;
                 let t = s.get(*targets, name)?.bits();
                 let z = s.f32s(*lse, name)?;
@@ -508,12 +514,12 @@ impl CpuDevice {
                     .collect();
                 s.put(*dlogits, HostData::from_f32(dlogits.dtype, &d), name)
             }
-            Kernel::Embedding {
+            Kernel::Embedding(Embedding {
                 tokens,
                 table,
                 out,
                 dim,
-            } => {
+            }) => {
                 let t = s.get(*tokens, name)?.bits();
                 let w = s.f32s(*table, name)?;
                 let rows = w.len() / dim;
@@ -528,12 +534,12 @@ impl CpuDevice {
                 }
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
-            Kernel::EmbeddingBackward {
+            Kernel::EmbeddingBackward(EmbeddingBackward {
                 tokens,
                 dout,
                 dtable,
                 dim,
-            } => {
+            }) => {
                 let t = s.get(*tokens, name)?.bits();
                 let d = s.f32s(*dout, name)?;
                 let mut g = s.f32s(*dtable, name)?;
@@ -547,7 +553,7 @@ impl CpuDevice {
                 }
                 s.put(*dtable, HostData::F32(g), name)
             }
-            Kernel::LayerNormBackward {
+            Kernel::LayerNormBackward(LayerNormBackward {
                 x,
                 weight,
                 mean,
@@ -557,20 +563,20 @@ impl CpuDevice {
                 dweight,
                 dbias,
                 cols,
-            } => layernorm_backward(
+            }) => layernorm_backward(
                 &mut s,
                 [*x, *weight, *mean, *rstd, *dout, *dx, *dweight, *dbias],
                 *cols,
                 name,
             ),
-            Kernel::RmsNorm {
+            Kernel::RmsNorm(RmsNorm {
                 x,
                 weight,
                 out,
                 rstd,
                 cols,
                 eps,
-            } => {
+            }) => {
                 let (xs, w) = (s.f32s(*x, name)?, s.f32s(*weight, name)?);
                 let rows = xs.len() / cols;
                 let (mut o, mut rs) = (vec![0f32; xs.len()], vec![0f32; rows]);
@@ -586,7 +592,7 @@ impl CpuDevice {
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)?;
                 s.put(*rstd, HostData::F32(rs), name)
             }
-            Kernel::RmsNormBackward {
+            Kernel::RmsNormBackward(RmsNormBackward {
                 x,
                 weight,
                 rstd,
@@ -594,13 +600,13 @@ impl CpuDevice {
                 dx,
                 dweight,
                 cols,
-            } => rmsnorm_backward(
+            }) => rmsnorm_backward(
                 &mut s,
                 [*x, *weight, *rstd, *dout, *dx, *dweight],
                 *cols,
                 name,
             ),
-            Kernel::Rope {
+            Kernel::Rope(Rope {
                 x,
                 out,
                 cols,
@@ -608,12 +614,12 @@ impl CpuDevice {
                 seq,
                 freqs,
                 inverse,
-            } => {
+            }) => {
                 let xs = s.f32s(*x, name)?;
                 let o = rope(&xs, (*cols, *dim, *seq), freqs, *inverse);
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
-            Kernel::SwiGlu { gate, up, out } => {
+            Kernel::SwiGlu(SwiGlu { gate, up, out }) => {
                 let (g, u) = (s.f32s(*gate, name)?, s.f32s(*up, name)?);
                 let o: Vec<f32> = g
                     .iter()
@@ -622,13 +628,13 @@ impl CpuDevice {
                     .collect();
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
-            Kernel::SwiGluBackward {
+            Kernel::SwiGluBackward(SwiGluBackward {
                 gate,
                 up,
                 dout,
                 dgate,
                 dup,
-            } => {
+            }) => {
                 let (g, u, d) = (
                     s.f32s(*gate, name)?,
                     s.f32s(*up, name)?,
@@ -643,20 +649,20 @@ impl CpuDevice {
                 s.put(*dgate, HostData::from_f32(dgate.dtype, &dg), name)?;
                 s.put(*dup, HostData::from_f32(dup.dtype, &du), name)
             }
-            Kernel::RopeAt {
+            Kernel::RopeAt(RopeAt {
                 x,
                 out,
                 positions,
                 cols,
                 dim,
                 freqs,
-            } => {
+            }) => {
                 let xs = s.f32s(*x, name)?;
                 let pos = s.get(*positions, name)?.bits();
                 let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, freqs, false);
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
-            Kernel::CacheWrite {
+            Kernel::CacheWrite(CacheWrite {
                 src,
                 cache,
                 positions,
@@ -665,7 +671,7 @@ impl CpuDevice {
                 width,
                 offset,
                 max_len,
-            } => {
+            }) => {
                 let l = kernel.cache_layout().expect("a cache kernel");
                 let pos = s.get(*positions, name)?.bits();
                 let from = s.f32s(*src, name)?;
@@ -684,7 +690,7 @@ impl CpuDevice {
                 }
                 s.put(*cache, HostData::from_f32(cache.dtype, &to), name)
             }
-            Kernel::CachedAttention {
+            Kernel::CachedAttention(CachedAttention {
                 q,
                 k_cache,
                 v_cache,
@@ -697,7 +703,7 @@ impl CpuDevice {
                 offset,
                 max_len,
                 scale,
-            } => {
+            }) => {
                 let l = kernel.cache_layout().expect("a cache kernel");
                 let pos = s.get(*positions, name)?.bits();
                 let (qs, ks, vs) = (
@@ -895,24 +901,24 @@ impl Device for CpuDevice {
 
 /// An activation in f64, rounded once to f32 (ReLU is exact: a select, +0 for x <= 0
 /// and NaN, as the kernel's).
-fn activation(kind: Activation, x: f32) -> f32 {
+fn activation(kind: ActivationKind, x: f32) -> f32 {
     let v = x as f64;
     match kind {
-        Activation::Relu if x > 0.0 => x,
-        Activation::Relu => 0.0,
-        Activation::Tanh => v.tanh() as f32,
-        Activation::Silu => (v / (1.0 + (-v).exp())) as f32,
+        ActivationKind::Relu if x > 0.0 => x,
+        ActivationKind::Relu => 0.0,
+        ActivationKind::Tanh => v.tanh() as f32,
+        ActivationKind::Silu => (v / (1.0 + (-v).exp())) as f32,
     }
 }
 
 /// `dout * f'(x)` in f64, rounded once (ReLU passes `dout` through or gives +0).
-fn activation_backward(kind: Activation, x: f32, dout: f32) -> f32 {
+fn activation_backward(kind: ActivationKind, x: f32, dout: f32) -> f32 {
     let v = x as f64;
     let grad = match kind {
-        Activation::Relu => return if x > 0.0 { dout } else { 0.0 },
+        ActivationKind::Relu => return if x > 0.0 { dout } else { 0.0 },
         // 1 / cosh^2 rather than 1 - tanh^2, which is 0 in f64 past |x| ~ 19.
-        Activation::Tanh => 1.0 / v.cosh().powi(2),
-        Activation::Silu => {
+        ActivationKind::Tanh => 1.0 / v.cosh().powi(2),
+        ActivationKind::Silu => {
             // d/dx [x s(x)] = s (1 + x (1 - s))
             let s = 1.0 / (1.0 + (-v).exp());
             s * (1.0 + v * (1.0 - s))

@@ -5,6 +5,7 @@
 //! Grouped-query attention (`group` query heads per K/V head) is a launch parameter:
 //! forward and dq walk the query heads, dk/dv the K/V heads, each summing its group.
 
+use kiln_engine::kernels::{self, AttentionBackward};
 use kiln_engine::{Buffer, Capabilities, Error, Kernel, Result};
 
 use crate::dispatch::{Dispatch, Readiness, PARTIALS_ID};
@@ -115,7 +116,7 @@ pub struct AttentionLaunch {
 /// (batch_heads, group, seq, dim, scale, causal) of an attention kernel.
 pub fn geometry(kernel: &Kernel) -> (usize, usize, usize, usize, f32, bool) {
     match *kernel {
-        Kernel::Attention {
+        Kernel::Attention(kernels::Attention {
             batch_heads,
             group,
             seq,
@@ -123,8 +124,8 @@ pub fn geometry(kernel: &Kernel) -> (usize, usize, usize, usize, f32, bool) {
             scale,
             causal,
             ..
-        }
-        | Kernel::AttentionBackward {
+        })
+        | Kernel::AttentionBackward(AttentionBackward {
             batch_heads,
             group,
             seq,
@@ -132,7 +133,7 @@ pub fn geometry(kernel: &Kernel) -> (usize, usize, usize, usize, f32, bool) {
             scale,
             causal,
             ..
-        } => (batch_heads, group, seq, dim, scale, causal),
+        }) => (batch_heads, group, seq, dim, scale, causal),
         _ => unreachable!("not an attention kernel"),
     }
 }
@@ -201,9 +202,9 @@ pub fn launches(
         bands
     };
     Ok(match *kernel {
-        Kernel::Attention {
+        Kernel::Attention(kernels::Attention {
             q, k, v, out, lse, ..
-        } => (
+        }) => (
             run(
                 AttentionPass::Forward,
                 vec![q, k, v, out],
@@ -213,7 +214,7 @@ pub fn launches(
             ),
             0,
         ),
-        Kernel::AttentionBackward {
+        Kernel::AttentionBackward(AttentionBackward {
             q,
             k,
             v,
@@ -224,7 +225,7 @@ pub fn launches(
             dk,
             dv,
             ..
-        } => {
+        }) => {
             // rowsum(dout * out), one f32 per row, lives in the device's reusable
             // scratch between the two passes.
             let mut all = run(

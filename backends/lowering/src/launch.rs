@@ -4,8 +4,15 @@
 //! the same dispatches (the same WGSL, translated to SPIR-V by naga) through raw
 //! Vulkan, so both backends run one op set.
 
-use kiln_engine::device::kernel::{dropout_scale, dropout_threshold, mse_grad_factor};
-use kiln_engine::{Activation, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result, RopeFreqs};
+use kiln_engine::kernels::{
+    self, Activation, ActivationBackward, Axpy, Binary, CacheWrite, CachedAttention, Cast,
+    CrossEntropy, CrossEntropyBackward, Dropout, DropoutBackward, Embedding, EmbeddingBackward,
+    Fill, Gelu, GeluBackward, GradScale, LayerNorm, LayerNormBackward, MergeHeads, MseBackward,
+    MseLoss, NonFinite, Reduce, RmsNorm, RmsNormBackward, Rope, RopeAt, Scale, Softmax,
+    SoftmaxBackward, SplitHeads, SwiGlu, SwiGluBackward,
+};
+use kiln_engine::kernels::{dropout_scale, dropout_threshold, mse_grad_factor};
+use kiln_engine::{ActivationKind, BinaryOp, Buffer, DType, Kernel, ReduceOp, Result, RopeFreqs};
 
 use crate::attention::LowerAttention;
 use crate::dispatch::{
@@ -87,7 +94,7 @@ pub(crate) trait Lower: Recorder {
     fn record_kernel(&self, s: &mut Self::State, kernel: &Kernel) -> Result<()> {
         let h = |b: &Buffer| b.id;
         match kernel {
-            Kernel::Fill { dst, value } => {
+            Kernel::Fill(Fill { dst, value }) => {
                 let bands = self.bands("fill", dst.len, dst.dtype.size())?;
                 for band in bands {
                     let words = (dst.dtype.padded_bytes(band.len) / 4) as u32;
@@ -102,24 +109,24 @@ pub(crate) trait Lower: Recorder {
                     self.dispatch(s, d)?;
                 }
             }
-            Kernel::Copy { src, dst } => self.copy(s, src, dst)?,
-            Kernel::Cast { src, dst } => {
+            Kernel::Copy(kernels::Copy { src, dst }) => self.copy(s, src, dst)?,
+            Kernel::Cast(Cast { src, dst }) => {
                 self.elementwise(s, &shader::CAST, None, &[src, dst], 0.0)?
             }
-            Kernel::Binary { op, a, b, out } => {
+            Kernel::Binary(Binary { op, a, b, out }) => {
                 let code = match op {
                     BinaryOp::Add => 0,
                     BinaryOp::Mul => 1,
                 };
                 self.elementwise(s, &shader::BINARY, Some(("OP", code)), &[a, b, out], 0.0)?
             }
-            Kernel::Scale { alpha, x, out } => {
+            Kernel::Scale(Scale { alpha, x, out }) => {
                 self.elementwise(s, &shader::SCALE, None, &[x, out], *alpha)?
             }
-            Kernel::Axpy { alpha, x, y } => {
+            Kernel::Axpy(Axpy { alpha, x, y }) => {
                 self.elementwise(s, &shader::AXPY, None, &[x, y], *alpha)?
             }
-            Kernel::Reduce { op, src, dst } => {
+            Kernel::Reduce(Reduce { op, src, dst }) => {
                 let code = match op {
                     ReduceOp::Sum | ReduceOp::SumSquares => 0,
                     ReduceOp::Max => 1,
@@ -180,38 +187,39 @@ pub(crate) trait Lower: Recorder {
                 let plan = self.launch_plan(s, mm)?;
                 self.matmul(s, mm, &plan)?;
             }
-            Kernel::Gelu { x, out } => {
+            Kernel::Gelu(Gelu { x, out }) => {
                 self.elementwise(s, &shader::GELU_FORWARD, None, &[x, out], 0.0)?
             }
-            Kernel::GeluBackward { x, dout, dx } => {
+            Kernel::GeluBackward(GeluBackward { x, dout, dx }) => {
                 self.elementwise(s, &shader::GELU_BACKWARD, None, &[x, dout, dx], 0.0)?
             }
-            Kernel::Activation { kind, x, out } => self.elementwise(
+            Kernel::Activation(Activation { kind, x, out }) => self.elementwise(
                 s,
                 &shader::ACTIVATION,
                 Some(("KIND", activation_code(*kind))),
                 &[x, out],
                 0.0,
             )?,
-            Kernel::ActivationBackward { kind, x, dout, dx } => self.elementwise(
-                s,
-                &shader::ACTIVATION_BACKWARD,
-                Some(("KIND", activation_code(*kind))),
-                &[x, dout, dx],
-                0.0,
-            )?,
-            Kernel::Dropout {
+            Kernel::ActivationBackward(ActivationBackward { kind, x, dout, dx }) => self
+                .elementwise(
+                    s,
+                    &shader::ACTIVATION_BACKWARD,
+                    Some(("KIND", activation_code(*kind))),
+                    &[x, dout, dx],
+                    0.0,
+                )?,
+            Kernel::Dropout(Dropout {
                 x: src,
                 out: dst,
                 p,
                 seed,
-            }
-            | Kernel::DropoutBackward {
+            })
+            | Kernel::DropoutBackward(DropoutBackward {
                 dout: src,
                 dx: dst,
                 p,
                 seed,
-            } => {
+            }) => {
                 if src.len > 0 {
                     let words = pairs(src.len);
                     self.dispatch(
@@ -235,12 +243,12 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::MseLoss {
+            Kernel::MseLoss(MseLoss {
                 pred,
                 target,
                 losses,
                 cols,
-            } => {
+            }) => {
                 let rows = (pred.len / cols) as u32;
                 let (lanes, grid) = self.row_plan(rows, *cols as u32);
                 self.dispatch(
@@ -255,20 +263,20 @@ pub(crate) trait Lower: Recorder {
                     .with_overrides(lanes),
                 )?;
             }
-            Kernel::MseBackward {
+            Kernel::MseBackward(MseBackward {
                 pred,
                 target,
                 dpred,
                 cols,
                 scale,
-            } => self.elementwise(
+            }) => self.elementwise(
                 s,
                 &shader::MSE_BACKWARD,
                 None,
                 &[pred, target, dpred],
                 mse_grad_factor(*scale, *cols),
             )?,
-            Kernel::LayerNorm {
+            Kernel::LayerNorm(LayerNorm {
                 x,
                 weight,
                 bias,
@@ -277,7 +285,7 @@ pub(crate) trait Lower: Recorder {
                 rstd,
                 cols,
                 eps,
-            } => {
+            }) => {
                 let (n, cols) = (x.len as u32, *cols as u32);
                 let rows = n / cols;
                 // Pass 1: per row -> mean, rstd. Pass 2: pairs of elements.
@@ -308,7 +316,7 @@ pub(crate) trait Lower: Recorder {
                     ),
                 )?;
             }
-            Kernel::LayerNormBackward {
+            Kernel::LayerNormBackward(LayerNormBackward {
                 x,
                 weight,
                 mean,
@@ -318,7 +326,7 @@ pub(crate) trait Lower: Recorder {
                 dweight,
                 dbias,
                 cols,
-            } => self.norm_backward(
+            }) => self.norm_backward(
                 s,
                 [
                     &shader::LAYERNORM_BACKWARD_STATS,
@@ -329,14 +337,14 @@ pub(crate) trait Lower: Recorder {
                 (&[mean, rstd], &[dweight, dbias]),
                 (*cols, 8),
             )?,
-            Kernel::RmsNorm {
+            Kernel::RmsNorm(RmsNorm {
                 x,
                 weight,
                 out,
                 rstd,
                 cols,
                 eps,
-            } => {
+            }) => {
                 if x.len == 0 {
                     return Ok(());
                 }
@@ -370,7 +378,7 @@ pub(crate) trait Lower: Recorder {
                     ),
                 )?;
             }
-            Kernel::RmsNormBackward {
+            Kernel::RmsNormBackward(RmsNormBackward {
                 x,
                 weight,
                 rstd,
@@ -378,7 +386,7 @@ pub(crate) trait Lower: Recorder {
                 dx,
                 dweight,
                 cols,
-            } => self.norm_backward(
+            }) => self.norm_backward(
                 s,
                 [
                     &shader::RMSNORM_BACKWARD_STATS,
@@ -389,7 +397,7 @@ pub(crate) trait Lower: Recorder {
                 (&[rstd], &[dweight]),
                 (*cols, 4),
             )?,
-            Kernel::Rope {
+            Kernel::Rope(Rope {
                 x,
                 out,
                 cols,
@@ -397,7 +405,7 @@ pub(crate) trait Lower: Recorder {
                 seq,
                 freqs,
                 inverse,
-            } => {
+            }) => {
                 if x.len > 0 {
                     let [step_hi, step_lo] = rope_step(freqs.theta, *dim);
                     let words = (x.len / 2) as u32;
@@ -426,30 +434,30 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::SwiGlu { gate, up, out } => {
+            Kernel::SwiGlu(SwiGlu { gate, up, out }) => {
                 self.elementwise(s, &shader::SWIGLU_FORWARD, None, &[gate, up, out], 0.0)?
             }
-            Kernel::SwiGluBackward {
+            Kernel::SwiGluBackward(SwiGluBackward {
                 gate,
                 up,
                 dout,
                 dgate,
                 dup,
-            } => self.elementwise(
+            }) => self.elementwise(
                 s,
                 &shader::SWIGLU_BACKWARD,
                 None,
                 &[gate, up, dout, dgate, dup],
                 0.0,
             )?,
-            Kernel::RopeAt {
+            Kernel::RopeAt(RopeAt {
                 x,
                 out,
                 positions,
                 cols,
                 dim,
                 freqs,
-            } => {
+            }) => {
                 if x.len > 0 {
                     let [step_hi, step_lo] = rope_step(freqs.theta, *dim);
                     let words = (x.len / 2) as u32;
@@ -477,7 +485,7 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::CacheWrite {
+            Kernel::CacheWrite(CacheWrite {
                 src,
                 cache,
                 positions,
@@ -486,7 +494,7 @@ pub(crate) trait Lower: Recorder {
                 width,
                 offset,
                 max_len,
-            } => {
+            }) => {
                 let l = kernel.cache_layout().expect("a cache kernel");
                 let total = l.rows * heads * dim;
                 if total > 0 {
@@ -510,7 +518,7 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::CachedAttention {
+            Kernel::CachedAttention(CachedAttention {
                 q,
                 k_cache,
                 v_cache,
@@ -523,7 +531,7 @@ pub(crate) trait Lower: Recorder {
                 offset,
                 max_len,
                 scale,
-            } => {
+            }) => {
                 let l = kernel.cache_layout().expect("a cache kernel");
                 let items = (l.rows * heads) as u32;
                 if items > 0 {
@@ -549,7 +557,8 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::SplitHeads { src, dst, .. } | Kernel::MergeHeads { src, dst, .. } => {
+            Kernel::SplitHeads(SplitHeads { src, dst, .. })
+            | Kernel::MergeHeads(MergeHeads { src, dst, .. }) => {
                 let l = kernel.heads_layout().expect("a heads kernel");
                 if l.rows > 0 && l.heads_buf.len > 0 {
                     // Split walks destination pairs; merge walks the words of each row's span.
@@ -580,14 +589,14 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::Softmax {
+            Kernel::Softmax(Softmax {
                 x,
                 out,
                 stats,
                 cols,
                 scale,
                 causal,
-            } => {
+            }) => {
                 let (n, cols) = (x.len as u32, *cols as u32);
                 let mask = vec![("CAUSAL", *causal as u32)];
                 let (lanes, grid) = self.row_plan(n / cols, cols);
@@ -615,14 +624,14 @@ pub(crate) trait Lower: Recorder {
                     .with_overrides(mask),
                 )?;
             }
-            Kernel::SoftmaxBackward {
+            Kernel::SoftmaxBackward(SoftmaxBackward {
                 p,
                 dout,
                 dx,
                 stats,
                 cols,
                 scale,
-            } => {
+            }) => {
                 let (n, cols) = (p.len as u32, *cols as u32);
                 let (lanes, grid) = self.row_plan(n / cols, cols);
                 self.dispatch(
@@ -648,17 +657,15 @@ pub(crate) trait Lower: Recorder {
                     ),
                 )?;
             }
-            Kernel::Attention { .. } | Kernel::AttentionBackward { .. } => {
-                self.attention(s, kernel)?
-            }
-            Kernel::CrossEntropy {
+            Kernel::Attention(_) | Kernel::AttentionBackward(_) => self.attention(s, kernel)?,
+            Kernel::CrossEntropy(CrossEntropy {
                 logits,
                 targets,
                 losses,
                 lse,
                 vocab,
                 classes,
-            } => {
+            }) => {
                 let rows = (logits.len / vocab) as u32;
                 let (lanes, grid) = self.row_plan(rows, *classes as u32);
                 self.dispatch(
@@ -673,7 +680,7 @@ pub(crate) trait Lower: Recorder {
                     .with_overrides(lanes),
                 )?;
             }
-            Kernel::CrossEntropyBackward {
+            Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits,
                 targets,
                 lse,
@@ -681,7 +688,7 @@ pub(crate) trait Lower: Recorder {
                 vocab,
                 classes,
                 scale,
-            } => {
+            }) => {
                 let words = pairs(logits.len);
                 self.dispatch(
                     s,
@@ -703,12 +710,12 @@ pub(crate) trait Lower: Recorder {
                     ),
                 )?;
             }
-            Kernel::Embedding {
+            Kernel::Embedding(Embedding {
                 tokens,
                 table,
                 out,
                 dim,
-            } => {
+            }) => {
                 if out.len > 0 {
                     let words = pairs(out.len);
                     let rows = (table.len / dim) as u32;
@@ -724,12 +731,12 @@ pub(crate) trait Lower: Recorder {
                     )?;
                 }
             }
-            Kernel::EmbeddingBackward {
+            Kernel::EmbeddingBackward(EmbeddingBackward {
                 tokens,
                 dout,
                 dtable,
                 dim,
-            } => {
+            }) => {
                 // A table over the binding limit (GPT-2's f32 token-embedding gradient,
                 // 154 MB, on lavapipe's 128 MiB) is bound band by band of whole rows,
                 // each band on a 256-byte boundary; each walk skips other bands' rows.
@@ -768,12 +775,12 @@ pub(crate) trait Lower: Recorder {
                     self.dispatch(s, d)?;
                 }
             }
-            Kernel::GradScale {
+            Kernel::GradScale(GradScale {
                 sum_squares,
                 out,
                 loss_scale,
                 clip,
-            } => {
+            }) => {
                 self.dispatch(
                     s,
                     Dispatch::new(
@@ -847,7 +854,7 @@ pub(crate) trait Lower: Recorder {
                     ],
                 )?;
             }
-            Kernel::NonFinite { srcs, flag } => {
+            Kernel::NonFinite(NonFinite { srcs, flag }) => {
                 self.clear(s, flag)?;
                 for src in srcs {
                     if src.len == 0 {
@@ -1029,11 +1036,11 @@ pub fn record_kernel<R: Recorder + ?Sized>(r: &R, s: &mut R::State, kernel: &Ker
 }
 
 /// The KIND override of the activation kernels (common/activation.wgsl).
-fn activation_code(kind: Activation) -> u32 {
+fn activation_code(kind: ActivationKind) -> u32 {
     match kind {
-        Activation::Relu => 0,
-        Activation::Tanh => 1,
-        Activation::Silu => 2,
+        ActivationKind::Relu => 0,
+        ActivationKind::Tanh => 1,
+        ActivationKind::Silu => 2,
     }
 }
 

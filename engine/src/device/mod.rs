@@ -1,5 +1,5 @@
 //! The device layer: the contract every backend implements ([`Device`], here), the
-//! kernels a device launches described as data (`kernel`, `matmul`, `optim`), element
+//! kernels a device launches described as data (`kernels`, one struct per kernel, and `optim`), element
 //! types (`dtype`), host copies of buffers (`host`) and named buffers saved to and
 //! loaded from safetensors files (`safetensors_io`). It imports nothing above it.
 //!
@@ -12,11 +12,8 @@ pub mod compiling;
 pub mod cost;
 pub mod dtype;
 pub mod host;
-pub mod kernel;
-mod kernel_validate;
-pub mod matmul;
+pub mod kernels;
 pub mod optim;
-pub mod optim_step;
 pub mod profile;
 pub mod rope;
 pub mod safetensors_io;

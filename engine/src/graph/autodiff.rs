@@ -18,6 +18,7 @@
 //! a zero fill that is skipped (kernels that can only overwrite write a parameter's
 //! gradient through scratch and an axpy after such a fill).
 
+use crate::kernels::{self, Axpy, Cast, Fill};
 use std::collections::HashMap;
 
 use super::ops::{self, Saved};
@@ -115,7 +116,7 @@ impl Grads {
             e.grad_fills.push(e.launches.len());
         }
         self.written[t.0] = true;
-        e.launch(Kernel::Fill { dst: b, value: 0.0 })
+        e.launch(Kernel::Fill(Fill { dst: b, value: 0.0 }))
     }
 
     /// For a kernel that only adds into its destination (f32): zeroed first if this
@@ -167,11 +168,11 @@ impl Grads {
 
     pub fn finish(&mut self, e: &mut Emitter, d: Dst) -> Result<()> {
         match d.add_to {
-            Some(y) => e.launch(Kernel::Axpy {
+            Some(y) => e.launch(Kernel::Axpy(Axpy {
                 alpha: 1.0,
                 x: d.buf,
                 y,
-            }),
+            })),
             None => Ok(()),
         }
     }
@@ -191,11 +192,11 @@ impl Grads {
             if !self.written[t.0] {
                 self.zero(e, t, g)?;
             }
-            e.launch(Kernel::Axpy {
+            e.launch(Kernel::Axpy(Axpy {
                 alpha: 1.0,
                 x: src,
                 y: g,
-            })?;
+            }))?;
             return Ok(false);
         }
         self.written[t.0] = true;
@@ -204,9 +205,9 @@ impl Grads {
             return Ok(true);
         }
         e.launch(if g.dtype == src.dtype {
-            Kernel::Copy { src, dst: g }
+            Kernel::Copy(kernels::Copy { src, dst: g })
         } else {
-            Kernel::Cast { src, dst: g }
+            Kernel::Cast(Cast { src, dst: g })
         })?;
         Ok(false)
     }
@@ -331,9 +332,11 @@ pub(super) fn backward(
         let i = g.t(t);
         let dst = e.pinned(i.dtype, i.len());
         match gr.get(t) {
-            Some(src) if src.dtype == dst.dtype => e.launch(Kernel::Copy { src, dst })?,
-            Some(src) => e.launch(Kernel::Cast { src, dst })?,
-            None => e.launch(Kernel::Fill { dst, value: 0.0 })?,
+            Some(src) if src.dtype == dst.dtype => {
+                e.launch(Kernel::Copy(kernels::Copy { src, dst }))?
+            }
+            Some(src) => e.launch(Kernel::Cast(Cast { src, dst }))?,
+            None => e.launch(Kernel::Fill(Fill { dst, value: 0.0 }))?,
         }
         out.push((t, dst));
     }

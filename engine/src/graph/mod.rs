@@ -29,7 +29,7 @@ pub use forward_plan::ForwardPlan;
 pub use plan::{Bindings, Group, Plan, PlanMemory};
 pub use split::{Boundary, StageGraph};
 
-use crate::{Activation, DType, Error, HostData, Result, RopeFreqs};
+use crate::{ActivationKind, DType, Error, HostData, Result, RopeFreqs};
 
 /// Sequences shorter than this use the straightforward attention by default.
 pub const SHORTEST_FUSED: usize = 32;
@@ -179,7 +179,7 @@ pub(crate) enum Op {
     },
     /// ReLU, tanh or SiLU, elementwise.
     Activation {
-        kind: Activation,
+        kind: ActivationKind,
         x: Tensor,
         out: Tensor,
     },
@@ -610,20 +610,20 @@ impl Graph {
 
     /// ReLU, `max(x, 0)`, elementwise (derivative 0 at 0).
     pub fn relu(&mut self, x: Tensor) -> Result<Tensor> {
-        self.activation(Activation::Relu, x)
+        self.activation(ActivationKind::Relu, x)
     }
 
     /// tanh, elementwise.
     pub fn tanh(&mut self, x: Tensor) -> Result<Tensor> {
-        self.activation(Activation::Tanh, x)
+        self.activation(ActivationKind::Tanh, x)
     }
 
     /// SiLU (swish), `x * sigmoid(x)`, elementwise.
     pub fn silu(&mut self, x: Tensor) -> Result<Tensor> {
-        self.activation(Activation::Silu, x)
+        self.activation(ActivationKind::Silu, x)
     }
 
-    fn activation(&mut self, kind: Activation, x: Tensor) -> Result<Tensor> {
+    fn activation(&mut self, kind: ActivationKind, x: Tensor) -> Result<Tensor> {
         let xi = self.float(kind.name(), x)?.clone();
         let out = self.op_out(kind.name(), xi.shape, xi.dtype);
         self.ops.push(Op::Activation { kind, x, out });

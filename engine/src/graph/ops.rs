@@ -11,7 +11,14 @@
 use super::autodiff::Grads;
 use super::plan::Emitter;
 use super::{Attention, Op, Tensor};
-use crate::device::kernel::dropout_seed;
+use crate::kernels::dropout_seed;
+use crate::kernels::{
+    self, Activation, ActivationBackward, AttentionBackward, Binary, CacheWrite, CachedAttention,
+    CrossEntropy, CrossEntropyBackward, Dropout, DropoutBackward, Embedding, EmbeddingBackward,
+    Gelu, GeluBackward, LayerNorm, LayerNormBackward, MergeHeads, MseBackward, MseLoss, RmsNorm,
+    RmsNormBackward, Rope, RopeAt, Scale, Softmax, SoftmaxBackward, SplitHeads, SwiGlu,
+    SwiGluBackward,
+};
 use crate::{BinaryOp, Buffer, DType, Kernel, Matmul, Result, RopeFreqs};
 
 /// What an op's backward reads besides its operands and output.
@@ -47,12 +54,12 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
         Op::Embedding { tokens, table, out } => {
             // out (..., C) = table (V, C) [tokens (...)]
             let o = e.define(out);
-            e.launch(Kernel::Embedding {
+            e.launch(Kernel::Embedding(Embedding {
                 tokens: e.val(tokens),
                 table: e.val(table),
                 out: o,
                 dim: g.t(out).cols(),
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::Linear {
@@ -83,7 +90,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let rows = g.t(x).rows();
             let (mean, rstd) = (e.scratch(DType::F32, rows), e.scratch(DType::F32, rows));
             let o = e.define(out);
-            e.launch(Kernel::LayerNorm {
+            e.launch(Kernel::LayerNorm(LayerNorm {
                 x: e.val(x),
                 weight: e.val(weight),
                 bias: e.val(bias),
@@ -92,39 +99,39 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 rstd,
                 cols: g.t(x).cols(),
                 eps,
-            })?;
+            }))?;
             Ok(Saved::LayerNorm { mean, rstd })
         }
         Op::Gelu { x, out } => {
             let o = e.define(out);
-            e.launch(Kernel::Gelu {
+            e.launch(Kernel::Gelu(Gelu {
                 x: e.val(x),
                 out: o,
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::Activation { kind, x, out } => {
             // out = f(x), elementwise; backward reads x.
             let o = e.define(out);
-            e.launch(Kernel::Activation {
+            e.launch(Kernel::Activation(Activation {
                 kind,
                 x: e.val(x),
                 out: o,
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::Softmax { x, out } => {
             // out (M, C) = softmax over each row; backward reads out. stats (2M) scratch.
             let stats = e.scratch(DType::F32, 2 * g.t(x).rows());
             let o = e.define(out);
-            e.launch(Kernel::Softmax {
+            e.launch(Kernel::Softmax(Softmax {
                 x: e.val(x),
                 out: o,
                 stats,
                 cols: g.t(x).cols(),
                 scale: 1.0,
                 causal: false,
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::Dropout { x, out, p } => {
@@ -132,22 +139,22 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             // op's index) is set per step, and backward recomputes the mask from it.
             let o = e.define(out);
             e.random.push((e.launches.len(), e.op));
-            e.launch(Kernel::Dropout {
+            e.launch(Kernel::Dropout(Dropout {
                 x: e.val(x),
                 out: o,
                 p,
                 seed: dropout_seed(0, e.op),
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::Add { a, b, out } => {
             let o = e.define(out);
-            e.launch(Kernel::Binary {
+            e.launch(Kernel::Binary(Binary {
                 op: BinaryOp::Add,
                 a: e.val(a),
                 b: e.val(b),
                 out: o,
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::CausalAttention {
@@ -164,14 +171,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let mut qkv_heads = [src; 3];
             for (i, dst) in qkv_heads.iter_mut().enumerate() {
                 *dst = e.scratch(act, b * t * c);
-                e.launch(Kernel::SplitHeads {
+                e.launch(Kernel::SplitHeads(SplitHeads {
                     src,
                     dst: *dst,
                     seq: t,
                     heads: h,
                     width: 3 * c,
                     offset: i * c,
-                })?;
+                }))?;
             }
             let [q, k, v] = qkv_heads;
             let yh = e.scratch(act, b * t * c);
@@ -179,14 +186,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let att = attend(e, mode, heads, act, [q, k, v], yh)?;
             // out (B, T, C) <- yh (B, H, T, D)
             let o = e.define(out);
-            e.launch(Kernel::MergeHeads {
+            e.launch(Kernel::MergeHeads(MergeHeads {
                 src: yh,
                 dst: o,
                 seq: t,
                 heads: h,
                 width: c,
                 offset: 0,
-            })?;
+            }))?;
             Ok(Saved::Attention { q, k, v, yh, att })
         }
         Op::RmsNorm {
@@ -198,14 +205,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             // out (M, C) = x * rstd * weight; rstd (M) f32 saved.
             let rstd = e.scratch(DType::F32, g.t(x).rows());
             let o = e.define(out);
-            e.launch(Kernel::RmsNorm {
+            e.launch(Kernel::RmsNorm(RmsNorm {
                 x: e.val(x),
                 weight: e.val(weight),
                 out: o,
                 rstd,
                 cols: g.t(x).cols(),
                 eps,
-            })?;
+            }))?;
             Ok(Saved::RmsNorm { rstd })
         }
         Op::Rope {
@@ -220,25 +227,25 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let o = e.define(out);
             e.launch(match positions {
                 None => rope(g, x, heads, freqs, e.val(x), o, false),
-                Some(p) => Kernel::RopeAt {
+                Some(p) => Kernel::RopeAt(RopeAt {
                     x: e.val(x),
                     out: o,
                     positions: e.val(p),
                     cols: g.t(x).cols(),
                     dim: g.t(x).cols() / heads,
                     freqs,
-                },
+                }),
             })?;
             Ok(Saved::None)
         }
         Op::SwiGlu { gate, up, out } => {
             // out = silu(gate) * up, elementwise.
             let o = e.define(out);
-            e.launch(Kernel::SwiGlu {
+            e.launch(Kernel::SwiGlu(SwiGlu {
                 gate: e.val(gate),
                 up: e.val(up),
                 out: o,
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::GroupedAttention {
@@ -255,14 +262,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             // q (B, H, T, D) <- (B, T, H*D); k, v (B, KV, T, D) <- (B, T, KV*D).
             let mut split = |x: Tensor, n: usize| -> Result<Buffer> {
                 let dst = e.scratch(act, b * n * t * d);
-                e.launch(Kernel::SplitHeads {
+                e.launch(Kernel::SplitHeads(SplitHeads {
                     src: e.val(x),
                     dst,
                     seq: t,
                     heads: n,
                     width: n * d,
                     offset: 0,
-                })?;
+                }))?;
                 Ok(dst)
             };
             let (qh, kh, vh) = (split(q, h)?, split(k, kv)?, split(v, kv)?);
@@ -271,14 +278,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let att = attend(e, mode, heads, act, [qh, kh, vh], yh)?;
             // out (B, T, H*D) <- yh (B, H, T, D)
             let o = e.define(out);
-            e.launch(Kernel::MergeHeads {
+            e.launch(Kernel::MergeHeads(MergeHeads {
                 src: yh,
                 dst: o,
                 seq: t,
                 heads: h,
                 width: h * d,
                 offset: 0,
-            })?;
+            }))?;
             Ok(Saved::Attention {
                 q: qh,
                 k: kh,
@@ -304,7 +311,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let (d, max_len) = (g.t(out).cols() / h, g.t(k_cache).shape[1]);
             let pos = e.val(positions);
             for (src, offset, cache) in [(k, offsets[1], k_cache), (v, offsets[2], v_cache)] {
-                e.launch(Kernel::CacheWrite {
+                e.launch(Kernel::CacheWrite(CacheWrite {
                     src: e.val(src),
                     cache: e.val(cache),
                     positions: pos,
@@ -313,10 +320,10 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                     width: g.t(src).cols(),
                     offset,
                     max_len,
-                })?;
+                }))?;
             }
             let o = e.define(out);
-            e.launch(Kernel::CachedAttention {
+            e.launch(Kernel::CachedAttention(CachedAttention {
                 q: e.val(q),
                 k_cache: e.val(k_cache),
                 v_cache: e.val(v_cache),
@@ -329,7 +336,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
                 offset: offsets[0],
                 max_len,
                 scale: 1.0 / (d as f32).sqrt(),
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::LastRow { x, out } => {
@@ -338,12 +345,12 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             let last = g.t(x).rows().saturating_sub(1) as u32;
             e.constants.push((index, crate::HostData::U32(vec![last])));
             let o = e.define(out);
-            e.launch(Kernel::Embedding {
+            e.launch(Kernel::Embedding(Embedding {
                 tokens: index,
                 table: e.val(x),
                 out: o,
                 dim: g.t(x).cols(),
-            })?;
+            }))?;
             Ok(Saved::None)
         }
         Op::CrossEntropy {
@@ -355,14 +362,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             // losses (M) = logsumexp(logits (M, V)) - logits[targets]; lse (M) saved.
             let lse = e.scratch(DType::F32, g.t(logits).rows());
             let l = e.define(losses);
-            e.launch(Kernel::CrossEntropy {
+            e.launch(Kernel::CrossEntropy(CrossEntropy {
                 logits: e.val(logits),
                 targets: e.val(targets),
                 losses: l,
                 lse,
                 vocab: g.t(logits).cols(),
                 classes,
-            })?;
+            }))?;
             Ok(Saved::CrossEntropy { lse })
         }
         Op::Mse {
@@ -372,12 +379,12 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
         } => {
             // losses (M) = mean over C of (pred (M, C) - target (M, C))^2
             let l = e.define(losses);
-            e.launch(Kernel::MseLoss {
+            e.launch(Kernel::MseLoss(MseLoss {
                 pred: e.val(pred),
                 target: e.val(target),
                 losses: l,
                 cols: g.t(pred).cols(),
-            })?;
+            }))?;
             Ok(Saved::None)
         }
     }
@@ -398,12 +405,12 @@ pub(super) fn backward(
         (&Op::Embedding { tokens, table, out }, _) => {
             // dtable[tokens[r]] += dout[r]  (f32, accumulated)
             let dtable = gr.accumulating(e, table)?;
-            e.launch(Kernel::EmbeddingBackward {
+            e.launch(Kernel::EmbeddingBackward(EmbeddingBackward {
                 tokens: e.val(tokens),
                 dout: dout(),
                 dtable,
                 dim: g.t(out).cols(),
-            })
+            }))
         }
         (
             &Op::Linear {
@@ -457,7 +464,7 @@ pub(super) fn backward(
             let dweight = gr.accumulating(e, weight)?;
             let dbias = gr.accumulating(e, bias)?;
             let dx = gr.overwriting(e, x)?;
-            e.launch(Kernel::LayerNormBackward {
+            e.launch(Kernel::LayerNormBackward(LayerNormBackward {
                 x: e.val(x),
                 weight: e.val(weight),
                 mean,
@@ -467,7 +474,7 @@ pub(super) fn backward(
                 dweight,
                 dbias,
                 cols: g.t(x).cols(),
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (&Op::Gelu { x, .. }, _) => {
@@ -476,11 +483,11 @@ pub(super) fn backward(
                 return Ok(());
             }
             let dx = gr.overwriting(e, x)?;
-            e.launch(Kernel::GeluBackward {
+            e.launch(Kernel::GeluBackward(GeluBackward {
                 x: e.val(x),
                 dout: dout(),
                 dx: dx.buf,
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (&Op::Activation { kind, x, .. }, _) => {
@@ -489,12 +496,12 @@ pub(super) fn backward(
                 return Ok(());
             }
             let dx = gr.overwriting(e, x)?;
-            e.launch(Kernel::ActivationBackward {
+            e.launch(Kernel::ActivationBackward(ActivationBackward {
                 kind,
                 x: e.val(x),
                 dout: dout(),
                 dx: dx.buf,
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (&Op::Softmax { x, out }, _) => {
@@ -504,14 +511,14 @@ pub(super) fn backward(
             }
             let stats = e.scratch(DType::F32, 2 * g.t(x).rows());
             let dx = gr.overwriting(e, x)?;
-            e.launch(Kernel::SoftmaxBackward {
+            e.launch(Kernel::SoftmaxBackward(SoftmaxBackward {
                 p: e.val(out),
                 dout: dout(),
                 dx: dx.buf,
                 stats,
                 cols: g.t(x).cols(),
                 scale: 1.0,
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (&Op::Dropout { x, p, .. }, _) => {
@@ -521,12 +528,12 @@ pub(super) fn backward(
             }
             let dx = gr.overwriting(e, x)?;
             e.random.push((e.launches.len(), e.op));
-            e.launch(Kernel::DropoutBackward {
+            e.launch(Kernel::DropoutBackward(DropoutBackward {
                 dout: dout(),
                 dx: dx.buf,
                 p,
                 seed: dropout_seed(0, e.op),
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (&Op::Add { a, b, out: add_out }, _) => {
@@ -535,11 +542,11 @@ pub(super) fn backward(
             if a == b {
                 if gr.needs(a) {
                     let twice = e.scratch(dout.dtype, dout.len);
-                    e.launch(Kernel::Scale {
+                    e.launch(Kernel::Scale(Scale {
                         alpha: 2.0,
                         x: dout,
                         out: twice,
-                    })?;
+                    }))?;
                     gr.add_from(e, a, twice, true)?;
                 }
                 return Ok(());
@@ -581,14 +588,14 @@ pub(super) fn backward(
             let (d, act) = (c / h, g.t(qkv).dtype);
             // dyh (B, H, T, D) <- dout (B, T, C)
             let dyh = e.scratch(act, b * t * c);
-            e.launch(Kernel::SplitHeads {
+            e.launch(Kernel::SplitHeads(SplitHeads {
                 src: dout(),
                 dst: dyh,
                 seq: t,
                 heads: h,
                 width: c,
                 offset: 0,
-            })?;
+            }))?;
             let (dq, dk, dv) = (
                 e.scratch(act, b * t * c),
                 e.scratch(act, b * t * c),
@@ -600,14 +607,14 @@ pub(super) fn backward(
             // column, so together they overwrite.
             let dqkv = gr.overwriting(e, qkv)?;
             for (i, src) in [dq, dk, dv].into_iter().enumerate() {
-                e.launch(Kernel::MergeHeads {
+                e.launch(Kernel::MergeHeads(MergeHeads {
                     src,
                     dst: dqkv.buf,
                     seq: t,
                     heads: h,
                     width: 3 * c,
                     offset: i * c,
-                })?;
+                }))?;
             }
             gr.finish(e, dqkv)
         }
@@ -615,7 +622,7 @@ pub(super) fn backward(
             // dx (M, C) overwritten; dweight (C) f32 accumulated.
             let dweight = gr.accumulating(e, weight)?;
             let dx = gr.overwriting(e, x)?;
-            e.launch(Kernel::RmsNormBackward {
+            e.launch(Kernel::RmsNormBackward(RmsNormBackward {
                 x: e.val(x),
                 weight: e.val(weight),
                 rstd,
@@ -623,7 +630,7 @@ pub(super) fn backward(
                 dx: dx.buf,
                 dweight,
                 cols: g.t(x).cols(),
-            })?;
+            }))?;
             gr.finish(e, dx)
         }
         (
@@ -648,13 +655,13 @@ pub(super) fn backward(
             }
             let dgate = gr.overwriting(e, gate)?;
             let dup = gr.overwriting(e, up)?;
-            e.launch(Kernel::SwiGluBackward {
+            e.launch(Kernel::SwiGluBackward(SwiGluBackward {
                 gate: e.val(gate),
                 up: e.val(up),
                 dout: dout(),
                 dgate: dgate.buf,
                 dup: dup.buf,
-            })?;
+            }))?;
             gr.finish(e, dgate)?;
             gr.finish(e, dup)
         }
@@ -677,14 +684,14 @@ pub(super) fn backward(
             let (b, t, d, act) = (s[0], s[1], s[2] / h, g.t(qt).dtype);
             // dyh (B, H, T, D) <- dout (B, T, H*D)
             let dyh = e.scratch(act, b * h * t * d);
-            e.launch(Kernel::SplitHeads {
+            e.launch(Kernel::SplitHeads(SplitHeads {
                 src: dout(),
                 dst: dyh,
                 seq: t,
                 heads: h,
                 width: h * d,
                 offset: 0,
-            })?;
+            }))?;
             let (dq, dk, dv) = (
                 e.scratch(act, b * h * t * d),
                 e.scratch(act, b * kv * t * d),
@@ -700,14 +707,14 @@ pub(super) fn backward(
                     continue;
                 }
                 let dst = gr.overwriting(e, x)?;
-                e.launch(Kernel::MergeHeads {
+                e.launch(Kernel::MergeHeads(MergeHeads {
                     src,
                     dst: dst.buf,
                     seq: t,
                     heads: n,
                     width: n * d,
                     offset: 0,
-                })?;
+                }))?;
                 gr.finish(e, dst)?;
             }
             Ok(())
@@ -728,7 +735,7 @@ pub(super) fn backward(
             }
             let dlogits = gr.overwriting(e, logits)?;
             e.seeds.push(e.launches.len());
-            e.launch(Kernel::CrossEntropyBackward {
+            e.launch(Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits: e.val(logits),
                 targets: e.val(targets),
                 lse,
@@ -736,7 +743,7 @@ pub(super) fn backward(
                 vocab: g.t(logits).cols(),
                 classes,
                 scale: 1.0,
-            })?;
+            }))?;
             gr.finish(e, dlogits)
         }
         (&Op::Mse { pred, target, .. }, _) => {
@@ -747,13 +754,13 @@ pub(super) fn backward(
             }
             let dpred = gr.overwriting(e, pred)?;
             e.seeds.push(e.launches.len());
-            e.launch(Kernel::MseBackward {
+            e.launch(Kernel::MseBackward(MseBackward {
                 pred: e.val(pred),
                 target: e.val(target),
                 dpred: dpred.buf,
                 cols: g.t(pred).cols(),
                 scale: 1.0,
-            })?;
+            }))?;
             gr.finish(e, dpred)
         }
         // Decoding ops have no backward: Graph::compile refuses a decoding graph.
@@ -772,7 +779,7 @@ fn rope(
     inverse: bool,
 ) -> Kernel {
     let s = &g.t(x).shape;
-    Kernel::Rope {
+    Kernel::Rope(Rope {
         x: src,
         out: dst,
         cols: s[2],
@@ -780,7 +787,7 @@ fn rope(
         seq: s[1],
         freqs,
         inverse,
-    }
+    })
 }
 
 /// The heads of one attention op: `b * h` query heads and `b * kv` K/V heads of
@@ -836,14 +843,14 @@ fn attend(
                     .batched(bkv, g * t * d, t * d, g * t * t)
                     .scaled(s.scale(), 0.0),
             ))?;
-            e.launch(Kernel::Softmax {
+            e.launch(Kernel::Softmax(Softmax {
                 x: scores,
                 out: att,
                 stats,
                 cols: t,
                 scale: 1.0,
                 causal: true,
-            })?;
+            }))?;
             e.launch(Kernel::Matmul(
                 Matmul::new(att, v, yh, g * t, d, t).batched(bkv, g * t * t, t * d, g * t * d),
             ))?;
@@ -852,7 +859,7 @@ fn attend(
         Attention::Fused => {
             // Tile by tile; saves one f32 log-sum-exp per (head, row).
             let lse = e.scratch(DType::F32, bh * t);
-            e.launch(Kernel::Attention {
+            e.launch(Kernel::Attention(kernels::Attention {
                 q,
                 k,
                 v,
@@ -864,7 +871,7 @@ fn attend(
                 dim: d,
                 scale: s.scale(),
                 causal: true,
-            })?;
+            }))?;
             Ok(lse)
         }
     }
@@ -899,14 +906,14 @@ fn attend_backward(
                     .transpose(true, false)
                     .batched(bkv, g * t * t, g * t * d, t * d),
             ))?;
-            e.launch(Kernel::SoftmaxBackward {
+            e.launch(Kernel::SoftmaxBackward(SoftmaxBackward {
                 p: att,
                 dout: datt,
                 dx: dscores,
                 stats,
                 cols: t,
                 scale: s.scale(),
-            })?;
+            }))?;
             e.launch(Kernel::Matmul(
                 Matmul::new(dscores, k, dq, g * t, d, t).batched(bkv, g * t * t, t * d, g * t * d),
             ))?;
@@ -919,7 +926,7 @@ fn attend_backward(
         Attention::Fused => {
             // Recomputes the probabilities from q, k and the saved lse; dk and dv sum
             // each K/V head's group inside the kernel.
-            e.launch(Kernel::AttentionBackward {
+            e.launch(Kernel::AttentionBackward(AttentionBackward {
                 q,
                 k,
                 v,
@@ -935,7 +942,7 @@ fn attend_backward(
                 dim: d,
                 scale: s.scale(),
                 causal: true,
-            })
+            }))
         }
     }
 }

@@ -23,6 +23,10 @@
 //! makes sharing safe: a buffer's old contents are never seen. The tests poison the
 //! shared buffers with NaN between steps to hold the plan to that.
 
+use crate::kernels::{
+    self, Axpy, Binary, Cast, CrossEntropyBackward, Dropout, DropoutBackward, Fill, GradScale,
+    LayerNormBackward, MseBackward, NonFinite, Reduce, RmsNormBackward,
+};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -317,17 +321,17 @@ impl Graph {
             None => losses,
         };
         e.first_only.push(e.launches.len());
-        e.launch(Kernel::Fill {
+        e.launch(Kernel::Fill(Fill {
             dst: loss_acc,
             value: 0.0,
-        })?;
+        }))?;
         let loss_axpy = match self.loss {
             Some(_) => {
-                e.launch(Kernel::Axpy {
+                e.launch(Kernel::Axpy(Axpy {
                     alpha: 1.0,
                     x: losses,
                     y: loss_acc,
-                })?;
+                }))?;
                 Some(e.launches.len() - 1)
             }
             None => None,
@@ -363,30 +367,30 @@ impl Graph {
             }
         }
         let flag = e.pinned(DType::U32, 1);
-        e.launch(Kernel::NonFinite {
+        e.launch(Kernel::NonFinite(NonFinite {
             srcs: grads.clone(),
             flag,
-        })?;
+        }))?;
         // The norm: per-group sums of squares, added up in group order.
         let norm_start = e.launches.len();
         let mut sum_squares: Option<Buffer> = None;
         for &g in &grads {
             let part = e.scratch(DType::F32, 1);
-            e.launch(Kernel::Reduce {
+            e.launch(Kernel::Reduce(Reduce {
                 op: ReduceOp::SumSquares,
                 src: g,
                 dst: part,
-            })?;
+            }))?;
             sum_squares = Some(match sum_squares {
                 None => part,
                 Some(prev) => {
                     let sum = e.scratch(DType::F32, 1);
-                    e.launch(Kernel::Binary {
+                    e.launch(Kernel::Binary(Binary {
                         op: crate::BinaryOp::Add,
                         a: prev,
                         b: part,
                         out: sum,
-                    })?;
+                    }))?;
                     sum
                 }
             });
@@ -395,19 +399,19 @@ impl Graph {
         let sum_squares = sum_squares.expect("a graph with parameters has gradients");
         // Kept readable for a caller that decides the step across devices.
         let kept = e.pinned(DType::F32, 1);
-        e.launch(Kernel::Copy {
+        e.launch(Kernel::Copy(kernels::Copy {
             src: sum_squares,
             dst: kept,
-        })?;
+        }))?;
         let norm = norm.start..e.launches.len();
         let grad_scale = e.pinned(DType::F32, 1);
         let grad_scale_launch = e.launches.len();
-        e.launch(Kernel::GradScale {
+        e.launch(Kernel::GradScale(GradScale {
             sum_squares,
             out: grad_scale,
             loss_scale: 1.0,
             clip: 0.0,
-        })?;
+        }))?;
         let check_end = e.launches.len();
         // The update, one launch per group; lr and step are set per step.
         let mut updates = vec![];
@@ -805,11 +809,13 @@ fn reads_old_contents(k: &Kernel, b: Buffer) -> bool {
         return true;
     }
     match k {
-        Kernel::Axpy { y, .. } => y.id == b.id,
+        Kernel::Axpy(Axpy { y, .. }) => y.id == b.id,
         Kernel::Matmul(mm) => mm.c.id == b.id && mm.beta != 0.0,
-        Kernel::LayerNormBackward { dweight, dbias, .. } => dweight.id == b.id || dbias.id == b.id,
-        Kernel::RmsNormBackward { dweight, .. } => dweight.id == b.id,
-        Kernel::EmbeddingBackward { .. } | Kernel::Adam(_) | Kernel::Sgd(_) => true,
+        Kernel::LayerNormBackward(LayerNormBackward { dweight, dbias, .. }) => {
+            dweight.id == b.id || dbias.id == b.id
+        }
+        Kernel::RmsNormBackward(RmsNormBackward { dweight, .. }) => dweight.id == b.id,
+        Kernel::EmbeddingBackward(_) | Kernel::Adam(_) | Kernel::Sgd(_) => true,
         _ => false,
     }
 }
@@ -886,10 +892,10 @@ impl Plan {
         let launches: Vec<Kernel> = self.launches[..self.forward_end]
             .iter()
             .map(|k| match *k {
-                Kernel::Dropout { x, out, .. } if x.dtype == out.dtype => {
-                    Kernel::Copy { src: x, dst: out }
+                Kernel::Dropout(Dropout { x, out, .. }) if x.dtype == out.dtype => {
+                    Kernel::Copy(kernels::Copy { src: x, dst: out })
                 }
-                Kernel::Dropout { x, out, .. } => Kernel::Cast { src: x, dst: out },
+                Kernel::Dropout(Dropout { x, out, .. }) => Kernel::Cast(Cast { src: x, dst: out }),
                 _ => k.clone(),
             })
             .collect();
@@ -907,15 +913,16 @@ impl Plan {
     }
 
     /// Sets the random state every dropout mask derives from: each dropout op's seed is
-    /// [`crate::device::kernel::dropout_seed`]`(key, op index)`, so two ops never share a mask
+    /// [`crate::kernels::dropout_seed`]`(key, op index)`, so two ops never share a mask
     /// and a key gives the same masks on any device or backend (a trainer resumes
     /// exactly by passing a key made of its seed, step and micro-batch). Forward and
     /// backward of a micro-batch must run under one key; a plan starts at key 0.
     pub fn set_random_state(&mut self, key: u64) {
         for &(i, op) in &self.random {
             match &mut self.launches[i] {
-                Kernel::Dropout { seed, .. } | Kernel::DropoutBackward { seed, .. } => {
-                    *seed = crate::device::kernel::dropout_seed(key, op)
+                Kernel::Dropout(Dropout { seed, .. })
+                | Kernel::DropoutBackward(DropoutBackward { seed, .. }) => {
+                    *seed = crate::kernels::dropout_seed(key, op)
                 }
                 _ => unreachable!("random launches are dropouts"),
             }
@@ -1056,13 +1063,14 @@ impl Plan {
         self.loss_scale = loss_scale;
         for &i in &self.seeds {
             match &mut self.launches[i] {
-                Kernel::CrossEntropyBackward { scale, .. } | Kernel::MseBackward { scale, .. } => {
-                    *scale = seed
-                }
+                Kernel::CrossEntropyBackward(CrossEntropyBackward { scale, .. })
+                | Kernel::MseBackward(MseBackward { scale, .. }) => *scale = seed,
                 _ => unreachable!("seed launches are loss backwards"),
             }
         }
-        if let Some(Kernel::Axpy { alpha, .. }) = self.loss_axpy.map(|i| &mut self.launches[i]) {
+        if let Some(Kernel::Axpy(Axpy { alpha, .. })) =
+            self.loss_axpy.map(|i| &mut self.launches[i])
+        {
             *alpha = loss_weight;
         }
         let beta = if micro == 0 { 0.0 } else { 1.0 };
@@ -1087,11 +1095,11 @@ impl Plan {
                 "plan: gradient clipping at {clip}; give a finite norm, or 0 for none"
             )));
         }
-        if let Kernel::GradScale {
+        if let Kernel::GradScale(GradScale {
             loss_scale,
             clip: c,
             ..
-        } = &mut self.launches[self.grad_scale_launch]
+        }) = &mut self.launches[self.grad_scale_launch]
         {
             *loss_scale = self.loss_scale;
             *c = clip;

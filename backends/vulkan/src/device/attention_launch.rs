@@ -5,6 +5,7 @@
 use super::dispatch::buffer_writes;
 use super::gemm_launch::spirv_words;
 use super::*;
+use kiln_engine::kernels::{self, AttentionBackward};
 
 impl VkDevice {
     /// Records a validated attention kernel with the hand-written GLSL passes, over the
@@ -112,12 +113,12 @@ impl VkDevice {
 /// What the primer needs to run an attention kernel like `kernel` (see `primer.rs`).
 fn attention_recipe(kernel: &Kernel, plan: AttentionPlan) -> AttentionRecipe {
     let (backward, group, dim, causal) = match *kernel {
-        Kernel::Attention {
+        Kernel::Attention(kernels::Attention {
             group, dim, causal, ..
-        } => (false, group, dim, causal),
-        Kernel::AttentionBackward {
+        }) => (false, group, dim, causal),
+        Kernel::AttentionBackward(AttentionBackward {
             group, dim, causal, ..
-        } => (true, group, dim, causal),
+        }) => (true, group, dim, causal),
         _ => (false, 1, 1, false),
     };
     AttentionRecipe {

@@ -411,10 +411,7 @@ impl VkDevice {
     /// through it, fused attention through the GLSL passes, everything else through the
     /// shared lowering.
     fn record(&self, s: &mut State, kernel: &Kernel) -> Result<()> {
-        if matches!(
-            kernel,
-            Kernel::Attention { .. } | Kernel::AttentionBackward { .. }
-        ) {
+        if matches!(kernel, Kernel::Attention(_) | Kernel::AttentionBackward(_)) {
             return self.record_attention(s, kernel);
         }
         if let Kernel::Matmul(mm) = kernel {

@@ -1,6 +1,7 @@
 //! First runs of slow pipelines on the primer's device (see `primer.rs`).
 
 use super::*;
+use kiln_engine::kernels::{self, AttentionBackward};
 
 impl PrimeOn for VkDevice {
     fn run_once(&self, job: &Job) -> Result<()> {
@@ -51,7 +52,7 @@ impl VkDevice {
         self.with_buffers(&specs, |bufs| {
             let (scale, causal, group) = (1.0, r.causal, r.group);
             let kernel = if r.backward {
-                Kernel::AttentionBackward {
+                Kernel::AttentionBackward(AttentionBackward {
                     q: bufs[0],
                     k: bufs[1],
                     v: bufs[2],
@@ -67,9 +68,9 @@ impl VkDevice {
                     dim,
                     scale,
                     causal,
-                }
+                })
             } else {
-                Kernel::Attention {
+                Kernel::Attention(kernels::Attention {
                     q: bufs[0],
                     k: bufs[1],
                     v: bufs[2],
@@ -81,7 +82,7 @@ impl VkDevice {
                     dim,
                     scale,
                     causal,
-                }
+                })
             };
             // With the training device's plan, so that the driver sees its pipelines.
             kernel.validate()?;

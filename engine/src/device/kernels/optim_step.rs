@@ -1,6 +1,8 @@
 //! The optimizer kernels' arguments (one Adam or SGD step over flat buffers) and
 //! their checks; `optim.rs` launches them.
 
+use super::{KernelSpec, Operand};
+use crate::device::cost::{bytes_of, KernelCost};
 use crate::{Buffer, DType, Error, Result};
 
 /// One Adam or AdamW step (PyTorch's formulas, bias-corrected, 1-based `step`).
@@ -169,5 +171,104 @@ impl SgdStep {
                 ("weight_decay", self.weight_decay),
             ],
         )
+    }
+}
+
+impl KernelSpec for AdamStep {
+    fn name(&self) -> &'static str {
+        "adam"
+    }
+
+    fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        let a = self;
+        [
+            Operand::write_split(&mut a.master),
+            Operand::read_split(&mut a.grads),
+        ]
+        .into_iter()
+        .chain([
+            Operand::write_split(&mut a.m),
+            Operand::write_split(&mut a.v),
+            Operand::read_split(&mut a.grad_scale),
+        ])
+        .chain(a.params.as_mut().map(Operand::write_split))
+        .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let a = self;
+        a.validate()
+    }
+
+    fn flops_per_element(&self) -> f64 {
+        14.0
+    }
+
+    fn cost(&self) -> KernelCost {
+        let kind = self.name();
+        let (label, flops, bytes) = {
+            let a = self;
+            // Master weights and both moments are read and written; gradients read;
+            // the low-precision copy, if any, written.
+            let n = a.master.len as f64;
+            let bytes = 2.0 * (bytes_of(&a.master) + bytes_of(&a.m) + bytes_of(&a.v))
+                + bytes_of(&a.grads)
+                + a.params.as_ref().map_or(0.0, bytes_of);
+            (kind.to_string(), self.flops_per_element() * n, bytes)
+        };
+        KernelCost {
+            kind,
+            label,
+            flops,
+            bytes,
+        }
+    }
+}
+
+impl KernelSpec for SgdStep {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+
+    fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        let s = self;
+        [
+            Operand::write_split(&mut s.master),
+            Operand::read_split(&mut s.grads),
+        ]
+        .into_iter()
+        .chain([
+            Operand::write_split(&mut s.momentum_buf),
+            Operand::read_split(&mut s.grad_scale),
+        ])
+        .chain(s.params.as_mut().map(Operand::write_split))
+        .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let s = self;
+        s.validate()
+    }
+
+    fn flops_per_element(&self) -> f64 {
+        6.0
+    }
+
+    fn cost(&self) -> KernelCost {
+        let kind = self.name();
+        let (label, flops, bytes) = {
+            let s = self;
+            let n = s.master.len as f64;
+            let bytes = 2.0 * (bytes_of(&s.master) + bytes_of(&s.momentum_buf))
+                + bytes_of(&s.grads)
+                + s.params.as_ref().map_or(0.0, bytes_of);
+            (kind.to_string(), self.flops_per_element() * n, bytes)
+        };
+        KernelCost {
+            kind,
+            label,
+            flops,
+            bytes,
+        }
     }
 }

@@ -4,6 +4,8 @@
 //! `trans_a`. `op(B)` is `K×N`: B is stored `K×N`, or `N×K` when `trans_b`. C is `M×N`.
 //! Training needs NN (forward), NT (input gradient) and TN (weight gradient).
 
+use super::{KernelSpec, Operand};
+use crate::device::cost::{bytes_of, KernelCost};
 use crate::{Buffer, DType, Error, Result};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -244,4 +246,83 @@ pub fn gelu_grad_f64(x: f64) -> f64 {
     let c = (2.0 / std::f64::consts::PI).sqrt();
     let t = (c * (x + 0.044715 * x * x * x)).tanh();
     0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+impl KernelSpec for Matmul {
+    fn name(&self) -> &'static str {
+        "matmul"
+    }
+
+    fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        let mm = self;
+        [
+            Operand::read_split(&mut mm.a),
+            Operand::read_split(&mut mm.b),
+            Operand::write_split(&mut mm.c),
+        ]
+        .into_iter()
+        .chain(mm.bias.as_mut().map(Operand::read_split))
+        .chain(mm.c_f32.as_mut().map(Operand::write_split))
+        .collect()
+    }
+
+    fn check(&self) -> Result<()> {
+        let mm = self;
+        mm.validate()
+    }
+
+    fn flops_per_element(&self) -> f64 {
+        0.0
+    }
+
+    fn cost(&self) -> KernelCost {
+        let kind = self.name();
+        let (label, flops, bytes) = {
+            let mm = self;
+            let (m, n, k, b) = (mm.m as f64, mm.n as f64, mm.k as f64, mm.batch as f64);
+            let a_size = mm.a.dtype.size() as f64;
+            let b_size = mm.b.dtype.size() as f64;
+            let c_size = mm.c.dtype.size() as f64;
+            let reads_c = mm.beta != 0.0;
+            let mut flops = 2.0 * m * n * k;
+            let mut bytes = m * k * a_size + k * n * b_size + m * n * c_size;
+            if reads_c {
+                flops += 2.0 * m * n;
+                bytes += m * n * c_size;
+            }
+            if mm.bias.is_some() {
+                flops += m * n;
+            }
+            if mm.gelu {
+                flops += 8.0 * m * n;
+            }
+            if mm.c_f32.is_some() {
+                bytes += m * n * 4.0;
+            }
+            bytes *= b;
+            // The bias is one row shared by the batch.
+            bytes += mm.bias.as_ref().map_or(0.0, bytes_of);
+            let layout = format!(
+                "{}{}",
+                if mm.trans_a { 'T' } else { 'N' },
+                if mm.trans_b { 'T' } else { 'N' }
+            );
+            let batch = if mm.batch > 1 {
+                format!(" x{}", mm.batch)
+            } else {
+                String::new()
+            };
+            let label = format!(
+                "matmul {}x{}x{} {layout}{batch} {}",
+                mm.m, mm.n, mm.k, mm.c.dtype
+            );
+            (label, flops * b, bytes)
+        };
+        KernelCost {
+            kind,
+            label,
+            flops,
+            bytes,
+        }
+    }
 }
