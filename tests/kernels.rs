@@ -286,3 +286,73 @@ fn many_launches_share_one_submit_and_keep_program_order() {
         );
     }
 }
+
+/// The row argmax, first on hand-built rows whose answers are known (ties, NaN, -inf,
+/// padding columns larger than every class), then on random rows with many ties
+/// (values on a coarse grid) against the CPU, over awkward shapes: one column, primes,
+/// rows past a workgroup, and (130 rows) the CPU adapters' one-lane-per-row plan.
+#[test]
+fn argmax_picks_the_first_largest_class_and_never_nan() {
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    // (row, classes, want); each row padded with 1e4 past its classes.
+    let known: [(&[f32], usize, u32); 8] = [
+        (&[1.0, 3.0, 2.0, 3.0], 4, 1),
+        (&[nan, -1.0, -0.5, -0.5], 4, 2),
+        (&[-inf, -inf, -inf, -inf], 4, 0),
+        (&[nan, -inf, -inf, nan], 4, 1),
+        (&[nan, nan, nan, nan], 4, 0),
+        (&[0.0, -2.0, inf, inf], 4, 2),
+        (&[-3.0, -1.0, 5.0, 9.0], 2, 1),
+        (&[-3.4028235e38, -inf, -3.4028235e38, 0.0], 3, 0),
+    ];
+    let cols = 5;
+    for p in gpu_paths() {
+        for dtype in DType::FLOATS {
+            for &(row, classes, want) in &known {
+                let mut r = row.to_vec();
+                r.resize(cols, 1e4);
+                let x = HostData::from_f32(dtype, &r);
+                let out = run_both(p.dev.as_ref(), &[x, HostData::U32(vec![9])], |b| {
+                    (argmax(b, cols, classes), vec![1])
+                });
+                let what = format!("{}: argmax of {row:?} ({classes} classes, {dtype})", p.name);
+                assert_eq!(out[0].1, HostData::U32(vec![want]), "{what}: cpu");
+                assert_eq!(out[0].0, HostData::U32(vec![want]), "{what}: gpu");
+            }
+            for (rows, cols, classes) in [
+                (1, 1, 1),
+                (3, 7, 7),
+                (5, 257, 250),
+                (130, 13, 11),
+                (2, 1031, 1031),
+            ] {
+                // Values on a grid of 8 per unit in [-2, 2): ties within a row are common.
+                let v: Vec<f32> = finite(DType::F32, rows * cols, (rows * cols) as u64)
+                    .to_f32()
+                    .iter()
+                    .map(|x| (x * 8.0).round() / 8.0)
+                    .collect();
+                let x = HostData::from_f32(dtype, &v);
+                let out = run_both(
+                    p.dev.as_ref(),
+                    &[x, HostData::U32(vec![u32::MAX; rows])],
+                    |b| (argmax(b, cols, classes), vec![1]),
+                );
+                let what = format!(
+                    "{}: argmax of {rows}x{cols} ({classes} classes, {dtype})",
+                    p.name
+                );
+                assert_eq!(out[0].0, out[0].1, "{what}");
+            }
+        }
+    }
+}
+
+fn argmax(b: &[kiln::engine::Buffer], cols: usize, classes: usize) -> Kernel {
+    Kernel::ArgMax(kernels::ArgMax {
+        x: b[0],
+        out: b[1],
+        cols,
+        classes,
+    })
+}

@@ -7,7 +7,7 @@
 //! in f64 so that they are a tighter reference than any kernel.
 
 use kiln_engine::kernels::{
-    self, Activation, ActivationBackward, AttentionBackward, Axpy, Binary, CacheWrite,
+    self, Activation, ActivationBackward, ArgMax, AttentionBackward, Axpy, Binary, CacheWrite,
     CachedAttention, Cast, CrossEntropy, CrossEntropyBackward, Dropout, DropoutBackward, Embedding,
     EmbeddingBackward, Fill, Gelu, GeluBackward, GradScale, LayerNorm, LayerNormBackward,
     MergeHeads, MseBackward, MseLoss, NonFinite, Reduce, RmsNorm, RmsNormBackward, Rope, RopeAt,
@@ -184,6 +184,28 @@ impl CpuDevice {
                     }
                 };
                 s.put(*dst, HostData::F32(vec![r]), name)
+            }
+            Kernel::ArgMax(ArgMax {
+                x,
+                out,
+                cols,
+                classes,
+            }) => {
+                let xs = s.f32s(*x, name)?;
+                let best = xs
+                    .chunks_exact(*cols)
+                    .map(|row| {
+                        // The first of the largest numbers; NaN never wins.
+                        let mut best: Option<usize> = None;
+                        for (i, &v) in row[..*classes].iter().enumerate() {
+                            if !v.is_nan() && best.is_none_or(|b| v > row[b]) {
+                                best = Some(i);
+                            }
+                        }
+                        best.unwrap_or(0) as u32
+                    })
+                    .collect();
+                s.put(*out, HostData::U32(best), name)
             }
             Kernel::NonFinite(NonFinite { srcs, flag }) => {
                 let mut any = false;

@@ -5,7 +5,7 @@
 //! Vulkan, so both backends run one op set.
 
 use kiln_engine::kernels::{
-    self, Activation, ActivationBackward, Axpy, Binary, CacheWrite, CachedAttention, Cast,
+    self, Activation, ActivationBackward, ArgMax, Axpy, Binary, CacheWrite, CachedAttention, Cast,
     CrossEntropy, CrossEntropyBackward, Dropout, DropoutBackward, Embedding, EmbeddingBackward,
     Fill, Gelu, GeluBackward, GradScale, LayerNorm, LayerNormBackward, MergeHeads, MseBackward,
     MseLoss, NonFinite, Reduce, RmsNorm, RmsNormBackward, Rope, RopeAt, Scale, Softmax,
@@ -675,6 +675,26 @@ pub(crate) trait Lower: Recorder {
                         vec![self.repr(logits.dtype)],
                         vec![h(logits), h(targets), h(losses), h(lse)],
                         vec![rows, 0, 0, *vocab as u32, *classes as u32, 0, 0, 0],
+                        grid,
+                    )
+                    .with_overrides(lanes),
+                )?;
+            }
+            Kernel::ArgMax(ArgMax {
+                x,
+                out,
+                cols,
+                classes,
+            }) => {
+                let rows = (x.len / cols) as u32;
+                let (lanes, grid) = self.row_plan(rows, *classes as u32);
+                self.dispatch(
+                    s,
+                    Dispatch::new(
+                        &shader::ARGMAX,
+                        vec![self.repr(x.dtype)],
+                        vec![h(x), h(out)],
+                        vec![rows, 0, 0, *cols as u32, *classes as u32, 0, 0, 0],
                         grid,
                     )
                     .with_overrides(lanes),

@@ -305,6 +305,13 @@ pub const CROSS_ENTROPY: KernelSource = KernelSource {
         ]
     )
 };
+/// Row argmax: a row reduction with the cross-entropy's parameters (rows, the row's
+/// length, the classes among it).
+pub const ARGMAX: KernelSource = KernelSource {
+    prelude: &[CROSS_ENTROPY_PARAMS, ROW_REDUCE],
+    params_size: 32,
+    ..elementwise!("argmax", &[typed("x", Read), own("out", ReadWrite)])
+};
 pub const CROSS_ENTROPY_BACKWARD: KernelSource = KernelSource {
     prelude: &[CROSS_ENTROPY_PARAMS],
     params_size: 32,
@@ -650,6 +657,7 @@ pub const ALL: &[&KernelSource] = &[
     &SOFTMAX_BACKWARD_DX,
     &CROSS_ENTROPY,
     &CROSS_ENTROPY_BACKWARD,
+    &ARGMAX,
     &EMBEDDING,
     &EMBEDDING_BACKWARD,
     &LAYERNORM_STATS,

@@ -23,8 +23,9 @@ use super::{Model, ParamSpec};
 use crate::data;
 use crate::device::optim::ParamBuffers;
 use crate::graph::{Bindings, Graph, Group, Loss, Plan, Tensor};
+use crate::kernels::ArgMax;
 use crate::rng::SplitMix;
-use crate::{Buffer, Capabilities, DType, Device, Error, HostData, Result, IGNORE_TARGET};
+use crate::{Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Result, IGNORE_TARGET};
 
 /// The data of one micro-batch: one host vector per input of the model's forward pass,
 /// in [`Forward::inputs`] order. Float inputs may be given as f32 (rounded to the
@@ -355,8 +356,7 @@ impl Network {
             .plan
             .buffer(t)
             .expect("the prediction is a graph output");
-        let values = dev.download(buf)?.to_f32();
-        Ok((loss, best_per_row(&values, cols, classes)))
+        Ok((loss, best_per_row(dev, buf, cols, classes)?))
     }
 
     /// (name, gradient) of every parameter, as f32.
@@ -742,21 +742,34 @@ pub(crate) fn random_key(seed: u64, steps: u32, micro: usize) -> u64 {
     SplitMix(seed ^ step ^ at).next_u64()
 }
 
-/// The index of the largest of the first `classes` values in every row of `cols`
-/// (a padded vocabulary's padding columns are never predicted).
-pub(crate) fn best_per_row(values: &[f32], cols: usize, classes: usize) -> Vec<u32> {
-    values
-        .chunks_exact(cols.max(1))
-        .map(|row| {
-            let row = &row[..classes];
-            // First maximum wins, so ties resolve the same way on every backend.
-            let mut arg = 0;
-            for (i, &x) in row.iter().enumerate() {
-                if x > row[arg] {
-                    arg = i;
-                }
-            }
-            arg as u32
-        })
-        .collect()
+/// The index of the largest of the first `classes` values of each row of `values`
+/// (rows of `cols`), the first of equal ones, computed on the device
+/// ([`ArgMax`]): evaluation downloads 4 bytes a row instead of the logits (a GPT-2
+/// micro-batch of 8 x 1024 positions: 32 KiB rather than 800 MiB of f16 logits).
+pub(crate) fn best_per_row(
+    dev: &dyn Device,
+    values: Buffer,
+    cols: usize,
+    classes: usize,
+) -> Result<Vec<u32>> {
+    let out = dev.alloc(DType::U32, values.len / cols.max(1))?;
+    let best = (|| {
+        dev.launch(&Kernel::ArgMax(ArgMax {
+            x: values,
+            out,
+            cols,
+            classes,
+        }))?;
+        dev.submit()?;
+        match dev.download(out)? {
+            HostData::U32(v) => Ok(v),
+            other => Err(Error::DTypeMismatch {
+                what: "argmax: the predictions downloaded".into(),
+                expected: DType::U32,
+                found: other.dtype(),
+            }),
+        }
+    })();
+    dev.free(out)?;
+    best
 }

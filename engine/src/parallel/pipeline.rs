@@ -922,8 +922,7 @@ impl Pipeline {
                 .plan
                 .buffer(t)
                 .expect("the prediction is a graph output");
-            let values = dev.download(buf).map_err(at_stage)?.to_f32();
-            let best = crate::models::best_per_row(&values, cols, classes);
+            let best = crate::models::best_per_row(dev, buf, cols, classes).map_err(at_stage)?;
             return Ok((loss, best));
         }
         unreachable!("a pipeline has at least one stage")

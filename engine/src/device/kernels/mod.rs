@@ -42,7 +42,7 @@ pub use matmul::Matmul;
 pub use memory::{Cast, Copy, Fill};
 pub use norm::{LayerNorm, LayerNormBackward, RmsNorm, RmsNormBackward};
 pub use optim_step::{AdamStep, SgdStep};
-pub use reduce::{GradScale, NonFinite, Reduce, ReduceOp};
+pub use reduce::{ArgMax, GradScale, NonFinite, Reduce, ReduceOp, ARGMAX_MAX_CLASSES};
 pub use rotary::{Rope, RopeAt, ROPE_MAX_SEQ};
 pub use softmax::{Softmax, SoftmaxBackward};
 
@@ -173,6 +173,7 @@ kernels! {
     RopeAt(RopeAt),
     CacheWrite(CacheWrite),
     CachedAttention(CachedAttention),
+    ArgMax(ArgMax),
 }
 
 impl Kernel {

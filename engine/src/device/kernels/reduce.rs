@@ -1,6 +1,7 @@
-//! Reductions to one value: sums and maxima, the overflow check and the gradient scale.
+//! Reductions: to one value (sums and maxima, the overflow check, the gradient scale)
+//! and per row (the argmax).
 
-use super::check::{float, same_dtype, same_len};
+use super::check::{float, rows_of, same_dtype, same_len};
 use super::{KernelSpec, Operand};
 use crate::{Buffer, DType, Error, Result};
 
@@ -144,5 +145,50 @@ impl KernelSpec for GradScale {
 
     fn flops_per_element(&self) -> f64 {
         4.0
+    }
+}
+
+/// The most columns [`ArgMax`] looks at: every index is then an exact f32 (the GPU
+/// kernels reduce indices as floats).
+pub const ARGMAX_MAX_CLASSES: usize = 1 << 24;
+
+/// Row argmax: `out[r]` (u32) is the index of the largest of the first `classes` values
+/// of row `r` of `x` (rows of `cols`; the columns from `classes` on pad the row, as a
+/// padded vocabulary's do, and are never chosen), the first of equal ones. NaN is never
+/// chosen; a row without a number gives 0. What evaluation reads instead of the
+/// logits: 4 bytes a row rather than `cols` values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArgMax {
+    pub x: Buffer,
+    pub out: Buffer,
+    pub cols: usize,
+    pub classes: usize,
+}
+
+impl KernelSpec for ArgMax {
+    fn name(&self) -> &'static str {
+        "argmax"
+    }
+
+    fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        vec![Operand::read(&mut self.x), Operand::write(&mut self.out)]
+    }
+
+    fn check(&self) -> Result<()> {
+        let k = self.name();
+        let rows = rows_of(k, &self.x, self.cols)?;
+        if self.classes == 0 || self.classes > self.cols.min(ARGMAX_MAX_CLASSES) {
+            return Err(Error::InvalidArgument(format!(
+                "{k}: {} classes in rows of {}; need 1 <= classes <= the row's length and \
+                 <= {ARGMAX_MAX_CLASSES}",
+                self.classes, self.cols
+            )));
+        }
+        same_dtype(k, "out", &self.out, DType::U32)?;
+        same_len(k, "out", &self.out, rows)
+    }
+
+    fn flops_per_element(&self) -> f64 {
+        1.0
     }
 }
