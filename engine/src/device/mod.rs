@@ -1,7 +1,8 @@
 //! The device layer: the contract every backend implements ([`Device`], here), the
-//! kernels a device launches described as data (`kernels`, one struct per kernel, and `optim`), element
-//! types (`dtype`), host copies of buffers (`host`) and named buffers saved to and
-//! loaded from safetensors files (`safetensors_io`). It imports nothing above it.
+//! kernels a device launches described as data (`kernels`: one struct per kernel with
+//! its checks and cost; `optim`: the optimizer's launches), element types (`dtype`),
+//! host copies of buffers (`host`) and named buffers saved to and loaded from
+//! safetensors files (`safetensors_io`). It imports nothing above it.
 //!
 //! The trait is deliberately narrow — memory, kernel launches, submission — and
 //! object-safe, so a device group can hold `Box<dyn Device>`s of different backends side
