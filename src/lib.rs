@@ -23,6 +23,7 @@ pub mod init_from;
 pub mod profile;
 pub mod sample;
 pub mod say;
+pub mod template;
 pub mod train;
 
 pub use devices::{open_device, DeviceSpec};

@@ -116,6 +116,28 @@ fn run(cli: Cli) -> Result<()> {
             );
             Ok(())
         }
+        Command::Template {
+            dir,
+            messages,
+            add_generation_prompt,
+            date,
+            json,
+            chat_template,
+        } => {
+            let report = kiln::template::template(&kiln::template::TemplateOptions {
+                dir,
+                row: messages,
+                add_generation_prompt,
+                date,
+                json,
+                chat_template,
+            })?;
+            out!("{}", report.output);
+            for note in report.notes {
+                errln!("{note}");
+            }
+            Ok(())
+        }
         Command::Runs { what, root } => runs(what, &root),
         Command::Estimate {
             model,

@@ -61,6 +61,31 @@ pub(crate) enum Command {
         #[arg(long, default_value = "gpt2")]
         tokenizer: String,
     },
+    /// Show what fine-tuning trains on: one dataset row through a model's chat
+    /// template, the assistant's text marked (or as JSON with its spans, and with the
+    /// model's tokenizer the tokens and their loss mask).
+    Template {
+        /// The model directory (tokenizer_config.json or chat_template.jinja; with
+        /// tokenizer.json, the tokens too).
+        dir: PathBuf,
+        /// One dataset row as JSON: {"messages": [{"role", "content"}, ...], "tools": [...]}.
+        #[arg(long)]
+        messages: PathBuf,
+        /// End with the assistant's header, as for generation.
+        #[arg(long)]
+        add_generation_prompt: bool,
+        /// The date `strftime_now` gives the template (`26 Jul 2026` or `2026-07-26`);
+        /// default today.
+        #[arg(long)]
+        date: Option<String>,
+        /// Print JSON: text, assistant_spans (character offsets), span_method, and with
+        /// a tokenizer tokens and mask.
+        #[arg(long)]
+        json: bool,
+        /// A Jinja chat template file to use instead of the model's.
+        #[arg(long)]
+        chat_template: Option<PathBuf>,
+    },
     /// List training runs, or compare two.
     Runs {
         #[command(subcommand)]

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use super::chat_template::{model_chat, side_json, token_text, ChatTemplate};
 use super::{DataError, Result};
 
 pub use tokenizers;
@@ -22,11 +23,7 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The chat template's own file, where a model has one (else it is in
 /// `tokenizer_config.json`).
-pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
-
-/// The instructions a chat template may run for one conversation (minijinja's fuel):
-/// real templates take thousands; a runaway loop stops here, with an error.
-const CHAT_FUEL: u64 = 10_000_000;
+pub use super::chat_template::CHAT_TEMPLATE_FILE;
 
 /// A Hugging Face tokenizer with its model's special tokens.
 #[derive(Clone)]
@@ -44,6 +41,11 @@ pub struct HfTokenizer {
     /// The Jinja chat template (`chat_template.jinja`, else `tokenizer_config.json`'s),
     /// where there is one.
     pub chat_template: Option<String>,
+    /// Where the chat template was read from (named in its errors).
+    chat_template_origin: String,
+    /// The special tokens `tokenizer_config.json` names (`bos_token`, `eos_token`,
+    /// `unk_token`, ...), by name, as a chat template sees them.
+    special_texts: Vec<(String, String)>,
     /// The largest id plus one (ids of a tokenizer.json need not be dense).
     vocab_size: usize,
 }
@@ -73,92 +75,6 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
-}
-
-/// `strftime_now` of chat templates (Llama 3.1's puts today's date in the system turn):
-/// `format` with `%d %m %Y %y %b %B %H %M %S %%` filled from `now` in UTC.
-fn strftime(format: &str, now: std::time::SystemTime) -> Result<String, minijinja::Error> {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let secs = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs()) as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // The proleptic Gregorian date of a day count since 1970-01-01, by 400-year eras.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        let name = MONTHS[(month - 1) as usize];
-        match chars.next() {
-            Some('d') => out += &format!("{day:02}"),
-            Some('m') => out += &format!("{month:02}"),
-            Some('Y') => out += &year.to_string(),
-            Some('y') => out += &format!("{:02}", year % 100),
-            Some('b') => out += &name[..3],
-            Some('B') => out += name,
-            Some('H') => out += &format!("{:02}", rem / 3600),
-            Some('M') => out += &format!("{:02}", rem / 60 % 60),
-            Some('S') => out += &format!("{:02}", rem % 60),
-            Some('%') => out.push('%'),
-            other => {
-                return Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    format!(
-                        "strftime_now: %{} is not supported (use %d %m %Y %y %b %B %H %M %S)",
-                        other.map_or(String::new(), String::from)
-                    ),
-                ))
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// A special token as `tokenizer_config.json` gives it: a string, or an added-token
-/// object with its `content`.
-fn token_text(v: &Value) -> Option<&str> {
-    v.as_str()
-        .or_else(|| v.get("content").and_then(Value::as_str))
-}
-
-/// A JSON file beside the tokenizer, if there is one; an unreadable one is an error.
-fn side_json(dir: &Path, name: &str) -> Result<Option<serde_json::Map<String, Value>>> {
-    let path = dir.join(name);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(DataError::io(&path, "read", e)),
-    };
-    match serde_json::from_str(text.strip_prefix('\u{feff}').unwrap_or(&text)) {
-        Ok(Value::Object(m)) => Ok(Some(m)),
-        Ok(_) => Err(DataError::format(&path, "not a JSON object")),
-        Err(e) => Err(DataError::format(&path, format!("not valid JSON: {e}"))),
-    }
 }
 
 impl HfTokenizer {
@@ -203,6 +119,8 @@ impl HfTokenizer {
             bos: None,
             eos: vec![],
             chat_template: None,
+            chat_template_origin: String::new(),
+            special_texts: vec![],
             vocab_size: 0,
         };
         t.vocab_size = t
@@ -220,7 +138,8 @@ impl HfTokenizer {
                 )
             })
         };
-        let (mut bos, mut eos, mut template) = (None, vec![], None);
+        let chat = model_chat(dir)?;
+        let (mut bos, mut eos) = (None, vec![]);
         if let Some(cfg) = side_json(dir, "tokenizer_config.json")? {
             let from = dir.join("tokenizer_config.json");
             if let Some(b) = cfg.get("bos_token").and_then(token_text) {
@@ -229,25 +148,6 @@ impl HfTokenizer {
             if let Some(e) = cfg.get("eos_token").and_then(token_text) {
                 eos.push(id_of("eos_token", e, &from)?);
             }
-            template = match cfg.get("chat_template") {
-                Some(Value::String(s)) => Some(s.clone()),
-                // A list of named templates: the default one.
-                Some(Value::Array(list)) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-                    .and_then(|t| t.get("template"))
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                _ => None,
-            };
-        }
-        // transformers saves a template of its own file (`chat_template.jinja`) since
-        // 2025, and reads it before tokenizer_config.json's.
-        let jinja = dir.join(CHAT_TEMPLATE_FILE);
-        match std::fs::read_to_string(&jinja) {
-            Ok(t) => template = Some(t),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(DataError::io(&jinja, "read", e)),
         }
         if let Some(gen) = side_json(dir, "generation_config.json")? {
             // Ids here; an instruct model lists every token that ends a turn.
@@ -276,7 +176,17 @@ impl HfTokenizer {
                 format!("a BOS/EOS id {bad} is outside the tokenizer's {vocab} ids"),
             ));
         }
-        (t.bos, t.eos, t.chat_template) = (bos, eos, template);
+        // A BOS or EOS known only by id (generation_config.json) by its text.
+        let mut special_texts = chat.specials;
+        for (name, id) in [("bos_token", bos), ("eos_token", eos.first().copied())] {
+            if !special_texts.iter().any(|(n, _)| n == name) {
+                if let Some(text) = id.and_then(|i| t.inner.id_to_token(i)) {
+                    special_texts.push((name.to_string(), text));
+                }
+            }
+        }
+        (t.bos, t.eos, t.chat_template) = (bos, eos, chat.source);
+        (t.chat_template_origin, t.special_texts) = (chat.origin, special_texts);
         Ok(t)
     }
 
@@ -308,66 +218,40 @@ impl HfTokenizer {
             .map_err(|e| DataError::InvalidArgument(format!("{}: {e}", self.file.display())))
     }
 
-    /// The text of a conversation as the model was tuned on it: `messages` (role,
-    /// content) through the tokenizer's chat template, with the assistant's header
-    /// after them where `generation_prompt` (Hugging Face's `add_generation_prompt`).
-    /// The template is Jinja, run by minijinja with Python's string methods
-    /// (`.strip()`, …) and `raise_exception`; it sees `bos_token` and `eos_token`.
-    pub fn chat(&self, messages: &[(&str, &str)], generation_prompt: bool) -> Result<String> {
-        let template = self.chat_template.as_deref().ok_or_else(|| {
+    /// The model's chat template, with the special tokens it sees; `date` is what
+    /// `strftime_now` gives (else each render's time). An error if the tokenizer has
+    /// none or it does not compile.
+    pub fn chat_template(&self, date: Option<std::time::SystemTime>) -> Result<ChatTemplate> {
+        let source = self.chat_template.as_deref().ok_or_else(|| {
             DataError::InvalidArgument(format!(
-                "{}: the tokenizer has no chat_template (in tokenizer_config.json): the \
-                 model is not a chat model, so give it text to continue instead",
+                "{}: the tokenizer has no chat_template (in tokenizer_config.json or \
+                 {CHAT_TEMPLATE_FILE}): the model is not a chat model, so give it text to \
+                 continue instead",
                 self.file.display()
             ))
         })?;
-        let fail = |e: minijinja::Error| {
-            DataError::InvalidArgument(format!(
-                "{}: the chat template failed: {e:#}",
-                self.file.display()
-            ))
-        };
-        // Set up as transformers renders chat templates: blocks trimmed and
-        // left-stripped, no trailing newline kept. A template comes with a downloaded
-        // model and is untrusted: minijinja has no file or process access (none is
-        // registered here), and fuel bounds the work, so a template that loops for
-        // ever is stopped.
-        let mut env = minijinja::Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_fuel(Some(CHAT_FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_function("strftime_now", |format: String| {
-            strftime(&format, std::time::SystemTime::now())
+        let mut t = ChatTemplate::new(source, &self.chat_template_origin, date)?;
+        for (name, text) in &self.special_texts {
+            t = t.with_special(name, text);
+        }
+        Ok(t)
+    }
+
+    /// The text of a conversation as the model was tuned on it: `messages` (role,
+    /// content) through the tokenizer's chat template, with the assistant's header
+    /// after them where `generation_prompt` (Hugging Face's `add_generation_prompt`),
+    /// rendered as `transformers` renders it ([`ChatTemplate`]).
+    pub fn chat(&self, messages: &[(&str, &str)], generation_prompt: bool) -> Result<String> {
+        let row = serde_json::json!({
+            "messages": messages
+                .iter()
+                .map(|(role, content)| serde_json::json!({ "role": role, "content": content }))
+                .collect::<Vec<_>>(),
         });
-        env.add_template("chat", template).map_err(fail)?;
-        let token = |id: Option<&u32>| id.and_then(|&i| self.inner.id_to_token(i));
-        let messages: Vec<_> = messages
-            .iter()
-            .map(|(role, content)| minijinja::context! { role => role, content => content })
-            .collect();
-        env.get_template("chat")
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => messages,
-                    // As transformers passes them when a conversation has none.
-                    tools => minijinja::Value::from(()),
-                    documents => minijinja::Value::from(()),
-                    add_generation_prompt => generation_prompt,
-                    bos_token => token(self.bos.as_ref()).unwrap_or_default(),
-                    eos_token => token(self.eos.first()).unwrap_or_default(),
-                })
-            })
-            .map_err(fail)
+        Ok(self
+            .chat_template(None)?
+            .render(&row, generation_prompt)?
+            .text)
     }
 
     /// Whether text may be encoded in pieces cut after a newline that non-whitespace
@@ -417,29 +301,5 @@ impl HfTokenizer {
     /// The tokenizers crate's tokenizer itself.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::strftime;
-    use std::time::{Duration, UNIX_EPOCH};
-
-    /// Dates worked out by hand: the epoch, a leap day, and 2026-12-05 12:34:56 UTC
-    /// (1,796,474,096 s: 20,792 days and 45,296 s).
-    #[test]
-    fn strftime_now_formats_dates() {
-        let at = |s: u64| UNIX_EPOCH + Duration::from_secs(s);
-        assert_eq!(strftime("%d %b %Y", at(0)).unwrap(), "01 Jan 1970");
-        // 2024-02-29: 19,782 days after the epoch.
-        assert_eq!(
-            strftime("%Y-%m-%d", at(19_782 * 86_400)).unwrap(),
-            "2024-02-29"
-        );
-        assert_eq!(
-            strftime("%d %B %y %H:%M:%S %%", at(1_796_474_096)).unwrap(),
-            "05 December 26 12:34:56 %"
-        );
-        assert!(strftime("%A", at(0)).is_err());
     }
 }

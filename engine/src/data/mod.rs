@@ -24,6 +24,8 @@
 //! any step runs), and again per batch as the batch is built ([`Sampler::read_rows`]).
 
 pub mod addition;
+#[cfg(feature = "tokenizers")]
+pub mod chat_template;
 pub mod clusters;
 mod gpt2_bpe;
 #[cfg(feature = "tokenizers")]
