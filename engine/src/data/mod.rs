@@ -17,6 +17,10 @@
 //!   out in the same order whatever the worker count.
 //! - [`prepare`](prepare::prepare): text file to `.bin` token file (GPT-2 BPE, bytes or a
 //!   Hugging Face `tokenizer.json`, [`HfTokenizer`]).
+//! - [`records`]: fine-tuning datasets as rows (JSON Lines, JSON arrays), their format
+//!   (text, prompt/completion, messages, ShareGPT) told from their columns;
+//!   [`chat_template`](mod@chat_template): conversations rendered as `transformers` renders
+//!   them, with the assistant's spans.
 //! - [`clusters()`]: a synthetic classification task for small examples.
 //!
 //! Token ids are checked against the model's vocabulary once over the whole source when
@@ -37,6 +41,7 @@ pub mod memory;
 pub mod prefetch;
 pub mod prefix;
 pub mod prepare;
+pub mod records;
 pub mod sampler;
 pub mod text;
 pub mod token_file;
