@@ -14,7 +14,7 @@ use crate::Buffer;
 /// worth telling apart (GEMMs by shape, operand layout and dtype) and its cost.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelCost {
-    /// The kernel's short name ([`Kernel::name`]): `matmul`, `attention`, `adam`, ...
+    /// The kernel's short name ([`Kernel::name`](crate::Kernel::name)): `matmul`, `attention`, `adam`, ...
     pub kind: &'static str,
     /// `kind`, plus for GEMMs `M×N×K`, layouts, batch and dtype.
     pub label: String,

@@ -17,7 +17,7 @@ pub const ATTENTION_MAX_DIM: usize = 128;
 /// recurrence (running max and sum in f32): no `seq x seq` buffer. With `causal`,
 /// query row `i` sees keys `j <= i`. Saves `lse` (f32, one per `(head, row)`): the
 /// natural log of the row's softmax denominator, including the max, which
-/// [`Kernel::AttentionBackward`] recomputes the probabilities from. `dim` is
+/// [`Kernel::AttentionBackward`](crate::Kernel::AttentionBackward) recomputes the probabilities from. `dim` is
 /// 1..=128, and even when `out` is 16-bit.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {
@@ -108,7 +108,7 @@ impl KernelSpec for Attention {
     }
 }
 
-/// Gradients of [`Kernel::Attention`]: `dq`, `dk`, `dv` (overwritten) from `dout`, the
+/// Gradients of [`Kernel::Attention`](crate::Kernel::Attention): `dq`, `dk`, `dv` (overwritten) from `dout`, the
 /// forward's `out` and `lse`, recomputing the probabilities from q and k; no
 /// `seq x seq` buffer. Uses `rowsum(dout * out)` per row (f32, kept in the device's
 /// scratch). `dq` is shaped as q, `dk` and `dv` as k and v: K/V head `j` gets the
@@ -126,7 +126,7 @@ pub struct AttentionBackward {
     pub dk: Buffer,
     pub dv: Buffer,
     pub batch_heads: usize,
-    /// Query heads per K/V head, as in [`Kernel::Attention`].
+    /// Query heads per K/V head, as in [`Kernel::Attention`](crate::Kernel::Attention).
     pub group: usize,
     pub seq: usize,
     pub dim: usize,
@@ -221,7 +221,7 @@ impl KernelSpec for AttentionBackward {
 const Q: bool = false;
 const KV: bool = true;
 
-/// Checks of [`Kernel::Attention`] and [`Kernel::AttentionBackward`]: the query-side
+/// Checks of [`Kernel::Attention`](crate::Kernel::Attention) and [`Kernel::AttentionBackward`](crate::Kernel::AttentionBackward): the query-side
 /// tensors are `(batch_heads, seq, dim)`, the K/V side `(batch_heads / group, seq,
 /// dim)`, all floats; `lse` is one f32 per query row.
 fn attention_args(

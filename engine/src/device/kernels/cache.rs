@@ -5,7 +5,7 @@ use super::{Kernel, KernelSpec, Operand, ATTENTION_MAX_DIM};
 use crate::device::cost::{bytes_of, KernelCost};
 use crate::{Buffer, DType, Error, Result};
 
-/// The geometry of a [`Kernel::CacheWrite`] or [`Kernel::CachedAttention`] launch,
+/// The geometry of a [`Kernel::CacheWrite`](crate::Kernel::CacheWrite) or [`Kernel::CachedAttention`](crate::Kernel::CachedAttention) launch,
 /// worked out once for validation and for every backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheLayout {
@@ -81,7 +81,7 @@ impl CachedAttention {
 
 impl Kernel {
     /// The geometry of a cache write or cached attention (`None` for other kernels).
-    /// Sizes are only meaningful once [`Kernel::validate`] has passed.
+    /// Sizes are only meaningful once [`Kernel::validate`](crate::Kernel::validate) has passed.
     pub fn cache_layout(&self) -> Option<CacheLayout> {
         match self {
             Kernel::CacheWrite(k) => Some(k.layout()),
@@ -157,8 +157,8 @@ impl KernelSpec for CacheWrite {
 }
 
 /// Attention of new query rows over a generation cache (what decoding runs instead
-/// of [`Kernel::Attention`]): `q` holds rows of `width` elements with query head `h`
-/// at columns `offset + h * dim`; row `r` (sequence `b`, as in [`Kernel::CacheWrite`])
+/// of [`Kernel::Attention`](crate::Kernel::Attention)): `q` holds rows of `width` elements with query head `h`
+/// at columns `offset + h * dim`; row `r` (sequence `b`, as in [`Kernel::CacheWrite`](crate::Kernel::CacheWrite))
 /// attends K/V head `h / group` of its sequence over cache rows `0..=positions[r]`:
 /// `out[r][h * dim + i] = softmax_j(q . k_j * scale) v_j[i]`, `out` rows of
 /// `heads * dim`. Scores, the running max and sum and the accumulators are f32 (the
@@ -277,7 +277,7 @@ impl KernelSpec for CachedAttention {
     }
 }
 
-/// Checks shared by [`Kernel::CacheWrite`] and [`Kernel::CachedAttention`]: `rows`
+/// Checks shared by [`Kernel::CacheWrite`](crate::Kernel::CacheWrite) and [`Kernel::CachedAttention`](crate::Kernel::CachedAttention): `rows`
 /// (new tokens: `src` rows of `width`, `heads` of `dim` from `offset`) with one u32
 /// position each, and a cache of whole sequences `(batch, kv_heads, max_len, dim)`
 /// that the rows divide evenly between.

@@ -10,7 +10,7 @@ pub enum BinaryOp {
     Mul,
 }
 
-/// An elementwise activation of [`Kernel::Activation`] (GELU, which the GPT uses, has
+/// An elementwise activation of [`Kernel::Activation`](crate::Kernel::Activation) (GELU, which the GPT uses, has
 /// kernels of its own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ActivationKind {

@@ -204,7 +204,7 @@ impl KernelSpec for MergeHeads {
 
 impl Kernel {
     /// The geometry of a head split or merge (`None` for other kernels). Sizes are only
-    /// meaningful once [`Kernel::validate`] has passed.
+    /// meaningful once [`Kernel::validate`](crate::Kernel::validate) has passed.
     pub fn heads_layout(&self) -> Option<HeadsLayout> {
         match self {
             Kernel::SplitHeads(k) => Some(k.layout()),

@@ -8,7 +8,7 @@ use crate::{Buffer, DType, Error, Result};
 /// cross-entropy gives it loss 0 and zero gradient.
 pub const IGNORE_TARGET: u32 = u32::MAX;
 
-/// The factor of [`Kernel::MseBackward`]: `2 * scale / cols`, rounded to f32 once.
+/// The factor of [`Kernel::MseBackward`](crate::Kernel::MseBackward): `2 * scale / cols`, rounded to f32 once.
 pub fn mse_grad_factor(scale: f32, cols: usize) -> f32 {
     (2.0 * scale as f64 / cols as f64) as f32
 }
@@ -58,7 +58,7 @@ impl KernelSpec for MseLoss {
 
 /// `dpred = (pred - target) * mse_grad_factor(scale, cols)`, i.e.
 /// `2 (pred - target) / cols * scale` (scale: d loss / d losses_r times the loss
-/// scale, as [`Kernel::CrossEntropyBackward`]'s).
+/// scale, as [`Kernel::CrossEntropyBackward`](crate::Kernel::CrossEntropyBackward)'s).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MseBackward {
     pub pred: Buffer,

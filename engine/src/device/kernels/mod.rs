@@ -61,7 +61,7 @@ pub trait KernelSpec: Clone {
 
     /// Argument checks (dtypes, lengths, shapes, parameters), each error naming the
     /// kernel, the operand and the fix. Aliasing is checked for every kernel by
-    /// [`Kernel::validate`].
+    /// [`Kernel::validate`](crate::Kernel::validate).
     fn check(&self) -> Result<()>;
 
     /// Floating-point operations per element of the largest operand, what the formula
@@ -108,8 +108,8 @@ macro_rules! kernels {
             }
 
             /// Each kernel's buffers in one table (see [`KernelSpec::operands_mut`]):
-            /// [`Kernel::buffers`], [`Kernel::buffers_mut`], [`Kernel::written`] and
-            /// [`Kernel::bound_whole`] all read it.
+            /// [`Kernel::buffers`](crate::Kernel::buffers), [`Kernel::buffers_mut`](crate::Kernel::buffers_mut), [`Kernel::written`](crate::Kernel::written) and
+            /// [`Kernel::bound_whole`](crate::Kernel::bound_whole) all read it.
             pub fn operands_mut(&mut self) -> Vec<Operand<'_>> {
                 match self { $(Kernel::$variant(k) => k.operands_mut()),* }
             }
@@ -220,7 +220,7 @@ impl Kernel {
             .collect()
     }
 
-    /// Every buffer field of the launch, mutably, in the order of [`Kernel::buffers`]: a
+    /// Every buffer field of the launch, mutably, in the order of [`Kernel::buffers`](crate::Kernel::buffers): a
     /// plan records launches over placeholders and rewrites them to device buffers.
     pub fn buffers_mut(&mut self) -> Vec<&mut Buffer> {
         self.operands_mut().into_iter().map(|o| o.buf).collect()
@@ -237,7 +237,7 @@ impl Kernel {
     }
 }
 
-/// One buffer of a launch, as [`Kernel::operands_mut`] lists it.
+/// One buffer of a launch, as [`Kernel::operands_mut`](crate::Kernel::operands_mut) lists it.
 #[derive(Debug)]
 pub struct Operand<'a> {
     pub buf: &'a mut Buffer,

@@ -15,7 +15,7 @@ pub enum ReduceOp {
 
 /// `dst[0] = op over src`, accumulated in f32; `dst` is a 1-element f32 buffer.
 /// The sum of an empty buffer is 0, its max is -inf. Inputs are expected to be
-/// finite: check with [`Kernel::NonFinite`] first (the max of a NaN is unspecified).
+/// finite: check with [`Kernel::NonFinite`](crate::Kernel::NonFinite) first (the max of a NaN is unspecified).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Reduce {
     pub op: ReduceOp,

@@ -4,7 +4,7 @@ use super::check::{float, rows_of, same_dtype, same_len};
 use super::{KernelSpec, Operand};
 use crate::{Buffer, DType, Error, Result, RopeFreqs};
 
-/// The most positions a [`Kernel::Rope`] sequence may have: every position is then an
+/// The most positions a [`Kernel::Rope`](crate::Kernel::Rope) sequence may have: every position is then an
 /// exact f32.
 pub const ROPE_MAX_SEQ: usize = 1 << 24;
 
@@ -88,10 +88,10 @@ impl KernelSpec for Rope {
     }
 }
 
-/// [`Kernel::Rope`] (forward) with each row's position read from the device: row `r`
+/// [`Kernel::Rope`](crate::Kernel::Rope) (forward) with each row's position read from the device: row `r`
 /// of `x` (rows of `cols` = heads x `dim`) turns by its angles at position
 /// `positions[r]`, so one recorded launch serves every generation step. Same angle
-/// computation and accuracy as [`Kernel::Rope`].
+/// computation and accuracy as [`Kernel::Rope`](crate::Kernel::Rope).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeAt {
     pub x: Buffer,
