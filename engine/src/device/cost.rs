@@ -24,6 +24,18 @@ pub struct KernelCost {
     pub bytes: f64,
 }
 
+impl KernelCost {
+    /// A cost labelled by its kind alone.
+    pub fn of(kind: &'static str, flops: f64, bytes: f64) -> KernelCost {
+        KernelCost {
+            kind,
+            label: kind.to_string(),
+            flops,
+            bytes,
+        }
+    }
+}
+
 pub(crate) fn bytes_of(b: &Buffer) -> f64 {
     (b.len * b.dtype.size()) as f64
 }

@@ -79,32 +79,13 @@ impl KernelSpec for Attention {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let Attention {
-                q,
-                k,
-                v,
-                out,
-                lse,
-                batch_heads,
-                seq,
-                dim,
-                causal,
-                ..
-            } = self;
-            // q·kᵀ and p·v: two GEMMs of seq × seq × dim per head.
-            let pairs = (*batch_heads * seq * seq) as f64 * causal_share(*seq, *causal);
-            let flops = 4.0 * pairs * *dim as f64;
-            let bytes = [q, k, v, out, lse].into_iter().map(bytes_of).sum();
-            (kind.to_string(), flops, bytes)
-        };
-        KernelCost {
-            kind,
-            label,
+        // q·kᵀ and p·v: two GEMMs of seq × seq × dim per head.
+        let flops = 4.0 * scores(self.batch_heads, self.seq, self.causal) * self.dim as f64;
+        KernelCost::of(
+            self.name(),
             flops,
-            bytes,
-        }
+            self.buffers().iter().map(bytes_of).sum(),
+        )
     }
 }
 
@@ -192,28 +173,20 @@ impl KernelSpec for AttentionBackward {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let AttentionBackward {
-                batch_heads,
-                seq,
-                dim,
-                causal,
-                ..
-            } = self;
-            // Recomputed q·kᵀ, then dv = pᵀ·dout, dp = dout·vᵀ, dq = ds·k, dk = dsᵀ·q.
-            let pairs = (*batch_heads * seq * seq) as f64 * causal_share(*seq, *causal);
-            let flops = 10.0 * pairs * *dim as f64;
-            let bytes = self.buffers().iter().map(bytes_of).sum();
-            (kind.to_string(), flops, bytes)
-        };
-        KernelCost {
-            kind,
-            label,
+        // Recomputed q·kᵀ, then dv = pᵀ·dout, dp = dout·vᵀ, dq = ds·k, dk = dsᵀ·q.
+        let flops = 10.0 * scores(self.batch_heads, self.seq, self.causal) * self.dim as f64;
+        KernelCost::of(
+            self.name(),
             flops,
-            bytes,
-        }
+            self.buffers().iter().map(bytes_of).sum(),
+        )
     }
+}
+
+/// The query-key pairs scored over `batch_heads` heads of `seq` rows (a causal row `i`
+/// scores `i + 1` keys).
+fn scores(batch_heads: usize, seq: usize, causal: bool) -> f64 {
+    (batch_heads * seq * seq) as f64 * causal_share(seq, causal)
 }
 
 /// Whether an attention tensor is shaped as the query heads (q, out, dout, dq) or as

@@ -251,29 +251,15 @@ impl KernelSpec for CachedAttention {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let CachedAttention {
-                q,
-                heads,
-                dim,
-                width,
-                max_len,
-                ..
-            } = self;
-            // At most `max_len` keys per query row and head (positions are on the
-            // device, so the bound is what the shapes give).
-            let rows = (q.len / (*width).max(1)) as f64;
-            let flops = 4.0 * rows * (*heads * *max_len * *dim) as f64;
-            let bytes = self.buffers().iter().map(bytes_of).sum();
-            (kind.to_string(), flops, bytes)
-        };
-        KernelCost {
-            kind,
-            label,
+        // At most `max_len` keys per query row and head (positions are on the device,
+        // so the bound is what the shapes give).
+        let rows = (self.q.len / self.width.max(1)) as f64;
+        let flops = 4.0 * rows * (self.heads * self.max_len * self.dim) as f64;
+        KernelCost::of(
+            self.name(),
             flops,
-            bytes,
-        }
+            self.buffers().iter().map(bytes_of).sum(),
+        )
     }
 }
 

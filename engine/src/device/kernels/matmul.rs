@@ -267,8 +267,7 @@ impl KernelSpec for Matmul {
     }
 
     fn check(&self) -> Result<()> {
-        let mm = self;
-        mm.validate()
+        self.validate()
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -276,52 +275,48 @@ impl KernelSpec for Matmul {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let mm = self;
-            let (m, n, k, b) = (mm.m as f64, mm.n as f64, mm.k as f64, mm.batch as f64);
-            let a_size = mm.a.dtype.size() as f64;
-            let b_size = mm.b.dtype.size() as f64;
-            let c_size = mm.c.dtype.size() as f64;
-            let reads_c = mm.beta != 0.0;
-            let mut flops = 2.0 * m * n * k;
-            let mut bytes = m * k * a_size + k * n * b_size + m * n * c_size;
-            if reads_c {
-                flops += 2.0 * m * n;
-                bytes += m * n * c_size;
-            }
-            if mm.bias.is_some() {
-                flops += m * n;
-            }
-            if mm.gelu {
-                flops += 8.0 * m * n;
-            }
-            if mm.c_f32.is_some() {
-                bytes += m * n * 4.0;
-            }
-            bytes *= b;
-            // The bias is one row shared by the batch.
-            bytes += mm.bias.as_ref().map_or(0.0, bytes_of);
-            let layout = format!(
-                "{}{}",
-                if mm.trans_a { 'T' } else { 'N' },
-                if mm.trans_b { 'T' } else { 'N' }
-            );
-            let batch = if mm.batch > 1 {
-                format!(" x{}", mm.batch)
-            } else {
-                String::new()
-            };
-            let label = format!(
-                "matmul {}x{}x{} {layout}{batch} {}",
-                mm.m, mm.n, mm.k, mm.c.dtype
-            );
-            (label, flops * b, bytes)
+        let mm = self;
+        let (m, n, k, b) = (mm.m as f64, mm.n as f64, mm.k as f64, mm.batch as f64);
+        let a_size = mm.a.dtype.size() as f64;
+        let b_size = mm.b.dtype.size() as f64;
+        let c_size = mm.c.dtype.size() as f64;
+        let reads_c = mm.beta != 0.0;
+        let mut flops = 2.0 * m * n * k;
+        let mut bytes = m * k * a_size + k * n * b_size + m * n * c_size;
+        if reads_c {
+            flops += 2.0 * m * n;
+            bytes += m * n * c_size;
+        }
+        if mm.bias.is_some() {
+            flops += m * n;
+        }
+        if mm.gelu {
+            flops += 8.0 * m * n;
+        }
+        if mm.c_f32.is_some() {
+            bytes += m * n * 4.0;
+        }
+        bytes *= b;
+        // The bias is one row shared by the batch.
+        bytes += mm.bias.as_ref().map_or(0.0, bytes_of);
+        let layout = format!(
+            "{}{}",
+            if mm.trans_a { 'T' } else { 'N' },
+            if mm.trans_b { 'T' } else { 'N' }
+        );
+        let batch = if mm.batch > 1 {
+            format!(" x{}", mm.batch)
+        } else {
+            String::new()
         };
+        let label = format!(
+            "matmul {}x{}x{} {layout}{batch} {}",
+            mm.m, mm.n, mm.k, mm.c.dtype
+        );
         KernelCost {
-            kind,
+            kind: self.name(),
             label,
-            flops,
+            flops: flops * b,
             bytes,
         }
     }

@@ -73,12 +73,11 @@ pub trait KernelSpec: Clone {
     fn cost(&self) -> KernelCost {
         let buffers = self.buffers();
         let n = buffers.iter().map(|b| b.len).max().unwrap_or(0) as f64;
-        KernelCost {
-            kind: self.name(),
-            label: self.name().to_string(),
-            flops: self.flops_per_element() * n,
-            bytes: buffers.iter().map(bytes_of).sum(),
-        }
+        KernelCost::of(
+            self.name(),
+            self.flops_per_element() * n,
+            buffers.iter().map(bytes_of).sum(),
+        )
     }
 
     /// Every buffer the launch touches, in the order of `operands_mut`.

@@ -180,24 +180,17 @@ impl KernelSpec for AdamStep {
     }
 
     fn operands_mut(&mut self) -> Vec<Operand<'_>> {
-        let a = self;
-        [
-            Operand::write_split(&mut a.master),
-            Operand::read_split(&mut a.grads),
-        ]
-        .into_iter()
-        .chain([
-            Operand::write_split(&mut a.m),
-            Operand::write_split(&mut a.v),
-            Operand::read_split(&mut a.grad_scale),
-        ])
-        .chain(a.params.as_mut().map(Operand::write_split))
-        .collect()
+        step_operands(
+            &mut self.master,
+            &mut self.grads,
+            [&mut self.m, &mut self.v],
+            &mut self.grad_scale,
+            self.params.as_mut(),
+        )
     }
 
     fn check(&self) -> Result<()> {
-        let a = self;
-        a.validate()
+        self.validate()
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -205,23 +198,13 @@ impl KernelSpec for AdamStep {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let a = self;
-            // Master weights and both moments are read and written; gradients read;
-            // the low-precision copy, if any, written.
-            let n = a.master.len as f64;
-            let bytes = 2.0 * (bytes_of(&a.master) + bytes_of(&a.m) + bytes_of(&a.v))
-                + bytes_of(&a.grads)
-                + a.params.as_ref().map_or(0.0, bytes_of);
-            (kind.to_string(), self.flops_per_element() * n, bytes)
-        };
-        KernelCost {
-            kind,
-            label,
-            flops,
-            bytes,
-        }
+        step_cost(
+            self,
+            &self.master,
+            &self.grads,
+            &[&self.m, &self.v],
+            self.params.as_ref(),
+        )
     }
 }
 
@@ -231,23 +214,17 @@ impl KernelSpec for SgdStep {
     }
 
     fn operands_mut(&mut self) -> Vec<Operand<'_>> {
-        let s = self;
-        [
-            Operand::write_split(&mut s.master),
-            Operand::read_split(&mut s.grads),
-        ]
-        .into_iter()
-        .chain([
-            Operand::write_split(&mut s.momentum_buf),
-            Operand::read_split(&mut s.grad_scale),
-        ])
-        .chain(s.params.as_mut().map(Operand::write_split))
-        .collect()
+        step_operands(
+            &mut self.master,
+            &mut self.grads,
+            [&mut self.momentum_buf],
+            &mut self.grad_scale,
+            self.params.as_mut(),
+        )
     }
 
     fn check(&self) -> Result<()> {
-        let s = self;
-        s.validate()
+        self.validate()
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -255,20 +232,49 @@ impl KernelSpec for SgdStep {
     }
 
     fn cost(&self) -> KernelCost {
-        let kind = self.name();
-        let (label, flops, bytes) = {
-            let s = self;
-            let n = s.master.len as f64;
-            let bytes = 2.0 * (bytes_of(&s.master) + bytes_of(&s.momentum_buf))
-                + bytes_of(&s.grads)
-                + s.params.as_ref().map_or(0.0, bytes_of);
-            (kind.to_string(), self.flops_per_element() * n, bytes)
-        };
-        KernelCost {
-            kind,
-            label,
-            flops,
-            bytes,
-        }
+        step_cost(
+            self,
+            &self.master,
+            &self.grads,
+            &[&self.momentum_buf],
+            self.params.as_ref(),
+        )
     }
+}
+
+/// An optimizer step's buffers: the f32 master weights and the state (moments,
+/// momentum) updated in place, the gradients and the gradient scale read, the model's
+/// copy written; all split at the binding limit (each element is its own update).
+fn step_operands<'a, const N: usize>(
+    master: &'a mut Buffer,
+    grads: &'a mut Buffer,
+    state: [&'a mut Buffer; N],
+    grad_scale: &'a mut Buffer,
+    params: Option<&'a mut Buffer>,
+) -> Vec<Operand<'a>> {
+    [Operand::write_split(master), Operand::read_split(grads)]
+        .into_iter()
+        .chain(state.map(Operand::write_split))
+        .chain([Operand::read_split(grad_scale)])
+        .chain(params.map(Operand::write_split))
+        .collect()
+}
+
+/// An optimizer step's cost: the master weights and the state read and written, the
+/// gradients read, the model's copy, if any, written.
+fn step_cost(
+    step: &impl KernelSpec,
+    master: &Buffer,
+    grads: &Buffer,
+    state: &[&Buffer],
+    params: Option<&Buffer>,
+) -> KernelCost {
+    let bytes = 2.0 * (bytes_of(master) + state.iter().map(|b| bytes_of(b)).sum::<f64>())
+        + bytes_of(grads)
+        + params.map_or(0.0, bytes_of);
+    KernelCost::of(
+        step.name(),
+        step.flops_per_element() * master.len as f64,
+        bytes,
+    )
 }
