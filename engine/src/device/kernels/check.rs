@@ -3,6 +3,16 @@
 
 use crate::{Buffer, DType, Error, Result};
 
+/// Every buffer a float of `len` elements (an elementwise kernel's operands), checked in
+/// order, each error naming its buffer.
+pub(super) fn floats_of_len(kernel: &str, len: usize, bufs: &[(&str, &Buffer)]) -> Result<()> {
+    for &(name, b) in bufs {
+        float(kernel, name, b)?;
+        same_len(kernel, name, b, len)?;
+    }
+    Ok(())
+}
+
 /// Rows of a row-major matrix with `cols` columns held in `x`.
 pub(super) fn rows_of(kernel: &str, x: &Buffer, cols: usize) -> Result<usize> {
     float(kernel, "x", x)?;

@@ -1,6 +1,6 @@
 //! Inverted dropout and its backward, with the counter-based mask every device computes alike.
 
-use super::check::{float, same_len};
+use super::check::floats_of_len;
 use super::{KernelSpec, Operand};
 use crate::{Buffer, Error, Result};
 
@@ -113,9 +113,7 @@ fn check_dropout(
     (output, out): (&str, &Buffer),
     p: f32,
 ) -> Result<()> {
-    float(k, input, x)?;
-    float(k, output, out)?;
-    same_len(k, output, out, x.len)?;
+    floats_of_len(k, x.len, &[(input, x), (output, out)])?;
     if !(0.0..1.0).contains(&p) {
         return Err(Error::InvalidArgument(format!(
             "{k}: p = {p}; the probability of dropping an element must be in \

@@ -1,6 +1,6 @@
 //! Elementwise arithmetic and activations, forward and backward.
 
-use super::check::{float, same_len};
+use super::check::floats_of_len;
 use super::{KernelSpec, Operand};
 use crate::{Buffer, Result};
 
@@ -67,13 +67,11 @@ impl KernelSpec for Binary {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Binary { a, b, out, .. } = self;
-        float(k, "a", a)?;
-        float(k, "b", b)?;
-        float(k, "out", out)?;
-        same_len(k, "b", b, a.len)?;
-        same_len(k, "out", out, a.len)
+        floats_of_len(
+            self.name(),
+            self.a.len,
+            &[("a", &self.a), ("b", &self.b), ("out", &self.out)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -102,11 +100,11 @@ impl KernelSpec for Scale {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Scale { x, out, .. } = self;
-        float(k, "x", x)?;
-        float(k, "out", out)?;
-        same_len(k, "out", out, x.len)
+        floats_of_len(
+            self.name(),
+            self.x.len,
+            &[("x", &self.x), ("out", &self.out)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -135,11 +133,7 @@ impl KernelSpec for Axpy {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Axpy { x, y, .. } = self;
-        float(k, "x", x)?;
-        float(k, "y", y)?;
-        same_len(k, "y", y, x.len)
+        floats_of_len(self.name(), self.x.len, &[("x", &self.x), ("y", &self.y)])
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -167,11 +161,11 @@ impl KernelSpec for Gelu {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Gelu { x, out } = self;
-        float(k, "x", x)?;
-        float(k, "out", out)?;
-        same_len(k, "out", out, x.len)
+        floats_of_len(
+            self.name(),
+            self.x.len,
+            &[("x", &self.x), ("out", &self.out)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -201,13 +195,11 @@ impl KernelSpec for GeluBackward {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let GeluBackward { x, dout, dx } = self;
-        for (name, b) in [("x", x), ("dout", dout), ("dx", dx)] {
-            float(k, name, b)?;
-            same_len(k, name, b, x.len)?;
-        }
-        Ok(())
+        floats_of_len(
+            self.name(),
+            self.x.len,
+            &[("x", &self.x), ("dout", &self.dout), ("dx", &self.dx)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -237,11 +229,11 @@ impl KernelSpec for Activation {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Activation { x, out, .. } = self;
-        float(k, "x", x)?;
-        float(k, "out", out)?;
-        same_len(k, "out", out, x.len)
+        floats_of_len(
+            self.name(),
+            self.x.len,
+            &[("x", &self.x), ("out", &self.out)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -277,13 +269,11 @@ impl KernelSpec for ActivationBackward {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let ActivationBackward { x, dout, dx, .. } = self;
-        for (name, b) in [("x", x), ("dout", dout), ("dx", dx)] {
-            float(k, name, b)?;
-            same_len(k, name, b, x.len)?;
-        }
-        Ok(())
+        floats_of_len(
+            self.name(),
+            self.x.len,
+            &[("x", &self.x), ("dout", &self.dout), ("dx", &self.dx)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -314,13 +304,11 @@ impl KernelSpec for SwiGlu {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let SwiGlu { gate, up, out } = self;
-        for (name, b) in [("gate", gate), ("up", up), ("out", out)] {
-            float(k, name, b)?;
-            same_len(k, name, b, gate.len)?;
-        }
-        Ok(())
+        floats_of_len(
+            self.name(),
+            self.gate.len,
+            &[("gate", &self.gate), ("up", &self.up), ("out", &self.out)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
@@ -355,25 +343,17 @@ impl KernelSpec for SwiGluBackward {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let SwiGluBackward {
-            gate,
-            up,
-            dout,
-            dgate,
-            dup,
-        } = self;
-        for (name, b) in [
-            ("gate", gate),
-            ("up", up),
-            ("dout", dout),
-            ("dgate", dgate),
-            ("dup", dup),
-        ] {
-            float(k, name, b)?;
-            same_len(k, name, b, gate.len)?;
-        }
-        Ok(())
+        floats_of_len(
+            self.name(),
+            self.gate.len,
+            &[
+                ("gate", &self.gate),
+                ("up", &self.up),
+                ("dout", &self.dout),
+                ("dgate", &self.dgate),
+                ("dup", &self.dup),
+            ],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {

@@ -1,6 +1,6 @@
 //! Kernels that fill, copy and convert buffers.
 
-use super::check::{float, same_dtype, same_len};
+use super::check::{floats_of_len, same_dtype, same_len};
 use super::{KernelSpec, Operand};
 use crate::{Buffer, DType, Error, Result};
 
@@ -93,11 +93,11 @@ impl KernelSpec for Cast {
     }
 
     fn check(&self) -> Result<()> {
-        let k = self.name();
-        let Cast { src, dst } = self;
-        float(k, "src", src)?;
-        float(k, "dst", dst)?;
-        same_len(k, "dst", dst, src.len)
+        floats_of_len(
+            self.name(),
+            self.src.len,
+            &[("src", &self.src), ("dst", &self.dst)],
+        )
     }
 
     fn flops_per_element(&self) -> f64 {
