@@ -44,7 +44,12 @@ pub fn template(o: &TemplateOptions) -> Result<TemplateReport> {
     } else {
         None
     };
-    let chat = model_chat(&o.dir)?;
+    // The model's template and special tokens: the tokenizer's reading of them where
+    // there is one (it knows a BOS or EOS given only by id), else the directory's.
+    let chat = match &tokenizer {
+        Some(tok) => tok.chat.clone(),
+        None => model_chat(&o.dir)?,
+    };
     let template = match &o.chat_template {
         Some(file) => {
             let source = std::fs::read_to_string(file)
@@ -55,10 +60,7 @@ pub fn template(o: &TemplateOptions) -> Result<TemplateReport> {
             }
             t
         }
-        None => match &tokenizer {
-            Some(tok) if tok.chat_template.is_some() => tok.chat_template(date)?,
-            _ => chat.template(&o.dir, date)?,
-        },
+        None => chat.template(&o.dir, date)?,
     };
     let row = read_row(&o.row)?;
     let (conversation, method) = template.assistant_spans(&row)?;

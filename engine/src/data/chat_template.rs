@@ -317,8 +317,8 @@ impl ModelChat {
         let source = self.source.as_deref().ok_or_else(|| {
             DataError::InvalidArgument(format!(
                 "{}: no chat template (neither {CHAT_TEMPLATE_FILE} nor a chat_template in \
-                 tokenizer_config.json): the model is not a chat model; pass one with \
-                 --chat-template FILE",
+                 tokenizer_config.json): the model is not a chat model; give it text to \
+                 continue instead, or a template of your own (kiln template --chat-template FILE)",
                 dir.display()
             ))
         })?;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::chat_template::{model_chat, side_json, token_text, ChatTemplate};
+use super::chat_template::{model_chat, side_json, token_text, ChatTemplate, ModelChat};
 use super::{DataError, Result};
 
 pub use tokenizers;
@@ -38,14 +38,9 @@ pub struct HfTokenizer {
     /// Tokens that end generation (an instruct model may have several, e.g. Llama 3's
     /// `<|eot_id|>` beside `<|end_of_text|>`).
     pub eos: Vec<u32>,
-    /// The Jinja chat template (`chat_template.jinja`, else `tokenizer_config.json`'s),
-    /// where there is one.
-    pub chat_template: Option<String>,
-    /// Where the chat template was read from (named in its errors).
-    chat_template_origin: String,
-    /// The special tokens `tokenizer_config.json` names (`bos_token`, `eos_token`,
-    /// `unk_token`, ...), by name, as a chat template sees them.
-    special_texts: Vec<(String, String)>,
+    /// The model directory's chat template and the special tokens it sees (a BOS or EOS
+    /// known only by id, from `generation_config.json`, by its text).
+    pub chat: ModelChat,
     /// The largest id plus one (ids of a tokenizer.json need not be dense).
     vocab_size: usize,
 }
@@ -118,9 +113,7 @@ impl HfTokenizer {
             file: file.clone(),
             bos: None,
             eos: vec![],
-            chat_template: None,
-            chat_template_origin: String::new(),
-            special_texts: vec![],
+            chat: ModelChat::default(),
             vocab_size: 0,
         };
         t.vocab_size = t
@@ -138,7 +131,7 @@ impl HfTokenizer {
                 )
             })
         };
-        let chat = model_chat(dir)?;
+        let mut chat = model_chat(dir)?;
         let (mut bos, mut eos) = (None, vec![]);
         if let Some(cfg) = side_json(dir, "tokenizer_config.json")? {
             let from = dir.join("tokenizer_config.json");
@@ -177,16 +170,14 @@ impl HfTokenizer {
             ));
         }
         // A BOS or EOS known only by id (generation_config.json) by its text.
-        let mut special_texts = chat.specials;
         for (name, id) in [("bos_token", bos), ("eos_token", eos.first().copied())] {
-            if !special_texts.iter().any(|(n, _)| n == name) {
+            if !chat.specials.iter().any(|(n, _)| n == name) {
                 if let Some(text) = id.and_then(|i| t.inner.id_to_token(i)) {
-                    special_texts.push((name.to_string(), text));
+                    chat.specials.push((name.to_string(), text));
                 }
             }
         }
-        (t.bos, t.eos, t.chat_template) = (bos, eos, chat.source);
-        (t.chat_template_origin, t.special_texts) = (chat.origin, special_texts);
+        (t.bos, t.eos, t.chat) = (bos, eos, chat);
         Ok(t)
     }
 
@@ -219,22 +210,11 @@ impl HfTokenizer {
     }
 
     /// The model's chat template, with the special tokens it sees; `date` is what
-    /// `strftime_now` gives (else each render's time). An error if the tokenizer has
-    /// none or it does not compile.
+    /// `strftime_now` gives (else each render's time). An error if the model has none or
+    /// it does not compile.
     pub fn chat_template(&self, date: Option<std::time::SystemTime>) -> Result<ChatTemplate> {
-        let source = self.chat_template.as_deref().ok_or_else(|| {
-            DataError::InvalidArgument(format!(
-                "{}: the tokenizer has no chat_template (in tokenizer_config.json or \
-                 {CHAT_TEMPLATE_FILE}): the model is not a chat model, so give it text to \
-                 continue instead",
-                self.file.display()
-            ))
-        })?;
-        let mut t = ChatTemplate::new(source, &self.chat_template_origin, date)?;
-        for (name, text) in &self.special_texts {
-            t = t.with_special(name, text);
-        }
-        Ok(t)
+        let dir = self.file.parent().unwrap_or(Path::new("."));
+        self.chat.template(dir, date)
     }
 
     /// The text of a conversation as the model was tuned on it: `messages` (role,

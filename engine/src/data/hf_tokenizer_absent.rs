@@ -21,7 +21,6 @@ pub struct HfTokenizer {
     pub sha256: String,
     pub bos: Option<u32>,
     pub eos: Vec<u32>,
-    pub chat_template: Option<String>,
 }
 
 impl HfTokenizer {
