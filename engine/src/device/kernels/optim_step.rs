@@ -92,12 +92,6 @@ fn finite(kernel: &str, values: &[(&str, f32)]) -> Result<()> {
 }
 
 impl AdamStep {
-    pub fn buffers(&self) -> Vec<Buffer> {
-        let mut v = vec![self.master, self.grads, self.m, self.v, self.grad_scale];
-        v.extend(self.params);
-        v
-    }
-
     pub fn validate(&self) -> Result<()> {
         let n = self.master.len;
         let mut named = vec![
@@ -145,12 +139,6 @@ impl AdamStep {
 }
 
 impl SgdStep {
-    pub fn buffers(&self) -> Vec<Buffer> {
-        let mut v = vec![self.master, self.grads, self.momentum_buf, self.grad_scale];
-        v.extend(self.params);
-        v
-    }
-
     pub fn validate(&self) -> Result<()> {
         let n = self.master.len;
         let mut named = vec![
