@@ -132,5 +132,42 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     for (i, (a, b)) in stood_in.iter().zip(&got).enumerate() {
         assert_bits_eq(&format!("attention output {i}: stand-in vs primed"), a, b);
     }
+
+    // Dropping the device while its primer runs a block (B transposed: a pipeline not
+    // primed yet) waits for the block: a thread left inside lavapipe's LLVM when the
+    // process exits can abort it after every test has passed ("LLVM ERROR: Do not know
+    // how to split the result of this operator!").
+    drop(plain);
+    let (mut nt, c_nt) = f32_gemm(&dev, shape);
+    let Kernel::Matmul(mm) = &mut nt else {
+        unreachable!()
+    };
+    mm.trans_b = true;
+    dev.launch(&nt).unwrap();
+    dev.download(c_nt).unwrap();
+    assert_eq!(
+        dev.gemm_stand_ins(),
+        4,
+        "the transposed block was being primed"
+    );
+    assert!(primer_threads() >= 1);
+    drop(dev);
+    assert_eq!(
+        primer_threads(),
+        0,
+        "the primer's threads outlived its device"
+    );
     std::fs::remove_dir_all(&mesa).ok();
+}
+
+/// Threads of this process named as the primer's worker (Linux's /proc): the worker and
+/// the driver's threads for its device, which inherit its name.
+fn primer_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter(|t| {
+            let comm = std::fs::read_to_string(t.as_ref().unwrap().path().join("comm"));
+            comm.unwrap().trim() == "kiln vk primer"
+        })
+        .count()
 }

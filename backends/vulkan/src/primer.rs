@@ -88,12 +88,6 @@ struct Blocks {
     held: bool,
     /// Its last device is gone: blocks still queued are dropped, not compiled.
     closing: bool,
-    /// The worker is running a block.
-    busy: bool,
-    /// The primer was dropped while the worker ran a block, so nobody waits for the
-    /// worker: it leaves its device to the process's end rather than tearing it down
-    /// then (a teardown racing the process's exit crashed lavapipe).
-    abandoned: bool,
 }
 
 #[derive(Default)]
@@ -108,10 +102,12 @@ impl Shared {
     }
 }
 
-/// The worker and what it has primed. Dropping it drops the blocks still queued; an
-/// idle worker is joined (its device torn down before the drop returns), a busy one
-/// is left to finish its block (tens of seconds) without delaying the caller: a process
-/// that exits meanwhile abandons that compile, which lavapipe takes cleanly.
+/// The worker and what it has primed. Dropping it drops the blocks still queued and
+/// joins the worker, which first finishes the block it is running (up to tens of
+/// seconds on a cold cache), as the wgpu backend waits for its compile workers: a
+/// process must not exit while a thread is inside lavapipe's LLVM, which tears itself
+/// down at exit under the running thread ("LLVM ERROR: Do not know how to split the
+/// result of this operator!", an abort after every test of a binary had passed).
 pub(crate) struct Primer {
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -177,7 +173,6 @@ impl Primer {
                     if blocks.closing {
                         break;
                     }
-                    blocks.busy = true;
                     drop(blocks);
                     let t0 = std::time::Instant::now();
                     let device = device.get_or_insert_with(|| open(index, &options));
@@ -214,12 +209,8 @@ impl Primer {
                     };
                     let mut blocks = worker.lock();
                     blocks.state.insert(job.block, primed);
-                    blocks.busy = false;
                     drop(blocks);
                     worker.changed.notify_all();
-                }
-                if worker.lock().abandoned {
-                    std::mem::forget(device);
                 }
             });
         let spawned = match spawned {
@@ -297,14 +288,13 @@ impl Drop for Primer {
         let mut blocks = self.shared.lock();
         blocks.closing = true;
         blocks.held = false;
-        blocks.abandoned = blocks.busy;
-        let busy = blocks.busy;
         drop(blocks);
         self.shared.changed.notify_all();
-        // The channel closes: an idle worker wakes and ends.
+        // The channel closes: an idle worker wakes and ends, a busy one ends after its
+        // block.
         drop(self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take());
         let worker = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let (Some(worker), false) = (worker, busy) {
+        if let Some(worker) = worker {
             let _ = worker.join();
         }
     }
