@@ -65,14 +65,21 @@ fn ready_groups_arrive_final_top_block_first_and_apply_equals_a_step() {
     let bufs: Vec<_> = (0..n).map(|i| hooked.gradient_buffer(i)).collect();
     let mut seen: Vec<(usize, Vec<f32>)> = vec![];
     let mut order = vec![];
+    let per_row = 1.0 / hooked.trained_rows(&micro) as f32;
     hooked
-        .accumulate_with(&dev, &micro, 1.0, &mut |g: &[usize]| {
-            order.push(g.to_vec());
-            for &p in g {
-                seen.push((p, dev.download(bufs[p])?.to_f32()));
-            }
-            Ok(())
-        })
+        .accumulate_with(
+            &dev,
+            &micro,
+            1.0,
+            per_row,
+            Some(&mut |g: &[usize]| {
+                order.push(g.to_vec());
+                for &p in g {
+                    seen.push((p, dev.download(bufs[p])?.to_f32()));
+                }
+                Ok(())
+            }),
+        )
         .unwrap();
     // Each block in two parts: what backward finishes first up to half the block's
     // elements (the MLP's projection and c_fc weights: two thirds), then the rest (the

@@ -399,10 +399,28 @@ impl Network {
         micro: &[MicroBatch],
         loss_scale: f32,
     ) -> Result<()> {
-        self.accumulate_hooked(dev, micro, loss_scale, None)
+        let per_row = 1.0 / self.trained_rows(micro).max(1) as f32;
+        self.accumulate_hooked(dev, micro, loss_scale, per_row, None)
     }
 
-    /// [`Network::accumulate`], calling `ready(params)` during the last micro-batch's
+    /// The rows of `micro` that are trained on: targets that are not
+    /// [`IGNORE_TARGET`] (every row of a loss without targets). A step's loss is the
+    /// mean over the trained rows of its whole global batch — every micro-batch of
+    /// every rank — not a mean of per-micro-batch means, which would weigh a token of a
+    /// micro-batch with few trained rows more than one of a micro-batch with many.
+    pub fn trained_rows(&self, micro: &[MicroBatch]) -> usize {
+        micro
+            .iter()
+            .map(|b| match self.targets.and_then(|k| b.0.get(k)) {
+                Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
+                _ => self.loss_rows,
+            })
+            .sum()
+    }
+
+    /// [`Network::accumulate`] with each trained row's loss weighing `per_row` (1 / the
+    /// trained rows of the global batch, see [`Network::trained_rows`], times the ranks
+    /// an exchange averages over), calling `ready(params)` during the last micro-batch's
     /// backward as soon as those parameters' gradients are final and submitted: each
     /// block's (the model's [`Model::blocks`], in the order backward finishes them),
     /// then the parameters outside blocks. A data-parallel group starts exchanging them
@@ -413,9 +431,10 @@ impl Network {
         dev: &dyn Device,
         micro: &[MicroBatch],
         loss_scale: f32,
-        ready: Ready<'_>,
+        per_row: f32,
+        ready: Option<Ready<'_>>,
     ) -> Result<()> {
-        self.accumulate_hooked(dev, micro, loss_scale, Some(ready))
+        self.accumulate_hooked(dev, micro, loss_scale, per_row, ready)
     }
 
     /// The groups [`Network::accumulate_with`] hands over: each block in two parts,
@@ -436,6 +455,7 @@ impl Network {
         dev: &dyn Device,
         micro: &[MicroBatch],
         loss_scale: f32,
+        per_row: f32,
         mut ready: Option<Ready<'_>>,
     ) -> Result<()> {
         if micro.is_empty() {
@@ -446,8 +466,8 @@ impl Network {
         if self.shared_block_grads && ready.is_none() {
             return Err(Error::InvalidArgument(
                 "network: the blocks share one set of gradient buffers (ZeRO stage 2), so \
-                 each block's gradients must be handed over as they are made: use \
-                 accumulate_with"
+                 each block's gradients must be handed over as they are made: give \
+                 accumulate_with a ready callback"
                     .into(),
             ));
         }
@@ -456,13 +476,12 @@ impl Network {
         for (i, batch) in micro.iter().enumerate() {
             self.upload(dev, batch)?;
             self.plan.set_random_state(self.random_key(i));
-            let w = self.per_row() / count as f32;
             match &mut ready {
                 Some(r) if self.shared_block_grads || i + 1 == count => {
                     self.plan
-                        .accumulate_with(dev, (loss_scale, w, i), &groups, &mut **r)?
+                        .accumulate_with(dev, (loss_scale, per_row, i), &groups, &mut **r)?
                 }
-                _ => self.plan.accumulate(dev, loss_scale, w, i)?,
+                _ => self.plan.accumulate(dev, loss_scale, per_row, i)?,
             }
         }
         Ok(())

@@ -146,6 +146,27 @@ fn mean_loss(local_sum: f64, world: usize, procs: Option<&Processes>) -> Result<
     Ok((sum[0] / world as f64) as f32)
 }
 
+/// What each trained row's loss weighs in every rank's backward: the step's loss is the
+/// mean over the trained rows of the global batch (every micro-batch of every rank, on
+/// every process), and the exchange averages over the `world` ranks, so `world / rows`.
+fn per_row(
+    models: &[&mut Network],
+    micro: &[Vec<MicroBatch>],
+    world: usize,
+    procs: Option<&Processes>,
+) -> Result<f32> {
+    let local: usize = models
+        .iter()
+        .zip(micro)
+        .map(|(m, micro)| m.trained_rows(micro))
+        .sum();
+    let mut rows = [local as f64];
+    if let Some(procs) = procs {
+        procs.comm.sum_f64(&mut rows)?;
+    }
+    Ok(world as f32 / rows[0].max(1.0) as f32)
+}
+
 /// The exchange after backward (`overlap_comm` off): every device finishes, then
 /// each one's gradients come down and the average is formed (with the other
 /// processes' in `procs`, in buckets of `bucket` elements).
@@ -158,9 +179,10 @@ pub fn after_backward(
     bucket: usize,
 ) -> Result<Exchanged> {
     let world = procs.map_or(models.len(), Processes::world);
+    let per_row = per_row(&models, micro, world, procs)?;
     // Every device computes at once: accumulate submits without waiting.
     for (r, (m, dev)) in models.iter_mut().zip(devs).enumerate() {
-        m.accumulate(*dev, &micro[r], loss_scale)?;
+        m.accumulate_with(*dev, &micro[r], loss_scale, per_row, None)?;
     }
     // The exchange is timed from when every device has finished its backward.
     for dev in devs {
@@ -248,6 +270,7 @@ pub fn during_backward(
     let local = models.len();
     let world = procs.map_or(local, Processes::world);
     let scale = 1.0 / world as f32;
+    let per_row = per_row(&models, micro, world, procs)?;
     let bucket = how.bucket.max(1);
     let n_params = models[0].parameter_tensors();
     // Where backward's hand-over groups end: a bucket that has not filled is summed
@@ -385,37 +408,43 @@ pub fn during_backward(
             let blocked = &blocked[r];
             s.spawn(move || {
                 let result = model
-                    .accumulate_with(dev, micro, loss_scale, &mut |params| {
-                        if blocking {
-                            // Compute first, so only the copies count as exchange.
-                            dev.wait()?;
-                            let t = std::time::Instant::now();
-                            let mut out = vec![];
-                            for &p in params {
-                                out.push((p, dev.download(grads[p])?.to_f32()));
+                    .accumulate_with(
+                        dev,
+                        micro,
+                        loss_scale,
+                        per_row,
+                        Some(&mut |params| {
+                            if blocking {
+                                // Compute first, so only the copies count as exchange.
+                                dev.wait()?;
+                                let t = std::time::Instant::now();
+                                let mut out = vec![];
+                                for &p in params {
+                                    out.push((p, dev.download(grads[p])?.to_f32()));
+                                }
+                                blocked.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
+                                return to_reducer_direct.send(Ok((r, out, false))).map_err(|_| {
+                                    Error::InvalidArgument("gradient reducer stopped".into())
+                                });
                             }
-                            blocked.fetch_add(t.elapsed().as_nanos() as u64, Ordering::SeqCst);
-                            return to_reducer_direct.send(Ok((r, out, false))).map_err(|_| {
-                                Error::InvalidArgument("gradient reducer stopped".into())
-                            });
-                        }
-                        let mut staged = vec![];
-                        for &p in params {
-                            match dev.begin_download(grads[p]) {
-                                Ok(pending) => staged.push((p, pending)),
-                                Err(e) => {
-                                    // Release the copies already staged.
-                                    for (_, pending) in staged {
-                                        let _ = dev.finish_download(pending);
+                            let mut staged = vec![];
+                            for &p in params {
+                                match dev.begin_download(grads[p]) {
+                                    Ok(pending) => staged.push((p, pending)),
+                                    Err(e) => {
+                                        // Release the copies already staged.
+                                        for (_, pending) in staged {
+                                            let _ = dev.finish_download(pending);
+                                        }
+                                        return Err(e);
                                     }
-                                    return Err(e);
                                 }
                             }
-                        }
-                        to_downloader.send(staged).map_err(|_| {
-                            Error::InvalidArgument("gradient downloader stopped".into())
-                        })
-                    })
+                            to_downloader.send(staged).map_err(|_| {
+                                Error::InvalidArgument("gradient downloader stopped".into())
+                            })
+                        }),
+                    )
                     .and_then(|()| dev.wait());
                 if in_backward.fetch_sub(1, Ordering::SeqCst) == 1 {
                     *backward_done.lock().unwrap_or_else(|e| e.into_inner()) =

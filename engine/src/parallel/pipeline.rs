@@ -411,7 +411,8 @@ impl Pipeline {
     /// schedule on every replica, the replicated parameters' gradients summed (and,
     /// with replicas, averaged over them), one overflow check, norm and gradient
     /// factor for all stages, then every stage's optimizer (skipped everywhere on
-    /// overflow). Each micro-batch's mean loss weighs 1 / m, and each replica 1 / dp.
+    /// overflow). The loss is the mean over the trained rows of every micro-batch of
+    /// every replica.
     pub fn step(&mut self, micro: &[MicroBatch], o: StepOptions) -> Result<StepReport> {
         let (dp, p) = (self.dp, self.stages());
         if !micro.len().is_multiple_of(dp) {
@@ -473,6 +474,11 @@ impl Pipeline {
         }
         let (seed, steps) = (self.options.seed, self.steps);
         let holders = &self.holders;
+        let trained: usize = data[(p - 1) * dp..]
+            .iter()
+            .flat_map(|per| per.iter().map(|d| d.1))
+            .sum();
+        let per_row = dp as f32 / trained.max(1) as f32;
         let stage_params: Vec<Vec<usize>> = self
             .stages
             .iter()
@@ -511,6 +517,7 @@ impl Pipeline {
                     dp,
                     m,
                     data,
+                    per_row,
                     o,
                     seed,
                     steps,

@@ -110,6 +110,9 @@ pub(super) struct Run<'a> {
     pub(super) m: usize,
     /// Per micro-batch: this stage's inputs and the rows trained on.
     pub(super) data: &'a [(Vec<HostData>, usize)],
+    /// What each trained row's loss weighs (the last stage): `dp` / the trained rows of
+    /// the whole global batch, as `exchange::per_row` has it.
+    pub(super) per_row: f32,
     pub(super) o: StepOptions,
     pub(super) seed: u64,
     pub(super) steps: u32,
@@ -332,12 +335,11 @@ impl Run<'_> {
         for instr in ticks.iter().flatten() {
             match *instr {
                 Instr::Load { micro } => {
-                    let (data, trained) = &self.data[micro];
+                    let (data, _) = &self.data[micro];
                     let slot = &mut stage.slots[micro % slots];
                     for (&b, d) in slot.inputs.iter().zip(data) {
                         dev.upload(b, d)?;
                     }
-                    slot.trained = *trained;
                 }
                 Instr::RecvActivation { micro } => {
                     let rx = links.act_in.as_ref().expect("a later stage receives");
@@ -375,13 +377,9 @@ impl Run<'_> {
                 }
                 Instr::Backward { micro, buffer } => {
                     let slot = &mut stage.slots[buffer % slots];
-                    // The loss of each micro-batch is its trained rows' mean; the step's
-                    // the micro-batches' mean. Other stages start from the seeds.
-                    let weight = if has_loss {
-                        1.0 / slot.trained.max(1) as f32 / self.m as f32
-                    } else {
-                        1.0
-                    };
+                    // The step's loss is the mean over the global batch's trained rows.
+                    // Other stages start from the seeds.
+                    let weight = if has_loss { self.per_row } else { 1.0 };
                     let scalars = (self.o.loss_scale, weight, micro);
                     match (&stage.hand_over, &handing) {
                         (Some(groups), Some((to_downloader, _))) => {

@@ -23,8 +23,6 @@ pub(super) struct Slot {
     pub(super) acts_in: Vec<Buffer>,
     /// Per [`StageGraph::activations_out`] entry with a gradient.
     pub(super) seeds: Vec<Option<Buffer>>,
-    /// Rows trained on in the micro-batch held (last stage: its loss weight).
-    pub(super) trained: usize,
 }
 
 /// One stage: its part of the graph, its parameters and its slots.
@@ -305,7 +303,6 @@ pub(super) fn compile_slot(
         inputs,
         acts_in,
         seeds,
-        trained: 0,
     })
 }
 
