@@ -100,22 +100,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Config { what } => config(what),
-        Command::Prepare {
-            input,
-            output,
-            tokenizer,
-        } => {
-            let tok = kiln::engine::data::Tokenizer::open(&tokenizer)?;
-            let (name, vocab) = (tok.name(), tok.vocab_size());
-            let n = kiln::engine::data::prepare(&input, &output, tok)?;
-            let width = kiln::engine::data::TokenDtype::for_vocab(vocab);
-            outln!(
-                "{}: {n} tokens ({name}, vocab {vocab}, {width}) from {}",
-                output.display(),
-                input.display()
-            );
-            Ok(())
-        }
+        Command::Prepare(a) => cli::prepare::prepare(a),
         Command::Template {
             dir,
             messages,

@@ -6,7 +6,10 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use kiln_engine::data::chat_template::{model_chat, parse_date, ChatTemplate, SpanMethod};
+use kiln_engine::data::chat_template::{
+    model_chat, parse_date, ChatTemplate, ModelChat, SpanMethod,
+};
+use kiln_engine::data::examples::mask_of;
 use kiln_engine::data::hf_tokenizer::TOKENIZER_FILE;
 use kiln_engine::data::HfTokenizer;
 
@@ -31,6 +34,28 @@ pub struct TemplateReport {
     pub notes: Vec<String>,
 }
 
+/// The chat template a command uses: `file` where given (with the model's special
+/// tokens), else the model directory `dir`'s.
+pub fn chosen_template(
+    chat: &ModelChat,
+    dir: &Path,
+    file: Option<&Path>,
+    date: Option<std::time::SystemTime>,
+) -> Result<ChatTemplate> {
+    Ok(match file {
+        Some(file) => {
+            let source = std::fs::read_to_string(file)
+                .with_context(|| format!("reading the chat template {}", file.display()))?;
+            let mut t = ChatTemplate::new(&source, &file.display().to_string(), date)?;
+            for (name, text) in &chat.specials {
+                t = t.with_special(name, text);
+            }
+            t
+        }
+        None => chat.template(dir, date)?,
+    })
+}
+
 pub fn template(o: &TemplateOptions) -> Result<TemplateReport> {
     let date = o.date.as_deref().map(parse_date).transpose()?;
     if !o.dir.is_dir() {
@@ -50,18 +75,7 @@ pub fn template(o: &TemplateOptions) -> Result<TemplateReport> {
         Some(tok) => tok.chat.clone(),
         None => model_chat(&o.dir)?,
     };
-    let template = match &o.chat_template {
-        Some(file) => {
-            let source = std::fs::read_to_string(file)
-                .with_context(|| format!("reading the chat template {}", file.display()))?;
-            let mut t = ChatTemplate::new(&source, &file.display().to_string(), date)?;
-            for (name, text) in &chat.specials {
-                t = t.with_special(name, text);
-            }
-            t
-        }
-        None => chat.template(&o.dir, date)?,
-    };
+    let template = chosen_template(&chat, &o.dir, o.chat_template.as_deref(), date)?;
     let row = read_row(&o.row)?;
     let (conversation, method) = template.assistant_spans(&row)?;
     let (text, spans) = if o.add_generation_prompt {
@@ -94,17 +108,7 @@ pub fn template(o: &TemplateOptions) -> Result<TemplateReport> {
                 .map_err(|e| {
                     anyhow::anyhow!("{}: the tokenizer failed: {e}", tok.file.display())
                 })?;
-            let mask: Vec<u8> = enc
-                .get_offsets()
-                .iter()
-                .map(|&(s, e)| {
-                    let trained = rendered
-                        .assistant_spans
-                        .iter()
-                        .any(|r| s < r.end && e > r.start);
-                    trained as u8
-                })
-                .collect();
+            let mask = mask_of(enc.get_offsets(), &rendered.assistant_spans);
             for (k, r) in rendered.assistant_spans.iter().enumerate() {
                 let ends = enc
                     .get_ids()

@@ -392,3 +392,154 @@ fn kiln_template_shows_the_trained_tokens() {
     assert!(!ok && err.contains("--chat-template"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kiln prepare` of a dataset of rows: each conversation's tokens and loss mask are
+/// what `kiln template` shows for it (the same row as ShareGPT gives the same
+/// example), the sidecar counts them and records the date, `--max-length` cuts either
+/// end and drops what has nothing left to train on, a bad row is named with its line
+/// and leaves no output, and training refuses the example file rather than read it as
+/// a stream.
+#[test]
+fn kiln_prepare_writes_each_rows_tokens_and_loss_mask() {
+    let dir = chatml_model("prepare", &source("smollm2"));
+    let d = dir.to_str().unwrap();
+    let row = read_json(&fixtures().join("rows/no_system.json"));
+    let sharegpt: Vec<Value> = row["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let from = if m["role"] == "user" { "human" } else { "gpt" };
+            serde_json::json!({"from": from, "value": m["content"]})
+        })
+        .collect();
+    let rows = dir.join("rows.jsonl");
+    std::fs::write(
+        &rows,
+        format!(
+            "{row}\n\n{}\n",
+            serde_json::json!({"messages": row["messages"]})
+        ),
+    )
+    .unwrap();
+    let share = dir.join("share.jsonl");
+    std::fs::write(
+        &share,
+        format!("{}\n", serde_json::json!({"conversations": sharegpt})),
+    )
+    .unwrap();
+    let out = dir.join("out.bin");
+    let o = out.to_str().unwrap();
+    let prepare = |input: &Path, extra: &[&str]| {
+        let mut args = vec!["prepare", input.to_str().unwrap(), o, "--tokenizer", d];
+        args.extend(["--date", "26 Jul 2026"]);
+        args.extend(extra);
+        kiln(&args)
+    };
+    let read = || -> (Vec<u16>, Vec<u8>, Vec<u64>, Value) {
+        let ids = std::fs::read(&out).unwrap();
+        let offsets = std::fs::read(dir.join("out.bin.examples")).unwrap();
+        (
+            ids.chunks(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+            std::fs::read(dir.join("out.bin.mask")).unwrap(),
+            offsets
+                .chunks(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            read_json(&dir.join("out.bin.json")),
+        )
+    };
+
+    let (ok, stdout, err) = prepare(&rows, &[]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("messages (trained on the assistant's turns)") && err.contains("turn by turn"),
+        "{err}"
+    );
+    assert!(stdout.contains("2 examples"), "{stdout}");
+    let (ids, mask, offsets, side) = read();
+    // What `kiln template` shows for the row.
+    let row_file = fixtures().join("rows/no_system.json");
+    let (ok, shown, err) = kiln(&[
+        "template",
+        d,
+        "--messages",
+        row_file.to_str().unwrap(),
+        "--json",
+        "--date",
+        "26 Jul 2026",
+    ]);
+    assert!(ok, "{err}");
+    let shown: Value = serde_json::from_str(&shown).unwrap();
+    let want_ids: Vec<u16> = serde_json::from_value(shown["tokens"].clone()).unwrap();
+    let want_mask: Vec<u8> = serde_json::from_value(shown["mask"].clone()).unwrap();
+    let n = want_ids.len();
+    assert_eq!(offsets, [0, n as u64, 2 * n as u64]);
+    assert_eq!((&ids[..n], &mask[..n]), (&want_ids[..], &want_mask[..]));
+    assert_eq!((&ids[n..], &mask[n..]), (&want_ids[..], &want_mask[..]));
+    let trained = want_mask[1..].iter().filter(|&&m| m == 1).count() as u64;
+    assert!(trained > 10);
+    let set = &side["examples"];
+    assert_eq!(side["tokens"], 2 * n as u64);
+    assert_eq!(
+        (set["examples"].as_u64(), set["trained_tokens"].as_u64()),
+        (Some(2), Some(2 * trained))
+    );
+    assert_eq!(
+        (set["date"].as_str(), set["dropped"].as_u64()),
+        (Some("2026-07-26"), Some(0))
+    );
+    assert_eq!(set["columns"]["messages"], "messages");
+
+    // ShareGPT's form of the same conversation: the same example.
+    let (ok, _, err) = prepare(&share, &[]);
+    assert!(ok && err.contains("ShareGPT"), "{err}");
+    let (ids, mask, offsets, _) = read();
+    assert_eq!(
+        (ids, mask, offsets),
+        (want_ids.clone(), want_mask.clone(), vec![0, n as u64])
+    );
+
+    // Cut to 20 tokens: the end keeps the last turn's; the start holds no trained token,
+    // so every example is dropped, which is an error that leaves no files.
+    let (ok, stdout, err) = prepare(&rows, &["--max-length", "20", "--truncation", "keep_end"]);
+    assert!(ok, "{err}");
+    assert!(stdout.contains("2 cut to 20 tokens"), "{stdout}");
+    let (ids, mask, _, side) = read();
+    assert_eq!(
+        (&ids[..20], &mask[..20]),
+        (&want_ids[n - 20..], &want_mask[n - 20..])
+    );
+    assert_eq!(side["examples"]["truncated"], 2);
+    std::fs::remove_file(&out).unwrap();
+    let (ok, _, err) = prepare(&rows, &["--max-length", "20"]);
+    assert!(
+        !ok && err.contains("2 dropped") && err.contains("keep_end"),
+        "{err}"
+    );
+    assert!(!out.exists() && !dir.join("out.bin.mask").exists());
+
+    // A bad second row is named; nothing is left behind.
+    std::fs::write(&rows, format!("{row}\n{{\"text\": \"plain\"}}\n")).unwrap();
+    let (ok, _, err) = prepare(&rows, &[]);
+    assert!(
+        !ok && err.contains("line 2") && err.contains("mixed formats"),
+        "{err}"
+    );
+    assert!(!out.exists() && !dir.join("out.bin.examples").exists());
+
+    // Training and evaluation refuse an example file.
+    let (ok, _, err) = prepare(&share, &[]);
+    assert!(ok, "{err}");
+    let e = kiln::engine::data::TokenFile::open(&out)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("an example file") && e.contains("loss mask"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -49,18 +49,7 @@ pub(crate) enum Command {
     },
     /// Turn a text file into a `.bin` token file (u16 tokens, u32 past 65536 ids, with a
     /// `.json` sidecar).
-    Prepare {
-        /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers).
-        input: PathBuf,
-        /// The token file to write; its name must end in `.bin` (`kiln train` reads any
-        /// other file as text), and it must not be the input.
-        output: PathBuf,
-        /// `gpt2` (GPT-2's BPE, vocab 50257), `bytes` (vocab 256), or a Hugging Face
-        /// model directory or its tokenizer.json (the model's own tokenizer: Llama 3,
-        /// SmolLM2, Qwen2.5, ...).
-        #[arg(long, default_value = "gpt2")]
-        tokenizer: String,
-    },
+    Prepare(PrepareArgs),
     /// Show what fine-tuning trains on: one dataset row through a model's chat
     /// template, the assistant's text marked (or as JSON with its spans, and with the
     /// model's tokenizer the tokens and their loss mask).
@@ -531,4 +520,50 @@ pub(crate) struct MatmulArgs {
     /// Write the rows as JSON to this file (`-` for stdout) as well.
     #[arg(long)]
     pub(crate) json: Option<String>,
+}
+
+/// `kiln prepare`: a text file to a token file, or a fine-tuning dataset (`.jsonl`, or
+/// `.json` holding an array of rows) to an example file with its loss mask.
+#[derive(clap::Args)]
+pub(crate) struct PrepareArgs {
+    /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers), or a dataset of
+    /// rows: JSON Lines (`.jsonl`) or a JSON array (`.json`) with `text`,
+    /// `prompt`/`completion`, `messages` or ShareGPT `conversations` columns.
+    pub(crate) input: PathBuf,
+    /// The token file to write; its name must end in `.bin` (`kiln train` reads any
+    /// other file as text), and it must not be the input.
+    pub(crate) output: PathBuf,
+    /// `gpt2` (GPT-2's BPE, vocab 50257), `bytes` (vocab 256), or a Hugging Face
+    /// model directory or its tokenizer.json (the model's own tokenizer: Llama 3,
+    /// SmolLM2, Qwen2.5, ...).
+    #[arg(long, default_value = "gpt2")]
+    pub(crate) tokenizer: String,
+    /// A Jinja chat template for conversations, instead of the tokenizer directory's.
+    #[arg(long)]
+    pub(crate) chat_template: Option<PathBuf>,
+    /// The date `strftime_now` gives the template (`26 Jul 2026` or `2026-07-26`);
+    /// default today.
+    #[arg(long)]
+    pub(crate) date: Option<String>,
+    /// The column holding plain text.
+    #[arg(long, default_value = "text")]
+    pub(crate) text_column: String,
+    /// The column holding the prompt.
+    #[arg(long, default_value = "prompt")]
+    pub(crate) prompt_column: String,
+    /// The column holding the completion.
+    #[arg(long, default_value = "completion")]
+    pub(crate) completion_column: String,
+    /// The column holding a conversation's messages.
+    #[arg(long, default_value = "messages")]
+    pub(crate) messages_column: String,
+    /// Cut examples longer than this many tokens.
+    #[arg(long)]
+    pub(crate) max_length: Option<usize>,
+    /// Which end of a long example to keep: keep_start or keep_end.
+    #[arg(long, default_value = "keep_start")]
+    pub(crate) truncation: String,
+    /// Train on every token, prompts and user turns too.
+    #[arg(long)]
+    pub(crate) train_on_inputs: bool,
 }

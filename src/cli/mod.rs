@@ -4,4 +4,5 @@
 pub(crate) mod args;
 pub(crate) mod bench;
 pub(crate) mod inspect;
+pub(crate) mod prepare;
 pub(crate) mod train;

@@ -53,6 +53,8 @@ pub struct ChatTemplate {
     /// Special tokens the template sees by name (`bos_token`, `eos_token`, ...).
     specials: Vec<(String, String)>,
     generation_tags: bool,
+    /// What `strftime_now` gives, if fixed.
+    date: Option<SystemTime>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -121,7 +123,13 @@ impl ChatTemplate {
             origin: origin.to_string(),
             specials: vec![],
             generation_tags,
+            date,
         })
+    }
+
+    /// The day `strftime_now` gives, `YYYY-MM-DD` (UTC), if fixed (else each render's).
+    pub fn date(&self) -> Option<String> {
+        self.date.and_then(|d| strftime("%Y-%m-%d", d).ok())
     }
 
     /// Adds a special token the template sees by `name` (`bos_token`, `eos_token`, ...).

@@ -25,6 +25,9 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// `tokenizer_config.json`).
 pub use super::chat_template::CHAT_TEMPLATE_FILE;
 
+/// A text's ids and each id's byte range in the text.
+pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
+
 /// A Hugging Face tokenizer with its model's special tokens.
 #[derive(Clone)]
 pub struct HfTokenizer {
@@ -192,6 +195,15 @@ impl HfTokenizer {
         self.inner
             .encode_fast(text, special)
             .map(|e| e.get_ids().to_vec())
+            .map_err(|e| DataError::format(what, format!("the tokenizer failed on it: {e}")))
+    }
+
+    /// [`HfTokenizer::encode`] with each id's byte range in `text` (an id the
+    /// post-processor adds has an empty one).
+    pub fn encode_offsets(&self, text: &str, special: bool, what: &Path) -> Result<Encoded> {
+        self.inner
+            .encode(text, special)
+            .map(|e| (e.get_ids().to_vec(), e.get_offsets().to_vec()))
             .map_err(|e| DataError::format(what, format!("the tokenizer failed on it: {e}")))
     }
 

@@ -20,7 +20,8 @@
 //! - [`records`]: fine-tuning datasets as rows (JSON Lines, JSON arrays), their format
 //!   (text, prompt/completion, messages, ShareGPT) told from their columns;
 //!   [`chat_template`](mod@chat_template): conversations rendered as `transformers` renders
-//!   them, with the assistant's spans.
+//!   them, with the assistant's spans; [`examples`]: rows to example files of tokens
+//!   and loss masks (what is trained: the completion, the assistant's turns).
 //! - [`clusters()`]: a synthetic classification task for small examples.
 //!
 //! Token ids are checked against the model's vocabulary once over the whole source when
@@ -31,6 +32,8 @@ pub mod addition;
 #[cfg(feature = "tokenizers")]
 pub mod chat_template;
 pub mod clusters;
+#[cfg(feature = "tokenizers")]
+pub mod examples;
 mod gpt2_bpe;
 #[cfg(feature = "tokenizers")]
 pub mod hf_tokenizer;

@@ -310,7 +310,7 @@ fn prepare_chunked(
         }
         Ok(count)
     })?;
-    write_sidecar(output, &tokenizer, count)?;
+    write_sidecar(output, &tokenizer, count, None)?;
     Ok(count)
 }
 
@@ -343,7 +343,7 @@ fn suggested_output(input: &Path, meta: &std::fs::Metadata) -> PathBuf {
 /// Token files are named `.bin`: `kiln train` (and nanoGPT-style tools) read a `.bin`
 /// as u16 tokens and any other file as text, so a token file named `out.txt` would be
 /// trained on as raw bytes.
-fn check_token_file_name(path: &Path) -> Result<()> {
+pub(super) fn check_token_file_name(path: &Path) -> Result<()> {
     let is_bin = path
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
@@ -566,7 +566,7 @@ fn not_utf8(what: &Path, offset: u64) -> DataError {
 
 /// Writes `ids` (token `first` on) as little-endian `dtype`, refusing an id that does
 /// not fit in it or is not below `vocab_size`.
-fn write_ids(
+pub(super) fn write_ids(
     w: &mut impl Write,
     path: &Path,
     ids: &[u32],
@@ -627,8 +627,14 @@ pub fn write_token_file(
 
 /// The sidecar of `tokens` ids made by `tokenizer` (a Hugging Face one by its file and
 /// SHA-256).
-fn write_sidecar(bin: &Path, tokenizer: &Tokenizer, tokens: u64) -> Result<()> {
+pub(super) fn write_sidecar(
+    bin: &Path,
+    tokenizer: &Tokenizer,
+    tokens: u64,
+    examples: Option<super::token_file::ExampleSet>,
+) -> Result<()> {
     let mut sidecar = Sidecar::new(tokenizer.name(), tokenizer.vocab_size(), tokens);
+    sidecar.examples = examples;
     if let Tokenizer::Hf(t) = tokenizer {
         // Absolute, so the data still finds its tokenizer from another directory.
         sidecar.tokenizer_file = Some(std::path::absolute(&t.file).unwrap_or(t.file.clone()));
@@ -649,7 +655,7 @@ fn write_sidecar_file(bin: &Path, sidecar: &Sidecar) -> Result<()> {
 /// syncs the directory (where the platform allows), so that `path` holds either the old
 /// content or all of the new. On an error the temporary file is removed and `path` is
 /// untouched.
-fn write_atomically<T>(
+pub(super) fn write_atomically<T>(
     path: &Path,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<T>,
 ) -> Result<T> {

@@ -68,6 +68,58 @@ fn is_u16(d: &TokenDtype) -> bool {
     *d == TokenDtype::U16
 }
 
+/// Which end of a long example `max_length` keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Truncation {
+    #[default]
+    KeepStart,
+    KeepEnd,
+}
+
+impl std::str::FromStr for Truncation {
+    type Err = DataError;
+    fn from_str(s: &str) -> Result<Truncation> {
+        match s {
+            "keep_start" => Ok(Truncation::KeepStart),
+            "keep_end" => Ok(Truncation::KeepEnd),
+            other => Err(DataError::InvalidArgument(format!(
+                "truncation `{other}`: give keep_start (keep an example's first tokens) or \
+                 keep_end (its last)"
+            ))),
+        }
+    }
+}
+
+/// What a prepared example file holds, in its sidecar.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExampleSet {
+    /// The dataset's format, as `records::Format::describe` says it.
+    pub format: String,
+    /// The columns read, by role (`prompt` → the column holding it).
+    pub columns: std::collections::BTreeMap<String, String>,
+    pub examples: u64,
+    /// Tokens the loss is taken on.
+    pub trained_tokens: u64,
+    /// Examples cut to `max_length`.
+    pub truncated: u64,
+    /// Examples dropped: nothing left to train on.
+    pub dropped: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_length: Option<usize>,
+    pub truncation: Truncation,
+    pub train_on_inputs: bool,
+    /// How the assistant's text was found, for conversations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub span_method: Option<String>,
+    /// Where the chat template came from, for conversations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
+    /// The day the template's `strftime_now` gave, for conversations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+}
+
 /// The `<file>.json` written next to a prepared `.bin`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sidecar {
@@ -87,6 +139,9 @@ pub struct Sidecar {
     /// Its SHA-256, lowercase hex: what a model's tokenizer must match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer_sha256: Option<String>,
+    /// An example file's (`examples::prepare_examples`): how it was made and counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub examples: Option<ExampleSet>,
 }
 
 impl Sidecar {
@@ -100,6 +155,7 @@ impl Sidecar {
             dtype: TokenDtype::for_vocab(vocab_size),
             tokenizer_file: None,
             tokenizer_sha256: None,
+            examples: None,
         }
     }
 
@@ -160,6 +216,17 @@ impl TokenFile {
                      token file. Prepare it again",
                     map.len(),
                     dtype.bytes()
+                ),
+            ));
+        }
+        if let Some(set) = sidecar.as_ref().and_then(|s| s.examples.as_ref()) {
+            // Read as a stream, its prompts would be trained on and its examples run
+            // into each other: refused rather than trained wrongly.
+            return Err(DataError::format(
+                path,
+                format!(
+                    "an example file ({} examples of {}, with a loss mask beside it), not a                      token stream: Kiln cannot train or evaluate on example files yet (issue                      40: loss masks and packing). Prepare plain text instead for now",
+                    set.examples, set.format
                 ),
             ));
         }

@@ -1,0 +1,129 @@
+//! `kiln prepare`: a text file to a token file, or a fine-tuning dataset of rows to an
+//! example file with its loss mask (`kiln_engine::data::examples`).
+
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use kiln::engine::data::chat_template::{parse_date, ModelChat};
+use kiln::engine::data::examples::{prepare_examples, ExampleOptions};
+use kiln::engine::data::records::Columns;
+use kiln::engine::data::{TokenDtype, Tokenizer};
+
+use super::args::PrepareArgs;
+
+/// Whether `path` is a dataset of rows (JSON Lines or a JSON array) rather than text.
+fn is_rows(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("jsonl" | "json")
+    )
+}
+
+pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
+    let tok = Tokenizer::open(&a.tokenizer)?;
+    let (name, vocab) = (tok.name(), tok.vocab_size());
+    if !is_rows(&a.input) {
+        let row_flags = [
+            ("--chat-template", a.chat_template.is_some()),
+            ("--date", a.date.is_some()),
+            ("--max-length", a.max_length.is_some()),
+            ("--train-on-inputs", a.train_on_inputs),
+            ("--truncation", a.truncation != "keep_start"),
+            ("--text-column", a.text_column != "text"),
+            ("--prompt-column", a.prompt_column != "prompt"),
+            ("--completion-column", a.completion_column != "completion"),
+            ("--messages-column", a.messages_column != "messages"),
+        ];
+        if let Some((flag, _)) = row_flags.iter().find(|f| f.1) {
+            bail!(
+                "{flag} is for datasets of rows (.jsonl, or .json holding an array), and {} is \
+                 read as text",
+                a.input.display()
+            );
+        }
+        let n = kiln::engine::data::prepare(&a.input, &a.output, tok)?;
+        let width = TokenDtype::for_vocab(vocab);
+        outln!(
+            "{}: {n} tokens ({name}, vocab {vocab}, {width}) from {}",
+            a.output.display(),
+            a.input.display()
+        );
+        return Ok(());
+    }
+    // One date for every row, recorded in the sidecar.
+    let date = Some(match a.date.as_deref() {
+        Some(d) => parse_date(d)?,
+        None => std::time::SystemTime::now(),
+    });
+    let (chat, dir) = match &tok {
+        Tokenizer::Hf(t) => (
+            t.chat.clone(),
+            t.file.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        ),
+        _ => (ModelChat::default(), Path::new(".").to_path_buf()),
+    };
+    // The model's template where it has one (a dataset of text needs none), or the
+    // file given.
+    let chat = if a.chat_template.is_some() || chat.source.is_some() {
+        Some(kiln::template::chosen_template(
+            &chat,
+            &dir,
+            a.chat_template.as_deref(),
+            date,
+        )?)
+    } else {
+        None
+    };
+    let o = ExampleOptions {
+        columns: Columns {
+            text: a.text_column,
+            prompt: a.prompt_column,
+            completion: a.completion_column,
+            messages: a.messages_column,
+        },
+        chat,
+        max_length: a.max_length,
+        truncation: a.truncation.parse()?,
+        train_on_inputs: a.train_on_inputs,
+    };
+    if o.max_length == Some(0) {
+        bail!("--max-length 0 leaves nothing to train on; give a length of 2 tokens or more");
+    }
+    let set = prepare_examples(&a.input, &a.output, &tok, &o)?;
+    let columns: Vec<String> = set
+        .columns
+        .iter()
+        .map(|(role, col)| format!("{role} = `{col}`"))
+        .collect();
+    errln!(
+        "{}: {} ({}){}",
+        a.input.display(),
+        set.format,
+        columns.join(", "),
+        set.span_method
+            .as_deref()
+            .map(|m| format!("; the assistant's text found by {m}"))
+            .unwrap_or_default()
+    );
+    outln!(
+        "{}: {} examples ({name}, vocab {vocab}), {} tokens trained{}{}",
+        a.output.display(),
+        set.examples,
+        set.trained_tokens,
+        if set.truncated > 0 {
+            format!(
+                ", {} cut to {} tokens",
+                set.truncated,
+                o.max_length.unwrap_or(0)
+            )
+        } else {
+            String::new()
+        },
+        if set.dropped > 0 {
+            format!(", {} dropped (nothing left to train on)", set.dropped)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
