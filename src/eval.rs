@@ -111,34 +111,47 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
                     .iter()
                     .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
                     .count(),
-                Dataset::File { eval } => eval.as_ref().map_or(0, |e| e.1.len()),
+                Dataset::File { eval } => eval.as_ref().map_or(0, |e| {
+                    e.1.iter()
+                        .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
+                        .count()
+                }),
             };
             (loss, acc, tokens)
         }
         Scored::Whole(src) => {
-            // Pieces of whole rows, each scored as kiln train scores its held-out rows;
-            // every target of a file row is scored, so the pieces weigh by their rows.
+            // Pieces of whole rows, each scored as kiln train scores its held-out rows,
+            // weighed by the targets scored in them (all, but for an example file's
+            // prompts and padding).
             let mut sum = 0.0f64;
-            let mut done = 0;
+            let (mut done, mut scored) = (0, 0usize);
             let mut row = vec![0u32; t + 1];
             while done < plan.rows {
                 let n = ROWS_PER_PIECE.min(plan.rows - done);
                 let (mut toks, mut tgts) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
                 for r in done..done + n {
-                    src.read((r * (t + 1)) as u64, &mut row)?;
+                    let start = (r * (t + 1)) as u64;
+                    src.read(start, &mut row)?;
                     toks.extend_from_slice(&row[..t]);
                     tgts.extend_from_slice(&row[1..]);
+                    let at = tgts.len() - t;
+                    data::mask_targets(src.as_ref(), start, &mut tgts[at..])?;
                 }
+                let count = tgts
+                    .iter()
+                    .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
+                    .count();
                 let piece = Dataset::File {
                     eval: Some((toks, tgts)),
                 };
                 let (loss, _) = evaluate(&network, dev, &piece, b, t, &mut |d, _| {
                     bar.set_position((done + d) as u64)
                 })?;
-                sum += loss as f64 * n as f64;
+                sum += loss as f64 * count as f64;
+                scored += count;
                 done += n;
             }
-            ((sum / plan.rows as f64) as f32, None, plan.rows * t)
+            ((sum / scored.max(1) as f64) as f32, None, scored)
         }
     };
     bar.finish_and_clear();
@@ -173,7 +186,7 @@ struct Plan {
 fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
     let v = source.model.vocab_size();
     if let Some(path) = file {
-        let src = data::open_path(path)?;
+        let src = data::open_path(path, t)?;
         data::check_source(src.as_ref(), t, v)?;
         data::check_ids(src.as_ref(), v)?;
         let rows = (src.len() / (t as u64 + 1)) as usize;
@@ -214,7 +227,7 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
         });
     }
     let path = Path::new(&recorded);
-    let src = data::open_path(path).with_context(|| {
+    let src = data::open_path(path, t).with_context(|| {
         format!(
             "the run's data {recorded:?} (from its {}): run kiln eval from the directory the \
              run was started in, or pass --data FILE",

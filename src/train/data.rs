@@ -80,7 +80,20 @@ pub(super) fn load(
                 (Arc::new(src), len, Dataset::Addition { eval }, name)
             }
             Some(path) => {
-                let src: Arc<dyn TokenSource> = Arc::from(data::open_path(path)?);
+                let examples = path.extension().is_some_and(|e| e == "bin")
+                    && data::Sidecar::read_for(path)
+                        .ok()
+                        .flatten()
+                        .is_some_and(|s| s.examples.is_some());
+                let src: Arc<dyn TokenSource> = if examples {
+                    let rows = data::ExampleRows::open(path, t)?;
+                    if progress {
+                        say(rows.describe()?);
+                    }
+                    Arc::new(rows)
+                } else {
+                    Arc::from(data::open_path(path, t)?)
+                };
                 if !model_from_file {
                     model.set_vocab_size(src.vocab_hint().ok_or_else(|| {
                         anyhow::anyhow!(
@@ -209,9 +222,12 @@ pub(crate) fn held_out(src: &dyn TokenSource, t: usize) -> Result<HeldOut> {
     let mut tgts = Vec::with_capacity(hold * t);
     let mut row = vec![0u32; t + 1];
     for r in 0..hold {
-        src.read(train_len + (r * (t + 1)) as u64, &mut row)?;
+        let start = train_len + (r * (t + 1)) as u64;
+        src.read(start, &mut row)?;
         toks.extend_from_slice(&row[..t]);
         tgts.extend_from_slice(&row[1..]);
+        let at = tgts.len() - t;
+        data::mask_targets(src, start, &mut tgts[at..])?;
     }
     Ok(HeldOut {
         train_len,

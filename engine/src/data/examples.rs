@@ -26,15 +26,17 @@
 
 use std::io::Write;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 
 use super::chat_template::{ChatTemplate, SpanMethod};
 use super::hf_tokenizer::Encoded;
-use super::prepare::{check_token_file_name, write_atomically, write_ids, write_sidecar};
+use super::prepare::{
+    check_outputs, check_token_file_name, write_atomically, write_ids, write_sidecar,
+};
 use super::records::{detect, example, read_rows, Columns, Example, Format, RowPlace};
-use super::token_file::TokenDtype;
+use super::token_file::{side_path, Sidecar, TokenDtype};
 pub use super::token_file::{ExampleSet, Truncation};
 use super::{DataError, Result, Tokenizer};
 
@@ -230,13 +232,19 @@ pub fn prepare_examples(
     tok: &Tokenizer,
     o: &ExampleOptions,
 ) -> Result<ExampleSet> {
+    let meta = std::fs::metadata(input).map_err(|e| DataError::io(input, "open", e))?;
+    let (mask_path, offsets_path) = (side_path(output, "mask"), side_path(output, "examples"));
+    check_outputs(
+        input,
+        &meta,
+        &[
+            (output.to_path_buf(), "output"),
+            (Sidecar::path_for(output), "sidecar"),
+            (mask_path.clone(), "mask"),
+            (offsets_path.clone(), "offsets file"),
+        ],
+    )?;
     check_token_file_name(output)?;
-    if std::fs::canonicalize(input).ok() == std::fs::canonicalize(output).ok() {
-        return Err(DataError::InvalidArgument(format!(
-            "{}: the output would overwrite the input; give another .bin",
-            output.display()
-        )));
-    }
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let mut set = ExampleSet {
         max_length: o.max_length,
@@ -247,7 +255,6 @@ pub fn prepare_examples(
     };
     let mut format: Option<Format> = None;
     let mut tokens = 0u64;
-    let (mask_path, offsets_path) = (side_path(output, "mask"), side_path(output, "examples"));
     write_atomically(&offsets_path, |offsets_out| {
         write_atomically(&mask_path, |mask_out| {
             write_atomically(output, |ids_out| {
@@ -347,13 +354,6 @@ pub fn prepare_examples(
     }
     write_sidecar(output, tok, tokens, Some(set.clone()))?;
     Ok(set)
-}
-
-/// `out.bin.<ext>`.
-pub fn side_path(bin: &Path, ext: &str) -> PathBuf {
-    let mut p = bin.as_os_str().to_owned();
-    p.push(format!(".{ext}"));
-    PathBuf::from(p)
 }
 
 #[cfg(test)]

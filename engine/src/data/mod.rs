@@ -32,6 +32,7 @@ pub mod addition;
 #[cfg(feature = "tokenizers")]
 pub mod chat_template;
 pub mod clusters;
+pub mod example_rows;
 #[cfg(feature = "tokenizers")]
 pub mod examples;
 mod gpt2_bpe;
@@ -53,6 +54,7 @@ use std::path::{Path, PathBuf};
 
 pub use addition::{accuracy, Addition, EvalProblem, EvalRows, DEFAULT_DIGITS};
 pub use clusters::clusters;
+pub use example_rows::ExampleRows;
 pub use hf_tokenizer::HfTokenizer;
 pub use memory::MemorySource;
 pub use prefetch::{Fetched, Loader, LoaderConfig};
@@ -161,6 +163,14 @@ pub trait TokenSource: Send + Sync {
     /// Human-readable name for messages (usually the path).
     fn name(&self) -> String;
 
+    /// Whether tokens `start .. start + out.len()` are trained on as targets (1) or not
+    /// (0: a prompt, padding), written into `out`; `false`, leaving `out` alone, for a
+    /// stream without a loss mask (every token is trained on).
+    fn read_mask(&self, start: u64, out: &mut [u8]) -> Result<bool> {
+        let _ = (start, out);
+        Ok(false)
+    }
+
     /// The first token whose id is `limit` or more, as (position, id), or `None`: a scan
     /// of the whole stream.
     fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {
@@ -177,6 +187,20 @@ pub trait TokenSource: Send + Sync {
         }
         Ok(None)
     }
+}
+
+/// The targets of the row at `start` (`targets[k]` is token `start + k + 1`) with those
+/// `source`'s loss mask leaves out set to [`IGNORE_TARGET`](crate::IGNORE_TARGET).
+pub fn mask_targets(source: &dyn TokenSource, start: u64, targets: &mut [u32]) -> Result<()> {
+    let mut mask = vec![1u8; targets.len() + 1];
+    if source.read_mask(start, &mut mask)? {
+        for (target, &m) in targets.iter_mut().zip(&mask[1..]) {
+            if m == 0 {
+                *target = crate::IGNORE_TARGET;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks up front what can be checked without reading the data: the source holds at
@@ -244,13 +268,19 @@ fn has_bin_extension(path: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("bin"))
 }
 
-/// Opens a file as a token source. A `.bin` is a [`TokenFile`] (u16 tokens, with its
-/// sidecar when there is one); any other file is a [`ByteTextSource`] (one token per
+/// Opens a file as a token source for rows of `t + 1` tokens. A `.bin` is a
+/// [`TokenFile`] (u16 tokens, with its sidecar when there is one), or, when its sidecar
+/// describes examples, [`ExampleRows`] (one example per row, its loss mask applied);
+/// any other file is a [`ByteTextSource`] (one token per
 /// byte), unless a token-file sidecar (`<file>.json`) lies next to it: then it is a
 /// token file with the wrong name, and reading its bytes as text would train on
 /// garbage, so it is refused. A sidecar itself is refused too (it names its token file).
-pub fn open_path(path: &Path) -> Result<Box<dyn TokenSource>> {
+pub fn open_path(path: &Path, t: usize) -> Result<Box<dyn TokenSource>> {
     if has_bin_extension(path) {
+        let side = Sidecar::read_for(path)?;
+        if side.is_some_and(|s| s.examples.is_some()) {
+            return Ok(Box::new(ExampleRows::open(path, t)?));
+        }
         return Ok(Box::new(TokenFile::open(path)?));
     }
     let name = path.as_os_str().to_string_lossy();
@@ -434,12 +464,12 @@ mod tests {
         let dir = test_util::TempDir::new();
         let bin = dir.path("data.bin");
         prepare::write_token_file(&bin, &[1, 2, 3, 4], "bytes", 256).unwrap();
-        assert_eq!(open_path(&bin).unwrap().vocab_hint(), Some(256));
+        assert_eq!(open_path(&bin, 8).unwrap().vocab_hint(), Some(256));
         // The same token file under a text name: refused, not read as bytes.
         let txt = dir.path("data.txt");
         std::fs::copy(&bin, &txt).unwrap();
         std::fs::copy(Sidecar::path_for(&bin), Sidecar::path_for(&txt)).unwrap();
-        let e = open_path(&txt).err().unwrap().to_string();
+        let e = open_path(&txt, 8).err().unwrap().to_string();
         assert!(
             e.contains("data.txt.json")
                 && e.contains("token-file sidecar")
@@ -449,10 +479,10 @@ mod tests {
         );
         // JSON that is not a sidecar does not make a text file a token file.
         std::fs::write(Sidecar::path_for(&txt), r#"{"author": "me"}"#).unwrap();
-        assert_eq!(open_path(&txt).unwrap().vocab_hint(), Some(256));
-        assert_eq!(open_path(&txt).unwrap().len(), 8);
+        assert_eq!(open_path(&txt, 8).unwrap().vocab_hint(), Some(256));
+        assert_eq!(open_path(&txt, 8).unwrap().len(), 8);
         // The sidecar itself is not data.
-        let e = open_path(&Sidecar::path_for(&bin))
+        let e = open_path(&Sidecar::path_for(&bin), 8)
             .err()
             .unwrap()
             .to_string();
@@ -467,7 +497,7 @@ mod tests {
         let dir = test_util::TempDir::new();
         for p in [dir.0.clone(), dir.path("sub.bin")] {
             std::fs::create_dir_all(&p).unwrap();
-            let e = open_path(&p).err().unwrap().to_string();
+            let e = open_path(&p, 8).err().unwrap().to_string();
             assert!(
                 e.contains(&*p.to_string_lossy())
                     && e.contains("is a directory")
@@ -477,7 +507,10 @@ mod tests {
         }
         #[cfg(unix)]
         {
-            let e = open_path(Path::new("/dev/null")).err().unwrap().to_string();
+            let e = open_path(Path::new("/dev/null"), 8)
+                .err()
+                .unwrap()
+                .to_string();
             assert!(e.contains("not a regular file"), "{e}");
         }
         // An I/O error's text appears once, not again as its source.

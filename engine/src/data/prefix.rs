@@ -40,6 +40,18 @@ impl TokenSource for Prefix {
         self.inner.read(start, out)
     }
 
+    fn read_mask(&self, start: u64, out: &mut [u8]) -> Result<bool> {
+        if start + out.len() as u64 > self.len {
+            return Err(DataError::InvalidArgument(format!(
+                "tokens {start}..{} are past the first {} of {} (the rest is held out)",
+                start + out.len() as u64,
+                self.len,
+                self.inner.name()
+            )));
+        }
+        self.inner.read_mask(start, out)
+    }
+
     fn vocab_hint(&self) -> Option<usize> {
         self.inner.vocab_hint()
     }

@@ -239,30 +239,14 @@ fn prepare_chunked(
             ),
         ));
     }
-    for (out, what) in [
-        (output.to_path_buf(), "output"),
-        (Sidecar::path_for(output), "sidecar"),
-    ] {
-        if same_file(&meta, &out) {
-            return Err(DataError::format(
-                &out,
-                format!(
-                    "the {what} is the input file {} itself: writing tokens there would \
-                     destroy the text. Write the tokens to another file, e.g. {}",
-                    input.display(),
-                    suggested_output(input, &meta).display()
-                ),
-            ));
-        }
-        if let Ok(m) = std::fs::metadata(&out) {
-            if m.is_dir() {
-                return Err(DataError::format(
-                    &out,
-                    format!("is a directory: the {what} must be a file path"),
-                ));
-            }
-        }
-    }
+    check_outputs(
+        input,
+        &meta,
+        &[
+            (output.to_path_buf(), "output"),
+            (Sidecar::path_for(output), "sidecar"),
+        ],
+    )?;
     check_token_file_name(output)?;
     let (name, vocab) = (tokenizer.name(), tokenizer.vocab_size());
     let dtype = TokenDtype::for_vocab(vocab);
@@ -312,6 +296,37 @@ fn prepare_chunked(
     })?;
     write_sidecar(output, &tokenizer, count, None)?;
     Ok(count)
+}
+
+/// Refuses outputs (`(path, what it is)`) that are the input file `input` (of
+/// `meta`) itself, under any name, or directories.
+pub(super) fn check_outputs(
+    input: &Path,
+    meta: &std::fs::Metadata,
+    outputs: &[(PathBuf, &str)],
+) -> Result<()> {
+    for (out, what) in outputs {
+        if same_file(meta, out) {
+            return Err(DataError::format(
+                out,
+                format!(
+                    "the {what} is the input file {} itself: writing tokens there would \
+                     destroy the text. Write the tokens to another file, e.g. {}",
+                    input.display(),
+                    suggested_output(input, meta).display()
+                ),
+            ));
+        }
+        if let Ok(m) = std::fs::metadata(out) {
+            if m.is_dir() {
+                return Err(DataError::format(
+                    out,
+                    format!("is a directory: the {what} must be a file path"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Whether `other` is the file `meta` describes: the same device and inode (a hard link,

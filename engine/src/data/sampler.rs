@@ -170,6 +170,8 @@ impl Sampler {
             }
             tokens.extend_from_slice(&row[..t]);
             targets.extend_from_slice(&row[1..]);
+            let at = targets.len() - t;
+            super::mask_targets(source, start, &mut targets[at..])?;
         }
         Ok(Batch {
             tokens,

@@ -120,6 +120,14 @@ pub struct ExampleSet {
     pub date: Option<String>,
 }
 
+/// `out.bin.<ext>`: a file beside the token file `out.bin` (an example file's `mask`
+/// and `examples`).
+pub fn side_path(bin: &Path, ext: &str) -> PathBuf {
+    let mut p = bin.as_os_str().to_owned();
+    p.push(format!(".{ext}"));
+    PathBuf::from(p)
+}
+
 /// The `<file>.json` written next to a prepared `.bin`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sidecar {
@@ -197,7 +205,27 @@ pub struct TokenFile {
 }
 
 impl TokenFile {
+    /// Opens a token stream; an example file (whose sidecar describes examples) is
+    /// refused: read as a stream, its prompts would be trained on and its examples run
+    /// into each other (`ExampleRows` reads it).
     pub fn open(path: &Path) -> Result<TokenFile> {
+        let file = TokenFile::open_ids(path)?;
+        if let Some(set) = file.sidecar.as_ref().and_then(|s| s.examples.as_ref()) {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "an example file ({} examples of {}, with a loss mask beside it), not a \
+                     token stream: train or evaluate on it with `--data` (one example per \
+                     row, its mask applied)",
+                    set.examples, set.format
+                ),
+            ));
+        }
+        Ok(file)
+    }
+
+    /// The ids of a `.bin`, whatever it holds.
+    pub(crate) fn open_ids(path: &Path) -> Result<TokenFile> {
         let map = map_file(path)?;
         if map.is_empty() {
             return Err(DataError::format(
@@ -216,17 +244,6 @@ impl TokenFile {
                      token file. Prepare it again",
                     map.len(),
                     dtype.bytes()
-                ),
-            ));
-        }
-        if let Some(set) = sidecar.as_ref().and_then(|s| s.examples.as_ref()) {
-            // Read as a stream, its prompts would be trained on and its examples run
-            // into each other: refused rather than trained wrongly.
-            return Err(DataError::format(
-                path,
-                format!(
-                    "an example file ({} examples of {}, with a loss mask beside it), not a                      token stream: Kiln cannot train or evaluate on example files yet (issue                      40: loss masks and packing). Prepare plain text instead for now",
-                    set.examples, set.format
                 ),
             ));
         }
