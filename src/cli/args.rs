@@ -527,8 +527,9 @@ pub(crate) struct MatmulArgs {
 #[derive(clap::Args)]
 pub(crate) struct PrepareArgs {
     /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers), or a dataset of
-    /// rows: JSON Lines (`.jsonl`) or a JSON array (`.json`) with `text`,
-    /// `prompt`/`completion`, `messages` or ShareGPT `conversations` columns.
+    /// rows: JSON Lines (`.jsonl`), a JSON array (`.json`), Parquet (`.parquet`, or a
+    /// directory of shards) with `text`, `prompt`/`completion`, `messages` or ShareGPT
+    /// `conversations` columns.
     pub(crate) input: PathBuf,
     /// The token file to write; its name must end in `.bin` (`kiln train` reads any
     /// other file as text), and it must not be the input.

@@ -204,6 +204,36 @@ fn template<'a>(o: &'a ExampleOptions, place: &RowPlace<'_>) -> Result<&'a ChatT
     })
 }
 
+/// Calls `each` with every row of `input`: Parquet (a `.parquet` file, or a directory
+/// of shards) holding the columns of `c` and `tools`, else JSON Lines or a JSON array.
+pub fn read_dataset(
+    input: &Path,
+    c: &Columns,
+    each: impl FnMut(&RowPlace<'_>, serde_json::Map<String, Value>) -> Result<()>,
+) -> Result<()> {
+    #[cfg(feature = "parquet")]
+    if super::parquet_rows::is_parquet(input) {
+        let wanted = [
+            c.text.as_str(),
+            &c.prompt,
+            &c.completion,
+            &c.messages,
+            "conversations",
+            "tools",
+        ];
+        return super::parquet_rows::read_parquet_rows(input, &wanted, each);
+    }
+    #[cfg(not(feature = "parquet"))]
+    if input.is_dir() || input.extension().is_some_and(|e| e == "parquet") {
+        let _ = c;
+        return Err(DataError::format(
+            input,
+            "this build of kiln-engine reads no Parquet; build it with the `parquet` feature              (on by default), or convert the dataset to JSON Lines",
+        ));
+    }
+    read_rows(input, each)
+}
+
 /// `m` cut to `max` ids, keeping `which` end; whether it was cut.
 pub fn truncate(m: &mut Masked, max: usize, which: Truncation) -> bool {
     if m.ids.len() <= max {
@@ -258,7 +288,7 @@ pub fn prepare_examples(
     write_atomically(&offsets_path, |offsets_out| {
         write_atomically(&mask_path, |mask_out| {
             write_atomically(output, |ids_out| {
-                read_rows(input, |place, row| {
+                read_dataset(input, &o.columns, |place, row| {
                     let f = match format {
                         Some(f) => f,
                         None => {
@@ -365,6 +395,7 @@ mod tests {
             file: Path::new("rows.jsonl"),
             line: Some(3),
             element: None,
+            row: None,
         }
     }
 

@@ -42,6 +42,8 @@ pub mod hf_tokenizer;
 #[path = "hf_tokenizer_absent.rs"]
 pub mod hf_tokenizer;
 pub mod memory;
+#[cfg(feature = "parquet")]
+pub mod parquet_rows;
 pub mod prefetch;
 pub mod prefix;
 pub mod prepare;

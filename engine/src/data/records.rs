@@ -91,15 +91,18 @@ pub struct RowPlace<'a> {
     pub file: &'a Path,
     pub line: Option<u64>,
     pub element: Option<u64>,
+    /// A Parquet file's row, from 1.
+    pub row: Option<u64>,
 }
 
 impl RowPlace<'_> {
     /// An error about this row: the file, then `line N: ` or `element N of the array: `.
     pub fn error(&self, detail: impl std::fmt::Display) -> DataError {
-        let at = match (self.line, self.element) {
-            (Some(l), _) => format!("line {l}: "),
-            (None, Some(e)) => format!("element {e} of the array: "),
-            (None, None) => String::new(),
+        let at = match (self.line, self.element, self.row) {
+            (Some(l), _, _) => format!("line {l}: "),
+            (None, Some(e), _) => format!("element {e} of the array: "),
+            (None, None, Some(r)) => format!("row {r}: "),
+            (None, None, None) => String::new(),
         };
         DataError::format(self.file, format!("{at}{detail}"))
     }
@@ -113,6 +116,9 @@ impl std::fmt::Display for RowPlace<'_> {
         }
         if let Some(e) = self.element {
             write!(f, " (element {e} of the array)")?;
+        }
+        if let Some(r) = self.row {
+            write!(f, " (row {r})")?;
         }
         Ok(())
     }
@@ -173,6 +179,7 @@ pub fn read_rows(
             file: path,
             line: Some(n),
             element: None,
+            row: None,
         };
         let row: Value = serde_json::from_str(&line).map_err(|e| {
             DataError::format(
@@ -226,6 +233,7 @@ fn read_array(
                     file: self.path,
                     line: None,
                     element: Some(n),
+                    row: None,
                 };
                 let r = match v {
                     Value::Object(m) => (self.each)(&place, m),
@@ -534,6 +542,7 @@ mod tests {
             file: p,
             line: Some(1),
             element: None,
+            row: None,
         };
         let f = |j: &str| detect(&one(j), &c, &place);
         assert_eq!(f(r#"{"text": "t"}"#).unwrap(), Format::Text);
@@ -584,6 +593,7 @@ mod tests {
             file: Path::new("d.jsonl"),
             line: Some(7),
             element: None,
+            row: None,
         };
         let ex = |j: &str, f: Format| example(one(j), f, &c, &place);
         let share = ex(

@@ -1,0 +1,168 @@
+//! Datasets as Parquet (the Hugging Face hub's `data/train-0000N-of-0000M.parquet`
+//! shards): one file, or a directory whose `.parquet` files (searched recursively) are
+//! read in name order. Rows are read row group by row group through the `parquet`
+//! crate's record API, holding only the columns a format needs, so memory holds one row
+//! group's pages of those columns at a time, whatever the file's size. Each row becomes
+//! the JSON object [`records`](super::records) reads from JSON Lines: strings as
+//! strings, lists as arrays, structs and maps as objects; a binary column where text
+//! belongs is an error naming it.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::record::Field;
+use parquet::schema::types::Type;
+use serde_json::{Map, Value};
+
+use super::records::RowPlace;
+use super::{DataError, Result};
+
+/// Whether `path` is read as Parquet: a `.parquet` file, or a directory.
+pub fn is_parquet(path: &Path) -> bool {
+    path.is_dir()
+        || path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+}
+
+/// The files of `path`: itself, or a directory's `.parquet` files in name order.
+pub fn shards(path: &Path) -> Result<Vec<PathBuf>> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        let entries = std::fs::read_dir(dir).map_err(|e| DataError::io(dir, "list", e))?;
+        for entry in entries {
+            let p = entry.map_err(|e| DataError::io(dir, "list", e))?.path();
+            if p.is_dir() {
+                walk(&p, out)?;
+            } else if p
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+            {
+                out.push(p);
+            }
+        }
+        Ok(())
+    }
+    let mut out = vec![];
+    walk(path, &mut out)?;
+    out.sort();
+    if out.is_empty() {
+        return Err(DataError::format(
+            path,
+            "a directory without .parquet files: give a dataset file (.jsonl, .json, .parquet) \
+             or a directory of Parquet shards",
+        ));
+    }
+    Ok(out)
+}
+
+/// Calls `each` with every row of the Parquet dataset `path`, holding the columns of
+/// `wanted` that the files have (all columns when none of them is there, so that the
+/// error about the row names what it has). Stops at the first error.
+pub fn read_parquet_rows(
+    path: &Path,
+    wanted: &[&str],
+    mut each: impl FnMut(&RowPlace<'_>, Map<String, Value>) -> Result<()>,
+) -> Result<()> {
+    for shard in shards(path)? {
+        let file = File::open(&shard).map_err(|e| DataError::io(&shard, "open", e))?;
+        let reader = SerializedFileReader::new(file).map_err(|e| {
+            DataError::format(
+                &shard,
+                format!("not a Parquet file Kiln can read ({e}); give a .parquet file of rows"),
+            )
+        })?;
+        let schema = reader.metadata().file_metadata().schema();
+        let fields: Vec<Arc<Type>> = schema
+            .get_fields()
+            .iter()
+            .filter(|f| wanted.contains(&f.name()))
+            .cloned()
+            .collect();
+        let projection = match fields.is_empty() {
+            true => None,
+            false => Some(
+                Type::group_type_builder(schema.name())
+                    .with_fields(fields)
+                    .build()
+                    .map_err(|e| DataError::format(&shard, format!("its schema: {e}")))?,
+            ),
+        };
+        let rows = reader
+            .get_row_iter(projection)
+            .map_err(|e| DataError::format(&shard, format!("reading its rows: {e}")))?;
+        for (n, row) in rows.enumerate() {
+            let place = RowPlace {
+                file: &shard,
+                line: None,
+                element: None,
+                row: Some(n as u64 + 1),
+            };
+            let row = row.map_err(|e| place.error(format!("reading the row: {e}")))?;
+            let mut object = Map::new();
+            for (name, field) in row.get_column_iter() {
+                object.insert(name.clone(), to_json(field, name, &place)?);
+            }
+            each(&place, object)?;
+        }
+    }
+    Ok(())
+}
+
+/// A Parquet value as JSON; `column` names it in errors.
+fn to_json(f: &Field, column: &str, place: &RowPlace<'_>) -> Result<Value> {
+    let number = |x: f64| serde_json::Number::from_f64(x).map_or(Value::Null, Value::Number);
+    Ok(match f {
+        Field::Null => Value::Null,
+        Field::Bool(b) => Value::Bool(*b),
+        Field::Byte(n) => (*n).into(),
+        Field::Short(n) => (*n).into(),
+        Field::Int(n) => (*n).into(),
+        Field::Long(n) => (*n).into(),
+        Field::UByte(n) => (*n).into(),
+        Field::UShort(n) => (*n).into(),
+        Field::UInt(n) => (*n).into(),
+        Field::ULong(n) => (*n).into(),
+        Field::Float16(x) => number(f64::from(*x)),
+        Field::Float(x) => number(f64::from(*x)),
+        Field::Double(x) => number(*x),
+        Field::Str(s) => Value::String(s.clone()),
+        Field::Bytes(_) => {
+            return Err(place.error(format!(
+                "column `{column}` holds binary data (a BYTE_ARRAY without the UTF8/String \
+                 annotation), not text: write it as a string column"
+            )))
+        }
+        Field::Group(row) => {
+            let mut object = Map::new();
+            for (name, field) in row.get_column_iter() {
+                let inner = to_json(field, &format!("{column}.{name}"), place)?;
+                object.insert(name.clone(), inner);
+            }
+            Value::Object(object)
+        }
+        Field::ListInternal(list) => Value::Array(
+            list.elements()
+                .iter()
+                .map(|e| to_json(e, column, place))
+                .collect::<Result<_>>()?,
+        ),
+        Field::MapInternal(map) => {
+            let mut object = Map::new();
+            for (k, v) in map.entries() {
+                let key = match to_json(k, column, place)? {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                object.insert(key, to_json(v, column, place)?);
+            }
+            Value::Object(object)
+        }
+        // Decimals, dates and times: as Parquet prints them.
+        other => Value::String(other.to_string()),
+    })
+}
