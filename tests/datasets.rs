@@ -1,9 +1,10 @@
 //! Datasets of rows in every format `kiln prepare` reads give the same examples: the
 //! Parquet fixtures (written by pyarrow, `tests/fixtures/datasets/make_parquet.py`, as
 //! the hub's shards are: zstd and snappy pages, several row groups, a directory of two
-//! shards, string and large_string, list and large_list columns) prepare to the same
-//! token, mask and offset files, byte for byte, as their JSON Lines twins; a binary
-//! column and a file that is not Parquet are named.
+//! shards, string and large_string, list and large_list columns), and CSV and TSV
+//! written by Python's csv module (quotes, commas and newlines inside values), prepare
+//! to the same token, mask and offset files, byte for byte, as their JSON Lines twins;
+//! a binary column, a file that is not Parquet and a ragged CSV row are named.
 
 use std::path::{Path, PathBuf};
 
@@ -54,7 +55,9 @@ fn parquet_shards_prepare_to_the_same_examples_as_json_lines() {
         "2026-07-26",
     ];
     for (jsonl, parquet, extra, examples) in [
-        ("pc.jsonl", "pc.parquet", &[][..], 7),
+        ("pc.jsonl", "pc.parquet", &[][..], 8),
+        ("pc.jsonl", "pc.csv", &[][..], 8),
+        ("pc.jsonl", "pc.tsv", &[][..], 8),
         ("messages.jsonl", "messages", &chat[..], 4),
     ] {
         let (a, b) = (dir.join("a.bin"), dir.join("b.bin"));
@@ -86,6 +89,14 @@ fn parquet_shards_prepare_to_the_same_examples_as_json_lines() {
     std::fs::create_dir_all(&empty).unwrap();
     let (ok, err) = prepare(&empty, &dir.join("e.bin"), &[]);
     assert!(!ok && err.contains("without .parquet files"), "{err}");
+    let ragged = dir.join("ragged.csv");
+    std::fs::write(&ragged, "prompt,completion\n1+1=,2\n2+2=,4,extra\n").unwrap();
+    let (ok, err) = prepare(&ragged, &dir.join("f.bin"), &[]);
+    assert!(
+        !ok && err.contains("line 3") && err.contains("not valid CSV"),
+        "{err}"
+    );
     assert!(!dir.join("c.bin").exists() && !dir.join("d.bin").exists());
+    assert!(!dir.join("f.bin").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -528,8 +528,8 @@ pub(crate) struct MatmulArgs {
 pub(crate) struct PrepareArgs {
     /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers), or a dataset of
     /// rows: JSON Lines (`.jsonl`), a JSON array (`.json`), Parquet (`.parquet`, or a
-    /// directory of shards) with `text`, `prompt`/`completion`, `messages` or ShareGPT
-    /// `conversations` columns.
+    /// directory of shards), CSV or TSV, with `text`, `prompt`/`completion`, `messages`
+    /// or ShareGPT `conversations` columns.
     pub(crate) input: PathBuf,
     /// The token file to write; its name must end in `.bin` (`kiln train` reads any
     /// other file as text), and it must not be the input.

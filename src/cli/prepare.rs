@@ -12,12 +12,12 @@ use kiln::engine::data::{TokenDtype, Tokenizer};
 use super::args::PrepareArgs;
 
 /// Whether `path` is a dataset of rows (JSON Lines, a JSON array, Parquet or a
-/// directory of Parquet shards) rather than text.
+/// directory of Parquet shards, CSV, TSV) rather than text.
 fn is_rows(path: &Path) -> bool {
     path.is_dir()
         || matches!(
             path.extension().and_then(|e| e.to_str()),
-            Some("jsonl" | "json" | "parquet")
+            Some("jsonl" | "json" | "parquet" | "csv" | "tsv")
         )
 }
 
@@ -38,8 +38,8 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         ];
         if let Some((flag, _)) = row_flags.iter().find(|f| f.1) {
             bail!(
-                "{flag} is for datasets of rows (.jsonl, .json holding an array, .parquet or \
-                 a directory of Parquet shards), and {} is read as text",
+                "{flag} is for datasets of rows (.jsonl, .json holding an array, .parquet, a \
+                 directory of Parquet shards, .csv or .tsv), and {} is read as text",
                 a.input.display()
             );
         }

@@ -35,7 +35,9 @@ use super::hf_tokenizer::Encoded;
 use super::prepare::{
     check_outputs, check_token_file_name, write_atomically, write_ids, write_sidecar,
 };
-use super::records::{detect, example, read_rows, Columns, Example, Format, RowPlace};
+use super::records::{
+    detect, example, read_csv_rows, read_rows, Columns, Example, Format, RowPlace,
+};
 use super::token_file::{side_path, Sidecar, TokenDtype};
 pub use super::token_file::{ExampleSet, Truncation};
 use super::{DataError, Result, Tokenizer};
@@ -205,7 +207,8 @@ fn template<'a>(o: &'a ExampleOptions, place: &RowPlace<'_>) -> Result<&'a ChatT
 }
 
 /// Calls `each` with every row of `input`: Parquet (a `.parquet` file, or a directory
-/// of shards) holding the columns of `c` and `tools`, else JSON Lines or a JSON array.
+/// of shards) holding the columns of `c` and `tools`, CSV or TSV, else JSON Lines or a
+/// JSON array.
 pub fn read_dataset(
     input: &Path,
     c: &Columns,
@@ -231,7 +234,11 @@ pub fn read_dataset(
             "this build of kiln-engine reads no Parquet; build it with the `parquet` feature              (on by default), or convert the dataset to JSON Lines",
         ));
     }
-    read_rows(input, each)
+    match input.extension().and_then(|e| e.to_str()) {
+        Some(e) if e.eq_ignore_ascii_case("csv") => read_csv_rows(input, b',', each),
+        Some(e) if e.eq_ignore_ascii_case("tsv") => read_csv_rows(input, b'\t', each),
+        _ => read_rows(input, each),
+    }
 }
 
 /// `m` cut to `max` ids, keeping `which` end; whether it was cut.

@@ -1,5 +1,6 @@
-//! Fine-tuning datasets as rows: JSON Lines (`.jsonl`) and JSON arrays (`.json`), read
-//! one row at a time (a file larger than memory is never held whole), and the dataset
+//! Fine-tuning datasets as rows: JSON Lines (`.jsonl`), JSON arrays (`.json`) and CSV/TSV
+//! (a header row of column names), read one row at a time (a file larger than memory is
+//! never held whole; Parquet is `parquet_rows`'s), and the dataset
 //! formats recognised from their columns as TRL recognises them:
 //!
 //! - `text`: plain text, trained on whole;
@@ -207,6 +208,62 @@ pub fn read_rows(
 
 /// The elements of a top-level JSON array, one at a time (serde's sequence visitor), so
 /// the array is never in memory whole.
+/// Calls `each` with every row of the CSV (`delimiter` `,`) or TSV (`\t`) file `path`:
+/// the first record names the columns, each later one is a row of strings, read one at
+/// a time. A value of a message-list column that starts with `[` is read as the JSON
+/// it holds (`messages`, `conversations`, conversational prompts and completions).
+pub fn read_csv_rows(
+    path: &Path,
+    delimiter: u8,
+    mut each: impl FnMut(&RowPlace<'_>, Map<String, Value>) -> Result<()>,
+) -> Result<()> {
+    let file = File::open(path).map_err(|e| DataError::io(path, "open", e))?;
+    let mut reader = csv::ReaderBuilder::new()
+        .delimiter(delimiter)
+        .from_reader(BufReader::with_capacity(1 << 20, file));
+    let bad = |e: csv::Error| {
+        let line = e.position().map(|p| p.line());
+        let at = line.map(|l| format!("line {l}: ")).unwrap_or_default();
+        DataError::format(path, format!("{at}not valid CSV ({e})"))
+    };
+    let header: Vec<String> = reader
+        .headers()
+        .map_err(bad)?
+        .iter()
+        .map(|h| h.trim_start_matches('\u{feff}').to_string())
+        .collect();
+    if header.iter().all(String::is_empty) {
+        return Err(DataError::format(
+            path,
+            "empty: no header row naming the columns",
+        ));
+    }
+    let mut record = csv::StringRecord::new();
+    while reader.read_record(&mut record).map_err(bad)? {
+        let line = record.position().map(|p| p.line());
+        let place = RowPlace {
+            file: path,
+            line,
+            element: None,
+            row: None,
+        };
+        let mut row = Map::new();
+        for (name, value) in header.iter().zip(record.iter()) {
+            let v = match value.trim_start().starts_with('[') {
+                true => serde_json::from_str(value).map_err(|e| {
+                    place.error(format!(
+                        "column `{name}` starts like a JSON list but is not one ({e})"
+                    ))
+                })?,
+                false => Value::String(value.to_string()),
+            };
+            row.insert(name.clone(), v);
+        }
+        each(&place, row)?;
+    }
+    Ok(())
+}
+
 fn read_array(
     path: &Path,
     reader: impl Read,
