@@ -76,6 +76,44 @@ fn parquet_shards_prepare_to_the_same_examples_as_json_lines() {
         );
     }
 
+    // A directory of two splits: which one is read must be said.
+    let splits = dir.join("splits");
+    std::fs::create_dir_all(&splits).unwrap();
+    let shards = fixtures().join("messages/data");
+    for name in [
+        "train-00000-of-00002.parquet",
+        "train-00001-of-00002.parquet",
+    ] {
+        std::fs::copy(shards.join(name), splits.join(name)).unwrap();
+    }
+    std::fs::copy(
+        shards.join("train-00000-of-00002.parquet"),
+        splits.join("test-00000-of-00001.parquet"),
+    )
+    .unwrap();
+    let (ok, err) = prepare(&splits, &dir.join("s.bin"), &chat);
+    assert!(
+        !ok && err.contains("several splits (test, train)") && err.contains("--split"),
+        "{err}"
+    );
+    let mut train = chat.to_vec();
+    train.extend(["--split", "train"]);
+    let (ok, err) = prepare(&splits, &dir.join("s.bin"), &train);
+    assert!(ok, "{err}");
+    let (ok, err) = prepare(
+        &fixtures().join("messages.jsonl"),
+        &dir.join("m.bin"),
+        &chat,
+    );
+    assert!(ok, "{err}");
+    assert_eq!(files(&dir.join("s.bin")), files(&dir.join("m.bin")));
+    train[5] = "validation";
+    let (ok, err) = prepare(&splits, &dir.join("v.bin"), &train);
+    assert!(
+        !ok && err.contains("no shard of the split `validation`"),
+        "{err}"
+    );
+
     let (ok, err) = prepare(&fixtures().join("binary.parquet"), &dir.join("c.bin"), &[]);
     assert!(
         !ok && err.contains("row 1") && err.contains("`text` holds binary data"),

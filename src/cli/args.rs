@@ -567,4 +567,8 @@ pub(crate) struct PrepareArgs {
     /// Train on every token, prompts and user turns too.
     #[arg(long)]
     pub(crate) train_on_inputs: bool,
+    /// In a directory of Parquet shards (`<split>-NNNNN-of-NNNNN.parquet`), the split to
+    /// read, e.g. train.
+    #[arg(long)]
+    pub(crate) split: Option<String>,
 }

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kiln::engine::data::chat_template::{parse_date, ModelChat};
 use kiln::engine::data::examples::{prepare_examples, ExampleOptions};
 use kiln::engine::data::records::Columns;
@@ -30,6 +31,7 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
             ("--date", a.date.is_some()),
             ("--max-length", a.max_length.is_some()),
             ("--train-on-inputs", a.train_on_inputs),
+            ("--split", a.split.is_some()),
             ("--truncation", a.truncation != "keep_start"),
             ("--text-column", a.text_column != "text"),
             ("--prompt-column", a.prompt_column != "prompt"),
@@ -87,11 +89,29 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         max_length: a.max_length,
         truncation: a.truncation.parse()?,
         train_on_inputs: a.train_on_inputs,
+        split: a.split,
     };
     if o.max_length == Some(0) {
         bail!("--max-length 0 leaves nothing to train on; give a length of 2 tokens or more");
     }
-    let set = prepare_examples(&a.input, &a.output, &tok, &o)?;
+    let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg} [{elapsed_precise}]")
+            .expect("a fixed template"),
+    );
+    let mut shown = std::time::Instant::now();
+    let set = prepare_examples(&a.input, &a.output, &tok, &o, &mut |s| {
+        if shown.elapsed().as_millis() >= 100 {
+            shown = std::time::Instant::now();
+            bar.set_message(format!(
+                "{} examples, {} tokens trained",
+                s.examples, s.trained_tokens
+            ));
+            bar.tick();
+        }
+    });
+    bar.finish_and_clear();
+    let set = set?;
     let columns: Vec<String> = set
         .columns
         .iter()

@@ -220,7 +220,7 @@ mod tests {
         .unwrap();
         let out = dir.path("ex.bin");
         let o = ExampleOptions::default();
-        prepare_examples(&rows, &out, &Tokenizer::Bytes, &o).unwrap();
+        prepare_examples(&rows, &out, &Tokenizer::Bytes, &o, &mut |_| {}).unwrap();
         let src = ExampleRows::open(&out, 7).unwrap();
         assert_eq!((src.examples(), src.len()), (3, 24));
         // The second loses its last byte; the third is cut to "opqrstuv", nothing of its

@@ -67,6 +67,8 @@ pub struct ExampleOptions {
     pub truncation: Truncation,
     /// Train on every token, not only the completion's or the assistant's.
     pub train_on_inputs: bool,
+    /// A directory of Parquet shards: the split to read (`train`).
+    pub split: Option<String>,
 }
 
 /// The ids of `text` and each id's byte range in it; `special`: with the ids the
@@ -207,10 +209,11 @@ fn template<'a>(o: &'a ExampleOptions, place: &RowPlace<'_>) -> Result<&'a ChatT
 }
 
 /// Calls `each` with every row of `input`: Parquet (a `.parquet` file, or a directory
-/// of shards) holding the columns of `c` and `tools`, CSV or TSV, else JSON Lines or a
+/// of shards, of `split` where given) holding the columns of `c` and `tools`, CSV or TSV, else JSON Lines or a
 /// JSON array.
 pub fn read_dataset(
     input: &Path,
+    split: Option<&str>,
     c: &Columns,
     each: impl FnMut(&RowPlace<'_>, serde_json::Map<String, Value>) -> Result<()>,
 ) -> Result<()> {
@@ -224,11 +227,11 @@ pub fn read_dataset(
             "conversations",
             "tools",
         ];
-        return super::parquet_rows::read_parquet_rows(input, &wanted, each);
+        return super::parquet_rows::read_parquet_rows(input, split, &wanted, each);
     }
     #[cfg(not(feature = "parquet"))]
     if input.is_dir() || input.extension().is_some_and(|e| e == "parquet") {
-        let _ = c;
+        let _ = (c, split);
         return Err(DataError::format(
             input,
             "this build of kiln-engine reads no Parquet; build it with the `parquet` feature              (on by default), or convert the dataset to JSON Lines",
@@ -260,14 +263,17 @@ pub fn truncate(m: &mut Masked, max: usize, which: Truncation) -> bool {
     true
 }
 
-/// Rows of `input` (JSON Lines or a JSON array) to the example file `output` (a `.bin`
-/// with its mask, example offsets and sidecar, module docs), read and written one row
-/// at a time: memory holds one example. Every file is written whole or not at all.
+/// Rows of `input` ([`read_dataset`]) to the example file `output` (a `.bin` with its
+/// mask, example offsets and sidecar, module docs), read and written one row at a time:
+/// memory holds one example (and, from Parquet, one row group's pages of the columns
+/// read). Every file is written whole or not at all. `progress` hears the counts after
+/// each example written.
 pub fn prepare_examples(
     input: &Path,
     output: &Path,
     tok: &Tokenizer,
     o: &ExampleOptions,
+    progress: &mut dyn FnMut(&ExampleSet),
 ) -> Result<ExampleSet> {
     let meta = std::fs::metadata(input).map_err(|e| DataError::io(input, "open", e))?;
     let (mask_path, offsets_path) = (side_path(output, "mask"), side_path(output, "examples"));
@@ -295,7 +301,7 @@ pub fn prepare_examples(
     write_atomically(&offsets_path, |offsets_out| {
         write_atomically(&mask_path, |mask_out| {
             write_atomically(output, |ids_out| {
-                read_dataset(input, &o.columns, |place, row| {
+                read_dataset(input, o.split.as_deref(), &o.columns, |place, row| {
                     let f = match format {
                         Some(f) => f,
                         None => {
@@ -329,6 +335,7 @@ pub fn prepare_examples(
                     tokens += m.ids.len() as u64;
                     set.examples += 1;
                     set.trained_tokens += m.trained() as u64;
+                    progress(&set);
                     Ok(())
                 })
             })

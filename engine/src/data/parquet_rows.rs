@@ -27,8 +27,20 @@ pub fn is_parquet(path: &Path) -> bool {
             .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
 }
 
-/// The files of `path`: itself, or a directory's `.parquet` files in name order.
-pub fn shards(path: &Path) -> Result<Vec<PathBuf>> {
+/// The split a hub shard's name gives (`train` of `train-00000-of-00002.parquet`).
+fn split_of(file: &Path) -> Option<&str> {
+    let stem = file.file_stem()?.to_str()?;
+    let mut parts = stem.rsplitn(4, '-');
+    let (total, of, index, split) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    (of == "of" && digits(total) && digits(index)).then_some(split)
+}
+
+/// The files of `path`: itself, or a directory's `.parquet` files in name order — of
+/// `split` only where given (hub shards are named `<split>-NNNNN-of-NNNNN.parquet`). A
+/// directory holding shards of several splits needs `split`: training on a test split
+/// by accident is refused.
+pub fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     if !path.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
@@ -57,18 +69,55 @@ pub fn shards(path: &Path) -> Result<Vec<PathBuf>> {
              or a directory of Parquet shards",
         ));
     }
+    let mut splits: Vec<String> = out
+        .iter()
+        .filter_map(|f| split_of(f).map(str::to_string))
+        .collect();
+    splits.sort();
+    splits.dedup();
+    match split {
+        Some(want) => {
+            out.retain(|f| split_of(f) == Some(want));
+            if out.is_empty() {
+                return Err(DataError::format(
+                    path,
+                    format!(
+                        "no shard of the split `{want}` (named {want}-NNNNN-of-NNNNN.parquet); \
+                         its splits: {}",
+                        if splits.is_empty() {
+                            "none named so".to_string()
+                        } else {
+                            splits.join(", ")
+                        }
+                    ),
+                ));
+            }
+        }
+        None if splits.len() > 1 => {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "holds shards of several splits ({}): say which to read with --split",
+                    splits.join(", ")
+                ),
+            ))
+        }
+        None => {}
+    }
     Ok(out)
 }
 
-/// Calls `each` with every row of the Parquet dataset `path`, holding the columns of
+/// Calls `each` with every row of the Parquet dataset `path` (of `split`, see
+/// [`shards`]), holding the columns of
 /// `wanted` that the files have (all columns when none of them is there, so that the
 /// error about the row names what it has). Stops at the first error.
 pub fn read_parquet_rows(
     path: &Path,
+    split: Option<&str>,
     wanted: &[&str],
     mut each: impl FnMut(&RowPlace<'_>, Map<String, Value>) -> Result<()>,
 ) -> Result<()> {
-    for shard in shards(path)? {
+    for shard in shards(path, split)? {
         let file = File::open(&shard).map_err(|e| DataError::io(&shard, "open", e))?;
         let reader = SerializedFileReader::new(file).map_err(|e| {
             DataError::format(
