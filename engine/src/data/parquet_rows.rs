@@ -65,8 +65,8 @@ pub fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     if out.is_empty() {
         return Err(DataError::format(
             path,
-            "a directory without .parquet files: give a dataset file (.jsonl, .json, .parquet) \
-             or a directory of Parquet shards",
+            "is a directory without .parquet files: give a text file, a dataset file (.jsonl, \
+             .json, .parquet, .csv, .tsv) or a directory of Parquet shards",
         ));
     }
     let mut splits: Vec<String> = out
