@@ -8,10 +8,15 @@
 // Grouped-query attention: the dispatch walks the K/V heads, and K/V head j sums over
 // its query heads j * group + g, g = 0 .. group - 1 in turn (a loop around the block
 // walk, not unrolled: one copy of the block body whatever the group).
+// Packed sequences: key j is seen by the query rows of its document (doc_start(i) <=
+// j), and the walk stops at the first block whose first row starts after the
+// workgroup's last key row (starts never decrease).
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, dout (read), dk, dv
-// (typed); lse, delta (f32, read; delta from attention_backward_dq.wgsl).
+// (typed); lse, delta (f32, read; delta from attention_backward_dq.wgsl), starts (u32,
+// documents).
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
 @group(0) @binding(8) var<storage, read> delta: array<f32>;
+@group(0) @binding(9) var<storage, read> starts: array<u32>;
 
 var<private> kr: array<vec4<f32>, R * D4>;
 var<private> vr: array<vec4<f32>, R * D4>;
@@ -57,11 +62,13 @@ fn st_dv(row: u32, c: u32, v: vec4<f32>) {
     }
 }
 
-// One block of SG query rows from i0 (rows of q, dout, lse and delta from `base`).
-fn block(base: u32, i0: u32, mine: u32, lane: u32) {
+// One block of SG query rows from i0 (rows of q, dout, lse and delta from `base`, of
+// query head `qhead`).
+fn block(base: u32, qhead: u32, i0: u32, mine: u32, lane: u32) {
     let T = P.seq;
     var lown = 0.0;
     var dlown = 0.0;
+    var sown = 0u;
     if (SHARED) {
         let il = base + min(i0 + lane, T - 1u);
         //@unroll c D4
@@ -70,6 +77,7 @@ fn block(base: u32, i0: u32, mine: u32, lane: u32) {
         down[{c}u] = ld_dout(il, {c}u);
         lown = lse[il] * LOG2E;
         dlown = delta[il];
+        sown = doc_start(qhead, i0 + lane);
     }
     //@unroll t SG {
     {
@@ -97,17 +105,20 @@ fn block(base: u32, i0: u32, mine: u32, lane: u32) {
         //@}
         var lt: f32;
         var dt: f32;
+        var st: u32;
         if (SHARED) {
             lt = bcast1(lown, {t}u);
             dt = bcast1(dlown, {t}u);
+            st = bcast1u(sown, {t}u);
         } else {
             lt = lse[it] * LOG2E;
             dt = delta[it];
+            st = doc_start(qhead, i0 + {t}u);
         }
         let i = i0 + {t}u;
         //@unroll r R {
         {
-            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, i < T && (!causal() || mine + {r}u <= i));
+            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, i < T && (!causal() || mine + {r}u <= i) && st <= mine + {r}u);
             let pr = exp2(sc - lt);
             p[{r}u * SG + {t}u] = pr;
             ds[{r}u * SG + {t}u] = pr * (e{r}.x + e{r}.y + e{r}.z + e{r}.w - dt);
@@ -176,10 +187,16 @@ fn main(
     //@}
     // Causal: query rows before the block's first key see none of its keys.
     let qstart = select(0u, at.first, causal());
+    let last = at.first + WG * R - 1u;
     for (var g = 0u; g < P.group; g++) {
-        let qbase = (at.head * P.group + g) * T;
+        let qhead = at.head * P.group + g;
+        let qbase = qhead * T;
         for (var i0 = qstart; i0 < T; i0 += SG) {
-            block(qbase, i0, mine, lid.x);
+            // Packed: this block's rows and all after it start past the last key row.
+            if (doc_start(qhead, i0) > last) {
+                break;
+            }
+            block(qbase, qhead, i0, mine, lid.x);
         }
     }
     //@unroll r R {

@@ -6,10 +6,12 @@
 // where delta = rowsum(dout * out) is computed here first and also written to `delta`
 // (f32 per row, the device's scratch) for attention_backward_dkv.wgsl. Keys and values
 // are those of K/V head head / group (`kbase`), as forward.
+// Packed sequences: row i sees keys from its document's first row, as forward.
 // Assembly constants: SG, WG, R, DIM, D4, VEC. Slots: q, k, v, out, dout (read), dq
-// (typed); lse (f32, read), delta (f32, written).
+// (typed); lse (f32, read), delta (f32, written), starts (u32, documents).
 @group(0) @binding(7) var<storage, read> lse: array<f32>;
 @group(0) @binding(8) var<storage, read_write> delta: array<f32>;
+@group(0) @binding(9) var<storage, read> starts: array<u32>;
 
 var<private> qr: array<vec4<f32>, R * D4>;
 var<private> dor: array<vec4<f32>, R * D4>;
@@ -20,6 +22,7 @@ var<private> s: array<f32, R * SG>;
 var<private> dp: array<f32, R * SG>;
 var<private> lrow: array<f32, R>;
 var<private> drow: array<f32, R>;
+var<private> srow: array<u32, R>;
 
 // ld_q, ld_k, ld_v: common/attention_load.wgsl.
 fn ld_out(row: u32, c: u32) -> vec4<f32> {
@@ -91,7 +94,7 @@ fn block(base: u32, j0: u32, mine: u32, lane: u32) {
         let j = j0 + {t}u;
         //@unroll r R {
         {
-            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u));
+            let sc = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u) && j >= srow[{r}u]);
             let p = exp2(sc - lrow[{r}u]);
             s[{r}u * SG + {t}u] = p * (e{r}.x + e{r}.y + e{r}.z + e{r}.w - drow[{r}u]);
         }
@@ -151,13 +154,15 @@ fn main(
         let dsum = dd.x + dd.y + dd.z + dd.w;
         drow[{r}u] = dsum;
         lrow[{r}u] = lse[row] * LOG2E;
+        srow[{r}u] = doc_start(at.head, mine + {r}u);
         if (mine + {r}u < T) {
             delta[row] = dsum;
         }
     }
     //@}
     let kend = select(T, min(T, at.first + WG * R), causal());
-    for (var j0 = 0u; j0 < kend; j0 += SG) {
+    let kbegin = doc_start(at.head, at.first) / SG * SG;
+    for (var j0 = kbegin; j0 < kend; j0 += SG) {
         block(kbase, j0, mine, lid.x);
     }
     //@unroll r R {

@@ -9,13 +9,16 @@
 //   lane loads every key without subgroups (attention_share_none.wgsl);
 // - per block, each row takes SG scores, one max/rescale and SG fused v updates; the
 //   running max m and sum l are f32, scores in base 2 (scale2 = scale * log2 e).
-// Causal: a workgroup walks keys only up to its last row. Every row sees key 0, so the
-// first block makes its max finite and masked keys (score NEG) weigh exp2(NEG - m) = 0.
+// Causal: a workgroup walks keys only up to its last row. Masked keys (score NEG) weigh
+// exactly 0 (`seen`), also in a block where all of a row's keys are masked.
+// Packed sequences (P.docs > 0): row i sees keys from its document's first row
+// (doc_start); the walk begins at the block holding its first row's start.
 // Grouped-query attention: a query head's keys and values are those of K/V head
 // head / group (`kbase`); nothing else changes.
 // Assembly constants: SG, WG, R, DIM, D4 = ceil(DIM / 4), VEC = (DIM % 4 == 0).
-// Slots: q, k, v (read), out (typed); lse (f32, one per row).
+// Slots: q, k, v (read), out (typed); lse (f32, one per row); starts (u32, documents).
 @group(0) @binding(5) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(6) var<storage, read> starts: array<u32>;
 
 var<private> qr: array<vec4<f32>, R * D4>;
 var<private> acc: array<vec4<f32>, R * D4>;
@@ -25,6 +28,7 @@ var<private> s: array<f32, R * SG>;
 var<private> mrow: array<f32, R>;
 var<private> lrow: array<f32, R>;
 var<private> alf: array<f32, R>;
+var<private> srow: array<u32, R>;
 
 // ld_q, ld_k, ld_v: common/attention_load.wgsl.
 fn st_out(row: u32, c: u32, v: vec4<f32>) {
@@ -71,7 +75,7 @@ fn block(base: u32, j0: u32, mine: u32, lane: u32) {
         //@}
         let j = j0 + {t}u;
         //@unroll r R
-        s[{r}u * SG + {t}u] = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u));
+        s[{r}u * SG + {t}u] = select(NEG, d{r}.x + d{r}.y + d{r}.z + d{r}.w, j < T && (!causal() || j <= mine + {r}u) && j >= srow[{r}u]);
     }
     //@}
     // Online softmax: new max, rescale factor, probabilities, running sum.
@@ -84,7 +88,8 @@ fn block(base: u32, j0: u32, mine: u32, lane: u32) {
         var sum = 0.0;
         //@unroll t SG {
         {
-            let p = exp2(s[{r}u * SG + {t}u] - mb);
+            let x = s[{r}u * SG + {t}u];
+            let p = select(0.0, exp2(x - mb), x > NEG);
             s[{r}u * SG + {t}u] = p;
             sum += p;
         }
@@ -141,10 +146,12 @@ fn main(
         acc[{r}u * D4 + {c}u] = vec4<f32>(0.0);
         mrow[{r}u] = NEG;
         lrow[{r}u] = 0.0;
+        srow[{r}u] = doc_start(at.head, mine + {r}u);
     }
     //@}
     let kend = select(T, min(T, at.first + WG * R), causal());
-    for (var j0 = 0u; j0 < kend; j0 += SG) {
+    let kbegin = doc_start(at.head, at.first) / SG * SG;
+    for (var j0 = kbegin; j0 < kend; j0 += SG) {
         block(kbase, j0, mine, lid.x);
     }
     //@unroll r R {

@@ -650,6 +650,7 @@ fn fused_attention(
                 dim,
                 scale,
                 causal: true,
+                documents: None,
             }),
             Kernel::AttentionBackward(AttentionBackward {
                 q,
@@ -667,6 +668,7 @@ fn fused_attention(
                 dim,
                 scale,
                 causal: true,
+                documents: None,
             }),
         ],
     })

@@ -248,6 +248,7 @@ pub fn measure(
         dtype: DType::F32,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 1,
+        packed: false,
     };
     let method = PartitionMethod::Parameters;
     let memory = Pipeline::memory(built.as_ref(), &options, &method, stages)?;

@@ -45,6 +45,7 @@ pub fn network_memory(
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
+        packed: false,
     };
     Ok(Network::memory(model, &options)?)
 }
@@ -256,6 +257,7 @@ pub fn pipeline_report(
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
+        packed: false,
     };
     let dp = world / stages;
     let memory = pipeline_memory(model, &options, method, (stages, dp), zero_stage)?;

@@ -389,6 +389,7 @@ impl Source {
             // Never stepped: the network only runs forward.
             optimizer: Optimizer::adamw(0.0, 0.0),
             seed: 0,
+            packed: false,
         };
         let net = Network::new(dev, self.model.build(self.block_size()), &options)?;
         let specs: Vec<_> = net.specs().cloned().collect();

@@ -56,6 +56,7 @@ fn forward(dev: &dyn Device, c: &Case, q: Buffer, k: Buffer, v: Buffer) -> (Buff
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
+        documents: None,
     }))
     .unwrap();
     (out, lse)
@@ -92,6 +93,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
+        documents: None,
     }))
     .unwrap();
     dev.submit().unwrap();
@@ -354,6 +356,7 @@ fn fused_memory_is_linear_in_seq() {
             dim,
             scale: c.scale(),
             causal: true,
+            documents: None,
         }))
         .unwrap();
         dev.submit().unwrap();
@@ -400,6 +403,7 @@ fn validation_rejects_bad_launches() {
             dim,
             scale: 0.5,
             causal: true,
+            documents: None,
         })
     };
     let err = |k: Kernel| k.validate().unwrap_err().to_string();
@@ -420,6 +424,7 @@ fn validation_rejects_bad_launches() {
         dim: 130,
         scale: 0.5,
         causal: false,
+        documents: None,
     });
     assert!(err(e).contains("1..=128"));
     let [q5, k5, v5] = [0; 3].map(|_| t(DType::F32, h * s * 5));
@@ -435,6 +440,7 @@ fn validation_rejects_bad_launches() {
         dim: 5,
         scale: 0.5,
         causal: true,
+        documents: None,
     });
     assert!(err(odd).contains("even head dim"));
     let mut nan = fwd(out, lse, d, k);
@@ -461,6 +467,7 @@ fn validation_rejects_bad_launches() {
         dim: d,
         scale: 0.5,
         causal: true,
+        documents: None,
     });
     assert!(err(bwd).contains("both written"));
 }
@@ -496,6 +503,7 @@ fn gpt_fused_matches_straightforward() {
                 dtype: DType::F32,
                 optimizer: Optimizer::adamw(1e-2, 0.0),
                 seed: 5,
+                packed: false,
             };
             let mut gpt = Network::new(dev, gpt_model(&cfg, t, attention), &options).unwrap();
             let loss = gpt

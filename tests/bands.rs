@@ -289,6 +289,7 @@ fn a_model_over_the_binding_limit_trains_like_on_an_unlimited_device() {
         dtype: DType::F16,
         optimizer: adamw(),
         seed: 1,
+        packed: false,
     };
     let x = values(4 * 64, 12, -1.0, 1.0);
     let batch = MicroBatch::features(&x, &[1, 4, 0, 2]);

@@ -201,6 +201,7 @@ fn an_example_file_trains_and_scores_its_completions_only() {
         dtype: DType::F32,
         optimizer: Optimizer::adamw(0.0, 0.0),
         seed: 0,
+        packed: false,
     };
     let net = Network::new(&dev, model, &options).unwrap();
     let ck = checkpoint::load_latest(&dir.join("run")).unwrap();

@@ -235,6 +235,7 @@ fn cpu_cached_attention_equals_causal_attention() {
         dim,
         scale,
         causal: true,
+        documents: None,
     }))
     .unwrap();
     let want = cpu.download(out).unwrap().to_f32();
@@ -558,6 +559,7 @@ fn recompute(dev: &dyn Device, arch: Arch, dtype: DType, seq: &[u32]) -> Vec<Vec
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
+        packed: false,
     };
     let net = Network::new(dev, model, &options).unwrap();
     for (i, (_, values)) in w.iter().enumerate() {
@@ -745,7 +747,14 @@ fn prefill_in_passes_equals_token_by_token() {
 /// scattered positions up to 4095 (f16 and bf16 on the paths, f32 where noted):
 /// the rotation is elementwise after an f32 angle, so the same tolerance as the
 /// existing rope tests: the angle's f32 error at |a| < 4096 (2e-3 rad) times |x| <= 2.
-fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) -> Vec<f32> {
+/// Forward and inverse (the backward of packed training, whose positions restart).
+fn rope_at_case(
+    dev: &dyn Device,
+    dtype: DType,
+    positions: &[u32],
+    seed: u64,
+    inverse: bool,
+) -> Vec<f32> {
     let (heads, dim) = (3, 10);
     let cols = heads * dim;
     let mut rng = Rng::new(seed);
@@ -762,6 +771,7 @@ fn rope_at_case(dev: &dyn Device, dtype: DType, positions: &[u32], seed: u64) ->
         cols,
         dim,
         freqs: 10000.0f32.into(),
+        inverse,
     }))
     .unwrap();
     let got = dev.download(out).unwrap().to_f32();
@@ -776,28 +786,40 @@ fn rope_at_matches_rope_and_the_cpu() {
     let cpu = CpuDevice::new();
     // Against Rope: 2 sequences of 5 rows, positions 0..5 twice.
     let positions: Vec<u32> = (0..10).map(|r| r % 5).collect();
-    let got = rope_at_case(&cpu, DType::F32, &positions, 5);
-    let mut rng = Rng::new(5);
-    let x: Vec<f32> = (0..10 * 30).map(|_| rng.uniform(-2.0, 2.0)).collect();
-    let bx = put(&cpu, &HostData::F32(x));
-    let out = cpu.alloc(DType::F32, 300).unwrap();
-    cpu.launch(&Kernel::Rope(Rope {
-        x: bx,
-        out,
-        cols: 30,
-        dim: 10,
-        seq: 5,
-        freqs: 10000.0f32.into(),
-        inverse: false,
-    }))
-    .unwrap();
-    assert_eq!(got, cpu.download(out).unwrap().to_f32());
+    for inverse in [false, true] {
+        let got = rope_at_case(&cpu, DType::F32, &positions, 5, inverse);
+        let mut rng = Rng::new(5);
+        let x: Vec<f32> = (0..10 * 30).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        let bx = put(&cpu, &HostData::F32(x));
+        let out = cpu.alloc(DType::F32, 300).unwrap();
+        cpu.launch(&Kernel::Rope(Rope {
+            x: bx,
+            out,
+            cols: 30,
+            dim: 10,
+            seq: 5,
+            freqs: 10000.0f32.into(),
+            inverse,
+        }))
+        .unwrap();
+        assert_eq!(
+            got,
+            cpu.download(out).unwrap().to_f32(),
+            "inverse {inverse}"
+        );
+    }
     let scattered = [0u32, 4095, 1, 17, 1000, 2, 333];
     for i in 0..3 {
         let p = gpu_path(i);
-        for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let want = rope_at_case(&cpu, dtype, &scattered, 9);
-            let g = rope_at_case(p.dev.as_ref(), dtype, &scattered, 9);
+        for (dtype, inverse) in [
+            (DType::F32, false),
+            (DType::F16, false),
+            (DType::BF16, false),
+            (DType::F32, true),
+            (DType::F16, true),
+        ] {
+            let want = rope_at_case(&cpu, dtype, &scattered, 9, inverse);
+            let g = rope_at_case(p.dev.as_ref(), dtype, &scattered, 9, inverse);
             let tol = match dtype {
                 DType::F32 => 4e-3,
                 DType::F16 => 4e-3 + 2f64.powi(-10),
@@ -806,7 +828,7 @@ fn rope_at_matches_rope_and_the_cpu() {
             let e = rel_err(&g, &want);
             assert!(
                 e <= tol,
-                "{} {dtype}: rope_at off by {e:.1e} (tolerance {tol:.1e})",
+                "{} {dtype} (inverse {inverse}): rope_at off by {e:.1e} (tolerance {tol:.1e})",
                 p.name
             );
         }

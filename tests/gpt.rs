@@ -247,6 +247,7 @@ fn weights_export_and_import_bit_exactly_under_gpt2_names() {
         dtype: DType::F16,
         optimizer: adamw(),
         seed: 77,
+        packed: false,
     };
     let mut b = Network::new(dev.as_ref(), gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
     b.load_weights(dev.as_ref(), &path).unwrap();
@@ -288,6 +289,7 @@ fn bad_model_configs_are_errors() {
         dtype: DType::F32,
         optimizer: adamw(),
         seed: 5,
+        packed: false,
     };
     let e = Network::new(&dev, gpt_model(&cfg, 8, Attention::Fused), &options)
         .err()
@@ -558,6 +560,7 @@ fn the_memory_estimate_is_what_the_allocator_sees() {
                 dtype: p,
                 optimizer: adamw(),
                 seed: 5,
+                packed: false,
             };
             let model = gpt_model(&cfg, t, attention);
             let _gpt = Network::new(&dev, model.clone(), &options).unwrap();

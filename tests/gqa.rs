@@ -102,6 +102,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
+        documents: None,
     }))
     .unwrap();
     let (bout, blse) = match saved {
@@ -126,6 +127,7 @@ fn run(
         dim: c.dim,
         scale: c.scale(),
         causal: c.causal,
+        documents: None,
     }))
     .unwrap();
     dev.submit().unwrap();
@@ -470,6 +472,7 @@ fn validation_rejects_bad_groups() {
             dim: d,
             scale: 0.5,
             causal: true,
+            documents: None,
         })
     };
     let err = |k: Kernel| k.validate().unwrap_err().to_string();
@@ -507,6 +510,7 @@ fn validation_rejects_bad_groups() {
             dim: d,
             scale: 0.5,
             causal: false,
+            documents: None,
         })
     };
     assert!(bwd(dq, dk2, dv2).validate().is_ok());

@@ -20,6 +20,7 @@ fn options(b: usize, dtype: DType) -> NetworkOptions {
         dtype,
         optimizer: Optimizer::adamw(1e-2, 0.1),
         seed: 5,
+        packed: false,
     }
 }
 

@@ -178,6 +178,7 @@ fn forward(dev: &dyn Device, cfg: &GptConfig, w: &[HostTensor]) -> (f64, HostDat
         dtype: DType::F32,
         optimizer: adamw(),
         seed: 1,
+        packed: false,
     };
     let model = std::sync::Arc::new(Gpt::new(cfg.clone(), T).with_attention(Attention::Fused));
     let mut net = Network::new(dev, model, &options).unwrap();
@@ -560,6 +561,7 @@ fn predictions_of_a_padded_model_are_real_tokens() {
         dtype: DType::F32,
         optimizer: adamw(),
         seed: 1,
+        packed: false,
     };
     let model = std::sync::Arc::new(Gpt::new(cfg.clone(), T).with_attention(Attention::Fused));
     let mut net = Network::new(&dev, model, &options).unwrap();

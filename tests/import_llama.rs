@@ -79,6 +79,7 @@ fn run(dev: &dyn Device, m: &ImportedLlama, e: &Expected, dtype: DType) -> (f64,
         dtype,
         optimizer: adamw(),
         seed: 1,
+        packed: false,
     };
     let model = Arc::new(Llama::new(m.config.clone(), e.seq).with_attention(Attention::Fused));
     let mut net = Network::new(dev, model, &options).unwrap();
@@ -248,6 +249,7 @@ fn sequences_past_a_sliding_window_are_refused() {
         dtype: DType::F32,
         optimizer: adamw(),
         seed: 1,
+        packed: false,
     };
     let model = Arc::new(Llama::new(m.config.clone(), 8));
     let Err(e) = Network::new(&cpu, model, &options) else {

@@ -66,6 +66,7 @@ fn options(batch: usize, dtype: DType) -> NetworkOptions {
         dtype,
         optimizer: common::adamw(),
         seed: 1,
+        packed: false,
     }
 }
 

@@ -35,6 +35,7 @@ fn network(dev: &dyn Device, model: Arc<Llama>, batch: usize, dtype: DType) -> N
         dtype,
         optimizer: adamw(),
         seed: 5,
+        packed: false,
     };
     Network::new(dev, model, &options).unwrap()
 }

@@ -76,6 +76,7 @@ fn options_in(dtype: DType) -> NetworkOptions {
         dtype,
         optimizer: common::adamw(),
         seed: 5,
+        packed: false,
     }
 }
 
@@ -852,6 +853,7 @@ fn kiln_estimate_prints_the_memory_of_each_stage() {
         dtype: DType::F16,
         optimizer: kiln::engine::Optimizer::adamw(1e-3, 0.0),
         seed: 0,
+        packed: false,
     };
     let want = Pipeline::memory(&gpt, &options, &PartitionMethod::Uniform, 2).unwrap();
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);

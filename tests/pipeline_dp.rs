@@ -494,6 +494,7 @@ fn options() -> NetworkOptions {
         dtype: DType::F32,
         optimizer: common::adamw(),
         seed: 5,
+        packed: false,
     }
 }
 

@@ -435,6 +435,7 @@ fn fresh_gpt_weights_are_gpt2s_normal_initialisation() {
         dtype: DType::F32,
         optimizer: adamw(),
         seed: 6,
+        packed: false,
     };
     let other = Network::new(&cpu, gpt_model(&cfg, 8, Attention::Fused), &options).unwrap();
     let other = other.parameters(&cpu).unwrap();

@@ -17,9 +17,21 @@ struct Params {
     scale2: f32,
     // Query heads per K/V head (1: multi-head attention). A launch parameter too.
     group: u32,
-    pad: u32,
+    // Packed sequences: the query heads of each sequence, whose rows' document starts
+    // the kernel's `starts` binding holds; 0: one document per sequence (the binding
+    // is then some other buffer, never read).
+    docs: u32,
 }
 @group(0) @binding(0) var<uniform> P: Params;
+
+// The first row of row `row`'s document in query head `head`'s sequence (0 without
+// documents). Within a sequence it never decreases, and it is at most `row`.
+fn doc_start(head: u32, row: u32) -> u32 {
+    if (P.docs == 0u) {
+        return 0u;
+    }
+    return starts[(head / P.docs) * P.seq + min(row, P.seq - 1u)];
+}
 
 // Lower than any score, yet finite: `NEG - m` and `exp2` of it stay well defined.
 fn causal() -> bool {

@@ -9,3 +9,7 @@ fn bcast4(v: vec4<f32>, t: u32) -> vec4<f32> {
 fn bcast1(v: f32, t: u32) -> f32 {
     return v;
 }
+
+fn bcast1u(v: u32, t: u32) -> u32 {
+    return v;
+}

@@ -18,3 +18,11 @@ fn bcast1(v: f32, t: u32) -> f32 {
         default: { return v; }
     }
 }
+
+fn bcast1u(v: u32, t: u32) -> u32 {
+    switch t {
+        //@unroll s SG
+        case {s}u: { return subgroupBroadcast(v, {s}u); }
+        default: { return v; }
+    }
+}

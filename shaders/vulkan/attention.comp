@@ -64,7 +64,8 @@ layout(push_constant) uniform Params {
     float scale;
     float scale2;
     uint group;
-    uint pad;
+    // Packed sequences: the query heads of each sequence (0: one document each).
+    uint docs;
 } P;
 
 // Lower than any score, yet finite: `NEG - m` and exp2 of it stay well defined.
@@ -192,6 +193,18 @@ vec4 bcast4(vec4 v, uint t) {
 float bcast1(float v, uint t) {
     return subgroupShuffle(v, t);
 }
+uint bcast1u(uint v, uint t) {
+    return subgroupShuffle(v, t);
+}
+
+// The first row of row `row`'s document in query head `head`'s sequence (0 without
+// documents; `starts` is each pass's last binding). Within a sequence it never
+// decreases, and it is at most `row`.
+#define DOC_START \
+    uint doc_start(uint head, uint row) { \
+        if (P.docs == 0u) { return 0u; } \
+        return starts[(head / P.docs) * P.seq + min(row, P.seq - 1u)]; \
+    }
 
 // The head and the first row of this workgroup's block of WG * R rows; false past the
 // last head (a whole workgroup, so no lane of a subgroup leaves early alone).
@@ -202,7 +215,7 @@ bool place(out uint head, out uint first) {
 }
 
 #if defined(FWD)
-// Slots: q, k, v (read), out; lse (f32, one per row).
+// Slots: q, k, v (read), out; lse (f32, one per row); starts (u32, documents).
 SLOT(0, readonly)
 SLOT(1, readonly)
 SLOT(2, readonly)
@@ -212,6 +225,8 @@ LOADS(1)
 LOADS(2)
 STORES(3)
 layout(set = 0, binding = 4) writeonly buffer Lse { float lse[]; };
+layout(set = 0, binding = 5) readonly buffer Starts { uint starts[]; };
+DOC_START
 
 vec4 qr[R * D4];
 vec4 acc[R * D4];
@@ -221,6 +236,7 @@ float s[R * SG];
 float mrow[R];
 float lrow[R];
 float alf[R];
+uint srow[R];
 
 // One block of SG keys from j0 (rows of k and v from `base`) for the lane's rows from
 // `mine`.
@@ -248,7 +264,7 @@ void block(uint base, uint j0, uint mine, uint lane) {
         }
         uint j = j0 + t;
         [[unroll]] for (uint r = 0u; r < R; r++) {
-            bool seen = j < T && (!causal() || j <= mine + r);
+            bool seen = j < T && (!causal() || j <= mine + r) && j >= srow[r];
             s[r * SG + t] = seen ? d[r].x + d[r].y + d[r].z + d[r].w : NEG;
         }
     }
@@ -261,7 +277,10 @@ void block(uint base, uint j0, uint mine, uint lane) {
         }
         float sum = 0.0;
         [[unroll]] for (uint t = 0u; t < SG; t++) {
-            float p = exp2(s[r * SG + t] - mb);
+            // Masked keys weigh exactly 0, also where all of a row's keys so far
+            // are masked (mb is NEG then; packed rows start past a block's keys).
+            float x = s[r * SG + t];
+            float p = x > NEG ? exp2(x - mb) : 0.0;
             s[r * SG + t] = p;
             sum += p;
         }
@@ -306,9 +325,11 @@ void main() {
         }
         mrow[r] = NEG;
         lrow[r] = 0.0;
+        srow[r] = doc_start(head, mine + r);
     }
     uint kend = causal() ? min(T, first + gl_WorkGroupSize.x * R) : T;
-    for (uint j0 = 0u; j0 < kend; j0 += SG) {
+    uint kbegin = doc_start(head, first) / SG * SG;
+    for (uint j0 = kbegin; j0 < kend; j0 += SG) {
         block(kbase, j0, mine, lane);
     }
     [[unroll]] for (uint r = 0u; r < R; r++) {
@@ -325,7 +346,8 @@ void main() {
 }
 
 #elif defined(DQ)
-// Slots: q, k, v, out, dout (read), dq; lse (f32, read), delta (f32, written).
+// Slots: q, k, v, out, dout (read), dq; lse (f32, read), delta (f32, written), starts
+// (u32, documents).
 SLOT(0, readonly)
 SLOT(1, readonly)
 SLOT(2, readonly)
@@ -340,6 +362,8 @@ LOADS(4)
 STORES(5)
 layout(set = 0, binding = 6) readonly buffer Lse { float lse[]; };
 layout(set = 0, binding = 7) writeonly buffer Delta { float delta[]; };
+layout(set = 0, binding = 8) readonly buffer Starts { uint starts[]; };
+DOC_START
 
 vec4 qr[R * D4];
 vec4 dor[R * D4];
@@ -349,6 +373,7 @@ vec4 vown[D4];
 float s[R * SG];
 float lrow[R];
 float drow[R];
+uint srow[R];
 
 // One block of SG keys from j0 (rows of k and v from `base`).
 void block(uint base, uint j0, uint mine, uint lane) {
@@ -381,7 +406,7 @@ void block(uint base, uint j0, uint mine, uint lane) {
         }
         uint j = j0 + t;
         [[unroll]] for (uint r = 0u; r < R; r++) {
-            bool seen = j < T && (!causal() || j <= mine + r);
+            bool seen = j < T && (!causal() || j <= mine + r) && j >= srow[r];
             float sc = seen ? d[r].x + d[r].y + d[r].z + d[r].w : NEG;
             float p = exp2(sc - lrow[r]);
             s[r * SG + t] = p * (e[r].x + e[r].y + e[r].z + e[r].w - drow[r]);
@@ -428,12 +453,14 @@ void main() {
         float dsum = dd.x + dd.y + dd.z + dd.w;
         drow[r] = dsum;
         lrow[r] = lse[row] * LOG2E;
+        srow[r] = doc_start(head, mine + r);
         if (mine + r < T) {
             delta[row] = dsum;
         }
     }
     uint kend = causal() ? min(T, first + gl_WorkGroupSize.x * R) : T;
-    for (uint j0 = 0u; j0 < kend; j0 += SG) {
+    uint kbegin = doc_start(head, first) / SG * SG;
+    for (uint j0 = kbegin; j0 < kend; j0 += SG) {
         block(kbase, j0, mine, lane);
     }
     [[unroll]] for (uint r = 0u; r < R; r++) {
@@ -447,7 +474,9 @@ void main() {
 }
 
 #elif defined(DKV)
-// Slots: q, k, v, dout (read), dk, dv; lse, delta (f32, read; delta from the DQ pass).
+// Slots: q, k, v, dout (read), dk, dv; lse, delta (f32, read; delta from the DQ pass),
+// starts (u32, documents: key j is seen by the query rows i of its document, those
+// with doc_start(i) <= j).
 SLOT(0, readonly)
 SLOT(1, readonly)
 SLOT(2, readonly)
@@ -462,6 +491,8 @@ STORES(4)
 STORES(5)
 layout(set = 0, binding = 6) readonly buffer Lse { float lse[]; };
 layout(set = 0, binding = 7) readonly buffer Delta { float delta[]; };
+layout(set = 0, binding = 8) readonly buffer Starts { uint starts[]; };
+DOC_START
 
 vec4 kr[R * D4];
 vec4 vr[R * D4];
@@ -472,11 +503,13 @@ vec4 down[D4];
 float p[R * SG];
 float ds[R * SG];
 
-// One block of SG query rows from i0 (rows of q, dout, lse and delta from `base`).
-void block(uint base, uint i0, uint mine, uint lane) {
+// One block of SG query rows from i0 (rows of q, dout, lse and delta from `base`, of
+// query head `qhead`).
+void block(uint base, uint qhead, uint i0, uint mine, uint lane) {
     uint T = P.seq;
     float lown = 0.0;
     float dlown = 0.0;
+    uint sown = 0u;
     if (SHARED) {
         uint il = base + min(i0 + lane, T - 1u);
         [[unroll]] for (uint c = 0u; c < D4; c++) {
@@ -485,6 +518,7 @@ void block(uint base, uint i0, uint mine, uint lane) {
         }
         lown = lse[il] * LOG2E;
         dlown = delta[il];
+        sown = doc_start(qhead, i0 + lane);
     }
     [[unroll]] for (uint t = 0u; t < SG; t++) {
         uint it = base + min(i0 + t, T - 1u);
@@ -506,9 +540,10 @@ void block(uint base, uint i0, uint mine, uint lane) {
         }
         float lt = SHARED ? bcast1(lown, t) : lse[it] * LOG2E;
         float dt = SHARED ? bcast1(dlown, t) : delta[it];
+        uint st = SHARED ? bcast1u(sown, t) : doc_start(qhead, i0 + t);
         uint i = i0 + t;
         [[unroll]] for (uint r = 0u; r < R; r++) {
-            bool seen = i < T && (!causal() || mine + r <= i);
+            bool seen = i < T && (!causal() || mine + r <= i) && st <= mine + r;
             float sc = seen ? d[r].x + d[r].y + d[r].z + d[r].w : NEG;
             float pr = exp2(sc - lt);
             p[r * SG + t] = pr;
@@ -561,10 +596,16 @@ void main() {
     }
     // Causal: query rows before the block's first key see none of its keys.
     uint qstart = causal() ? first : 0u;
+    uint last = first + gl_WorkGroupSize.x * R - 1u;
     for (uint g = 0u; g < P.group; g++) {
-        uint qbase = (head * P.group + g) * T;
+        uint qhead = head * P.group + g;
+        uint qbase = qhead * T;
         for (uint i0 = qstart; i0 < T; i0 += SG) {
-            block(qbase, i0, mine, lane);
+            // Packed: this block's rows and all after it start past the last key row.
+            if (doc_start(qhead, i0) > last) {
+                break;
+            }
+            block(qbase, qhead, i0, mine, lane);
         }
     }
     [[unroll]] for (uint r = 0u; r < R; r++) {

@@ -144,6 +144,10 @@ pub(crate) struct TrainArgs {
     /// run's own, else kiln.eval_every, else 50].
     #[arg(long)]
     pub(crate) eval_every: Option<u64>,
+    /// An example file (from `kiln prepare` of a dataset) trains one example per row,
+    /// padded, instead of packing several to a row (kiln.packing false).
+    #[arg(long)]
+    pub(crate) no_packing: bool,
     /// Checkpoint every N steps, 0: only at the end [default: a resumed run's own, else
     /// kiln.checkpoint_every, else 200].
     #[arg(long)]

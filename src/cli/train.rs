@@ -78,6 +78,7 @@ fn train_with(
         out: a.out,
         steps: a.steps,
         eval_every: a.eval_every,
+        packing: a.no_packing.then_some(false),
         checkpoint_every: a.checkpoint_every,
         keep_checkpoints: a.keep_checkpoints,
         resume: a.resume,

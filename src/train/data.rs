@@ -44,6 +44,8 @@ pub(super) struct Data {
     pub name: String,
     /// Why a data file has no held-out rows, for the summary.
     pub no_held_out: Option<String>,
+    /// Rows pack several examples (each batch carries their document starts).
+    pub packed: bool,
 }
 
 /// Opens the training data (`path`, else the built-in addition task) and splits off
@@ -54,11 +56,12 @@ pub(super) fn load(
     model: &mut ModelConfig,
     model_from_file: bool,
     init: &Option<InitWeights>,
-    seed: u64,
+    (seed, packing): (u64, bool),
     progress: bool,
 ) -> Result<Data> {
     let t = model.block_size();
     let mut no_held_out = None;
+    let mut packed = false;
     let (source, train_len, dataset, data_name): (Arc<dyn TokenSource>, u64, Dataset, String) =
         match path {
             None => {
@@ -87,9 +90,10 @@ pub(super) fn load(
                         .is_some_and(|s| s.examples.is_some());
                 let src: Arc<dyn TokenSource> = if examples {
                     let rows = data::ExampleRows::open(path, t)?;
-                    if progress {
+                    if progress && !packing {
                         say(rows.describe()?);
                     }
+                    packed = packing;
                     Arc::new(rows)
                 } else {
                     Arc::from(data::open_path(path, t)?)
@@ -141,7 +145,18 @@ pub(super) fn load(
                 }
                 let eval = held.rows;
                 let name = src.name();
-                let head: Arc<dyn TokenSource> = Arc::new(data::Prefix::new(src, train_len)?);
+                let head: Arc<dyn TokenSource> = if packed {
+                    // The held-out tail is the last examples, one per row (what `kiln
+                    // eval` scores); the examples before it are packed.
+                    let rows = data::ExampleRows::packed(path, t, train_len / (t as u64 + 1))?;
+                    if progress {
+                        say(rows.describe()?);
+                    }
+                    Arc::new(rows)
+                } else {
+                    Arc::new(data::Prefix::new(src, train_len)?)
+                };
+                let train_len = head.len();
                 (head, train_len, Dataset::File { eval }, name)
             }
         };
@@ -152,6 +167,7 @@ pub(super) fn load(
         dataset,
         name: data_name,
         no_held_out,
+        packed,
     })
 }
 

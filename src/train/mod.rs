@@ -34,14 +34,24 @@ use anyhow::Result;
 /// checkpoint to resume), so a run that fails to start leaves no run directory behind.
 pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     let mut run = resolve::resolve(opts)?;
+    let packing = opts.packing.unwrap_or(run.ds.kiln.packing);
     let data = data::load(
         opts.data.as_deref(),
         &mut run.model,
         run.model_from_file,
         &run.init,
-        run.run.seed,
+        (run.run.seed, packing),
         run.progress,
     )?;
+    // The networks pack exactly when the data does.
+    run.ds.packed_rows = data.packed;
+    if data.packed && run.stages > 1 {
+        anyhow::bail!(
+            "packing examples is not built for pipeline parallelism yet ({} stages): pass \
+             --no-packing (or set kiln.packing to false) to train one example per row",
+            run.stages
+        );
+    }
     let built = engine::build(opts, &mut run, &data)?;
     let loaders = data::loaders(
         &data,

@@ -33,6 +33,9 @@ pub struct TrainOptions {
     pub steps: Option<u64>,
     /// Evaluate every this many steps (and at the end); 0: only at the end.
     pub eval_every: Option<u64>,
+    /// Pack an example file's examples several to a row (`kiln.packing`); `None`: the
+    /// config's, else yes.
+    pub packing: Option<bool>,
     /// Checkpoint every this many steps (and at the end); 0: only at the end.
     pub checkpoint_every: Option<u64>,
     /// Checkpoints kept (older ones are deleted once a newer one is complete).

@@ -369,6 +369,7 @@ pub fn gpt_network(
         dtype,
         optimizer: adamw(),
         seed: 5,
+        packed: false,
     };
     Network::new(dev, gpt_model(cfg, t, Attention::Fused), &options).unwrap()
 }
@@ -557,6 +558,7 @@ pub fn causal_attention(
         dim,
         scale,
         causal,
+        documents: None,
     });
     let bwd = Kernel::AttentionBackward(AttentionBackward {
         q,
@@ -574,6 +576,7 @@ pub fn causal_attention(
         dim,
         scale,
         causal,
+        documents: None,
     });
     (fwd, bwd, vec![out, lse, dq, dk, dv])
 }

@@ -99,6 +99,7 @@ pub fn network_of(
         dtype: kiln::engine::DType::F16,
         optimizer: Optimizer::adamw(0.0, 0.0),
         seed: 0,
+        packed: false,
     };
     let net = Network::new(dev, model, &options).unwrap();
     let names: Vec<String> = net.specs().map(|s| s.name.clone()).collect();

@@ -436,6 +436,7 @@ impl CpuDevice {
                 dim,
                 scale,
                 causal,
+                documents,
             }) => {
                 let shape = AttnShape {
                     heads: *batch_heads,
@@ -444,6 +445,10 @@ impl CpuDevice {
                     dim: *dim,
                     scale: *scale as f64,
                     causal: *causal,
+                    documents: match documents {
+                        Some(d) => Some((s.get(d.starts, name)?.bits(), d.heads)),
+                        None => None,
+                    },
                 };
                 let (qs, ks, vs) = (s.f32s(*q, name)?, s.f32s(*k, name)?, s.f32s(*v, name)?);
                 let (o, z) = attention(&shape, &qs, &ks, &vs);
@@ -466,6 +471,7 @@ impl CpuDevice {
                 dim,
                 scale,
                 causal,
+                documents,
             }) => {
                 let shape = AttnShape {
                     heads: *batch_heads,
@@ -474,6 +480,10 @@ impl CpuDevice {
                     dim: *dim,
                     scale: *scale as f64,
                     causal: *causal,
+                    documents: match documents {
+                        Some(d) => Some((s.get(d.starts, name)?.bits(), d.heads)),
+                        None => None,
+                    },
                 };
                 let ins = [*q, *k, *v, *out, *dout, *lse]
                     .iter()
@@ -678,10 +688,11 @@ impl CpuDevice {
                 cols,
                 dim,
                 freqs,
+                inverse,
             }) => {
                 let xs = s.f32s(*x, name)?;
                 let pos = s.get(*positions, name)?.bits();
-                let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, freqs, false);
+                let o = rope_rows(&xs, (*cols, *dim), |r| pos[r] as f64, freqs, *inverse);
                 s.put(*out, HostData::from_f32(out.dtype, &o), name)
             }
             Kernel::CacheWrite(CacheWrite {
@@ -1018,16 +1029,20 @@ struct AttnShape {
     dim: usize,
     scale: f64,
     causal: bool,
+    /// Each (sequence, row)'s document start and the query heads per sequence.
+    documents: Option<(Vec<u32>, usize)>,
 }
 
 impl AttnShape {
-    /// Keys query row `i` sees.
-    fn keys(&self, i: usize) -> usize {
-        if self.causal {
-            i + 1
-        } else {
-            self.seq
-        }
+    /// Keys query row `i` of query head `h` sees: up to itself when causal, from its
+    /// document's first row when sequences are packed.
+    fn keys(&self, h: usize, i: usize) -> std::ops::Range<usize> {
+        let end = if self.causal { i + 1 } else { self.seq };
+        let start = match &self.documents {
+            Some((starts, heads)) => starts[h / heads * self.seq + i] as usize,
+            None => 0,
+        };
+        start..end
     }
 
     /// Row of key (and value) `j` of query head `h`'s K/V head.
@@ -1053,14 +1068,15 @@ fn attention(a: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f
     let mut lse = vec![0f32; a.heads * t];
     for h in 0..a.heads {
         for i in 0..t {
-            let s: Vec<f64> = (0..a.keys(i)).map(|j| a.score(q, k, h, i, j)).collect();
+            let keys = a.keys(h, i);
+            let s: Vec<f64> = keys.clone().map(|j| a.score(q, k, h, i, j)).collect();
             let m = s.iter().fold(f64::NEG_INFINITY, |x, &y| x.max(y));
             let z: f64 = s.iter().map(|&x| (x - m).exp()).sum();
             for c in 0..d {
                 let o: f64 = s
                     .iter()
-                    .enumerate()
-                    .map(|(j, &x)| (x - m).exp() * v[a.kv_row(h, j) * d + c] as f64)
+                    .zip(keys.clone())
+                    .map(|(&x, j)| (x - m).exp() * v[a.kv_row(h, j) * d + c] as f64)
                     .sum();
                 out[(h * t + i) * d + c] = (o / z) as f32;
             }
@@ -1088,7 +1104,7 @@ fn attention_backward(a: &AttnShape, ins: &[Vec<f32>]) -> [Vec<f32>; 3] {
         for i in 0..t {
             let row = h * t + i;
             let delta = dot(dout, out, row, row);
-            for j in 0..a.keys(i) {
+            for j in a.keys(h, i) {
                 let col = a.kv_row(h, j);
                 let p = (a.score(q, k, h, i, j) - lse[row] as f64).exp();
                 let ds = p * (dot(dout, v, row, col) - delta);

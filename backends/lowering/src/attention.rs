@@ -108,9 +108,23 @@ pub struct AttentionLaunch {
     /// Then the f32 buffers: lse, and in the backward passes delta, which lives in the
     /// device's reusable scratch (`PARTIALS_ID`).
     pub f32s: Vec<u64>,
+    /// Last, the documents' starts (u32), or without documents q: a binding the
+    /// kernel never reads then (params[7] is 0), so that one pipeline serves both.
+    pub starts: u64,
     /// `shaders/common/attention_params.wgsl`'s Params.
     pub params: [u32; 8],
     pub groups: (u32, u32, u32),
+}
+
+/// The documents of an attention kernel: (starts, query heads per sequence).
+fn documents(kernel: &Kernel) -> Option<(u64, usize)> {
+    match kernel {
+        Kernel::Attention(kernels::Attention { documents, .. })
+        | Kernel::AttentionBackward(AttentionBackward { documents, .. }) => {
+            documents.map(|d| (d.starts.id, d.heads))
+        }
+        _ => None,
+    }
 }
 
 /// (batch_heads, group, seq, dim, scale, causal) of an attention kernel.
@@ -164,6 +178,8 @@ pub fn launches(
         });
     }
     let rows = heads * seq;
+    let docs = documents(kernel);
+    let docs_heads = docs.map_or(0, |(_, h)| h as u32);
     // Causal rows see half the keys on average; the band size is a bound, not exact.
     let fmas_per_block =
         plan.rows_per_group() as f64 * seq as f64 * dim as f64 * heads as f64 * 2.0;
@@ -175,6 +191,7 @@ pub fn launches(
     // dk/dv, whose workgroups each do `group` query heads' work: the band, which counts
     // all of it, stays the same).
     let run = |pass, typed: Vec<Buffer>, f32s: Vec<u64>, walked: usize, per: u32| {
+        let starts = docs.map_or(typed[0].id, |(id, _)| id);
         let heads_y = (walked as u32).min(65535);
         let heads_z = (walked as u32).div_ceil(heads_y);
         let mut bands = vec![];
@@ -185,6 +202,7 @@ pub fn launches(
                 pass,
                 typed: typed.clone(),
                 f32s: f32s.clone(),
+                starts,
                 params: [
                     walked as u32,
                     seq as u32,
@@ -193,7 +211,7 @@ pub fn launches(
                     scale.to_bits(),
                     (scale * std::f32::consts::LOG2_E).to_bits(),
                     group as u32,
-                    0,
+                    docs_heads,
                 ],
                 groups: (n, heads_y, heads_z),
             });
@@ -333,6 +351,7 @@ pub(crate) trait LowerAttention: Recorder {
         };
         let mut buffers: Vec<u64> = l.typed.iter().map(|b| b.id).collect();
         buffers.extend(&l.f32s);
+        buffers.push(l.starts);
         Dispatch {
             kernel,
             reprs: l.typed.iter().map(|b| self.repr(b.dtype)).collect(),

@@ -457,10 +457,12 @@ pub(crate) trait Lower: Recorder {
                 cols,
                 dim,
                 freqs,
+                inverse,
             }) => {
                 if x.len > 0 {
                     let [step_hi, step_lo] = rope_step(freqs.theta, *dim);
                     let words = (x.len / 2) as u32;
+                    let sign: f32 = if *inverse { -1.0 } else { 1.0 };
                     self.dispatch(
                         s,
                         Dispatch::new(
@@ -473,7 +475,7 @@ pub(crate) trait Lower: Recorder {
                                 *cols as u32,
                                 *dim as u32,
                                 1,
-                                1f32.to_bits(),
+                                sign.to_bits(),
                                 step_hi.to_bits(),
                                 step_lo.to_bits(),
                             ]

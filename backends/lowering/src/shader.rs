@@ -517,6 +517,7 @@ const ATTENTION_SLOTS: &[Slot] = &[
     typed("v", Read),
     typed("out", ReadWrite),
     own("lse", ReadWrite),
+    own("starts", Read),
 ];
 const ATTENTION_DQ_SLOTS: &[Slot] = &[
     typed("q", Read),
@@ -527,6 +528,7 @@ const ATTENTION_DQ_SLOTS: &[Slot] = &[
     typed("dq", ReadWrite),
     own("lse", Read),
     own("delta", ReadWrite),
+    own("starts", Read),
 ];
 const ATTENTION_DKV_SLOTS: &[Slot] = &[
     typed("q", Read),
@@ -537,6 +539,7 @@ const ATTENTION_DKV_SLOTS: &[Slot] = &[
     typed("dv", ReadWrite),
     own("lse", Read),
     own("delta", Read),
+    own("starts", Read),
 ];
 
 /// Fused attention forward (out and lse), keys shared by subgroup broadcasts.

@@ -52,11 +52,12 @@ pub fn module(pass: AttentionPass, packed: bool) -> (&'static str, &'static [u8]
     }
 }
 
-/// Storage bindings of `pass`: its typed tensors, then lse (and delta backward).
+/// Storage bindings of `pass`: its typed tensors, then lse (and delta backward), then
+/// the documents' starts.
 pub fn bindings(pass: AttentionPass) -> u32 {
     match pass {
-        AttentionPass::Forward => 5,
-        AttentionPass::Dq | AttentionPass::Dkv => 8,
+        AttentionPass::Forward => 6,
+        AttentionPass::Dq | AttentionPass::Dkv => 9,
     }
 }
 

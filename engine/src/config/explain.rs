@@ -209,6 +209,7 @@ impl TrainConfig {
         line("kiln.checkpoint_every", k.checkpoint_every.to_string());
         line("kiln.keep_checkpoints", k.keep_checkpoints.to_string());
         line("kiln.seed", k.seed.to_string());
+        line("kiln.packing", k.packing.to_string());
         line(
             "kiln.max_consecutive_skips",
             k.max_consecutive_skips.to_string(),

@@ -40,6 +40,11 @@ pub struct KilnSettings {
     /// Pipeline stages, as `pipeline.stages` says it (where the resolved count lives:
     /// `TrainConfig::pipeline`); `None`: not set here.
     pub pipeline_stages: Option<u64>,
+    /// Examples of an example file (`kiln prepare` of a dataset) are packed several to a
+    /// row, attention kept within each; `false` gives each a row of its own, padded.
+    /// Windows of text or token files are one document each either way. Training
+    /// builds its networks packed when this is set and the data packs.
+    pub packing: bool,
 }
 
 impl Default for KilnSettings {
@@ -56,6 +61,7 @@ impl Default for KilnSettings {
             max_consecutive_skips: 3,
             collective_timeout_s: 900,
             pipeline_stages: None,
+            packing: true,
         }
     }
 }
@@ -72,6 +78,7 @@ const KILN: Spec = Spec::keys(&[
     "max_consecutive_skips",
     "collective_timeout_s",
     "pipeline_stages",
+    "packing",
 ]);
 
 impl Reader {
@@ -182,6 +189,7 @@ impl Reader {
                 d.collective_timeout_s,
             ),
             pipeline_stages,
+            packing: self.bool_or(k, kp, "packing", d.packing),
         }
     }
 }

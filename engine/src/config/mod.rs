@@ -153,6 +153,11 @@ pub struct TrainConfig {
     /// Not part of a run's settings (not serialized).
     #[serde(skip)]
     pub notes: Vec<String>,
+    /// Micro-batches pack several documents a row (an example file under
+    /// `kiln.packing`): the trainer builds its networks packed. Set by whoever opens
+    /// the data (`kiln train`), not a config key; false as parsed.
+    #[serde(skip)]
+    pub packed_rows: bool,
     /// Where each resolved value came from, keyed by its DeepSpeed key path
     /// (`"fp16.loss_scale_window"`, `"optimizer.params.lr"`, `"world_size"`). A key that
     /// is absent here counts as [`Provenance::Default`]. Only [`TrainConfig::explain`]
@@ -206,6 +211,7 @@ impl TrainConfig {
             warnings: Vec::new(),
             notes: Vec::new(),
             provenance,
+            packed_rows: false,
         }
     }
 }
@@ -377,6 +383,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         warnings: r.warnings,
         notes: r.notes,
         provenance: r.provenance,
+        packed_rows: false,
     })
 }
 

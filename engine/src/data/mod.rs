@@ -173,6 +173,14 @@ pub trait TokenSource: Send + Sync {
         Ok(false)
     }
 
+    /// For rows that pack several documents: each of tokens `start .. start +
+    /// out.len()`'s document start, as a token index within its row of `T + 1`,
+    /// written into `out`; `false`, leaving `out` alone, where a row is one document.
+    fn read_documents(&self, start: u64, out: &mut [u32]) -> Result<bool> {
+        let _ = (start, out);
+        Ok(false)
+    }
+
     /// The first token whose id is `limit` or more, as (position, id), or `None`: a scan
     /// of the whole stream.
     fn find_id_at_least(&self, limit: u32) -> Result<Option<(u64, u32)>> {

@@ -23,33 +23,39 @@ impl Prefix {
     }
 }
 
+impl Prefix {
+    /// Tokens `start .. start + n` lie in the prefix.
+    fn check(&self, start: u64, n: usize) -> Result<()> {
+        if start + n as u64 > self.len {
+            return Err(DataError::InvalidArgument(format!(
+                "tokens {start}..{} are past the first {} of {} (the rest is held out)",
+                start + n as u64,
+                self.len,
+                self.inner.name()
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl TokenSource for Prefix {
     fn len(&self) -> u64 {
         self.len
     }
 
     fn read(&self, start: u64, out: &mut [u32]) -> Result<()> {
-        if start + out.len() as u64 > self.len {
-            return Err(DataError::InvalidArgument(format!(
-                "tokens {start}..{} are past the first {} of {} (the rest is held out)",
-                start + out.len() as u64,
-                self.len,
-                self.inner.name()
-            )));
-        }
+        self.check(start, out.len())?;
         self.inner.read(start, out)
     }
 
     fn read_mask(&self, start: u64, out: &mut [u8]) -> Result<bool> {
-        if start + out.len() as u64 > self.len {
-            return Err(DataError::InvalidArgument(format!(
-                "tokens {start}..{} are past the first {} of {} (the rest is held out)",
-                start + out.len() as u64,
-                self.len,
-                self.inner.name()
-            )));
-        }
+        self.check(start, out.len())?;
         self.inner.read_mask(start, out)
+    }
+
+    fn read_documents(&self, start: u64, out: &mut [u32]) -> Result<bool> {
+        self.check(start, out.len())?;
+        self.inner.read_documents(start, out)
     }
 
     fn vocab_hint(&self) -> Option<usize> {

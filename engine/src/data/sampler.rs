@@ -31,6 +31,12 @@ pub struct Batch {
     pub targets: Vec<u32>,
     /// Global sample index of the first row (row `j` is sample `first_sample + j`).
     pub first_sample: u64,
+    /// Tokens per row (the model's T).
+    pub seq: usize,
+    /// Rows that pack several documents: each token's document start (its row index
+    /// where the document begins), row-major like `tokens`. `None`: a row is one
+    /// window or one example.
+    pub documents: Option<Vec<u32>>,
 }
 
 /// How the samples of one optimizer step are split into micro-batches and ranks.
@@ -157,6 +163,8 @@ impl Sampler {
         let mut row = vec![0u32; t + 1];
         let mut tokens = Vec::with_capacity(rows * t);
         let mut targets = Vec::with_capacity(rows * t);
+        let mut documents: Option<Vec<u32>> = None;
+        let mut starts = vec![0u32; t];
         for j in 0..rows as u64 {
             let start = self.row_start(first_sample + j);
             source.read(start, &mut row)?;
@@ -172,11 +180,18 @@ impl Sampler {
             targets.extend_from_slice(&row[1..]);
             let at = targets.len() - t;
             super::mask_targets(source, start, &mut targets[at..])?;
+            if source.read_documents(start, &mut starts)? {
+                documents
+                    .get_or_insert_with(|| Vec::with_capacity(rows * t))
+                    .extend_from_slice(&starts);
+            }
         }
         Ok(Batch {
             tokens,
             targets,
             first_sample,
+            seq: t,
+            documents,
         })
     }
 

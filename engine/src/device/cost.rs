@@ -122,6 +122,7 @@ mod tests {
             dim: 8,
             scale: 1.0,
             causal: true,
+            documents: None,
         });
         assert_eq!(k.cost().flops, 4.0 * 2.0 * 10.0 * 8.0);
         assert_eq!(k.cost().bytes, (4.0 * 64.0 + 8.0) * 4.0);

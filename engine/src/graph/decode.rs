@@ -61,11 +61,15 @@ impl Graph {
     }
 
     /// The positions of a (b, t) batch of tokens, for a learned position embedding:
-    /// when training, the constant `t` of each row; when decoding, the positions input.
+    /// when training, the constant `t` of each row; when decoding, the positions input;
+    /// over packed documents, each token's place in its document (an input too).
     pub fn positions(&mut self, b: usize, t: usize) -> Result<Tensor> {
         if self.decode.is_some() {
             let p = self.decode_positions_for("positions", &[b, t, 1])?;
             return Ok(p.expect("a decoding graph has positions"));
+        }
+        if let Some(p) = self.packed_positions("positions", &[b, t])? {
+            return Ok(p);
         }
         let positions: Vec<u32> = (0..b * t).map(|i| (i % t) as u32).collect();
         self.constant("positions", &[b, t], crate::HostData::U32(positions))

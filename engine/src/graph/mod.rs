@@ -15,6 +15,8 @@
 //!   at positions read from the device), and the pass that runs only what the next
 //!   token's logits need; `forward_plan.rs` compiles a forward alone (no backward, no
 //!   optimizer) over plain weight buffers.
+//! - `packing.rs`: several documents per row (packed training examples): attention
+//!   within each document, positions restarting at each.
 //!
 //! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
 
@@ -22,6 +24,7 @@ mod autodiff;
 mod decode;
 mod forward_plan;
 mod ops;
+mod packing;
 mod plan;
 mod split;
 
@@ -201,6 +204,8 @@ pub(crate) enum Op {
         out: Tensor,
         heads: usize,
         mode: Attention,
+        /// Packed: each row's document start (u32 (B, T)); rows see their own only.
+        documents: Option<Tensor>,
     },
     /// `out = x * rstd * weight` per row, `rstd = 1 / sqrt(mean(x^2) + eps)`.
     RmsNorm {
@@ -217,7 +222,7 @@ pub(crate) enum Op {
         out: Tensor,
         heads: usize,
         freqs: RopeFreqs,
-        /// Decoding: each row's position (u32, one per row) instead of `t`.
+        /// Decoding or packed: each row's position (u32, one per row) instead of `t`.
         positions: Option<Tensor>,
     },
     /// `out = silu(gate) * up`, elementwise.
@@ -236,6 +241,8 @@ pub(crate) enum Op {
         heads: usize,
         kv_heads: usize,
         mode: Attention,
+        /// As in [`Op::CausalAttention`].
+        documents: Option<Tensor>,
     },
     /// Per-row `losses = logsumexp(logits) - logits[target]`, 0 for IGNORE_TARGET; only
     /// the first `classes` columns take part (the rest pad the vocabulary).
@@ -313,6 +320,8 @@ pub struct Graph {
     /// Recorded for decoding ([`Graph::decoding`]): the caches and positions its
     /// attention ops read. Such a graph compiles with [`Graph::compile_forward`] only.
     pub(crate) decode: Option<decode::Decoding>,
+    /// Recorded over packed documents ([`Graph::pack_documents`]).
+    pub(crate) packing: Option<packing::Packing>,
 }
 
 impl Graph {
@@ -726,6 +735,8 @@ impl Graph {
         if self.decode.is_some() {
             return self.cached_attention([qkv; 3], [0, c, 2 * c], heads, heads, dim);
         }
+        let mode = self.packed_mode("causal_attention", mode, dim, qi.dtype)?;
+        let documents = self.packed_starts("causal_attention", &qi.shape)?;
         let shape = vec![qi.shape[0], qi.shape[1], c];
         let out = self.op_out("attention", shape, qi.dtype);
         self.ops.push(Op::CausalAttention {
@@ -733,6 +744,7 @@ impl Graph {
             out,
             heads,
             mode,
+            documents,
         });
         Ok(out)
     }
@@ -802,7 +814,10 @@ impl Graph {
                 xi.name
             )));
         }
-        let positions = self.decode_positions_for("rope", &xi.shape)?;
+        let positions = match self.decode_positions_for("rope", &xi.shape)? {
+            Some(p) => Some(p),
+            None => self.packed_positions("rope", &xi.shape)?,
+        };
         let out = self.op_out("rope", xi.shape.clone(), xi.dtype);
         self.ops.push(Op::Rope {
             x,
@@ -880,6 +895,8 @@ impl Graph {
         if self.decode.is_some() {
             return self.cached_attention([q, k, v], [0; 3], heads, kv_heads, dim);
         }
+        let mode = self.packed_mode("attention", mode, dim, qi.dtype)?;
+        let documents = self.packed_starts("attention", &qi.shape)?;
         let out = self.op_out("attention", qi.shape.clone(), qi.dtype);
         self.ops.push(Op::GroupedAttention {
             q,
@@ -889,6 +906,7 @@ impl Graph {
             heads,
             kv_heads,
             mode,
+            documents,
         });
         Ok(out)
     }

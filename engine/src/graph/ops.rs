@@ -162,6 +162,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             out,
             heads: h,
             mode,
+            documents,
         } => {
             let s = &g.t(qkv).shape;
             let (b, t, c) = (s[0], s[1], s[2] / 3);
@@ -182,7 +183,15 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             }
             let [q, k, v] = qkv_heads;
             let yh = e.scratch(act, b * t * c);
-            let heads = Heads { b, t, d, h, kv: h };
+            let docs = documents.map(|x| e.val(x));
+            let heads = Heads {
+                b,
+                t,
+                d,
+                h,
+                kv: h,
+                docs,
+            };
             let att = attend(e, mode, heads, act, [q, k, v], yh)?;
             // out (B, T, C) <- yh (B, H, T, D)
             let o = e.define(out);
@@ -223,19 +232,10 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             positions,
         } => {
             // out (B, T, C) = x rotated per head (D = C / H), row (b, t) by angles of t;
-            // decoding, row r by angles of positions[r].
+            // decoding or packed, row r by angles of positions[r].
             let o = e.define(out);
-            e.launch(match positions {
-                None => rope(g, x, heads, freqs, e.val(x), o, false),
-                Some(p) => Kernel::RopeAt(RopeAt {
-                    x: e.val(x),
-                    out: o,
-                    positions: e.val(p),
-                    cols: g.t(x).cols(),
-                    dim: g.t(x).cols() / heads,
-                    freqs,
-                }),
-            })?;
+            let p = positions.map(|p| e.val(p));
+            e.launch(rope(g, x, heads, freqs, p, [e.val(x), o], false))?;
             Ok(Saved::None)
         }
         Op::SwiGlu { gate, up, out } => {
@@ -256,6 +256,7 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             heads: h,
             kv_heads: kv,
             mode,
+            documents,
         } => {
             let s = &g.t(q).shape;
             let (b, t, d, act) = (s[0], s[1], s[2] / h, g.t(q).dtype);
@@ -274,7 +275,15 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             };
             let (qh, kh, vh) = (split(q, h)?, split(k, kv)?, split(v, kv)?);
             let yh = e.scratch(act, b * h * t * d);
-            let heads = Heads { b, t, d, h, kv };
+            let docs = documents.map(|x| e.val(x));
+            let heads = Heads {
+                b,
+                t,
+                d,
+                h,
+                kv,
+                docs,
+            };
             let att = attend(e, mode, heads, act, [qh, kh, vh], yh)?;
             // out (B, T, H*D) <- yh (B, H, T, D)
             let o = e.define(out);
@@ -576,6 +585,7 @@ pub(super) fn backward(
                 qkv,
                 heads: h,
                 mode,
+                documents,
                 ..
             },
             &Saved::Attention { q, k, v, yh, att },
@@ -601,7 +611,15 @@ pub(super) fn backward(
                 e.scratch(act, b * t * c),
                 e.scratch(act, b * t * c),
             );
-            let heads = Heads { b, t, d, h, kv: h };
+            let docs = documents.map(|x| e.val(x));
+            let heads = Heads {
+                b,
+                t,
+                d,
+                h,
+                kv: h,
+                docs,
+            };
             attend_backward(e, mode, heads, act, [q, k, v, yh, att, dyh], [dq, dk, dv])?;
             // dqkv (B, T, 3C) <- dq, dk, dv (B, H, T, D): the three merges write every
             // column, so together they overwrite.
@@ -635,7 +653,11 @@ pub(super) fn backward(
         }
         (
             &Op::Rope {
-                x, heads, freqs, ..
+                x,
+                heads,
+                freqs,
+                positions,
+                ..
             },
             _,
         ) => {
@@ -644,7 +666,8 @@ pub(super) fn backward(
                 return Ok(());
             }
             let dx = gr.overwriting(e, x)?;
-            e.launch(rope(g, x, heads, freqs, dout(), dx.buf, true))?;
+            let p = positions.map(|p| e.val(p));
+            e.launch(rope(g, x, heads, freqs, p, [dout(), dx.buf], true))?;
             gr.finish(e, dx)
         }
         (&Op::SwiGlu { gate, up, .. }, _) => {
@@ -673,6 +696,7 @@ pub(super) fn backward(
                 heads: h,
                 kv_heads: kv,
                 mode,
+                documents,
                 ..
             },
             &Saved::Attention { q, k, v, yh, att },
@@ -697,7 +721,15 @@ pub(super) fn backward(
                 e.scratch(act, b * kv * t * d),
                 e.scratch(act, b * kv * t * d),
             );
-            let heads = Heads { b, t, d, h, kv };
+            let docs = documents.map(|x| e.val(x));
+            let heads = Heads {
+                b,
+                t,
+                d,
+                h,
+                kv,
+                docs,
+            };
             attend_backward(e, mode, heads, act, [q, k, v, yh, att, dyh], [dq, dk, dv])?;
             // dq (B, T, H*D), dk and dv (B, T, KV*D) <- head layout; each merge writes
             // every column. A tensor passed twice (k = v) gets its second contribution
@@ -768,17 +800,29 @@ pub(super) fn backward(
     }
 }
 
-/// The rotary-embedding launch of `x` (B, T, C) in `heads` heads, `src` to `dst`.
+/// The rotary-embedding launch of `x` (B, T, C) in `heads` heads, `src` to `dst`: row
+/// (b, t) at position t, or at `positions`' (one per row) when given.
 fn rope(
     g: &super::Graph,
     x: super::Tensor,
     heads: usize,
     freqs: RopeFreqs,
-    src: Buffer,
-    dst: Buffer,
+    positions: Option<Buffer>,
+    [src, dst]: [Buffer; 2],
     inverse: bool,
 ) -> Kernel {
     let s = &g.t(x).shape;
+    if let Some(positions) = positions {
+        return Kernel::RopeAt(RopeAt {
+            x: src,
+            out: dst,
+            positions,
+            cols: s[2],
+            dim: s[2] / heads,
+            freqs,
+            inverse,
+        });
+    }
     Kernel::Rope(Rope {
         x: src,
         out: dst,
@@ -799,9 +843,19 @@ struct Heads {
     d: usize,
     h: usize,
     kv: usize,
+    /// Packed sequences: each (b, t)'s document start (u32).
+    docs: Option<Buffer>,
 }
 
 impl Heads {
+    /// The documents the fused kernels keep apart.
+    fn documents(&self) -> Option<kernels::Documents> {
+        self.docs.map(|starts| kernels::Documents {
+            starts,
+            heads: self.h,
+        })
+    }
+
     fn group(&self) -> usize {
         self.h / self.kv
     }
@@ -830,6 +884,10 @@ fn attend(
 ) -> Result<Buffer> {
     let (t, d, g, bh, bkv) = (s.t, s.d, s.group(), s.b * s.h, s.b * s.kv);
     match mode {
+        Attention::Straightforward if s.docs.is_some() => Err(crate::Error::InvalidArgument(
+            "graph: packed documents need the fused attention (Graph::pack_documents picks it)"
+                .into(),
+        )),
         Attention::Straightforward => {
             // scores (B*KV, G*T, T) = q (B*KV, G*T, D) k^T / sqrt(D), scaled inside the
             // GEMM (in f32) so a large dot product cannot overflow 16-bit scores; the
@@ -871,6 +929,7 @@ fn attend(
                 dim: d,
                 scale: s.scale(),
                 causal: true,
+                documents: s.documents(),
             }))?;
             Ok(lse)
         }
@@ -889,6 +948,10 @@ fn attend_backward(
 ) -> Result<()> {
     let (t, d, g, bh, bkv) = (s.t, s.d, s.group(), s.b * s.h, s.b * s.kv);
     match mode {
+        Attention::Straightforward if s.docs.is_some() => Err(crate::Error::InvalidArgument(
+            "graph: packed documents need the fused attention (Graph::pack_documents picks it)"
+                .into(),
+        )),
         Attention::Straightforward => {
             // Per K/V head j and its query rows (G*T): datt = dyh v^T; dv = att^T dyh
             // (the K = G*T reduction sums the group); dscores = softmax backward (with
@@ -942,6 +1005,7 @@ fn attend_backward(
                 dim: d,
                 scale: s.scale(),
                 causal: true,
+                documents: s.documents(),
             }))
         }
     }

@@ -90,10 +90,32 @@ pub(super) fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
             ..
         } => vec![q, k, v, k_cache, v_cache, positions, out],
         Op::Add { a, b, out } => vec![a, b, out],
-        Op::CausalAttention { qkv, out, .. } => vec![qkv, out],
+        Op::CausalAttention {
+            qkv,
+            out,
+            documents,
+            ..
+        } => {
+            let mut v = vec![qkv];
+            v.extend(documents.as_mut());
+            v.push(out);
+            v
+        }
         Op::RmsNorm { x, weight, out, .. } => vec![x, weight, out],
         Op::SwiGlu { gate, up, out } => vec![gate, up, out],
-        Op::GroupedAttention { q, k, v, out, .. } => vec![q, k, v, out],
+        Op::GroupedAttention {
+            q,
+            k,
+            v,
+            out,
+            documents,
+            ..
+        } => {
+            let mut all = vec![q, k, v];
+            all.extend(documents.as_mut());
+            all.push(out);
+            all
+        }
         Op::CrossEntropy {
             logits,
             targets,

@@ -302,6 +302,7 @@ mod tests {
             dtype: crate::DType::F32,
             optimizer: crate::Optimizer::adamw(1e-3, 0.0),
             seed: 0,
+            packed: false,
         };
         let cfg = gpt::GptConfig {
             n_layer: 1,

@@ -44,6 +44,24 @@ impl MicroBatch {
         ])
     }
 
+    /// A language model's micro-batch of packed rows (for a network built `packed`):
+    /// tokens and targets as [`MicroBatch::tokens`], and each token's document start
+    /// (`starts`, row-major like the tokens: the row index where its document begins,
+    /// in rows of `seq`). The positions in each document follow from the starts.
+    pub fn packed(tokens: &[u32], targets: &[u32], starts: &[u32], seq: usize) -> MicroBatch {
+        let positions = starts
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| ((i % seq.max(1)) as u32).wrapping_sub(s))
+            .collect();
+        MicroBatch(vec![
+            HostData::U32(tokens.to_vec()),
+            HostData::U32(targets.to_vec()),
+            HostData::U32(starts.to_vec()),
+            HostData::U32(positions),
+        ])
+    }
+
     /// A classifier's micro-batch: f32 features (row-major) and class ids.
     pub fn features(x: &[f32], classes: &[u32]) -> MicroBatch {
         MicroBatch(vec![
@@ -55,7 +73,10 @@ impl MicroBatch {
 
 impl From<&data::Batch> for MicroBatch {
     fn from(b: &data::Batch) -> MicroBatch {
-        MicroBatch::tokens(&b.tokens, &b.targets)
+        match &b.documents {
+            Some(starts) => MicroBatch::packed(&b.tokens, &b.targets, starts, b.seq),
+            None => MicroBatch::tokens(&b.tokens, &b.targets),
+        }
     }
 }
 
@@ -289,6 +310,21 @@ impl Network {
     fn upload(&self, dev: &dyn Device, batch: &MicroBatch) -> Result<()> {
         let g = &self.recorded.graph;
         let names = &self.recorded.forward.inputs;
+        let whole;
+        let batch = match g.packed_inputs()?[..] {
+            // A packed network given rows without their documents: each row is one
+            // (evaluation scores held-out examples one per row).
+            [starts, _] if batch.0.len() + 2 == names.len() => {
+                let (_, shape, _) = g.describe(starts);
+                let seq = shape[1];
+                let starts = vec![0u32; shape.iter().product()];
+                let mut inputs = batch.0.clone();
+                inputs.extend(MicroBatch::packed(&[], &[], &starts, seq).0.split_off(2));
+                whole = MicroBatch(inputs);
+                &whole
+            }
+            _ => batch,
+        };
         if batch.0.len() != names.len() {
             let list: Vec<&str> = names.iter().map(|&t| g.describe(t).0).collect();
             return Err(Error::InvalidArgument(format!(
@@ -304,6 +340,7 @@ impl Network {
             data.push(batch_input(g, t, given)?);
         }
         check_ids(g, names, &data)?;
+        check_documents(g, names, &data)?;
         let trained = match self.targets.map(|k| &data[k]) {
             Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
             _ => self.loss_rows,
@@ -747,6 +784,34 @@ pub(crate) fn check_ids(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Resu
             return Err(Error::InvalidArgument(format!(
                 "{what} {id} at position {i} of `{}` is outside the vocabulary of {bound}",
                 g.describe(t).0
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the packing inputs of a micro-batch, which the attention kernels trust:
+/// in each row every token's document starts at or before it, where the token before
+/// it starts (the same document) or at the token itself (a new one), and its position
+/// is its distance from that start.
+pub(crate) fn check_documents(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Result<()> {
+    let packed = g.packed_inputs()?;
+    let [starts, positions] = packed[..] else {
+        return Ok(());
+    };
+    let at = |t: Tensor| inputs.iter().position(|&i| i == t).map(|k| &data[k]);
+    let (Some(HostData::U32(s)), Some(HostData::U32(p))) = (at(starts), at(positions)) else {
+        return Ok(());
+    };
+    let seq = g.describe(starts).1[1].max(1);
+    for (i, (&start, &pos)) in s.iter().zip(p).enumerate() {
+        let (row, t) = (i / seq, (i % seq) as u32);
+        let continues = t > 0 && start == s[i - 1];
+        if start > t || !(continues || start == t) || pos != t - start {
+            return Err(Error::InvalidArgument(format!(
+                "packed micro-batch: row {row}, token {t}: document start {start} and \
+                 position {pos}; a token's document starts where the previous token's does \
+                 or at the token itself, and its position is its distance from that start"
             )));
         }
     }

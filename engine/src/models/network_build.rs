@@ -28,6 +28,13 @@ pub struct NetworkOptions {
     pub optimizer: Optimizer,
     /// Draws the initial weights (in parameter order).
     pub seed: u64,
+    /// Rows pack several documents (training examples end to end): each micro-batch
+    /// also gives every token's document start ([`MicroBatch::packed`]); attention stays
+    /// within a document and positions restart at each (`graph/packing.rs`). A
+    /// micro-batch without them is one document per row.
+    ///
+    /// [`MicroBatch::packed`]: super::MicroBatch::packed
+    pub packed: bool,
 }
 
 /// Tensors in a flat buffer start on multiples of this many elements: a 256-byte
@@ -199,8 +206,15 @@ pub(crate) fn record(
         ));
     }
     let mut g = Graph::new();
+    if options.packed {
+        g.pack_documents()?;
+    }
     let params = declare_params(&mut g, specs, act)?;
-    let forward = model.forward(&mut g, &params, options.batch, act)?;
+    let mut forward = model.forward(&mut g, &params, options.batch, act)?;
+    forward.inputs.extend(
+        g.packed_inputs()
+            .map_err(|e| Error::InvalidArgument(format!("network: {}: {e}", model.describe())))?,
+    );
     g.output(forward.prediction)?;
     let declared = g.inputs();
     let mut listed = forward.inputs.clone();

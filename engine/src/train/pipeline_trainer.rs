@@ -69,6 +69,7 @@ impl PipelineTrainer {
             dtype,
             optimizer: config.optimizer.clone(),
             seed,
+            packed: false,
         };
         let zero = u32::from(config.zero.stage);
         let memory = model_states(model.as_ref(), &options, method, stages, dp, zero)?;

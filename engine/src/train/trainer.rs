@@ -243,6 +243,7 @@ impl Trainer {
             dtype,
             optimizer: config.optimizer.clone(),
             seed,
+            packed: config.packed_rows,
         };
         // The whole group at once, before the first replica: devices that share the
         // host's memory (CPU adapters) add up, and a model that cannot fit is refused

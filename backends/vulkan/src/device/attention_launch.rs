@@ -96,7 +96,8 @@ impl VkDevice {
                 continue;
             }
             let mut infos = vec![];
-            for id in l.typed.iter().map(|b| b.id).chain(l.f32s.iter().copied()) {
+            let ids = l.typed.iter().map(|b| b.id).chain(l.f32s.iter().copied());
+            for id in ids.chain([l.starts]) {
                 infos.push(self.buffer_info(s, id)?);
             }
             let writes = buffer_writes(&infos, None);
@@ -112,18 +113,32 @@ impl VkDevice {
 
 /// What the primer needs to run an attention kernel like `kernel` (see `primer.rs`).
 fn attention_recipe(kernel: &Kernel, plan: AttentionPlan) -> AttentionRecipe {
-    let (backward, group, dim, causal) = match *kernel {
+    let (backward, group, dim, causal, documents) = match *kernel {
         Kernel::Attention(kernels::Attention {
-            group, dim, causal, ..
-        }) => (false, group, dim, causal),
+            group,
+            dim,
+            causal,
+            documents,
+            ..
+        }) => (false, group, dim, causal, documents),
         Kernel::AttentionBackward(AttentionBackward {
-            group, dim, causal, ..
-        }) => (true, group, dim, causal),
-        _ => (false, 1, 1, false),
+            group,
+            dim,
+            causal,
+            documents,
+            ..
+        }) => (true, group, dim, causal, documents),
+        _ => (false, 1, 1, false, None),
     };
+    // The passes are the same pipelines with documents or without (their starts are
+    // a launch parameter and one more binding): the primer runs them without.
+    let mut dtypes: Vec<DType> = kernel.buffers().iter().map(|b| b.dtype).collect();
+    if documents.is_some() {
+        dtypes.pop();
+    }
     AttentionRecipe {
         backward,
-        dtypes: kernel.buffers().iter().map(|b| b.dtype).collect(),
+        dtypes,
         group: group.max(1),
         dim,
         causal,

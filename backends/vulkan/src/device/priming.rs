@@ -68,6 +68,7 @@ impl VkDevice {
                     dim,
                     scale,
                     causal,
+                    documents: None,
                 })
             } else {
                 Kernel::Attention(kernels::Attention {
@@ -82,6 +83,7 @@ impl VkDevice {
                     dim,
                     scale,
                     causal,
+                    documents: None,
                 })
             };
             // With the training device's plan, so that the driver sees its pipelines.

@@ -18,7 +18,8 @@ pub const ATTENTION_MAX_DIM: usize = 128;
 /// query row `i` sees keys `j <= i`. Saves `lse` (f32, one per `(head, row)`): the
 /// natural log of the row's softmax denominator, including the max, which
 /// [`Kernel::AttentionBackward`](crate::Kernel::AttentionBackward) recomputes the probabilities from. `dim` is
-/// 1..=128, and even when `out` is 16-bit.
+/// 1..=128, and even when `out` is 16-bit. With `documents` (packed sequences), row
+/// `i` sees only the keys of its own document.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {
     pub q: Buffer,
@@ -33,6 +34,66 @@ pub struct Attention {
     pub dim: usize,
     pub scale: f32,
     pub causal: bool,
+    /// The documents packed into each sequence; `None`: one per sequence.
+    pub documents: Option<Documents>,
+}
+
+/// The documents packed into the sequences of an attention kernel (packed training
+/// examples): `starts` holds, for each `(sequence, row)`, the first row of the row's
+/// document (u32, `(batch_heads / heads, seq)`), and each sequence has `heads` query
+/// heads (heads ordered (sequence, head)). Causal query row `i` then sees the keys
+/// `starts[i] <= j <= i`: no row attends across a document boundary, and no
+/// `seq x seq` mask exists. The kernels trust what the data layer writes: within a
+/// sequence the starts never decrease, and `starts[i] <= i` (a row starts its own
+/// document or continues the one before it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Documents {
+    pub starts: Buffer,
+    pub heads: usize,
+}
+
+impl Documents {
+    /// The documents' operand, when there are any.
+    fn operand(documents: &mut Option<Documents>) -> Vec<Operand<'_>> {
+        documents
+            .iter_mut()
+            .map(|d| Operand::read(&mut d.starts))
+            .collect()
+    }
+
+    /// Checks of `documents` against the kernel's geometry: u32 starts, one per
+    /// (sequence, row); the query heads of a sequence a whole number of K/V groups;
+    /// causal attention (a document's rows see no later rows anyway, and the kernels
+    /// bound only the start of a row's keys).
+    fn check(
+        kernel: &str,
+        documents: &Option<Documents>,
+        (batch_heads, group, seq, causal): (usize, usize, usize, bool),
+    ) -> Result<()> {
+        let Some(Documents { starts, heads }) = documents else {
+            return Ok(());
+        };
+        if !causal {
+            return Err(Error::InvalidArgument(format!(
+                "{kernel}: documents need causal attention; packing is for causal language \
+                 models (pad the sequences of a bidirectional model instead)"
+            )));
+        }
+        if *heads == 0 || !batch_heads.is_multiple_of(*heads) || !heads.is_multiple_of(group) {
+            return Err(Error::InvalidArgument(format!(
+                "{kernel}: documents for {heads} query heads per sequence, but batch_heads is \
+                 {batch_heads} and group {group}; heads must divide batch_heads and be a \
+                 multiple of group"
+            )));
+        }
+        same_dtype(kernel, "documents.starts", starts, DType::U32)?;
+        same_len(
+            kernel,
+            "documents.starts",
+            starts,
+            batch_heads / heads * seq,
+        )
+    }
 }
 
 impl KernelSpec for Attention {
@@ -48,6 +109,9 @@ impl KernelSpec for Attention {
             Operand::write(&mut self.out),
             Operand::write(&mut self.lse),
         ]
+        .into_iter()
+        .chain(Documents::operand(&mut self.documents))
+        .collect()
     }
 
     fn check(&self) -> Result<()> {
@@ -63,8 +127,10 @@ impl KernelSpec for Attention {
             seq,
             dim,
             scale,
-            ..
+            causal,
+            documents,
         } = self;
+        Documents::check(k, documents, (*batch_heads, *group, *seq, *causal))?;
         attention_args(
             k,
             &[("q", q, Q), ("k", key, KV), ("v", v, KV)],
@@ -113,6 +179,8 @@ pub struct AttentionBackward {
     pub dim: usize,
     pub scale: f32,
     pub causal: bool,
+    /// As in [`Kernel::Attention`](crate::Kernel::Attention).
+    pub documents: Option<Documents>,
 }
 
 impl KernelSpec for AttentionBackward {
@@ -132,6 +200,9 @@ impl KernelSpec for AttentionBackward {
             Operand::write(&mut self.dk),
             Operand::write(&mut self.dv),
         ]
+        .into_iter()
+        .chain(Documents::operand(&mut self.documents))
+        .collect()
     }
 
     fn check(&self) -> Result<()> {
@@ -151,8 +222,10 @@ impl KernelSpec for AttentionBackward {
             seq,
             dim,
             scale,
-            ..
+            causal,
+            documents,
         } = self;
+        Documents::check(k, documents, (*batch_heads, *group, *seq, *causal))?;
         attention_args(
             k,
             &[

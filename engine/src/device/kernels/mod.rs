@@ -24,7 +24,7 @@ mod reduce;
 mod rotary;
 mod softmax;
 
-pub use attention::{Attention, AttentionBackward, ATTENTION_MAX_DIM};
+pub use attention::{Attention, AttentionBackward, Documents, ATTENTION_MAX_DIM};
 pub use cache::{CacheLayout, CacheWrite, CachedAttention};
 pub use dropout::{
     dropout_hash, dropout_scale, dropout_seed, dropout_threshold, Dropout, DropoutBackward,

@@ -90,8 +90,10 @@ impl KernelSpec for Rope {
 
 /// [`Kernel::Rope`](crate::Kernel::Rope) (forward) with each row's position read from the device: row `r`
 /// of `x` (rows of `cols` = heads x `dim`) turns by its angles at position
-/// `positions[r]`, so one recorded launch serves every generation step. Same angle
-/// computation and accuracy as [`Kernel::Rope`](crate::Kernel::Rope).
+/// `positions[r]`, so one recorded launch serves every generation step, and packed
+/// documents restart their positions. Same angle computation and accuracy as
+/// [`Kernel::Rope`](crate::Kernel::Rope); `inverse` turns by minus the angles (the
+/// backward pass).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeAt {
     pub x: Buffer,
@@ -101,6 +103,7 @@ pub struct RopeAt {
     pub cols: usize,
     pub dim: usize,
     pub freqs: RopeFreqs,
+    pub inverse: bool,
 }
 
 impl KernelSpec for RopeAt {
@@ -125,6 +128,7 @@ impl KernelSpec for RopeAt {
             cols,
             dim,
             freqs,
+            ..
         } = self;
         if *dim == 0 || !dim.is_multiple_of(2) || *cols == 0 || !cols.is_multiple_of(*dim) {
             return Err(Error::InvalidArgument(format!(
