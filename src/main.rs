@@ -61,7 +61,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Devices { json } => devices(json),
-        Command::Train(args) => train(args),
+        Command::Train(args) => train(*args),
         Command::Sample(a) => {
             kiln::sample::sample(&kiln::sample::SampleOptions {
                 source: a.source,

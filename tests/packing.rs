@@ -284,8 +284,8 @@ fn kiln_train_packs_an_example_file_unless_told_not_to() {
         r#"{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
     )
     .unwrap();
-    let (cfg, model, data) = (p("ds.json"), p("model.json"), p("ex.bin"));
-    let train = |out: &str, extra: &[&str]| {
+    let (cfg, model) = (p("ds.json"), p("model.json"));
+    let train_on = |data: &str, out: &str, extra: &[&str]| {
         let mut args = vec![
             "train",
             "--config",
@@ -306,17 +306,20 @@ fn kiln_train_packs_an_example_file_unless_told_not_to() {
         args.extend(extra);
         kiln(&args)
     };
+    let data = p("ex.bin");
+    let train = |out: &str, extra: &[&str]| train_on(&data, out, extra);
     let (ok, err) = train("packed", &[]);
     assert!(ok, "{err}");
     assert!(
         err.contains("packed into") && err.contains("% padding"),
         "{err}"
     );
-    let eval_loss = |run: &str| -> f64 {
+    let summary = |run: &str, key: &str| -> f64 {
         let s = std::fs::read_to_string(dir.join(run).join("summary.json")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&s).unwrap();
-        v["final_eval_loss"].as_f64().unwrap()
+        v[key].as_f64().unwrap()
     };
+    let eval_loss = |run: &str| summary(run, "final_eval_loss");
     assert!(eval_loss("packed").is_finite());
     let (ok, err) = train("padded", &["--no-packing"]);
     assert!(ok, "{err}");
@@ -326,4 +329,47 @@ fn kiln_train_packs_an_example_file_unless_told_not_to() {
     let (ok, err) = train("pipe", &["--devices", "cpu", "--pipeline-stages", "2"]);
     assert!(!ok);
     assert!(err.contains("--no-packing"), "{err}");
+
+    // The dataset itself as --data: prepared into the run directory with the tokenizer
+    // given, then trained as the file `kiln prepare` made (the same loss to the bit).
+    let rows = p("rows.jsonl");
+    let (ok, err) = train_on(&rows, "direct", &["--tokenizer", "bytes"]);
+    assert!(ok, "{err}");
+    assert!(dir.join("direct/data/examples.bin").is_file());
+    for key in ["final_loss", "final_eval_loss"] {
+        assert_eq!(summary("direct", key), summary("packed", key), "{key}");
+    }
+    // A resume takes the examples prepared when the run started.
+    let direct = p("direct");
+    let (ok, err) = kiln(&[
+        "train",
+        "--config",
+        &cfg,
+        "--model",
+        &model,
+        "--data",
+        &rows,
+        "--devices",
+        "cpu",
+        "--steps",
+        "3",
+        "--out",
+        &direct,
+        "--resume",
+    ]);
+    assert!(ok, "{err}");
+    assert!(err.contains("prepared from"), "{err}");
+    // Without a tokenizer: refused, naming the flag, leaving no run directory.
+    let (ok, err) = train_on(&rows, "untokenized", &[]);
+    assert!(!ok);
+    assert!(err.contains("--tokenizer"), "{err}");
+    assert!(!dir.join("untokenized").exists());
+    // A run that fails to start after preparing leaves nothing behind either.
+    let (ok, err) = train_on(
+        &rows,
+        "no-device",
+        &["--tokenizer", "bytes", "--devices", "vk:9"],
+    );
+    assert!(!ok);
+    assert!(!dir.join("no-device").exists(), "{err}");
 }

@@ -24,7 +24,7 @@ pub(crate) enum Command {
         json: bool,
     },
     /// Train a GPT from a DeepSpeed config (no arguments: the built-in addition demo).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Continue a prompt with a trained model, streaming the text to stdout.
     Sample(SampleArgs),
     /// Loss and perplexity of a trained model on held-out data or a token file.
@@ -194,6 +194,14 @@ pub(crate) struct TrainArgs {
     /// [default: the config's pipeline.partition, else parameters].
     #[arg(long)]
     pub(crate) partition: Option<String>,
+    /// For --data given as a dataset of rows (.jsonl, .json, .parquet, a directory,
+    /// .csv, .tsv): the tokenizer to prepare it with, as `kiln prepare --tokenizer` takes
+    /// it [default: the --init-from directory's tokenizer.json]. The examples go into the
+    /// run directory (data/examples.bin), which a --resume reuses.
+    #[arg(long)]
+    pub(crate) tokenizer: Option<String>,
+    #[command(flatten)]
+    pub(crate) rows: RowArgs,
 }
 
 #[derive(clap::Args)]
@@ -543,6 +551,15 @@ pub(crate) struct PrepareArgs {
     /// SmolLM2, Qwen2.5, ...).
     #[arg(long, default_value = "gpt2")]
     pub(crate) tokenizer: String,
+    #[command(flatten)]
+    pub(crate) rows: RowArgs,
+}
+
+/// How a dataset of rows becomes examples (`kiln prepare`, and `kiln train --data` given
+/// such a dataset, which prepares it into the run directory).
+#[derive(clap::Args)]
+#[command(next_help_heading = "Datasets of rows")]
+pub(crate) struct RowArgs {
     /// A Jinja chat template for conversations, instead of the tokenizer directory's.
     #[arg(long)]
     pub(crate) chat_template: Option<PathBuf>,

@@ -10,11 +10,11 @@ use kiln::engine::data::examples::{prepare_examples, ExampleOptions};
 use kiln::engine::data::records::Columns;
 use kiln::engine::data::{TokenDtype, Tokenizer};
 
-use super::args::PrepareArgs;
+use super::args::{PrepareArgs, RowArgs};
 
 /// Whether `path` is a dataset of rows (JSON Lines, a JSON array, Parquet or a
 /// directory of Parquet shards, CSV, TSV) rather than text.
-fn is_rows(path: &Path) -> bool {
+pub(crate) fn is_rows(path: &Path) -> bool {
     path.is_dir()
         || matches!(
             path.extension().and_then(|e| e.to_str()),
@@ -22,23 +22,33 @@ fn is_rows(path: &Path) -> bool {
         )
 }
 
+impl RowArgs {
+    /// The first flag given that only a dataset of rows takes.
+    pub(crate) fn first_given(&self) -> Option<&'static str> {
+        let given = [
+            ("--chat-template", self.chat_template.is_some()),
+            ("--date", self.date.is_some()),
+            ("--max-length", self.max_length.is_some()),
+            ("--train-on-inputs", self.train_on_inputs),
+            ("--split", self.split.is_some()),
+            ("--truncation", self.truncation != "keep_start"),
+            ("--text-column", self.text_column != "text"),
+            ("--prompt-column", self.prompt_column != "prompt"),
+            (
+                "--completion-column",
+                self.completion_column != "completion",
+            ),
+            ("--messages-column", self.messages_column != "messages"),
+        ];
+        given.iter().find(|f| f.1).map(|f| f.0)
+    }
+}
+
 pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
     let tok = Tokenizer::open(&a.tokenizer)?;
     let (name, vocab) = (tok.name(), tok.vocab_size());
     if !is_rows(&a.input) {
-        let row_flags = [
-            ("--chat-template", a.chat_template.is_some()),
-            ("--date", a.date.is_some()),
-            ("--max-length", a.max_length.is_some()),
-            ("--train-on-inputs", a.train_on_inputs),
-            ("--split", a.split.is_some()),
-            ("--truncation", a.truncation != "keep_start"),
-            ("--text-column", a.text_column != "text"),
-            ("--prompt-column", a.prompt_column != "prompt"),
-            ("--completion-column", a.completion_column != "completion"),
-            ("--messages-column", a.messages_column != "messages"),
-        ];
-        if let Some((flag, _)) = row_flags.iter().find(|f| f.1) {
+        if let Some(flag) = a.rows.first_given() {
             bail!(
                 "{flag} is for datasets of rows (.jsonl, .json holding an array, .parquet, a \
                  directory of Parquet shards, .csv or .tsv), and {} is read as text",
@@ -54,12 +64,26 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         );
         return Ok(());
     }
+    let summary = prepare_rows(&a.input, &a.output, &tok, a.rows)?;
+    outln!("{summary}");
+    Ok(())
+}
+
+/// Prepares the dataset of rows `input` into the example file `output`, showing
+/// progress and the detected format on stderr; returns the line that sums it up.
+pub(crate) fn prepare_rows(
+    input: &Path,
+    output: &Path,
+    tok: &Tokenizer,
+    a: RowArgs,
+) -> Result<String> {
+    let (name, vocab) = (tok.name(), tok.vocab_size());
     // One date for every row, recorded in the sidecar.
     let date = Some(match a.date.as_deref() {
         Some(d) => parse_date(d)?,
         None => std::time::SystemTime::now(),
     });
-    let (chat, dir) = match &tok {
+    let (chat, dir) = match tok {
         Tokenizer::Hf(t) => (
             t.chat.clone(),
             t.file.parent().unwrap_or(Path::new(".")).to_path_buf(),
@@ -100,7 +124,7 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
             .expect("a fixed template"),
     );
     let mut shown = std::time::Instant::now();
-    let set = prepare_examples(&a.input, &a.output, &tok, &o, &mut |s| {
+    let set = prepare_examples(input, output, tok, &o, &mut |s| {
         if shown.elapsed().as_millis() >= 100 {
             shown = std::time::Instant::now();
             bar.set_message(format!(
@@ -119,7 +143,7 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         .collect();
     errln!(
         "{}: {} ({}){}",
-        a.input.display(),
+        input.display(),
         set.format,
         columns.join(", "),
         set.span_method
@@ -127,9 +151,9 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
             .map(|m| format!("; the assistant's text found by {m}"))
             .unwrap_or_default()
     );
-    outln!(
+    Ok(format!(
         "{}: {} examples ({name}, vocab {vocab}), {} tokens trained{}{}",
-        a.output.display(),
+        output.display(),
         set.examples,
         set.trained_tokens,
         if set.truncated > 0 {
@@ -146,6 +170,5 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         } else {
             String::new()
         }
-    );
-    Ok(())
+    ))
 }

@@ -2,12 +2,117 @@
 //! SIGHUP stopping the run after a checkpoint) and `kiln eval`: a model trained, and a
 //! trained model scored.
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 
-use super::args::{EvalArgs, TrainArgs};
+use super::args::{EvalArgs, RowArgs, TrainArgs};
+use super::prepare::{is_rows, prepare_rows};
+
+/// Where `kiln train --data ROWS` puts the examples it prepares, in the run directory.
+const PREPARED: &str = "data/examples.bin";
+
+/// Whether `--data path` is a dataset of rows to prepare: a file `kiln prepare` reads as
+/// rows, or a directory holding Parquet shards (any other directory is refused as data,
+/// saying so).
+fn is_dataset(path: &Path) -> bool {
+    fn holds_parquet(dir: &Path) -> bool {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                let p = e.path();
+                if p.is_dir() {
+                    holds_parquet(&p)
+                } else {
+                    p.extension()
+                        .is_some_and(|x| x.eq_ignore_ascii_case("parquet"))
+                }
+            })
+    }
+    if path.is_dir() {
+        holds_parquet(path)
+    } else {
+        is_rows(path)
+    }
+}
+
+/// Whether `dir` holds a run (its config.json).
+fn has_run(dir: &Path) -> bool {
+    dir.join(kiln::engine::train::runs::CONFIG_FILE).exists()
+}
+
+/// Prepares the dataset of rows `data` into the run directory `dir` (as `kiln prepare`
+/// would), or finds the examples a resumed run was started with there. Returns the
+/// example file and whether this call created `dir`.
+fn prepare_into_run(
+    data: &Path,
+    dir: &Path,
+    tokenizer: Option<&str>,
+    init_from: Option<&Path>,
+    rows: RowArgs,
+    resume: bool,
+) -> Result<(PathBuf, bool)> {
+    let file = dir.join(PREPARED);
+    if kiln::engine::parallel::collective::launched_by_mpirun() {
+        anyhow::bail!(
+            "--data {}: every process of an mpirun job would prepare the dataset into the \
+             same run directory. Prepare it once with `kiln prepare {} examples.bin \
+             --tokenizer ...` and pass --data examples.bin",
+            data.display(),
+            data.display()
+        );
+    }
+    kiln::train::check_input_survives(dir, "--data", data)?;
+    kiln::train::check_run_dir(dir, resume)?;
+    if resume {
+        if !file.exists() {
+            anyhow::bail!(
+                "--resume --data {}: the run in {} was not started from a dataset of rows (it \
+                 has no {PREPARED}); resume it with the --data it was started with",
+                data.display(),
+                dir.display()
+            );
+        }
+        errln!(
+            "{}: the examples prepared from {} when the run started",
+            file.display(),
+            data.display()
+        );
+        return Ok((file, false));
+    }
+    let tokenizer = match (tokenizer, init_from) {
+        (Some(t), _) => t.to_string(),
+        (None, Some(m)) if m.join("tokenizer.json").is_file() => m.display().to_string(),
+        _ => anyhow::bail!(
+            "--data {} is a dataset of rows, which is tokenized before training: pass \
+             --tokenizer (a Hugging Face model directory or its tokenizer.json, gpt2 or bytes; \
+             the model's own for --init-from), or prepare it first with `kiln prepare`",
+            data.display()
+        ),
+    };
+    let tok = kiln::engine::data::Tokenizer::open(&tokenizer)?;
+    let created = !dir.exists();
+    let parent = file.parent().expect("a file in the run directory");
+    let result = std::fs::create_dir_all(parent)
+        .with_context(|| format!("creating {}", parent.display()))
+        .and_then(|()| prepare_rows(data, &file, &tok, rows));
+    match result {
+        Ok(summary) => {
+            errln!("{summary}");
+            Ok((file, created))
+        }
+        Err(e) => {
+            if created {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Err(e)
+        }
+    }
+}
 
 pub(crate) fn train(a: TrainArgs) -> Result<()> {
     #[cfg(feature = "mpi")]
@@ -70,12 +175,49 @@ fn train_with(
         );
     })
     .context("installing the Ctrl-C/SIGTERM/SIGHUP handler")?;
+    let mut out = a.out;
+    let prepared = match a.data {
+        Some(d) if is_dataset(&d) => {
+            let tokenizer = a.tokenizer.as_deref();
+            let dir = out.get_or_insert_with(kiln::train::default_run_dir);
+            Some(prepare_into_run(
+                &d,
+                dir,
+                tokenizer,
+                a.init_from.as_deref(),
+                a.rows,
+                a.resume,
+            )?)
+        }
+        d => {
+            let what = d
+                .as_ref()
+                .map_or("the built-in addition task".to_string(), |d| {
+                    format!("{}, which is not a dataset of rows", d.display())
+                });
+            if a.tokenizer.is_some() {
+                anyhow::bail!(
+                    "--tokenizer is for a --data dataset of rows (.jsonl, .json, .parquet, a \
+                     directory of Parquet shards, .csv, .tsv), and the data is {what}: a file \
+                     from `kiln prepare` names its tokenizer in its sidecar"
+                );
+            }
+            if let Some(flag) = a.rows.first_given() {
+                anyhow::bail!(
+                    "{flag} is for a --data dataset of rows (.jsonl, .json, .parquet, a \
+                     directory of Parquet shards, .csv, .tsv), and the data is {what}"
+                );
+            }
+            d.map(|d| (d, false))
+        }
+    };
+    let created = prepared.as_ref().is_some_and(|p| p.1);
     let opts = kiln::train::TrainOptions {
         config: a.config,
         model: a.model,
-        data: a.data,
+        data: prepared.map(|p| p.0),
         devices: a.devices,
-        out: a.out,
+        out,
         steps: a.steps,
         eval_every: a.eval_every,
         packing: a.no_packing.then_some(false),
@@ -93,7 +235,17 @@ fn train_with(
         pipeline_stages: a.pipeline_stages,
         partition: a.partition,
     };
-    let r = kiln::train::train(&opts)?;
+    let r = match kiln::train::train(&opts) {
+        Ok(r) => r,
+        Err(e) => {
+            // A run that did not start leaves no directory behind, the examples prepared
+            // for it included.
+            if let Some(dir) = opts.out.as_deref().filter(|d| created && !has_run(d)) {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            return Err(e);
+        }
+    };
     if !writer {
         return Ok(if r.interrupted { 130 } else { 0 });
     }

@@ -23,7 +23,8 @@ mod step_loop;
 
 pub(crate) use data::{addition_eval, evaluate, held_out, Dataset};
 pub use options::{RunReport, TrainOptions, DEMO_DS_CONFIG, DEMO_MODEL};
-pub use resolve::{configured_stages, read_json_input};
+pub use resolve::{configured_stages, default_run_dir, read_json_input};
+pub use run_dir::{check_input_survives, check_run_dir};
 pub use step_loop::bubble_warning;
 
 use anyhow::Result;

@@ -63,6 +63,14 @@ pub(super) struct Resolved {
 
 /// Reads and checks every setting, in the order a mistake is best reported in; opens
 /// no device and writes nothing (a resumed run's directory is locked).
+/// Where a run goes without `--out`: `runs/<UTC date and time>`.
+pub fn default_run_dir() -> PathBuf {
+    let stamp = runs::format_utc(std::time::SystemTime::now())
+        .replace([':', ' '], "-")
+        .replace("-UTC", "");
+    PathBuf::from("runs").join(stamp)
+}
+
 pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
     let started = Instant::now();
     // In a multi-process job, process 0 writes the run and speaks for the job.
@@ -127,15 +135,7 @@ pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
     }
 
     // The run directory: checked here, written only once everything below is valid.
-    let mut dir = match &opts.out {
-        Some(d) => d.clone(),
-        None => {
-            let stamp = runs::format_utc(std::time::SystemTime::now())
-                .replace([':', ' '], "-")
-                .replace("-UTC", "");
-            PathBuf::from("runs").join(stamp)
-        }
-    };
+    let mut dir = opts.out.clone().unwrap_or_else(default_run_dir);
     if let Some(p) = &procs {
         // Process 0's (their clocks may name different seconds).
         let named = p.comm.all_gather(dir.to_string_lossy().as_bytes())?;

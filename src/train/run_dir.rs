@@ -18,6 +18,21 @@ use crate::say::say;
 /// `runs/x/metrics.jsonl`, say (truncated while it is memory-mapped), or a file under
 /// `checkpoints/`, which old checkpoints are pruned from.
 pub(super) fn check_inputs_survive(dir: &Path, opts: &TrainOptions) -> Result<()> {
+    let inputs = [
+        ("--data", &opts.data),
+        ("--config", &opts.config),
+        ("--model", &opts.model),
+    ];
+    for (flag, path) in inputs {
+        if let Some(path) = path {
+            check_input_survives(dir, flag, path)?;
+        }
+    }
+    Ok(())
+}
+
+/// Refuses an input (`flag path`) that a run in `dir` would overwrite or prune.
+pub fn check_input_survives(dir: &Path, flag: &str, path: &Path) -> Result<()> {
     let written = [
         runs::CONFIG_FILE,
         runs::METRICS_FILE,
@@ -26,36 +41,28 @@ pub(super) fn check_inputs_survive(dir: &Path, opts: &TrainOptions) -> Result<()
     ]
     .map(|f| dir.join(f));
     let checkpoints = dir.join(checkpoint::CHECKPOINTS_DIR).canonicalize().ok();
-    let inputs = [
-        ("--data", &opts.data),
-        ("--config", &opts.config),
-        ("--model", &opts.model),
-    ];
-    for (flag, path) in inputs {
-        let Some(path) = path else { continue };
-        let Ok(meta) = std::fs::metadata(path) else {
-            continue;
-        };
-        let clash = written
-            .iter()
-            .find(|w| same_file(&meta, w))
-            .map(|w| format!("it is the run's own {}, which training writes", w.display()))
-            .or_else(|| {
-                let inside = path
-                    .canonicalize()
-                    .ok()
-                    .zip(checkpoints.as_ref())
-                    .is_some_and(|(p, c)| p.starts_with(c));
-                inside.then(|| "it lies in the run's checkpoints, which are pruned".to_string())
-            });
-        if let Some(why) = clash {
-            bail!(
-                "{flag} {}: {why}. The run directory {} holds the run's config, metrics, \
-                 summary, chart and checkpoints: move the input out of it, or pick another --out",
-                path.display(),
-                dir.display()
-            );
-        }
+    let Ok(meta) = std::fs::metadata(path) else {
+        return Ok(());
+    };
+    let clash = written
+        .iter()
+        .find(|w| same_file(&meta, w))
+        .map(|w| format!("it is the run's own {}, which training writes", w.display()))
+        .or_else(|| {
+            let inside = path
+                .canonicalize()
+                .ok()
+                .zip(checkpoints.as_ref())
+                .is_some_and(|(p, c)| p.starts_with(c));
+            inside.then(|| "it lies in the run's checkpoints, which are pruned".to_string())
+        });
+    if let Some(why) = clash {
+        bail!(
+            "{flag} {}: {why}. The run directory {} holds the run's config, metrics, \
+             summary, chart and checkpoints: move the input out of it, or pick another --out",
+            path.display(),
+            dir.display()
+        );
     }
     Ok(())
 }
@@ -135,7 +142,7 @@ fn tidy_floats(v: &mut Value) {
 
 /// Checks, before anything is opened or written, that `dir` can take a new run or
 /// holds one to resume.
-pub(super) fn check_run_dir(dir: &Path, resume: bool) -> Result<()> {
+pub fn check_run_dir(dir: &Path, resume: bool) -> Result<()> {
     let has_run = dir.join(runs::CONFIG_FILE).exists();
     if !resume && has_run {
         if checkpoint::list(dir).map(|l| l.is_empty()).unwrap_or(false) {
