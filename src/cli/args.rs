@@ -540,8 +540,9 @@ pub(crate) struct MatmulArgs {
 pub(crate) struct PrepareArgs {
     /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers), or a dataset of
     /// rows: JSON Lines (`.jsonl`), a JSON array (`.json`), Parquet (`.parquet`, or a
-    /// directory of shards), CSV or TSV, with `text`, `prompt`/`completion`, `messages`
-    /// or ShareGPT `conversations` columns.
+    /// directory of shards), the directory `datasets.save_to_disk` writes (or an
+    /// `.arrow` file), CSV or TSV, with `text`, `prompt`/`completion`, `messages` or
+    /// ShareGPT `conversations` columns.
     pub(crate) input: PathBuf,
     /// The token file to write; its name must end in `.bin` (`kiln train` reads any
     /// other file as text), and it must not be the input.
@@ -588,8 +589,8 @@ pub(crate) struct RowArgs {
     /// Train on every token, prompts and user turns too.
     #[arg(long)]
     pub(crate) train_on_inputs: bool,
-    /// In a directory of Parquet shards (`<split>-NNNNN-of-NNNNN.parquet`), the split to
-    /// read, e.g. train.
+    /// In a directory of Parquet shards (`<split>-NNNNN-of-NNNNN.parquet`) or a saved
+    /// DatasetDict, the split to read, e.g. train.
     #[arg(long)]
     pub(crate) split: Option<String>,
 }

@@ -18,7 +18,7 @@ pub(crate) fn is_rows(path: &Path) -> bool {
     path.is_dir()
         || matches!(
             path.extension().and_then(|e| e.to_str()),
-            Some("jsonl" | "json" | "parquet" | "csv" | "tsv")
+            Some("jsonl" | "json" | "parquet" | "arrow" | "csv" | "tsv")
         )
 }
 

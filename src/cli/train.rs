@@ -15,8 +15,8 @@ use super::prepare::{is_rows, prepare_rows};
 const PREPARED: &str = "data/examples.bin";
 
 /// Whether `--data path` is a dataset of rows to prepare: a file `kiln prepare` reads as
-/// rows, or a directory holding Parquet shards (any other directory is refused as data,
-/// saying so).
+/// rows, a directory `datasets.save_to_disk` wrote, or one holding Parquet shards (any
+/// other directory is refused as data, saying so).
 fn is_dataset(path: &Path) -> bool {
     fn holds_parquet(dir: &Path) -> bool {
         std::fs::read_dir(dir)
@@ -34,7 +34,9 @@ fn is_dataset(path: &Path) -> bool {
             })
     }
     if path.is_dir() {
-        holds_parquet(path)
+        // `datasets.save_to_disk`'s directory (a dataset's or a DatasetDict's).
+        let saved = ["state.json", "dataset_dict.json"];
+        saved.iter().any(|f| path.join(f).is_file()) || holds_parquet(path)
     } else {
         is_rows(path)
     }

@@ -67,7 +67,7 @@ pub struct ExampleOptions {
     pub truncation: Truncation,
     /// Train on every token, not only the completion's or the assistant's.
     pub train_on_inputs: bool,
-    /// A directory of Parquet shards: the split to read (`train`).
+    /// A directory of Parquet shards or a saved DatasetDict: the split to read (`train`).
     pub split: Option<String>,
 }
 
@@ -208,33 +208,47 @@ fn template<'a>(o: &'a ExampleOptions, place: &RowPlace<'_>) -> Result<&'a ChatT
     })
 }
 
-/// Calls `each` with every row of `input`: Parquet (a `.parquet` file, or a directory
-/// of shards, of `split` where given) holding the columns of `c` and `tools`, CSV or TSV, else JSON Lines or a
-/// JSON array.
+/// Calls `each` with every row of `input`: the Arrow files of `datasets.save_to_disk`
+/// (its directory, or a `.arrow` file) or Parquet (a `.parquet` file, or a directory of
+/// shards), of `split` where given, holding the columns of `c` and `tools`; CSV or TSV;
+/// else JSON Lines or a JSON array.
 pub fn read_dataset(
     input: &Path,
     split: Option<&str>,
     c: &Columns,
     each: impl FnMut(&RowPlace<'_>, serde_json::Map<String, Value>) -> Result<()>,
 ) -> Result<()> {
+    let wanted = [
+        c.text.as_str(),
+        &c.prompt,
+        &c.completion,
+        &c.messages,
+        "conversations",
+        "tools",
+    ];
+    #[cfg(feature = "arrow")]
+    if super::arrow_rows::is_arrow(input) {
+        return super::arrow_rows::read_arrow_rows(input, split, &wanted, each);
+    }
+    #[cfg(not(feature = "arrow"))]
+    if input.extension().is_some_and(|e| e == "arrow") || input.join("state.json").is_file() {
+        return Err(DataError::format(
+            input,
+            "this build of kiln-engine reads no Arrow; build it with the `arrow` feature (on \
+             by default), or convert the dataset to JSON Lines",
+        ));
+    }
     #[cfg(feature = "parquet")]
     if super::parquet_rows::is_parquet(input) {
-        let wanted = [
-            c.text.as_str(),
-            &c.prompt,
-            &c.completion,
-            &c.messages,
-            "conversations",
-            "tools",
-        ];
         return super::parquet_rows::read_parquet_rows(input, split, &wanted, each);
     }
     #[cfg(not(feature = "parquet"))]
     if input.is_dir() || input.extension().is_some_and(|e| e == "parquet") {
-        let _ = (c, split);
+        let _ = (wanted, split);
         return Err(DataError::format(
             input,
-            "this build of kiln-engine reads no Parquet; build it with the `parquet` feature              (on by default), or convert the dataset to JSON Lines",
+            "this build of kiln-engine reads no Parquet; build it with the `parquet` feature (on by \
+             default), or convert the dataset to JSON Lines",
         ));
     }
     match input.extension().and_then(|e| e.to_str()) {

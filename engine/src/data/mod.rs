@@ -29,6 +29,8 @@
 //! any step runs), and again per batch as the batch is built ([`Sampler::read_rows`]).
 
 pub mod addition;
+#[cfg(feature = "arrow")]
+pub mod arrow_rows;
 #[cfg(feature = "tokenizers")]
 pub mod chat_template;
 pub mod clusters;
