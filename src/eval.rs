@@ -31,6 +31,10 @@ pub struct EvalOptions {
     /// Positions per scored row; `None`: the model's block_size (at most
     /// [`IMPORT_CONTEXT`](crate::sample::IMPORT_CONTEXT) for an imported Llama).
     pub seq: Option<usize>,
+    /// Score an example file's examples packed several to a row, as training packs
+    /// them (each attending only to itself: the same loss, fewer rows), instead of
+    /// one per row.
+    pub packed: bool,
     /// Draw a progress bar on stderr.
     pub progress: bool,
 }
@@ -82,10 +86,10 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
             .map_or(IMPORT_MICRO_BATCH, |b| b as usize),
     };
     // The data first: a missing file is reported before any device compiles kernels.
-    let plan = plan(&source, opts.data.as_deref(), t)?;
+    let plan = plan(&source, opts.data.as_deref(), t, opts.packed)?;
     let dev = open_one_device(&opts.devices)?;
     let dev: &dyn Device = dev.as_ref();
-    let network = source.network(dev, b)?;
+    let network = source.network(dev, b, opts.packed)?;
     let bar = if opts.progress {
         let bar =
             ProgressBar::with_draw_target(Some(plan.rows as u64), ProgressDrawTarget::stderr());
@@ -111,7 +115,7 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
                     .iter()
                     .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
                     .count(),
-                Dataset::File { eval } => eval.as_ref().map_or(0, |e| {
+                Dataset::File { eval, .. } => eval.as_ref().map_or(0, |e| {
                     e.1.iter()
                         .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
                         .count()
@@ -129,6 +133,7 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
             while done < plan.rows {
                 let n = ROWS_PER_PIECE.min(plan.rows - done);
                 let (mut toks, mut tgts) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
+                let mut starts = opts.packed.then(|| Vec::with_capacity(n * t));
                 for r in done..done + n {
                     let start = (r * (t + 1)) as u64;
                     src.read(start, &mut row)?;
@@ -136,6 +141,10 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
                     tgts.extend_from_slice(&row[1..]);
                     let at = tgts.len() - t;
                     data::mask_targets(src.as_ref(), start, &mut tgts[at..])?;
+                    if let Some(starts) = &mut starts {
+                        src.read_documents(start, &mut row[..t])?;
+                        starts.extend_from_slice(&row[..t]);
+                    }
                 }
                 let count = tgts
                     .iter()
@@ -143,6 +152,7 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
                     .count();
                 let piece = Dataset::File {
                     eval: Some((toks, tgts)),
+                    starts,
                 };
                 let (loss, _) = evaluate(&network, dev, &piece, b, t, &mut |d, _| {
                     bar.set_position((done + d) as u64)
@@ -182,11 +192,30 @@ struct Plan {
     rows: usize,
 }
 
-/// The data to score: the run's held-out data, or all of `file`.
-fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
+/// The data to score: the run's held-out data, or all of `file` (an example file's
+/// examples packed into rows where `packed`).
+fn plan(source: &Source, file: Option<&Path>, t: usize, packed: bool) -> Result<Plan> {
     let v = source.model.vocab_size();
     if let Some(path) = file {
         let src = data::open_path(path, t)?;
+        let src: Box<dyn TokenSource> = match packed {
+            false => src,
+            true => {
+                let examples = data::Sidecar::read_for(path)
+                    .ok()
+                    .flatten()
+                    .and_then(|s| s.examples)
+                    .map(|e| e.examples);
+                let Some(examples) = examples else {
+                    bail!(
+                        "--packed: {} is not an example file (from `kiln prepare` of a dataset \
+                         of rows), whose examples could be packed; drop --packed",
+                        path.display()
+                    );
+                };
+                Box::new(data::ExampleRows::packed(path, t, examples)?)
+            }
+        };
         data::check_source(src.as_ref(), t, v)?;
         data::check_ids(src.as_ref(), v)?;
         let rows = (src.len() / (t as u64 + 1)) as usize;
@@ -200,6 +229,12 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
             what: Scored::Whole(src),
             rows,
         });
+    }
+    if packed {
+        bail!(
+            "--packed scores the example file given with --data; the run's held-out examples \
+             are scored one per row, as training scores them"
+        );
     }
     let Some(run_dir) = &source.run_dir else {
         bail!(
@@ -247,6 +282,9 @@ fn plan(source: &Source, file: Option<&Path>, t: usize) -> Result<Plan> {
     Ok(Plan {
         name: format!("{recorded}: held-out tail"),
         rows: n,
-        what: Scored::Held(Dataset::File { eval: Some(rows) }),
+        what: Scored::Held(Dataset::File {
+            eval: Some(rows),
+            starts: None,
+        }),
     })
 }

@@ -381,15 +381,16 @@ impl Source {
     }
 
     /// The model on `dev` with the source's weights, for micro-batches of `batch`
-    /// sequences of `block_size` tokens.
-    pub fn network(&self, dev: &dyn Device, batch: usize) -> Result<Network> {
+    /// sequences of `block_size` tokens; `packed`: rows that pack several documents
+    /// ([`MicroBatch::packed`](kiln_engine::models::MicroBatch::packed)).
+    pub fn network(&self, dev: &dyn Device, batch: usize, packed: bool) -> Result<Network> {
         let options = NetworkOptions {
             batch,
             dtype: self.dtype,
             // Never stepped: the network only runs forward.
             optimizer: Optimizer::adamw(0.0, 0.0),
             seed: 0,
-            packed: false,
+            packed,
         };
         let net = Network::new(dev, self.model.build(self.block_size()), &options)?;
         let specs: Vec<_> = net.specs().cloned().collect();

@@ -341,7 +341,7 @@ fn cached_decoding_matches_full_recomputation_on_the_demo_checkpoint() {
     let dev = kiln::cpu::CpuDevice::new();
     let source = Source::open(run, None).unwrap();
     let mut cached = Cached(source.generator(&dev).unwrap());
-    let mut reference = Recompute::new(source.network(&dev, 1).unwrap()).unwrap();
+    let mut reference = Recompute::new(source.network(&dev, 1, false).unwrap()).unwrap();
     for prompt in ["47+85=", "0", "99+99=19"] {
         let ids = kiln::engine::data::Addition::encode(prompt).unwrap();
         let mut a = cached.prefill(&dev, &ids).unwrap();

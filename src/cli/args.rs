@@ -270,6 +270,11 @@ pub(crate) struct EvalArgs {
     /// Llama directory at most 1024 and its sliding window].
     #[arg(long)]
     pub(crate) seq: Option<usize>,
+    /// Score an example file (--data, from `kiln prepare` of a dataset) packed several
+    /// examples to a row, as training packs them: each attends only to itself, so the
+    /// loss is the one-per-row loss, in fewer rows.
+    #[arg(long)]
+    pub(crate) packed: bool,
     /// Print the result as JSON.
     #[arg(long)]
     pub(crate) json: bool,

@@ -288,6 +288,7 @@ pub(crate) fn eval(a: EvalArgs) -> Result<()> {
         micro_batch: a.micro_batch,
         dtype: a.dtype.map(|d| d.parse()).transpose()?,
         seq: a.seq,
+        packed: a.packed,
         progress: !a.json,
     })?;
     if a.json {

@@ -31,7 +31,12 @@ pub(crate) enum Dataset {
     /// The built-in task: exact-match accuracy on held-out problems.
     Addition { eval: EvalRows },
     /// A file: loss on windows from its held-out tail (none if it is too short).
-    File { eval: Option<(Vec<u32>, Vec<u32>)> },
+    /// `starts`: where each token's document starts in its row, for rows that pack
+    /// several (`kiln eval --packed`), scored by a packed network.
+    File {
+        eval: Option<(Vec<u32>, Vec<u32>)>,
+        starts: Option<Vec<u32>>,
+    },
 }
 
 /// What the data phase gives the run.
@@ -157,7 +162,7 @@ pub(super) fn load(
                     Arc::new(data::Prefix::new(src, train_len)?)
                 };
                 let train_len = head.len();
-                (head, train_len, Dataset::File { eval }, name)
+                (head, train_len, Dataset::File { eval, starts: None }, name)
             }
         };
     let sampler = Sampler::new(train_len, t, seed)?;
@@ -286,11 +291,14 @@ pub(crate) fn evaluate_with(
     t: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(f32, Option<f32>)> {
-    let (tokens, targets) = match dataset {
-        Dataset::Addition { eval } => (&eval.tokens, &eval.targets),
-        Dataset::File { eval: Some((a, b)) } => (a, b),
+    let (tokens, targets, starts) = match dataset {
+        Dataset::Addition { eval } => (&eval.tokens, &eval.targets, None),
+        Dataset::File {
+            eval: Some((a, b)),
+            starts,
+        } => (a, b, starts.as_ref()),
         // The training loop does not evaluate then; an error, should it ever ask.
-        Dataset::File { eval: None } => bail!("no held-out data to evaluate on"),
+        Dataset::File { eval: None, .. } => bail!("no held-out data to evaluate on"),
     };
     // The model runs whole micro-batches (its shapes are fixed at build time): a last,
     // partial one is padded with copies of its first row that are not scored
@@ -298,15 +306,23 @@ pub(crate) fn evaluate_with(
     let (mut loss, mut scored) = (0.0, 0usize);
     let mut predictions = Vec::with_capacity(tokens.len());
     let all_rows = tokens.len() / t.max(1);
-    for (tok, tgt) in tokens.chunks(b * t).zip(targets.chunks(b * t)) {
+    for (c, (tok, tgt)) in tokens.chunks(b * t).zip(targets.chunks(b * t)).enumerate() {
         let rows = tok.len() / t;
         let (mut tok, mut tgt) = (tok.to_vec(), tgt.to_vec());
+        let mut docs = starts.map(|s| s[c * b * t..c * b * t + rows * t].to_vec());
         for _ in rows..b {
             tok.extend_from_within(..t);
             tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
+            if let Some(d) = &mut docs {
+                d.extend_from_within(..t);
+            }
         }
         let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
-        let (l, p) = predict(&MicroBatch::tokens(&tok, &tgt))?;
+        let batch = match &docs {
+            Some(d) => MicroBatch::packed(&tok, &tgt, d, t),
+            None => MicroBatch::tokens(&tok, &tgt),
+        };
+        let (l, p) = predict(&batch)?;
         loss += l * n as f64;
         scored += n;
         predictions.extend_from_slice(&p[..rows * t]);

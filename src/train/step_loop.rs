@@ -298,7 +298,7 @@ pub(super) fn run(
                 interrupted = true;
             }
             let last = step == total || interrupted;
-            let evaluates = writer && !matches!(dataset, Dataset::File { eval: None });
+            let evaluates = writer && !matches!(dataset, Dataset::File { eval: None, .. });
             if evaluates && (last || (eval_every > 0 && step.is_multiple_of(eval_every))) {
                 let predict = |m: &MicroBatch| engine.predict(m);
                 let (loss, acc) = evaluate_with(&predict, &dataset, b, t, &mut |_, _| {})?;
