@@ -543,3 +543,60 @@ fn kiln_prepare_writes_each_rows_tokens_and_loss_mask() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A template that closes the assistant's turn (`<|im_end|>`, the EOS here) after its
+/// `{% generation %}` block leaves the end untrained: prepare warns, naming the token and
+/// how many examples; with the end inside the block, no warning, and the end trained.
+#[test]
+fn an_untrained_end_of_turn_is_warned_about() {
+    let outside = "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n\
+                   {% generation %}{{ m['content'] }}{% endgeneration %}<|im_end|>\n{% else %}\
+                   <|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}";
+    let inside = outside.replace(
+        "{% endgeneration %}<|im_end|>",
+        "<|im_end|>{% endgeneration %}",
+    );
+    for (tag, template, warned) in [("outside", outside, true), ("inside", &inside[..], false)] {
+        let dir = chatml_model(&format!("end-{tag}"), template);
+        let rows = dir.join("rows.jsonl");
+        let row = serde_json::json!({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "ok?"}, {"role": "assistant", "content": "ok"}]});
+        let plain = serde_json::json!({"messages": [{"role": "user", "content": "2"},
+            {"role": "assistant", "content": "3"}]});
+        std::fs::write(&rows, format!("{row}\n{plain}\n{row}\n")).unwrap();
+        let out = dir.join("out.bin");
+        let (ok, _, err) = kiln(&[
+            "prepare",
+            rows.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--tokenizer",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(ok, "{err}");
+        assert_eq!(err.contains("warning"), warned, "{tag}: {err}");
+        if warned {
+            assert!(
+                err.contains("in 3 of the 3 examples") && err.contains("<|im_end|>"),
+                "{err}"
+            );
+        }
+        // The mask: 257 (<|im_end|>) trained exactly when inside the block.
+        let ids: Vec<u16> = std::fs::read(&out)
+            .unwrap()
+            .chunks(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let mask = std::fs::read(dir.join("out.bin.mask")).unwrap();
+        let ends: Vec<u8> = (1..ids.len())
+            .filter(|&i| ids[i] == 257 && mask[i - 1] == 1)
+            .map(|i| mask[i])
+            .collect();
+        assert_eq!(ends.len(), 5, "{tag}");
+        assert!(
+            ends.iter().all(|&m| m == u8::from(!warned)),
+            "{tag}: {ends:?}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

@@ -151,6 +151,17 @@ pub(crate) fn prepare_rows(
             .map(|m| format!("; the assistant's text found by {m}"))
             .unwrap_or_default()
     );
+    if let Some(end) = &set.untrained_end {
+        errln!(
+            "warning: in {} of the {} examples the end of an assistant turn, {end}, comes \
+             right after the trained text and is not trained, so the model will not learn to \
+             end its turn: the chat template closes the turn outside its trained span (its \
+             {{% generation %}} block, or the turn-by-turn difference). Use a template whose \
+             trained span takes in the end-of-turn token (--chat-template FILE)",
+            set.untrained_ends,
+            set.examples + set.dropped
+        );
+    }
     Ok(format!(
         "{}: {} examples ({name}, vocab {vocab}), {} tokens trained{}{}",
         output.display(),

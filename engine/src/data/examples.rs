@@ -105,6 +105,26 @@ fn eos(tok: &Tokenizer) -> Option<u32> {
     }
 }
 
+/// The ids that end a turn or a sequence: the model's EOS ids (its tokenizer config's
+/// and generation config's), GPT-2's `<|endoftext|>`; none for bytes.
+fn end_ids(tok: &Tokenizer) -> Vec<u32> {
+    match tok {
+        Tokenizer::Hf(t) => t.eos.clone(),
+        Tokenizer::Gpt2 => vec![50256],
+        Tokenizer::Bytes => vec![],
+    }
+}
+
+/// The first id of `ends` that directly follows a trained stretch of `m` untrained: a
+/// template that closes an assistant turn outside its trained span, so the model would
+/// never learn to end its turn.
+pub fn untrained_end(m: &Masked, ends: &[u32]) -> Option<u32> {
+    (1..m.ids.len()).find_map(|i| {
+        let after_trained = m.mask[i - 1] == 1 && m.mask[i] == 0;
+        (after_trained && ends.contains(&m.ids[i])).then_some(m.ids[i])
+    })
+}
+
 /// 1 for every id whose bytes overlap a span.
 pub fn mask_of(offsets: &[(usize, usize)], spans: &[Range<usize>]) -> Vec<u8> {
     offsets
@@ -312,6 +332,7 @@ pub fn prepare_examples(
     };
     let mut format: Option<Format> = None;
     let mut tokens = 0u64;
+    let ends = end_ids(tok);
     write_atomically(&offsets_path, |offsets_out| {
         write_atomically(&mask_path, |mask_out| {
             write_atomically(output, |ids_out| {
@@ -326,6 +347,13 @@ pub fn prepare_examples(
                     };
                     let ex = example(row, f, &o.columns, place)?;
                     let mut m = tokenize(&ex, tok, o, place)?;
+                    if let Some(id) = untrained_end(&m, &ends) {
+                        set.untrained_ends += 1;
+                        if set.untrained_end.is_none() {
+                            let text = tok.decode(&[id]).unwrap_or_default();
+                            set.untrained_end = Some(format!("{text:?} (id {id})"));
+                        }
+                    }
                     if let Some(max) = o.max_length {
                         set.truncated += truncate(&mut m, max, o.truncation) as u64;
                     }

@@ -118,6 +118,17 @@ pub struct ExampleSet {
     /// The day the template's `strftime_now` gave, for conversations.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub date: Option<String>,
+    /// Examples in which an end-of-turn or EOS token follows a trained stretch
+    /// untrained (the template closes the assistant's turn outside its trained span),
+    /// and the first such token.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub untrained_ends: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub untrained_end: Option<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `out.bin.<ext>`: a file beside the token file `out.bin` (an example file's `mask`
