@@ -191,14 +191,32 @@ fn uneven_rows(rng: &mut Rng) -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
-/// Rows `range` of `rows` as one micro-batch.
-fn micro_of(rows: &[(Vec<u32>, Vec<u32>)], range: std::ops::Range<usize>) -> MicroBatch {
+/// Rows `range` of `rows` as one micro-batch. `packed`: row j holds two documents, the
+/// second starting at position 1 + 3j mod (T - 1) (positions restart there, attention
+/// stays within each), whose first token is no target.
+fn micro_of(
+    rows: &[(Vec<u32>, Vec<u32>)],
+    range: std::ops::Range<usize>,
+    packed: bool,
+) -> MicroBatch {
     let tok: Vec<u32> = rows[range.clone()]
         .iter()
         .flat_map(|r| r.0.clone())
         .collect();
-    let tgt: Vec<u32> = rows[range].iter().flat_map(|r| r.1.clone()).collect();
-    MicroBatch::tokens(&tok, &tgt)
+    let mut tgt: Vec<u32> = rows[range.clone()]
+        .iter()
+        .flat_map(|r| r.1.clone())
+        .collect();
+    if !packed {
+        return MicroBatch::tokens(&tok, &tgt);
+    }
+    let mut starts = Vec::with_capacity(tok.len());
+    for (k, j) in range.enumerate() {
+        let split = 1 + (3 * j) % (T - 1);
+        starts.extend((0..T).map(|i| if i < split { 0 } else { split as u32 }));
+        tgt[k * T + split - 1] = kiln::engine::IGNORE_TARGET;
+    }
+    MicroBatch::packed(&tok, &tgt, &starts, T)
 }
 
 /// A step's loss is the mean over the trained targets of its whole global batch, not a
@@ -209,18 +227,35 @@ fn micro_of(rows: &[(Vec<u32>, Vec<u32>)], range: std::ops::Range<usize>) -> Mic
 /// GEMMs or on the host), ~1e-7 relative after 3 steps, so 1e-6.
 #[test]
 fn the_loss_is_the_mean_over_the_trained_targets_of_the_global_batch() {
+    global_batch_mean(false);
+}
+
+/// The same with rows that pack two documents each (issue 40's normalisation with
+/// packing): the trained targets of the documents are counted across the global batch.
+#[test]
+fn packed_rows_take_the_mean_over_the_global_batch_too() {
+    global_batch_mean(true);
+}
+
+fn global_batch_mean(packed: bool) {
     let cpu = [kiln::cpu::CpuDevice::new(), kiln::cpu::CpuDevice::new()];
     let devs: Vec<&dyn Device> = cpu.iter().map(|d| d as &dyn Device).collect();
     let mut rng = Rng::new(29);
     let steps: Vec<_> = (0..3).map(|_| uneven_rows(&mut rng)).collect();
-    let mut whole = Trainer::new(devs[0], gpt(), config("", 8, 1, 1), 3).unwrap();
-    let mut accumulated = Trainer::new(devs[0], gpt(), config("", 2, 4, 1), 3).unwrap();
-    let mut two_by_two = Trainer::new_group(&devs, gpt(), config("", 2, 2, 2), 3).unwrap();
-    let mut two_by_one = Trainer::new_group(&devs, gpt(), config("", 4, 1, 2), 3).unwrap();
+    let config = |micro, accum, world| {
+        let mut c = config("", micro, accum, world);
+        c.packed_rows = packed;
+        c
+    };
+    let mut whole = Trainer::new(devs[0], gpt(), config(8, 1, 1), 3).unwrap();
+    let mut accumulated = Trainer::new(devs[0], gpt(), config(2, 4, 1), 3).unwrap();
+    let mut two_by_two = Trainer::new_group(&devs, gpt(), config(2, 2, 2), 3).unwrap();
+    let mut two_by_one = Trainer::new_group(&devs, gpt(), config(4, 1, 2), 3).unwrap();
     let tol = 1e-6;
+    let micro = |rows: &[(Vec<u32>, Vec<u32>)], range| micro_of(rows, range, packed);
     for (i, rows) in steps.iter().enumerate() {
-        let want = whole.step(devs[0], &[micro_of(rows, 0..8)]).unwrap().loss;
-        let quarters: Vec<MicroBatch> = (0..4).map(|q| micro_of(rows, 2 * q..2 * q + 2)).collect();
+        let want = whole.step(devs[0], &[micro(rows, 0..8)]).unwrap().loss;
+        let quarters: Vec<MicroBatch> = (0..4).map(|q| micro(rows, 2 * q..2 * q + 2)).collect();
         let got = [
             accumulated.step(devs[0], &quarters).unwrap().loss,
             two_by_two
@@ -228,10 +263,7 @@ fn the_loss_is_the_mean_over_the_trained_targets_of_the_global_batch() {
                 .unwrap()
                 .loss,
             two_by_one
-                .step_group(
-                    &devs,
-                    &[vec![micro_of(rows, 0..4)], vec![micro_of(rows, 4..8)]],
-                )
+                .step_group(&devs, &[vec![micro(rows, 0..4)], vec![micro(rows, 4..8)]])
                 .unwrap()
                 .loss,
         ];
