@@ -64,9 +64,6 @@ pub struct EvalReport {
 /// Sequences per forward pass for an imported model (it has no run to say).
 const IMPORT_MICRO_BATCH: usize = 4;
 
-/// Rows of a whole file held in memory at once when it is scored in pieces.
-const ROWS_PER_PIECE: usize = 1024;
-
 /// Loads the checkpoint, builds its data and scores it.
 pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
     let mut source = Source::open(&opts.source, opts.dtype)?;
@@ -115,53 +112,22 @@ pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
                     .iter()
                     .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
                     .count(),
-                Dataset::File { eval, .. } => eval.as_ref().map_or(0, |e| {
-                    e.1.iter()
-                        .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
-                        .count()
-                }),
+                Dataset::File { eval } => eval.as_ref().map_or(0, |e| e.scored()),
             };
             (loss, acc, tokens)
         }
         Scored::Whole(src) => {
-            // Pieces of whole rows, each scored as kiln train scores its held-out rows,
-            // weighed by the targets scored in them (all, but for an example file's
-            // prompts and padding).
-            let mut sum = 0.0f64;
-            let (mut done, mut scored) = (0, 0usize);
-            let mut row = vec![0u32; t + 1];
-            while done < plan.rows {
-                let n = ROWS_PER_PIECE.min(plan.rows - done);
-                let (mut toks, mut tgts) = (Vec::with_capacity(n * t), Vec::with_capacity(n * t));
-                let mut starts = opts.packed.then(|| Vec::with_capacity(n * t));
-                for r in done..done + n {
-                    let start = (r * (t + 1)) as u64;
-                    src.read(start, &mut row)?;
-                    toks.extend_from_slice(&row[..t]);
-                    tgts.extend_from_slice(&row[1..]);
-                    let at = tgts.len() - t;
-                    data::mask_targets(src.as_ref(), start, &mut tgts[at..])?;
-                    if let Some(starts) = &mut starts {
-                        src.read_documents(start, &mut row[..t])?;
-                        starts.extend_from_slice(&row[..t]);
-                    }
-                }
-                let count = tgts
-                    .iter()
-                    .filter(|&&x| x != kiln_engine::IGNORE_TARGET)
-                    .count();
-                let piece = Dataset::File {
-                    eval: Some((toks, tgts)),
-                    starts,
-                };
-                let (loss, _) = evaluate(&network, dev, &piece, b, t, &mut |d, _| {
-                    bar.set_position((done + d) as u64)
-                })?;
-                sum += loss as f64 * count as f64;
-                scored += count;
-                done += n;
-            }
-            ((sum / scored.max(1) as f64) as f32, None, scored)
+            // Every row, as kiln train scores its held-out rows (an example file's
+            // prompts and padding unscored; packed rows with their documents).
+            let predict = kiln_engine::train::evaluate::predict_with(&network, dev);
+            let s = kiln_engine::train::evaluate::score_source(
+                &predict,
+                src.as_ref(),
+                b,
+                t,
+                &mut |done, _| bar.set_position(done as u64),
+            )?;
+            (s.loss, None, s.scored)
         }
     };
     bar.finish_and_clear();
@@ -278,13 +244,10 @@ fn plan(source: &Source, file: Option<&Path>, t: usize, packed: bool) -> Result<
             held.none_because.unwrap_or_default()
         );
     };
-    let n = rows.0.len() / t;
+    let n = rows.tokens.len() / t;
     Ok(Plan {
         name: format!("{recorded}: held-out tail"),
         rows: n,
-        what: Scored::Held(Dataset::File {
-            eval: Some(rows),
-            starts: None,
-        }),
+        what: Scored::Held(Dataset::File { eval: Some(rows) }),
     })
 }

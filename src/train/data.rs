@@ -12,8 +12,9 @@ use kiln_engine::config::TrainConfig;
 use kiln_engine::data::{
     self, Addition, BatchLayout, EvalRows, Loader, LoaderConfig, Sampler, TokenSource,
 };
-use kiln_engine::models::{MicroBatch, ModelConfig, Network};
-use kiln_engine::{Device, IGNORE_TARGET};
+use kiln_engine::models::{ModelConfig, Network};
+use kiln_engine::train::evaluate::{self, Predict, ScoredRows};
+use kiln_engine::Device;
 
 use crate::init_from::InitWeights;
 use crate::say::say;
@@ -30,13 +31,8 @@ const HOLDOUT_FRACTION: f64 = 0.05;
 pub(crate) enum Dataset {
     /// The built-in task: exact-match accuracy on held-out problems.
     Addition { eval: EvalRows },
-    /// A file: loss on windows from its held-out tail (none if it is too short).
-    /// `starts`: where each token's document starts in its row, for rows that pack
-    /// several (`kiln eval --packed`), scored by a packed network.
-    File {
-        eval: Option<(Vec<u32>, Vec<u32>)>,
-        starts: Option<Vec<u32>>,
-    },
+    /// A file: loss on rows of its held-out tail (none if it is too short).
+    File { eval: Option<ScoredRows> },
 }
 
 /// What the data phase gives the run.
@@ -162,7 +158,7 @@ pub(super) fn load(
                     Arc::new(data::Prefix::new(src, train_len)?)
                 };
                 let train_len = head.len();
-                (head, train_len, Dataset::File { eval, starts: None }, name)
+                (head, train_len, Dataset::File { eval }, name)
             }
         };
     let sampler = Sampler::new(train_len, t, seed)?;
@@ -205,9 +201,8 @@ pub(super) fn loaders(
 pub(crate) struct HeldOut {
     /// Tokens before the tail (what is trained on).
     pub train_len: u64,
-    /// `(tokens, targets)` of whole rows of `t` positions, `None` when the file is too
-    /// short to spare one.
-    pub rows: Option<(Vec<u32>, Vec<u32>)>,
+    /// Whole rows of `t` positions, `None` when the file is too short to spare one.
+    pub rows: Option<ScoredRows>,
     /// Why there are no rows, for the user.
     pub none_because: Option<String>,
 }
@@ -239,20 +234,10 @@ pub(crate) fn held_out(src: &dyn TokenSource, t: usize) -> Result<HeldOut> {
             none_because: Some(why),
         });
     }
-    let mut toks = Vec::with_capacity(hold * t);
-    let mut tgts = Vec::with_capacity(hold * t);
-    let mut row = vec![0u32; t + 1];
-    for r in 0..hold {
-        let start = train_len + (r * (t + 1)) as u64;
-        src.read(start, &mut row)?;
-        toks.extend_from_slice(&row[..t]);
-        tgts.extend_from_slice(&row[1..]);
-        let at = tgts.len() - t;
-        data::mask_targets(src, start, &mut tgts[at..])?;
-    }
+    let rows = ScoredRows::read(src, train_len, hold, t)?;
     Ok(HeldOut {
         train_len,
-        rows: Some((toks, tgts)),
+        rows: Some(rows),
         none_because: None,
     })
 }
@@ -276,14 +261,17 @@ pub(crate) fn evaluate(
     t: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(f32, Option<f32>)> {
-    evaluate_with(&|m| network.predict(dev, m), dataset, b, t, progress)
+    evaluate_with(
+        &evaluate::predict_with(network, dev),
+        dataset,
+        b,
+        t,
+        progress,
+    )
 }
 
-/// An engine's forward pass for evaluation: a micro-batch's mean loss and every row's
-/// predicted class.
-pub(crate) type Predict<'a> = dyn Fn(&MicroBatch) -> kiln_engine::Result<(f64, Vec<u32>)> + 'a;
-
-/// [`evaluate`] with any engine's forward pass.
+/// [`evaluate`] with any engine's forward pass: the loss over the scored targets
+/// (`kiln_engine::train::evaluate`), and the addition task's exact match.
 pub(crate) fn evaluate_with(
     predict: &Predict,
     dataset: &Dataset,
@@ -291,49 +279,21 @@ pub(crate) fn evaluate_with(
     t: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(f32, Option<f32>)> {
-    let (tokens, targets, starts) = match dataset {
-        Dataset::Addition { eval } => (&eval.tokens, &eval.targets, None),
-        Dataset::File {
-            eval: Some((a, b)),
-            starts,
-        } => (a, b, starts.as_ref()),
-        // The training loop does not evaluate then; an error, should it ever ask.
-        Dataset::File { eval: None, .. } => bail!("no held-out data to evaluate on"),
-    };
-    // The model runs whole micro-batches (its shapes are fixed at build time): a last,
-    // partial one is padded with copies of its first row that are not scored
-    // (IGNORE_TARGET), and each chunk's mean loss is weighted by its scored positions.
-    let (mut loss, mut scored) = (0.0, 0usize);
-    let mut predictions = Vec::with_capacity(tokens.len());
-    let all_rows = tokens.len() / t.max(1);
-    for (c, (tok, tgt)) in tokens.chunks(b * t).zip(targets.chunks(b * t)).enumerate() {
-        let rows = tok.len() / t;
-        let (mut tok, mut tgt) = (tok.to_vec(), tgt.to_vec());
-        let mut docs = starts.map(|s| s[c * b * t..c * b * t + rows * t].to_vec());
-        for _ in rows..b {
-            tok.extend_from_within(..t);
-            tgt.extend(std::iter::repeat_n(IGNORE_TARGET, t));
-            if let Some(d) = &mut docs {
-                d.extend_from_within(..t);
-            }
-        }
-        let n = tgt.iter().filter(|&&x| x != IGNORE_TARGET).count();
-        let batch = match &docs {
-            Some(d) => MicroBatch::packed(&tok, &tgt, d, t),
-            None => MicroBatch::tokens(&tok, &tgt),
-        };
-        let (l, p) = predict(&batch)?;
-        loss += l * n as f64;
-        scored += n;
-        predictions.extend_from_slice(&p[..rows * t]);
-        progress(predictions.len() / t.max(1), all_rows);
-    }
-    let loss = (loss / scored.max(1) as f64) as f32;
-    Ok(match dataset {
+    match dataset {
         Dataset::Addition { eval } => {
-            let (right, all) = data::accuracy(&predictions, eval);
-            (loss, Some(right as f32 / all.max(1) as f32))
+            let rows = ScoredRows {
+                tokens: eval.tokens.clone(),
+                targets: eval.targets.clone(),
+                starts: None,
+            };
+            let s = evaluate::score(predict, &rows, b, t, progress)?;
+            let (right, all) = data::accuracy(&s.predictions, eval);
+            Ok((s.loss, Some(right as f32 / all.max(1) as f32)))
         }
-        Dataset::File { .. } => (loss, None),
-    })
+        Dataset::File { eval: Some(rows) } => {
+            Ok((evaluate::score(predict, rows, b, t, progress)?.loss, None))
+        }
+        // The training loop does not evaluate then; an error, should it ever ask.
+        Dataset::File { eval: None } => bail!("no held-out data to evaluate on"),
+    }
 }
