@@ -52,6 +52,7 @@ pub mod prepare;
 pub mod records;
 pub mod sampler;
 pub mod text;
+pub mod text_codec;
 pub mod token_file;
 
 use std::path::{Path, PathBuf};
@@ -111,6 +112,10 @@ pub enum DataError {
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// Text that the tokenizer cannot take, the message naming what and why.
+    #[error("{0}")]
+    Text(String),
 
     #[error("data loader: {0}")]
     Loader(String),

@@ -12,4 +12,5 @@ pub mod profile;
 pub mod runs;
 #[cfg(feature = "chart")]
 pub mod runs_chart;
+pub mod source;
 pub mod trainer;
