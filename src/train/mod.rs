@@ -46,13 +46,6 @@ pub fn train(opts: &TrainOptions) -> Result<RunReport> {
     )?;
     // The networks pack exactly when the data does.
     run.ds.packed_rows = data.packed;
-    if data.packed && run.stages > 1 {
-        anyhow::bail!(
-            "packing examples is not built for pipeline parallelism yet ({} stages): pass \
-             --no-packing (or set kiln.packing to false) to train one example per row",
-            run.stages
-        );
-    }
     let built = engine::build(opts, &mut run, &data)?;
     let loaders = data::loaders(
         &data,

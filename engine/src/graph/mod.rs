@@ -25,6 +25,7 @@ mod decode;
 mod forward_plan;
 mod ops;
 mod packing;
+pub use packing::{POSITIONS as DOCUMENT_POSITIONS, STARTS as DOCUMENT_STARTS};
 mod plan;
 mod split;
 

@@ -17,8 +17,9 @@ pub(crate) struct Packing {
 }
 
 /// Input names, as errors and the plan's bindings show them.
-const STARTS: &str = "document_starts";
-const POSITIONS: &str = "document_positions";
+/// The names of a packed graph's inputs: each token's document start and position.
+pub const STARTS: &str = "document_starts";
+pub const POSITIONS: &str = "document_positions";
 
 impl Graph {
     /// Records what follows over packed sequences (see the module docs). Call before

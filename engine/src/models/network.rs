@@ -22,7 +22,9 @@ use super::network_memory::{host_memory_available, ModelStateBytes, NetworkMemor
 use super::{Model, ParamSpec};
 use crate::data;
 use crate::device::optim::ParamBuffers;
-use crate::graph::{Bindings, Graph, Group, Loss, Plan, Tensor};
+use crate::graph::{
+    Bindings, Graph, Group, Loss, Plan, Tensor, DOCUMENT_POSITIONS, DOCUMENT_STARTS,
+};
 use crate::kernels::ArgMax;
 use crate::rng::SplitMix;
 use crate::{Buffer, Capabilities, DType, Device, Error, HostData, Kernel, Result, IGNORE_TARGET};
@@ -795,8 +797,10 @@ pub(crate) fn check_ids(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Resu
 /// it starts (the same document) or at the token itself (a new one), and its position
 /// is its distance from that start.
 pub(crate) fn check_documents(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Result<()> {
-    let packed = g.packed_inputs()?;
-    let [starts, positions] = packed[..] else {
+    // Found by name, so a pipeline stage's part of a packed graph is checked too.
+    let named = |n: &str| inputs.iter().copied().find(|&t| g.describe(t).0 == n);
+    let (Some(starts), Some(positions)) = (named(DOCUMENT_STARTS), named(DOCUMENT_POSITIONS))
+    else {
         return Ok(());
     };
     let at = |t: Tensor| inputs.iter().position(|&i| i == t).map(|k| &data[k]);

@@ -7,10 +7,10 @@
 
 use super::pipeline_partition::{partition, PartitionMethod, StageCosts};
 use crate::device::optim::ParamBuffers;
-use crate::graph::{Bindings, Plan, StageGraph, Tensor};
+use crate::graph::{Bindings, Plan, StageGraph, Tensor, DOCUMENT_POSITIONS, DOCUMENT_STARTS};
 use crate::models::{
-    batch_input, check_ids, check_specs, record, shared_gradients, MicroBatch, Model,
-    NetworkMemory, NetworkOptions, ParamSpec,
+    batch_input, check_documents, check_ids, check_specs, record, shared_gradients, MicroBatch,
+    Model, NetworkMemory, NetworkOptions, ParamSpec,
 };
 use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
 
@@ -312,18 +312,33 @@ pub(super) fn stage_data(stage: &Stage, batch: &MicroBatch) -> Result<(Vec<HostD
     let g = &stage.part.graph;
     let mut data = vec![];
     for (&(_, l), &pos) in stage.part.inputs.iter().zip(&stage.input_pos) {
-        let given = batch.0.get(pos).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "a micro-batch holds {} inputs, but `{}` is input {}",
-                batch.0.len(),
-                g.describe(l).0,
-                pos + 1
-            ))
-        })?;
+        let (name, shape, _) = g.describe(l);
+        let filled;
+        let given = match batch.0.get(pos) {
+            Some(given) => given,
+            // A packed model given rows without their documents: each row is one
+            // (evaluation scores held-out examples one per row), as `Network` takes them.
+            None if batch.0.len() == 2 && [DOCUMENT_STARTS, DOCUMENT_POSITIONS].contains(&name) => {
+                let (n, seq) = (shape.iter().product::<usize>(), shape[1].max(1));
+                filled = HostData::U32(match name == DOCUMENT_STARTS {
+                    true => vec![0; n],
+                    false => (0..n).map(|i| (i % seq) as u32).collect(),
+                });
+                &filled
+            }
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "a micro-batch holds {} inputs, but `{name}` is input {}",
+                    batch.0.len(),
+                    pos + 1
+                )))
+            }
+        };
         data.push(batch_input(g, l, given)?);
     }
     let inputs: Vec<Tensor> = stage.part.inputs.iter().map(|&(_, l)| l).collect();
     check_ids(g, &inputs, &data)?;
+    check_documents(g, &inputs, &data)?;
     let trained = match stage.targets.map(|k| &data[k]) {
         Some(HostData::U32(t)) => t.iter().filter(|&&x| x != IGNORE_TARGET).count(),
         _ => stage.loss_rows,

@@ -69,7 +69,7 @@ impl PipelineTrainer {
             dtype,
             optimizer: config.optimizer.clone(),
             seed,
-            packed: false,
+            packed: config.packed_rows,
         };
         let zero = u32::from(config.zero.stage);
         let memory = model_states(model.as_ref(), &options, method, stages, dp, zero)?;
