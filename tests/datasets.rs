@@ -107,6 +107,13 @@ fn parquet_shards_prepare_to_the_same_examples_as_json_lines() {
     );
     assert!(ok, "{err}");
     assert_eq!(files(&dir.join("s.bin")), files(&dir.join("m.bin")));
+    // A glob of the train shards (quoted: kiln expands it) reads the same rows; one
+    // that matches nothing says so.
+    let (ok, err) = prepare(&splits.join("train-*.parquet"), &dir.join("g.bin"), &chat);
+    assert!(ok, "{err}");
+    assert_eq!(files(&dir.join("g.bin")), files(&dir.join("m.bin")));
+    let (ok, err) = prepare(&splits.join("valid-*.parquet"), &dir.join("g.bin"), &chat);
+    assert!(!ok && err.contains("no file matches"), "{err}");
     train[5] = "validation";
     let (ok, err) = prepare(&splits, &dir.join("v.bin"), &train);
     assert!(

@@ -309,18 +309,25 @@ pub fn prepare_examples(
     o: &ExampleOptions,
     progress: &mut dyn FnMut(&ExampleSet),
 ) -> Result<ExampleSet> {
-    let meta = std::fs::metadata(input).map_err(|e| DataError::io(input, "open", e))?;
+    // The files read: the input, or each a glob of Parquet shards matches.
+    #[cfg(feature = "parquet")]
+    let files = super::parquet_rows::glob_matches(input)?.unwrap_or_else(|| vec![input.into()]);
+    #[cfg(not(feature = "parquet"))]
+    let files = vec![input.to_path_buf()];
     let (mask_path, offsets_path) = (side_path(output, "mask"), side_path(output, "examples"));
-    check_outputs(
-        input,
-        &meta,
-        &[
-            (output.to_path_buf(), "output"),
-            (Sidecar::path_for(output), "sidecar"),
-            (mask_path.clone(), "mask"),
-            (offsets_path.clone(), "offsets file"),
-        ],
-    )?;
+    for file in &files {
+        let meta = std::fs::metadata(file).map_err(|e| DataError::io(file, "open", e))?;
+        check_outputs(
+            file,
+            &meta,
+            &[
+                (output.to_path_buf(), "output"),
+                (Sidecar::path_for(output), "sidecar"),
+                (mask_path.clone(), "mask"),
+                (offsets_path.clone(), "offsets file"),
+            ],
+        )?;
+    }
     check_token_file_name(output)?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let mut set = ExampleSet {

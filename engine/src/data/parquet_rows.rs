@@ -1,6 +1,6 @@
 //! Datasets as Parquet (the Hugging Face hub's `data/train-0000N-of-0000M.parquet`
-//! shards): one file, or a directory whose `.parquet` files (searched recursively) are
-//! read in name order. Rows are read row group by row group through the `parquet`
+//! shards): one file, a glob of them (`data/train-*.parquet`), or a directory whose
+//! `.parquet` files (searched recursively) are read in name order. Rows are read row group by row group through the `parquet`
 //! crate's record API, holding only the columns a format needs, so memory holds one row
 //! group's pages of those columns at a time, whatever the file's size. Each row becomes
 //! the JSON object [`records`](super::records) reads from JSON Lines: strings as
@@ -41,6 +41,9 @@ fn split_of(file: &Path) -> Option<&str> {
 /// directory holding shards of several splits needs `split`: training on a test split
 /// by accident is refused.
 pub fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
+    if let Some(files) = glob_matches(path)? {
+        return pick_split(path, files, split);
+    }
     if !path.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
@@ -69,6 +72,44 @@ pub fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
              .json, .parquet, .csv, .tsv) or a directory of Parquet shards",
         ));
     }
+    pick_split(path, out, split)
+}
+
+/// Whether `path` is a glob pattern (`*`, `?` or `[` in it, and no such file).
+pub fn is_glob(path: &Path) -> bool {
+    let s = path.to_string_lossy();
+    s.contains(['*', '?', '[']) && !path.exists()
+}
+
+/// The files a glob `path` matches, in name order (`None`: `path` is not a glob). A
+/// pattern that matches nothing is an error naming it.
+pub fn glob_matches(path: &Path) -> Result<Option<Vec<PathBuf>>> {
+    if !is_glob(path) {
+        return Ok(None);
+    }
+    let pattern = path.to_string_lossy();
+    let bad = |e: String| DataError::format(path, format!("not a glob pattern Kiln can read: {e}"));
+    let mut files = vec![];
+    for entry in glob::glob(&pattern).map_err(|e| bad(e.to_string()))? {
+        let file = entry.map_err(|e| bad(e.to_string()))?;
+        if file.is_file() {
+            files.push(file);
+        }
+    }
+    files.sort();
+    if files.is_empty() {
+        return Err(DataError::format(
+            path,
+            "no file matches this pattern: check the directory and the shard names (a hub \
+             dataset's are data/<split>-NNNNN-of-NNNNN.parquet)",
+        ));
+    }
+    Ok(Some(files))
+}
+
+/// The shards of `split` among `out` (named `<split>-NNNNN-of-NNNNN.parquet`); all of
+/// them where no split is given, unless they are of several splits.
+fn pick_split(path: &Path, mut out: Vec<PathBuf>, split: Option<&str>) -> Result<Vec<PathBuf>> {
     let mut splits: Vec<String> = out
         .iter()
         .filter_map(|f| split_of(f).map(str::to_string))
