@@ -544,8 +544,8 @@ pub(crate) struct MatmulArgs {
 #[derive(clap::Args)]
 pub(crate) struct PrepareArgs {
     /// The text file (UTF-8 for the GPT-2 and Hugging Face tokenizers), or a dataset of
-    /// rows: JSON Lines (`.jsonl`), a JSON array (`.json`), Parquet (`.parquet`, or a
-    /// directory of shards), the directory `datasets.save_to_disk` writes (or an
+    /// rows: JSON Lines (`.jsonl`), a JSON array (`.json`), Parquet (`.parquet`, a quoted
+    /// glob of shards, or a directory of them), the directory `datasets.save_to_disk` writes (or an
     /// `.arrow` file), CSV or TSV, with `text`, `prompt`/`completion`, `messages` or
     /// ShareGPT `conversations` columns.
     pub(crate) input: PathBuf,
