@@ -441,12 +441,25 @@ fn kiln_train_packs_an_example_file_unless_told_not_to() {
     assert!(!ok);
     assert!(err.contains("--tokenizer"), "{err}");
     assert!(!dir.join("untokenized").exists());
-    // A run that fails to start after preparing leaves nothing behind either.
+    // A run that fails to start after preparing keeps the examples, saying where.
     let (ok, err) = train_on(
         &rows,
         "no-device",
         &["--tokenizer", "bytes", "--devices", "vk:9"],
     );
     assert!(!ok);
-    assert!(!dir.join("no-device").exists(), "{err}");
+    assert!(dir.join("no-device/data/examples.bin").is_file(), "{err}");
+    assert!(!dir.join("no-device/config.json").exists(), "{err}");
+    assert!(
+        err.contains("are kept in") && err.contains("--data"),
+        "{err}"
+    );
+    // The same --out then trains on them.
+    let kept = p("no-device/data/examples.bin");
+    let (ok, err) = train_on(&kept, "no-device", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        summary("no-device", "final_loss"),
+        summary("packed", "final_loss")
+    );
 }

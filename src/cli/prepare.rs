@@ -51,7 +51,8 @@ pub(crate) fn prepare(a: PrepareArgs) -> Result<()> {
         if let Some(flag) = a.rows.first_given() {
             bail!(
                 "{flag} is for datasets of rows (.jsonl, .json holding an array, .parquet, a \
-                 directory of Parquet shards, .csv or .tsv), and {} is read as text",
+                 directory or glob of Parquet shards, a save_to_disk directory or .arrow file, \
+                 .csv or .tsv), and {} is read as text",
                 a.input.display()
             );
         }

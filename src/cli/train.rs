@@ -18,7 +18,9 @@ const PREPARED: &str = "data/examples.bin";
 /// rows, a directory `datasets.save_to_disk` wrote, or one holding Parquet shards (any
 /// other directory is refused as data, saying so).
 fn is_dataset(path: &Path) -> bool {
-    fn holds_parquet(dir: &Path) -> bool {
+    // A few levels deep (hub datasets nest `data/<config>/`): a symbolic link back up
+    // the tree must not send the search round for ever.
+    fn holds_parquet(dir: &Path, depth: usize) -> bool {
         std::fs::read_dir(dir)
             .into_iter()
             .flatten()
@@ -26,7 +28,7 @@ fn is_dataset(path: &Path) -> bool {
             .any(|e| {
                 let p = e.path();
                 if p.is_dir() {
-                    holds_parquet(&p)
+                    depth > 0 && holds_parquet(&p, depth - 1)
                 } else {
                     p.extension()
                         .is_some_and(|x| x.eq_ignore_ascii_case("parquet"))
@@ -36,7 +38,7 @@ fn is_dataset(path: &Path) -> bool {
     if path.is_dir() {
         // `datasets.save_to_disk`'s directory (a dataset's or a DatasetDict's).
         let saved = ["state.json", "dataset_dict.json"];
-        saved.iter().any(|f| path.join(f).is_file()) || holds_parquet(path)
+        saved.iter().any(|f| path.join(f).is_file()) || holds_parquet(path, 4)
     } else {
         is_rows(path)
     }
@@ -84,6 +86,10 @@ fn prepare_into_run(
             file.display(),
             data.display()
         );
+        let flag = tokenizer.map(|_| "--tokenizer").or(rows.first_given());
+        if let Some(flag) = flag {
+            errln!("note: {flag} is not used: a resume trains on the examples already prepared");
+        }
         return Ok((file, false));
     }
     let tokenizer = match (tokenizer, init_from) {
@@ -161,22 +167,6 @@ fn train_with(
     processes: Option<Arc<dyn kiln::engine::parallel::collective::Collective>>,
 ) -> Result<i32> {
     let writer = processes.as_ref().is_none_or(|c| c.rank() == 0);
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = interrupt.clone();
-    // Ctrl-C, SIGTERM (a scheduler or `kill`) and SIGHUP (the terminal went away) all
-    // stop the run the same way: after the step in flight, with a checkpoint and a
-    // summary, so no work is lost.
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            // A second signal: the user does not want to wait for the checkpoint.
-            std::process::exit(130);
-        }
-        errln!(
-            "\ninterrupted (Ctrl-C, SIGTERM or SIGHUP): stopping after this step and writing a \
-             checkpoint; interrupt again to quit at once"
-        );
-    })
-    .context("installing the Ctrl-C/SIGTERM/SIGHUP handler")?;
     let mut out = a.out;
     let prepared = match a.data {
         Some(d) if is_dataset(&d) => {
@@ -200,20 +190,40 @@ fn train_with(
             if a.tokenizer.is_some() {
                 anyhow::bail!(
                     "--tokenizer is for a --data dataset of rows (.jsonl, .json, .parquet, a \
-                     directory of Parquet shards, .csv, .tsv), and the data is {what}: a file \
+                     directory or glob of Parquet shards, a save_to_disk directory or .arrow \
+                     file, .csv, .tsv), and the data is {what}: a file \
                      from `kiln prepare` names its tokenizer in its sidecar"
                 );
             }
             if let Some(flag) = a.rows.first_given() {
                 anyhow::bail!(
                     "{flag} is for a --data dataset of rows (.jsonl, .json, .parquet, a \
-                     directory of Parquet shards, .csv, .tsv), and the data is {what}"
+                     directory or glob of Parquet shards, a save_to_disk directory or .arrow \
+                     file, .csv, .tsv), and the data is {what}"
                 );
             }
             d.map(|d| (d, false))
         }
     };
     let created = prepared.as_ref().is_some_and(|p| p.1);
+    // Installed once the dataset is prepared: until then Ctrl-C stops kiln at once (a
+    // half-prepared dataset is of no use, and its files are written whole or not at all).
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    // Ctrl-C, SIGTERM (a scheduler or `kill`) and SIGHUP (the terminal went away) all
+    // stop the run the same way: after the step in flight, with a checkpoint and a
+    // summary, so no work is lost.
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            // A second signal: the user does not want to wait for the checkpoint.
+            std::process::exit(130);
+        }
+        errln!(
+            "\ninterrupted (Ctrl-C, SIGTERM or SIGHUP): stopping after this step and writing a \
+             checkpoint; interrupt again to quit at once"
+        );
+    })
+    .context("installing the Ctrl-C/SIGTERM/SIGHUP handler")?;
     let opts = kiln::train::TrainOptions {
         config: a.config,
         model: a.model,
@@ -240,10 +250,17 @@ fn train_with(
     let r = match kiln::train::train(&opts) {
         Ok(r) => r,
         Err(e) => {
-            // A run that did not start leaves no directory behind, the examples prepared
-            // for it included.
+            // A run that did not start keeps the examples prepared for it (preparing a
+            // large dataset takes long), and says how to use them.
             if let Some(dir) = opts.out.as_deref().filter(|d| created && !has_run(d)) {
-                let _ = std::fs::remove_dir_all(dir);
+                let file = dir.join(PREPARED);
+                errln!(
+                    "note: the run did not start; the examples prepared for it are kept in \
+                     {}: pass --data {} to train on them (the same --out is fine), or delete {}",
+                    file.display(),
+                    file.display(),
+                    dir.display()
+                );
             }
             return Err(e);
         }

@@ -61,8 +61,6 @@ pub(super) struct Resolved {
     pub model_from_file: bool,
 }
 
-/// Reads and checks every setting, in the order a mistake is best reported in; opens
-/// no device and writes nothing (a resumed run's directory is locked).
 /// Where a run goes without `--out`: `runs/<UTC date and time>`.
 pub fn default_run_dir() -> PathBuf {
     let stamp = runs::format_utc(std::time::SystemTime::now())
@@ -71,6 +69,8 @@ pub fn default_run_dir() -> PathBuf {
     PathBuf::from("runs").join(stamp)
 }
 
+/// Reads and checks every setting, in the order a mistake is best reported in; opens
+/// no device and writes nothing (a resumed run's directory is locked).
 pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
     let started = Instant::now();
     // In a multi-process job, process 0 writes the run and speaks for the job.

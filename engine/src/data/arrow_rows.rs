@@ -44,6 +44,15 @@ fn read_json(path: &Path) -> Result<Value> {
 /// when it has several: training on a test split by accident is refused).
 pub fn arrow_files(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     if !path.is_dir() {
+        if let Some(want) = split {
+            return Err(DataError::format(
+                path,
+                format!(
+                    "--split {want}: one .arrow file holds one split; give the directory \
+                     `save_to_disk` wrote, or drop --split"
+                ),
+            ));
+        }
         return Ok(vec![path.to_path_buf()]);
     }
     let dict = path.join("dataset_dict.json");
@@ -81,7 +90,17 @@ pub fn arrow_files(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
         return arrow_files(&path.join(chosen), None);
     }
     let state = path.join("state.json");
-    let files: Vec<PathBuf> = read_json(&state)?["_data_files"]
+    let state_json = read_json(&state)?;
+    // A dataset of one split says which; another asked for is refused, not ignored.
+    if let (Some(want), Some(have)) = (split, state_json["_split"].as_str()) {
+        if want != have {
+            return Err(DataError::format(
+                path,
+                format!("--split {want}: this dataset is the split `{have}`"),
+            ));
+        }
+    }
+    let files: Vec<PathBuf> = state_json["_data_files"]
         .as_array()
         .map(|a| {
             a.iter()
@@ -157,12 +176,12 @@ pub fn read_arrow_rows(
             })?;
             let schema = batch.schema();
             let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-            let kept: Vec<usize> = match names.iter().any(|n| wanted.contains(n)) {
-                true => (0..names.len())
-                    .filter(|&c| wanted.contains(&names[c]))
-                    .collect(),
-                false => (0..names.len()).collect(),
-            };
+            // None of the columns asked for: every column is named (without its value,
+            // which may be of a type Kiln does not read), for the error to list them.
+            let any = names.iter().any(|n| wanted.contains(n));
+            let kept: Vec<usize> = (0..names.len())
+                .filter(|&c| !any || wanted.contains(&names[c]))
+                .collect();
             for i in 0..batch.num_rows() {
                 row += 1;
                 let place = RowPlace {
@@ -173,7 +192,10 @@ pub fn read_arrow_rows(
                 };
                 let mut object = Map::new();
                 for &c in &kept {
-                    let value = to_json(batch.column(c).as_ref(), i, names[c], &place)?;
+                    let value = match any {
+                        true => to_json(batch.column(c).as_ref(), i, names[c], &place)?,
+                        false => Value::Null,
+                    };
                     object.insert(names[c].to_string(), value);
                 }
                 each(&place, object)?;
@@ -364,9 +386,16 @@ mod tests {
             });
             assert_eq!(row, &want);
         }
-        // None of the columns asked for: all of them, for the error to name.
+        // None of the columns asked for: all of them named, for the error to list.
         let rows = read_all(&dir, None, &["text"]).unwrap();
-        assert_eq!(rows[6]["id"], "row 6");
+        let names: Vec<&String> = rows[6].as_object().unwrap().keys().collect();
+        assert_eq!(names, ["messages", "id", "n"]);
+        // A split other than the dataset's (state.json says `train`) is refused.
+        let e = read_all(&dir, Some("test"), &["n"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the split `train`"), "{e}");
+        assert_eq!(read_all(&dir, Some("train"), &["n"]).unwrap().len(), 7);
         // A DatasetDict: the split named, or the only one; several need --split.
         let dict = scratch("dict");
         std::fs::create_dir_all(dict.join("train")).unwrap();

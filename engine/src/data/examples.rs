@@ -251,7 +251,11 @@ pub fn read_dataset(
         return super::arrow_rows::read_arrow_rows(input, split, &wanted, each);
     }
     #[cfg(not(feature = "arrow"))]
-    if input.extension().is_some_and(|e| e == "arrow") || input.join("state.json").is_file() {
+    if input.extension().is_some_and(|e| e == "arrow")
+        || ["state.json", "dataset_dict.json"]
+            .iter()
+            .any(|f| input.join(f).is_file())
+    {
         return Err(DataError::format(
             input,
             "this build of kiln-engine reads no Arrow; build it with the `arrow` feature (on \

@@ -75,10 +75,10 @@ pub fn shards(path: &Path, split: Option<&str>) -> Result<Vec<PathBuf>> {
     pick_split(path, out, split)
 }
 
-/// Whether `path` is a glob pattern (`*`, `?` or `[` in it, and no such file).
+/// Whether `path` is a glob pattern (`*` or `?` in it, and no such file).
 pub fn is_glob(path: &Path) -> bool {
     let s = path.to_string_lossy();
-    s.contains(['*', '?', '[']) && !path.exists()
+    s.contains(['*', '?']) && !path.exists()
 }
 
 /// The files a glob `path` matches, in name order (`None`: `path` is not a glob). A
@@ -86,6 +86,13 @@ pub fn is_glob(path: &Path) -> bool {
 pub fn glob_matches(path: &Path) -> Result<Option<Vec<PathBuf>>> {
     if !is_glob(path) {
         return Ok(None);
+    }
+    if !is_parquet(path) {
+        return Err(DataError::format(
+            path,
+            "a glob reads Parquet shards only (a pattern ending in .parquet); give another \
+             dataset as its file or directory",
+        ));
     }
     let pattern = path.to_string_lossy();
     let bad = |e: String| DataError::format(path, format!("not a glob pattern Kiln can read: {e}"));

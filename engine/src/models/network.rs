@@ -797,20 +797,28 @@ pub(crate) fn check_ids(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Resu
 /// it starts (the same document) or at the token itself (a new one), and its position
 /// is its distance from that start.
 pub(crate) fn check_documents(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Result<()> {
-    // Found by name, so a pipeline stage's part of a packed graph is checked too.
-    let named = |n: &str| inputs.iter().copied().find(|&t| g.describe(t).0 == n);
-    let (Some(starts), Some(positions)) = (named(DOCUMENT_STARTS), named(DOCUMENT_POSITIONS))
-    else {
+    // Found by name, so a pipeline stage's part of a packed graph is checked too; a
+    // stage may read only one of the two (a GPT stage after the embedding reads no
+    // positions), which is then checked alone.
+    let named = |n: &str| inputs.iter().position(|&t| g.describe(t).0 == n);
+    let values = |k: Option<usize>| match k.map(|k| &data[k]) {
+        Some(HostData::U32(v)) => Some(v.as_slice()),
+        _ => None,
+    };
+    let (k_starts, k_positions) = (named(DOCUMENT_STARTS), named(DOCUMENT_POSITIONS));
+    let (starts, positions) = (values(k_starts), values(k_positions));
+    let Some(k) = k_starts.or(k_positions) else {
         return Ok(());
     };
-    let at = |t: Tensor| inputs.iter().position(|&i| i == t).map(|k| &data[k]);
-    let (Some(HostData::U32(s)), Some(HostData::U32(p))) = (at(starts), at(positions)) else {
-        return Ok(());
-    };
-    let seq = g.describe(starts).1[1].max(1);
-    for (i, (&start, &pos)) in s.iter().zip(p).enumerate() {
+    let seq = g.describe(inputs[k]).1[1].max(1);
+    let n = starts.or(positions).map_or(0, |v| v.len());
+    let mut previous = 0;
+    for i in 0..n {
         let (row, t) = (i / seq, (i % seq) as u32);
-        let continues = t > 0 && start == s[i - 1];
+        // Where one is missing, what the other implies.
+        let start = starts.map_or_else(|| t.wrapping_sub(positions.unwrap()[i]), |s| s[i]);
+        let pos = positions.map_or_else(|| t.wrapping_sub(start), |p| p[i]);
+        let continues = t > 0 && start == previous;
         if start > t || !(continues || start == t) || pos != t - start {
             return Err(Error::InvalidArgument(format!(
                 "packed micro-batch: row {row}, token {t}: document start {start} and \
@@ -818,6 +826,7 @@ pub(crate) fn check_documents(g: &Graph, inputs: &[Tensor], data: &[HostData]) -
                  or at the token itself, and its position is its distance from that start"
             )));
         }
+        previous = start;
     }
     Ok(())
 }

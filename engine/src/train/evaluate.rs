@@ -96,6 +96,25 @@ pub fn score(
     t: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Score> {
+    let whole =
+        t > 0 && rows.tokens.len().is_multiple_of(t) && rows.targets.len() == rows.tokens.len();
+    let starts_fit = rows
+        .starts
+        .as_ref()
+        .is_none_or(|s| s.len() == rows.tokens.len());
+    if b == 0 || !whole || !starts_fit {
+        return Err(crate::Error::InvalidArgument(format!(
+            "evaluate: {} tokens, {} targets{} in rows of {t}, {b} rows per micro-batch: \
+             give whole rows (tokens, targets and starts alike) and at least one row per \
+             micro-batch",
+            rows.tokens.len(),
+            rows.targets.len(),
+            rows.starts
+                .as_ref()
+                .map_or(String::new(), |s| format!(", {} document starts", s.len()))
+        ))
+        .into());
+    }
     let (mut loss, mut scored) = (0.0f64, 0usize);
     let mut predictions = Vec::with_capacity(rows.tokens.len());
     let all = rows.tokens.len() / t.max(1);
