@@ -163,23 +163,22 @@ struct Plan {
 fn plan(source: &Source, file: Option<&Path>, t: usize, packed: bool) -> Result<Plan> {
     let v = source.model.vocab_size();
     if let Some(path) = file {
-        let src = data::open_path(path, t)?;
-        let src: Box<dyn TokenSource> = match packed {
-            false => src,
-            true => {
-                let examples = data::Sidecar::read_for(path)
-                    .ok()
-                    .flatten()
-                    .and_then(|s| s.examples)
-                    .map(|e| e.examples);
-                let Some(examples) = examples else {
-                    bail!(
-                        "--packed: {} is not an example file (from `kiln prepare` of a dataset \
-                         of rows), whose examples could be packed; drop --packed",
-                        path.display()
-                    );
-                };
-                Box::new(data::ExampleRows::packed(path, t, examples)?)
+        let examples = data::Sidecar::read_for(path)
+            .ok()
+            .flatten()
+            .is_some_and(|s| s.examples.is_some());
+        let src: Box<dyn TokenSource> = match (packed, examples) {
+            (false, _) => data::open_path(path, t)?,
+            // Every example of the file, packed.
+            (true, true) => Box::new(data::ExampleRows::packed(path, t, u64::MAX)?),
+            (true, false) => {
+                // A file that cannot be read says why first.
+                data::open_path(path, t)?;
+                bail!(
+                    "--packed: {} is not an example file (from `kiln prepare` of a dataset of \
+                     rows), whose examples could be packed; drop --packed",
+                    path.display()
+                );
             }
         };
         data::check_source(src.as_ref(), t, v)?;

@@ -21,7 +21,9 @@ pub mod sample;
 
 pub use config::ModelConfig;
 pub use generate::Generator;
-pub(crate) use network::{batch_input, best_per_row, check_documents, check_ids, random_key};
+pub(crate) use network::{
+    batch_input, best_per_row, check_documents, check_ids, one_document_per_row, random_key,
+};
 pub use network::{MicroBatch, Network, Ready};
 pub use network_build::NetworkOptions;
 pub(crate) use network_build::{

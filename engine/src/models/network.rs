@@ -314,14 +314,12 @@ impl Network {
         let names = &self.recorded.forward.inputs;
         let whole;
         let batch = match g.packed_inputs()?[..] {
-            // A packed network given rows without their documents: each row is one
-            // (evaluation scores held-out examples one per row).
-            [starts, _] if batch.0.len() + 2 == names.len() => {
-                let (_, shape, _) = g.describe(starts);
-                let seq = shape[1];
-                let starts = vec![0u32; shape.iter().product()];
+            [starts, positions] if batch.0.len() + 2 == names.len() => {
                 let mut inputs = batch.0.clone();
-                inputs.extend(MicroBatch::packed(&[], &[], &starts, seq).0.split_off(2));
+                for t in [starts, positions] {
+                    let (name, shape, _) = g.describe(t);
+                    inputs.extend(one_document_per_row(name, shape));
+                }
                 whole = MicroBatch(inputs);
                 &whole
             }
@@ -790,6 +788,21 @@ pub(crate) fn check_ids(g: &Graph, inputs: &[Tensor], data: &[HostData]) -> Resu
         }
     }
     Ok(())
+}
+
+/// The value of a packed graph's input `name` of `shape` (B, T) for a micro-batch given
+/// without its documents: each row is one (evaluation scores held-out examples one per
+/// row). `None` for any other input.
+pub(crate) fn one_document_per_row(name: &str, shape: &[usize]) -> Option<HostData> {
+    let (n, seq) = (
+        shape.iter().product::<usize>(),
+        shape.get(1).copied()?.max(1),
+    );
+    match name {
+        DOCUMENT_STARTS => Some(HostData::U32(vec![0; n])),
+        DOCUMENT_POSITIONS => Some(HostData::U32((0..n).map(|i| (i % seq) as u32).collect())),
+        _ => None,
+    }
 }
 
 /// Checks the packing inputs of a micro-batch, which the attention kernels trust:

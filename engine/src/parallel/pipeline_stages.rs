@@ -7,10 +7,10 @@
 
 use super::pipeline_partition::{partition, PartitionMethod, StageCosts};
 use crate::device::optim::ParamBuffers;
-use crate::graph::{Bindings, Plan, StageGraph, Tensor, DOCUMENT_POSITIONS, DOCUMENT_STARTS};
+use crate::graph::{Bindings, Plan, StageGraph, Tensor};
 use crate::models::{
-    batch_input, check_documents, check_ids, check_specs, record, shared_gradients, MicroBatch,
-    Model, NetworkMemory, NetworkOptions, ParamSpec,
+    batch_input, check_documents, check_ids, check_specs, one_document_per_row, record,
+    shared_gradients, MicroBatch, Model, NetworkMemory, NetworkOptions, ParamSpec,
 };
 use crate::{Buffer, DType, Device, Error, HostData, Result, IGNORE_TARGET};
 
@@ -316,22 +316,21 @@ pub(super) fn stage_data(stage: &Stage, batch: &MicroBatch) -> Result<(Vec<HostD
         let filled;
         let given = match batch.0.get(pos) {
             Some(given) => given,
-            // A packed model given rows without their documents: each row is one
-            // (evaluation scores held-out examples one per row), as `Network` takes them.
-            None if batch.0.len() == 2 && [DOCUMENT_STARTS, DOCUMENT_POSITIONS].contains(&name) => {
-                let (n, seq) = (shape.iter().product::<usize>(), shape[1].max(1));
-                filled = HostData::U32(match name == DOCUMENT_STARTS {
-                    true => vec![0; n],
-                    false => (0..n).map(|i| (i % seq) as u32).collect(),
-                });
-                &filled
-            }
+            // A packed model given rows without their documents, as `Network` takes them.
             None => {
-                return Err(Error::InvalidArgument(format!(
-                    "a micro-batch holds {} inputs, but `{name}` is input {}",
-                    batch.0.len(),
-                    pos + 1
-                )))
+                let missing = || {
+                    Error::InvalidArgument(format!(
+                        "a micro-batch holds {} inputs, but `{name}` is input {}",
+                        batch.0.len(),
+                        pos + 1
+                    ))
+                };
+                let whole_rows = batch.0.len() == 2;
+                filled = whole_rows
+                    .then(|| one_document_per_row(name, shape))
+                    .flatten()
+                    .ok_or_else(missing)?;
+                &filled
             }
         };
         data.push(batch_input(g, l, given)?);
