@@ -120,8 +120,14 @@ impl Grads {
     }
 
     /// For a kernel that only adds into its destination (f32): zeroed first if this
-    /// is the first contribution.
+    /// is the first contribution. A tensor that needs no gradient (a frozen norm
+    /// weight) gets f32 scratch nobody reads (the kernel adds into it anyway).
     pub fn accumulating(&mut self, e: &mut Emitter, t: Tensor) -> Result<Buffer> {
+        if !self.needs[t.0] {
+            let b = e.scratch(DType::F32, e.g.t(t).len());
+            e.launch(Kernel::Fill(Fill { dst: b, value: 0.0 }))?;
+            return Ok(b);
+        }
         let b = self.buffer(e, t);
         if b.dtype != DType::F32 {
             return Err(Error::InvalidArgument(format!(

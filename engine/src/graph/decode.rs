@@ -277,8 +277,12 @@ impl Graph {
             Op::SwiGlu { gate, up, .. } => vec![gate, up],
             _ => return None,
         };
-        let fixed =
-            |t: &Tensor| matches!(self.t(*t).source, Source::Param(_) | Source::Constant(_));
+        let fixed = |t: &Tensor| {
+            matches!(
+                self.t(*t).source,
+                Source::Param(_) | Source::Frozen | Source::Constant(_)
+            )
+        };
         split::reads(op)
             .iter()
             .all(|t| rows.contains(t) || fixed(t))

@@ -50,7 +50,10 @@ impl Graph {
             self.ops.iter().flat_map(split::reads).collect();
         bind_data(self, &mut e, inputs, |t| read.contains(&t))?;
         if let Some((t, _)) = inputs.iter().find(|(t, _)| {
-            self.tensors.get(t.0).map(|i| i.source) != Some(Source::Input) || !read.contains(t)
+            !matches!(
+                self.tensors.get(t.0).map(|i| i.source),
+                Some(Source::Input | Source::Frozen)
+            ) || !read.contains(t)
         }) {
             return Err(Error::InvalidArgument(format!(
                 "plan: tensor #{} is bound as an input but no op of this graph reads it as one",

@@ -102,6 +102,10 @@ pub(crate) enum Source {
     Param(usize),
     /// Data the caller uploads (tokens, targets, features): no gradient.
     Input,
+    /// A weight that is not trained (a LoRA run's base model): bound to a buffer the
+    /// caller holds, as an input is, but never uploaded per micro-batch; no gradient
+    /// is computed for it.
+    Frozen,
     /// Values fixed when the graph is recorded (token positions), uploaded once by the
     /// plan: index into [`Graph::constants`].
     Constant(usize),
@@ -164,6 +168,9 @@ pub(crate) enum Op {
         b: Option<Tensor>,
         out: Tensor,
         trans_w: bool,
+        /// The product is scaled by this before the bias (1 but in a LoRA adapter's
+        /// up-projection, scaled by alpha / r).
+        scale: f32,
     },
     LayerNorm {
         x: Tensor,
@@ -323,6 +330,20 @@ pub struct Graph {
     pub(crate) decode: Option<decode::Decoding>,
     /// Recorded over packed documents ([`Graph::pack_documents`]).
     pub(crate) packing: Option<packing::Packing>,
+    /// Low-rank adapters ([`Graph::adapt`]): a linear reading one of these weights adds
+    /// its adapter's path.
+    pub(crate) adapters: Vec<Adapter>,
+}
+
+/// A LoRA adapter on a weight (see [`Graph::adapt`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Adapter {
+    pub weight: Tensor,
+    /// (r, in) and (out, r), PEFT's layouts.
+    pub a: Tensor,
+    pub b: Tensor,
+    pub scale: f32,
+    pub dropout: f32,
 }
 
 impl Graph {
@@ -393,6 +414,89 @@ impl Graph {
             decay,
         });
         Ok(t)
+    }
+
+    /// Declares a weight that is not trained, stored as `dtype`: bound to a buffer at
+    /// compile time with the inputs ([`Bindings::inputs`]), but not data a micro-batch
+    /// uploads ([`Graph::inputs`] leaves it out). No gradient is computed for it, and
+    /// backward skips every launch only it would need.
+    pub fn frozen(&mut self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        if !dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: frozen weight `{name}` must be stored in a float dtype, not {dtype}"
+            )));
+        }
+        Ok(self.push(name.into(), shape.to_vec(), dtype, Source::Frozen))
+    }
+
+    /// The frozen weights ([`Graph::frozen`]), in the order they were declared.
+    pub fn frozen_weights(&self) -> Vec<Tensor> {
+        (0..self.tensors.len())
+            .filter(|&t| self.tensors[t].source == Source::Frozen)
+            .map(Tensor)
+            .collect()
+    }
+
+    /// Adds a low-rank adapter (LoRA) to `weight`, a frozen weight or parameter that
+    /// linears read as (out, in) or (in, out): every [`Graph::linear`] or
+    /// [`Graph::linear_transposed`] recorded on it afterwards computes
+    /// `x W + scale · dropout(x) Aᵀ Bᵀ` with `a` (r, in) and `b` (out, r) trainable
+    /// parameters (PEFT's layouts; `scale` is alpha / r). Dropout (probability
+    /// `dropout`) masks the adapter's input only.
+    pub fn adapt(
+        &mut self,
+        weight: Tensor,
+        (a, b): (Tensor, Tensor),
+        scale: f32,
+        dropout: f32,
+    ) -> Result<()> {
+        let wi = self.float("adapt", weight)?.clone();
+        let ai = self.float("adapt", a)?.clone();
+        let bi = self.float("adapt", b)?.clone();
+        for i in [&ai, &bi] {
+            if !matches!(i.source, Source::Param(_)) {
+                return Err(Error::InvalidArgument(format!(
+                    "graph: adapt: `{}` must be a parameter (declare it with Graph::param)",
+                    i.name
+                )));
+            }
+        }
+        let ok = match (
+            wi.shape.as_slice(),
+            ai.shape.as_slice(),
+            bi.shape.as_slice(),
+        ) {
+            (&[o, i], &[r, ai_], &[bo, br]) => {
+                r > 0 && r == br && ((ai_ == i && bo == o) || (ai_ == o && bo == i))
+            }
+            _ => false,
+        };
+        if !ok {
+            return Err(Error::InvalidArgument(format!(
+                "graph: adapt: weight `{}` is {:?}, A `{}` {:?} and B `{}` {:?}; A must be                  (r, in) and B (out, r) for the weight's in and out features",
+                wi.name, wi.shape, ai.name, ai.shape, bi.name, bi.shape
+            )));
+        }
+        if !(0.0..1.0).contains(&dropout) || !scale.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: adapt `{}`: dropout {dropout} must be in [0, 1) and scale {scale}                  finite",
+                wi.name
+            )));
+        }
+        if self.adapters.iter().any(|x| x.weight == weight) {
+            return Err(Error::InvalidArgument(format!(
+                "graph: adapt: `{}` already has an adapter",
+                wi.name
+            )));
+        }
+        self.adapters.push(Adapter {
+            weight,
+            a,
+            b,
+            scale,
+            dropout,
+        });
+        Ok(())
     }
 
     /// Declares data the caller uploads before each step (no gradient).
@@ -492,6 +596,7 @@ impl Graph {
         let i = self.info(t)?;
         match i.source {
             Source::Param(p) if self.params[p].grad == DType::F32 => Ok(()),
+            Source::Frozen => Ok(()),
             Source::Param(_) => Err(Error::InvalidArgument(format!(
                 "graph: {op}: parameter `{}` needs an f32 gradient (its kernel accumulates in \
                  f32); declare it with grad DType::F32",
@@ -525,12 +630,12 @@ impl Graph {
 
     /// `x (..., K) w (K, N) + b (N) -> (..., N)`.
     pub fn linear(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
-        self.linear_op(x, w, b, false)
+        self.linear_op(x, w, b, false, 1.0)
     }
 
     /// `x (..., K) w^T + b -> (..., N)` with `w` stored (N, K): a tied LM head.
     pub fn linear_transposed(&mut self, x: Tensor, w: Tensor, b: Option<Tensor>) -> Result<Tensor> {
-        self.linear_op(x, w, b, true)
+        self.linear_op(x, w, b, true, 1.0)
     }
 
     fn linear_op(
@@ -539,6 +644,7 @@ impl Graph {
         w: Tensor,
         b: Option<Tensor>,
         trans_w: bool,
+        scale: f32,
     ) -> Result<Tensor> {
         let xi = self.float("linear", x)?.clone();
         let wi = self.float("linear", w)?.clone();
@@ -579,8 +685,27 @@ impl Graph {
             b,
             out,
             trans_w,
+            scale,
         });
-        Ok(out)
+        let Some(ad) = self.adapters.iter().find(|a| a.weight == w).copied() else {
+            return Ok(out);
+        };
+        if self.t(ad.a).shape[1] != k {
+            return Err(Error::InvalidArgument(format!(
+                "graph: linear: the adapter on `{}` takes {} features but `{}` has {k}",
+                wi.name,
+                self.t(ad.a).shape[1],
+                xi.name
+            )));
+        }
+        // out + scale · dropout(x) Aᵀ Bᵀ: (M, K) -> (M, r) -> (M, N), added once.
+        let xd = match ad.dropout > 0.0 {
+            true => self.dropout(x, ad.dropout)?,
+            false => x,
+        };
+        let h = self.linear_op(xd, ad.a, None, true, 1.0)?;
+        let d = self.linear_op(h, ad.b, None, true, ad.scale)?;
+        self.add(out, d)
     }
 
     /// Layer norm over the feature dim with parameters `weight` and `bias` (C each).
@@ -1053,6 +1178,29 @@ impl Graph {
             } if l == losses => Some(Loss::Mse { target }),
             _ => None,
         })
+    }
+
+    /// Every linear's weight as recorded, once each in first-use order: (weight, its
+    /// in features, out features, stored (in, out) rather than (out, in), the first
+    /// linear's output). A LoRA run finds the modules it may adapt here, whatever the
+    /// model.
+    pub fn linears(&self) -> Vec<(Tensor, usize, usize, bool, Tensor)> {
+        let mut out: Vec<(Tensor, usize, usize, bool, Tensor)> = vec![];
+        for op in &self.ops {
+            if let Op::Linear {
+                x,
+                w,
+                out: o,
+                trans_w,
+                ..
+            } = *op
+            {
+                if !out.iter().any(|l| l.0 == w) {
+                    out.push((w, self.t(x).cols(), self.t(o).cols(), !trans_w, o));
+                }
+            }
+        }
+        out
     }
 
     /// The per-row losses (f32) of the graph's loss, if one was recorded.

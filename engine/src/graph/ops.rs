@@ -68,11 +68,14 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             b,
             out,
             trans_w,
+            scale,
         } => {
-            // out (M, N) = x (M, K) w (K, N) [or w^T, w (N, K)] + b (N)
+            // out (M, N) = scale · x (M, K) w (K, N) [or w^T, w (N, K)] + b (N)
             let (m, k, n) = (g.t(x).rows(), g.t(x).cols(), g.t(out).cols());
             let o = e.define(out);
-            let mut mm = Matmul::new(e.val(x), e.val(w), o, m, n, k).transpose(false, trans_w);
+            let mut mm = Matmul::new(e.val(x), e.val(w), o, m, n, k)
+                .transpose(false, trans_w)
+                .scaled(scale, 0.0);
             if let Some(b) = b {
                 mm = mm.with_bias(e.val(b));
             }
@@ -428,6 +431,7 @@ pub(super) fn backward(
                 b,
                 out,
                 trans_w,
+                scale,
             },
             _,
         ) => {
@@ -442,7 +446,9 @@ pub(super) fn backward(
                     // dW (K, N) = x^T (K, M) dout (M, N)
                     Matmul::new(e.val(x), dout, dw, k, n, m)
                 };
-                e.launch(Kernel::Matmul(mm.transpose(true, false).scaled(1.0, beta)))?;
+                e.launch(Kernel::Matmul(
+                    mm.transpose(true, false).scaled(scale, beta),
+                ))?;
             }
             if let Some(b) = b.filter(|&b| gr.needs(b)) {
                 // db (N) = 1^T (1, M) dout (M, N)
@@ -458,7 +464,7 @@ pub(super) fn backward(
                 e.launch(Kernel::Matmul(
                     Matmul::new(dout, e.val(w), dx, m, k, n)
                         .transpose(false, !trans_w)
-                        .scaled(1.0, beta),
+                        .scaled(scale, beta),
                 ))?;
             }
             Ok(())

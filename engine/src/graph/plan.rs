@@ -549,11 +549,12 @@ fn bind(
         }
     }
     bind_data(g, e, &b.inputs, |_| true)?;
-    if let Some((t, _)) = b
-        .inputs
-        .iter()
-        .find(|(t, _)| g.tensors.get(t.0).map(|i| i.source) != Some(Source::Input))
-    {
+    if let Some((t, _)) = b.inputs.iter().find(|(t, _)| {
+        !matches!(
+            g.tensors.get(t.0).map(|i| i.source),
+            Some(Source::Input | Source::Frozen)
+        )
+    }) {
         return Err(Error::InvalidArgument(format!(
             "plan: tensor #{} is bound as an input but is not one of this graph's inputs",
             t.0
@@ -581,14 +582,21 @@ pub(super) fn bind_data(
             e.value[t] = Some(b);
             continue;
         }
-        if info.source != Source::Input {
+        if !matches!(info.source, Source::Input | Source::Frozen) {
             continue;
         }
         let mut bound = inputs.iter().filter(|(x, _)| x.0 == t);
         let (Some(&(_, buf)), None) = (bound.next(), bound.next()) else {
             return Err(Error::InvalidArgument(format!(
-                "plan: input `{}` must be bound to exactly one buffer ({} {:?})",
-                info.name, info.dtype, info.shape
+                "plan: {} `{}` must be bound to exactly one buffer ({} {:?})",
+                if info.source == Source::Frozen {
+                    "frozen weight"
+                } else {
+                    "input"
+                },
+                info.name,
+                info.dtype,
+                info.shape
             )));
         };
         check_external(

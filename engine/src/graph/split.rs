@@ -164,6 +164,14 @@ impl Graph {
     /// or `None` to follow its use (see the module's doc). Every stage must train some
     /// parameters and the loss must land on the last stage.
     pub fn split(&self, param_stage: &[Option<usize>], stages: usize) -> Result<Vec<StageGraph>> {
+        if let Some(f) = self.frozen_weights().first() {
+            return Err(Error::InvalidArgument(format!(
+                "graph split: frozen weights (`{}`, a LoRA run's base model) cannot be cut \
+                 into pipeline stages yet; train LoRA with data parallelism (without \
+                 --pipeline-stages)",
+                self.t(*f).name
+            )));
+        }
         if param_stage.len() != self.params.len() {
             return Err(Error::InvalidArgument(format!(
                 "graph split: {} parameter stages given for {} parameters",
@@ -189,7 +197,7 @@ impl Graph {
                 .map(|&t| match self.tensors[t.0].source {
                     Source::Param(p) => param_stage[p].unwrap_or(0),
                     Source::Op => home[t.0].expect("ops read what earlier ops made"),
-                    Source::Input | Source::Constant(_) => 0,
+                    Source::Input | Source::Frozen | Source::Constant(_) => 0,
                 })
                 .max()
                 .unwrap_or(0);
@@ -279,7 +287,7 @@ impl Graph {
                         Source::Constant(k) => {
                             g.constant(&info.name, &info.shape, self.constants[k].clone())?
                         }
-                        Source::Param(_) | Source::Op => {
+                        Source::Param(_) | Source::Op | Source::Frozen => {
                             unreachable!("parameters and earlier outputs are declared")
                         }
                     };

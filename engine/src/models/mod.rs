@@ -12,6 +12,7 @@ pub mod gpt;
 pub mod import;
 pub mod import_llama;
 pub mod llama;
+pub mod lora;
 pub mod mlp;
 mod network;
 mod network_build;
@@ -103,6 +104,10 @@ pub struct ParamSpec {
     /// head reads the token embedding stores one tensor, `name`, that other tools also
     /// call `lm_head.weight`. Loading accepts either name.
     pub tied: Option<String>,
+    /// Not trained (a LoRA run's base weights): held once in the storage dtype, with
+    /// no gradient, master copy or optimizer moments. Frozen parameters come after
+    /// every trained one in [`Model::parameters`], and blocks name trained ones only.
+    pub frozen: bool,
 }
 
 impl ParamSpec {
@@ -115,7 +120,14 @@ impl ParamSpec {
             f32_grad: false,
             decay: false,
             tied: None,
+            frozen: false,
         }
+    }
+
+    /// Not trained (see [`ParamSpec::frozen`]).
+    pub fn frozen(mut self) -> ParamSpec {
+        self.frozen = true;
+        self
     }
 
     /// Decayed by the optimizer (a weight matrix).

@@ -82,6 +82,23 @@ impl From<&data::Batch> for MicroBatch {
     }
 }
 
+/// The buffers a plan binds with the inputs: each micro-batch input's, then each frozen
+/// weight's (declared in that order: a frozen weight is the graph's `Frozen` tensor of
+/// the same place among them).
+fn bound_inputs(
+    r: &Recorded,
+    inputs: &[Buffer],
+    frozen: &[(ParamSpec, Buffer)],
+) -> Vec<(Tensor, Buffer)> {
+    let data = r.forward.inputs.iter().copied().zip(inputs.iter().copied());
+    let weights = r
+        .graph
+        .frozen_weights()
+        .into_iter()
+        .zip(frozen.iter().map(|f| f.1));
+    data.chain(weights).collect()
+}
+
 /// Called with parameter indices whose gradients just became final.
 pub type Ready<'a> = &'a mut dyn FnMut(&[usize]) -> Result<()>;
 
@@ -96,6 +113,9 @@ pub struct Network {
     pub(super) model: Arc<dyn Model>,
     pub(super) options: NetworkOptions,
     pub(super) params: Vec<Param>,
+    /// Weights that are not trained (a LoRA run's base), one buffer each in the
+    /// storage dtype, after the trained parameters in the model's order.
+    pub(super) frozen: Vec<(ParamSpec, Buffer)>,
     /// The flat buffers every parameter's buffers are views of: the optimizer's groups
     /// (one launch each updates, checks or measures every tensor in it).
     pub(super) arenas: Vec<Group>,
@@ -141,6 +161,7 @@ impl Network {
     ) -> Result<Network> {
         let Prepared {
             specs,
+            frozen: frozen_specs,
             recorded,
             layout,
             memory,
@@ -160,6 +181,15 @@ impl Network {
         let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
         for (spec, &(arena, at)) in specs.iter().zip(&layout.places) {
             draw_initial(spec, &mut rng, &mut inits[arena][at..at + spec.len()]);
+        }
+        // The frozen weights are drawn after the trained ones, as the model lists them.
+        let mut frozen = vec![];
+        for spec in frozen_specs {
+            let mut values = vec![0.0; spec.len()];
+            draw_initial(&spec, &mut rng, &mut values);
+            let buf = dev.alloc(act, values.len())?;
+            dev.upload(buf, &HostData::from_f32(act, &values))?;
+            frozen.push((spec, buf));
         }
         let mut arenas = vec![];
         for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
@@ -200,13 +230,7 @@ impl Network {
         let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
         let bindings = Bindings {
             params: params.iter().map(|p| p.buffers).collect(),
-            inputs: recorded
-                .forward
-                .inputs
-                .iter()
-                .copied()
-                .zip(inputs.iter().copied())
-                .collect(),
+            inputs: bound_inputs(&recorded, &inputs, &frozen),
             groups: arenas.clone(),
         };
         let plan = g.compile(dev, &bindings, Some(&options.optimizer))?;
@@ -214,6 +238,7 @@ impl Network {
             model,
             options: options.clone(),
             params,
+            frozen,
             arenas,
             recorded,
             plan,
@@ -288,13 +313,7 @@ impl Network {
         let r = &self.recorded;
         let bindings = Bindings {
             params: self.params.iter().map(|p| p.buffers).collect(),
-            inputs: r
-                .forward
-                .inputs
-                .iter()
-                .copied()
-                .zip(self.inputs.iter().copied())
-                .collect(),
+            inputs: bound_inputs(r, &self.inputs, &self.frozen),
             groups: if self.shared_block_grads {
                 vec![]
             } else {
@@ -676,7 +695,8 @@ impl Network {
             self.arenas.iter().map(|a| f(&a.buffers)).sum()
         };
         ModelStateBytes {
-            weights: whole(|b| b.value.bytes()),
+            weights: whole(|b| b.value.bytes())
+                + self.frozen.iter().map(|f| f.1.bytes()).sum::<u64>(),
             gradients: if self.shared_block_grads {
                 self.own_grads.iter().map(|g| g.bytes()).sum()
             } else {

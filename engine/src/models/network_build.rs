@@ -242,7 +242,10 @@ pub(crate) fn declare_params(
         .iter()
         .map(|s| {
             let grad = if s.f32_grad { DType::F32 } else { act };
-            g.param(&s.name, &s.shape, act, grad, s.decay)
+            match s.frozen {
+                true => g.frozen(&s.name, &s.shape, act),
+                false => g.param(&s.name, &s.shape, act, grad, s.decay),
+            }
         })
         .collect()
 }
@@ -294,15 +297,30 @@ pub(crate) fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> 
             }
         }
     }
+    let trained = trained_count(specs);
+    if let Some(s) = specs[trained..].iter().find(|s| !s.frozen) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: parameter `{}` is trained but comes after a frozen one; list the frozen \
+             parameters last",
+            model.describe(),
+            s.name
+        )));
+    }
+    if trained == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{}: every parameter is frozen; there is nothing to train",
+            model.describe()
+        )));
+    }
     let blocks = model.blocks();
     let mut seen = HashSet::new();
     for b in &blocks {
         for &p in b {
-            if p >= specs.len() || !seen.insert(p) {
+            if p >= trained || !seen.insert(p) {
                 return Err(Error::InvalidArgument(format!(
-                    "{}: block parameter {p} is out of range ({} parameters) or in two blocks",
+                    "{}: block parameter {p} is out of range ({trained} trained parameters) \
+                     or in two blocks",
                     model.describe(),
-                    specs.len()
                 )));
             }
         }
@@ -310,9 +328,17 @@ pub(crate) fn check_specs(model: &dyn Model, specs: &[ParamSpec]) -> Result<()> 
     Ok(())
 }
 
+/// The trained parameters: those before the first frozen one.
+pub(crate) fn trained_count(specs: &[ParamSpec]) -> usize {
+    specs.iter().position(|s| s.frozen).unwrap_or(specs.len())
+}
+
 /// Everything decided about a network before a device is touched.
 pub(super) struct Prepared {
+    /// The trained parameters.
     pub(super) specs: Vec<ParamSpec>,
+    /// The frozen ones, after them in the model's order.
+    pub(super) frozen: Vec<ParamSpec>,
     pub(super) recorded: Recorded,
     pub(super) layout: ArenaLayout,
     pub(super) memory: NetworkMemory,
@@ -322,13 +348,26 @@ pub(super) struct Prepared {
 /// its parameters, records its graph and lays out and measures its buffers.
 pub(super) fn prepare(model: &dyn Model, options: &NetworkOptions) -> Result<Prepared> {
     model.check_sizes()?;
-    let specs = model.parameters();
+    let mut specs = model.parameters();
     check_specs(model, &specs)?;
     let recorded = record(model, &specs, options)?;
+    let frozen = specs.split_off(trained_count(&specs));
     let layout = arena_layout(&specs);
-    let memory = measure(model, &specs, &recorded, &layout, options)?;
+    let mut memory = measure(model, &specs, &recorded, &layout, options)?;
+    memory.frozen = frozen
+        .iter()
+        .map(|s| options.dtype.padded_bytes(s.len()))
+        .sum();
+    memory.largest_buffer = memory.largest_buffer.max(
+        frozen
+            .iter()
+            .map(|s| options.dtype.padded_bytes(s.len()))
+            .max()
+            .unwrap_or(0),
+    );
     Ok(Prepared {
         specs,
+        frozen,
         recorded,
         layout,
         memory,
@@ -401,6 +440,11 @@ fn measure(
         let n = super::tensor_elements(&format!("{}: input `{name}`", model.describe()), shape)?;
         input_bytes += dtype.padded_bytes(n);
         inputs.push((t, stand_in(dtype, n)));
+    }
+    // Frozen weights are bound as inputs are; their bytes count on their own.
+    for t in g.frozen_weights() {
+        let (_, shape, dtype) = g.describe(t);
+        inputs.push((t, stand_in(dtype, shape.iter().product())));
     }
     let bindings = Bindings {
         params,

@@ -14,6 +14,9 @@ use crate::{Capabilities, DType, Error, Result};
 pub struct NetworkMemory {
     /// The model copy in the storage dtype.
     pub weights: u64,
+    /// Weights that are not trained (a LoRA run's base model), held once in the
+    /// storage dtype.
+    pub frozen: u64,
     /// Gradients (storage dtype; f32 for embeddings and norms).
     pub gradients: u64,
     /// The gradients' bytes once alike blocks share one set (ZeRO stage 2, see
@@ -48,6 +51,7 @@ pub struct NetworkMemory {
 impl NetworkMemory {
     pub fn total(&self) -> u64 {
         self.weights
+            .saturating_add(self.frozen)
             .saturating_add(self.gradients)
             .saturating_add(self.optimizer)
             .saturating_add(self.activations)

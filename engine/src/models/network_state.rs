@@ -222,6 +222,93 @@ impl Network {
         dev.upload(b.value, value)
     }
 
+    /// Sets the frozen weights (a LoRA run's base model) from host tensors named as the
+    /// model names them (a tied one also under its other name), each rounded once to
+    /// the storage dtype. All or nothing: every frozen weight must be given once with
+    /// its shape, finite and within the storage dtype's range, and no other tensor;
+    /// the trained parameters and the optimizer state are left as they are.
+    pub fn set_frozen(&self, dev: &dyn Device, weights: &[HostTensor]) -> Result<()> {
+        for (i, t) in self.match_frozen(weights)?.into_iter().enumerate() {
+            let (value, _) = weight_copies(&t.data, self.options.dtype);
+            dev.upload(self.frozen[i].1, &value)?;
+        }
+        Ok(())
+    }
+
+    /// The given weights in frozen-weight order, after every check
+    /// [`Network::set_frozen`] documents.
+    pub(crate) fn match_frozen<'a>(
+        &self,
+        weights: &'a [HostTensor],
+    ) -> Result<Vec<&'a HostTensor>> {
+        let what = self.model.describe();
+        if self.frozen.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} has no frozen weights to set"
+            )));
+        }
+        let mut found: Vec<Option<&HostTensor>> = vec![None; self.frozen.len()];
+        for t in weights {
+            let i = self
+                .frozen
+                .iter()
+                .position(|(s, _)| s.name == t.name || s.tied.as_deref() == Some(&t.name))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "weights: `{}` is not a frozen weight of {what} (the base model's                          weights are named like `{}`)",
+                        t.name, self.frozen[0].0.name
+                    ))
+                })?;
+            let spec = &self.frozen[i].0;
+            if t.shape != spec.shape || t.data.len() != spec.len() || !t.data.dtype().is_float() {
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` is {:?} {} but {what} has {:?} for it: the weights were \
+                     made for a different model config",
+                    t.name,
+                    t.shape,
+                    t.data.dtype(),
+                    spec.shape
+                )));
+            }
+            if found[i].is_some() {
+                // A tied tensor given under both names is one tensor: the first counts.
+                continue;
+            }
+            check_range(t, self.options.dtype)?;
+            found[i] = Some(t);
+        }
+        let missing: Vec<&str> = self
+            .frozen
+            .iter()
+            .zip(&found)
+            .filter(|(_, f)| f.is_none())
+            .map(|(p, _)| p.0.name.as_str())
+            .take(5)
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "weights: the base model's `{}` are missing; every frozen weight of {what} \
+                 must be given",
+                missing.join("`, `")
+            )));
+        }
+        Ok(found.into_iter().map(|f| f.expect("checked")).collect())
+    }
+
+    /// The frozen weights as stored (a LoRA run's base model), under their names.
+    pub fn frozen_values(&self, dev: &dyn Device) -> Result<Vec<HostTensor>> {
+        self.frozen
+            .iter()
+            .map(|(s, b)| {
+                Ok(HostTensor::new(
+                    s.name.clone(),
+                    s.shape.clone(),
+                    dev.download(*b)?,
+                ))
+            })
+            .collect()
+    }
+
     /// (name, f32 master values) of every parameter.
     pub fn parameters(&self, dev: &dyn Device) -> Result<Vec<(String, Vec<f32>)>> {
         self.params

@@ -611,6 +611,18 @@ impl Trainer {
         Ok(())
     }
 
+    /// Sets every replica's frozen weights (a LoRA run's base model) as
+    /// [`Network::set_frozen`] does, leaving the trained parameters, the optimizer
+    /// state and the step count alone. Checked in full before anything is written.
+    pub fn set_frozen(&mut self, devs: &[&dyn Device], weights: &[HostTensor]) -> Result<()> {
+        self.check_devices(devs)?;
+        self.model.match_frozen(weights)?;
+        for (m, dev) in self.models().zip(devs) {
+            m.set_frozen(*dev, weights)?;
+        }
+        Ok(())
+    }
+
     /// [`Trainer::set_weights`] from the safetensors file at `path` (read whole, see
     /// `safetensors_io::read`): a file `safetensors_io::save` wrote from
     /// [`Network::tensors`], or any file holding exactly this model's tensors under its

@@ -1,0 +1,459 @@
+//! LoRA on GPT-2 and the Llama family: a fresh adapter changes no output bit, adapter
+//! gradients equal finite differences and the CPU reference, training moves only the
+//! adapters (the base's bytes stay), merging gives the adapted model's logits, PEFT's
+//! file format round-trips, the allocator holds what `Network::memory` says (no
+//! gradient, master or moments for the base), and bad settings are named.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use kiln::cpu::CpuDevice;
+use kiln::engine::device::host::HostTensor;
+use kiln::engine::graph::Attention;
+use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::llama::{Llama, LlamaConfig};
+use kiln::engine::models::lora::{read_peft, Lora, LoraConfig, Targets};
+use kiln::engine::models::{MicroBatch, Model, Network, NetworkOptions};
+use kiln::engine::train::trainer::Trainer;
+use kiln::engine::{DType, Device, HostData};
+
+fn llama_cfg() -> LlamaConfig {
+    serde_json::from_str(
+        r#"{"n_layer": 2, "n_head": 4, "n_kv_head": 2, "n_embd": 16, "block_size": 16,
+            "vocab_size": 11, "intermediate_size": 24}"#,
+    )
+    .unwrap()
+}
+
+fn gpt_cfg() -> GptConfig {
+    GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 16,
+        block_size: 16,
+        vocab_size: 11,
+        padded_vocab_size: None,
+    }
+}
+
+/// The two base models, on sequences of `t`.
+fn bases(t: usize) -> Vec<(&'static str, Arc<dyn Model>)> {
+    vec![
+        (
+            "llama",
+            Arc::new(Llama::new(llama_cfg(), t).with_attention(Attention::Fused)),
+        ),
+        (
+            "gpt",
+            Arc::new(Gpt::new(gpt_cfg(), t).with_attention(Attention::Fused)),
+        ),
+    ]
+}
+
+fn lora(r: usize, alpha: f32, dropout: f32, targets: Targets) -> LoraConfig {
+    LoraConfig {
+        r,
+        alpha,
+        dropout,
+        target_modules: targets,
+        use_rslora: false,
+    }
+}
+
+fn all_linear() -> Targets {
+    Targets::All("all-linear".into())
+}
+
+fn options(batch: usize, dtype: DType) -> NetworkOptions {
+    NetworkOptions {
+        batch,
+        dtype,
+        optimizer: adamw(),
+        seed: 5,
+        packed: false,
+    }
+}
+
+fn tokens(seed: u64, n: usize) -> MicroBatch {
+    let mut rng = Rng::new(seed);
+    let t: Vec<u32> = (0..n + 1).map(|_| rng.next_u32() % 11).collect();
+    MicroBatch::tokens(&t[..n], &t[1..])
+}
+
+/// The base network's weights as host tensors (f32 masters).
+fn weights(dev: &dyn Device, net: &Network) -> Vec<HostTensor> {
+    let shapes: Vec<Vec<usize>> = net.specs().map(|s| s.shape.clone()).collect();
+    net.parameters(dev)
+        .unwrap()
+        .into_iter()
+        .zip(shapes)
+        .map(|((name, v), shape)| HostTensor::new(name, shape, HostData::F32(v)))
+        .collect()
+}
+
+fn logits(dev: &dyn Device, net: &Network, mb: &MicroBatch) -> (f64, HostData) {
+    let (loss, _) = net.predict(dev, mb).unwrap();
+    let buf = net.output(net.prediction()).unwrap();
+    (loss, dev.download(buf).unwrap())
+}
+
+/// Sets every B to small random values (a fresh one is zero: no gradient reaches A).
+fn randomize_b(dev: &dyn Device, net: &Network, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let specs: Vec<_> = net.specs().cloned().collect();
+    for (i, s) in specs.iter().enumerate() {
+        if s.name.ends_with("lora_B.weight") {
+            let v: Vec<f32> = (0..s.len()).map(|_| rng.uniform(-0.5, 0.5)).collect();
+            net.set_parameter(dev, i, &v).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_fresh_adapter_leaves_every_output_bit_as_the_base_model_has_it() {
+    let cpu = CpuDevice::new();
+    let gpus = gpu_paths();
+    let mut devs: Vec<(&str, &dyn Device)> = vec![("cpu", &cpu)];
+    devs.extend(gpus.iter().map(|p| (p.name, p.dev.as_ref())));
+    let (b, t) = (2, 16);
+    let mb = tokens(1, b * t);
+    for (name, base) in bases(t) {
+        for dtype in [DType::F32, DType::F16] {
+            for &(dev_name, dev) in &devs {
+                let plain = Network::new(dev, base.clone(), &options(b, dtype)).unwrap();
+                let adapted = Arc::new(lora(4, 8.0, 0.0, all_linear()));
+                let adapted = Lora::new(base.clone(), (*adapted).clone()).unwrap();
+                let net = Network::new(dev, Arc::new(adapted), &options(b, dtype)).unwrap();
+                net.set_frozen(dev, &weights(dev, &plain)).unwrap();
+                let (lp, xp) = logits(dev, &plain, &mb);
+                let (la, xa) = logits(dev, &net, &mb);
+                let what = format!("{name} {dtype} {dev_name}");
+                assert_eq!(lp.to_bits(), la.to_bits(), "{what}: loss");
+                assert_bits_eq(&what, &xa, &xp);
+            }
+        }
+    }
+}
+
+#[test]
+fn adapter_gradients_match_finite_differences_and_the_base_gets_none() {
+    let dev = CpuDevice::new();
+    let (b, t) = (2, 5);
+    for (name, base) in bases(t) {
+        let config = lora(
+            2,
+            3.0,
+            0.0,
+            Targets::List(vec![
+                "q_proj".into(),
+                "c_attn".into(),
+                "down_proj".into(),
+                "mlp.c_proj".into(),
+            ]),
+        );
+        // Each name matches a module of one of the two models only: refused.
+        assert!(Lora::new(base.clone(), config).is_err(), "{name}");
+        let targets = match name {
+            "llama" => vec!["q_proj", "v_proj", "down_proj"],
+            _ => vec!["c_attn", "mlp.c_proj"],
+        };
+        let config = lora(
+            2,
+            3.0,
+            0.0,
+            Targets::List(targets.iter().map(|s| s.to_string()).collect()),
+        );
+        let model = Arc::new(Lora::new(base.clone(), config).unwrap());
+        let modules = model.adapted.len();
+        assert_eq!(modules, targets.len() * 2, "{name}: one per layer");
+        let mut net = Network::new(&dev, model, &options(b, DType::F32)).unwrap();
+        // Unit-scale base weights (as tests/llama.rs: 0.02-wide ones make RMSNorm's
+        // 1/rms ~50 and a finite-difference step far from small).
+        let mut rng = Rng::new(3);
+        let base_net = Network::new(&dev, base.clone(), &options(b, DType::F32)).unwrap();
+        let unit: Vec<HostTensor> = weights(&dev, &base_net)
+            .into_iter()
+            .map(|w| {
+                let v = (0..w.data.len()).map(|_| rng.uniform(-0.5, 0.5)).collect();
+                HostTensor::new(w.name, w.shape, HostData::F32(v))
+            })
+            .collect();
+        net.set_frozen(&dev, &unit).unwrap();
+        randomize_b(&dev, &net, 4);
+        let mb = tokens(2, b * t);
+        net.loss_and_gradients(&dev, &mb).unwrap();
+        let grads = net.gradients(&dev).unwrap();
+        // Only the adapters have gradients: A and B per module.
+        assert_eq!(grads.len(), 2 * modules, "{name}");
+        assert!(grads.iter().all(|(n, _)| n.contains(".lora_")), "{name}");
+        let params = net.parameters(&dev).unwrap();
+        let h = 3e-3f32;
+        let mut bad = vec![];
+        for (i, ((pname, g), (_, w))) in grads.iter().zip(&params).enumerate() {
+            assert!(
+                g.iter().any(|&x| x != 0.0),
+                "{name}: {pname} has no gradient"
+            );
+            for &e in &[0, w.len() / 2, w.len() - 1] {
+                let mut up = w.clone();
+                up[e] += h;
+                net.set_parameter(&dev, i, &up).unwrap();
+                let lu = net.loss(&dev, &mb).unwrap();
+                up[e] -= 2.0 * h;
+                net.set_parameter(&dev, i, &up).unwrap();
+                let ld = net.loss(&dev, &mb).unwrap();
+                net.set_parameter(&dev, i, w).unwrap();
+                let fd = (lu - ld) / (2.0 * h as f64);
+                // As tests/llama.rs: f64 sums of f32 losses over 2h, a few 1e-5; O(h^2)
+                // curvature a few percent at most.
+                if (fd - g[e] as f64).abs() > 2e-5 + 0.02 * fd.abs() {
+                    bad.push(format!(
+                        "{pname}[{e}]: finite difference {fd:e}, backward {:e}",
+                        g[e]
+                    ));
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{name}:\n{}", bad.join("\n"));
+    }
+}
+
+#[test]
+fn gpu_adapter_gradients_with_dropout_match_the_cpu_reference() {
+    let cpu = CpuDevice::new();
+    let (b, t) = (2, 16);
+    let mb = tokens(5, b * t);
+    for (name, base) in bases(t) {
+        let model = Arc::new(Lora::new(base, lora(4, 16.0, 0.1, all_linear())).unwrap());
+        for dtype in [DType::F32, DType::F16] {
+            let mut c = Network::new(&cpu, model.clone(), &options(b, dtype)).unwrap();
+            randomize_b(&cpu, &c, 6);
+            let lc = c.loss_and_gradients(&cpu, &mb).unwrap();
+            let gc = c.gradients(&cpu).unwrap();
+            for p in gpu_paths() {
+                let dev = p.dev.as_ref();
+                let mut g = Network::new(dev, model.clone(), &options(b, dtype)).unwrap();
+                randomize_b(dev, &g, 6);
+                let lg = g.loss_and_gradients(dev, &mb).unwrap();
+                let gg = g.gradients(dev).unwrap();
+                // As tests/llama.rs: f32 differs in the order of sums; f16 rounds every
+                // stored activation at the same points on both.
+                let (lt, gt) = match dtype {
+                    DType::F32 => (1e-5, 1e-3),
+                    _ => (2e-3, 0.05),
+                };
+                let what = format!("{name} {dtype} {}", p.name);
+                assert!((lg - lc).abs() < lt * lc, "{what}: loss {lg} vs {lc}");
+                for ((n, a), (_, w)) in gg.iter().zip(&gc) {
+                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+                    let worst = a
+                        .iter()
+                        .zip(w)
+                        .map(|(a, w)| (a - w).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        worst <= gt * scale,
+                        "{what}: {n} off by {worst} (max {scale})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn training_moves_the_adapters_only_and_merging_gives_the_adapted_logits() {
+    let dev = CpuDevice::new();
+    let (b, t) = (2, 16);
+    for (name, base) in bases(t) {
+        for dtype in [DType::F32, DType::F16] {
+            let config = lora(4, 8.0, 0.05, all_linear());
+            let model = Arc::new(Lora::new(base.clone(), config).unwrap());
+            let mut trainer =
+                Trainer::new(&dev, model.clone(), ds_config(b, 2, dtype, 1), 7).unwrap();
+            let before = trainer.model.frozen_values(&dev).unwrap();
+            let mut losses = vec![];
+            // The same two micro-batches every step: the loss on them must fall.
+            for _ in 0..8 {
+                let micro = [tokens(0, b * t), tokens(1, b * t)];
+                let _ = trainer.step(&dev, &micro).unwrap();
+                losses.push(trainer.model.loss(&dev, &tokens(0, b * t)).unwrap());
+            }
+            let what = format!("{name} {dtype}");
+            assert!(losses[7] < losses[0], "{what}: {losses:?}");
+            let after = trainer.model.frozen_values(&dev).unwrap();
+            for (x, y) in before.iter().zip(&after) {
+                assert_bits_eq(&format!("{what}: {}", x.name), &y.data, &x.data);
+            }
+            // Merged into a plain model: the adapted model's logits. fp32 storage so
+            // the comparison sees the merge, not the 16-bit rounding of W + BA.
+            let masters = trainer.model.parameters(&dev).unwrap();
+            let shapes: Vec<Vec<usize>> = trainer.model.specs().map(|s| s.shape.clone()).collect();
+            let adapters: Vec<HostTensor> = masters
+                .into_iter()
+                .zip(shapes)
+                .map(|((n, v), s)| HostTensor::new(n, s, HostData::F32(v)))
+                .collect();
+            let mut f32_net = Network::new(&dev, model.clone(), &options(b, DType::F32)).unwrap();
+            let base_f32: Vec<HostTensor> = before
+                .iter()
+                .map(|w| {
+                    HostTensor::new(
+                        w.name.clone(),
+                        w.shape.clone(),
+                        HostData::F32(w.data.to_f32()),
+                    )
+                })
+                .collect();
+            f32_net.set_frozen(&dev, &base_f32).unwrap();
+            f32_net.set_weights(&dev, &adapters).unwrap();
+            let merged = model.merge(&base_f32, &adapters).unwrap();
+            let mut plain = Network::new(&dev, base.clone(), &options(b, DType::F32)).unwrap();
+            plain.set_weights(&dev, &merged).unwrap();
+            let mb = tokens(9, b * t);
+            let (la, xa) = logits(&dev, &f32_net, &mb);
+            let (lm, xm) = logits(&dev, &plain, &mb);
+            // f32 sums in another order (x(W + sBA) against xW + s(xA)B): ~1e-6 each.
+            assert!((la - lm).abs() < 1e-5 * la, "{what}: {la} vs {lm}");
+            let worst = xa
+                .to_f32()
+                .iter()
+                .zip(xm.to_f32())
+                .map(|(a, m)| (a - m).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-4, "{what}: merged logits off by {worst}");
+        }
+    }
+}
+
+#[test]
+fn peft_files_round_trip_and_memory_is_what_the_allocator_holds() {
+    let dev = CpuDevice::new();
+    let (b, t) = (2, 16);
+    let dir = scratch_dir("lora", "peft");
+    for (name, base) in bases(t) {
+        let config = lora(3, 6.0, 0.0, all_linear());
+        let model = Arc::new(Lora::new(base.clone(), config.clone()).unwrap());
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let before = dev.allocated_bytes();
+            let net = Network::new(&dev, model.clone(), &options(b, dtype)).unwrap();
+            let m = Network::memory(model.as_ref(), &options(b, dtype)).unwrap();
+            assert_eq!(
+                m.total(),
+                dev.allocated_bytes() - before,
+                "{name} {dtype}: {m:?}"
+            );
+            // The base is held once in the storage dtype; the optimizer's 12 bytes per
+            // element are the adapters' only (each tensor aligned to 128 elements).
+            let psi = model.adapter_parameters() as u64;
+            let tensors = 2 * model.adapted.len() as u64;
+            assert!(m.optimizer >= 12 * psi && m.optimizer < 12 * (psi + 128 * tensors));
+            let base_elems: u64 = base.parameters().iter().map(|p| p.len() as u64).sum();
+            assert!(
+                m.frozen >= base_elems * dtype.size() as u64,
+                "{name} {dtype}"
+            );
+            assert!(
+                m.gradients < 4 * (psi + 128 * tensors),
+                "{name} {dtype}: {m:?}"
+            );
+            drop(net);
+        }
+        let net = Network::new(&dev, model.clone(), &options(b, DType::F32)).unwrap();
+        randomize_b(&dev, &net, 8);
+        let adapters = weights(&dev, &net);
+        let out = dir.join(name);
+        model.save_peft(&out, &adapters, "base").unwrap();
+        let text = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (v["peft_type"].as_str(), v["r"].as_u64()),
+            (Some("LORA"), Some(3))
+        );
+        assert_eq!(v["lora_alpha"].as_f64(), Some(6.0));
+        assert_eq!(v["fan_in_fan_out"].as_bool(), Some(name == "gpt"));
+        let file =
+            kiln::engine::device::safetensors_io::read(&out.join("adapter_model.safetensors"))
+                .unwrap();
+        let first = &model.adapted[0];
+        let a = file
+            .iter()
+            .find(|x| x.name == format!("base_model.model.{}.lora_A.weight", first.module))
+            .unwrap();
+        assert_eq!(a.shape, vec![3, first.fan_in], "{name}: A is (r, in)");
+        let back = read_peft(&out).unwrap();
+        assert_eq!(back.config.r, 3);
+        assert_eq!(back.config.alpha, 6.0);
+        let again = Arc::new(Lora::new(base.clone(), back.config.clone()).unwrap());
+        assert_eq!(again.adapted, model.adapted, "{name}: the same modules");
+        let mut loaded = Network::new(&dev, again, &options(b, DType::F32)).unwrap();
+        loaded.set_weights(&dev, &back.tensors).unwrap();
+        for (x, y) in weights(&dev, &loaded).iter().zip(&adapters) {
+            assert_eq!(x.name, y.name);
+            assert_bits_eq(&x.name, &x.data, &y.data);
+        }
+    }
+}
+
+#[test]
+fn bad_lora_settings_are_named() {
+    let (_, llama) = bases(4).remove(0);
+    let e = Lora::new(
+        llama.clone(),
+        lora(4, 8.0, 0.0, Targets::List(vec!["qproj".into()])),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("qproj") && e.contains("q_proj, up_proj, v_proj"),
+        "{e}"
+    );
+    assert!(!e.contains("lm_head") || e.contains("lm_head"), "{e}");
+    let e = Lora::new(llama.clone(), lora(0, 8.0, 0.0, all_linear()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("r = 0"), "{e}");
+    // k_proj is (8, 16): r 9 is over its smaller side.
+    let e = Lora::new(llama.clone(), lora(9, 8.0, 0.0, all_linear()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("r = 9") && e.contains("k_proj") && e.contains("min(in, out)"),
+        "{e}"
+    );
+    let e = Lora::new(llama.clone(), lora(2, 8.0, 1.0, all_linear()))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("dropout 1"), "{e}");
+    let e = Lora::new(llama, lora(2, 8.0, 0.0, Targets::All("all".into())))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("\"all-linear\""), "{e}");
+    let c = LoraConfig::parse_flag("r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj").unwrap();
+    assert_eq!(
+        c,
+        lora(
+            16,
+            32.0,
+            0.05,
+            Targets::List(vec!["q_proj".into(), "v_proj".into()])
+        )
+    );
+    assert_eq!(c.scale(), 2.0);
+    for (flag, want) in [
+        ("alpha=32", "r is missing"),
+        ("r=x", "r `x` is not a number"),
+        ("r=4,rank=2", "unknown key `rank`"),
+        ("r=4,targets", "`targets` is not key=value"),
+    ] {
+        let e = LoraConfig::parse_flag(flag).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains("--lora"), "{flag}: {e}");
+    }
+}
