@@ -20,6 +20,8 @@ use crate::train::{addition_eval, evaluate, held_out, Dataset};
 pub struct EvalOptions {
     /// A run directory or a checkpoint directory.
     pub source: PathBuf,
+    /// A LoRA adapter (PEFT's format) merged into the source's weights first.
+    pub adapter: Option<PathBuf>,
     /// Score the whole of this file instead of the run's held-out data.
     pub data: Option<PathBuf>,
     /// The device (`kiln devices`); empty: the best adapter.
@@ -67,6 +69,9 @@ const IMPORT_MICRO_BATCH: usize = 4;
 /// Loads the checkpoint, builds its data and scores it.
 pub fn eval(opts: &EvalOptions) -> Result<EvalReport> {
     let mut source = Source::open(&opts.source, opts.dtype)?;
+    if let Some(dir) = &opts.adapter {
+        source = source.with_adapter(dir)?;
+    }
     match opts.seq {
         Some(seq) => source = source.with_context(seq)?,
         None => source.notes.extend(source.context_note()),

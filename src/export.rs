@@ -35,10 +35,46 @@ pub struct Exported {
 /// Writes the model of `source` (a run, a checkpoint or an importable file, as `kiln
 /// sample` takes it) to `out` in `format` (`hf`).
 pub fn export(source: &Path, format: &str, out: &Path) -> Result<Exported> {
+    export_with(source, format, out, None, false)
+}
+
+/// [`export`] with LoRA adapters merged in (`merge`): a LoRA run's, or `adapter`'s (a
+/// PEFT directory) into the source. A LoRA source without `merge` is refused, saying
+/// where its adapter is: the whole model is written only when asked.
+pub fn export_with(
+    source: &Path,
+    format: &str,
+    out: &Path,
+    adapter: Option<&Path>,
+    merge: bool,
+) -> Result<Exported> {
     if format != "hf" {
         bail!("--format {format}: Kiln exports `hf` (a Hugging Face model directory)");
     }
-    let src = Source::open(source, None)?;
+    if adapter.is_some() && !merge {
+        bail!(
+            "--adapter without --merge: exporting writes a whole model, the base with the \
+             adapter merged in; pass --merge (the adapter itself is already in PEFT's format)"
+        );
+    }
+    let mut src = Source::open(source, None)?;
+    if let Some(dir) = adapter {
+        src = src.with_adapter(dir)?;
+    } else if src.lora && !merge {
+        let run = src.run_dir.as_deref().unwrap_or(source);
+        bail!(
+            "{} is a LoRA run: its adapters are in PEFT's format in {} (what \
+             peft.PeftModel.from_pretrained loads); pass --merge to write the base model \
+             with them merged in",
+            source.display(),
+            run.join("adapter").display()
+        );
+    } else if merge && !src.lora {
+        bail!(
+            "--merge: {} has no LoRA adapters; pass --adapter DIR",
+            source.display()
+        );
+    }
     if out.exists() && !out.is_dir() {
         bail!("--out {}: is a file; give a directory", out.display());
     }

@@ -77,6 +77,7 @@ fn run(cli: Cli) -> Result<()> {
                 devices: a.devices,
                 dtype: a.dtype.map(|d| d.parse()).transpose()?,
                 chat: a.chat,
+                adapter: a.adapter,
             })?;
             Ok(())
         }
@@ -85,8 +86,10 @@ fn run(cli: Cli) -> Result<()> {
             source,
             format,
             out,
+            adapter,
+            merge,
         } => {
-            let e = kiln::export::export(&source, &format, &out)?;
+            let e = kiln::export::export_with(&source, &format, &out, adapter.as_deref(), merge)?;
             outln!(
                 "{}: a Hugging Face {} model{}",
                 e.dir.display(),

@@ -235,6 +235,8 @@ pub fn open_one_device(devices: &[String]) -> Result<Box<dyn Device>> {
 pub struct SampleOptions {
     /// A run directory or a checkpoint directory.
     pub source: PathBuf,
+    /// A LoRA adapter (PEFT's format) merged into the source's weights first.
+    pub adapter: Option<PathBuf>,
     /// The text to continue.
     pub prompt: Option<String>,
     /// A file of prompts, one per line, each continued in turn.
@@ -316,7 +318,10 @@ fn prompts(opts: &SampleOptions, source: &Source) -> Result<Vec<(String, Vec<u32
 
 /// Continues each prompt, streaming the text to stdout; returns the time taken.
 pub fn sample(opts: &SampleOptions) -> Result<Timing> {
-    let source = Source::open(&opts.source, opts.dtype)?;
+    let mut source = Source::open(&opts.source, opts.dtype)?;
+    if let Some(dir) = &opts.adapter {
+        source = source.with_adapter(dir)?;
+    }
     for note in &source.notes {
         crate::say::say(format!("note: {note}"));
     }

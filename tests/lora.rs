@@ -457,3 +457,132 @@ fn bad_lora_settings_are_named() {
         assert!(e.contains(want) && e.contains("--lora"), "{flag}: {e}");
     }
 }
+
+/// `kiln train --lora` from a Hugging Face Llama directory: the loss falls, the
+/// checkpoints hold the adapters only and `RUN/adapter` is a PEFT adapter; a resume
+/// reads the base again and keeps the run's LoRA settings (others are refused); `kiln
+/// eval` of the run equals the base directory with `--adapter RUN/adapter`, and `kiln
+/// export --merge` writes that model; `--adapter` starts a new run where the first left.
+#[test]
+fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
+    use kiln::eval::{eval, EvalOptions};
+    use kiln::train::{train, TrainOptions};
+    let dir = scratch_dir("lora", "cli");
+    let hf = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/gqa_f32");
+    // Every token is followed by (7 t + 3) mod 37 (as tests/init_from.rs).
+    let mut ids = vec![1u32];
+    while ids.len() < 4000 {
+        ids.push((ids[ids.len() - 1] * 7 + 3) % 37);
+    }
+    let bin = dir.join("rule.bin");
+    kiln::engine::data::write_token_file(&bin, &ids, "custom", 37).unwrap();
+    let config = dir.join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{"train_micro_batch_size_per_gpu": 8,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+    )
+    .unwrap();
+    let run = dir.join("run");
+    let opts = |steps: u64| TrainOptions {
+        config: Some(config.clone()),
+        data: Some(bin.clone()),
+        devices: vec!["cpu".into()],
+        out: Some(run.clone()),
+        eval_every: Some(0),
+        seq: Some(16),
+        steps: Some(steps),
+        ..TrainOptions::default()
+    };
+    let r = train(&TrainOptions {
+        init_from: Some(hf.clone()),
+        lora: Some("r=4,alpha=8,targets=q_proj+v_proj+down_proj".into()),
+        ..opts(30)
+    })
+    .unwrap();
+    let losses: Vec<f32> = kiln::engine::train::runs::read_metrics(&r.dir)
+        .unwrap()
+        .iter()
+        .map(|m| m.loss)
+        .collect();
+    let end = losses[losses.len() - 5..].iter().sum::<f32>() / 5.0;
+    assert!(
+        end < losses[0] - 0.5,
+        "the adapters did not learn: {losses:?}"
+    );
+    let ck = kiln::engine::train::checkpoint::load_latest(&run).unwrap();
+    let model = &ck.file("model.safetensors").unwrap().tensors;
+    assert_eq!(model.len(), 2 * 3 * 2, "A and B of 3 modules in 2 layers");
+    assert!(model.iter().all(|t| t.name.contains(".lora_")));
+    let peft = read_peft(&run.join("adapter")).unwrap();
+    assert_eq!((peft.config.r, peft.config.alpha), (4, 8.0));
+    assert_eq!(peft.tensors.len(), 12);
+
+    // Resumed: the run's own LoRA settings and base; other settings are refused.
+    train(&TrainOptions {
+        resume: true,
+        seq: None,
+        ..opts(35)
+    })
+    .unwrap();
+    let e = train(&TrainOptions {
+        resume: true,
+        seq: None,
+        lora: Some("r=8".into()),
+        ..opts(40)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("lora.r: 4 -> 8"), "{e}");
+
+    // The run scores as its base with its adapter merged in; the base alone does not.
+    let score = |source: &std::path::Path, adapter: Option<&std::path::Path>| {
+        eval(&EvalOptions {
+            source: source.to_path_buf(),
+            adapter: adapter.map(|a| a.to_path_buf()),
+            data: Some(bin.clone()),
+            devices: vec!["cpu".into()],
+            seq: Some(16),
+            dtype: Some(DType::F32),
+            ..EvalOptions::default()
+        })
+        .unwrap()
+        .loss
+    };
+    let adapter = run.join("adapter");
+    let tuned = score(&run, None);
+    assert_eq!(tuned.to_bits(), score(&hf, Some(&adapter)).to_bits());
+    assert!(score(&hf, None) > tuned + 0.5);
+
+    // Export: refused without --merge (naming the adapter), merged with it.
+    let out = dir.join("merged");
+    let e = kiln::export::export_with(&run, "hf", &out, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--merge") && e.contains("adapter"), "{e}");
+    kiln::export::export_with(&run, "hf", &out, None, true).unwrap();
+    assert_eq!(score(&out, None).to_bits(), tuned.to_bits());
+
+    // A new run from the base and the adapter starts where the first left off.
+    let again = train(&TrainOptions {
+        init_from: Some(hf.clone()),
+        adapter: Some(adapter.clone()),
+        out: Some(dir.join("again")),
+        ..opts(2)
+    })
+    .unwrap();
+    let first = kiln::engine::train::runs::read_metrics(&again.dir).unwrap()[0].loss;
+    assert!(first < losses[0] - 0.5, "{first} vs {losses:?}");
+    // An adapter for other modules than --lora names is refused.
+    let e = train(&TrainOptions {
+        init_from: Some(hf),
+        adapter: Some(adapter),
+        lora: Some("r=4,alpha=8,targets=q_proj".into()),
+        out: Some(dir.join("other")),
+        ..opts(2)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--adapter") && e.contains("drop --lora"), "{e}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -41,6 +41,14 @@ pub(crate) enum Command {
         /// The directory to write.
         #[arg(long)]
         out: PathBuf,
+        /// A LoRA adapter in PEFT's format to merge into the model (needs --merge).
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
+        /// Write the base with the LoRA adapters merged in (a LoRA run, or --adapter): a
+        /// whole model `transformers` loads without PEFT. A LoRA run's adapters alone
+        /// are in RUN/adapter already.
+        #[arg(long)]
+        merge: bool,
     },
     /// Check or explain a DeepSpeed config file.
     Config {
@@ -194,6 +202,17 @@ pub(crate) struct TrainArgs {
     /// [default: the config's pipeline.partition, else parameters].
     #[arg(long)]
     pub(crate) partition: Option<String>,
+    /// Train LoRA adapters on the frozen model instead of every weight:
+    /// `r=16,alpha=32,dropout=0.05,targets=q_proj+k_proj+v_proj+o_proj` (targets joined by
+    /// +, or all-linear, the default) [default: the config's kiln.lora, else full
+    /// training]. The base comes from --init-from; adapters are saved in PEFT's format
+    /// in RUN/adapter.
+    #[arg(long, value_name = "SETTINGS")]
+    pub(crate) lora: Option<String>,
+    /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json +
+    /// adapter_model.safetensors), for the --init-from base it was trained on.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) adapter: Option<PathBuf>,
     /// For --data given as a dataset of rows (.jsonl, .json, .parquet, a directory,
     /// .csv, .tsv): the tokenizer to prepare it with, as `kiln prepare --tokenizer` takes
     /// it [default: the --init-from directory's tokenizer.json]. The examples go into the
@@ -243,6 +262,10 @@ pub(crate) struct SampleArgs {
     /// model's tokenizer_config.json has one): the model answers it.
     #[arg(long)]
     pub(crate) chat: bool,
+    /// A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)
+    /// to merge into the model's weights first: the model is its base.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) adapter: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -278,6 +301,10 @@ pub(crate) struct EvalArgs {
     /// Print the result as JSON.
     #[arg(long)]
     pub(crate) json: bool,
+    /// A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors)
+    /// to merge into the model's weights first: the model is its base.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) adapter: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]

@@ -246,6 +246,8 @@ fn train_with(
         peak_tflops: a.peak_tflops,
         pipeline_stages: a.pipeline_stages,
         partition: a.partition,
+        lora: a.lora,
+        adapter: a.adapter,
     };
     let r = match kiln::train::train(&opts) {
         Ok(r) => r,
@@ -307,6 +309,7 @@ pub(crate) fn eval(a: EvalArgs) -> Result<()> {
         seq: a.seq,
         packed: a.packed,
         progress: !a.json,
+        adapter: a.adapter,
     })?;
     if a.json {
         outln!("{}", serde_json::to_string_pretty(&r)?);

@@ -18,15 +18,19 @@ use kiln_wgpu::DeviceOptions;
 
 use super::checkpoints::restore;
 use super::data::Data;
+use super::lora;
 use super::options::TrainOptions;
 use super::resolve::Resolved;
 use super::run_dir::{check_inputs_survive, check_same_run, run_record};
 use crate::devices::open_device;
+use crate::init_from::InitWeights;
 use crate::say::say;
 
 /// What the engine phase gives the run.
 pub(super) struct Built {
     pub engine: Box<dyn TrainingEngine>,
+    /// A LoRA run: its adapted model, written as a PEFT adapter at each checkpoint.
+    pub lora: Option<super::lora::LoraRun>,
     pub network: Arc<dyn Model>,
     pub parameters: usize,
     /// Each device as `name (backend)`.
@@ -61,6 +65,50 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     let t = model.block_size();
     let data_name = &data.name;
 
+    // LoRA: the settings resolved and the base frozen under them before a device opens
+    // (a target that matches nothing is named now, not after minutes of loading).
+    let base_model = model.build(t);
+    let recorded_lora = resumed.as_ref().and_then(|(r, _)| r.get("lora"));
+    let lora = match lora::settings(opts, ds.kiln.lora.as_ref(), recorded_lora)? {
+        Some(_) if stages > 1 => bail!(
+            "LoRA with pipeline stages is not supported yet: train the adapters with data \
+             parallelism (without --pipeline-stages)"
+        ),
+        Some(settings) => {
+            let recorded_base = resumed
+                .as_ref()
+                .and_then(|(r, _)| r.get("init_from").and_then(|v| v.as_str()))
+                .map(str::to_string);
+            let base_name = init
+                .as_ref()
+                .map(|i| i.source.clone())
+                .or(recorded_base)
+                .unwrap_or_else(|| "random weights".into());
+            Some(lora::adapt(base_model.clone(), settings, base_name)?)
+        }
+        None => None,
+    };
+    // A resumed LoRA run's base is not in its checkpoints: it is read again from where
+    // the run started, and must be what it was.
+    let resumed_base = match (&lora, &resumed, &init) {
+        (Some(_), Some((recorded, _)), None) => match recorded.get("init_from") {
+            Some(Value::String(from)) => Some(
+                InitWeights::load(std::path::Path::new(from)).with_context(|| {
+                    format!(
+                        "--resume of a LoRA run: its base model is read again from {from}, \
+                         where the run started"
+                    )
+                })?,
+            ),
+            _ => None,
+        },
+        _ => None,
+    };
+    let base_weights = match init.as_ref().or(resumed_base.as_ref()) {
+        Some(i) if lora.is_some() => Some(i.weights_for(model)?),
+        _ => None,
+    };
+
     // Devices: each spec opens its own device, so `vulkan:0x2` gives two.
     let opened = specs
         .iter()
@@ -90,6 +138,12 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     if let Some(init) = &init {
         record["init_from"] = json!(init.source);
     }
+    if let Some(l) = &lora {
+        record["lora"] = json!(l.model.config);
+        if let Some(w) = &base_weights {
+            record["base_fingerprint"] = json!(lora::fingerprint(w));
+        }
+    }
     check_inputs_survive(dir, opts)?;
     if let Some((recorded, _)) = &resumed {
         // Where the run's weights started is part of how it began, not of how it goes on:
@@ -100,7 +154,10 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
         check_same_run(dir, recorded, &record)?;
     }
 
-    let network = model.build(t);
+    let network: Arc<dyn Model> = match &lora {
+        Some(l) => l.model.clone(),
+        None => base_model,
+    };
     let mut next_sample = 0;
     let first_rank = procs.as_ref().map_or(0, Processes::first_rank);
     // Data-parallel ranks this process reads batches for (a pipeline is one).
@@ -130,14 +187,42 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
         if let Some((_, ck)) = &resumed {
             next_sample = restore(&mut engine, ck, ds.batch.train_batch_size as u64)?;
         }
-        if let Some(init) = init {
-            let weights = init.weights_for(model)?;
-            engine
-                .set_weights(&weights)
-                .with_context(|| format!("--init-from {}", init.source))?;
-            if progress {
-                say(format!("weights from {}; a fresh optimizer", init.describe));
+        match (&lora, init) {
+            (Some(l), init) => {
+                if let Some(start) = l.start.as_ref().filter(|_| resumed.is_none()) {
+                    engine
+                        .set_weights(&start.tensors)
+                        .context("--adapter: setting the adapters")?;
+                }
+                if let Some(w) = &base_weights {
+                    engine
+                        .set_frozen(w)
+                        .with_context(|| format!("the base model from {}", l.base_name))?;
+                }
+                if progress {
+                    say(format!(
+                        "LoRA: {} adapter parameters on {} modules of the frozen base ({}{})",
+                        engine.trainer.model.parameter_count(),
+                        l.model.adapted.len(),
+                        init.map_or(l.base_name.clone(), |i| i.describe),
+                        if l.start.is_some() {
+                            "; adapters from --adapter"
+                        } else {
+                            ""
+                        }
+                    ));
+                }
             }
+            (None, Some(init)) => {
+                let weights = init.weights_for(model)?;
+                engine
+                    .set_weights(&weights)
+                    .with_context(|| format!("--init-from {}", init.source))?;
+                if progress {
+                    say(format!("weights from {}; a fresh optimizer", init.describe));
+                }
+            }
+            (None, None) => {}
         }
         let parameters = engine.trainer.model.parameter_count();
         (Box::new(engine), parameters)
@@ -145,6 +230,7 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     let model_states = engine.model_state_bytes();
     Ok(Built {
         engine,
+        lora,
         network,
         parameters,
         device_names,

@@ -15,6 +15,7 @@
 mod checkpoints;
 mod data;
 mod engine;
+mod lora;
 mod options;
 mod resolve;
 mod run_dir;

@@ -73,6 +73,12 @@ pub struct TrainOptions {
     /// How the blocks are cut into stages (`parameters`, `uniform`, or blocks per
     /// stage such as `3,5`); `None`: the config's `pipeline.partition`.
     pub partition: Option<String>,
+    /// Train LoRA adapters on the frozen model (`--lora r=16,alpha=32,...`, see
+    /// `LoraConfig::parse_flag`); `None`: the config's `kiln.lora`, else full training.
+    pub lora: Option<String>,
+    /// Start the LoRA adapters from this PEFT adapter directory (its settings are the
+    /// run's LoRA settings unless `lora` or `kiln.lora` say them, which must agree).
+    pub adapter: Option<PathBuf>,
 }
 
 /// What a finished (or interrupted) run reports.

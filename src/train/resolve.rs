@@ -226,6 +226,17 @@ pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
             }
         }
         (None, Some(init)) => (init.model.clone(), true),
+        // A resumed run is the model it recorded (one started --init-from a directory
+        // has no model file to pass again).
+        (None, None) if resumed.is_some() => {
+            let recorded = &resumed.as_ref().expect("checked").0["model"];
+            let m = ModelConfig::parse(&recorded.to_string()).map_err(|e| {
+                anyhow::anyhow!(
+                    "--resume: the run's recorded model does not read ({e}); pass --model"
+                )
+            })?;
+            (m, true)
+        }
         (None, None) => (
             ModelConfig::parse(DEMO_MODEL).map_err(|e| anyhow::anyhow!("the demo model: {e}"))?,
             false,

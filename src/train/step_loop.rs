@@ -77,6 +77,7 @@ pub(super) fn run(
         model_states,
         record,
         next_sample,
+        lora,
         ..
     } = built;
     let mut next_sample = next_sample;
@@ -362,6 +363,9 @@ pub(super) fn run(
                 let saved = save(engine.as_ref(), &dir, step, next_sample, &settings)?;
                 for note in saved.notes {
                     log(&bar, format!("note: {note}"));
+                }
+                if let Some(l) = lora.as_ref().filter(|_| writer) {
+                    super::lora::write_adapter(l, &dir, &saved.dir)?;
                 }
             }
             if interrupted {

@@ -11,7 +11,7 @@ use super::reader::{describe, Reader};
 
 /// Kiln's own settings, from the config's `kiln` section: what DeepSpeed leaves to its
 /// launcher or to the user's script. Command-line flags of `kiln train` override them.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KilnSettings {
     /// Devices to train on, as `kiln devices` names them; empty: the best adapter.
     pub devices: Vec<String>,
@@ -45,6 +45,8 @@ pub struct KilnSettings {
     /// Windows of text or token files are one document each either way. Training
     /// builds its networks packed when this is set and the data packs.
     pub packing: bool,
+    /// LoRA adapters on the base model (`kiln.lora`); `None`: full fine-tuning.
+    pub lora: Option<super::lora::LoraSection>,
 }
 
 impl Default for KilnSettings {
@@ -62,6 +64,7 @@ impl Default for KilnSettings {
             collective_timeout_s: 900,
             pipeline_stages: None,
             packing: true,
+            lora: None,
         }
     }
 }
@@ -79,6 +82,7 @@ const KILN: Spec = Spec::keys(&[
     "collective_timeout_s",
     "pipeline_stages",
     "packing",
+    "lora",
 ]);
 
 impl Reader {
@@ -190,6 +194,7 @@ impl Reader {
             ),
             pipeline_stages,
             packing: self.bool_or(k, kp, "packing", d.packing),
+            lora: self.lora(k),
         }
     }
 }

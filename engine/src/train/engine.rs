@@ -83,6 +83,11 @@ impl DataParallel {
     pub fn set_weights(&mut self, weights: &[HostTensor]) -> Result<()> {
         self.trainer.set_weights(&refs(&self.devs), weights)
     }
+
+    /// Sets every replica's frozen weights (a LoRA run's base; [`Trainer::set_frozen`]).
+    pub fn set_frozen(&mut self, weights: &[HostTensor]) -> Result<()> {
+        self.trainer.set_frozen(&refs(&self.devs), weights)
+    }
 }
 
 impl TrainingEngine for DataParallel {

@@ -17,6 +17,8 @@ use crate::models::generate::Generator;
 use crate::models::gpt::Gpt;
 use crate::models::import_llama;
 use crate::models::llama::Llama;
+use crate::models::lora::{read_peft, Lora, LoraConfig};
+use crate::models::Model;
 use crate::models::{ModelConfig, Network, NetworkOptions, ParamSpec};
 use crate::{DType, Device, HostData, Optimizer};
 
@@ -90,6 +92,8 @@ pub struct Source {
     /// The context it runs with: positions per scored row, the generator's cache. The
     /// model's block_size, except for an imported Llama (see [`IMPORT_CONTEXT`]).
     pub context: usize,
+    /// LoRA adapters were merged into the weights (a LoRA run, or `--adapter`).
+    pub lora: bool,
 }
 
 /// The longest context an imported Llama runs with unless asked (`kiln eval --seq`):
@@ -186,7 +190,7 @@ impl Source {
                 run_dir.join(runs::CONFIG_FILE).display()
             ))
         })?;
-        let weights = ck.file(MODEL_FILE)?.tensors.clone();
+        let mut weights = ck.file(MODEL_FILE)?.tensors.clone();
         let stored = weights.first().map(|t| t.data.dtype()).ok_or_else(|| {
             LoadError::msg(format!(
                 "{}: {MODEL_FILE} holds no tensor",
@@ -194,6 +198,9 @@ impl Source {
             ))
         })?;
         let mut notes = ck.notes.clone();
+        if let Some(lora) = record.get("lora") {
+            weights = lora_run_weights(&run_dir, &record, lora, &ck, &model, &mut notes)?;
+        }
         let codec = codec_of(&record, &model, &mut notes).map_err(|e| e.to_string());
         Ok(Source {
             run_dir: Some(run_dir),
@@ -203,10 +210,41 @@ impl Source {
             context: model.block_size(),
             model,
             dtype: dtype.unwrap_or(stored),
+            lora: record.get("lora").is_some(),
             record,
             codec,
             notes,
         })
+    }
+
+    /// The model with the LoRA adapter in `dir` (PEFT's format: `adapter_config.json`,
+    /// `adapter_model.safetensors`) merged into its weights (`--adapter`): refused when
+    /// the adapter was trained on another base (names, shapes, targets).
+    pub fn with_adapter(mut self, dir: &Path) -> Result<Source> {
+        let adapter = read_peft(dir)?;
+        let lora = Lora::new(self.model.build(self.context), adapter.config.clone())
+            .map_err(|e| LoadError::msg(format!("--adapter {}: {e}", dir.display())))?;
+        let names = lora.adapter_names();
+        if let Some(t) = adapter.tensors.iter().find(|t| !names.contains(&t.name)) {
+            fail!(
+                "--adapter {}: it holds `{}`, which {} does not have: it was trained on \
+                 another base model",
+                dir.display(),
+                t.name,
+                lora.describe()
+            );
+        }
+        self.weights = lora
+            .merge(&self.weights, &adapter.tensors)
+            .map_err(|e| LoadError::msg(format!("--adapter {}: {e}", dir.display())))?;
+        self.notes.push(format!(
+            "LoRA adapter {} (r {}, {} modules) merged into the weights",
+            dir.display(),
+            lora.config.r,
+            lora.adapted.len()
+        ));
+        self.lora = true;
+        Ok(self)
     }
 
     /// Runs with a context of `seq` positions instead (`kiln eval --seq`): at most the
@@ -325,6 +363,58 @@ impl Source {
     }
 }
 
+/// The weights of a LoRA run's checkpoint `ck`: its base model read again from where
+/// the run started (`init_from` in its record) with the checkpoint's adapters (their
+/// f32 masters) merged in.
+fn lora_run_weights(
+    run_dir: &Path,
+    record: &Value,
+    lora: &Value,
+    ck: &checkpoint::Checkpoint,
+    model: &ModelConfig,
+    notes: &mut Vec<String>,
+) -> Result<Vec<HostTensor>> {
+    let config: LoraConfig = serde_json::from_value(lora.clone()).map_err(|e| {
+        LoadError::msg(format!(
+            "{}: its `lora` settings do not read ({e})",
+            run_dir.join(runs::CONFIG_FILE).display()
+        ))
+    })?;
+    let Some(from) = record.get("init_from").and_then(Value::as_str) else {
+        fail!(
+            "{}: a LoRA run on random base weights (no --init-from): its checkpoints hold \
+             the adapters only, and the base is not saved anywhere to merge them into",
+            run_dir.display()
+        );
+    };
+    let base = Source::open(Path::new(from), None).map_err(|e| {
+        LoadError::msg(format!(
+            "{}: a LoRA run's base model is read from {from}, where it started: {e}",
+            run_dir.display()
+        ))
+    })?;
+    let adapters: Vec<HostTensor> = ck
+        .file(checkpoint::OPTIMIZER_FILE)?
+        .tensors
+        .iter()
+        .filter_map(|t| {
+            t.name.strip_prefix("master.").map(|n| HostTensor {
+                name: n.to_string(),
+                shape: t.shape.clone(),
+                data: t.data.clone(),
+            })
+        })
+        .collect();
+    let lora = Lora::new(model.build(model.block_size()), config)?;
+    let merged = lora.merge(&base.weights, &adapters)?;
+    notes.push(format!(
+        "a LoRA run: its adapters (r {}, {} modules) merged into the base from {from}",
+        lora.config.r,
+        lora.adapted.len()
+    ));
+    Ok(merged)
+}
+
 /// A Hugging Face Llama-family directory, decoded with its `tokenizer.json`: it runs
 /// with a context of at most [`IMPORT_CONTEXT`] (and its sliding window).
 fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
@@ -345,6 +435,7 @@ fn import_llama_dir(path: &Path, dtype: Option<DType>) -> Result<Source> {
         weights: m.weights,
         model: ModelConfig::Llama(m.config),
         dtype: dtype.unwrap_or(own),
+        lora: false,
         record: Value::Null,
         codec,
         notes: vec![],
@@ -407,6 +498,7 @@ fn import(path: &Path, dtype: Option<DType>) -> Result<Source> {
         context: cfg.block_size,
         model: ModelConfig::Gpt2(cfg),
         dtype: dtype.unwrap_or(IMPORT_DTYPE),
+        lora: false,
         record: Value::Null,
         codec,
         notes: vec![],
