@@ -305,7 +305,7 @@ pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
 pub(super) fn backward(
     g: &Graph,
     e: &mut Emitter,
-    saved: &[Saved],
+    saved: &mut [Saved],
     param_grads: &HashMap<Tensor, Buffer>,
 ) -> Result<Vec<(Tensor, Buffer)>> {
     let mut gr = Grads::new(g, param_grads);
@@ -316,7 +316,18 @@ pub(super) fn backward(
             gr.add_from(e, t, e.val(seed), false)?;
         }
     }
-    for (i, (op, s)) in g.ops.iter().zip(saved).enumerate().rev() {
+    for i in (0..g.ops.len()).rev() {
+        // A checkpointed range ending here: its forward again, into fresh buffers that
+        // its backward reads (the forward's were released after their last use there).
+        if let Some(r) = g.checkpoints.iter().find(|r| r.end == i + 1) {
+            if r.clone().any(|j| gr.needs(operands(&g.ops[j]).1)) {
+                for j in r.clone() {
+                    e.op = g.op_id(j);
+                    saved[j] = ops::forward(&g.ops[j], e)?;
+                }
+            }
+        }
+        let (op, s) = (&g.ops[i], &saved[i]);
         gr.op = i;
         e.op = g.op_id(i);
         let (_, out) = operands(op);

@@ -333,6 +333,9 @@ pub struct Graph {
     /// Low-rank adapters ([`Graph::adapt`]): a linear reading one of these weights adds
     /// its adapter's path.
     pub(crate) adapters: Vec<Adapter>,
+    /// Activation checkpointing ([`Graph::checkpoint`]): op ranges whose forward is
+    /// recomputed right before their backward, in order, disjoint.
+    pub(crate) checkpoints: Vec<std::ops::Range<usize>>,
 }
 
 /// A LoRA adapter on a weight (see [`Graph::adapt`]).
@@ -497,6 +500,37 @@ impl Graph {
             dropout,
         });
         Ok(())
+    }
+
+    /// Recomputes ops `ops` (a range of recorded ops, such as a transformer block's)
+    /// right before their backward instead of keeping what their backward reads from
+    /// the forward pass (activation checkpointing): the range keeps only its inputs
+    /// alive through the step, its activations live only while its backward runs.
+    /// The values are the same bits (dropout masks derive from each op's index), so
+    /// losses and gradients are too. Ranges are given in order and do not overlap.
+    pub fn checkpoint(&mut self, ops: std::ops::Range<usize>) -> Result<()> {
+        let after_last = self.checkpoints.last().map_or(0, |r| r.end);
+        if ops.is_empty() || ops.start < after_last || ops.end > self.ops.len() {
+            return Err(Error::InvalidArgument(format!(
+                "graph: checkpoint {ops:?}: a range of the {} recorded ops, after the last \
+                 one checkpointed (ending at {after_last})",
+                self.ops.len()
+            )));
+        }
+        self.checkpoints.push(ops);
+        Ok(())
+    }
+
+    /// The ops recorded so far.
+    pub fn op_count(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// The first op that reads any of `tensors`, if one does.
+    pub fn first_op_reading(&self, tensors: &[Tensor]) -> Option<usize> {
+        self.ops
+            .iter()
+            .position(|op| split::reads(op).iter().any(|t| tensors.contains(t)))
     }
 
     /// Declares data the caller uploads before each step (no gradient).

@@ -336,9 +336,12 @@ impl Graph {
             }
             None => None,
         };
+        // The outputs as the forward made them (a checkpointed range is made again in
+        // backward; outputs are never in one).
+        let outputs: Vec<(Tensor, Buffer)> = self.outputs.iter().map(|&t| (t, e.val(t))).collect();
         // Backward, derived.
         let proxies: Vec<Buffer> = self.params.iter().map(|p| param_grads[&p.tensor]).collect();
-        let input_grads = autodiff::backward(self, &mut e, &saved, &param_grads)?;
+        let input_grads = autodiff::backward(self, &mut e, &mut saved, &param_grads)?;
         let backward_end = e.launches.len();
         // First and last backward launch writing each buffer, in one pass: scanning the
         // launches once per parameter grows with layers squared (minutes at 1000 layers).
@@ -422,7 +425,6 @@ impl Graph {
                 e.launch(g.buffers.step(opt, grad_scale, opt.lr(), decay, 1))?;
             }
         }
-        let outputs: Vec<(Tensor, Buffer)> = self.outputs.iter().map(|&t| (t, e.val(t))).collect();
         // Fresh gradients every micro-batch: the first-write forms stay as emitted.
         let mut first_only = vec![false; e.launches.len()];
         for &i in e

@@ -164,6 +164,13 @@ impl Graph {
     /// or `None` to follow its use (see the module's doc). Every stage must train some
     /// parameters and the loss must land on the last stage.
     pub fn split(&self, param_stage: &[Option<usize>], stages: usize) -> Result<Vec<StageGraph>> {
+        if !self.checkpoints.is_empty() {
+            return Err(Error::InvalidArgument(
+                "graph split: activation checkpointing cannot be cut into pipeline stages \
+                 yet; train the pipeline without it"
+                    .into(),
+            ));
+        }
         if let Some(f) = self.frozen_weights().first() {
             return Err(Error::InvalidArgument(format!(
                 "graph split: frozen weights (`{}`, a LoRA run's base model) cannot be cut \

@@ -6,6 +6,7 @@
 //! (`gpt`), a Llama-style model (`llama`) and an MLP classifier (`mlp`) are three
 //! implementations; `sample` chooses generated tokens from a language model's logits.
 
+pub mod checkpointed;
 mod config;
 pub mod generate;
 pub mod gpt;
