@@ -363,7 +363,7 @@ fn training_changing_sections_are_errors_unless_off() {
         "curriculum_learning": {"enabled": true}
     }"#);
     for path in [
-        "activation_checkpointing",
+        "activation_checkpointing.partition_activations",
         "prescale_gradients",
         "curriculum_learning",
     ] {
@@ -379,6 +379,69 @@ fn training_changing_sections_are_errors_unless_off() {
         "communication_data_type": null
     }"#);
     assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
+
+#[test]
+fn activation_checkpointing_and_lora_are_read_strictly() {
+    let c = ok(r#"{"train_batch_size": 32}"#);
+    assert_eq!(
+        (c.activation_checkpointing, c.kiln.lora.clone()),
+        (None, None)
+    );
+    let c = ok(r#"{"train_batch_size": 32, "activation_checkpointing": {
+        "contiguous_memory_optimization": true, "number_checkpoints": 4,
+        "synchronize_checkpoint_boundary": false, "profile": true}}"#);
+    assert_eq!(c.activation_checkpointing, Some(1));
+    let c = ok(r#"{"train_batch_size": 32, "kiln": {"activation_checkpointing": "blocks"}}"#);
+    assert_eq!(c.activation_checkpointing, Some(1));
+    let c = ok(r#"{"train_batch_size": 32, "kiln": {"activation_checkpointing": 3}}"#);
+    assert_eq!(c.activation_checkpointing, Some(3));
+    let e = err(r#"{"train_batch_size": 32, "kiln": {"activation_checkpointing": "every"}}"#);
+    assert!(problem(&e, "kiln.activation_checkpointing")
+        .message
+        .contains("\"blocks\""));
+    let e =
+        err(r#"{"train_batch_size": 32, "activation_checkpointing": {"cpu_checkpointing": true}}"#);
+    assert!(problem(&e, "activation_checkpointing.cpu_checkpointing")
+        .message
+        .contains("host memory"));
+
+    let c = ok(
+        r#"{"train_batch_size": 32, "kiln": {"lora": {"r": 16, "lora_alpha": 32,
+        "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}}}"#,
+    );
+    let l = c.kiln.lora.unwrap();
+    assert_eq!((l.r, l.alpha, l.dropout), (16, 32.0, 0.05));
+    assert_eq!(
+        l.target_modules,
+        Some(vec!["q_proj".to_string(), "v_proj".to_string()])
+    );
+    let c = ok(
+        r#"{"train_batch_size": 32, "kiln": {"lora": {"r": 8, "target_modules": "all-linear"}}}"#,
+    );
+    assert_eq!(c.kiln.lora.unwrap().target_modules, None);
+    for (lora, path, want) in [
+        (r#"{"alpha": 8}"#, "kiln.lora.r", "missing"),
+        (r#"{"r": 0}"#, "kiln.lora.r", "from 1"),
+        (r#"{"r": 4, "dropout": 1.5}"#, "kiln.lora.dropout", "[0, 1)"),
+        (
+            r#"{"r": 4, "target_modules": []}"#,
+            "kiln.lora.target_modules",
+            "all-linear",
+        ),
+        (
+            r#"{"r": 4, "alpha": 8, "lora_alpha": 8}"#,
+            "kiln.lora.lora_alpha",
+            "both",
+        ),
+        (r#"{"r": 4, "rank": 8}"#, "kiln.lora.rank", ""),
+    ] {
+        let e = err(&format!(
+            r#"{{"train_batch_size": 32, "kiln": {{"lora": {lora}}}}}"#
+        ));
+        let p = problem(&e, path);
+        assert!(p.message.contains(want), "{lora}: {}", p.message);
+    }
 }
 
 #[test]

@@ -86,8 +86,10 @@ fn same_file(meta: &std::fs::Metadata, other: &Path) -> bool {
 }
 
 /// Settings a resumed run may change: where it runs and how the global batch is split.
-const RESHARDABLE: [&str; 5] = [
+const RESHARDABLE: [&str; 6] = [
     "device",
+    // Recomputing activations gives the same bits.
+    "deepspeed.activation_checkpointing",
     "deepspeed.zero.stage",
     "deepspeed.batch.world",
     "deepspeed.batch.micro_batch",

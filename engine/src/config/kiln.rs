@@ -83,6 +83,7 @@ const KILN: Spec = Spec::keys(&[
     "pipeline_stages",
     "packing",
     "lora",
+    "activation_checkpointing",
 ]);
 
 impl Reader {

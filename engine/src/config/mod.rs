@@ -67,6 +67,7 @@
 //!   problem for those Kiln cannot know.
 //! - `explain.rs`: [`TrainConfig::explain`], every value with its origin.
 
+mod activation_checkpointing;
 mod auto;
 mod batch;
 mod error;
@@ -147,6 +148,10 @@ pub struct TrainConfig {
     pub pipeline: PipelineConfig,
     /// Kiln's own settings (the `kiln` section).
     pub kiln: KilnSettings,
+    /// Activation checkpointing: blocks per recomputed range (`kiln.activation_
+    /// checkpointing`, or 1 where the `activation_checkpointing` section is given);
+    /// `None`: off.
+    pub activation_checkpointing: Option<usize>,
     /// Things the user should know that are not errors: ignored logging sections, settings
     /// that override others, differences from DeepSpeed's behaviour.
     pub warnings: Vec<String>,
@@ -210,6 +215,7 @@ impl TrainConfig {
             zero: ZeroConfig::default(),
             pipeline: PipelineConfig::default(),
             kiln: KilnSettings::default(),
+            activation_checkpointing: None,
             warnings: Vec::new(),
             notes: Vec::new(),
             provenance,
@@ -323,6 +329,7 @@ const TOP: Spec = Spec {
         "zero_optimization",
         "pipeline",
         "kiln",
+        "activation_checkpointing",
     ],
     ignored: ignored::TOP_LEVEL,
     unsupported: unsupported::TOP_LEVEL,
@@ -349,6 +356,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
     let dump_state = r.bool_or(root, "", "dump_state", false);
     let zero = r.zero(root);
     let kiln = r.kiln(root);
+    let activation_checkpointing = r.activation_checkpointing(root);
     let pipeline = r.pipeline(root, kiln.pipeline_stages);
     if bare_fp16 && zero.stage >= 1 {
         r.warnings.push(
@@ -382,6 +390,7 @@ fn resolve(root: &Map<String, Value>, world: usize) -> Result<TrainConfig, Confi
         zero,
         pipeline,
         kiln,
+        activation_checkpointing,
         warnings: r.warnings,
         notes: r.notes,
         provenance: r.provenance,

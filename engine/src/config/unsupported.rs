@@ -6,11 +6,6 @@ use super::keys::Inert;
 
 /// Each key with the value that leaves it off and a description of the feature.
 pub(super) const TOP_LEVEL: &[(&str, Inert, &str)] = &[
-    (
-        "activation_checkpointing",
-        Inert::Null,
-        "activation checkpointing (recomputing activations in backward)",
-    ),
     ("sparse_attention", Inert::Null, "sparse attention kernels"),
     ("amp", Inert::Disabled, "NVIDIA Apex AMP"),
     (

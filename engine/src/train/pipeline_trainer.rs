@@ -54,6 +54,13 @@ impl PipelineTrainer {
         stages: usize,
     ) -> Result<PipelineTrainer> {
         let dp = replicas(devs.len(), stages)?;
+        if config.activation_checkpointing.is_some() {
+            return Err(Error::InvalidArgument(
+                "activation checkpointing with pipeline stages is not supported yet: train the \
+                 pipeline without it, or the model without stages"
+                    .into(),
+            ));
+        }
         if config.batch.world != dp {
             return Err(Error::InvalidArgument(format!(
                 "the config was resolved for {} data-parallel ranks, but {} devices in \

@@ -205,6 +205,13 @@ impl Trainer {
         seed: u64,
         mut procs: Option<Processes>,
     ) -> Result<Trainer> {
+        // Activation checkpointing is the model recorded with its blocks recomputed.
+        let model: Arc<dyn Model> = match config.activation_checkpointing {
+            Some(every) => Arc::new(crate::models::checkpointed::Checkpointed::new(
+                model, every,
+            )?),
+            None => model,
+        };
         let world = procs.as_ref().map_or(devs.len(), Processes::world);
         if let Some(p) = &procs {
             if p.devices.get(p.rank()) != Some(&devs.len()) {
