@@ -7,10 +7,18 @@
 //! what Kiln allocates: a rank's slice also has an f32 reduced gradient and a model
 //! copy, and stage 2's full-size gradients are one block's (shared by all blocks) plus
 //! the embeddings' and final norm's, not 2Ψ/N.
+//!
+//! With LoRA (`--lora`) the model is the base under its adapters (`Lora`): Ψ is the
+//! adapters' elements, the only ones with gradients, masters and moments (and so the
+//! only ones ZeRO shards), and the base is held once in the storage dtype on every
+//! device (the `frozen` column; stage 3 would partition it too).
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 use anyhow::Result;
+use kiln_engine::config::LoraSection;
+use kiln_engine::models::lora::{Lora, LoraConfig, Targets};
 use kiln_engine::models::{host_memory_available, Model, Network, NetworkMemory, NetworkOptions};
 use kiln_engine::parallel::pipeline::Pipeline;
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
@@ -20,7 +28,11 @@ use kiln_engine::{Capabilities, DType, Optimizer};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StageMemory {
     pub stage: u8,
+    /// The trained parameters' model copy.
     pub weights: u64,
+    /// Weights that are not trained (a LoRA run's base model), held once in the storage
+    /// dtype: whole on every device up to stage 2.
+    pub frozen: u64,
     pub gradients: u64,
     pub optimizer: u64,
     pub activations: u64,
@@ -30,8 +42,53 @@ pub struct StageMemory {
 
 impl StageMemory {
     pub fn total(&self) -> u64 {
-        self.weights + self.gradients + self.optimizer + self.activations
+        self.weights + self.frozen + self.gradients + self.optimizer + self.activations
     }
+}
+
+/// The LoRA settings of an estimate: `--lora` (`flag`, as `kiln train --lora` reads
+/// it), else the config's `kiln.lora` (`section`); `None`: full training.
+pub fn lora_settings(
+    flag: Option<&str>,
+    section: Option<&LoraSection>,
+) -> Result<Option<LoraConfig>> {
+    Ok(match (flag, section) {
+        (Some(flag), _) => Some(LoraConfig::parse_flag(flag)?),
+        (None, Some(s)) => Some(LoraConfig {
+            r: s.r,
+            alpha: s.alpha,
+            dropout: s.dropout,
+            target_modules: match &s.target_modules {
+                Some(l) => Targets::List(l.clone()),
+                None => Targets::All("all-linear".into()),
+            },
+            use_rslora: s.use_rslora,
+        }),
+        (None, None) => None,
+    })
+}
+
+/// `base` under LoRA adapters of `config` (what `kiln train --lora` trains), or
+/// `base` itself without: targets that match nothing and ranks over a module's size
+/// are refused as training refuses them.
+pub fn adapt(base: Arc<dyn Model>, config: Option<LoraConfig>) -> Result<Arc<dyn Model>> {
+    Ok(match config {
+        Some(c) => Arc::new(Lora::new(base, c)?),
+        None => base,
+    })
+}
+
+/// Elements of `model`'s trained parameters (Ψ) and of its frozen ones.
+fn counts(model: &dyn Model) -> (u64, u64) {
+    let (mut trained, mut frozen) = (0, 0);
+    for p in model.parameters() {
+        if p.frozen {
+            frozen += p.len() as u64;
+        } else {
+            trained += p.len() as u64;
+        }
+    }
+    (trained, frozen)
 }
 
 /// What a network of `model` allocates on one device at `micro_batch` in `dtype`.
@@ -59,7 +116,9 @@ pub fn stages(
 ) -> Result<Vec<StageMemory>> {
     let m = network_memory(model, micro_batch, dtype)?;
     let n = world.max(1) as u64;
-    let psi: u64 = model.parameters().iter().map(|p| p.len() as u64).sum();
+    // The trained parameters: a LoRA model's frozen base has no gradient or optimizer
+    // state to shard.
+    let (psi, _) = counts(model);
     // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
     // slice's updated model copy (zero.rs); whole tensors keep their arenas' gaps.
     let slice = psi.div_ceil(n);
@@ -67,6 +126,11 @@ pub fn stages(
     let one = |stage, weights, gradients, optimizer, implemented| StageMemory {
         stage,
         weights,
+        frozen: if stage == 3 {
+            m.frozen.div_ceil(n)
+        } else {
+            m.frozen
+        },
         gradients,
         optimizer,
         activations: m.activations,
@@ -114,23 +178,49 @@ pub fn report(
     let mut out = String::new();
     // First: it checks the model's sizes before anything is built from them.
     let rows = stages(model, micro_batch, dtype, world)?;
-    let psi: u64 = model.parameters().iter().map(|p| p.len() as u64).sum();
+    let (psi, frozen) = counts(model);
+    if frozen == 0 {
+        writeln!(
+            out,
+            "{}: Ψ = {psi} parameters; {dtype}, micro-batch {micro_batch}, {world} device(s)",
+            model.describe()
+        )?;
+    } else {
+        writeln!(
+            out,
+            "{}: Ψ = {psi} trained parameters (the adapters: gradients, master+Adam and ZeRO's \
+             shards are theirs only) over {frozen} frozen (the base model, held once in \
+             {dtype} on every device); {dtype}, micro-batch {micro_batch}, {world} device(s)",
+            model.describe()
+        )?;
+    }
+    // The frozen column only where there are frozen weights: a full training's table is
+    // as it was.
+    let frozen_col = |v: String| {
+        if frozen == 0 {
+            String::new()
+        } else {
+            format!(" {v:>12}")
+        }
+    };
     writeln!(
         out,
-        "{}: Ψ = {psi} parameters; {dtype}, micro-batch {micro_batch}, {world} device(s)",
-        model.describe()
-    )?;
-    writeln!(
-        out,
-        "{:<7} {:>12} {:>12} {:>14} {:>13} {:>12}  note",
-        "stage", "weights", "gradients", "master+Adam", "activations", "per device"
+        "{:<7} {:>12}{} {:>12} {:>14} {:>13} {:>12}  note",
+        "stage",
+        "weights",
+        frozen_col("frozen".into()),
+        "gradients",
+        "master+Adam",
+        "activations",
+        "per device"
     )?;
     for s in &rows {
         writeln!(
             out,
-            "{:<7} {:>12} {:>12} {:>14} {:>13} {:>12}  {}",
+            "{:<7} {:>12}{} {:>12} {:>14} {:>13} {:>12}  {}",
             s.stage,
             mib(s.weights),
+            frozen_col(mib(s.frozen)),
             mib(s.gradients),
             mib(s.optimizer),
             mib(s.activations),

@@ -134,12 +134,15 @@ fn run(cli: Cli) -> Result<()> {
             seq,
             pipeline_stages,
             partition,
+            lora,
+            activation_checkpointing,
         } => estimate(
             &model,
             &devices,
             config.as_deref(),
             seq,
             (pipeline_stages, partition.as_deref()),
+            (lora.as_deref(), activation_checkpointing),
         ),
         Command::Bench {
             what: BenchWhat::Matmul(args),

@@ -586,3 +586,370 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
     assert!(e.contains("--adapter") && e.contains("drop --lora"), "{e}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `n` micro-batches of `b` rows of `t` tokens counting mod 11 from random starts (a
+/// rule the adapters can learn).
+fn counting(seed: u64, n: usize, (b, t): (usize, usize)) -> Vec<MicroBatch> {
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| {
+            let (mut tok, mut tgt) = (vec![], vec![]);
+            for _ in 0..b {
+                let s = rng.next_u32() % 11;
+                tok.extend((0..t as u32).map(|i| (s + i) % 11));
+                tgt.extend((1..=t as u32).map(|i| (s + i) % 11));
+            }
+            MicroBatch::tokens(&tok, &tgt)
+        })
+        .collect()
+}
+
+/// LoRA under data parallelism and ZeRO: a Llama with r 4 adapters on every linear
+/// (dropout 0.1), in fp32, on 2 CPU devices at ZeRO stages 0, 1 and 2 trains as one
+/// device accumulating the same global batch. The stages agree bit for bit (one
+/// micro-batch per rank: the host averages the same f32 numbers in the same order and
+/// the shards apply the same f32 update, as tests/llama.rs and tests/data_parallel.rs
+/// find for full training); against one device only where the two micro-batches'
+/// gradients are summed differs (the device's GEMM epilogue or the host), a few f32
+/// roundings per gradient: losses and masters within tests/data_parallel.rs's fp32
+/// tolerance of 2e-5 (measured: masters within 1e-7). Rank r draws the dropout masks of the
+/// micro-batch r it stands for (one device given the micro-batches the other way round
+/// ends 6e-2 away). The frozen base stays bit for bit what it was on every replica, and
+/// each device's model states are the base once in the storage dtype plus the
+/// adapters' gradients and optimizer state, that state split in two under ZeRO — as
+/// the allocator and `kiln estimate` have it.
+#[test]
+fn lora_trains_under_data_parallelism_and_zero_as_one_device_does() {
+    use kiln::engine::models::ParamState;
+    use kiln::engine::parallel::zero::segments;
+    const TOL: f32 = 2e-5;
+    let (b, t, steps, world) = (2, 8, 4, 2);
+    let (_, base) = bases(t).remove(0);
+    let adapted = Arc::new(Lora::new(base.clone(), lora(4, 8.0, 0.1, all_linear())).unwrap());
+    let model: Arc<dyn Model> = adapted.clone();
+    let data: Vec<Vec<MicroBatch>> = (0..steps)
+        .map(|s| counting(40 + s as u64, world, (b, t)))
+        .collect();
+
+    // One device accumulating both micro-batches of each step.
+    let cpu = CpuDevice::new();
+    let mut single =
+        Trainer::new(&cpu, model.clone(), ds_config(b, world, DType::F32, 1), 7).unwrap();
+    let base_before = single.model.frozen_values(&cpu).unwrap();
+    let first = single.param_states(&[&cpu]).unwrap();
+    let mut want = vec![];
+    for step in &data {
+        want.push(single.step(&cpu, step).unwrap().loss);
+    }
+    let want_states = single.param_states(&[&cpu]).unwrap();
+    assert!(want[steps - 1] < want[0], "did not learn: {want:?}");
+
+    // What a device holds: the base once (f32 here), the adapters' gradients, masters
+    // and moments (12 bytes per element, each tensor aligned to 128 elements).
+    let m = kiln::estimate::network_memory(model.as_ref(), b, DType::F32).unwrap();
+    let psi = adapted.adapter_parameters();
+    let tensors = 2 * adapted.adapted.len() as u64;
+    let base_elems: u64 = base.parameters().iter().map(|p| p.len() as u64).sum();
+    assert!(m.frozen >= 4 * base_elems, "{m:?}");
+    assert!(m.optimizer >= 12 * psi as u64 && m.optimizer < 12 * (psi as u64 + 128 * tensors));
+    let estimate = kiln::estimate::stages(model.as_ref(), b, DType::F32, world).unwrap();
+    let f32b = |n: usize| DType::F32.padded_bytes(n);
+
+    let mut reference: Option<(Vec<f32>, Vec<ParamState>)> = None;
+    for stage in 0..=2u8 {
+        let devs = [CpuDevice::new(), CpuDevice::new()];
+        let refs: Vec<&dyn Device> = devs.iter().map(|d| d as &dyn Device).collect();
+        let mut c = ds_config(b, 1, DType::F32, world);
+        c.zero.stage = stage;
+        let mut group = Trainer::new_group(&refs, model.clone(), c, 7).unwrap();
+        let layout = group.model.parameter_layout();
+        assert!(
+            layout.iter().all(|l| l.0.contains(".lora_")),
+            "stage {stage}"
+        );
+        let sizes: Vec<usize> = layout.iter().map(|l| l.1.iter().product()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), psi);
+        assert_eq!(
+            group.param_states(&refs).unwrap(),
+            first,
+            "stage {stage}: start"
+        );
+
+        for (rank, dev) in refs.iter().enumerate() {
+            let what = format!("stage {stage} rank {rank}");
+            let states = group.model_state_bytes(rank);
+            // Everything but the activations is model states; nothing else allocated.
+            // Stage 2 recompiles the plan with one optimizer group per parameter (the
+            // gradients no longer in arenas), and its chain of per-gradient norm
+            // partials keeps a few f32 scalars more than the stage-0 plan that
+            // `Network::memory` measures (16 bytes here; none for the full GPT of
+            // tests/data_parallel.rs): model states exact, the plan within 64 bytes.
+            let slack = if stage == 2 { 64 } else { 0 };
+            let held = dev.allocated_bytes();
+            assert!(
+                held >= states.total() + m.activations
+                    && held <= states.total() + m.activations + slack,
+                "{what}: allocator {held}, model states {states:?} + activations {}",
+                m.activations
+            );
+            assert_eq!(states.weights, m.weights + m.frozen, "{what}");
+            let segs = segments(&sizes, world, rank);
+            let slice: u64 = segs.iter().map(|s| f32b(s.range.len())).sum();
+            let (gradients, optimizer) = match stage {
+                0 => (m.gradients, m.optimizer),
+                // The rank's slice: master, two moments and the updated model copy
+                // (f32), its reduced f32 gradient, the step's gradient factor, and the
+                // empty buffer left where the whole state was.
+                1 => (m.gradients + slice, 4 * slice + f32b(1) + f32b(0)),
+                _ => (m.shared_gradients + slice, 4 * slice + f32b(1) + f32b(0)),
+            };
+            assert_eq!(
+                (states.gradients, states.optimizer),
+                (gradients, optimizer),
+                "{what}"
+            );
+            if stage > 0 {
+                // Half of the adapters' optimizer state each.
+                let mine = group.optimizer_state_elements(rank);
+                assert!(mine.abs_diff(psi / world) <= 1, "{what}: {mine} of {psi}");
+                assert!(3 * slice <= m.optimizer / 2 + 3 * f32b(128), "{what}");
+            }
+            // `kiln estimate` predicts it (to 1%: it gives every rank the largest slice).
+            let e = &estimate[stage as usize];
+            let predicted = e.weights + e.frozen + e.gradients + e.optimizer;
+            let off = predicted.abs_diff(states.total()) as f64 / predicted as f64;
+            assert!(off < 0.01, "{what}: {states:?} vs {e:?}");
+        }
+
+        let mut losses = vec![];
+        for step in &data {
+            let per_rank: Vec<Vec<MicroBatch>> = step.iter().map(|mb| vec![mb.clone()]).collect();
+            losses.push(group.step_group(&refs, &per_rank).unwrap().loss);
+        }
+        let states = group.param_states(&refs).unwrap();
+        // Every replica: the base as it was, and the gathered adapters.
+        for (rank, (net, dev)) in group.models().zip(&refs).enumerate() {
+            for (x, y) in net.frozen_values(*dev).unwrap().iter().zip(&base_before) {
+                let what = format!("stage {stage} rank {rank}: {}", x.name);
+                assert_eq!(x.name, y.name);
+                assert_bits_eq(&what, &x.data, &y.data);
+            }
+            for (i, st) in states.iter().enumerate() {
+                assert_eq!(net.value(*dev, i).unwrap(), st.value, "rank {rank}");
+            }
+        }
+        for (i, (x, y)) in losses.iter().zip(&want).enumerate() {
+            assert!(
+                (x - y).abs() <= TOL * y,
+                "stage {stage} step {i}: 2 devices {x}, one device {y}"
+            );
+        }
+        for ((a, w), f) in states.iter().zip(&want_states).zip(&first) {
+            assert_ne!(a.master, f.master, "stage {stage}: {} not trained", a.name);
+            for (j, (x, y)) in a.master.iter().zip(&w.master).enumerate() {
+                assert!(
+                    (x - y).abs() <= TOL * (1.0 + y.abs()),
+                    "stage {stage}: {}[{j}] 2 devices {x}, one device {y}",
+                    a.name
+                );
+            }
+        }
+        match &reference {
+            None => reference = Some((losses, states)),
+            Some((l0, s0)) => {
+                let bits = |l: &[f32]| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&losses), bits(l0), "stage {stage} vs 0: losses");
+                assert!(
+                    states == *s0,
+                    "stage {stage} vs 0: weights, masters or moments"
+                );
+            }
+        }
+    }
+}
+
+/// `kiln estimate --lora`: the model the estimate builds, under the adapters `kiln
+/// train --lora` would train. Its stage-0 figures are `Network::memory` of that `Lora`
+/// model (the base apart, as `frozen`, once in the storage dtype; gradients and
+/// master+Adam the adapters' only, far below full training's) and ZeRO shards only the
+/// adapters' optimizer state; the table printed says the same to its 0.1 MiB (within
+/// 2% per device), the config's `kiln.lora` gives what the flag gives, and bad
+/// settings are refused with the parse error, not a panic.
+#[test]
+fn kiln_estimate_with_lora_counts_the_frozen_base_once_and_the_adapters_state() {
+    use kiln::engine::models::ModelConfig;
+    let dir = scratch_dir("lora", "estimate");
+    // Large enough that 0.1 MiB is under 2% of a device's total.
+    let model_json = r#"{"architecture": "llama", "n_layer": 4, "n_head": 8, "n_kv_head": 4,
+        "n_embd": 256, "block_size": 64, "vocab_size": 2000, "intermediate_size": 512}"#;
+    let (micro, world, dtype) = (2, 2, DType::BF16);
+    let model_path = dir.join("model.json");
+    std::fs::write(&model_path, model_json).unwrap();
+    let config = dir.join("ds.json");
+    std::fs::write(
+        &config,
+        format!(r#"{{"train_micro_batch_size_per_gpu": {micro}, "bf16": {{"enabled": true}}}}"#),
+    )
+    .unwrap();
+    let base = ModelConfig::parse(model_json).unwrap().build(64);
+    let settings = LoraConfig::parse_flag("r=4").unwrap();
+    let adapted = Arc::new(Lora::new(base.clone(), settings).unwrap());
+    let psi = adapted.adapter_parameters() as u64;
+    let base_elems: u64 = base.parameters().iter().map(|p| p.len() as u64).sum();
+
+    // The library: stage 0 is what the Lora network allocates, field by field.
+    let m = kiln::estimate::network_memory(adapted.as_ref(), micro, dtype).unwrap();
+    let full = kiln::estimate::stages(base.as_ref(), micro, dtype, world).unwrap();
+    let e = kiln::estimate::stages(adapted.as_ref(), micro, dtype, world).unwrap();
+    assert_eq!(
+        (e[0].weights, e[0].frozen, e[0].gradients, e[0].optimizer),
+        (m.weights, m.frozen, m.gradients, m.optimizer)
+    );
+    assert_eq!(e[0].total(), m.total());
+    assert!(m.frozen >= 2 * base_elems && full.iter().all(|s| s.frozen == 0));
+    assert!(m.optimizer >= 12 * psi && 10 * m.optimizer < full[0].optimizer);
+    // ZeRO 1 and 2 shard the adapters' state only (master, moments and the bf16 copy
+    // of each rank's half); the base stays whole on every device until stage 3.
+    let half = psi.div_ceil(world as u64);
+    for s in &e[1..3] {
+        assert_eq!(s.optimizer, 14 * half, "stage {}", s.stage);
+        assert_eq!(s.frozen, m.frozen, "stage {}", s.stage);
+        assert!(s.optimizer < full[s.stage as usize].optimizer / 10);
+    }
+    assert_eq!(e[3].frozen, m.frozen.div_ceil(world as u64));
+
+    // The CLI's table: per stage, the MiB columns (with `frozen` after `weights` where
+    // there is a frozen base).
+    let kiln = |extra: &[&str]| {
+        let mut args = vec![
+            "estimate",
+            "--model",
+            model_path.to_str().unwrap(),
+            "--devices",
+            "2",
+        ];
+        args.extend(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let table = |text: &str| -> (Vec<String>, Vec<Vec<f64>>) {
+        let lines: Vec<&str> = text.lines().collect();
+        let h = lines.iter().position(|l| l.starts_with("stage")).unwrap();
+        let header = lines[h]
+            .split_whitespace()
+            .filter(|w| *w != "device")
+            .map(str::to_string)
+            .collect();
+        let rows = lines[h + 1..h + 5]
+            .iter()
+            .map(|l| {
+                l.split_whitespace()
+                    .skip(1)
+                    .filter_map(|w| w.parse::<f64>().ok())
+                    .collect()
+            })
+            .collect();
+        (header, rows)
+    };
+    let with_config = ["--config", config.to_str().unwrap()];
+    let (code, plain, err) = kiln(&with_config);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, lora_out, err) = kiln(&[&with_config[..], &["--lora", "r=4"]].concat());
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        lora_out.contains(&format!("Ψ = {psi} trained parameters"))
+            && lora_out.contains(&format!("over {base_elems} frozen")),
+        "{lora_out}"
+    );
+    let (ph, pr) = table(&plain);
+    let (lh, lr) = table(&lora_out);
+    assert_eq!(
+        ph,
+        [
+            "stage",
+            "weights",
+            "gradients",
+            "master+Adam",
+            "activations",
+            "per",
+            "note"
+        ]
+    );
+    assert_eq!(
+        lh,
+        [
+            "stage",
+            "weights",
+            "frozen",
+            "gradients",
+            "master+Adam",
+            "activations",
+            "per",
+            "note"
+        ]
+    );
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let (opt, per) = (3, 5);
+    for stage in 0..4 {
+        // Fewer optimizer bytes than full training at every stage.
+        assert!(
+            lr[stage][opt] < pr[stage][opt - 1],
+            "stage {stage}: {lora_out}\n{plain}"
+        );
+        // The frozen base is full training's model copy.
+        assert_eq!(lr[stage][1], pr[stage][0], "stage {stage}");
+    }
+    assert!(lr[1][opt] < lr[0][opt], "{lora_out}");
+    let want = mib(m.total());
+    assert!(
+        (lr[0][per] - want).abs() <= 0.02 * want,
+        "per device {} MiB, Network::memory {want:.3} MiB",
+        lr[0][per]
+    );
+    assert!((lr[0][1] - mib(m.frozen)).abs() <= 0.05, "{lora_out}");
+
+    // The config's kiln.lora: the same table as the flag.
+    let lora_config = dir.join("lora.json");
+    std::fs::write(
+        &lora_config,
+        format!(
+            r#"{{"train_micro_batch_size_per_gpu": {micro}, "bf16": {{"enabled": true}},
+                "kiln": {{"lora": {{"r": 4}}}}}}"#
+        ),
+    )
+    .unwrap();
+    let (code, from_config, err) = kiln(&["--config", lora_config.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(table(&from_config), table(&lora_out));
+
+    // Refusals: the parse error of `kiln train --lora`, a target the model lacks, and
+    // a pipeline (which LoRA training does not take).
+    for (extra, want) in [
+        (&["--lora", "r=x"][..], "--lora r=x: r `x` is not a number"),
+        (&["--lora", "r=4,rank=2"][..], "unknown key `rank`"),
+        (&["--lora", "alpha=8"][..], "r is missing"),
+        (
+            &["--lora", "r=4,targets=qproj"][..],
+            "its linear modules are",
+        ),
+        (
+            &["--lora", "r=4", "--pipeline-stages", "2"][..],
+            "LoRA with pipeline stages",
+        ),
+    ] {
+        let (code, out, err) = kiln(extra);
+        assert_eq!(code, Some(1), "{extra:?}: {out}{err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

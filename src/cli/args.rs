@@ -115,6 +115,17 @@ pub(crate) enum Command {
         /// [default: the config's pipeline.partition, else parameters].
         #[arg(long)]
         partition: Option<String>,
+        /// The memory of LoRA training (as `kiln train --lora`): adapters
+        /// `r=16,alpha=32,dropout=0.05,targets=q_proj+v_proj` (targets joined by +, or
+        /// all-linear, the default) over the model, frozen: its weights shown apart, once
+        /// in the storage precision, and gradients, master+Adam and ZeRO's shards the
+        /// adapters' only [default: the config's kiln.lora, else full training].
+        #[arg(long, value_name = "SETTINGS")]
+        lora: Option<String>,
+        /// The memory with activation checkpointing: every block (no value) or ranges
+        /// of N blocks recomputed in backward [default: the config's]
+        #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
+        activation_checkpointing: Option<usize>,
     },
     /// Measure kernel throughput.
     Bench {

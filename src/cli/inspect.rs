@@ -13,8 +13,11 @@ pub(crate) fn estimate(
     config: Option<&std::path::Path>,
     seq: Option<usize>,
     (stages, partition): (Option<usize>, Option<&str>),
+    (lora, checkpointing): (Option<&str>, Option<usize>),
 ) -> Result<()> {
     use kiln::engine::DType;
+    // Bad settings are named before anything is read.
+    let lora_flag = kiln::estimate::lora_settings(lora, None)?;
     // The flag, else the config's (as `kiln train` reads them); an unreadable config
     // is reported when it is loaded below.
     let stages = stages.unwrap_or_else(|| {
@@ -77,9 +80,10 @@ pub(crate) fn estimate(
         );
     }
     let dp = if stages > 1 { world / stages } else { world };
-    let (micro, dtype, accum, zero) = match config {
+    let (micro, dtype, accum, zero, lora, checkpointing) = match config {
         Some(path) => {
             let c = kiln::engine::config::load(path, dp)?;
+            let checkpointing = checkpointing.or(c.activation_checkpointing);
             if partition.is_none() && stages > 1 {
                 method = c.pipeline.partition.clone();
             }
@@ -89,11 +93,34 @@ pub(crate) fn estimate(
                 c.precision.dtype(),
                 c.batch.grad_accum,
                 zero,
+                match lora_flag {
+                    Some(l) => Some(l),
+                    None => kiln::estimate::lora_settings(None, c.kiln.lora.as_ref())?,
+                },
+                checkpointing,
             )
         }
-        None => (1, DType::F16, 1, 0),
+        None => (1, DType::F16, 1, 0, lora_flag, checkpointing),
     };
-    let model = m.build(seq.unwrap_or(m.block_size()));
+    if lora.is_some() && stages > 1 {
+        bail!(
+            "LoRA with pipeline stages is not supported yet (kiln train refuses it too): \
+             estimate the adapters under data parallelism (without --pipeline-stages)"
+        );
+    }
+    if checkpointing.is_some() && stages > 1 {
+        bail!(
+            "activation checkpointing with pipeline stages is not supported yet (kiln train \
+             refuses it too): estimate it without --pipeline-stages"
+        );
+    }
+    let model = kiln::estimate::adapt(m.build(seq.unwrap_or(m.block_size())), lora)?;
+    let model: std::sync::Arc<dyn kiln::engine::models::Model> = match checkpointing {
+        Some(every) => std::sync::Arc::new(kiln::engine::models::checkpointed::Checkpointed::new(
+            model, every,
+        )?),
+        None => model,
+    };
     if stages > 1 {
         out!(
             "{}",

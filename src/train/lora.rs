@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 
 use kiln_engine::config::LoraSection;
 use kiln_engine::device::host::HostTensor;
-use kiln_engine::models::lora::{read_peft, Lora, LoraConfig, PeftAdapter, Targets};
+use kiln_engine::models::lora::{read_peft, Lora, LoraConfig, PeftAdapter};
 use kiln_engine::models::Model;
 use kiln_engine::train::checkpoint::{self, OPTIMIZER_FILE};
 
@@ -27,19 +27,6 @@ pub(crate) struct LoraRun {
     pub base_name: String,
 }
 
-fn from_section(s: &LoraSection) -> LoraConfig {
-    LoraConfig {
-        r: s.r,
-        alpha: s.alpha,
-        dropout: s.dropout,
-        target_modules: match &s.target_modules {
-            Some(l) => Targets::List(l.clone()),
-            None => Targets::All("all-linear".into()),
-        },
-        use_rslora: s.use_rslora,
-    }
-}
-
 /// The run's LoRA settings: `--lora`, else `kiln.lora`, else a resumed run's own
 /// (`recorded`, its config.json's `lora`), else `--adapter`'s own; where `--adapter`
 /// and a setting are both given they must agree on what shapes the adapters (r,
@@ -49,13 +36,15 @@ pub(crate) fn settings(
     section: Option<&LoraSection>,
     recorded: Option<&serde_json::Value>,
 ) -> Result<Option<(LoraConfig, Option<PeftAdapter>)>> {
-    let given = match (&opts.lora, section, recorded) {
-        (Some(flag), _, _) => Some(LoraConfig::parse_flag(flag)?),
-        (None, Some(s), _) => Some(from_section(s)),
-        (None, None, Some(r)) => Some(serde_json::from_value(r.clone()).map_err(|e| {
+    let given = match (
+        crate::estimate::lora_settings(opts.lora.as_deref(), section)?,
+        recorded,
+    ) {
+        (Some(c), _) => Some(c),
+        (None, Some(r)) => Some(serde_json::from_value(r.clone()).map_err(|e| {
             anyhow::anyhow!("--resume: the run's recorded `lora` settings do not read ({e})")
         })?),
-        (None, None, None) => None,
+        (None, None) => None,
     };
     let start = match &opts.adapter {
         Some(dir) => Some(read_peft(dir)?),

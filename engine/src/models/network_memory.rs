@@ -187,10 +187,14 @@ impl NetworkMemory {
         };
         Err(Error::InvalidArgument(format!(
             "{what} does not fit, so nothing was allocated: it needs {} per device (weights \
-             {}, gradients {}, f32 master + optimizer {}, activations {}; `kiln estimate` \
+             {}{}, gradients {}, f32 master + optimizer {}, activations {}; `kiln estimate` \
              shows them); {}. Try {}.{zero}",
             human(self.total()),
             human(self.weights),
+            match self.frozen {
+                0 => String::new(),
+                f => format!(", frozen base {}", human(f)),
+            },
             human(self.gradients),
             human(self.optimizer),
             human(self.activations),
