@@ -668,19 +668,37 @@ pub(crate) trait Lower: Recorder {
                 vocab,
                 classes,
             }) => {
-                let rows = (logits.len / vocab) as u32;
-                let (lanes, grid) = self.row_plan(rows, *classes as u32);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                // Logits over the binding limit (micro-batch x T x a 50k vocabulary) are
+                // bound band by band of whole rows, each band on 256-byte boundaries.
+                let rows = logits.len / vocab;
+                let band = self.row_band("the cross-entropy", rows, &[(logits, *vocab)])?;
+                // The lanes per row follow the whole kernel's rows, so a short last band
+                // reduces its rows as the others do: the same bits as one binding.
+                let (lanes, _) = self.row_plan(rows as u32, *classes as u32);
+                for first in (0..rows.max(1)).step_by(band) {
+                    let n = band.min(rows - first);
+                    let per_group = 256 / lanes[0].1;
+                    let grid = row_groups((n as u32).div_ceil(per_group));
+                    let lanes = lanes.clone();
+                    let mut d = Dispatch::new(
                         &shader::CROSS_ENTROPY,
                         vec![self.repr(logits.dtype)],
                         vec![h(logits), h(targets), h(losses), h(lse)],
-                        vec![rows, 0, 0, *vocab as u32, *classes as u32, 0, 0, 0],
+                        vec![n as u32, 0, 0, *vocab as u32, *classes as u32, 0, 0, 0],
                         grid,
                     )
-                    .with_overrides(lanes),
-                )?;
+                    .with_overrides(lanes);
+                    if band < rows {
+                        d.ranges = row_ranges(
+                            first,
+                            n,
+                            *vocab,
+                            &[(0, logits)],
+                            &[(1, targets), (2, losses), (3, lse)],
+                        );
+                    }
+                    self.dispatch(s, d)?;
+                }
             }
             Kernel::ArgMax(ArgMax {
                 x,
@@ -711,15 +729,23 @@ pub(crate) trait Lower: Recorder {
                 classes,
                 scale,
             }) => {
-                let words = pairs(logits.len);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                // Banded as the forward is (rows on 256-byte boundaries in every buffer).
+                let rows = logits.len / vocab;
+                let band = self.row_band(
+                    "the cross-entropy backward",
+                    rows,
+                    &[(logits, *vocab), (dlogits, *vocab)],
+                )?;
+                for first in (0..rows.max(1)).step_by(band) {
+                    let n = band.min(rows - first);
+                    let len = if band < rows { n * vocab } else { logits.len };
+                    let words = pairs(len);
+                    let mut d = Dispatch::new(
                         &shader::CROSS_ENTROPY_BACKWARD,
                         vec![self.repr(logits.dtype), self.repr(dlogits.dtype)],
                         vec![h(logits), h(dlogits), h(targets), h(lse)],
                         vec![
-                            logits.len as u32,
+                            len as u32,
                             words,
                             scale.to_bits(),
                             *vocab as u32,
@@ -729,8 +755,18 @@ pub(crate) trait Lower: Recorder {
                             0,
                         ],
                         (groups(words), 1, 1),
-                    ),
-                )?;
+                    );
+                    if band < rows {
+                        d.ranges = row_ranges(
+                            first,
+                            n,
+                            *vocab,
+                            &[(0, logits), (1, dlogits)],
+                            &[(2, targets), (3, lse)],
+                        );
+                    }
+                    self.dispatch(s, d)?;
+                }
             }
             Kernel::Embedding(Embedding {
                 tokens,
@@ -996,6 +1032,35 @@ pub(crate) trait Lower: Recorder {
     /// every invocation of the workgroup, which dominated the GPT's step on lavapipe
     /// (measured with KILN_PROFILE: softmax and layer norm were 45% of it). GPUs give a
     /// short row one warp-sized group and a long row the whole workgroup.
+    /// Rows per band of a row-wise kernel whose `wide` buffers hold `cols` elements a
+    /// row (its per-row u32/f32 buffers one element a row): all of them when every
+    /// buffer fits one binding, else the most that do, a multiple of the rows that put
+    /// every buffer's band on a 256-byte boundary.
+    fn row_band(&self, what: &str, rows: usize, wide: &[(&Buffer, usize)]) -> Result<usize> {
+        let limit = self.caps().max_storage_binding as usize;
+        let row_bytes: Vec<usize> = wide.iter().map(|(b, cols)| b.dtype.size() * cols).collect();
+        let widest = row_bytes.iter().copied().max().unwrap_or(4).max(4);
+        if rows * widest <= limit {
+            return Ok(rows.max(1));
+        }
+        // 64 rows of 4 bytes; a 16-bit row of odd length needs 128.
+        let step = row_bytes
+            .iter()
+            .map(|&rb| 256 / gcd(rb, 256))
+            .fold(64, |a, b| a / gcd(a, b) * b);
+        let band = (limit / widest) / step * step;
+        if band == 0 {
+            return Err(kiln_engine::Error::Unsupported {
+                device: self.caps().name.clone(),
+                what: format!(
+                    "{what} over rows of {widest} bytes: the per-binding limit of {limit} \
+                     bytes holds no band of {step} rows"
+                ),
+            });
+        }
+        Ok(band)
+    }
+
     fn row_plan(&self, rows: u32, cols: u32) -> (Overrides, (u32, u32, u32)) {
         let lanes = if self.caps().device_type == "cpu" {
             if rows >= 128 {
@@ -1142,6 +1207,25 @@ fn pairs(len: usize) -> u32 {
 /// Elements a band starts on a multiple of: 256 bytes (WebGPU's storage offset
 /// alignment on every adapter) of the narrowest dtype, 16-bit.
 const BAND_GRANULE: usize = 128;
+
+/// The `(slot, byte offset, byte size)` ranges binding rows `first..first + n` of a
+/// row-wise kernel: `wide` buffers hold `cols` elements a row, `narrow` ones one.
+fn row_ranges(
+    first: usize,
+    n: usize,
+    cols: usize,
+    wide: &[(usize, &Buffer)],
+    narrow: &[(usize, &Buffer)],
+) -> Vec<(usize, u64, u64)> {
+    let band = |start, len| Band {
+        start,
+        len,
+        whole: false,
+    };
+    let mut r = band(first * cols, n * cols).ranges(wide.iter().copied());
+    r.extend(band(first, n).ranges(narrow.iter().copied()));
+    r
+}
 
 /// Elements `[start, start + len)` of a kernel's buffers, one pass of it; `whole` when
 /// the pass covers them all and they fit one binding, so they are bound whole.

@@ -131,11 +131,12 @@ impl KernelSpec for CrossEntropy {
     }
 
     fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        // Bound band by band of rows where the logits are over the binding limit.
         vec![
-            Operand::read(&mut self.logits),
-            Operand::read(&mut self.targets),
-            Operand::write(&mut self.losses),
-            Operand::write(&mut self.lse),
+            Operand::read_split(&mut self.logits),
+            Operand::read_split(&mut self.targets),
+            Operand::write_split(&mut self.losses),
+            Operand::write_split(&mut self.lse),
         ]
     }
 
@@ -186,11 +187,12 @@ impl KernelSpec for CrossEntropyBackward {
     }
 
     fn operands_mut(&mut self) -> Vec<Operand<'_>> {
+        // Banded by rows as the forward is.
         vec![
-            Operand::read(&mut self.logits),
-            Operand::read(&mut self.targets),
-            Operand::read(&mut self.lse),
-            Operand::write(&mut self.dlogits),
+            Operand::read_split(&mut self.logits),
+            Operand::read_split(&mut self.targets),
+            Operand::read_split(&mut self.lse),
+            Operand::write_split(&mut self.dlogits),
         ]
     }
 
