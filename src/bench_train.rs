@@ -100,6 +100,10 @@ pub struct TrainBenchRow {
     pub adapter: String,
     pub backend: String,
     pub precision: String,
+    /// `full`, `ckpt`, `lora` or `lora+ckpt` ([`Variant`]).
+    pub variant: String,
+    /// Elements trained (the adapters' under LoRA).
+    pub trained: usize,
     pub micro_batch: usize,
     pub seq: usize,
     /// The warm-up step, compiling included.
@@ -253,8 +257,57 @@ pub fn launch_seconds(dev: &dyn Device, kernel: &Kernel, budget: Duration) -> Re
     result
 }
 
+/// How a model is trained in a measured row: every weight (`full`) or LoRA adapters on
+/// the frozen model (`lora`), each with or without activation checkpointing (`+ckpt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variant {
+    pub lora: bool,
+    pub checkpointing: bool,
+}
+
+impl Variant {
+    /// `full`, `ckpt` (full with checkpointing), `lora`, `lora+ckpt`.
+    pub fn parse(text: &str) -> Result<Variant> {
+        Ok(match text.trim() {
+            "full" => Variant {
+                lora: false,
+                checkpointing: false,
+            },
+            "ckpt" | "full+ckpt" => Variant {
+                lora: false,
+                checkpointing: true,
+            },
+            "lora" => Variant {
+                lora: true,
+                checkpointing: false,
+            },
+            "lora+ckpt" => Variant {
+                lora: true,
+                checkpointing: true,
+            },
+            other => bail!(
+                "unknown variant `{other}`: give full, ckpt (activation checkpointing), lora \
+                 or lora+ckpt (comma-separated)"
+            ),
+        })
+    }
+
+    pub fn name(&self) -> &'static str {
+        match (self.lora, self.checkpointing) {
+            (false, false) => "full",
+            (false, true) => "ckpt",
+            (true, false) => "lora",
+            (true, true) => "lora+ckpt",
+        }
+    }
+}
+
 /// Options of one `kiln bench train` run.
 pub struct TrainBenchOptions {
+    /// How the model trains (`full` unless `--variants` says others).
+    pub variant: Variant,
+    /// The adapters of a LoRA variant (`--lora`, default r 16, alpha 32, all-linear).
+    pub lora: kiln_engine::models::lora::LoraConfig,
     pub steps: usize,
     pub gemm_budget: Duration,
     /// Peak TFLOP/s per device for the MFU; else `kiln bench peak`'s cache.
@@ -276,7 +329,7 @@ pub fn measure(
     let caps = dev.caps().clone();
     let seq = model.config.block_size();
     let vocab = model.config.vocab_size();
-    let ds = kiln_engine::config::parse(
+    let mut ds = kiln_engine::config::parse(
         &format!(
             r#"{{"train_micro_batch_size_per_gpu": {}, "optimizer": {{"type": "AdamW",
                  "params": {{"lr": 1e-4}}}}{}}}"#,
@@ -285,7 +338,16 @@ pub fn measure(
         ),
         1,
     )?;
-    let net = model.config.build(seq);
+    if opts.variant.checkpointing {
+        ds.activation_checkpointing = Some(1);
+    }
+    let mut net = model.config.build(seq);
+    if opts.variant.lora {
+        net = Arc::new(kiln_engine::models::lora::Lora::new(
+            net,
+            opts.lora.clone(),
+        )?);
+    }
     let parameters = match &model.config {
         ModelConfig::Gpt2(c) => c.parameter_count(),
         ModelConfig::Llama(c) => c.checked_parameter_count().unwrap_or(0),
@@ -309,6 +371,7 @@ pub fn measure(
     let t0 = Instant::now();
     trainer.step_group(&devs, &micro)?;
     let first_step_s = t0.elapsed().as_secs_f64();
+    let trained = trainer.model.parameter_count();
     let launches = rec.record(false);
     let memory_bytes = dev.allocated_bytes();
 
@@ -349,6 +412,8 @@ pub fn measure(
         adapter: caps.name.clone(),
         backend: caps.backend.clone(),
         precision: precision.to_string(),
+        variant: opts.variant.name().to_string(),
+        trained,
         micro_batch: model.micro_batch,
         seq,
         first_step_s,
@@ -376,6 +441,7 @@ pub fn format_table(rows: &[TrainBenchRow]) -> String {
         "model",
         "adapter",
         "precision",
+        "variant",
         "batch",
         "first s",
         "step ms",
@@ -393,6 +459,7 @@ pub fn format_table(rows: &[TrainBenchRow]) -> String {
             r.model.clone(),
             format!("{} ({})", r.adapter, r.backend),
             r.precision.clone(),
+            r.variant.clone(),
             format!("{}x{}", r.micro_batch, r.seq),
             format!("{:.1}", r.first_step_s),
             format!("{:.1}", r.step_ms),

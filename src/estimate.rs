@@ -12,6 +12,10 @@
 //! adapters' elements, the only ones with gradients, masters and moments (and so the
 //! only ones ZeRO shards), and the base is held once in the storage dtype on every
 //! device (the `frozen` column; stage 3 would partition it too).
+//!
+//! With `--fits 8GiB,16GiB` ([`fits_report`]) it sets full training, LoRA and each with
+//! activation checkpointing, on one device and with ZeRO-2 across 2 and 4, against
+//! device sizes, and names the cheapest that fits each.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -115,10 +119,15 @@ pub fn stages(
     world: usize,
 ) -> Result<Vec<StageMemory>> {
     let m = network_memory(model, micro_batch, dtype)?;
-    let n = world.max(1) as u64;
     // The trained parameters: a LoRA model's frozen base has no gradient or optimizer
     // state to shard.
     let (psi, _) = counts(model);
+    Ok(stages_of(&m, psi, dtype, world))
+}
+
+/// [`stages`] from a network's memory `m` and its `psi` trained elements.
+fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<StageMemory> {
+    let n = world.max(1) as u64;
     // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
     // slice's updated model copy (zero.rs); whole tensors keep their arenas' gaps.
     let slice = psi.div_ceil(n);
@@ -136,7 +145,7 @@ pub fn stages(
         activations: m.activations,
         implemented,
     };
-    Ok(vec![
+    vec![
         one(0, m.weights, m.gradients, m.optimizer, true),
         // One device: the single shard is the whole state, stage 0's layout.
         if n > 1 {
@@ -158,7 +167,7 @@ pub fn stages(
             m.optimizer.div_ceil(n),
             false,
         ),
-    ])
+    ]
 }
 
 fn mib(b: u64) -> String {
@@ -432,6 +441,349 @@ pub fn pipeline_report(
     Ok(out)
 }
 
+/// The device counts of `kiln estimate --fits`: one device (ZeRO stage 0), then ZeRO
+/// stage 2 across 2 and 4.
+pub const FIT_DEVICES: [usize; 3] = [1, 2, 4];
+
+/// The LoRA settings of `--fits`' LoRA rows when neither `--lora` nor the config's
+/// `kiln.lora` gives them.
+pub const FIT_LORA: &str = "r=16,alpha=32,targets=all-linear";
+
+/// The units a memory size takes, binary all: `G` is `GiB`.
+const SIZE_UNITS: [(&str, u64); 8] = [
+    ("KiB", 1 << 10),
+    ("MiB", 1 << 20),
+    ("GiB", 1 << 30),
+    ("TiB", 1 << 40),
+    ("K", 1 << 10),
+    ("M", 1 << 20),
+    ("G", 1 << 30),
+    ("T", 1 << 40),
+];
+
+/// A device's memory as `--fits` takes it: a number and a binary unit, `8GiB`, `16G`,
+/// `512MiB`, `1.5GiB` (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`; `G` = `GiB` =
+/// 2^30 bytes). Anything else (no unit, `GB`, a sign, zero) is refused, naming the
+/// value and the forms accepted.
+pub fn parse_size(text: &str) -> Result<u64> {
+    let bad = |why: &str| {
+        anyhow::anyhow!(
+            "--fits {text:?}: {why}; write a device's memory as a number and a binary unit: \
+             8GiB, 16G, 512MiB, 1.5GiB (K/KiB, M/MiB, G/GiB or T/TiB; G = GiB = 2^30 bytes), \
+             several joined by commas"
+        )
+    };
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(bad("empty"));
+    }
+    let digits = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .ok_or_else(|| bad("no unit"))?;
+    let (number, unit) = (&t[..digits], t[digits..].trim_start());
+    // Digits with at most one point, digits on both of its sides.
+    let well_formed = number
+        .split('.')
+        .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()))
+        && number.matches('.').count() <= 1;
+    if !well_formed {
+        return Err(bad("not a number"));
+    }
+    let scale = SIZE_UNITS
+        .iter()
+        .find(|(u, _)| *u == unit)
+        .map(|&(_, s)| s)
+        .ok_or_else(|| {
+            bad(&match unit.to_ascii_lowercase().as_str() {
+                "kb" | "mb" | "gb" | "tb" => format!(
+                    "`{unit}` could mean powers of 10 or of 2: write {number}{}iB for 2^n bytes",
+                    unit[..1].to_ascii_uppercase()
+                ),
+                _ => format!("`{unit}` is not a unit"),
+            })
+        })?;
+    let value: f64 = number.parse().map_err(|_| bad("not a number"))?;
+    let bytes = (value * scale as f64).round();
+    if bytes < 1.0 {
+        return Err(bad("no memory at all"));
+    }
+    // 2^63: far beyond any device, and still exact in f64 and u64.
+    if bytes >= (1u64 << 63) as f64 {
+        return Err(bad("too large"));
+    }
+    Ok(bytes as u64)
+}
+
+/// One row of `kiln estimate --fits`: a way to train the model and what it takes on
+/// each device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fit {
+    /// The base frozen under LoRA adapters (else full training).
+    pub lora: bool,
+    pub checkpointing: bool,
+    /// 1: ZeRO stage 0 on one device; more: ZeRO stage 2 across that many.
+    pub devices: usize,
+    /// Each device's bytes, as [`stages`] gives them (stage 0, or 2 across `devices`).
+    pub memory: StageMemory,
+    /// Each device's bytes while `kiln train` builds the network: stage 0's layout,
+    /// which ZeRO then shards (the one-device row's figure).
+    pub at_start: u64,
+    /// The largest buffer one kernel binds whole ([`NetworkMemory::largest_binding`]).
+    pub largest_binding: u64,
+}
+
+impl Fit {
+    /// Per-device bytes.
+    pub fn bytes(&self) -> u64 {
+        self.memory.total()
+    }
+
+    /// `full`, `full + checkpointing`, `LoRA`, `LoRA + checkpointing`.
+    pub fn training(&self) -> String {
+        format!(
+            "{}{}",
+            if self.lora { "LoRA" } else { "full" },
+            if self.checkpointing {
+                " + checkpointing"
+            } else {
+                ""
+            }
+        )
+    }
+
+    /// The devices column: `1`, `ZeRO-2 x 2`, ...
+    pub fn on(&self) -> String {
+        match self.devices {
+            1 => "1".into(),
+            n => format!("ZeRO-2 x {n}"),
+        }
+    }
+
+    /// `full on 1 device`, `LoRA on ZeRO-2 across 4 devices`, ...
+    pub fn spelled(&self) -> String {
+        match self.devices {
+            1 => format!("{} on 1 device", self.training()),
+            n => format!("{} with ZeRO-2 across {n} devices", self.training()),
+        }
+    }
+
+    /// `fits` where each device's bytes are at most `size`, `fits*` where they are but
+    /// kiln train today needs more while it builds the network (see [`Fit::at_start`]),
+    /// else `no (needs X)`.
+    pub fn verdict(&self, size: u64) -> String {
+        if self.bytes() > size {
+            format!("no (needs {})", human(self.bytes()))
+        } else if self.at_start > size {
+            "fits*".into()
+        } else {
+            "fits".into()
+        }
+    }
+}
+
+/// Bytes in GiB from 1 GiB, else in MiB.
+fn human(b: u64) -> String {
+    if b >= 1 << 30 {
+        format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        mib(b)
+    }
+}
+
+/// The rows of `kiln estimate --fits`, cheapest first: for each of [`FIT_DEVICES`],
+/// full training, full with activation checkpointing (ranges of `every` blocks), LoRA
+/// (`lora`) and LoRA with checkpointing, of `base` at `micro_batch` in `dtype`. Each
+/// of the four models is recorded once (`Network::memory`: no device, milliseconds for
+/// Llama-3.2-3B), the ZeRO-2 rows computed from it as [`stages`] computes them.
+pub fn fits(
+    base: Arc<dyn Model>,
+    lora: LoraConfig,
+    every: usize,
+    micro_batch: usize,
+    dtype: DType,
+) -> Result<Vec<Fit>> {
+    use kiln_engine::models::checkpointed::Checkpointed;
+    // Sizes first: a bad shape is refused before anything is built from it.
+    base.check_sizes()?;
+    let adapted = adapt(base.clone(), Some(lora))?;
+    let models: Vec<(bool, bool, Arc<dyn Model>)> = vec![
+        (false, false, base.clone()),
+        (false, true, Arc::new(Checkpointed::new(base, every)?)),
+        (true, false, adapted.clone()),
+        (true, true, Arc::new(Checkpointed::new(adapted, every)?)),
+    ];
+    let memory = models
+        .iter()
+        .map(|(_, _, m)| network_memory(m.as_ref(), micro_batch, dtype))
+        .collect::<Result<Vec<_>>>()?;
+    let mut rows = vec![];
+    for devices in FIT_DEVICES {
+        for ((lora, checkpointing, model), m) in models.iter().zip(&memory) {
+            let (psi, _) = counts(model.as_ref());
+            let all = stages_of(m, psi, dtype, devices);
+            rows.push(Fit {
+                lora: *lora,
+                checkpointing: *checkpointing,
+                devices,
+                memory: all[if devices == 1 { 0 } else { 2 }],
+                at_start: all[0].total(),
+                largest_binding: m.largest_binding,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The first of `rows` (cheapest first, as [`fits`] orders them: fewest devices, then
+/// full training before LoRA, then without checkpointing) whose per-device bytes are at
+/// most `size`.
+pub fn cheapest(rows: &[Fit], size: u64) -> Option<&Fit> {
+    rows.iter().find(|r| r.bytes() <= size)
+}
+
+/// The table `kiln estimate --fits` prints: [`fits`]' rows, each with its per-device
+/// bytes and, for each of `sizes` (as written, in bytes), whether it fits, then the
+/// cheapest row that fits each size.
+pub fn fits_report(
+    base: Arc<dyn Model>,
+    (lora, every): (LoraConfig, usize),
+    micro_batch: usize,
+    dtype: DType,
+    sizes: &[(String, u64)],
+) -> Result<String> {
+    let adapters = Lora::new(base.clone(), lora.clone())?;
+    let (psi, frozen) = counts(&adapters);
+    let targets = match &lora.target_modules {
+        Targets::All(all) => all.clone(),
+        Targets::List(list) => list.join("+"),
+    };
+    let rows = fits(base.clone(), lora.clone(), every, micro_batch, dtype)?;
+    let mut out = String::new();
+    writeln!(
+        out,
+        "{}: {dtype}, micro-batch {micro_batch}; LoRA r={}, alpha={}, targets={targets}{} \
+         ({psi} adapter parameters over {frozen} frozen); checkpointing: {}",
+        base.describe(),
+        lora.r,
+        lora.alpha,
+        if lora.use_rslora { ", rslora" } else { "" },
+        match every {
+            1 => "every block recomputed in backward".to_string(),
+            n => format!("ranges of {n} blocks recomputed in backward"),
+        }
+    )?;
+    let names: Vec<&str> = sizes.iter().map(|(n, _)| n.as_str()).collect();
+    writeln!(
+        out,
+        "per device: weights + frozen base + gradients + master+Adam + activations on each \
+         device (1: ZeRO stage 0; ZeRO-2 x N: gradients and master+Adam sharded over N, as \
+         `kiln estimate --devices N` gives stage 2); {}: fits when per device <= that size \
+         (per-binding limits not checked), else no (needs per device)",
+        names.join(", ")
+    )?;
+    let mut table = vec![["training", "devices", "per device"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(names.iter().map(|s| s.to_string()))
+        .collect::<Vec<_>>()];
+    for r in &rows {
+        table.push(
+            [r.training(), r.on(), human(r.bytes())]
+                .into_iter()
+                .chain(sizes.iter().map(|&(_, size)| r.verdict(size)))
+                .collect(),
+        );
+    }
+    writeln!(out, "{}", crate::bench::align(&table))?;
+    if rows
+        .iter()
+        .any(|r| sizes.iter().any(|&(_, size)| r.verdict(size) == "fits*"))
+    {
+        writeln!(
+            out,
+            "* fits once sharded: kiln train builds stage 0's layout (the 1-device row of \
+             the same training) on every device before ZeRO shards it, so today it needs \
+             that much at start"
+        )?;
+    }
+    let widest = rows
+        .iter()
+        .max_by_key(|r| r.largest_binding)
+        .expect("fits gives rows");
+    let which = if rows
+        .iter()
+        .all(|r| r.largest_binding == widest.largest_binding)
+    {
+        "every row".to_string()
+    } else {
+        widest.training()
+    };
+    writeln!(
+        out,
+        "largest buffer one kernel binds whole: {} ({which}), {} a typical GPU's 2 GiB \
+         per-binding limit; `kiln estimate --devices SPEC` checks an adapter's",
+        human(widest.largest_binding),
+        if widest.largest_binding <= 2 << 30 {
+            "within"
+        } else {
+            "over"
+        }
+    )?;
+    writeln!(
+        out,
+        "cheapest that fits (fewest devices, then full before LoRA, then without \
+         checkpointing):"
+    )?;
+    for (name, size) in sizes {
+        match cheapest(&rows, *size) {
+            Some(r) => {
+                write!(
+                    out,
+                    "  {name}: {} ({} per device)",
+                    r.spelled(),
+                    human(r.bytes())
+                )?;
+                if r.at_start > *size {
+                    write!(
+                        out,
+                        " once sharded; kiln train today needs {} per device at start, so \
+                         nothing here starts on {name} devices yet",
+                        human(r.at_start)
+                    )?;
+                }
+                writeln!(out)?;
+            }
+            None => {
+                let least = rows
+                    .iter()
+                    .min_by_key(|r| r.bytes())
+                    .expect("fits gives rows");
+                let states = least.bytes() - least.memory.activations;
+                writeln!(
+                    out,
+                    "  {name}: none (the least is {}: {} per device; {})",
+                    least.spelled(),
+                    human(least.bytes()),
+                    if states <= *size {
+                        format!(
+                            "its activations take {}: a smaller micro-batch or --seq shrinks \
+                             them",
+                            human(least.memory.activations)
+                        )
+                    } else {
+                        format!(
+                            "without activations it still needs {}: ZeRO-3, not implemented \
+                             yet, would shard the weights",
+                            human(states)
+                        )
+                    }
+                )?;
+            }
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -467,5 +819,41 @@ mod tests {
         assert!(state(&r[0]) > state(&r[1]) && state(&r[1]) > state(&r[2]));
         assert!(state(&r[2]) > state(&r[3]));
         assert!(r.iter().all(|s| s.activations == r[0].activations));
+    }
+
+    #[test]
+    fn sizes_take_a_number_and_a_binary_unit_and_nothing_else() {
+        for (text, want) in [
+            ("8GiB", 8u64 << 30),
+            ("16GiB", 16 << 30),
+            ("8G", 8 << 30),
+            ("512MiB", 512 << 20),
+            ("1.5GiB", 3 << 29),
+            ("64K", 64 << 10),
+            (" 2 TiB ", 2 << 40),
+            ("3M", 3 << 20),
+        ] {
+            assert_eq!(parse_size(text).unwrap(), want, "{text}");
+        }
+        for (text, why) in [
+            ("8", "no unit"),
+            ("", "empty"),
+            ("8GB", "`GB` could mean powers of 10 or of 2: write 8GiB"),
+            ("512mb", "write 512MiB"),
+            ("8gib", "`gib` is not a unit"),
+            ("8GiBs", "`GiBs` is not a unit"),
+            ("-8GiB", "not a number"),
+            ("GiB", "not a number"),
+            ("1.2.3G", "not a number"),
+            (".5G", "not a number"),
+            ("0G", "no memory at all"),
+            ("99999999999T", "too large"),
+        ] {
+            let e = parse_size(text).unwrap_err().to_string();
+            assert!(
+                e.contains(why) && e.contains(&format!("{text:?}")) && e.contains("8GiB, 16G"),
+                "{text}: {e}"
+            );
+        }
     }
 }

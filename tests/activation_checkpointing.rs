@@ -149,3 +149,32 @@ fn activation_memory_grows_by_the_boundaries_only() {
         );
     }
 }
+
+/// Two pipeline stages recompute the ranges each holds: the same losses as the
+/// pipeline without checkpointing, bit for bit (fp16).
+#[test]
+fn pipeline_stages_recompute_their_blocks_with_the_same_bits() {
+    use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+    use kiln::engine::train::pipeline_trainer::PipelineTrainer;
+    let (b, t) = (2, 16);
+    let model = llama(4, t);
+    let run = |checkpointing: Option<usize>| {
+        let devs: Vec<Box<dyn Device>> = (0..2)
+            .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+            .collect();
+        let mut config = ds_config(b, 2, DType::F16, 1);
+        config.activation_checkpointing = checkpointing;
+        let mut pipe =
+            PipelineTrainer::new(devs, model.clone(), config, 3, &PartitionMethod::Uniform, 2)
+                .unwrap();
+        let losses: Vec<u32> = (0..3u64)
+            .map(|step| {
+                let micro = [tokens(10 * step, b * t), tokens(10 * step + 1, b * t)];
+                pipe.step(&micro).unwrap().loss.to_bits()
+            })
+            .collect();
+        losses
+    };
+    let (plain, ckpt) = (run(None), run(Some(1)));
+    assert_eq!(plain, ckpt);
+}

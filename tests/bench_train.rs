@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use kiln::bench_train::{bench_model, measure, precision_config, TrainBenchOptions};
+use kiln::bench_train::{bench_model, measure, precision_config, TrainBenchOptions, Variant};
 use kiln::wgpu::{find_adapter, DeviceOptions, WgpuDevice};
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -21,7 +21,7 @@ fn a_tiny_model_measures_positive_and_no_faster_than_its_gemms() {
     let model = dir.join("tiny.json");
     std::fs::write(
         &model,
-        r#"{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}"#,
+        r#"{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64}"#,
     )
     .unwrap();
     let m = bench_model(model.to_str().unwrap(), Some(4)).unwrap();
@@ -31,13 +31,36 @@ fn a_tiny_model_measures_positive_and_no_faster_than_its_gemms() {
         ..DeviceOptions::default()
     };
     let dev = WgpuDevice::open(find_adapter("vulkan").unwrap(), &options).unwrap();
-    let opts = TrainBenchOptions {
+    let mut opts = TrainBenchOptions {
+        variant: Variant::parse("full").unwrap(),
+        lora: kiln::engine::models::lora::LoraConfig::parse_flag("r=4").unwrap(),
         steps: 2,
         gemm_budget: Duration::from_millis(20),
         // 1 GFLOP/s: the MFU must be computed against it, not any cached peak.
         peak_tflops: Some(0.001),
     };
     let r = measure(&dev, &m, "fp32", &opts).unwrap();
+    // LoRA with activation checkpointing: the adapters' elements trained (at this size
+    // the adapters' activations outweigh what the frozen base saves: no memory claim).
+    opts.variant = Variant::parse("lora+ckpt").unwrap();
+    let small = measure(&dev, &m, "fp32", &opts).unwrap();
+    assert_eq!(
+        (r.variant.as_str(), small.variant.as_str()),
+        ("full", "lora+ckpt")
+    );
+    assert_eq!(r.trained, r.parameters);
+    assert!(
+        small.trained < r.parameters / 4,
+        "{} of {}",
+        small.trained,
+        r.parameters
+    );
+    assert!(small.memory_bytes > 0 && small.step_ms > 0.0);
+    assert!(Variant::parse("half")
+        .unwrap_err()
+        .to_string()
+        .contains("lora+ckpt"));
+    opts.variant = Variant::parse("full").unwrap();
     for (what, x) in [
         ("first_step_s", r.first_step_s),
         ("step_ms", r.step_ms),

@@ -953,3 +953,182 @@ fn kiln_estimate_with_lora_counts_the_frozen_base_once_and_the_adapters_state() 
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `kiln estimate --fits`: for a small Llama sized so that full training does not fit
+/// but LoRA with activation checkpointing does, each row is `Network::memory` of the
+/// model it names (the one-device rows exactly; the ZeRO-2 rows as `kiln estimate
+/// --devices N` gives stage 2), the verdicts follow the bytes, the cheapest line names
+/// LoRA + checkpointing on one device (and full training where everything fits), and
+/// a bad size is refused naming the value and the forms accepted.
+#[test]
+fn kiln_estimate_fits_names_the_cheapest_way_to_train_that_fits_each_size() {
+    use kiln::engine::models::checkpointed::Checkpointed;
+    use kiln::engine::models::ModelConfig;
+    use kiln::estimate::{fits, fits_report, FIT_LORA};
+    let dir = scratch_dir("lora", "fits");
+    let model_json = r#"{"architecture": "llama", "n_layer": 4, "n_head": 4, "n_kv_head": 2,
+        "n_embd": 64, "block_size": 128, "vocab_size": 512, "intermediate_size": 128,
+        "tie_word_embeddings": true}"#;
+    let (micro, dtype) = (2, DType::BF16);
+    let model_path = dir.join("model.json");
+    std::fs::write(&model_path, model_json).unwrap();
+    let config = dir.join("ds.json");
+    std::fs::write(
+        &config,
+        format!(r#"{{"train_micro_batch_size_per_gpu": {micro}, "bf16": {{"enabled": true}}}}"#),
+    )
+    .unwrap();
+    let base = ModelConfig::parse(model_json).unwrap().build(128);
+    let settings = LoraConfig::parse_flag(FIT_LORA).unwrap();
+    let adapted: Arc<dyn Model> = Arc::new(Lora::new(base.clone(), settings.clone()).unwrap());
+    let models: [(bool, bool, Arc<dyn Model>); 4] = [
+        (false, false, base.clone()),
+        (
+            false,
+            true,
+            Arc::new(Checkpointed::new(base.clone(), 1).unwrap()),
+        ),
+        (true, false, adapted.clone()),
+        (true, true, Arc::new(Checkpointed::new(adapted, 1).unwrap())),
+    ];
+    let memory: Vec<_> = models
+        .iter()
+        .map(|(_, _, m)| Network::memory(m.as_ref(), &options(micro, dtype)).unwrap())
+        .collect();
+
+    // The rows: cheapest first (devices, then full before LoRA, then without
+    // checkpointing), each what its model allocates.
+    let rows = fits(base.clone(), settings.clone(), 1, micro, dtype).unwrap();
+    assert_eq!(rows.len(), 12);
+    for (i, r) in rows.iter().enumerate() {
+        let (lora, checkpointing, model) = &models[i % 4];
+        let m = &memory[i % 4];
+        assert_eq!(
+            (r.lora, r.checkpointing, r.devices),
+            (*lora, *checkpointing, [1, 2, 4][i / 4])
+        );
+        assert_eq!(r.at_start, m.total(), "{}", r.spelled());
+        if r.devices == 1 {
+            let s = &r.memory;
+            assert_eq!(s.stage, 0);
+            assert_eq!(
+                (s.weights, s.frozen, s.gradients, s.optimizer, s.activations),
+                (m.weights, m.frozen, m.gradients, m.optimizer, m.activations),
+                "{}",
+                r.spelled()
+            );
+            assert_eq!(r.bytes(), m.total());
+        } else {
+            let zero = kiln::estimate::stages(model.as_ref(), micro, dtype, r.devices).unwrap();
+            assert_eq!(r.memory, zero[2], "{}", r.spelled());
+            assert!(r.bytes() < m.total(), "{}", r.spelled());
+        }
+    }
+    // The size: what LoRA + checkpointing takes on one device, which the three others
+    // exceed (checkpointing saves activations; full training holds master+Adam).
+    let need = rows[3].bytes();
+    assert!(rows[..3]
+        .iter()
+        .all(|r| r.bytes() > need.div_ceil(1024) * 1024));
+    let small = format!("{}KiB", need.div_ceil(1024));
+    let sizes = [
+        (small.clone(), need.div_ceil(1024) * 1024),
+        ("1G".into(), 1 << 30),
+    ];
+
+    let kiln = |extra: &[&str]| {
+        let mut args = vec!["estimate", "--model", model_path.to_str().unwrap()];
+        args.extend(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(&args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let fits_flag = format!("{small},1G");
+    let (code, out, err) = kiln(&["--config", config.to_str().unwrap(), "--fits", &fits_flag]);
+    assert_eq!(code, Some(0), "{err}");
+    // The CLI prints the library's table, from the config's micro-batch and precision.
+    assert_eq!(
+        out,
+        fits_report(base.clone(), (settings, 1), micro, dtype, &sizes).unwrap()
+    );
+    assert!(out.contains("bf16, micro-batch 2; LoRA r=16, alpha=32, targets=all-linear"));
+    let lines: Vec<&str> = out.lines().collect();
+    let h = lines
+        .iter()
+        .position(|l| l.starts_with("training"))
+        .unwrap();
+    let cells = |l: &str| -> Vec<String> {
+        l.split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(
+        cells(lines[h]),
+        ["training", "devices", "per device", &small, "1G"]
+    );
+    for (r, line) in rows.iter().zip(&lines[h + 1..h + 13]) {
+        let c = cells(line);
+        assert_eq!((c[0].as_str(), c[1].as_str()), (&*r.training(), &*r.on()));
+        for (verdict, (_, size)) in c[3..].iter().zip(&sizes) {
+            let want = if r.bytes() > *size {
+                format!("no (needs {})", c[2])
+            } else if r.at_start > *size {
+                "fits*".to_string()
+            } else {
+                "fits".to_string()
+            };
+            assert_eq!(*verdict, want, "{line}");
+        }
+    }
+    // Full training does not fit the small size on one device; LoRA + checkpointing
+    // does, and everything fits 1 GiB.
+    assert!(cells(lines[h + 1])[3].starts_with("no (needs "), "{out}");
+    assert_eq!(cells(lines[h + 4])[3], "fits", "{out}");
+    assert!(lines[h + 1..h + 13].iter().all(|l| cells(l)[4] == "fits"));
+    assert!(
+        out.contains(&format!(
+            "  {small}: LoRA + checkpointing on 1 device ({} per device)\n",
+            cells(lines[h + 4])[2]
+        )),
+        "{out}"
+    );
+    assert!(out.contains("  1G: full on 1 device ("), "{out}");
+
+    // --lora sets the LoRA rows' adapters.
+    let (code, out, err) = kiln(&["--fits", "1G", "--lora", "r=4"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("f16, micro-batch 1; LoRA r=4, alpha=8"),
+        "{out}"
+    );
+
+    // Refusals: bad sizes, named with the forms accepted, and devices --fits sets itself.
+    for (extra, want) in [
+        (&["--fits", "8GB"][..], "--fits \"8GB\": `GB` could mean"),
+        (&["--fits", "1G,8"][..], "--fits \"8\": no unit"),
+        (&["--fits", "lots"][..], "--fits \"lots\": not a number"),
+        (
+            &["--fits", "1G", "--devices", "2"][..],
+            "leave out --devices 2",
+        ),
+    ] {
+        let (code, out, err) = kiln(extra);
+        assert_eq!(code, Some(1), "{extra:?}: {out}{err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+        if want.starts_with("--fits") {
+            assert!(err.contains("8GiB, 16G, 512MiB"), "{err}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -274,19 +274,7 @@ fn what_pipelines_do_not_run_is_refused_before_anything_is_written() {
         e.contains("3 block counts") && e.contains("2 pipeline stages"),
         "{e}"
     );
-    // (options() writes the plain config: this one is written after it.)
-    let mut o = options(&dir, "checkpointing", "cpux2", None);
-    let (config, _) = files(
-        &dir,
-        r#", "pipeline": {"stages": 2, "activation_checkpoint_interval": 1}"#,
-    );
-    o.config = Some(config);
-    let e = train_err(&o);
-    assert!(
-        e.contains("pipeline.activation_checkpoint_interval") && e.contains("set it to 0"),
-        "{e}"
-    );
-    for out in ["odd", "partition", "blocks", "checkpointing"] {
+    for out in ["odd", "partition", "blocks"] {
         assert!(!dir.join(out).exists(), "{out} was created");
     }
 }

@@ -126,6 +126,14 @@ pub(crate) enum Command {
         /// of N blocks recomputed in backward [default: the config's]
         #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "1")]
         activation_checkpointing: Option<usize>,
+        /// Instead of the ZeRO table, which ways of training fit devices of these sizes
+        /// (`8GiB,16GiB`; K/KiB, M/MiB, G/GiB, T/TiB, all binary): full training, LoRA
+        /// (--lora, else the config's kiln.lora, else r=16,alpha=32,targets=all-linear)
+        /// and each with activation checkpointing (--activation-checkpointing N, else the
+        /// config's, else every block), on 1 device and with ZeRO-2 across 2 and 4, and
+        /// the cheapest that fits each size.
+        #[arg(long, value_delimiter = ',', value_name = "SIZES")]
+        fits: Vec<String>,
     },
     /// Measure kernel throughput.
     Bench {
@@ -428,6 +436,13 @@ pub(crate) struct TrainBenchArgs {
     /// One device's peak TFLOP/s for the MFU [default: `kiln bench peak`'s cache].
     #[arg(long)]
     pub(crate) peak_tflops: Option<f64>,
+    /// How the model trains, one row each: full (every weight), ckpt (full with
+    /// activation checkpointing), lora (adapters on the frozen model), lora+ckpt.
+    #[arg(long, value_delimiter = ',', default_value = "full")]
+    pub(crate) variants: Vec<String>,
+    /// The adapters of the lora variants, as `kiln train --lora` takes them.
+    #[arg(long, default_value = "r=16,alpha=32")]
+    pub(crate) lora: String,
     /// Write the rows as JSON to this file (`-` for stdout) instead of a table.
     #[arg(long)]
     pub(crate) json: Option<String>,

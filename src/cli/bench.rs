@@ -368,8 +368,16 @@ pub(crate) fn bench_train(a: TrainBenchArgs) -> Result<()> {
     if let Some(t) = a.peak_tflops.filter(|t| !(t.is_finite() && *t > 0.0)) {
         anyhow::bail!("--peak-tflops {t}: give the device's peak as a positive number");
     }
+    let variants = a
+        .variants
+        .iter()
+        .map(|v| kiln::bench_train::Variant::parse(v))
+        .collect::<Result<Vec<_>>>()?;
+    let lora = kiln::engine::models::lora::LoraConfig::parse_flag(&a.lora)?;
     let devs = bench_any_devices(&a.devices, &Default::default())?;
-    let opts = kiln::bench_train::TrainBenchOptions {
+    let mut opts = kiln::bench_train::TrainBenchOptions {
+        variant: variants[0],
+        lora,
         steps: a.steps,
         gemm_budget: std::time::Duration::from_millis(a.gemm_budget_ms),
         peak_tflops: a.peak_tflops,
@@ -378,13 +386,17 @@ pub(crate) fn bench_train(a: TrainBenchArgs) -> Result<()> {
     for model in &models {
         for dev in &devs {
             for p in &a.precision {
-                errln!(
-                    "kiln bench train: {} on {} ({}) at {p}",
-                    model.name,
-                    dev.caps().name,
-                    dev.caps().backend
-                );
-                rows.push(measure(dev.as_ref(), model, p, &opts)?);
+                for &variant in &variants {
+                    errln!(
+                        "kiln bench train: {} on {} ({}) at {p}, {}",
+                        model.name,
+                        dev.caps().name,
+                        dev.caps().backend,
+                        variant.name()
+                    );
+                    opts.variant = variant;
+                    rows.push(measure(dev.as_ref(), model, p, &opts)?);
+                }
             }
         }
     }

@@ -34,11 +34,7 @@ pub(crate) fn estimate(
     let mut method =
         kiln::engine::partition::PartitionMethod::parse(partition.unwrap_or("parameters"))
             .map_err(anyhow::Error::msg)?;
-    let text = kiln::train::read_json_input(model, "the model config")?;
-    let m = kiln::engine::models::ModelConfig::parse(&text)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
-    m.check()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    let m = read_model(model)?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
         specs => {
@@ -138,6 +134,88 @@ pub(crate) fn estimate(
     out!(
         "{}",
         kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?
+    );
+    Ok(())
+}
+
+/// The model config `--model` names, read and checked.
+fn read_model(model: &std::path::Path) -> Result<kiln::engine::models::ModelConfig> {
+    let text = kiln::train::read_json_input(model, "the model config")?;
+    let m = kiln::engine::models::ModelConfig::parse(&text)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    m.check()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", model.display()))?;
+    Ok(m)
+}
+
+/// `kiln estimate --fits 8GiB,16GiB`: which ways of training the model (full, LoRA,
+/// each with activation checkpointing, on 1 device or with ZeRO-2 across 2 and 4) fit
+/// devices of those sizes, and the cheapest for each.
+pub(crate) fn estimate_fits(
+    model: &std::path::Path,
+    sizes: &[String],
+    config: Option<&std::path::Path>,
+    seq: Option<usize>,
+    (devices, stages, partition): (&[String], Option<usize>, Option<&str>),
+    (lora, checkpointing): (Option<&str>, Option<usize>),
+) -> Result<()> {
+    use kiln::engine::DType;
+    // Bad settings are named before anything is read.
+    let sizes = sizes
+        .iter()
+        .map(|s| Ok((s.trim().to_string(), kiln::estimate::parse_size(s)?)))
+        .collect::<Result<Vec<_>>>()?;
+    if devices.len() != 1 || devices[0] != "1" {
+        bail!(
+            "--fits compares 1 device with ZeRO-2 across {} devices itself: leave out \
+             --devices {}",
+            kiln::estimate::FIT_DEVICES[1..]
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(" and "),
+            devices.join(",")
+        );
+    }
+    if stages.is_some() || partition.is_some() {
+        bail!(
+            "--fits compares data-parallel ways of training (ZeRO); leave out \
+             --pipeline-stages and --partition (without --fits they give a pipeline's table)"
+        );
+    }
+    let lora_flag = kiln::estimate::lora_settings(lora, None)?;
+    let m = read_model(model)?;
+    // The flags, else the config's (as `kiln train` reads them), else micro-batch 1 in
+    // fp16, the default LoRA settings and every block checkpointed.
+    let (micro, dtype, lora, checkpointing) = match config {
+        Some(path) => {
+            let c = kiln::engine::config::load(path, 1)?;
+            (
+                c.batch.micro_batch,
+                c.precision.dtype(),
+                match lora_flag {
+                    Some(l) => Some(l),
+                    None => kiln::estimate::lora_settings(None, c.kiln.lora.as_ref())?,
+                },
+                checkpointing.or(c.activation_checkpointing),
+            )
+        }
+        None => (1, DType::F16, lora_flag, checkpointing),
+    };
+    let lora = match lora {
+        Some(l) => l,
+        None => kiln::engine::models::lora::LoraConfig::parse_flag(kiln::estimate::FIT_LORA)?,
+    };
+    let base = m.build(seq.unwrap_or(m.block_size()));
+    out!(
+        "{}",
+        kiln::estimate::fits_report(
+            base,
+            (lora, checkpointing.unwrap_or(1)),
+            micro,
+            dtype,
+            &sizes
+        )?
     );
     Ok(())
 }

@@ -4,7 +4,8 @@
 //! configures its checkpointing API, which a model's code calls; Kiln's models are on
 //! the graph, so the section being there turns checkpointing on for every block, and
 //! `kiln.activation_checkpointing` says `"blocks"` (every block) or N (ranges of N
-//! blocks). Of DeepSpeed's keys, those that would change training and are not
+//! blocks), as DeepSpeed's `pipeline.activation_checkpoint_interval` N does. Of
+//! DeepSpeed's keys, those that would change training and are not
 //! implemented are refused with the reason; the others are accepted with what they mean
 //! here.
 
@@ -93,13 +94,25 @@ impl Reader {
                 None
             }
         };
-        let every = own.or(section.then_some(1));
+        // DeepSpeed's pipeline key: layers per checkpointed range (0: none).
+        let interval = root
+            .get("pipeline")
+            .and_then(|p| p.get("activation_checkpoint_interval"))
+            .and_then(Value::as_u64)
+            .filter(|&n| n > 0)
+            .map(|n| n.min(4096) as usize);
+        let every = own.or(interval).or(section.then_some(1));
         self.mark(
             path,
-            match (own, section) {
-                (Some(_), _) => Provenance::File,
-                (None, true) => Provenance::Inferred("the activation_checkpointing section".into()),
-                (None, false) => Provenance::Default,
+            match (own, interval, section) {
+                (Some(_), _, _) => Provenance::File,
+                (None, Some(_), _) => {
+                    Provenance::Inferred("pipeline.activation_checkpoint_interval".into())
+                }
+                (None, None, true) => {
+                    Provenance::Inferred("the activation_checkpointing section".into())
+                }
+                (None, None, false) => Provenance::Default,
             },
         );
         every

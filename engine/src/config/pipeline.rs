@@ -4,9 +4,10 @@
 //!
 //! DeepSpeed reads `stages`, `partition`, `seed_layers`, `activation_checkpoint_interval`,
 //! `pipe_partitioned` and `grad_partitioned` here (its `PipelineModule` takes the
-//! partition method as `partition_method`; both spellings are read). Those that would
-//! change training and are not implemented (activation checkpointing) are refused with
-//! what to do instead; those that change nothing here are accepted with a note.
+//! partition method as `partition_method`; both spellings are read).
+//! `activation_checkpoint_interval` N > 0 recomputes ranges of N blocks in backward
+//! (see `activation_checkpointing.rs`); those that change nothing here are accepted
+//! with a note.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -122,22 +123,8 @@ impl Reader {
             }
         } as usize;
         let partition = self.partition(s, stages);
-        let interval = self.uint(s, p, "activation_checkpoint_interval", 0, u64::MAX, Some(0));
-        if let Ok(Some(n)) = interval {
-            if n > 0 {
-                self.problem(
-                    "pipeline.activation_checkpoint_interval",
-                    format!(
-                        "not supported by Kiln: activation checkpointing in pipeline stages \
-                         (recomputing every {n} layer(s)' activations in backward; found {n})"
-                    ),
-                    "set it to 0 or remove it. To hold fewer activations, lower \
-                     train_micro_batch_size_per_gpu and raise gradient_accumulation_steps (a \
-                     stage keeps at most p - s micro-batches' activations, whatever m is), or \
-                     use more stages",
-                );
-            }
-        }
+        // Read (and its type checked) here; what it turns on is activation_checkpointing.rs's.
+        let _ = self.uint(s, p, "activation_checkpoint_interval", 0, u64::MAX, Some(0));
         PipelineConfig { stages, partition }
     }
 

@@ -164,13 +164,6 @@ impl Graph {
     /// or `None` to follow its use (see the module's doc). Every stage must train some
     /// parameters and the loss must land on the last stage.
     pub fn split(&self, param_stage: &[Option<usize>], stages: usize) -> Result<Vec<StageGraph>> {
-        if !self.checkpoints.is_empty() {
-            return Err(Error::InvalidArgument(
-                "graph split: activation checkpointing cannot be cut into pipeline stages \
-                 yet; train the pipeline without it"
-                    .into(),
-            ));
-        }
         if let Some(f) = self.frozen_weights().first() {
             return Err(Error::InvalidArgument(format!(
                 "graph split: frozen weights (`{}`, a LoRA run's base model) cannot be cut \
@@ -276,10 +269,13 @@ impl Graph {
                 }
             }
             let mut inputs = vec![];
+            // Per op of the stage, its index here: checkpointed ranges follow them.
+            let mut kept = vec![];
             for (i, op) in self.ops.iter().enumerate() {
                 if op_stage[i] != s {
                     continue;
                 }
+                kept.push(i);
                 for t in reads(op) {
                     if local.contains_key(&t) {
                         continue;
@@ -310,6 +306,14 @@ impl Graph {
                 }
                 g.ops.push(op);
                 g.op_ids.push(self.op_id(i));
+            }
+            // A checkpointed range's ops on this stage are consecutive here too (the
+            // stage keeps the graph's order), so they are one range of the stage's.
+            for r in &self.checkpoints {
+                let here: Vec<usize> = (0..kept.len()).filter(|&k| r.contains(&kept[k])).collect();
+                if let (Some(&a), Some(&b)) = (here.first(), here.last()) {
+                    g.checkpoint(a..b + 1)?;
+                }
             }
             if let Some(l) = self.loss.filter(|l| home[l.0] == Some(s)) {
                 g.loss = Some(local[&l]);

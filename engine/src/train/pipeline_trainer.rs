@@ -54,13 +54,14 @@ impl PipelineTrainer {
         stages: usize,
     ) -> Result<PipelineTrainer> {
         let dp = replicas(devs.len(), stages)?;
-        if config.activation_checkpointing.is_some() {
-            return Err(Error::InvalidArgument(
-                "activation checkpointing with pipeline stages is not supported yet: train the \
-                 pipeline without it, or the model without stages"
-                    .into(),
-            ));
-        }
+        // Activation checkpointing is the model recorded with its blocks recomputed;
+        // each stage recomputes the ranges it holds.
+        let model: Arc<dyn Model> = match config.activation_checkpointing {
+            Some(every) => Arc::new(crate::models::checkpointed::Checkpointed::new(
+                model, every,
+            )?),
+            None => model,
+        };
         if config.batch.world != dp {
             return Err(Error::InvalidArgument(format!(
                 "the config was resolved for {} data-parallel ranks, but {} devices in \
