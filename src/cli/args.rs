@@ -93,7 +93,8 @@ pub(crate) enum Command {
     },
     /// Per-device memory of a GPT for ZeRO stages 0-3, before training.
     Estimate {
-        /// GPT sizes as JSON {n_layer, n_head, n_embd, block_size, vocab_size}.
+        /// The model's sizes as JSON (GPT-2: n_layer, n_head, n_embd, block_size,
+        /// vocab_size; a Llama: "architecture": "llama" and its keys).
         #[arg(long)]
         model: PathBuf,
         /// A device count, or device specs (`vulkan:0x2`, `all`) to check against.
