@@ -141,12 +141,19 @@ fn activation_memory_grows_by_the_boundaries_only() {
             .collect();
         let per_block = (plain[1] - plain[0]) / 4;
         let per_block_ckpt = (ckpt[1] - ckpt[0]) / 4;
-        eprintln!("{name}: plain {plain:?}, checkpointed {ckpt:?}: per block {per_block} vs {per_block_ckpt}");
         assert!(ckpt[1] < plain[1], "{name}");
         assert!(
             per_block_ckpt * 3 < per_block,
             "{name}: {per_block_ckpt} vs {per_block}"
         );
+        // The boundaries: one (B, T, C) activation per block, 4 x 32 x 16 in f16.
+        assert_eq!(per_block_ckpt, 4 * 32 * 16 * 2, "{name}");
+        // What the estimate says is what the allocator holds.
+        let dev = CpuDevice::new();
+        let model: Arc<dyn Model> = Arc::new(Checkpointed::new(make(8, 32), 1).unwrap());
+        let _net = Network::new(&dev, model.clone(), &options).unwrap();
+        let m = Network::memory(model.as_ref(), &options).unwrap();
+        assert_eq!(m.total(), dev.allocated_bytes(), "{name}");
     }
 }
 
