@@ -525,6 +525,15 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
         ..opts(35)
     })
     .unwrap();
+    // ... and in two pipeline stages, the base read again onto both.
+    train(&TrainOptions {
+        resume: true,
+        seq: None,
+        devices: vec!["cpux2".into()],
+        pipeline_stages: Some(2),
+        ..opts(38)
+    })
+    .unwrap();
     let e = train(&TrainOptions {
         resume: true,
         seq: None,
@@ -1131,4 +1140,57 @@ fn kiln_estimate_fits_names_the_cheapest_way_to_train_that_fits_each_size() {
         }
     }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// LoRA in two pipeline stages: each stage holds the frozen weights it reads (the tied
+/// embedding on both ends), the losses equal one device's within the pipeline's fp32
+/// tolerance, and the base set on the pipeline is the base every stage computes with.
+#[test]
+fn lora_trains_in_pipeline_stages_as_on_one_device() {
+    use kiln::engine::parallel::pipeline_partition::PartitionMethod;
+    use kiln::engine::train::pipeline_trainer::PipelineTrainer;
+    let (b, t) = (2, 16);
+    for (name, base) in bases(t) {
+        let model: Arc<dyn Model> =
+            Arc::new(Lora::new(base.clone(), lora(4, 8.0, 0.1, all_linear())).unwrap());
+        // A base of unit-scale weights, set on both: the adapters train on it.
+        let cpu = CpuDevice::new();
+        let plain = Network::new(&cpu, base.clone(), &options(b, DType::F32)).unwrap();
+        let mut rng = Rng::new(11);
+        let unit: Vec<HostTensor> = weights(&cpu, &plain)
+            .into_iter()
+            .map(|w| {
+                let v = (0..w.data.len()).map(|_| rng.uniform(-0.3, 0.3)).collect();
+                HostTensor::new(w.name, w.shape, HostData::F32(v))
+            })
+            .collect();
+        let config = || ds_config(b, 2, DType::F32, 1);
+        let mut one = Trainer::new(&cpu, model.clone(), config(), 5).unwrap();
+        one.set_frozen(&[&cpu], &unit).unwrap();
+        let devs: Vec<Box<dyn Device>> = (0..2)
+            .map(|_| Box::new(CpuDevice::new()) as Box<dyn Device>)
+            .collect();
+        let mut pipe = PipelineTrainer::new(
+            devs,
+            model.clone(),
+            config(),
+            5,
+            &PartitionMethod::Uniform,
+            2,
+        )
+        .unwrap();
+        pipe.set_frozen(&unit).unwrap();
+        for step in 0..3u64 {
+            let micro = [tokens(step, b * t), tokens(50 + step, b * t)];
+            let a = one.step(&cpu, &micro).unwrap().loss;
+            let p = pipe.step(&micro).unwrap().loss;
+            // As tests/packing.rs: the same sums split over two devices, f32 rounding.
+            assert!(
+                (a - p).abs() <= 1e-5 * a.abs(),
+                "{name} step {step}: {p} vs {a}"
+            );
+        }
+        let e = pipe.set_frozen(&unit[1..]).unwrap_err().to_string();
+        assert!(e.contains("missing"), "{e}");
+    }
 }

@@ -70,10 +70,6 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     let base_model = model.build(t);
     let recorded_lora = resumed.as_ref().and_then(|(r, _)| r.get("lora"));
     let lora = match lora::settings(opts, ds.kiln.lora.as_ref(), recorded_lora)? {
-        Some(_) if stages > 1 => bail!(
-            "LoRA with pipeline stages is not supported yet: train the adapters with data \
-             parallelism (without --pipeline-stages)"
-        ),
         Some(settings) => {
             let recorded_base = resumed
                 .as_ref()
@@ -177,7 +173,19 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
         if let Some((_, ck)) = &resumed {
             next_sample = restore(&mut trainer, ck, ds.batch.train_batch_size as u64)?;
         }
-        let parameters = network.parameters().iter().map(|p| p.len()).sum::<usize>();
+        // A LoRA run's base: read again from where the run started (a pipeline starts
+        // from --init-from's weights only through a resume, as any run does).
+        if let (Some(l), Some(w)) = (&lora, &base_weights) {
+            trainer
+                .set_frozen(w)
+                .with_context(|| format!("the base model from {}", l.base_name))?;
+        }
+        let parameters = network
+            .parameters()
+            .iter()
+            .filter(|p| !p.frozen)
+            .map(|p| p.len())
+            .sum::<usize>();
         (Box::new(trainer), parameters)
     } else {
         let devs: Vec<&dyn Device> = opened.iter().map(|d| d.as_ref()).collect();

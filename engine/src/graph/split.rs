@@ -47,6 +47,10 @@ pub struct StageGraph {
     /// graph's tensor order (one stage's outgoing list is the next one's incoming).
     pub activations_in: Vec<Boundary>,
     pub activations_out: Vec<Boundary>,
+    /// The frozen weights this stage reads: each one's place among the whole graph's
+    /// ([`Graph::frozen_weights`]) and its tensor here. A weight read on several stages
+    /// (a tied embedding and head) is declared on each.
+    pub frozen: Vec<(usize, Tensor)>,
 }
 
 /// Every tensor field of an op, its output last.
@@ -164,14 +168,7 @@ impl Graph {
     /// or `None` to follow its use (see the module's doc). Every stage must train some
     /// parameters and the loss must land on the last stage.
     pub fn split(&self, param_stage: &[Option<usize>], stages: usize) -> Result<Vec<StageGraph>> {
-        if let Some(f) = self.frozen_weights().first() {
-            return Err(Error::InvalidArgument(format!(
-                "graph split: frozen weights (`{}`, a LoRA run's base model) cannot be cut \
-                 into pipeline stages yet; train LoRA with data parallelism (without \
-                 --pipeline-stages)",
-                self.t(*f).name
-            )));
-        }
+        let frozen_all = self.frozen_weights();
         if param_stage.len() != self.params.len() {
             return Err(Error::InvalidArgument(format!(
                 "graph split: {} parameter stages given for {} parameters",
@@ -269,6 +266,7 @@ impl Graph {
                 }
             }
             let mut inputs = vec![];
+            let mut frozen = vec![];
             // Per op of the stage, its index here: checkpointed ranges follow them.
             let mut kept = vec![];
             for (i, op) in self.ops.iter().enumerate() {
@@ -290,7 +288,13 @@ impl Graph {
                         Source::Constant(k) => {
                             g.constant(&info.name, &info.shape, self.constants[k].clone())?
                         }
-                        Source::Param(_) | Source::Op | Source::Frozen => {
+                        Source::Frozen => {
+                            let l = g.frozen(&info.name, &info.shape, info.dtype)?;
+                            let k = frozen_all.iter().position(|&f| f == t);
+                            frozen.push((k.expect("a frozen tensor is listed"), l));
+                            l
+                        }
+                        Source::Param(_) | Source::Op => {
                             unreachable!("parameters and earlier outputs are declared")
                         }
                     };
@@ -351,6 +355,7 @@ impl Graph {
                 inputs,
                 activations_in,
                 activations_out,
+                frozen,
             });
         }
         Ok(out)

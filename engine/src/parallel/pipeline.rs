@@ -114,7 +114,11 @@ use crate::{DType, Device, Error, HostData, Result};
 pub struct Pipeline {
     model: Arc<dyn Model>,
     options: NetworkOptions,
+    /// The trained parameters.
     specs: Vec<ParamSpec>,
+    /// The frozen weights (a LoRA run's base), in model order: what each stage's
+    /// `part.frozen` indexes.
+    frozen_specs: Vec<ParamSpec>,
     /// Stage-major: stage `s` of replica `r` at `s * dp + r` (so are `stages`).
     devs: Vec<Box<dyn Device>>,
     stages: Vec<Stage>,
@@ -215,6 +219,7 @@ impl Pipeline {
             })
             .collect();
         let act = options.dtype;
+        let trained = specs.iter().filter(|s| !s.frozen).count();
         let sharded = zero_stage >= 1 && dp > 1;
         let mut built = vec![];
         let mut shards = vec![];
@@ -235,6 +240,14 @@ impl Pipeline {
                 for &i in &part.params {
                     let grad = if specs[i].f32_grad { DType::F32 } else { act };
                     params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
+                }
+                // The frozen weights it reads (after the trained ones in model order).
+                let mut frozen = vec![];
+                for &(k, _) in &part.frozen {
+                    let values = &inits[trained + k];
+                    let b = dev.alloc(act, values.len())?;
+                    dev.upload(b, &HostData::from_f32(act, values))?;
+                    frozen.push(b);
                 }
                 // The sharing blocks' own gradient buffers go: they write the first
                 // block's.
@@ -281,7 +294,13 @@ impl Pipeline {
                 let mut slots = vec![];
                 for k in 0..count {
                     let update = k == 0 && !sharded;
-                    slots.push(compile_slot(dev, &part, &params, options, update)?);
+                    slots.push(compile_slot(
+                        dev,
+                        &part,
+                        (&params, &frozen),
+                        options,
+                        update,
+                    )?);
                 }
                 // Shared buffers hold one block's gradients at a time: each block's
                 // must be final before the next block's backward starts writing, and
@@ -303,6 +322,7 @@ impl Pipeline {
                 built.push(Stage {
                     part: part.clone(),
                     params,
+                    frozen,
                     slots,
                     input_pos,
                     targets,
@@ -322,10 +342,13 @@ impl Pipeline {
                 None
             });
         }
+        let mut specs = specs;
+        let frozen_specs = specs.split_off(trained);
         Ok(Pipeline {
             model,
             options: options.clone(),
             specs,
+            frozen_specs,
             devs,
             stages: built,
             dp,
@@ -334,6 +357,56 @@ impl Pipeline {
             blocks: ranges,
             steps: 0,
         })
+    }
+
+    /// Sets the frozen weights (a LoRA run's base) on every stage that reads them, in
+    /// every replica, from host tensors named as the model names them (a tied one also
+    /// under its other name), rounded once to the storage dtype. Every frozen weight
+    /// must be given with its shape, and no other tensor; checked before anything is
+    /// written.
+    pub fn set_frozen(&mut self, weights: &[crate::device::host::HostTensor]) -> Result<()> {
+        let what = self.model.describe();
+        let mut found: Vec<Option<&crate::device::host::HostTensor>> =
+            vec![None; self.frozen_specs.len()];
+        for t in weights {
+            let k = self
+                .frozen_specs
+                .iter()
+                .position(|s| s.name == t.name || s.tied.as_deref() == Some(&t.name))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "weights: `{}` is not a frozen weight of {what}",
+                        t.name
+                    ))
+                })?;
+            let spec = &self.frozen_specs[k];
+            if t.shape != spec.shape || !t.data.dtype().is_float() {
+                return Err(Error::InvalidArgument(format!(
+                    "weights: `{}` is {:?} {} but {what} has {:?} for it",
+                    t.name,
+                    t.shape,
+                    t.data.dtype(),
+                    spec.shape
+                )));
+            }
+            found[k].get_or_insert(t);
+        }
+        if let Some(k) = found.iter().position(Option::is_none) {
+            return Err(Error::InvalidArgument(format!(
+                "weights: the base model's `{}` is missing; every frozen weight of {what} \
+                 must be given",
+                self.frozen_specs[k].name
+            )));
+        }
+        let act = self.options.dtype;
+        for (f, stage) in self.stages.iter().enumerate() {
+            let dev = self.devs[f].as_ref();
+            for (&(k, _), &b) in stage.part.frozen.iter().zip(&stage.frozen) {
+                let t = found[k].expect("checked");
+                dev.upload(b, &HostData::from_f32(act, &t.data.to_f32()))?;
+            }
+        }
+        Ok(())
     }
 
     /// What [`Pipeline::new`] allocates on each of `stages` devices, computed without

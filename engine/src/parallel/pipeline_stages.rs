@@ -30,6 +30,8 @@ pub(super) struct Stage {
     pub(super) part: StageGraph,
     /// Per `part.params` entry.
     pub(super) params: Vec<ParamBuffers>,
+    /// Per `part.frozen` entry: the frozen weight's buffer (storage dtype).
+    pub(super) frozen: Vec<Buffer>,
     pub(super) slots: Vec<Slot>,
     /// Per `part.inputs` entry: its place in a [`MicroBatch`].
     pub(super) input_pos: Vec<usize>,
@@ -98,7 +100,9 @@ pub(super) fn cut(
     }
     let costs = stage_costs(&specs, &blocks);
     let ranges = partition(method, &costs, p)?;
-    let mut param_stage = vec![None; specs.len()];
+    // The trained parameters (the graph's); frozen weights go where they are read.
+    let trained = specs.iter().filter(|s| !s.frozen).count();
+    let mut param_stage = vec![None; trained];
     for (s, r) in ranges.iter().enumerate() {
         for b in r.clone() {
             for &i in &blocks[b] {
@@ -108,7 +112,7 @@ pub(super) fn cut(
     }
     let recorded = record(model, &specs, options)?;
     let parts = recorded.graph.split(&param_stage, p)?;
-    let mut holders = vec![vec![]; specs.len()];
+    let mut holders = vec![vec![]; trained];
     for (s, part) in parts.iter().enumerate() {
         for &i in &part.params {
             holders[i].push(s);
@@ -207,6 +211,13 @@ pub(super) fn stage_memory(
             input_bytes += dtype.padded_bytes(n);
             inputs.push((t, stand_in(dtype, n)));
         }
+        // The frozen weights it reads, held once per stage device.
+        for &(_, t) in &part.frozen {
+            let (_, shape, dtype) = g.describe(t);
+            let n: usize = shape.iter().product();
+            m.frozen += dtype.padded_bytes(n);
+            inputs.push((t, stand_in(dtype, n)));
+        }
         let bindings = Bindings {
             params,
             inputs,
@@ -234,7 +245,8 @@ pub(super) fn stage_costs(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> StageCo
     let first = blocks.iter().flatten().copied().min().unwrap_or(0);
     let (mut embedding_params, mut head_params) = (0u64, 0u64);
     for (i, s) in specs.iter().enumerate() {
-        if in_block.contains(&i) {
+        // A frozen weight (LoRA's base) is no parameter a stage trains or holds state for.
+        if in_block.contains(&i) || s.frozen {
             continue;
         }
         if i < first {
@@ -259,7 +271,7 @@ pub(super) fn stage_costs(specs: &[ParamSpec], blocks: &[Vec<usize>]) -> StageCo
 pub(super) fn compile_slot(
     dev: &dyn Device,
     part: &StageGraph,
-    params: &[ParamBuffers],
+    (params, frozen): (&[ParamBuffers], &[Buffer]),
     options: &NetworkOptions,
     update: bool,
 ) -> Result<Slot> {
@@ -291,6 +303,9 @@ pub(super) fn compile_slot(
             }
             None => None,
         });
+    }
+    for (&(_, t), &b) in part.frozen.iter().zip(frozen) {
+        bound.push((t, b));
     }
     let bindings = Bindings {
         params: params.to_vec(),

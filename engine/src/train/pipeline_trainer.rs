@@ -157,6 +157,12 @@ impl PipelineTrainer {
         &self.pipe
     }
 
+    /// Sets the frozen weights (a LoRA run's base) on every stage
+    /// ([`Pipeline::set_frozen`]); the trained parameters and the optimizer state stay.
+    pub fn set_frozen(&mut self, weights: &[crate::device::host::HostTensor]) -> Result<()> {
+        self.pipe.set_frozen(weights)
+    }
+
     /// Per device (stage-major, as [`PipelineTrainer::new`] takes them), the model
     /// states it holds.
     pub fn model_state_bytes(&self) -> Vec<ModelStateBytes> {
@@ -228,7 +234,8 @@ impl PipelineTrainer {
         let applied = trainer.check(&self.scaler)?;
         let specs = self.pipe.model().parameters();
         let (dtype, _) = precision(&self.config)?;
-        let states = read_states(ck, &specs, dtype)?;
+        // The frozen weights (a LoRA run's base) are not in checkpoints.
+        let states = read_states(ck, specs.iter().filter(|s| !s.frozen), dtype)?;
         self.pipe.load_param_states(&states, applied)?;
         self.steps = trainer.steps;
         self.scaler = trainer.scaler;
@@ -253,7 +260,7 @@ fn model_states(
         .iter()
         .flat_map(|m| {
             let bytes = ModelStateBytes {
-                weights: m.weights,
+                weights: m.weights + m.frozen,
                 gradients: if zero == 2 && dp > 1 {
                     m.shared_gradients
                 } else {
