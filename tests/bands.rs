@@ -317,7 +317,7 @@ fn a_model_over_the_binding_limit_trains_like_on_an_unlimited_device() {
     }
 }
 
-/// The cross-entropy and its backward over logits larger than one binding, bound band by
+/// The cross-entropy, its backward and the argmax over logits larger than one binding, bound band by
 /// band of whole rows: the same bits as the same adapter binding them whole (each row is
 /// computed alone, by the same shader), and the CPU reference's values to f32 rounding.
 /// 1,000 rows of 13 (a vocabulary padded from 11): f32 rows take 8 bands of 128, f16
@@ -363,7 +363,15 @@ fn cross_entropy_over_banded_logits_matches_the_whole_binding_bit_for_bit() {
             scale: 0.25,
         }))
         .unwrap();
-        [losses, lse, dlogits]
+        let best = dev.alloc(DType::U32, rows).unwrap();
+        dev.launch(&Kernel::ArgMax(kiln::engine::kernels::ArgMax {
+            x: logits,
+            out: best,
+            cols: vocab,
+            classes,
+        }))
+        .unwrap();
+        [losses, lse, dlogits, best]
             .iter()
             .map(|&b| dev.download(b).unwrap())
             .collect()
@@ -386,7 +394,10 @@ fn cross_entropy_over_banded_logits_matches_the_whole_binding_bit_for_bit() {
         for dtype in [DType::F32, DType::F16] {
             let (banded, one) = (run(&dev, dtype), run(&whole, dtype));
             let reference = run(&cpu, dtype);
-            for (k, what) in ["losses", "lse", "dlogits"].iter().enumerate() {
+            // The argmax picks the same class everywhere (ties are unlikely in random
+            // values and go to the first on every device).
+            assert_eq!(banded[3], reference[3], "{name} {dtype} argmax");
+            for (k, what) in ["losses", "lse", "dlogits", "argmax"].iter().enumerate() {
                 assert_bits_eq(&format!("{name} {dtype} {what}"), &banded[k], &one[k]);
                 // exp and log differ in the last bits between shaders and the CPU; the
                 // 16-bit gradients round them to 2^-11.

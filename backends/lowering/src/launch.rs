@@ -706,19 +706,27 @@ pub(crate) trait Lower: Recorder {
                 cols,
                 classes,
             }) => {
-                let rows = (x.len / cols) as u32;
-                let (lanes, grid) = self.row_plan(rows, *classes as u32);
-                self.dispatch(
-                    s,
-                    Dispatch::new(
+                // Banded by rows as the cross-entropy is (the logits of a large
+                // vocabulary over the binding limit).
+                let rows = x.len / cols;
+                let band = self.row_band("the argmax", rows, &[(x, *cols)])?;
+                let (lanes, _) = self.row_plan(rows as u32, *classes as u32);
+                for first in (0..rows.max(1)).step_by(band) {
+                    let n = band.min(rows - first);
+                    let grid = row_groups((n as u32).div_ceil(256 / lanes[0].1));
+                    let mut d = Dispatch::new(
                         &shader::ARGMAX,
                         vec![self.repr(x.dtype)],
                         vec![h(x), h(out)],
-                        vec![rows, 0, 0, *cols as u32, *classes as u32, 0, 0, 0],
+                        vec![n as u32, 0, 0, *cols as u32, *classes as u32, 0, 0, 0],
                         grid,
                     )
-                    .with_overrides(lanes),
-                )?;
+                    .with_overrides(lanes.clone());
+                    if band < rows {
+                        d.ranges = row_ranges(first, n, *cols, &[(0, x)], &[(1, out)]);
+                    }
+                    self.dispatch(s, d)?;
+                }
             }
             Kernel::CrossEntropyBackward(CrossEntropyBackward {
                 logits,

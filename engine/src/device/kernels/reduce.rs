@@ -171,7 +171,11 @@ impl KernelSpec for ArgMax {
     }
 
     fn operands_mut(&mut self) -> Vec<Operand<'_>> {
-        vec![Operand::read(&mut self.x), Operand::write(&mut self.out)]
+        // Banded by rows where the logits are over the binding limit.
+        vec![
+            Operand::read_split(&mut self.x),
+            Operand::write_split(&mut self.out),
+        ]
     }
 
     fn check(&self) -> Result<()> {
