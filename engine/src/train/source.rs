@@ -406,7 +406,15 @@ fn lora_run_weights(
         })
         .collect();
     let lora = Lora::new(model.build(model.block_size()), config)?;
-    let merged = lora.merge(&base.weights, &adapters)?;
+    // The run may train a GPT-2 on fewer positions than the base has (--seq): its
+    // position table cut as the run's was.
+    let mut base_weights = base.weights;
+    if let ModelConfig::Gpt2(c) = model {
+        if c.block_size < base.model.block_size() {
+            crate::models::import::cut_positions(&mut base_weights, c.block_size)?;
+        }
+    }
+    let merged = lora.merge(&base_weights, &adapters)?;
     notes.push(format!(
         "a LoRA run: its adapters (r {}, {} modules) merged into the base from {from}",
         lora.config.r,
