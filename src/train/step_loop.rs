@@ -136,9 +136,14 @@ pub(super) fn run(
     log(
         &bar,
         format!(
-            "training {}, {} parameters, on {data_name}, on {} for {total} steps, micro-batch \
-             {b} × {} accumulation × {world} {}, {}; run dir {}",
+            "training {}{}, {} parameters, on {data_name}, on {} for {total} steps, \
+             micro-batch {b} × {} accumulation × {world} {}, {}; run dir {}",
             network.describe(),
+            match ds.activation_checkpointing {
+                Some(1) => ", activation checkpointing".to_string(),
+                Some(n) => format!(", activation checkpointing every {n} blocks"),
+                None => String::new(),
+            },
             parameters,
             device_name,
             ds.batch.grad_accum,
