@@ -582,6 +582,15 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
     .unwrap();
     let first = kiln::engine::train::runs::read_metrics(&again.dir).unwrap()[0].loss;
     assert!(first < losses[0] - 0.5, "{first} vs {losses:?}");
+    // An adapter needs its base.
+    let e = train(&TrainOptions {
+        adapter: Some(adapter.clone()),
+        out: Some(dir.join("no-base")),
+        ..opts(2)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--adapter without --init-from"), "{e}");
     // An adapter for other modules than --lora names is refused.
     let e = train(&TrainOptions {
         init_from: Some(hf),

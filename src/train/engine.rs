@@ -68,6 +68,12 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     // LoRA: the settings resolved and the base frozen under them before a device opens
     // (a target that matches nothing is named now, not after minutes of loading).
     let base_model = model.build(t);
+    if opts.adapter.is_some() && init.is_none() && resumed.is_none() {
+        bail!(
+            "--adapter without --init-from: an adapter is trained for a base model; give the \
+             base it was trained on with --init-from (its adapter_config.json names it)"
+        );
+    }
     let recorded_lora = resumed.as_ref().and_then(|(r, _)| r.get("lora"));
     let lora = match lora::settings(opts, ds.kiln.lora.as_ref(), recorded_lora)? {
         Some(settings) => {
