@@ -117,7 +117,8 @@ pub struct TrainBenchRow {
     /// The adapter's peak (`--peak-tflops` or `kiln bench peak`'s cache), if known.
     pub peak_gflops: Option<f64>,
     pub mfu: Option<f64>,
-    /// Device memory held after a step: model states and the step's buffers.
+    /// Device memory this measurement holds after a step: model states and the step's
+    /// buffers.
     pub memory_bytes: u64,
     pub gemm_launches: usize,
     /// Distinct GEMMs (shape, layout, dtypes, epilogue), each timed once.
@@ -352,6 +353,8 @@ pub fn measure(
         ModelConfig::Gpt2(c) => c.parameter_count(),
         ModelConfig::Llama(c) => c.checked_parameter_count().unwrap_or(0),
     };
+    // What this measurement allocates (earlier ones on the device may hold caches).
+    let before = dev.allocated_bytes();
     let rec = Recorder {
         inner: dev,
         launches: Mutex::new(None),
@@ -373,7 +376,7 @@ pub fn measure(
     let first_step_s = t0.elapsed().as_secs_f64();
     let trained = trainer.model.parameter_count();
     let launches = rec.record(false);
-    let memory_bytes = dev.allocated_bytes();
+    let memory_bytes = dev.allocated_bytes().saturating_sub(before);
 
     let t1 = Instant::now();
     for _ in 0..opts.steps {
