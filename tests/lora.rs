@@ -586,6 +586,7 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
     let e = train(&TrainOptions {
         adapter: Some(adapter.clone()),
         out: Some(dir.join("no-base")),
+        seq: None,
         ..opts(2)
     })
     .unwrap_err()
