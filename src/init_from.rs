@@ -202,6 +202,15 @@ impl InitWeights {
                 runs::CONFIG_FILE
             )
         })?;
+        if record.get("lora").is_some() {
+            anyhow::bail!(
+                "--init-from {source}: a LoRA run, whose checkpoints hold its adapters only; \
+                 write the base with them merged in (kiln export {} --merge --out DIR) and \
+                 start from DIR, or continue the adapters with --init-from BASE --adapter {}",
+                run_dir.display(),
+                run_dir.join("adapter").display()
+            );
+        }
         let model = ModelConfig::parse(&record["model"].to_string()).map_err(|e| {
             anyhow::anyhow!(
                 "--init-from {source}: the model recorded in {}: {e}",

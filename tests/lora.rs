@@ -374,6 +374,8 @@ fn peft_files_round_trip_and_memory_is_what_the_allocator_holds() {
         );
         assert_eq!(v["lora_alpha"].as_f64(), Some(6.0));
         assert_eq!(v["fan_in_fan_out"].as_bool(), Some(name == "gpt"));
+        // The targets as configured: read back (by PEFT or Kiln) they adapt the same.
+        assert_eq!(v["target_modules"], "all-linear");
         let file =
             kiln::engine::device::safetensors_io::read(&out.join("adapter_model.safetensors"))
                 .unwrap();
@@ -412,6 +414,13 @@ fn bad_lora_settings_are_named() {
         "{e}"
     );
     assert!(!e.contains("lm_head") || e.contains("lm_head"), "{e}");
+    // A weight tied to the embedding (GPT-2's head reads wte) cannot take an adapter.
+    let (_, gpt) = bases(4).remove(1);
+    let e = Lora::new(gpt, lora(2, 4.0, 0.0, Targets::List(vec!["wte".into()])))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("`transformer.wte` is tied"), "{e}");
     let e = Lora::new(llama.clone(), lora(0, 8.0, 0.0, all_linear()))
         .err()
         .unwrap()
@@ -582,6 +591,15 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
     .unwrap();
     let first = kiln::engine::train::runs::read_metrics(&again.dir).unwrap()[0].loss;
     assert!(first < losses[0] - 0.5, "{first} vs {losses:?}");
+    // A LoRA run is no --init-from: its checkpoints hold the adapters only.
+    let e = train(&TrainOptions {
+        init_from: Some(run.clone()),
+        out: Some(dir.join("from-lora")),
+        ..opts(2)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("a LoRA run") && e.contains("--merge"), "{e}");
     // An adapter needs its base.
     let e = train(&TrainOptions {
         adapter: Some(adapter.clone()),
@@ -949,7 +967,7 @@ fn kiln_estimate_with_lora_counts_the_frozen_base_once_and_the_adapters_state() 
     assert_eq!(table(&from_config), table(&lora_out));
 
     // Refusals: the parse error of `kiln train --lora`, a target the model lacks, and
-    // a pipeline (which LoRA training does not take).
+    // a pipeline (not estimated per stage yet).
     for (extra, want) in [
         (&["--lora", "r=x"][..], "--lora r=x: r `x` is not a number"),
         (&["--lora", "r=4,rank=2"][..], "unknown key `rank`"),

@@ -100,14 +100,14 @@ pub(crate) fn estimate(
     };
     if lora.is_some() && stages > 1 {
         bail!(
-            "LoRA with pipeline stages is not supported yet (kiln train refuses it too): \
-             estimate the adapters under data parallelism (without --pipeline-stages)"
+            "LoRA with pipeline stages is not estimated per stage yet (kiln train trains \
+             it): estimate the adapters without --pipeline-stages"
         );
     }
     if checkpointing.is_some() && stages > 1 {
         bail!(
-            "activation checkpointing with pipeline stages is not supported yet (kiln train \
-             refuses it too): estimate it without --pipeline-stages"
+            "activation checkpointing with pipeline stages is not estimated per stage yet \
+             (kiln train trains it): estimate it without --pipeline-stages"
         );
     }
     let model = kiln::estimate::adapt(m.build(seq.unwrap_or(m.block_size())), lora)?;

@@ -131,21 +131,9 @@ fn check_adapter(model: &Lora, a: &PeftAdapter) -> Result<()> {
     Ok(())
 }
 
-/// A fingerprint of the base weights (names, shapes, bytes): recorded with the run, so
-/// that a resume refuses a base that changed since.
+/// A fingerprint of the base weights (`kiln_engine::models::lora::base_fingerprint`).
 pub(crate) fn fingerprint(weights: &[HostTensor]) -> String {
-    use std::hash::Hasher;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    let mut sorted: Vec<&HostTensor> = weights.iter().collect();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    for t in sorted {
-        h.write(t.name.as_bytes());
-        for &d in &t.shape {
-            h.write_usize(d);
-        }
-        h.write(t.data.as_bytes());
-    }
-    format!("{:016x}", h.finish())
+    kiln_engine::models::lora::base_fingerprint(weights)
 }
 
 /// Writes the adapters of the checkpoint in `ckpt` (their f32 masters) to

@@ -476,13 +476,13 @@ impl Graph {
         };
         if !ok {
             return Err(Error::InvalidArgument(format!(
-                "graph: adapt: weight `{}` is {:?}, A `{}` {:?} and B `{}` {:?}; A must be                  (r, in) and B (out, r) for the weight's in and out features",
+                "graph: adapt: weight `{}` is {:?}, A `{}` {:?} and B `{}` {:?}; A must be (r, in) and B (out, r) for the weight's in and out features",
                 wi.name, wi.shape, ai.name, ai.shape, bi.name, bi.shape
             )));
         }
         if !(0.0..1.0).contains(&dropout) || !scale.is_finite() {
             return Err(Error::InvalidArgument(format!(
-                "graph: adapt `{}`: dropout {dropout} must be in [0, 1) and scale {scale}                  finite",
+                "graph: adapt `{}`: dropout {dropout} must be in [0, 1) and scale {scale} finite",
                 wi.name
             )));
         }

@@ -238,11 +238,21 @@ impl Lora {
                         names()
                     )));
                 }
-                modules
+                let chosen: Vec<Adapted> = modules
                     .iter()
                     .filter(|(m, _)| list.iter().any(|t| matches(&m.module, t)))
                     .map(|(m, _)| m.clone())
-                    .collect()
+                    .collect();
+                let specs = base.parameters();
+                if let Some(m) = chosen.iter().find(|m| specs[m.weight].tied.is_some()) {
+                    return Err(Error::InvalidArgument(format!(
+                        "lora: `{}` is tied to the token embedding (the same tensor is read as \
+                         a table), so an adapter on it would change the embedding too; adapt \
+                         the other modules",
+                        m.module
+                    )));
+                }
+                chosen
             }
         };
         if adapted.is_empty() {
@@ -346,11 +356,12 @@ impl Lora {
             ));
         }
         crate::device::safetensors_io::write(&dir.join("adapter_model.safetensors"), &tensors)?;
-        let targets: BTreeSet<String> = self
-            .adapted
-            .iter()
-            .map(|m| m.module.rsplit('.').next().unwrap_or(&m.module).to_string())
-            .collect();
+        // As configured: names as given match by their dotted suffix, as PEFT matches
+        // them, so the same modules are adapted when it is read back (PEFT or Kiln).
+        let targets = match &self.config.target_modules {
+            Targets::List(l) => serde_json::json!(l),
+            Targets::All(s) => serde_json::json!(s),
+        };
         let config = serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -372,6 +383,26 @@ impl Lora {
         crate::fsutil::replace_file(&dir.join("adapter_config.json"), text.as_bytes())
             .map_err(|e| Error::InvalidArgument(format!("lora: cannot write: {e}")))
     }
+}
+
+/// A fingerprint of base weights (names, shapes, dtypes and bytes, in name order):
+/// SHA-256, so it stays the same across builds and hosts. A LoRA run records it, and a
+/// resume refuses a base whose fingerprint changed.
+pub fn base_fingerprint(weights: &[HostTensor]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut sorted: Vec<&HostTensor> = weights.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in sorted {
+        h.update(t.name.as_bytes());
+        h.update([0]);
+        for &d in &t.shape {
+            h.update((d as u64).to_le_bytes());
+        }
+        h.update(t.data.dtype().to_string().as_bytes());
+        h.update(t.data.as_bytes());
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A PEFT adapter directory read back: its settings and tensors (Kiln's names).

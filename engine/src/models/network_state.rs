@@ -255,7 +255,7 @@ impl Network {
                 .position(|(s, _)| s.name == t.name || s.tied.as_deref() == Some(&t.name))
                 .ok_or_else(|| {
                     Error::InvalidArgument(format!(
-                        "weights: `{}` is not a frozen weight of {what} (the base model's                          weights are named like `{}`)",
+                        "weights: `{}` is not a frozen weight of {what} (the base model's weights are named like `{}`)",
                         t.name, self.frozen[0].0.name
                     ))
                 })?;
