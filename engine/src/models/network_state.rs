@@ -514,7 +514,7 @@ fn widened(data: &HostData) -> Box<dyn Iterator<Item = f32> + '_> {
 
 /// Refuses weights that cannot train: a value that is not finite, or one the model
 /// copy's 16-bit dtype would round to infinity.
-fn check_range(t: &HostTensor, dtype: DType) -> Result<()> {
+pub(crate) fn check_range(t: &HostTensor, dtype: DType) -> Result<()> {
     let limit = match dtype {
         DType::F16 => half::f16::MAX.to_f32(),
         DType::BF16 => half::bf16::MAX.to_f32(),

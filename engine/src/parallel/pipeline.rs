@@ -380,7 +380,7 @@ impl Pipeline {
                     ))
                 })?;
             let spec = &self.frozen_specs[k];
-            if t.shape != spec.shape || !t.data.dtype().is_float() {
+            if t.shape != spec.shape || t.data.len() != spec.len() || !t.data.dtype().is_float() {
                 return Err(Error::InvalidArgument(format!(
                     "weights: `{}` is {:?} {} but {what} has {:?} for it",
                     t.name,
@@ -389,7 +389,10 @@ impl Pipeline {
                     spec.shape
                 )));
             }
-            found[k].get_or_insert(t);
+            if found[k].is_none() {
+                crate::models::check_range(t, self.options.dtype)?;
+                found[k] = Some(t);
+            }
         }
         if let Some(k) = found.iter().position(Option::is_none) {
             return Err(Error::InvalidArgument(format!(
