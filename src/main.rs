@@ -137,32 +137,28 @@ fn run(cli: Cli) -> Result<()> {
             lora,
             activation_checkpointing,
             fits,
-        } if !fits.is_empty() => cli::inspect::estimate_fits(
-            &model,
-            &fits,
-            config.as_deref(),
-            seq,
-            (&devices, pipeline_stages, partition.as_deref()),
-            (lora.as_deref(), activation_checkpointing),
-        ),
-        Command::Estimate {
-            model,
-            devices,
-            config,
-            seq,
-            pipeline_stages,
-            partition,
-            lora,
-            activation_checkpointing,
-            fits: _,
-        } => estimate(
-            &model,
-            &devices,
-            config.as_deref(),
-            seq,
-            (pipeline_stages, partition.as_deref()),
-            (lora.as_deref(), activation_checkpointing),
-        ),
+        } => {
+            let adapters = (lora.as_deref(), activation_checkpointing);
+            if fits.is_empty() {
+                estimate(
+                    &model,
+                    &devices,
+                    config.as_deref(),
+                    seq,
+                    (pipeline_stages, partition.as_deref()),
+                    adapters,
+                )
+            } else {
+                cli::inspect::estimate_fits(
+                    &model,
+                    &fits,
+                    config.as_deref(),
+                    seq,
+                    (&devices, pipeline_stages, partition.as_deref()),
+                    adapters,
+                )
+            }
+        }
         Command::Bench {
             what: BenchWhat::Matmul(args),
         } => bench_matmul(args),

@@ -12,7 +12,7 @@ use kiln_engine::config::LoraSection;
 use kiln_engine::device::host::HostTensor;
 use kiln_engine::models::lora::{read_peft, Lora, LoraConfig, PeftAdapter};
 use kiln_engine::models::Model;
-use kiln_engine::train::checkpoint::{self, OPTIMIZER_FILE};
+use kiln_engine::train::checkpoint;
 
 use super::options::TrainOptions;
 
@@ -140,18 +140,7 @@ pub(crate) fn fingerprint(weights: &[HostTensor]) -> String {
 /// `run/adapter` in PEFT's format, replacing what an earlier checkpoint wrote there.
 pub(crate) fn write_adapter(run: &LoraRun, run_dir: &Path, ckpt: &Path) -> Result<PathBuf> {
     let ck = checkpoint::load(ckpt)?;
-    let masters: Vec<HostTensor> = ck
-        .file(OPTIMIZER_FILE)?
-        .tensors
-        .iter()
-        .filter_map(|t| {
-            t.name.strip_prefix("master.").map(|n| HostTensor {
-                name: n.to_string(),
-                shape: t.shape.clone(),
-                data: t.data.clone(),
-            })
-        })
-        .collect();
+    let masters = ck.masters()?;
     let dir = run_dir.join(ADAPTER_DIR);
     run.model
         .save_peft(&dir, &masters, &run.base_name)

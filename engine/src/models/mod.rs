@@ -34,7 +34,7 @@ pub(crate) use network_build::{
 };
 pub use network_memory::{host_memory_available, ModelStateBytes, NetworkMemory};
 pub use network_state::ParamState;
-pub(crate) use network_state::{check_range, in_file, weight_copies};
+pub(crate) use network_state::{in_file, match_frozen, weight_copies};
 
 use crate::graph::{Graph, Tensor};
 use crate::{DType, Error, Result};

@@ -6,6 +6,7 @@
 use std::borrow::Cow;
 
 use super::network::Network;
+use super::ParamSpec;
 use crate::device::host::HostTensor;
 use crate::{DType, Device, Error, HostData, Result};
 
@@ -241,58 +242,8 @@ impl Network {
         &self,
         weights: &'a [HostTensor],
     ) -> Result<Vec<&'a HostTensor>> {
-        let what = self.model.describe();
-        if self.frozen.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "{what} has no frozen weights to set"
-            )));
-        }
-        let mut found: Vec<Option<&HostTensor>> = vec![None; self.frozen.len()];
-        for t in weights {
-            let i = self
-                .frozen
-                .iter()
-                .position(|(s, _)| s.name == t.name || s.tied.as_deref() == Some(&t.name))
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "weights: `{}` is not a frozen weight of {what} (the base model's weights are named like `{}`)",
-                        t.name, self.frozen[0].0.name
-                    ))
-                })?;
-            let spec = &self.frozen[i].0;
-            if t.shape != spec.shape || t.data.len() != spec.len() || !t.data.dtype().is_float() {
-                return Err(Error::InvalidArgument(format!(
-                    "weights: `{}` is {:?} {} but {what} has {:?} for it: the weights were \
-                     made for a different model config",
-                    t.name,
-                    t.shape,
-                    t.data.dtype(),
-                    spec.shape
-                )));
-            }
-            if found[i].is_some() {
-                // A tied tensor given under both names is one tensor: the first counts.
-                continue;
-            }
-            check_range(t, self.options.dtype)?;
-            found[i] = Some(t);
-        }
-        let missing: Vec<&str> = self
-            .frozen
-            .iter()
-            .zip(&found)
-            .filter(|(_, f)| f.is_none())
-            .map(|(p, _)| p.0.name.as_str())
-            .take(5)
-            .collect();
-        if !missing.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "weights: the base model's `{}` are missing; every frozen weight of {what} \
-                 must be given",
-                missing.join("`, `")
-            )));
-        }
-        Ok(found.into_iter().map(|f| f.expect("checked")).collect())
+        let specs: Vec<&ParamSpec> = self.frozen.iter().map(|f| &f.0).collect();
+        match_frozen(&specs, weights, self.options.dtype, &self.model.describe())
     }
 
     /// The frozen weights as stored (a LoRA run's base model), under their names.
@@ -502,6 +453,68 @@ pub(crate) fn weight_copies(data: &HostData, dtype: DType) -> (Cow<'_, HostData>
     (value, master)
 }
 
+/// `weights` in the order of the frozen `specs` (a LoRA run's base; `what` names the
+/// model), each checked: named as the spec or its tied name, its shape, a float dtype,
+/// finite and within `dtype`'s range; every spec given once and no other tensor (a tied
+/// tensor given under both names counts once). What a network and a pipeline set their
+/// frozen weights from.
+pub(crate) fn match_frozen<'a>(
+    specs: &[&ParamSpec],
+    weights: &'a [HostTensor],
+    dtype: DType,
+    what: &str,
+) -> Result<Vec<&'a HostTensor>> {
+    let Some(first) = specs.first() else {
+        return Err(Error::InvalidArgument(format!(
+            "{what} has no frozen weights to set"
+        )));
+    };
+    let mut found: Vec<Option<&HostTensor>> = vec![None; specs.len()];
+    for t in weights {
+        let i = specs
+            .iter()
+            .position(|s| s.name == t.name || s.tied.as_deref() == Some(&t.name))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "weights: `{}` is not a frozen weight of {what} (the base model's weights \
+                     are named like `{}`)",
+                    t.name, first.name
+                ))
+            })?;
+        let spec = specs[i];
+        if t.shape != spec.shape || t.data.len() != spec.len() || !t.data.dtype().is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "weights: `{}` is {:?} {} but {what} has {:?} for it: the weights were \
+                 made for a different model config",
+                t.name,
+                t.shape,
+                t.data.dtype(),
+                spec.shape
+            )));
+        }
+        if found[i].is_some() {
+            continue;
+        }
+        check_range(t, dtype)?;
+        found[i] = Some(t);
+    }
+    let missing: Vec<&str> = specs
+        .iter()
+        .zip(&found)
+        .filter(|(_, f)| f.is_none())
+        .map(|(s, _)| s.name.as_str())
+        .take(5)
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "weights: the base model's `{}` are missing; every frozen weight of {what} \
+             must be given",
+            missing.join("`, `")
+        )));
+    }
+    Ok(found.into_iter().map(|f| f.expect("checked")).collect())
+}
+
 /// The float elements of `data` widened to f32, without a copy of the whole tensor.
 fn widened(data: &HostData) -> Box<dyn Iterator<Item = f32> + '_> {
     match data {
@@ -514,7 +527,7 @@ fn widened(data: &HostData) -> Box<dyn Iterator<Item = f32> + '_> {
 
 /// Refuses weights that cannot train: a value that is not finite, or one the model
 /// copy's 16-bit dtype would round to infinity.
-pub(crate) fn check_range(t: &HostTensor, dtype: DType) -> Result<()> {
+fn check_range(t: &HostTensor, dtype: DType) -> Result<()> {
     let limit = match dtype {
         DType::F16 => half::f16::MAX.to_f32(),
         DType::BF16 => half::bf16::MAX.to_f32(),

@@ -365,48 +365,18 @@ impl Pipeline {
     /// must be given with its shape, and no other tensor; checked before anything is
     /// written.
     pub fn set_frozen(&mut self, weights: &[crate::device::host::HostTensor]) -> Result<()> {
-        let what = self.model.describe();
-        let mut found: Vec<Option<&crate::device::host::HostTensor>> =
-            vec![None; self.frozen_specs.len()];
-        for t in weights {
-            let k = self
-                .frozen_specs
-                .iter()
-                .position(|s| s.name == t.name || s.tied.as_deref() == Some(&t.name))
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "weights: `{}` is not a frozen weight of {what}",
-                        t.name
-                    ))
-                })?;
-            let spec = &self.frozen_specs[k];
-            if t.shape != spec.shape || t.data.len() != spec.len() || !t.data.dtype().is_float() {
-                return Err(Error::InvalidArgument(format!(
-                    "weights: `{}` is {:?} {} but {what} has {:?} for it",
-                    t.name,
-                    t.shape,
-                    t.data.dtype(),
-                    spec.shape
-                )));
-            }
-            if found[k].is_none() {
-                crate::models::check_range(t, self.options.dtype)?;
-                found[k] = Some(t);
-            }
-        }
-        if let Some(k) = found.iter().position(Option::is_none) {
-            return Err(Error::InvalidArgument(format!(
-                "weights: the base model's `{}` is missing; every frozen weight of {what} \
-                 must be given",
-                self.frozen_specs[k].name
-            )));
-        }
+        let specs: Vec<&ParamSpec> = self.frozen_specs.iter().collect();
+        let found = crate::models::match_frozen(
+            &specs,
+            weights,
+            self.options.dtype,
+            &self.model.describe(),
+        )?;
         let act = self.options.dtype;
         for (f, stage) in self.stages.iter().enumerate() {
             let dev = self.devs[f].as_ref();
             for (&(k, _), &b) in stage.part.frozen.iter().zip(&stage.frozen) {
-                let t = found[k].expect("checked");
-                dev.upload(b, &HostData::from_f32(act, &t.data.to_f32()))?;
+                dev.upload(b, &HostData::from_f32(act, &found[k].data.to_f32()))?;
             }
         }
         Ok(())

@@ -263,6 +263,23 @@ impl Checkpoint {
         &self.manifest.state
     }
 
+    /// Every parameter's f32 master weights, under the parameter's name (the
+    /// `master.<name>` tensors of [`OPTIMIZER_FILE`]).
+    pub fn masters(&self) -> Result<Vec<HostTensor>> {
+        Ok(self
+            .file(OPTIMIZER_FILE)?
+            .tensors
+            .iter()
+            .filter_map(|t| {
+                t.name.strip_prefix("master.").map(|n| HostTensor {
+                    name: n.to_string(),
+                    shape: t.shape.clone(),
+                    data: t.data.clone(),
+                })
+            })
+            .collect())
+    }
+
     /// A file by name, or an error naming it and the files there are.
     pub fn file(&self, file: &str) -> Result<&CheckpointFile> {
         self.files

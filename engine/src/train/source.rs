@@ -393,18 +393,7 @@ fn lora_run_weights(
             run_dir.display()
         ))
     })?;
-    let adapters: Vec<HostTensor> = ck
-        .file(checkpoint::OPTIMIZER_FILE)?
-        .tensors
-        .iter()
-        .filter_map(|t| {
-            t.name.strip_prefix("master.").map(|n| HostTensor {
-                name: n.to_string(),
-                shape: t.shape.clone(),
-                data: t.data.clone(),
-            })
-        })
-        .collect();
+    let adapters = ck.masters()?;
     let lora = Lora::new(model.build(model.block_size()), config)?;
     // The run may train a GPT-2 on fewer positions than the base has (--seq): its
     // position table cut as the run's was.
