@@ -269,9 +269,12 @@ impl Grads {
 pub(super) fn operands(op: &Op) -> (Vec<Tensor>, Tensor) {
     match *op {
         Op::Embedding { table, out, .. } => (vec![table], out),
-        Op::Linear { x, w, b, out, .. } => {
+        Op::Linear {
+            x, w, b, out, acc, ..
+        } => {
             let mut v = vec![x, w];
             v.extend(b);
+            v.extend(acc);
             (v, out)
         }
         Op::LayerNorm {

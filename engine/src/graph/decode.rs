@@ -267,8 +267,8 @@ impl Graph {
     /// needs only their last rows); `None` for any other op.
     fn row_operands(&self, op: &Op) -> Option<Vec<Tensor>> {
         let rows = match *op {
-            Op::Linear { x, .. }
-            | Op::LayerNorm { x, .. }
+            Op::Linear { x, acc, .. } => std::iter::once(x).chain(acc).collect(),
+            Op::LayerNorm { x, .. }
             | Op::RmsNorm { x, .. }
             | Op::Gelu { x, .. }
             | Op::Activation { x, .. }

@@ -171,6 +171,10 @@ pub(crate) enum Op {
         /// The product is scaled by this before the bias (1 but in a LoRA adapter's
         /// up-projection, scaled by alpha / r).
         scale: f32,
+        /// Added to the result, which is written over it (the GEMM's beta path, no
+        /// separate add): a LoRA up-projection adds into its base linear's output.
+        /// Read by this op alone.
+        acc: Option<Tensor>,
     },
     LayerNorm {
         x: Tensor,
@@ -720,6 +724,7 @@ impl Graph {
             out,
             trans_w,
             scale,
+            acc: None,
         });
         let Some(ad) = self.adapters.iter().find(|a| a.weight == w).copied() else {
             return Ok(out);
@@ -732,14 +737,26 @@ impl Graph {
                 xi.name
             )));
         }
-        // out + scale · dropout(x) Aᵀ Bᵀ: (M, K) -> (M, r) -> (M, N), added once.
+        // out + scale · dropout(x) Aᵀ Bᵀ: (M, K) -> (M, r) -> (M, N), the up-projection
+        // adding into the base output through the GEMM's beta (no add launch, no (M, N)
+        // temporary; bit-identical to the base output when B = 0).
         let xd = match ad.dropout > 0.0 {
             true => self.dropout(x, ad.dropout)?,
             false => x,
         };
         let h = self.linear_op(xd, ad.a, None, true, 1.0)?;
-        let d = self.linear_op(h, ad.b, None, true, ad.scale)?;
-        self.add(out, d)
+        let (shape, dtype) = (self.t(out).shape.clone(), self.t(out).dtype);
+        let sum = self.op_out("linear", shape, dtype);
+        self.ops.push(Op::Linear {
+            x: h,
+            w: ad.b,
+            b: None,
+            out: sum,
+            trans_w: true,
+            scale: ad.scale,
+            acc: Some(out),
+        });
+        Ok(sum)
     }
 
     /// Layer norm over the feature dim with parameters `weight` and `bias` (C each).

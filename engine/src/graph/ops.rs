@@ -69,13 +69,18 @@ pub(super) fn forward(op: &Op, e: &mut Emitter) -> Result<Saved> {
             out,
             trans_w,
             scale,
+            acc,
         } => {
-            // out (M, N) = scale · x (M, K) w (K, N) [or w^T, w (N, K)] + b (N)
+            // out (M, N) = scale · x (M, K) w (K, N) [or w^T, w (N, K)] + b (N) [+ acc,
+            // written over acc's buffer: beta 1]
             let (m, k, n) = (g.t(x).rows(), g.t(x).cols(), g.t(out).cols());
-            let o = e.define(out);
+            let (o, beta) = match acc {
+                Some(acc) => (e.define_over(out, acc)?, 1.0),
+                None => (e.define(out), 0.0),
+            };
             let mut mm = Matmul::new(e.val(x), e.val(w), o, m, n, k)
                 .transpose(false, trans_w)
-                .scaled(scale, 0.0);
+                .scaled(scale, beta);
             if let Some(b) = b {
                 mm = mm.with_bias(e.val(b));
             }
@@ -432,6 +437,7 @@ pub(super) fn backward(
                 out,
                 trans_w,
                 scale,
+                acc,
             },
             _,
         ) => {
@@ -466,6 +472,12 @@ pub(super) fn backward(
                         .transpose(false, !trans_w)
                         .scaled(scale, beta),
                 ))?;
+            }
+            if let Some(acc) = acc.filter(|&a| gr.needs(a)) {
+                // dacc = dout, handed over after the reads above (acc is read by this op
+                // alone, so its gradient is complete here), as an add hands its on.
+                let donate = gr.donatable(out);
+                gr.add_from(e, acc, dout, donate)?;
             }
             Ok(())
         }

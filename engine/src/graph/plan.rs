@@ -195,6 +195,22 @@ impl<'g> Emitter<'g> {
         b
     }
 
+    /// The buffer of op output `t` when the op writes it over `acc`'s (a linear adding
+    /// into its input: `acc` is read by that op alone). A graph output keeps a buffer of
+    /// its own, so `acc` is copied into it first.
+    pub fn define_over(&mut self, t: Tensor, acc: Tensor) -> Result<Buffer> {
+        let src = self.val(acc);
+        let b = if self.g.outputs.contains(&t) {
+            let b = self.define(t);
+            self.launch(Kernel::Copy(kernels::Copy { src, dst: b }))?;
+            b
+        } else {
+            src
+        };
+        self.value[t.0] = Some(b);
+        Ok(b)
+    }
+
     /// Records a launch, checked now so a bad graph fails at compile time.
     pub fn launch(&mut self, k: Kernel) -> Result<()> {
         k.validate()?;

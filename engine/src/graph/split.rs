@@ -57,9 +57,12 @@ pub struct StageGraph {
 pub(super) fn tensors_mut(op: &mut Op) -> Vec<&mut Tensor> {
     match op {
         Op::Embedding { tokens, table, out } => vec![tokens, table, out],
-        Op::Linear { x, w, b, out, .. } => {
+        Op::Linear {
+            x, w, b, out, acc, ..
+        } => {
             let mut v = vec![x, w];
             v.extend(b.as_mut());
+            v.extend(acc.as_mut());
             v.push(out);
             v
         }
