@@ -368,13 +368,32 @@ pub(crate) fn bench_train(a: TrainBenchArgs) -> Result<()> {
     if let Some(t) = a.peak_tflops.filter(|t| !(t.is_finite() && *t > 0.0)) {
         anyhow::bail!("--peak-tflops {t}: give the device's peak as a positive number");
     }
-    let variants = a
-        .variants
-        .iter()
-        .map(|v| kiln::bench_train::Variant::parse(v))
-        .collect::<Result<Vec<_>>>()?;
+    let mut variants = vec![];
+    for v in &a.variants {
+        let v = kiln::bench_train::Variant::parse(v)?;
+        let mut these = vec![v];
+        if a.activation_checkpointing {
+            these.push(kiln::bench_train::Variant {
+                checkpointing: true,
+                ..v
+            });
+        }
+        for v in these {
+            if !variants.contains(&v) {
+                variants.push(v);
+            }
+        }
+    }
     let lora = kiln::engine::models::lora::LoraConfig::parse_flag(&a.lora)?;
-    let devs = bench_any_devices(&a.devices, &Default::default())?;
+    let options = kiln::wgpu::DeviceOptions {
+        memory_limit: a
+            .memory_limit
+            .as_deref()
+            .map(|s| kiln::estimate::parse_size("--memory-limit", s))
+            .transpose()?,
+        ..Default::default()
+    };
+    let devs = bench_any_devices(&a.devices, &options)?;
     let mut opts = kiln::bench_train::TrainBenchOptions {
         variant: variants[0],
         lora,
