@@ -253,11 +253,17 @@ pub fn report(
     )?;
     let host = host_memory_available();
     for caps in unique(devices) {
-        let memory = if caps.device_type == "cpu" {
-            "its memory is the host's"
-        } else {
-            "total memory is not reported through wgpu, so compare the per-device figure with \
-             the adapter's"
+        let memory = match (caps.memory_budget, caps.memory_heap) {
+            (Some(b), _) => format!("memory budget {}", mib(b)),
+            (None, Some(h)) if caps.device_type == "cpu" => format!(
+                "device-local heap {} (held in host memory; --memory-limit replaces it)",
+                mib(h)
+            ),
+            (None, Some(h)) => format!("device-local heap {}", mib(h)),
+            (None, None) if caps.device_type == "cpu" => "its memory is the host's".into(),
+            (None, None) => "its memory size is not reported (wgpu asks only Vulkan drivers), \
+                             so compare the per-device figure with the adapter's"
+                .into(),
         };
         if caps.backend == "cpu" {
             writeln!(out, "{} (cpu): no buffer limits; {memory}", caps.name)?;
@@ -465,12 +471,16 @@ const SIZE_UNITS: [(&str, u64); 8] = [
 /// `512MiB`, `1.5GiB` (`K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`; `G` = `GiB` =
 /// 2^30 bytes). Anything else (no unit, `GB`, a sign, zero) is refused, naming the
 /// value and the forms accepted.
-pub fn parse_size(text: &str) -> Result<u64> {
+pub fn parse_size(flag: &str, text: &str) -> Result<u64> {
+    let several = match flag {
+        "--fits" => ", several joined by commas",
+        _ => "",
+    };
     let bad = |why: &str| {
         anyhow::anyhow!(
-            "--fits {text:?}: {why}; write a device's memory as a number and a binary unit: \
-             8GiB, 16G, 512MiB, 1.5GiB (K/KiB, M/MiB, G/GiB or T/TiB; G = GiB = 2^30 bytes), \
-             several joined by commas"
+            "{flag} {text:?}: {why}; write a device's memory as a number and a binary unit: \
+             8GiB, 16G, 512MiB, 1.5GiB (K/KiB, M/MiB, G/GiB or T/TiB; G = GiB = 2^30 bytes)\
+             {several}"
         )
     };
     let t = text.trim();
@@ -833,7 +843,7 @@ mod tests {
             (" 2 TiB ", 2 << 40),
             ("3M", 3 << 20),
         ] {
-            assert_eq!(parse_size(text).unwrap(), want, "{text}");
+            assert_eq!(parse_size("--fits", text).unwrap(), want, "{text}");
         }
         for (text, why) in [
             ("8", "no unit"),
@@ -849,7 +859,7 @@ mod tests {
             ("0G", "no memory at all"),
             ("99999999999T", "too large"),
         ] {
-            let e = parse_size(text).unwrap_err().to_string();
+            let e = parse_size("--fits", text).unwrap_err().to_string();
             assert!(
                 e.contains(why) && e.contains(&format!("{text:?}")) && e.contains("8GiB, 16G"),
                 "{text}: {e}"

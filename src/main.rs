@@ -137,18 +137,25 @@ fn run(cli: Cli) -> Result<()> {
             lora,
             activation_checkpointing,
             fits,
+            memory_limit,
         } => {
             let adapters = (lora.as_deref(), activation_checkpointing);
             if fits.is_empty() {
                 estimate(
                     &model,
-                    &devices,
+                    (&devices, memory_limit.as_deref()),
                     config.as_deref(),
                     seq,
                     (pipeline_stages, partition.as_deref()),
                     adapters,
                 )
             } else {
+                if memory_limit.is_some() {
+                    anyhow::bail!(
+                        "--memory-limit checks a run on the --devices given; --fits takes the \
+                         device sizes to compare itself"
+                    );
+                }
                 cli::inspect::estimate_fits(
                     &model,
                     &fits,

@@ -39,6 +39,21 @@ fn devices_json_lists_the_lavapipe_and_gl_adapters() {
         .unwrap_or_else(|| panic!("no vk:0 in {backends:?}"));
     assert_eq!(raw["backend"], "vk");
     assert_eq!(raw["name"], vk["name"]);
+    // The device-local heap, asked of the driver through wgpu's Vulkan instance and
+    // through Kiln's own: one number, reported (lavapipe's is 2 GiB on Mesa 22).
+    let heap = vk["memory_heap"]
+        .as_u64()
+        .expect("the Vulkan adapter's heap");
+    assert!(heap >= 1 << 30, "{heap}");
+    assert_eq!(raw["memory_heap"].as_u64(), Some(heap));
+    let gl = list.iter().find(|d| d["backend"] == "gl").unwrap();
+    assert!(gl["memory_heap"].is_null(), "{gl}");
+    // The table's memory column says the same.
+    let out = kiln(&["devices"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    let shown = format!("{:.1} GiB", heap as f64 / (1u64 << 30) as f64);
+    let row = table.lines().find(|l| l.starts_with("vk:0")).unwrap();
+    assert!(row.ends_with(&shown), "{row} / {shown}");
 }
 
 #[test]

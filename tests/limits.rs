@@ -304,6 +304,7 @@ fn caps(name: &str, device_type: &str, budget: Option<u64>) -> Capabilities {
         max_storage_binding: 1 << 30,
         max_buffer: 1 << 32,
         memory_budget: budget,
+        memory_heap: None,
     }
 }
 
@@ -357,6 +358,67 @@ fn the_memory_check_names_each_limit_and_the_fix_that_helps() {
     assert!(!e.contains("fp16 or bf16"), "{e}");
     // Unknown host memory and no budget: nothing to refuse on.
     m.check_fit("model", DType::F16, &[&cpu], None).unwrap();
+}
+
+/// Without a budget the device-local heap bounds a run (lavapipe reports no budget, a
+/// 2 GiB heap), naming LoRA and checkpointing among the fixes; a memory limit replaces
+/// both (the user's word over the driver's), so a CPU driver can be let go past its
+/// nominal heap; a LoRA network (frozen base) is not told to use LoRA.
+#[test]
+fn the_heap_bounds_a_run_without_a_budget_and_a_memory_limit_replaces_both() {
+    let gib = 1u64 << 30;
+    let m = NetworkMemory {
+        weights: gib,
+        gradients: gib,
+        optimizer: 4 * gib,
+        activations: 2 * gib,
+        largest_buffer: 1 << 20,
+        largest_parameter_buffer: 1 << 20,
+        largest_binding: 1 << 20,
+        host: gib,
+        ..Default::default()
+    };
+    let mut lavapipe = caps("llvmpipe", "cpu", None);
+    lavapipe.memory_heap = Some(2 * gib);
+    let e = m
+        .check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "8.0 GiB per device is over `llvmpipe` (vulkan)'s device-local memory heap of 2.0 GiB"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("--memory-limit lets a run use more"), "{e}");
+    assert!(e.contains("LoRA (`--lora`"), "{e}");
+    assert!(e.contains("activation checkpointing"), "{e}");
+    // A limit over the heap lets it run; one under the need refuses, naming it.
+    let wide = lavapipe.clone().with_memory_limit(Some(9 * gib));
+    m.check_fit("model", DType::F16, &[&wide], Some(64 * gib))
+        .unwrap();
+    let mut gpu = caps("gpu", "discrete", Some(16 * gib));
+    gpu.memory_heap = Some(16 * gib);
+    m.check_fit("model", DType::F16, &[&gpu], Some(64 * gib))
+        .unwrap();
+    let small = gpu.with_memory_limit(Some(6 * gib));
+    let e = m
+        .check_fit("model", DType::F16, &[&small], Some(64 * gib))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("memory budget of 6.0 GiB"), "{e}");
+    assert!(!e.contains("--memory-limit lets"), "{e}");
+    // A LoRA network over the heap is not told to use LoRA.
+    let lora = NetworkMemory {
+        frozen: 3 * gib,
+        ..m
+    };
+    let e = lora
+        .check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("frozen base 3.0 GiB"), "{e}");
+    assert!(!e.contains("LoRA (`--lora`"), "{e}");
 }
 
 /// `--devices vulkan:0x100` used to open 100 devices and compile for minutes (and a

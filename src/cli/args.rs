@@ -135,6 +135,11 @@ pub(crate) enum Command {
         /// the cheapest that fits each size.
         #[arg(long, value_delimiter = ',', value_name = "SIZES")]
         fits: Vec<String>,
+        /// Check against this much memory per device instead of the driver's budget or
+        /// heap, as `kiln train --memory-limit` would run (with --devices given as
+        /// specs).
+        #[arg(long, value_name = "SIZE")]
+        memory_limit: Option<String>,
     },
     /// Measure kernel throughput.
     Bench {
@@ -229,6 +234,14 @@ pub(crate) struct TrainArgs {
     /// in RUN/adapter.
     #[arg(long, value_name = "SETTINGS")]
     pub(crate) lora: Option<String>,
+    /// The device memory a run may use on each device (`8GiB`, `512MiB`), in place of
+    /// what the driver reports: a run over it is refused at start with the numbers.
+    /// Less leaves room for other work on a shared GPU or checks a run against a
+    /// smaller device; more lets a CPU driver such as lavapipe, which holds device
+    /// memory in host memory, go past the heap it reports [default: the driver's
+    /// budget, else its heap, as `kiln devices` shows].
+    #[arg(long, value_name = "SIZE")]
+    pub(crate) memory_limit: Option<String>,
     /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json +
     /// adapter_model.safetensors), for the --init-from base it was trained on.
     #[arg(long, value_name = "DIR")]
@@ -444,6 +457,15 @@ pub(crate) struct TrainBenchArgs {
     /// The adapters of the lora variants, as `kiln train --lora` takes them.
     #[arg(long, default_value = "r=16,alpha=32")]
     pub(crate) lora: String,
+    /// Measure each variant also with activation checkpointing, the row after it
+    /// (full, then ckpt; lora, then lora+ckpt): what the recomputed forward costs and
+    /// saves.
+    #[arg(long)]
+    pub(crate) activation_checkpointing: bool,
+    /// The device memory a run may use on each device, as `kiln train --memory-limit`
+    /// takes it.
+    #[arg(long, value_name = "SIZE")]
+    pub(crate) memory_limit: Option<String>,
     /// Write the rows as JSON to this file (`-` for stdout) instead of a table.
     #[arg(long)]
     pub(crate) json: Option<String>,

@@ -9,7 +9,7 @@ use super::args::{ConfigWhat, RunsWhat};
 
 pub(crate) fn estimate(
     model: &std::path::Path,
-    devices: &[String],
+    (devices, memory_limit): (&[String], Option<&str>),
     config: Option<&std::path::Path>,
     seq: Option<usize>,
     (stages, partition): (Option<usize>, Option<&str>),
@@ -18,6 +18,9 @@ pub(crate) fn estimate(
     use kiln::engine::DType;
     // Bad settings are named before anything is read.
     let lora_flag = kiln::estimate::lora_settings(lora, None)?;
+    let memory_limit = memory_limit
+        .map(|s| kiln::estimate::parse_size("--memory-limit", s))
+        .transpose()?;
     // The flag, else the config's (as `kiln train` reads them); an unreadable config
     // is reported when it is loaded below.
     let stages = stages.unwrap_or_else(|| {
@@ -36,6 +39,10 @@ pub(crate) fn estimate(
             .map_err(anyhow::Error::msg)?;
     let m = read_model(model)?;
     let (world, adapters) = match devices {
+        [n] if n.parse::<usize>().is_ok() && memory_limit.is_some() => bail!(
+            "--memory-limit replaces a device's own memory size: give the devices as specs \
+             (--devices vulkan:0), not a count ({n})"
+        ),
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
         specs => {
             let specs = kiln::devices::parse_devices(specs)?;
@@ -62,6 +69,10 @@ pub(crate) fn estimate(
                     ),
                 }
             }
+            let caps = caps
+                .into_iter()
+                .map(|c| c.with_memory_limit(memory_limit))
+                .collect();
             (specs.len(), caps)
         }
     };
@@ -163,7 +174,12 @@ pub(crate) fn estimate_fits(
     // Bad settings are named before anything is read.
     let sizes = sizes
         .iter()
-        .map(|s| Ok((s.trim().to_string(), kiln::estimate::parse_size(s)?)))
+        .map(|s| {
+            Ok((
+                s.trim().to_string(),
+                kiln::estimate::parse_size("--fits", s)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     if devices.len() != 1 || devices[0] != "1" {
         bail!(
@@ -287,6 +303,18 @@ pub(crate) fn runs(what: Option<RunsWhat>, root: &std::path::Path) -> Result<()>
     Ok(())
 }
 
+/// The `memory` column of `kiln devices`: the device-local heap, and the budget
+/// where the driver reports one.
+fn memory(c: &kiln::engine::Capabilities) -> String {
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    match (c.memory_heap, c.memory_budget) {
+        (Some(h), Some(b)) => format!("{} (budget {})", gib(h), gib(b)),
+        (Some(h), None) => gib(h),
+        (None, Some(b)) => format!("budget {}", gib(b)),
+        (None, None) => "-".into(),
+    }
+}
+
 pub(crate) fn devices(json: bool) -> Result<()> {
     let mut rows = kiln::wgpu::adapters();
     let cpu = kiln::cpu::CpuDevice::new();
@@ -327,6 +355,7 @@ pub(crate) fn devices(json: bool) -> Result<()> {
         "timestamps",
         "max binding",
         "max buffer",
+        "memory",
     ];
     let mut table: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
     let caps = rows
@@ -359,8 +388,15 @@ pub(crate) fn devices(json: bool) -> Result<()> {
             } else {
                 mib(c.max_buffer)
             },
+            memory(c),
         ]);
     }
     outln!("{}", kiln::bench::align(&table));
+    outln!(
+        "memory: the device-local heap the driver reports (Vulkan adapters and vk:N; on a \
+         CPU driver such as lavapipe it is host memory), and the budget this process may \
+         use where the driver says (VK_EXT_memory_budget); `-`: not reported. Training \
+         refuses at start what is over it (`kiln estimate` gives the numbers)."
+    );
     Ok(())
 }

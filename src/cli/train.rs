@@ -246,6 +246,11 @@ fn train_with(
         peak_tflops: a.peak_tflops,
         pipeline_stages: a.pipeline_stages,
         partition: a.partition,
+        memory_limit: a
+            .memory_limit
+            .as_deref()
+            .map(|s| kiln::estimate::parse_size("--memory-limit", s))
+            .transpose()?,
         lora: a.lora,
         adapter: a.adapter,
     };

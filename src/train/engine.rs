@@ -114,7 +114,13 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     // Devices: each spec opens its own device, so `vulkan:0x2` gives two.
     let opened = specs
         .iter()
-        .map(|s| open_device(s, &DeviceOptions::default()))
+        .map(|s| {
+            let options = DeviceOptions {
+                memory_limit: opts.memory_limit,
+                ..DeviceOptions::default()
+            };
+            open_device(s, &options)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let device_names: Vec<String> = opened
         .iter()

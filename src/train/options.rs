@@ -73,6 +73,10 @@ pub struct TrainOptions {
     /// How the blocks are cut into stages (`parameters`, `uniform`, or blocks per
     /// stage such as `3,5`); `None`: the config's `pipeline.partition`.
     pub partition: Option<String>,
+    /// The device memory a run may use on each device, in place of the driver's budget
+    /// or heap (`--memory-limit`): a run over it is refused at start, naming what does
+    /// not fit.
+    pub memory_limit: Option<u64>,
     /// Train LoRA adapters on the frozen model (`--lora r=16,alpha=32,...`, see
     /// `LoraConfig::parse_flag`); `None`: the config's `kiln.lora`, else full training.
     pub lora: Option<String>,

@@ -64,6 +64,7 @@ impl CpuDevice {
                 max_storage_binding: u64::MAX,
                 max_buffer: isize::MAX as u64,
                 memory_budget: None,
+                memory_heap: None,
             },
             staged: Mutex::new((0, HashMap::new())),
             profile: Mutex::new(None),

@@ -465,6 +465,7 @@ mod tests {
             max_storage_binding: 1 << 30,
             max_buffer: 1 << 31,
             memory_budget: None,
+            memory_heap: None,
         }
     }
 

@@ -21,4 +21,10 @@ pub struct DeviceOptions {
     /// Keep the planner's table of GEMM blocks instead of timing candidates at a
     /// shape's first use (`KILN_GEMM_TUNE=0` does the same).
     pub no_tune: bool,
+    /// The device memory a run may use, in bytes, in place of what the driver reports
+    /// (its budget, else its device-local heap); a run over it is refused at start.
+    /// Less, to leave room for other work on a shared GPU or to check a run against a
+    /// smaller device; more, where the driver keeps device memory elsewhere (lavapipe
+    /// holds it in host memory, whatever heap it reports).
+    pub memory_limit: Option<u64>,
 }

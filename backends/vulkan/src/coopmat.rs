@@ -768,6 +768,7 @@ mod tests {
             max_storage_binding: 1 << 31,
             max_buffer: 1 << 34,
             memory_budget: None,
+            memory_heap: None,
         }
     }
 

@@ -641,6 +641,7 @@ mod tests {
             max_storage_binding: 128 << 20,
             max_buffer: 2 << 30,
             memory_budget: None,
+            memory_heap: None,
         }
     }
 

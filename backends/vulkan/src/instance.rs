@@ -404,6 +404,7 @@ impl Instance {
             min_uniform_align: props.limits.min_uniform_buffer_offset_alignment,
             min_storage_align: props.limits.min_storage_buffer_offset_alignment,
             memory_budget: self.memory_budget(pd),
+            memory_heap: device_local_heap(&self.instance, pd),
             max_shared: props.limits.max_compute_shared_memory_size,
             max_invocations: props.limits.max_compute_work_group_invocations,
             max_group_x: props.limits.max_compute_work_group_size[0],
@@ -515,6 +516,19 @@ impl Instance {
     }
 }
 
+/// The summed size of `pd`'s device-local memory heaps (on a CPU driver such as
+/// lavapipe, host memory it may hand out), or `None` when it reports none.
+fn device_local_heap(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Option<u64> {
+    // SAFETY: `pd` was enumerated from `instance`, which is alive.
+    let props = unsafe { instance.get_physical_device_memory_properties(pd) };
+    let total: u64 = props.memory_heaps[..props.memory_heap_count as usize]
+        .iter()
+        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+        .map(|h| h.size)
+        .sum();
+    (total > 0).then_some(total)
+}
+
 fn p13_max_buffer(p13: &vk::PhysicalDeviceVulkan13Properties) -> u64 {
     if p13.max_buffer_size == 0 {
         u64::MAX
@@ -575,6 +589,7 @@ pub(crate) struct Features {
     pub min_uniform_align: u64,
     pub min_storage_align: u64,
     pub memory_budget: Option<u64>,
+    pub memory_heap: Option<u64>,
     /// `maxComputeSharedMemorySize`, `maxComputeWorkGroupInvocations` and
     /// `maxComputeWorkGroupSize[0]` (the GEMM route checks the hand-written tiled GEMM
     /// and GEMV against them).
@@ -606,6 +621,7 @@ impl Features {
             max_storage_binding: self.max_storage_binding,
             max_buffer: self.max_buffer,
             memory_budget: self.memory_budget,
+            memory_heap: self.memory_heap,
         }
     }
 }

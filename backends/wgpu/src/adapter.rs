@@ -136,7 +136,34 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabi
             }),
         max_buffer: limits.max_buffer_size,
         memory_budget: None,
+        memory_heap: vulkan_heap(a),
     }
+    .with_memory_limit(options.memory_limit)
+}
+
+/// The summed size of a Vulkan adapter's device-local memory heaps, asked of the
+/// driver through wgpu's Vulkan layer (wgpu reports no memory sizes itself); `None` on
+/// the other backends, which have no such query here.
+#[cfg(not(target_arch = "wasm32"))]
+fn vulkan_heap(a: &wgpu::Adapter) -> Option<u64> {
+    use ash::vk;
+    // SAFETY: the hal adapter is only read, while `a` keeps it alive.
+    let hal = unsafe { a.as_hal::<wgpu::hal::api::Vulkan>() }?;
+    let instance = hal.shared_instance().raw_instance();
+    // SAFETY: the physical device was enumerated from this live instance.
+    let props =
+        unsafe { instance.get_physical_device_memory_properties(hal.raw_physical_device()) };
+    let total: u64 = props.memory_heaps[..props.memory_heap_count as usize]
+        .iter()
+        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+        .map(|h| h.size)
+        .sum();
+    (total > 0).then_some(total)
+}
+
+#[cfg(target_arch = "wasm32")]
+fn vulkan_heap(_: &wgpu::Adapter) -> Option<u64> {
+    None
 }
 
 #[cfg(test)]

@@ -50,8 +50,24 @@ pub struct Capabilities {
     pub max_storage_binding: u64,
     /// Largest buffer that can be allocated, in bytes.
     pub max_buffer: u64,
-    /// Device memory the driver lets us use, in bytes, when known.
+    /// Device memory the driver lets this process use now, in bytes, when it says
+    /// (Vulkan's `VK_EXT_memory_budget`).
     pub memory_budget: Option<u64>,
+    /// Size of the device-local memory heaps, in bytes, when known (Vulkan reports it,
+    /// through vk and through wgpu's Vulkan adapters; wgpu's other backends and the CPU
+    /// reference do not): the most the device can hold.
+    pub memory_heap: Option<u64>,
+}
+
+impl Capabilities {
+    /// These capabilities with `limit`, where given, as the memory budget: what a
+    /// device opened with a memory limit reports (the user's word over the driver's).
+    pub fn with_memory_limit(mut self, limit: Option<u64>) -> Capabilities {
+        if limit.is_some() {
+            self.memory_budget = limit;
+        }
+        self
+    }
 }
 
 /// A download whose copy is queued on a device; redeem it with

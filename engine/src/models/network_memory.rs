@@ -58,8 +58,8 @@ impl NetworkMemory {
     }
 
     /// Refuses, before anything is allocated, a network that cannot fit: on each device
-    /// (its largest buffer, per-binding limit and memory budget where the driver
-    /// reports one) and on the host (`host_available` bytes: the initial weights and
+    /// (its largest buffer, per-binding limit, and memory budget where the driver
+    /// reports one, else its device-local heap where reported) and on the host (`host_available` bytes: the initial weights and
     /// checkpoints live there, and so does the memory of a CPU adapter such as
     /// lavapipe, llvmpipe or the CPU backend). `what` names the model; `dtype` is the
     /// storage precision, for the advice. The error says what does not fit, by how
@@ -116,11 +116,25 @@ impl NetworkMemory {
                 Some(_) => activations = true,
                 None => {}
             }
-            if let Some(budget) = caps.memory_budget.filter(|&b| self.total() > b) {
+            // The budget, where the driver reports one, is what this process may use;
+            // else the heap is the most the device holds.
+            let limit = match (caps.memory_budget, caps.memory_heap) {
+                (Some(b), _) => Some((b, "memory budget")),
+                (None, Some(h)) => Some((h, "device-local memory heap")),
+                (None, None) => None,
+            };
+            if let Some((limit, what)) = limit.filter(|&(l, _)| self.total() > l) {
                 over.push(format!(
-                    "{} per device is over {at}'s memory budget of {}",
+                    "{} per device is over {at}'s {what} of {}{}",
                     human(self.total()),
-                    human(budget)
+                    human(limit),
+                    match caps.device_type == "cpu" && caps.memory_budget.is_none() {
+                        true =>
+                            " (a CPU driver such as lavapipe keeps device memory in host \
+                                 memory whatever heap it reports: --memory-limit lets a run \
+                                 use more of it)",
+                        false => "",
+                    }
                 ));
                 total = true;
             }
@@ -159,10 +173,22 @@ impl NetworkMemory {
                  storage precision: fp16 or bf16 halves it)",
             );
         }
+        if total && self.frozen == 0 {
+            fixes.push(
+                "LoRA (`--lora` or kiln.lora: the frozen base has no gradients, master \
+                 weights or moments)",
+            );
+        }
         if total {
             fixes.push("a smaller model (n_layer, n_embd, vocab_size)");
         }
         let act_heavy = self.activations >= self.total() / 4;
+        if total && act_heavy {
+            fixes.push(
+                "activation checkpointing (kiln.activation_checkpointing: blocks recompute \
+                 their forward in backward)",
+            );
+        }
         if activations || (total && act_heavy) {
             fixes.push(
                 "a smaller micro-batch (train_micro_batch_size_per_gpu, with more \
