@@ -13,6 +13,7 @@ use kiln::cpu::CpuDevice;
 use kiln::engine::device::host::HostTensor;
 use kiln::engine::graph::{Attention, Graph};
 use kiln::engine::models::gpt::{Gpt, GptConfig};
+use kiln::engine::models::import_llama;
 use kiln::engine::models::llama::{Llama, LlamaConfig};
 use kiln::engine::models::lora::{read_peft, Lora, LoraConfig, Targets};
 use kiln::engine::models::{MicroBatch, Model, Network, NetworkOptions};
@@ -214,6 +215,81 @@ fn the_up_projection_adds_into_the_base_output_without_an_add_launch() {
             dev.free(buf).unwrap();
         }
     }
+}
+
+/// PEFT's own files (tests/fixtures/lora/peft_gqa, saved by peft 0.21.2 through
+/// make_peft_fixture.py: r 4, alpha 8 on q_proj, v_proj and down_proj of the Llama
+/// fixture, B random) read by Kiln: `kiln export BASE --adapter DIR --merge`, imported
+/// back, gives PeftModel's float64 logits within 1e-4 (an fp32 forward, the bar the
+/// base fixture meets in tests/import_llama.rs); the adapter moves them by far more.
+#[test]
+fn an_adapter_peft_saved_merges_to_the_logits_peft_computes() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let base = fixtures.join("llama/gqa_f32");
+    let adapter = fixtures.join("lora/peft_gqa");
+    let out = std::env::temp_dir().join(format!("kiln-peft-merge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let r = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("export")
+        .arg(&base)
+        .arg("--adapter")
+        .arg(&adapter)
+        .args(["--merge", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let json = |p: std::path::PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let want = json(adapter.join("expected.json"));
+    let floats = |v: &serde_json::Value| -> Vec<f64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let tokens: Vec<u32> = want["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let (batch, seq) = (
+        want["batch"].as_u64().unwrap() as usize,
+        want["seq"].as_u64().unwrap() as usize,
+    );
+    let m = import_llama::read_hf(&out).unwrap();
+    let dev = CpuDevice::new();
+    let model = Arc::new(Llama::new(m.config.clone(), seq).with_attention(Attention::Fused));
+    let mut net = Network::new(&dev, model, &options(batch, DType::F32)).unwrap();
+    net.set_weights(&dev, &m.weights).unwrap();
+    net.loss(&dev, &MicroBatch::tokens(&tokens, &tokens))
+        .unwrap();
+    let got = dev
+        .download(net.output(net.prediction()).unwrap())
+        .unwrap()
+        .to_f32();
+    let peft = floats(&want["logits"]);
+    assert_eq!(got.len(), peft.len());
+    let worst = got
+        .iter()
+        .zip(&peft)
+        .map(|(&a, &b)| (a as f64 - b).abs())
+        .fold(0.0, f64::max);
+    assert!(
+        worst <= 1e-4,
+        "largest |Kiln - PeftModel| logit difference {worst}"
+    );
+    let plain = floats(&json(base.join("expected.json"))["logits"]);
+    let moved = plain
+        .iter()
+        .zip(&peft)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(moved > 1e-2, "the adapter moved the logits by {moved} only");
+    std::fs::remove_dir_all(&out).unwrap();
 }
 
 #[test]
