@@ -765,6 +765,40 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("--adapter without --init-from"), "{e}");
+    // A base given by a relative path is recorded as an absolute one (a resume or a
+    // source opened from elsewhere finds it), and a base whose weights are no longer
+    // the ones trained on (the record's fingerprint stands in for a changed base) is
+    // refused when the run is opened as a source, as a resume refuses it.
+    let rel = train(&TrainOptions {
+        init_from: Some("tests/fixtures/llama/gqa_f32".into()),
+        lora: Some("r=4,alpha=8,targets=q_proj".into()),
+        out: Some(dir.join("relative")),
+        ..opts(1)
+    })
+    .unwrap();
+    let record_file = rel.dir.join("config.json");
+    let mut record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record_file).unwrap()).unwrap();
+    assert_eq!(
+        record["init_from"].as_str().unwrap(),
+        hf.canonicalize().unwrap().display().to_string()
+    );
+    score(&rel.dir, None);
+    record["base_fingerprint"] = "0".repeat(64).into();
+    std::fs::write(&record_file, record.to_string()).unwrap();
+    let e = eval(&EvalOptions {
+        source: rel.dir.clone(),
+        data: Some(bin.clone()),
+        devices: vec!["cpu".into()],
+        seq: Some(16),
+        ..EvalOptions::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("no longer the ones the adapters were trained on"),
+        "{e}"
+    );
     // An adapter for other modules than --lora names is refused.
     let e = train(&TrainOptions {
         init_from: Some(hf),

@@ -144,7 +144,11 @@ pub(super) fn build(opts: &TrainOptions, run: &mut Resolved, data: &Data) -> Res
     // What this run is; a resumed run must be the same one.
     let mut record = run_record(ds, model, data_name, seed, &device_name);
     if let Some(init) = &init {
-        record["init_from"] = json!(init.source);
+        // As an absolute path where it is one here, so a resume (which reads a LoRA
+        // run's base again) or a source opened from another directory finds it.
+        let from = std::fs::canonicalize(&init.source)
+            .map_or_else(|_| init.source.clone(), |p| p.display().to_string());
+        record["init_from"] = json!(from);
     }
     if let Some(l) = &lora {
         record["lora"] = json!(l.model.config);

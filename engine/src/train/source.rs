@@ -403,6 +403,20 @@ fn lora_run_weights(
             crate::models::import::cut_positions(&mut base_weights, c.block_size)?;
         }
     }
+    // The base must be the one the adapters were trained on: a run directory given as
+    // --init-from may have trained on since (a resume refuses the same).
+    if let Some(want) = record.get("base_fingerprint").and_then(Value::as_str) {
+        if crate::models::lora::base_fingerprint(&base_weights) != want {
+            fail!(
+                "{}: a LoRA run's base model is read from {from}, where it started, but its \
+                 weights are no longer the ones the adapters were trained on (their \
+                 fingerprint differs): merging would give another model. Point the run at \
+                 the original base, or use its adapters (RUN/adapter) with that base \
+                 through --adapter",
+                run_dir.display()
+            );
+        }
+    }
     let merged = lora.merge(&base_weights, &adapters)?;
     notes.push(format!(
         "a LoRA run: its adapters (r {}, {} modules) merged into the base from {from}",
