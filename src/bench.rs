@@ -478,7 +478,7 @@ pub fn device_gflops(
 /// training, so on a CPU-class adapter the block is the one measured at the shape's
 /// first launch, not the table's. The variant reads `selected <block>`, or `table
 /// <block> (why)` where nothing was measured.
-fn selected_gflops(
+pub(crate) fn selected_gflops(
     dev: &WgpuDevice,
     s: &Shape,
     dtype: DType,
@@ -523,7 +523,7 @@ fn selected_gflops(
 /// and `coopmat <tile>` where it runs on the cooperative-matrix GEMM. With `pin`, the
 /// SPIR-V route runs that kernel instead of the planner's (the naga path keeps the
 /// planner's, and the row says so).
-fn vk_gflops(
+pub(crate) fn vk_gflops(
     dev: &crate::vulkan::VkDevice,
     s: &Shape,
     dtype: DType,

@@ -13,6 +13,7 @@ pub use kiln_wgpu as wgpu;
 pub mod bench;
 pub mod bench_dp;
 pub mod bench_pipeline;
+pub mod bench_report;
 pub mod bench_sample;
 pub mod bench_train;
 pub mod devices;

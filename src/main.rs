@@ -187,5 +187,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench {
             what: BenchWhat::Pipeline(args),
         } => bench_pipeline(args),
+        Command::Bench {
+            what: BenchWhat::Report(args),
+        } => cli::bench::bench_report(args),
     }
 }

@@ -386,6 +386,34 @@ pub(crate) enum BenchWhat {
     /// micro-batch counts: step time, tokens/s, bubble measured against the 1F1B
     /// schedule's, bytes between stages and each stage's memory.
     Pipeline(PipelineBenchArgs),
+    /// Every adapter and backend found (or --devices) on the same work: GEMM at GPT
+    /// shapes and 1024³/2048³ in f32/f16/bf16, fused attention forward + backward at T
+    /// 512/1024/2048, training steps — each with % of the adapter's measured peak —
+    /// written as report.md, report.json and report.svg, with the host, drivers and
+    /// Kiln's commit.
+    Report(ReportArgs),
+}
+
+#[derive(clap::Args)]
+pub(crate) struct ReportArgs {
+    /// Devices to measure (`kiln devices`); default: every wgpu adapter, every vk:N and
+    /// the CPU reference.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) devices: Vec<String>,
+    /// Time each measurement for about this many milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) budget_ms: u64,
+    /// A quick check: shapes a quarter the size, attention at T 64, the demo model's
+    /// step [models default: demo].
+    #[arg(long)]
+    pub(crate) quick: bool,
+    /// Models to train a few steps on each device (`kiln bench train` names or model
+    /// JSON files) [default: demo,small,smollm2-135m; with --quick, demo].
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) models: Vec<String>,
+    /// Directory for report.md, report.json and report.svg.
+    #[arg(long, default_value = "bench-report")]
+    pub(crate) out: std::path::PathBuf,
 }
 
 #[derive(clap::Args)]

@@ -6,7 +6,8 @@ use anyhow::{bail, Result};
 use kiln::engine::Device;
 
 use super::args::{
-    AttentionArgs, BenchSampleArgs, DpArgs, MatmulArgs, PeakArgs, PipelineBenchArgs, TrainBenchArgs,
+    AttentionArgs, BenchSampleArgs, DpArgs, MatmulArgs, PeakArgs, PipelineBenchArgs, ReportArgs,
+    TrainBenchArgs,
 };
 
 pub(crate) fn bench_pipeline(a: PipelineBenchArgs) -> Result<()> {
@@ -351,6 +352,29 @@ pub(crate) fn bench_peak(args: PeakArgs) -> Result<()> {
     }
     let path = store_peaks(&rows)?;
     errln!("cached in {}", path.display());
+    Ok(())
+}
+
+pub(crate) fn bench_report(a: ReportArgs) -> Result<()> {
+    let models = match (a.models.is_empty(), a.quick) {
+        (false, _) => a.models,
+        (true, true) => vec!["demo".into()],
+        (true, false) => ["demo", "small", "smollm2-135m"].map(String::from).to_vec(),
+    };
+    let opts = kiln::bench_report::ReportOptions {
+        devices: a.devices,
+        budget: std::time::Duration::from_millis(a.budget_ms),
+        quick: a.quick,
+        models,
+        out: a.out,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let r = kiln::bench_report::run(&opts, |line| errln!("kiln bench report: {line}"))?;
+    out!("{}", kiln::bench_report::markdown(&r));
+    errln!(
+        "wrote {0}/report.md, {0}/report.json and {0}/report.svg",
+        opts.out.display()
+    );
     Ok(())
 }
 
