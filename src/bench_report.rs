@@ -195,48 +195,66 @@ impl Opened {
     }
 }
 
-/// Every device the report measures, with its spec as `kiln devices` writes it.
-fn open_all(specs: &[String]) -> Result<Vec<(String, Opened)>> {
+/// Every device the report measures, with its spec as `kiln devices` writes it; one
+/// that does not open is listed in `failed` with the reason.
+fn open_all(specs: &[String], failed: &mut Vec<String>) -> Result<Vec<(String, Opened)>> {
     let options = DeviceOptions::default();
-    let specs: Vec<String> = if specs.is_empty() {
-        let mut all: Vec<String> = crate::wgpu::adapters()
+    let specs: Vec<DeviceSpec> = if specs.is_empty() {
+        let mut all: Vec<DeviceSpec> = crate::wgpu::adapters()
             .iter()
-            .map(|a| a.index.to_string())
+            .map(|a| DeviceSpec::Index(a.index))
             .collect();
         all.extend(
             crate::vulkan::physical_devices()
                 .iter()
-                .map(|d| format!("vk:{}", d.index)),
+                .map(|d| DeviceSpec::Vk(d.index)),
         );
-        all.push("cpu".into());
+        all.push(DeviceSpec::Cpu);
         all
     } else {
-        crate::devices::parse_devices(specs)?;
-        specs.to_vec()
+        crate::devices::parse_devices(specs)?
     };
     let mut out = vec![];
-    for s in specs {
-        let spec: DeviceSpec = s.parse()?;
+    for spec in specs {
+        let name = spec.to_string();
         let opened = match &spec {
-            DeviceSpec::Vk(n) => Opened::Vk(Box::new(crate::vulkan::VkDevice::open(*n, &options)?)),
-            DeviceSpec::Cpu => Opened::Cpu(crate::open_device(&spec, &options)?),
-            _ => {
-                let index = spec.adapter_index()?.expect("a wgpu spec has an index");
-                Opened::Wgpu(Box::new(WgpuDevice::open(index, &options)?))
+            DeviceSpec::Vk(n) => {
+                crate::vulkan::VkDevice::open(*n, &options).map(|d| Opened::Vk(Box::new(d)))
             }
+            DeviceSpec::Cpu => crate::open_device(&spec, &options).map(Opened::Cpu),
+            _ => spec.adapter_index().and_then(|i| {
+                let i = i.expect("a wgpu spec names an adapter");
+                WgpuDevice::open(i, &options).map(|d| Opened::Wgpu(Box::new(d)))
+            }),
         };
-        out.push((s, opened));
+        match opened {
+            Ok(o) => out.push((name, o)),
+            Err(e) => failed.push(format!("{name}: not opened ({e})")),
+        }
     }
     if out.is_empty() {
-        anyhow::bail!("no device to measure. {}", crate::wgpu::NO_ADAPTER_HINT);
+        anyhow::bail!(
+            "no device to measure{}. {}",
+            match failed.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", failed.join("; ")),
+            },
+            crate::wgpu::NO_ADAPTER_HINT
+        );
     }
     Ok(out)
 }
 
-/// The peak of a wgpu adapter, measured now (and cached for `kiln train --profile`).
-fn peak(dev: &WgpuDevice) -> Result<crate::profile::PeakRecord> {
+/// The peak of a wgpu adapter, measured now, and cached for `kiln train --profile`
+/// (a cache that cannot be written is said in `notes`, the peak kept).
+fn peak(dev: &WgpuDevice, notes: &mut Vec<String>) -> Result<crate::profile::PeakRecord> {
     let record = crate::profile::measure_peak(dev)?;
-    crate::profile::store_peaks(std::slice::from_ref(&record))?;
+    if let Err(e) = crate::profile::store_peaks(std::slice::from_ref(&record)) {
+        notes.push(format!(
+            "{}: its peak was measured but not cached ({e:#})",
+            record.adapter
+        ));
+    }
     Ok(record)
 }
 
@@ -268,7 +286,8 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
         .collect::<Result<_>>()?;
     std::fs::create_dir_all(&opts.out)
         .with_context(|| format!("creating {}", opts.out.display()))?;
-    let opened = open_all(&opts.devices)?;
+    let mut failed = vec![];
+    let opened = open_all(&opts.devices, &mut failed)?;
     let mut report = Report {
         host: Host {
             cpu: crate::engine::fsutil::host_cpu(),
@@ -286,7 +305,7 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
         gemm: vec![],
         attention: vec![],
         train: vec![],
-        not_measured: vec![],
+        not_measured: failed,
     };
 
     // Peaks: wgpu adapters measured; a vk:N device is the wgpu Vulkan adapter of its
@@ -294,7 +313,7 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
     for (spec, o) in &opened {
         let mut e = entry(spec, o.dev().caps());
         if let Opened::Wgpu(d) = o {
-            match peak(d) {
+            match peak(d, &mut report.not_measured) {
                 Ok(p) => {
                     e.peak_gflops = Some(p.gflops);
                     e.peak_gbps = Some(p.gbps);
@@ -321,12 +340,20 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
                 .find(|d| d.backend == "vulkan" && d.name == report.devices[i].name)
                 .and_then(|d| d.peak_gflops.zip(d.peak_gbps));
             let twin = match twin {
-                Some(t) => Some(t),
-                None => vulkan_twin_peak(&report.devices[i].name),
+                Some(t) => Ok(t),
+                None => vulkan_twin_peak(&report.devices[i].name, &mut report.not_measured),
             };
-            if let Some((g, b)) = twin {
-                report.devices[i].peak_gflops = Some(g);
-                report.devices[i].peak_gbps = Some(b);
+            match twin {
+                Ok((g, b)) => {
+                    report.devices[i].peak_gflops = Some(g);
+                    report.devices[i].peak_gbps = Some(b);
+                }
+                Err(e) => {
+                    let spec = report.devices[i].spec.clone();
+                    report
+                        .not_measured
+                        .push(format!("{spec}: the peak ({e:#})"));
+                }
             }
         }
     }
@@ -379,31 +406,33 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
     let (heads, dim, seqs) = attention_shapes(opts.quick);
     for (spec, o) in &opened {
         let dtype = DType::F16;
-        match attention_table(o.dev(), dtype, heads, dim, &seqs, opts.budget, |_| {}) {
-            Ok(rows) => {
-                for r in rows {
-                    let flops = 7.0 * (r.seq * r.seq * r.dim * r.heads) as f64;
-                    let gflops = flops / (r.fused_ms * 1e-3) / 1e9;
-                    progress(&format!(
-                        "attention T {} {dtype} on {spec}: {:.2} ms fwd+bwd",
-                        r.seq, r.fused_ms
-                    ));
-                    report.attention.push(AttentionEntry {
-                        spec: spec.clone(),
-                        dtype: dtype.to_string(),
-                        heads: r.heads,
-                        seq: r.seq,
-                        dim: r.dim,
-                        fused_ms: r.fused_ms,
-                        gflops,
-                        pct_of_peak: peak_of(spec, &report.devices).map(|p| 100.0 * gflops / p),
-                        straight_ms: r.straight_ms,
-                    });
+        for &seq in &seqs {
+            match attention_table(o.dev(), dtype, heads, dim, &[seq], opts.budget, |_| {}) {
+                Ok(rows) => {
+                    for r in rows {
+                        let flops = 7.0 * (r.seq * r.seq * r.dim * r.heads) as f64;
+                        let gflops = flops / (r.fused_ms * 1e-3) / 1e9;
+                        progress(&format!(
+                            "attention T {} {dtype} on {spec}: {:.2} ms fwd+bwd",
+                            r.seq, r.fused_ms
+                        ));
+                        report.attention.push(AttentionEntry {
+                            spec: spec.clone(),
+                            dtype: dtype.to_string(),
+                            heads: r.heads,
+                            seq: r.seq,
+                            dim: r.dim,
+                            fused_ms: r.fused_ms,
+                            gflops,
+                            pct_of_peak: peak_of(spec, &report.devices).map(|p| 100.0 * gflops / p),
+                            straight_ms: r.straight_ms,
+                        });
+                    }
                 }
+                Err(e) => report
+                    .not_measured
+                    .push(format!("{spec}: attention T {seq} {dtype} ({e:#})")),
             }
-            Err(e) => report
-                .not_measured
-                .push(format!("{spec}: attention {dtype} ({e:#})")),
         }
     }
 
@@ -455,16 +484,19 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
     Ok(report)
 }
 
-/// The peak of the wgpu Vulkan adapter named `name`, from the cache or measured.
-fn vulkan_twin_peak(name: &str) -> Option<(f64, f64)> {
+/// The peak of the wgpu Vulkan adapter named `name` (a `vk:N` device's hardware and
+/// driver), from the cache or measured.
+fn vulkan_twin_peak(name: &str, notes: &mut Vec<String>) -> Result<(f64, f64)> {
     let a = crate::wgpu::adapters()
         .into_iter()
-        .find(|a| a.caps.backend == "vulkan" && a.caps.name == name)?;
+        .find(|a| a.caps.backend == "vulkan" && a.caps.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no wgpu Vulkan adapter named `{name}` to measure it on"))?;
     if let Some(p) = crate::profile::cached_peak(&a.caps) {
-        return Some((p.gflops, p.gbps));
+        return Ok((p.gflops, p.gbps));
     }
-    let dev = WgpuDevice::open(a.index, &DeviceOptions::default()).ok()?;
-    peak(&dev).ok().map(|p| (p.gflops, p.gbps))
+    let dev = WgpuDevice::open(a.index, &DeviceOptions::default())?;
+    let p = peak(&dev, notes)?;
+    Ok((p.gflops, p.gbps))
 }
 
 fn os() -> String {
@@ -526,8 +558,10 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(s, "\n## GEMM\n");
     let _ = writeln!(
         s,
-        "GFLOP/s of one product end to end per launch; % of the device's f32 FMA peak; × \
-         this host's CPU sgemm on the same shape in the same run ({}).\n",
+        "GFLOP/s of one product end to end per launch, as training launches it; % of the \
+         device's f32 FMA peak (16-bit products on matrix units can pass 100 %); × this \
+         host's CPU sgemm on the same shape in the same run ({}). The CPU reference backend \
+         has no peak measure.\n",
         r.cpu_sgemm
             .iter()
             .map(|(w, g)| format!("{w}: {g:.1} GFLOP/s"))

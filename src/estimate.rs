@@ -253,14 +253,21 @@ pub fn report(
     )?;
     let host = host_memory_available();
     for caps in unique(devices) {
-        let memory = match (caps.memory_budget, caps.memory_heap) {
-            (Some(b), _) => format!("memory budget {}", mib(b)),
-            (None, Some(h)) if caps.device_type == "cpu" => format!(
-                "device-local heap {} (held in host memory; --memory-limit replaces it)",
-                mib(h)
+        let heap = caps.memory_heap.map_or(String::new(), |h| {
+            let over = match m.total() > h {
+                true => format!(", which this run's {} per device is over", mib(m.total())),
+                false => String::new(),
+            };
+            format!("; device-local heap {}{over}", mib(h))
+        });
+        let memory = match (caps.memory_limit, caps.memory_budget) {
+            (Some(l), _) => format!("--memory-limit {}{heap}", mib(l)),
+            (None, Some(b)) => format!("memory budget {}{heap}", mib(b)),
+            (None, None) if caps.device_type == "cpu" => format!(
+                "its memory is the host's{heap} (nominal on a CPU driver, not a limit: \
+                 --memory-limit holds a run to a size)"
             ),
-            (None, Some(h)) => format!("device-local heap {}", mib(h)),
-            (None, None) if caps.device_type == "cpu" => "its memory is the host's".into(),
+            (None, None) if caps.memory_heap.is_some() => heap[2..].to_string(),
             (None, None) => "its memory size is not reported (wgpu asks only Vulkan drivers), \
                              so compare the per-device figure with the adapter's"
                 .into(),

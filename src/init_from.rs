@@ -217,19 +217,7 @@ impl InitWeights {
                 run_dir.join(runs::CONFIG_FILE).display()
             )
         })?;
-        let file = ck.file(checkpoint::MODEL_FILE)?;
-        let masters = ck.file(checkpoint::OPTIMIZER_FILE).ok();
-        let weights = file
-            .tensors
-            .iter()
-            .map(|t| {
-                let master = masters.and_then(|m| m.tensor(&format!("master.{}", t.name)));
-                match master {
-                    Some(m) => HostTensor::new(&t.name, t.shape.clone(), m.data.clone()),
-                    None => t.clone(),
-                }
-            })
-            .collect();
+        let weights = ck.trained_weights()?;
         Ok(InitWeights {
             describe: format!(
                 "the checkpoint at step {} in {} ({})",

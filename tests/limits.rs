@@ -305,6 +305,7 @@ fn caps(name: &str, device_type: &str, budget: Option<u64>) -> Capabilities {
         max_buffer: 1 << 32,
         memory_budget: budget,
         memory_heap: None,
+        memory_limit: None,
     }
 }
 
@@ -360,12 +361,13 @@ fn the_memory_check_names_each_limit_and_the_fix_that_helps() {
     m.check_fit("model", DType::F16, &[&cpu], None).unwrap();
 }
 
-/// Without a budget the device-local heap bounds a run (lavapipe reports no budget, a
-/// 2 GiB heap), naming LoRA and checkpointing among the fixes; a memory limit replaces
-/// both (the user's word over the driver's), so a CPU driver can be let go past its
-/// nominal heap; a LoRA network (frozen base) is not told to use LoRA.
+/// Without a budget a GPU's device-local heap bounds a run, naming LoRA and
+/// checkpointing among the fixes; a CPU driver's heap (lavapipe's 2 GiB) is nominal
+/// and bounds nothing (the host check does); a memory limit replaces budget and heap
+/// alike, larger or smaller, and is named as such; a LoRA network (frozen base) is not
+/// told to use LoRA.
 #[test]
-fn the_heap_bounds_a_run_without_a_budget_and_a_memory_limit_replaces_both() {
+fn a_gpu_heap_bounds_a_run_and_a_memory_limit_replaces_budget_and_heap() {
     let gib = 1u64 << 30;
     let m = NetworkMemory {
         weights: gib,
@@ -378,43 +380,65 @@ fn the_heap_bounds_a_run_without_a_budget_and_a_memory_limit_replaces_both() {
         host: gib,
         ..Default::default()
     };
-    let mut lavapipe = caps("llvmpipe", "cpu", None);
-    lavapipe.memory_heap = Some(2 * gib);
+    let mut gpu = caps("gpu", "discrete", None);
+    gpu.memory_heap = Some(6 * gib);
     let e = m
-        .check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
+        .check_fit("model", DType::F16, &[&gpu], Some(64 * gib))
         .unwrap_err()
         .to_string();
     assert!(
         e.contains(
-            "8.0 GiB per device is over `llvmpipe` (vulkan)'s device-local memory heap of 2.0 GiB"
+            "8.0 GiB per device is over `gpu` (vulkan)'s device-local memory heap of 6.0 GiB"
         ),
         "{e}"
     );
-    assert!(e.contains("--memory-limit lets a run use more"), "{e}");
     assert!(e.contains("LoRA (`--lora`"), "{e}");
     assert!(e.contains("activation checkpointing"), "{e}");
-    // A limit over the heap lets it run; one under the need refuses, naming it.
-    let wide = lavapipe.clone().with_memory_limit(Some(9 * gib));
-    m.check_fit("model", DType::F16, &[&wide], Some(64 * gib))
-        .unwrap();
-    let mut gpu = caps("gpu", "discrete", Some(16 * gib));
-    gpu.memory_heap = Some(16 * gib);
-    m.check_fit("model", DType::F16, &[&gpu], Some(64 * gib))
-        .unwrap();
-    let small = gpu.with_memory_limit(Some(6 * gib));
+    // A limit over the heap lets it run (a driver that pages device memory out); one
+    // under the need refuses, naming the flag.
+    m.check_fit(
+        "model",
+        DType::F16,
+        &[&gpu.clone().with_memory_limit(Some(9 * gib))],
+        Some(64 * gib),
+    )
+    .unwrap();
     let e = m
-        .check_fit("model", DType::F16, &[&small], Some(64 * gib))
+        .check_fit(
+            "model",
+            DType::F16,
+            &[&gpu.with_memory_limit(Some(7 * gib))],
+            Some(64 * gib),
+        )
         .unwrap_err()
         .to_string();
-    assert!(e.contains("memory budget of 6.0 GiB"), "{e}");
-    assert!(!e.contains("--memory-limit lets"), "{e}");
-    // A LoRA network over the heap is not told to use LoRA.
+    assert!(e.contains("--memory-limit of 7.0 GiB"), "{e}");
+    // lavapipe: a 2 GiB heap, device memory in host memory; the limit holds it to a size.
+    let mut lavapipe = caps("llvmpipe", "cpu", None);
+    lavapipe.memory_heap = Some(2 * gib);
+    m.check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
+        .unwrap();
+    let held = lavapipe.clone().with_memory_limit(Some(2 * gib));
+    let e = m
+        .check_fit("model", DType::F16, &[&held], Some(64 * gib))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--memory-limit of 2.0 GiB"), "{e}");
+    // A reported budget wins over the heap.
+    let mut budgeted = caps("gpu", "discrete", Some(5 * gib));
+    budgeted.memory_heap = Some(16 * gib);
+    let e = m
+        .check_fit("model", DType::F16, &[&budgeted], Some(64 * gib))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("memory budget of 5.0 GiB"), "{e}");
+    // A LoRA network over the limit is not told to use LoRA.
     let lora = NetworkMemory {
         frozen: 3 * gib,
         ..m
     };
     let e = lora
-        .check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
+        .check_fit("model", DType::F16, &[&held], Some(64 * gib))
         .unwrap_err()
         .to_string();
     assert!(e.contains("frozen base 3.0 GiB"), "{e}");

@@ -799,6 +799,31 @@ fn a_lora_run_trains_resumes_evaluates_and_exports_through_the_cli() {
         e.contains("no longer the ones the adapters were trained on"),
         "{e}"
     );
+    // A 16-bit Kiln run as the base: trained from its f32 masters, fingerprinted and
+    // merged from the same run when the LoRA run is opened as a source.
+    let bf16 = dir.join("ds_bf16.json");
+    std::fs::write(
+        &bf16,
+        r#"{"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}"#,
+    )
+    .unwrap();
+    let base_run = train(&TrainOptions {
+        init_from: Some(hf.clone()),
+        config: Some(bf16.clone()),
+        out: Some(dir.join("bf16-base")),
+        ..opts(1)
+    })
+    .unwrap();
+    let on_run = train(&TrainOptions {
+        init_from: Some(base_run.dir.clone()),
+        config: Some(bf16),
+        lora: Some("r=4,alpha=8,targets=q_proj".into()),
+        out: Some(dir.join("lora-on-bf16")),
+        ..opts(1)
+    })
+    .unwrap();
+    assert!(score(&on_run.dir, None).is_finite());
     // An adapter for other modules than --lora names is refused.
     let e = train(&TrainOptions {
         init_from: Some(hf),

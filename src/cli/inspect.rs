@@ -40,8 +40,12 @@ pub(crate) fn estimate(
     let m = read_model(model)?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() && memory_limit.is_some() => bail!(
-            "--memory-limit replaces a device's own memory size: give the devices as specs \
-             (--devices vulkan:0), not a count ({n})"
+            "--memory-limit checks a run against devices named by spec: add --devices \
+             vulkan:0 (or another from `kiln devices`){}",
+            match n.as_str() {
+                "1" => String::new(),
+                n => format!(" instead of the count {n}"),
+            }
         ),
         [n] if n.parse::<usize>().is_ok() => (n.parse::<usize>()?.max(1), vec![]),
         specs => {
@@ -393,10 +397,11 @@ pub(crate) fn devices(json: bool) -> Result<()> {
     }
     outln!("{}", kiln::bench::align(&table));
     outln!(
-        "memory: the device-local heap the driver reports (Vulkan adapters and vk:N; on a \
-         CPU driver such as lavapipe it is host memory), and the budget this process may \
-         use where the driver says (VK_EXT_memory_budget); `-`: not reported. Training \
-         refuses at start what is over it (`kiln estimate` gives the numbers)."
+        "memory: the device-local heap the driver reports (Vulkan adapters and vk:N), and \
+         the budget this process may use where the driver says (VK_EXT_memory_budget); `-`: \
+         not reported. Training refuses at start a run over the budget, else over a GPU's \
+         heap (a CPU driver such as lavapipe keeps device memory in host memory, so its heap \
+         is nominal); --memory-limit SIZE holds a run to a size of your own."
     );
     Ok(())
 }

@@ -65,6 +65,7 @@ impl CpuDevice {
                 max_buffer: isize::MAX as u64,
                 memory_budget: None,
                 memory_heap: None,
+                memory_limit: None,
             },
             staged: Mutex::new((0, HashMap::new())),
             profile: Mutex::new(None),

@@ -466,6 +466,7 @@ mod tests {
             max_buffer: 1 << 31,
             memory_budget: None,
             memory_heap: None,
+            memory_limit: None,
         }
     }
 

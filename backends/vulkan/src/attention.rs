@@ -162,6 +162,7 @@ mod tests {
             max_buffer: 2 << 30,
             memory_budget: None,
             memory_heap: None,
+            memory_limit: None,
         }
     }
 

@@ -769,6 +769,7 @@ mod tests {
             max_buffer: 1 << 34,
             memory_budget: None,
             memory_heap: None,
+            memory_limit: None,
         }
     }
 

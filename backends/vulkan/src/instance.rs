@@ -622,6 +622,7 @@ impl Features {
             max_buffer: self.max_buffer,
             memory_budget: self.memory_budget,
             memory_heap: self.memory_heap,
+            memory_limit: None,
         }
     }
 }

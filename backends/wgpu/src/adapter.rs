@@ -137,6 +137,7 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabi
         max_buffer: limits.max_buffer_size,
         memory_budget: None,
         memory_heap: vulkan_heap(a),
+        memory_limit: None,
     }
     .with_memory_limit(options.memory_limit)
 }
@@ -144,7 +145,7 @@ pub(crate) fn capabilities(a: &wgpu::Adapter, options: &DeviceOptions) -> Capabi
 /// The summed size of a Vulkan adapter's device-local memory heaps, asked of the
 /// driver through wgpu's Vulkan layer (wgpu reports no memory sizes itself); `None` on
 /// the other backends, which have no such query here.
-#[cfg(not(target_arch = "wasm32"))]
+#[cfg(not(any(target_arch = "wasm32", target_vendor = "apple")))]
 fn vulkan_heap(a: &wgpu::Adapter) -> Option<u64> {
     use ash::vk;
     // SAFETY: the hal adapter is only read, while `a` keeps it alive.
@@ -161,7 +162,7 @@ fn vulkan_heap(a: &wgpu::Adapter) -> Option<u64> {
     (total > 0).then_some(total)
 }
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", target_vendor = "apple"))]
 fn vulkan_heap(_: &wgpu::Adapter) -> Option<u64> {
     None
 }

@@ -55,18 +55,36 @@ pub struct Capabilities {
     pub memory_budget: Option<u64>,
     /// Size of the device-local memory heaps, in bytes, when known (Vulkan reports it,
     /// through vk and through wgpu's Vulkan adapters; wgpu's other backends and the CPU
-    /// reference do not): the most the device can hold.
+    /// reference do not): the most the device can hold. A CPU driver's (lavapipe's 2
+    /// GiB) is nominal: it keeps device memory in host memory and allocates past it.
     pub memory_heap: Option<u64>,
+    /// The user's size for this device's memory (`--memory-limit`), in place of the
+    /// driver's budget and heap.
+    pub memory_limit: Option<u64>,
 }
 
 impl Capabilities {
-    /// These capabilities with `limit`, where given, as the memory budget: what a
-    /// device opened with a memory limit reports (the user's word over the driver's).
+    /// These capabilities with the user's memory limit, where given: what a device
+    /// opened with one reports (the user's word over the driver's).
     pub fn with_memory_limit(mut self, limit: Option<u64>) -> Capabilities {
         if limit.is_some() {
-            self.memory_budget = limit;
+            self.memory_limit = limit;
         }
         self
+    }
+
+    /// The device memory a run may use, and what says so: the user's limit, else the
+    /// driver's budget, else a GPU's device-local heap (a CPU driver's heap is nominal
+    /// and not a limit: its memory is the host's, checked as such).
+    pub fn memory_cap(&self) -> Option<(u64, &'static str)> {
+        match (self.memory_limit, self.memory_budget, self.memory_heap) {
+            (Some(l), _, _) => Some((l, "--memory-limit")),
+            (None, Some(b), _) => Some((b, "memory budget")),
+            (None, None, Some(h)) if self.device_type != "cpu" => {
+                Some((h, "device-local memory heap"))
+            }
+            _ => None,
+        }
     }
 }
 

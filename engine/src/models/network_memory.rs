@@ -58,11 +58,12 @@ impl NetworkMemory {
     }
 
     /// Refuses, before anything is allocated, a network that cannot fit: on each device
-    /// (its largest buffer, per-binding limit, and memory budget where the driver
-    /// reports one, else its device-local heap where reported) and on the host (`host_available` bytes: the initial weights and
-    /// checkpoints live there, and so does the memory of a CPU adapter such as
-    /// lavapipe, llvmpipe or the CPU backend). `what` names the model; `dtype` is the
-    /// storage precision, for the advice. The error says what does not fit, by how
+    /// (its largest buffer, per-binding limit, and [`Capabilities::memory_cap`]: the
+    /// user's --memory-limit, else the driver's budget, else a GPU's heap) and on the
+    /// host (`host_available` bytes: the initial weights and checkpoints live there, and
+    /// so does the memory of a CPU adapter such as lavapipe, llvmpipe or the CPU
+    /// backend). `what` names the model; `dtype` is the storage precision, for the
+    /// advice. The error says what does not fit, by how
     /// much, and what would.
     pub fn check_fit(
         &self,
@@ -116,25 +117,11 @@ impl NetworkMemory {
                 Some(_) => activations = true,
                 None => {}
             }
-            // The budget, where the driver reports one, is what this process may use;
-            // else the heap is the most the device holds.
-            let limit = match (caps.memory_budget, caps.memory_heap) {
-                (Some(b), _) => Some((b, "memory budget")),
-                (None, Some(h)) => Some((h, "device-local memory heap")),
-                (None, None) => None,
-            };
-            if let Some((limit, what)) = limit.filter(|&(l, _)| self.total() > l) {
+            if let Some((limit, what)) = caps.memory_cap().filter(|&(l, _)| self.total() > l) {
                 over.push(format!(
-                    "{} per device is over {at}'s {what} of {}{}",
+                    "{} per device is over {at}'s {what} of {}",
                     human(self.total()),
                     human(limit),
-                    match caps.device_type == "cpu" && caps.memory_budget.is_none() {
-                        true =>
-                            " (a CPU driver such as lavapipe keeps device memory in host \
-                                 memory whatever heap it reports: --memory-limit lets a run \
-                                 use more of it)",
-                        false => "",
-                    }
                 ));
                 total = true;
             }

@@ -280,6 +280,24 @@ impl Checkpoint {
             .collect())
     }
 
+    /// The model's weights as training holds them: each tensor of the model file, its
+    /// f32 master in its place where the checkpoint has one (a 16-bit run's weights
+    /// start a new run, or are fingerprinted, at full precision).
+    pub fn trained_weights(&self) -> Result<Vec<HostTensor>> {
+        let masters = self.file(OPTIMIZER_FILE).ok();
+        Ok(self
+            .file(MODEL_FILE)?
+            .tensors
+            .iter()
+            .map(
+                |t| match masters.and_then(|m| m.tensor(&format!("master.{}", t.name))) {
+                    Some(m) => HostTensor::new(&t.name, t.shape.clone(), m.data.clone()),
+                    None => t.clone(),
+                },
+            )
+            .collect())
+    }
+
     /// A file by name, or an error naming it and the files there are.
     pub fn file(&self, file: &str) -> Result<&CheckpointFile> {
         self.files

@@ -404,9 +404,19 @@ fn lora_run_weights(
         }
     }
     // The base must be the one the adapters were trained on: a run directory given as
-    // --init-from may have trained on since (a resume refuses the same).
+    // --init-from may have trained on since (a resume refuses the same). The run
+    // fingerprinted it as --init-from reads it: a Kiln checkpoint's f32 masters.
     if let Some(want) = record.get("base_fingerprint").and_then(Value::as_str) {
-        if crate::models::lora::base_fingerprint(&base_weights) != want {
+        let mut read = match base.run_dir {
+            Some(_) => checkpoint::load(&base.origin)?.trained_weights()?,
+            None => base_weights.clone(),
+        };
+        if let ModelConfig::Gpt2(c) = model {
+            if c.block_size < base.model.block_size() {
+                crate::models::import::cut_positions(&mut read, c.block_size)?;
+            }
+        }
+        if crate::models::lora::base_fingerprint(&read) != want {
             fail!(
                 "{}: a LoRA run's base model is read from {from}, where it started, but its \
                  weights are no longer the ones the adapters were trained on (their \
