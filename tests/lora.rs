@@ -192,6 +192,23 @@ fn the_up_projection_adds_into_the_base_output_without_an_add_launch() {
         let y = g.linear_transposed(xt, wt, Some(bt)).unwrap();
         let out = if relu { g.relu(y).unwrap() } else { y };
         g.output(out).unwrap();
+        if relu {
+            // Ops: base linear, x·Aᵀ, the up-projection adding into the base output,
+            // ReLU. A checkpointed range must take the base linear and the up-projection
+            // together (recomputed alone, the latter would add into the forward's
+            // finished sum again).
+            assert_eq!(
+                (g.range_start(1), g.range_start(2), g.range_start(3)),
+                (0, 0, 3)
+            );
+            let mut cut = g.clone();
+            let e = cut.checkpoint(1..4).unwrap_err().to_string();
+            assert!(
+                e.contains("may not cut between a linear and the adapter"),
+                "{e}"
+            );
+            cut.checkpoint(0..4).unwrap();
+        }
         let up = |v: &[f32]| {
             let buf = dev.alloc(DType::F32, v.len()).unwrap();
             dev.upload(buf, &HostData::F32(v.to_vec())).unwrap();

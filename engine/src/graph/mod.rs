@@ -521,8 +521,38 @@ impl Graph {
                 self.ops.len()
             )));
         }
+        // Recomputed, an op adding in place into a tensor made before the range would
+        // add into the forward's finished value again.
+        if self.range_start(ops.start) != ops.start || self.range_start(ops.end) != ops.end {
+            return Err(Error::InvalidArgument(format!(
+                "graph: checkpoint {ops:?}: a range may not cut between a linear and the \
+                 adapter adding into its output; Graph::range_start gives where it may \
+                 (a bug in the caller, please report it)"
+            )));
+        }
         self.checkpoints.push(ops);
         Ok(())
+    }
+
+    /// `i`, or the op before it where a checkpointed range starting at `i` would cut
+    /// between a linear and the LoRA up-projection adding into its output (which must
+    /// be recomputed together): the start of that linear.
+    pub fn range_start(&self, mut i: usize) -> usize {
+        loop {
+            let made_before = self.ops[i.min(self.ops.len())..]
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Linear { acc: Some(a), .. } => Some(*a),
+                    _ => None,
+                })
+                .filter_map(|a| self.ops.iter().position(|op| autodiff::operands(op).1 == a))
+                .filter(|&k| k < i)
+                .min();
+            match made_before {
+                Some(k) => i = k,
+                None => return i,
+            }
+        }
     }
 
     /// The ops recorded so far.

@@ -197,10 +197,14 @@ impl<'g> Emitter<'g> {
 
     /// The buffer of op output `t` when the op writes it over `acc`'s (a linear adding
     /// into its input: `acc` is read by that op alone). A graph output keeps a buffer of
-    /// its own, so `acc` is copied into it first.
+    /// its own, and so does `t` where `acc`'s buffer is not this plan's to overwrite (a
+    /// pipeline stage's received input, a pinned output): `acc` is copied into it first.
     pub fn define_over(&mut self, t: Tensor, acc: Tensor) -> Result<Buffer> {
         let src = self.val(acc);
-        let b = if self.g.outputs.contains(&t) {
+        let owned = src.id >= PLACEHOLDER
+            && !self.external.contains_key(&src.id)
+            && !self.pinned.contains(&src);
+        let b = if self.g.outputs.contains(&t) || !owned {
             let b = self.define(t);
             self.launch(Kernel::Copy(kernels::Copy { src, dst: b }))?;
             b

@@ -64,15 +64,19 @@ impl Model for Checkpointed {
     fn forward(&self, g: &mut Graph, p: &[Tensor], batch: usize, dtype: DType) -> Result<Forward> {
         let forward = self.model.forward(g, p, batch, dtype)?;
         let blocks = self.model.blocks();
-        // Where each range starts: the first op reading its first block's parameters.
+        // Where each range starts: the first op reading its first block's parameters
+        // (moved back to the base linear where that is a LoRA adapter's, which adds into
+        // the linear's output in place: the two are recomputed together).
+        let start_of = |g: &Graph, b: &Vec<usize>| {
+            g.first_op_reading(&b.iter().map(|&i| p[i]).collect::<Vec<_>>())
+                .map(|i| g.range_start(i))
+        };
         let starts: Vec<Option<usize>> = blocks
             .iter()
             .step_by(self.every)
-            .map(|b| g.first_op_reading(&b.iter().map(|&i| p[i]).collect::<Vec<_>>()))
+            .map(|b| start_of(g, b))
             .collect();
-        let last_block_start = blocks
-            .last()
-            .and_then(|b| g.first_op_reading(&b.iter().map(|&i| p[i]).collect::<Vec<_>>()));
+        let last_block_start = blocks.last().and_then(|b| start_of(g, b));
         for (k, start) in starts.iter().enumerate() {
             let (Some(start), Some(last)) = (*start, last_block_start) else {
                 continue;
