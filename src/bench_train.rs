@@ -303,6 +303,29 @@ impl Variant {
     }
 }
 
+/// The variants `--variants` names, in order, each followed by its checkpointed twin
+/// when `checkpointing` (`--activation-checkpointing`: full, then ckpt; lora, then
+/// lora+ckpt), each measured once.
+pub fn variants(names: &[String], checkpointing: bool) -> Result<Vec<Variant>> {
+    let mut out = vec![];
+    for name in names {
+        let v = Variant::parse(name)?;
+        let mut these = vec![v];
+        if checkpointing {
+            these.push(Variant {
+                checkpointing: true,
+                ..v
+            });
+        }
+        for v in these {
+            if !out.contains(&v) {
+                out.push(v);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Options of one `kiln bench train` run.
 pub struct TrainBenchOptions {
     /// How the model trains (`full` unless `--variants` says others).

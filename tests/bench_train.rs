@@ -132,6 +132,22 @@ fn unknown_models_and_precisions_are_refused_with_the_choices() {
     for name in ["small", "demo", "gpt2"] {
         bench_model(name, None).unwrap();
     }
+    // --activation-checkpointing: each variant, then its checkpointed twin, once each.
+    let names = |list: &[&str], ckpt: bool| -> Vec<&'static str> {
+        let list: Vec<String> = list.iter().map(|s| s.to_string()).collect();
+        kiln::bench_train::variants(&list, ckpt)
+            .unwrap()
+            .iter()
+            .map(|v| v.name())
+            .collect()
+    };
+    assert_eq!(
+        names(&["full", "lora"], true),
+        ["full", "ckpt", "lora", "lora+ckpt"]
+    );
+    assert_eq!(names(&["full", "ckpt"], true), ["full", "ckpt"]);
+    assert_eq!(names(&["lora", "full"], false), ["lora", "full"]);
+    assert!(kiln::bench_train::variants(&["half".into()], true).is_err());
     // The command checks everything before it opens a device or compiles anything.
     for (args, want) in [
         (&["--model", "huge"][..], "unknown model `huge`"),

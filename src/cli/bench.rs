@@ -392,22 +392,7 @@ pub(crate) fn bench_train(a: TrainBenchArgs) -> Result<()> {
     if let Some(t) = a.peak_tflops.filter(|t| !(t.is_finite() && *t > 0.0)) {
         anyhow::bail!("--peak-tflops {t}: give the device's peak as a positive number");
     }
-    let mut variants = vec![];
-    for v in &a.variants {
-        let v = kiln::bench_train::Variant::parse(v)?;
-        let mut these = vec![v];
-        if a.activation_checkpointing {
-            these.push(kiln::bench_train::Variant {
-                checkpointing: true,
-                ..v
-            });
-        }
-        for v in these {
-            if !variants.contains(&v) {
-                variants.push(v);
-            }
-        }
-    }
+    let variants = kiln::bench_train::variants(&a.variants, a.activation_checkpointing)?;
     let lora = kiln::engine::models::lora::LoraConfig::parse_flag(&a.lora)?;
     let options = kiln::wgpu::DeviceOptions {
         memory_limit: a
