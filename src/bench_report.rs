@@ -323,13 +323,6 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
                     .push(format!("{spec}: the peak ({err:#})")),
             }
         }
-        progress(&format!(
-            "{spec}: {} ({}), peak {}",
-            e.name,
-            e.backend,
-            e.peak_gflops
-                .map_or("not measured".into(), |g| format!("{g:.1} GFLOP/s"))
-        ));
         report.devices.push(e);
     }
     for i in 0..report.devices.len() {
@@ -356,6 +349,21 @@ pub fn run(opts: &ReportOptions, mut progress: impl FnMut(&str)) -> Result<Repor
                 }
             }
         }
+    }
+    for e in &report.devices {
+        progress(&format!(
+            "{}: {} ({}), peak {}",
+            e.spec,
+            e.name,
+            e.backend,
+            e.peak_gflops.map_or("not measured".into(), |g| format!(
+                "{g:.1} GFLOP/s{}",
+                match e.backend.as_str() {
+                    "vk" => " (its wgpu Vulkan twin's)",
+                    _ => "",
+                }
+            ))
+        ));
     }
     let peak_of = |spec: &str, devices: &[DeviceEntry]| {
         devices
