@@ -253,23 +253,24 @@ pub fn report(
     )?;
     let host = host_memory_available();
     for caps in unique(devices) {
-        let heap = caps.memory_heap.map_or(String::new(), |h| {
+        let heap = caps.memory_heap.map(|h| {
             let over = match m.total() > h {
                 true => format!(", which this run's {} per device is over", mib(m.total())),
                 false => String::new(),
             };
-            format!("; device-local heap {}{over}", mib(h))
+            format!("device-local heap {}{over}", mib(h))
         });
-        let memory = match (caps.memory_limit, caps.memory_budget) {
-            (Some(l), _) => format!("--memory-limit {}{heap}", mib(l)),
-            (None, Some(b)) => format!("memory budget {}{heap}", mib(b)),
-            (None, None) if caps.device_type == "cpu" => format!(
-                "its memory is the host's{heap} (nominal on a CPU driver, not a limit: \
+        let and_heap = heap.as_ref().map_or(String::new(), |h| format!("; {h}"));
+        let memory = match (caps.memory_limit, caps.memory_budget, heap) {
+            (Some(l), _, _) => format!("--memory-limit {}{and_heap}", mib(l)),
+            (None, Some(b), _) => format!("memory budget {}{and_heap}", mib(b)),
+            (None, None, _) if caps.device_type == "cpu" => format!(
+                "its memory is the host's{and_heap} (nominal on a CPU driver, not a limit: \
                  --memory-limit holds a run to a size)"
             ),
-            (None, None) if caps.memory_heap.is_some() => heap[2..].to_string(),
-            (None, None) => "its memory size is not reported (wgpu asks only Vulkan drivers), \
-                             so compare the per-device figure with the adapter's"
+            (None, None, Some(heap)) => heap,
+            (None, None, None) => "its memory size is not reported (wgpu asks only Vulkan \
+                                   drivers), so compare the per-device figure with the adapter's"
                 .into(),
         };
         if caps.backend == "cpu" {

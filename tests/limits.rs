@@ -380,12 +380,14 @@ fn a_gpu_heap_bounds_a_run_and_a_memory_limit_replaces_budget_and_heap() {
         host: gib,
         ..Default::default()
     };
+    let refused = |m: &NetworkMemory, c: &Capabilities| {
+        m.check_fit("model", DType::F16, &[c], Some(64 * gib))
+            .unwrap_err()
+            .to_string()
+    };
     let mut gpu = caps("gpu", "discrete", None);
     gpu.memory_heap = Some(6 * gib);
-    let e = m
-        .check_fit("model", DType::F16, &[&gpu], Some(64 * gib))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&m, &gpu);
     assert!(
         e.contains(
             "8.0 GiB per device is over `gpu` (vulkan)'s device-local memory heap of 6.0 GiB"
@@ -403,15 +405,7 @@ fn a_gpu_heap_bounds_a_run_and_a_memory_limit_replaces_budget_and_heap() {
         Some(64 * gib),
     )
     .unwrap();
-    let e = m
-        .check_fit(
-            "model",
-            DType::F16,
-            &[&gpu.with_memory_limit(Some(7 * gib))],
-            Some(64 * gib),
-        )
-        .unwrap_err()
-        .to_string();
+    let e = refused(&m, &gpu.with_memory_limit(Some(7 * gib)));
     assert!(e.contains("--memory-limit of 7.0 GiB"), "{e}");
     // lavapipe: a 2 GiB heap, device memory in host memory; the limit holds it to a size.
     let mut lavapipe = caps("llvmpipe", "cpu", None);
@@ -419,28 +413,19 @@ fn a_gpu_heap_bounds_a_run_and_a_memory_limit_replaces_budget_and_heap() {
     m.check_fit("model", DType::F16, &[&lavapipe], Some(64 * gib))
         .unwrap();
     let held = lavapipe.clone().with_memory_limit(Some(2 * gib));
-    let e = m
-        .check_fit("model", DType::F16, &[&held], Some(64 * gib))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&m, &held);
     assert!(e.contains("--memory-limit of 2.0 GiB"), "{e}");
     // A reported budget wins over the heap.
     let mut budgeted = caps("gpu", "discrete", Some(5 * gib));
     budgeted.memory_heap = Some(16 * gib);
-    let e = m
-        .check_fit("model", DType::F16, &[&budgeted], Some(64 * gib))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&m, &budgeted);
     assert!(e.contains("memory budget of 5.0 GiB"), "{e}");
     // A LoRA network over the limit is not told to use LoRA.
     let lora = NetworkMemory {
         frozen: 3 * gib,
         ..m
     };
-    let e = lora
-        .check_fit("model", DType::F16, &[&held], Some(64 * gib))
-        .unwrap_err()
-        .to_string();
+    let e = refused(&lora, &held);
     assert!(e.contains("frozen base 3.0 GiB"), "{e}");
     assert!(!e.contains("LoRA (`--lora`"), "{e}");
 }

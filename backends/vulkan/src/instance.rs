@@ -521,12 +521,11 @@ impl Instance {
 fn device_local_heap(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Option<u64> {
     // SAFETY: `pd` was enumerated from `instance`, which is alive.
     let props = unsafe { instance.get_physical_device_memory_properties(pd) };
-    let total: u64 = props.memory_heaps[..props.memory_heap_count as usize]
-        .iter()
-        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
-        .map(|h| h.size)
-        .sum();
-    (total > 0).then_some(total)
+    kiln_engine::device::device_local_total(
+        props.memory_heaps[..props.memory_heap_count as usize]
+            .iter()
+            .map(|h| (h.size, h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))),
+    )
 }
 
 fn p13_max_buffer(p13: &vk::PhysicalDeviceVulkan13Properties) -> u64 {

@@ -154,12 +154,11 @@ fn vulkan_heap(a: &wgpu::Adapter) -> Option<u64> {
     // SAFETY: the physical device was enumerated from this live instance.
     let props =
         unsafe { instance.get_physical_device_memory_properties(hal.raw_physical_device()) };
-    let total: u64 = props.memory_heaps[..props.memory_heap_count as usize]
-        .iter()
-        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
-        .map(|h| h.size)
-        .sum();
-    (total > 0).then_some(total)
+    kiln_engine::device::device_local_total(
+        props.memory_heaps[..props.memory_heap_count as usize]
+            .iter()
+            .map(|h| (h.size, h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))),
+    )
 }
 
 #[cfg(any(target_arch = "wasm32", target_vendor = "apple"))]

@@ -63,6 +63,17 @@ pub struct Capabilities {
     pub memory_limit: Option<u64>,
 }
 
+/// The summed size of the device-local heaps among `heaps` (size, device-local), or
+/// `None` when there are none: `memory_heap` as both Vulkan backends read it.
+pub fn device_local_total(heaps: impl IntoIterator<Item = (u64, bool)>) -> Option<u64> {
+    let total: u64 = heaps
+        .into_iter()
+        .filter(|&(_, local)| local)
+        .map(|(size, _)| size)
+        .sum();
+    (total > 0).then_some(total)
+}
+
 impl Capabilities {
     /// These capabilities with the user's memory limit, where given: what a device
     /// opened with one reports (the user's word over the driver's).

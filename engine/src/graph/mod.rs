@@ -537,18 +537,21 @@ impl Graph {
     /// `i`, or the op before it where a checkpointed range starting at `i` would cut
     /// between a linear and the LoRA up-projection adding into its output (which must
     /// be recomputed together): the start of that linear.
-    pub fn range_start(&self, mut i: usize) -> usize {
+    pub fn range_start(&self, i: usize) -> usize {
+        let mut i = i.min(self.ops.len());
         loop {
-            let made_before = self.ops[i.min(self.ops.len())..]
+            let added_into: Vec<Tensor> = self.ops[i..]
                 .iter()
                 .filter_map(|op| match op {
                     Op::Linear { acc: Some(a), .. } => Some(*a),
                     _ => None,
                 })
-                .filter_map(|a| self.ops.iter().position(|op| autodiff::operands(op).1 == a))
-                .filter(|&k| k < i)
-                .min();
-            match made_before {
+                .collect();
+            // The earliest linear before `i` whose output is added into at or after it.
+            match self.ops[..i]
+                .iter()
+                .position(|op| added_into.contains(&autodiff::operands(op).1))
+            {
                 Some(k) => i = k,
                 None => return i,
             }
