@@ -56,10 +56,23 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     let stood_in = dev.download(c).unwrap();
     assert_eq!(dev.gemm_stand_ins(), 1, "the launch ran a stand-in block");
     assert_eq!(dev.primed_blocks(), 0);
+    // The block being primed counts as a pipeline being compiled, which is what
+    // `kiln bench` waits for before it times (else it times the stand-in).
+    let (done, queued) = kiln::engine::device::compiling::snapshot();
+    assert_eq!(
+        queued - done,
+        1,
+        "the queued block is not counted as compiling"
+    );
 
     dev.hold_primer(false);
     dev.wait_for_primer();
     assert_eq!(dev.primed_blocks(), 1, "the big block ran on the primer");
+    let (done, queued) = kiln::engine::device::compiling::snapshot();
+    assert_eq!(
+        done, queued,
+        "the primed block is still counted as compiling"
+    );
     let primed = settled_mesa_entries(&mesa);
     assert!(primed >= 1, "the primer's run left nothing in Mesa's cache");
 

@@ -19,7 +19,7 @@ use kiln_engine::DType;
 use kiln_lowering::{AttentionPlan, DeviceOptions};
 
 use crate::gemm::SpirvGemmPlan;
-use kiln_engine::device::compiling::log_enabled as compile_log;
+use kiln_engine::device::compiling::{self, log_enabled as compile_log};
 
 /// The device the worker runs blocks on: `vk:index` opened without a primer of its
 /// own (the device module implements it, so this file need not know the device).
@@ -207,6 +207,9 @@ impl Primer {
                             Primed::Failed
                         }
                     };
+                    // Counted before the state changes, so that whoever sees the
+                    // block primed sees the count too.
+                    compiling::finished();
                     let mut blocks = worker.lock();
                     blocks.state.insert(job.block, primed);
                     drop(blocks);
@@ -248,6 +251,12 @@ impl Primer {
             Some(jobs) => jobs.send(job).is_ok(),
             None => false,
         };
+        // A queued block is a pipeline being compiled, as the backends count theirs:
+        // `kiln bench` waits for the count before it times (else it times stand-ins)
+        // and training shows it during the first step.
+        if sent {
+            compiling::queued(1);
+        }
         let state = if sent { Primed::Queued } else { Primed::Failed };
         blocks.state.insert(block, state);
     }
@@ -296,6 +305,14 @@ impl Drop for Primer {
         let worker = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(worker) = worker {
             let _ = worker.join();
+        }
+        // Blocks the worker never reached are no longer being compiled.
+        let blocks = self.shared.lock();
+        let left = blocks.state.values().filter(|&&p| p == Primed::Queued);
+        let left = left.count();
+        drop(blocks);
+        for _ in 0..left {
+            compiling::finished();
         }
     }
 }
