@@ -18,9 +18,11 @@
 # (KILN_VK_COOPMAT=0), rows `coopmat MxNxK` beside the other kernel.
 #
 # The kernel tests find the device through KILN_TEST_VULKAN and KILN_TEST_VK
-# (tests/common/mod.rs). KILN=path/to/kiln uses that binary instead of building one.
-# A failing step is recorded in the report and the rest still run; the exit status
-# is 1 if any step failed.
+# (tests/common/mod.rs). They check what the device routes, not lavapipe's routing:
+# `KILN_PLAN_AS_GPU=1 bash scripts/gpu-check.sh --quick` plans for lavapipe as for a
+# GPU, to see a GPU's routes here. KILN=path/to/kiln uses that binary instead of
+# building one. A failing step is recorded in the report and the rest still run; the
+# exit status is 1 if any step failed.
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
         --vk) vk="${2:?--vk takes a raw Vulkan device, e.g. vk:1}"; shift ;;
         --out) out="${2:?--out takes a file}"; shift ;;
         --no-coopmat) coopmat=0 ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument \`$1\` (see --help)" >&2; exit 2 ;;
     esac
     shift

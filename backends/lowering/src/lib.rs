@@ -35,7 +35,7 @@ pub use gemm_plan::{
     SLOW_ROWS,
 };
 pub use launch::record_kernel;
-pub use options::DeviceOptions;
+pub use options::{planned, DeviceOptions, PLANNED_AS_GPU, PLAN_AS_GPU_ENV};
 pub use recorder::Recorder;
 
 /// A fingerprint of every kernel source in `shaders/` (pipeline caches are keyed by it).

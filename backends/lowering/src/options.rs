@@ -28,3 +28,22 @@ pub struct DeviceOptions {
     /// holds it in host memory, whatever heap it reports).
     pub memory_limit: Option<u64>,
 }
+
+/// `KILN_PLAN_AS_GPU=1`: every CPU driver (lavapipe, llvmpipe) a process opens is
+/// planned for as a GPU. Its capabilities name it a [`PLANNED_AS_GPU`] device, so the
+/// planners pick the GPU-class kernels (the tiled GEMM and its SPIR-V twins, the GEMV,
+/// the GPU attention plan) and nothing CPU-class (no measured blocks, no primer): a
+/// GPU's routing seen without one, for the tests `scripts/gpu-check.sh` runs on a GPU.
+pub const PLAN_AS_GPU_ENV: &str = "KILN_PLAN_AS_GPU";
+
+/// The device type a CPU driver reports under [`PLAN_AS_GPU_ENV`].
+pub const PLANNED_AS_GPU: &str = "cpu planned as a gpu";
+
+/// `caps` as the planners are to see them (see [`PLAN_AS_GPU_ENV`]).
+pub fn planned(mut caps: kiln_engine::Capabilities) -> kiln_engine::Capabilities {
+    let on = std::env::var(PLAN_AS_GPU_ENV).is_ok_and(|v| !matches!(v.trim(), "" | "0"));
+    if on && caps.device_type == "cpu" {
+        caps.device_type = PLANNED_AS_GPU.into();
+    }
+    caps
+}

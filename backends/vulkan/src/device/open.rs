@@ -39,9 +39,11 @@ impl VkDevice {
             }
         })?;
         let features = instance.features(pd);
-        let caps = features
-            .caps(options.disable_f16)
-            .with_memory_limit(options.memory_limit);
+        let caps = kiln_lowering::planned(
+            features
+                .caps(options.disable_f16)
+                .with_memory_limit(options.memory_limit),
+        );
         let unsupported = |what: &str| Error::Unsupported {
             device: caps.name.clone(),
             what: what.to_string(),

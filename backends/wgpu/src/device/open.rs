@@ -12,7 +12,7 @@ impl WgpuDevice {
             index,
             available: adapters.len(),
         })?;
-        let caps = capabilities(adapter, options);
+        let caps = kiln_lowering::planned(capabilities(adapter, options));
         let mut features = wgpu::Features::empty();
         if caps.f16_arithmetic {
             features |= wgpu::Features::SHADER_F16;
