@@ -8,7 +8,7 @@ use common::*;
 use kiln::engine::kernels::{Axpy, Reduce};
 use kiln::engine::models::gpt::GptConfig;
 use kiln::engine::models::MicroBatch;
-use kiln::engine::{DType, Device, Error};
+use kiln::engine::{DType, Device, Error, Matmul};
 use kiln::{open_device, DeviceSpec};
 
 /// Steps each backend trains the GPT (the 20).
@@ -706,4 +706,47 @@ fn validation_errors_fail_the_next_sync_point_and_kiln_vk_validation_0_turns_it_
         }
         Err(_) => VALIDATION_CASES.iter().for_each(in_child),
     }
+}
+
+/// `KILN_PLAN_AS_GPU=1` (CI runs this file under it as well as without): a CPU driver
+/// then opens as a `cpu planned as a gpu` device on both backends, and its GEMMs route
+/// to the tiled GEMM's twin; without it, lavapipe's go to the CPU-class kernel. (A real
+/// GPU named by KILN_TEST_VK is planned for as one either way.)
+#[test]
+fn a_cpu_driver_is_planned_for_as_a_gpu_when_asked() {
+    let asked = std::env::var(kiln::wgpu::PLAN_AS_GPU_ENV).is_ok_and(|v| v.trim() == "1");
+    let n = vk_index();
+    let listed = &kiln::vulkan::physical_devices()[n].caps;
+    let dev = vk_device(false);
+    let wgpu = gpu("vulkan", false);
+    let as_gpu = asked && listed.device_type == "cpu";
+    for (what, caps) in [("vk", dev.caps()), ("wgpu", wgpu.caps())] {
+        assert_eq!(
+            caps.device_type == kiln::wgpu::PLANNED_AS_GPU,
+            as_gpu,
+            "{what}: {} (asked: {asked})",
+            caps.device_type
+        );
+    }
+    let mm = Matmul::new(
+        dev.alloc(DType::F32, 128 * 128).unwrap(),
+        dev.alloc(DType::F32, 128 * 128).unwrap(),
+        dev.alloc(DType::F32, 128 * 128).unwrap(),
+        128,
+        128,
+        128,
+    );
+    let route = dev.gemm_route(&mm).unwrap();
+    let cpu_class = dev.caps().device_type == "cpu";
+    assert!(
+        match route {
+            kiln::vulkan::GemmRoute::Spirv(_) => cpu_class,
+            kiln::vulkan::GemmRoute::SpirvGpu(_) | kiln::vulkan::GemmRoute::CoopMat(_) => {
+                !cpu_class
+            }
+            kiln::vulkan::GemmRoute::Naga(_) => false,
+        },
+        "{route:?} on a {} device",
+        dev.caps().device_type
+    );
 }
