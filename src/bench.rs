@@ -512,14 +512,11 @@ pub(crate) fn selected_gflops(
     let work = (s.m * s.n * s.k) as u64;
     let name = match selected {
         Some(v) => format!("selected {}", v.name()),
-        None if !dev.gemm_selection_on() && dev.caps().device_type == "cpu" => {
-            format!("table {table} (--no-tune)")
-        }
-        None if !dev.gemm_selection_on() => format!("table {table} (GPU: no selection)"),
+        None if !dev.gemm_selection_on() => format!("table {table} (--no-tune)"),
         None if work < crate::wgpu::tune::MIN_WORK => {
             format!("table {table} (too small to measure)")
         }
-        None => format!("table {table} (not measured: no built neighbour, or budget spent)"),
+        None => format!("table {table} (not measured: no built rival, or budget spent)"),
     };
     Ok((gflops, name))
 }

@@ -7,7 +7,7 @@ use kiln_engine::{Capabilities, Error, Matmul, Result};
 use crate::dispatch::{groups, Dispatch, Readiness, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
 use crate::gemm_plan::{
     fixed_subgroup, kernel_for, plan, split_k, stand_in, tile, MatmulPlan, MatmulVariant,
-    CPU_LADDER, CPU_LANES, QUICK, STAND_IN,
+    CPU_LADDER, CPU_LANES, GPU_LADDER, QUICK, STAND_IN,
 };
 use crate::recorder::Recorder;
 use crate::shader::{self, Repr};
@@ -503,6 +503,9 @@ pub(crate) trait LowerMatmul: Recorder {
     /// quick to build), which gives the same bits (see [`plan`]'s K split).
     fn launch_plan(&self, s: &mut Self::State, mm: &Matmul) -> Result<MatmulPlan> {
         let best = plan(mm, self.caps(), None)?;
+        if matches!(best.variant, MatmulVariant::Tiled { .. }) {
+            return self.tiled_launch_plan(s, mm, best);
+        }
         if !matches!(best.variant, MatmulVariant::Cpu { .. }) {
             return Ok(best);
         }
@@ -554,6 +557,32 @@ pub(crate) trait LowerMatmul: Recorder {
         }
         self.note_stand_in(s, &chosen.variant.name(), &run.name());
         plan(mm, self.caps(), Some(run))
+    }
+
+    /// The plan a launch of `mm` runs where the planner's is a GPU tile: the tile the
+    /// backend measured fastest for the shape (`tuned_block`), else the table's. Tiles
+    /// build in milliseconds on a GPU, so none stands in for another.
+    fn tiled_launch_plan(
+        &self,
+        s: &mut Self::State,
+        mm: &Matmul,
+        best: MatmulPlan,
+    ) -> Result<MatmulPlan> {
+        let view = View::whole(mm);
+        let mut known = vec![];
+        for v in GPU_LADDER {
+            let mut p = plan(mm, self.caps(), Some(v))?;
+            p.partial |= self.needs_partials(mm, &p, &view);
+            let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
+            known.push((v, self.readiness(s, &d), self.has_run(s, &d)));
+        }
+        let find = |v: MatmulVariant| known.iter().find(|k| k.0 == v);
+        let state = |v: MatmulVariant| find(v).map_or(Readiness::Absent, |k| k.1);
+        let ran = |v: MatmulVariant| find(v).is_some_and(|k| k.2);
+        match self.tuned_block(s, mm, &best, &state, &ran)? {
+            Some(v) if v != best.variant => plan(mm, self.caps(), Some(v)),
+            _ => Ok(best),
+        }
     }
 
     /// `matmul_finish`: sums the partials' slabs into C with the epilogue.

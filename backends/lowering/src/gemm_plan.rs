@@ -232,8 +232,12 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     // K alike: the split is sized with the table's block for the shape, whichever
     // block runs, so that a launch may run a cheaper-to-compile block while the best
     // one still builds, or a measured one, without changing a bit.
+    // The tiled kernel sums alike in every tile shape too (one fma per k, in k order,
+    // zeros past its chunk), so its tiles split K as the table's tile does: a measured
+    // tile gives the table's bits.
     let (split_m, split_n) = match variant {
         MatmulVariant::Cpu { .. } => tile(cpu_block(mm, caps), caps),
+        MatmulVariant::Tiled { .. } => tile(tuning(caps).tiled, caps),
         v => tile(v, caps),
     };
     let tiles = m.div_ceil(split_m) as u64 * n.div_ceil(split_n) as u64 * mm.batch as u64;
@@ -243,7 +247,11 @@ pub fn plan(mm: &Matmul, caps: &Capabilities, force: Option<MatmulVariant>) -> R
     if variant != MatmulVariant::Naive && tiles < busy && k >= 1024 {
         splits = ((busy / tiles.max(1)) as u32).clamp(1, 8).min(k / 256);
     }
-    let (splits, k_chunk) = split_k(k, splits, variant, caps);
+    let step_of = match variant {
+        MatmulVariant::Tiled { .. } => tuning(caps).tiled,
+        v => v,
+    };
+    let (splits, k_chunk) = split_k(k, splits, step_of, caps);
 
     let packed_c = matches!(
         Repr::of(mm.c.dtype, caps.f16_arithmetic),
@@ -282,6 +290,55 @@ pub const CPU_LADDER: [MatmulVariant; 5] = [
     MatmulVariant::Cpu { tm: 8, nv: 1 },
     MatmulVariant::Cpu { tm: 4, nv: 1 },
 ];
+
+/// The tiles a GPU-class adapter's GEMM selection times against the table's 64 x 64 x
+/// 16 (`kiln-wgpu`'s `tune.rs`): larger tiles for large products on big GPUs, smaller
+/// ones where the table's leaves compute units idle. Each fits the 16 KiB of workgroup
+/// memory every adapter offers; all split K as the table's tile does ([`plan`]), so
+/// whichever wins gives the same bits.
+pub const GPU_LADDER: [MatmulVariant; 7] = [
+    MatmulVariant::Tiled {
+        bm: 128,
+        bn: 128,
+        bk: 8,
+    },
+    MatmulVariant::Tiled {
+        bm: 128,
+        bn: 64,
+        bk: 16,
+    },
+    MatmulVariant::Tiled {
+        bm: 64,
+        bn: 128,
+        bk: 16,
+    },
+    GPU_TUNING.tiled,
+    MatmulVariant::Tiled {
+        bm: 64,
+        bn: 32,
+        bk: 16,
+    },
+    MatmulVariant::Tiled {
+        bm: 32,
+        bn: 64,
+        bk: 16,
+    },
+    MatmulVariant::Tiled {
+        bm: 32,
+        bn: 32,
+        bk: 16,
+    },
+];
+
+/// The blocks a selection times against `prior`: the CPU ladder for a CPU block, the
+/// GPU ladder for a tile, none for other kernels.
+pub fn ladder_of(prior: MatmulVariant) -> &'static [MatmulVariant] {
+    match prior {
+        MatmulVariant::Cpu { .. } => &CPU_LADDER,
+        MatmulVariant::Tiled { .. } => &GPU_LADDER,
+        _ => &[],
+    }
+}
 
 /// The ladder's blocks below `v`, largest first (none for other kernels).
 fn smaller_blocks(v: MatmulVariant) -> impl Iterator<Item = MatmulVariant> {
@@ -468,6 +525,44 @@ mod tests {
             memory_heap: None,
             memory_limit: None,
         }
+    }
+
+    /// Every tile of the GPU ladder is a valid tile and splits K as the table's does.
+    #[test]
+    fn every_gpu_tile_splits_k_as_the_table_does() {
+        let caps = Capabilities {
+            device_type: "discrete".into(),
+            subgroup_sizes: Some((32, 32)),
+            ..caps_lavapipe()
+        };
+        let buf = |len| kiln_engine::Buffer {
+            id: 0,
+            dtype: kiln_engine::DType::F32,
+            len,
+        };
+        for (m, n, k) in [
+            (40, 100, 2048),
+            (33, 65, 1024),
+            (3, 5, 1100),
+            (1024, 4096, 256),
+        ] {
+            let mm = Matmul::new(buf(m * k), buf(k * n), buf(m * n), m, n, k);
+            let table = plan(&mm, &caps, None).unwrap();
+            assert_eq!(table.variant, GPU_TUNING.tiled);
+            assert_eq!(ladder_of(table.variant), &GPU_LADDER);
+            for v in GPU_LADDER {
+                let p = plan(&mm, &caps, Some(v)).unwrap();
+                assert_eq!(
+                    (p.splits, p.k_chunk, p.partial),
+                    (table.splits, table.k_chunk, table.partial),
+                    "{} on {m}x{n}x{k}",
+                    v.name()
+                );
+            }
+        }
+        // The long-K shapes with few tiles split at all (else the test proves little).
+        let mm = Matmul::new(buf(40 * 2048), buf(2048 * 100), buf(4000), 40, 100, 2048);
+        assert!(plan(&mm, &caps, None).unwrap().splits > 1);
     }
 
     /// Every CPU block splits K as the table's block for the shape does, so that they

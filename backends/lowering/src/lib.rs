@@ -31,8 +31,8 @@ pub use gemm::{
     record_matmul, record_whole, split_finish, split_partial_bytes, split_partials, whole_dispatch,
 };
 pub use gemm_plan::{
-    plan as plan_matmul, stand_in as gemm_stand_in, MatmulPlan, MatmulVariant, CPU_LADDER,
-    SLOW_ROWS,
+    ladder_of, plan as plan_matmul, stand_in as gemm_stand_in, MatmulPlan, MatmulVariant,
+    CPU_LADDER, GPU_LADDER, SLOW_ROWS,
 };
 pub use launch::record_kernel;
 pub use options::{planned, DeviceOptions, PLANNED_AS_GPU, PLAN_AS_GPU_ENV};

@@ -3,8 +3,8 @@
 
 use kiln_engine::{Matmul, Result};
 use kiln_lowering::{
-    plan_matmul, record_whole, whole_dispatch, MatmulPlan, MatmulVariant, Readiness, Recorder,
-    CPU_LADDER,
+    ladder_of, plan_matmul, record_whole, whole_dispatch, MatmulPlan, MatmulVariant, Readiness,
+    Recorder,
 };
 
 use crate::device::{State, WgpuDevice};
@@ -22,12 +22,15 @@ impl WgpuDevice {
         self.lock().tuner.winners.get(&class(mm, reprs)).copied()
     }
 
-    /// Whether this device selects GEMM blocks by measurement (CPU-class adapters
-    /// unless `KILN_GEMM_TUNE=0` / `--no-tune`).
+    /// Whether this device selects GEMM blocks and tiles by measurement (unless
+    /// `KILN_GEMM_TUNE=0` / `--no-tune`).
     pub fn gemm_selection_on(&self) -> bool {
         self.lock().tuner.enabled
     }
 }
+
+/// The least wall time one timed run of a candidate takes (repeated launches).
+const TIMED_S: f64 = 0.002;
 
 impl WgpuDevice {
     /// The block `mm` runs by measurement: remembered, or timed now (see the module
@@ -45,7 +48,10 @@ impl WgpuDevice {
         }
         let reprs = [mm.a, mm.b, mm.c].map(|b| self.repr(b.dtype));
         let cls = class(mm, reprs);
-        if let Some(&w) = s.tuner.winners.get(&cls) {
+        let ladder = ladder_of(best.variant);
+        // A remembered winner of another kernel family (a file of another planning)
+        // is measured again.
+        if let Some(&w) = s.tuner.winners.get(&cls).filter(|w| ladder.contains(w)) {
             // A winner of an earlier run is used (and, in `prepare`, built ahead)
             // unless it would wait for a slow build: then the table's block runs until
             // it is built.
@@ -70,18 +76,18 @@ impl WgpuDevice {
             return Ok(None);
         }
         if self.primes_big_blocks() {
-            let missing = to_build(best.variant, &CPU_LADDER, state);
+            let missing = to_build(best.variant, ladder, state);
             for &v in &missing {
                 let p = plan_matmul(mm, &self.caps, Some(v))?;
                 let d = whole_dispatch(self, mm, &p);
                 self.build_in_background(s, d)?;
             }
             // Asked for now or earlier: measured at a launch after they are built.
-            if !missing.is_empty() || awaiting(best.variant, &CPU_LADDER, state) {
+            if !missing.is_empty() || awaiting(best.variant, ladder, state) {
                 return Ok(None);
             }
         }
-        let cands = candidates(best.variant, &CPU_LADDER, |v| {
+        let cands = candidates(best.variant, ladder, |v| {
             as_candidate(v, best.variant, state(v), ran(v))
         });
         if cands.len() < 2 {
@@ -119,18 +125,28 @@ impl WgpuDevice {
 
     /// One block's measurement on `probe`: a warm-up run (which builds the pipeline
     /// where missing and, on a software driver, compiles its machine code), then the
-    /// faster of two timed runs.
+    /// faster of two timed runs. A product that takes less than [`TIMED_S`] (a GPU's)
+    /// is launched several times per timed run, so that the submission's fixed cost
+    /// does not decide between tiles.
     fn time_block(&self, s: &mut State, probe: &Matmul, v: MatmulVariant) -> Result<Timing> {
         let t0 = std::time::Instant::now();
         let p = plan_matmul(probe, &self.caps, Some(v))?;
-        let run = |s: &mut State| -> Result<f64> {
+        let run = |s: &mut State, reps: u32| -> Result<f64> {
             let t = std::time::Instant::now();
-            record_whole(self, s, probe, &p)?;
+            for _ in 0..reps {
+                record_whole(self, s, probe, &p)?;
+            }
             self.finish(s)?;
-            Ok(t.elapsed().as_secs_f64())
+            Ok(t.elapsed().as_secs_f64() / reps as f64)
         };
-        run(s)?;
-        let run_s = run(s)?.min(run(s)?);
+        run(s, 1)?;
+        let once = run(s, 1)?;
+        let reps = (TIMED_S / once.max(1e-7)).ceil().clamp(1.0, 64.0) as u32;
+        let run_s = if reps == 1 {
+            once.min(run(s, 1)?)
+        } else {
+            run(s, reps)?.min(run(s, reps)?)
+        };
         Ok(Timing {
             run_s,
             cost_s: t0.elapsed().as_secs_f64(),

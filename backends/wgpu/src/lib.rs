@@ -22,8 +22,8 @@ pub use device::WgpuDevice;
 // for benchmarks and tests that pin a kernel.
 pub use kiln_lowering::{
     attention_geometry, attention_launches, plan_attention, plan_matmul, AttentionLaunch,
-    AttentionPass, AttentionPlan, DeviceOptions, MatmulPlan, MatmulVariant, PLANNED_AS_GPU,
-    PLAN_AS_GPU_ENV,
+    AttentionPass, AttentionPlan, DeviceOptions, MatmulPlan, MatmulVariant, GPU_LADDER,
+    PLANNED_AS_GPU, PLAN_AS_GPU_ENV,
 };
 pub use peak::Peak;
 pub use spirv::{SpirvGemm, SpirvMatmul, SpirvTile};

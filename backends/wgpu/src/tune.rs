@@ -1,22 +1,25 @@
-//! Measured GEMM selection on CPU-class adapters: at a shape's first launch on a
-//! device, the table's block (the prior) and its neighbours on the block ladder are
-//! timed on the launch's own operands (into a scratch C), and the fastest is kept for
-//! the device's life and on disk for later runs.
+//! Measured GEMM selection: at a shape's first launch on a device, the table's kernel
+//! shape (the prior) and its rivals are timed on the launch's own operands (into a
+//! scratch C), and the fastest is kept for the device's life and on disk for later runs.
 //!
-//! Lavapipe's speed per block depends on the host CPU (its vector width and registers),
-//! which the adapter's name does not tell, so a table tuned on one host is wrong on
-//! another; measuring is what makes it right on each. It never changes results: every
-//! CPU block splits K alike and sums in the same order (`kiln_lowering::plan_matmul`), so the bits
-//! are the same whichever block wins.
+//! On CPU-class adapters the rivals are the prior's neighbours on the register-block
+//! ladder (`CPU_LADDER`): lavapipe's speed per block depends on the host CPU (its
+//! vector width and registers), which the adapter's name does not tell, so a table tuned
+//! on one host is wrong on another. On GPUs they are the tiles of `GPU_LADDER`: the
+//! table's 64 x 64 x 16 tile was never measured on the GPU at hand, and the best tile
+//! differs by GPU and shape. Measuring never changes results: every CPU block, and
+//! every tile, splits K alike and sums in the same order (`kiln_lowering::plan_matmul`),
+//! so the bits are the same whichever wins.
 //!
-//! Bounded: only the prior and neighbours that are built already or build in under a
+//! Bounded: only the prior and rivals that are built already or build in under a
 //! second are candidates (a launch never waits for a 15-second compile to time it), a
 //! device spends at most [`BUDGET_S`] seconds measuring in all, and products too small
-//! for the block to matter keep the table. `KILN_GEMM_TUNE=0` keeps the table.
+//! for the shape to matter keep the table. `KILN_GEMM_TUNE=0` keeps the table.
 //!
 //! The winners file sits beside the pipeline cache, keyed the same way (adapter,
-//! driver, host CPU features, kernel sources), with the same header and checksum: a
-//! damaged or foreign file is ignored with a note, saves replace it atomically.
+//! driver, host CPU features, kernel sources) and by the class the device is planned
+//! as, with the same header and checksum: a damaged or foreign file is ignored with a
+//! note, saves replace it atomically.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -25,7 +28,7 @@ use kiln_engine::{Matmul, Result};
 
 use kiln_lowering::pipeline_cache;
 use kiln_lowering::shader::Repr;
-use kiln_lowering::{MatmulVariant, Readiness};
+use kiln_lowering::{ladder_of, MatmulVariant, Readiness};
 
 /// Seconds one device may spend timing candidates, compiles for them included.
 pub const BUDGET_S: f64 = 5.0;
@@ -72,9 +75,10 @@ pub fn class(mm: &Matmul, reprs: [Repr; 3]) -> String {
 }
 
 /// The blocks worth timing against `prior` (first in the list): its neighbours on the
-/// ladder (`ladder`, largest first) that are built, or missing and quick to build (16
-/// rows or fewer: well under a second on lavapipe). A block still building, or slow to
-/// build, is never timed: that would wait for its compile.
+/// ladder (`ladder`, largest first; every other tile for a GPU tile) that are built,
+/// or missing and quick to build (16 rows or fewer: well under a second on lavapipe;
+/// any tile). A block still building, or slow to build, is never timed: that would
+/// wait for its compile.
 pub fn candidates(
     prior: MatmulVariant,
     ladder: &[MatmulVariant],
@@ -121,16 +125,24 @@ pub fn awaiting(
         && neighbours(prior, ladder).any(|v| state(v) == Readiness::Building)
 }
 
-/// `prior`'s neighbours on the ladder (the next larger and the next smaller block).
+/// `prior`'s rivals on the ladder: for a CPU block the next larger and the next
+/// smaller block (each compile costs seconds on lavapipe), for a GPU tile every other
+/// tile (each builds in milliseconds on a GPU).
 fn neighbours(
     prior: MatmulVariant,
     ladder: &[MatmulVariant],
 ) -> impl Iterator<Item = MatmulVariant> + '_ {
+    let every = matches!(prior, MatmulVariant::Tiled { .. });
     let at = ladder.iter().position(|&v| v == prior);
     let near = at.map_or([None, None], |at| [at.checked_sub(1), Some(at + 1)]);
-    near.into_iter()
-        .flatten()
-        .filter_map(move |i| ladder.get(i).copied())
+    ladder.iter().enumerate().filter_map(move |(i, &v)| {
+        let rival = if every {
+            v != prior
+        } else {
+            near.contains(&Some(i))
+        };
+        rival.then_some(v)
+    })
 }
 
 /// One candidate's measurement: the time of one run, and the wall time measuring it
@@ -175,13 +187,16 @@ fn note(what: String) {
     eprintln!("kiln: note: {what}");
 }
 
-/// The winners file's path and key for an adapter, under the pipeline cache's
-/// directory (`None`: no cache directory).
+/// The winners file's path and key for an adapter planned as `planned_type` (the
+/// device type the planners see: a CPU driver under `KILN_PLAN_AS_GPU` keeps its tiles
+/// apart from its blocks), under the pipeline cache's directory (`None`: no cache
+/// directory).
 pub(crate) fn file_for(
     info: &wgpu::AdapterInfo,
     options: &kiln_lowering::DeviceOptions,
+    planned_type: &str,
 ) -> Option<(PathBuf, u64)> {
-    let key = crate::pipeline_cache::key(info);
+    let key = crate::pipeline_cache::key(info) ^ pipeline_cache::fnv(planned_type.as_bytes());
     let dir = pipeline_cache::dir(options)?;
     Some((dir.join(format!("{key:016x}.gemm")), key))
 }
@@ -196,8 +211,8 @@ pub fn decode(file: &[u8], key: u64) -> Result<HashMap<String, MatmulVariant>, S
             .rsplit_once('=')
             .ok_or_else(|| format!("a line without `=`: {line:?}"))?;
         let v: MatmulVariant = name.parse().map_err(|e| format!("line {line:?}: {e}"))?;
-        if !matches!(v, MatmulVariant::Cpu { .. }) {
-            return Err(format!("line {line:?}: not a CPU block"));
+        if ladder_of(v).is_empty() {
+            return Err(format!("line {line:?}: not a CPU block or a GPU tile"));
         }
         winners.insert(class.to_string(), v);
     }
@@ -215,17 +230,17 @@ pub fn encode(key: u64, winners: &HashMap<String, MatmulVariant>) -> Vec<u8> {
 }
 
 impl Tuner {
-    /// A tuner for a device of `info`: on unless `KILN_GEMM_TUNE=0` or the adapter is
-    /// not CPU-class (GPUs keep their one tiled kernel), with the winners of earlier
-    /// runs where their file is whole and written for this key.
+    /// A tuner for a device of `info` planned as `planned_type`: on unless
+    /// `KILN_GEMM_TUNE=0` (`--no-tune`), with the winners of earlier runs where their
+    /// file is whole and written for this key.
     pub(crate) fn open(
         info: &wgpu::AdapterInfo,
         options: &kiln_lowering::DeviceOptions,
-        cpu_class: bool,
+        planned_type: &str,
     ) -> Tuner {
-        let enabled = cpu_class && !options.no_tune && enabled_by_env();
+        let enabled = !options.no_tune && enabled_by_env();
         let file = if enabled {
-            file_for(info, options)
+            file_for(info, options, planned_type)
         } else {
             None
         };
@@ -285,7 +300,13 @@ pub(crate) fn as_candidate(
 }
 
 pub(crate) fn quick(v: MatmulVariant) -> bool {
-    matches!(v, MatmulVariant::Cpu { tm, .. } if tm <= 16)
+    match v {
+        MatmulVariant::Cpu { tm, .. } => tm <= 16,
+        // A GPU compiles a tile in milliseconds; a CPU driver planned as a GPU
+        // (`KILN_PLAN_AS_GPU`) in about a second, which the budget bounds.
+        MatmulVariant::Tiled { .. } => true,
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -417,6 +438,27 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_tile_is_timed_against_every_other_tile() {
+        use kiln_lowering::GPU_LADDER;
+        let prior = GPU_LADDER[3];
+        let cands = candidates(prior, &GPU_LADDER, |_| Readiness::Absent);
+        assert_eq!(cands.len(), GPU_LADDER.len());
+        assert_eq!(cands[0], prior);
+        assert!(GPU_LADDER.iter().all(|v| cands.contains(v)));
+        // One still building (another launch's) is left out; none is built ahead.
+        let cands = candidates(prior, &GPU_LADDER, |v| {
+            if v == GPU_LADDER[0] {
+                Readiness::Building
+            } else {
+                Readiness::Ready
+            }
+        });
+        assert_eq!(cands.len(), GPU_LADDER.len() - 1);
+        assert!(to_build(prior, &GPU_LADDER, |_| Readiness::Absent).is_empty());
+        assert!(!awaiting(prior, &GPU_LADDER, |_| Readiness::Building));
+    }
+
+    #[test]
     fn the_switch_reads_off_values() {
         assert!(switch(None));
         assert!(switch(Some("1")));
@@ -439,6 +481,15 @@ mod tests {
         // Whole and keyed right, but not a table of CPU blocks.
         let gemv = pipeline_cache::encode(9, b"x=gemv64\n");
         assert!(decode(&gemv, 9).unwrap_err().contains("not a CPU block"));
+        let tiles = pipeline_cache::encode(9, b"x=tiled128x64x16\n");
+        assert_eq!(
+            decode(&tiles, 9).unwrap()["x"],
+            MatmulVariant::Tiled {
+                bm: 128,
+                bn: 64,
+                bk: 16
+            }
+        );
         let junk = pipeline_cache::encode(9, b"no equals sign\n");
         assert!(decode(&junk, 9).unwrap_err().contains("without `=`"));
     }
