@@ -96,7 +96,7 @@ steps=()
 step() { steps+=("$1"$'\t'"$2"); }
 
 step "devices" "\"$KILN\" devices"
-tests=(--test kernels --test matmul --test attention --test layers --test loss --test optim)
+tests=(--test kernels --test matmul --test gemm_tiles --test attention --test layers --test loss --test optim)
 filter=""
 if [ "$quick" = 1 ]; then
     tests=(--test matmul)

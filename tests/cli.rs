@@ -602,7 +602,7 @@ fn gpu_check_script_lists_its_steps_for_both_backends() {
     assert_eq!(code, Some(0), "{err}");
     for want in [
         "full mode, wgpu device vulkan:2, raw Vulkan device vk:3",
-        "--release -p kiln --test kernels --test matmul --test attention",
+        "--release -p kiln --test kernels --test matmul --test gemm_tiles --test attention",
         "bench matmul --devices vk:3,vulkan:2 --spirv --dtypes f32,f16",
         "bench attention --devices vk:3,vulkan:2 --heads 12 --dim 64 --seqs 1024",
         "bench train --model gpt2 --devices vk:3,vulkan:2",

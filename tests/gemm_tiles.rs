@@ -10,17 +10,18 @@ use common::*;
 use kiln::engine::{DType, Device, HostData, Kernel, Matmul};
 use kiln::wgpu::{DeviceOptions, MatmulVariant, WgpuDevice, GPU_LADDER};
 
-/// Lavapipe through wgpu, planned for as a GPU. Every test opens its devices here, so
-/// the variable is set once, before any device reads it.
+/// The test Vulkan adapter through wgpu (lavapipe here, `KILN_TEST_VULKAN` on a machine
+/// with a GPU: scripts/gpu-check.sh), planned for as a GPU. Every test opens its devices
+/// here, so the variable is set once, before any device reads it.
 fn lavapipe_as_gpu(options: DeviceOptions) -> WgpuDevice {
     static SET: std::sync::Once = std::sync::Once::new();
     SET.call_once(|| std::env::set_var(kiln::wgpu::PLAN_AS_GPU_ENV, "1"));
-    let i = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
-    let dev = WgpuDevice::open(i, &options).unwrap_or_else(|e| panic!("opening lavapipe: {e}"));
-    assert_eq!(
+    let dev = WgpuDevice::open(adapter_index("vulkan"), &options)
+        .unwrap_or_else(|e| panic!("opening the Vulkan adapter: {e}"));
+    assert_ne!(
         dev.caps().device_type,
-        kiln::wgpu::PLANNED_AS_GPU,
-        "{}: not a CPU driver, or the switch was not read",
+        "cpu",
+        "{}: a CPU driver not planned for as a GPU (the switch was not read)",
         dev.caps().name
     );
     dev
