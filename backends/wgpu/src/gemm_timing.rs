@@ -103,18 +103,27 @@ impl WgpuDevice {
             c_f32: cf,
             ..mm.clone()
         };
-        let result = select(&cands, left, |v| self.time_block(s, &probe, v));
+        let mut timed = vec![];
+        let result = select(&cands, left, |v| {
+            timed.push(v.name());
+            self.time_block(s, &probe, v)
+        });
         self.drop_scratch(s, c);
         if let Some(f) = cf {
             self.drop_scratch(s, f);
         }
         let (winner, spent) = result?;
         if kiln_engine::device::compiling::log_enabled() {
-            let names: Vec<String> = cands.iter().map(|v| v.name()).collect();
+            let left_out = cands.len() - timed.len();
+            let budget = if left_out > 0 {
+                format!("; {left_out} more not timed: the budget")
+            } else {
+                String::new()
+            };
             eprintln!(
-                "kiln: GEMM {cls}: {} of {} ({spent:.2} s measuring)",
+                "kiln: GEMM {cls}: {} of {} ({spent:.2} s measuring{budget})",
                 winner.name(),
-                names.join(", ")
+                timed.join(", ")
             );
         }
         s.tuner.spent_s += spent;
