@@ -21,29 +21,6 @@ fn lavapipe(disable_f16: bool) -> WgpuDevice {
     .unwrap_or_else(|e| panic!("opening lavapipe: {e}"))
 }
 
-/// C of `m x n x k` (transposes `trans`, all operands `dtype`) on `dev`, with the
-/// planner's choice (`None`) or a pinned block.
-fn product(
-    dev: &WgpuDevice,
-    (m, n, k): (usize, usize, usize),
-    trans: (bool, bool),
-    dtype: DType,
-    variant: Option<MatmulVariant>,
-) -> HostData {
-    let a = put(dev, &finite(dtype, m * k, 1 + m as u64));
-    let b = put(dev, &finite(dtype, k * n, 2 + n as u64));
-    let c = put(dev, &HostData::from_f32(dtype, &vec![f32::NAN; m * n]));
-    let mm = Matmul::new(a, b, c, m, n, k).transpose(trans.0, trans.1);
-    dev.launch_matmul(&mm, variant)
-        .unwrap_or_else(|e| panic!("{m}x{n}x{k} {variant:?}: {e}"));
-    dev.submit().unwrap();
-    let out = dev.download(c).unwrap();
-    for buf in [a, b, c] {
-        dev.free(buf).unwrap();
-    }
-    out
-}
-
 /// Every CPU block against the table's pick, bit for bit, on shapes that are multiples
 /// of no block, with long K (where a block with few tiles would once have split K
 /// differently from the table's), every transpose, f32 and both f16 paths.
@@ -67,18 +44,12 @@ fn every_cpu_block_gives_the_same_bits() {
     let packed = lavapipe(true);
     for (dims, trans, dtype, pack, with_big) in cases {
         let dev = if pack { &packed } else { &native };
-        let want = product(dev, dims, trans, dtype, None);
-        for &v in small.iter().chain(with_big.then_some(&big)) {
-            let got = product(dev, dims, trans, dtype, Some(v));
-            assert_bits_eq(
-                &format!(
-                    "{} on {dims:?} {trans:?} {dtype:?} (packed f16: {pack})",
-                    v.name()
-                ),
-                &got,
-                &want,
-            );
-        }
+        let blocks: Vec<_> = small
+            .iter()
+            .chain(with_big.then_some(&big))
+            .copied()
+            .collect();
+        assert_variants_give_the_plan_bits(dev, (dims, trans, dtype, pack), &blocks);
     }
 }
 

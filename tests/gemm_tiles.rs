@@ -35,33 +35,6 @@ fn with_cache(dir: &std::path::Path, no_tune: bool) -> WgpuDevice {
     })
 }
 
-/// C of `m x n x k` (transposes `trans`, all operands `dtype`) with the planner's
-/// tile (`None`, selection off: the table's) or a pinned one.
-fn product(
-    dev: &WgpuDevice,
-    (m, n, k): (usize, usize, usize),
-    trans: (bool, bool),
-    dtype: DType,
-    variant: Option<MatmulVariant>,
-) -> HostData {
-    let a = put(dev, &finite(dtype, m * k, 1 + m as u64));
-    let b = put(dev, &finite(dtype, k * n, 2 + n as u64));
-    let c = put(dev, &HostData::from_f32(dtype, &vec![f32::NAN; m * n]));
-    let mm = Matmul::new(a, b, c, m, n, k).transpose(trans.0, trans.1);
-    if variant.is_none() {
-        let table = kiln::wgpu::plan_matmul(&mm, dev.caps(), None).unwrap();
-        assert_eq!(table.variant, GPU_LADDER[3], "the table's tile on a GPU");
-    }
-    dev.launch_matmul(&mm, variant)
-        .unwrap_or_else(|e| panic!("{m}x{n}x{k} {variant:?}: {e}"));
-    dev.submit().unwrap();
-    let out = dev.download(c).unwrap();
-    for buf in [a, b, c] {
-        dev.free(buf).unwrap();
-    }
-    out
-}
-
 /// Every tile a selection may pick against the table's, bit for bit: shapes that are
 /// multiples of no tile, a long K that splits (the tiles split it as the table's tile
 /// does), every transpose, f32 and both f16 paths. All seven tiles on the split f32
@@ -92,18 +65,19 @@ fn every_gpu_tile_gives_the_table_bits() {
     ];
     for (dims, trans, dtype, pack, tiles) in cases {
         let dev = if pack { &packed } else { &native };
-        let want = product(dev, dims, trans, dtype, None);
-        for &v in tiles {
-            let got = product(dev, dims, trans, dtype, Some(v));
-            assert_bits_eq(
-                &format!(
-                    "{} on {dims:?} {trans:?} {dtype:?} (packed f16: {pack})",
-                    v.name()
-                ),
-                &got,
-                &want,
-            );
-        }
+        assert_table_tile(dev, dims, trans);
+        assert_variants_give_the_plan_bits(dev, (dims, trans, dtype, pack), tiles);
+    }
+}
+
+/// The planner's tile for the shape is the table's (a GPU's, not a CPU block).
+fn assert_table_tile(dev: &WgpuDevice, (m, n, k): (usize, usize, usize), trans: (bool, bool)) {
+    let buf = |len| dev.alloc(DType::F32, len).unwrap();
+    let mm = Matmul::new(buf(m * k), buf(k * n), buf(m * n), m, n, k).transpose(trans.0, trans.1);
+    let table = kiln::wgpu::plan_matmul(&mm, dev.caps(), None).unwrap();
+    assert_eq!(table.variant, GPU_LADDER[3], "the table's tile on a GPU");
+    for b in mm.buffers() {
+        dev.free(b).unwrap();
     }
 }
 
@@ -116,13 +90,9 @@ fn a_gpu_shape_is_measured_once_and_remembered() {
     let _ = std::fs::remove_dir_all(&dir);
     // 2^26 multiply-adds: the least the selection times.
     let dims = (256, 256, 1024);
-    let table = product(
-        &with_cache(&dir.join("off"), true),
-        dims,
-        (false, false),
-        DType::F32,
-        None,
-    );
+    let plain = with_cache(&dir.join("off"), true);
+    assert_table_tile(&plain, dims, (false, false));
+    let table = pinned_product(&plain, dims, (false, false), DType::F32, None);
 
     let launch = |dev: &WgpuDevice| {
         let (m, n, k) = dims;

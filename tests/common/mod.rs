@@ -231,6 +231,48 @@ pub fn put(dev: &dyn Device, data: &HostData) -> Buffer {
     b
 }
 
+/// C of `m x n x k` (transposes `trans`, all operands `dtype`, C first NaN) on `dev`,
+/// with the planner's kernel (`None`) or a pinned one: what the GEMM selection tests
+/// compare, block against block and tile against tile.
+pub fn pinned_product(
+    dev: &WgpuDevice,
+    (m, n, k): (usize, usize, usize),
+    trans: (bool, bool),
+    dtype: DType,
+    variant: Option<kiln::wgpu::MatmulVariant>,
+) -> HostData {
+    let a = put(dev, &finite(dtype, m * k, 1 + m as u64));
+    let b = put(dev, &finite(dtype, k * n, 2 + n as u64));
+    let c = put(dev, &HostData::from_f32(dtype, &vec![f32::NAN; m * n]));
+    let mm = kiln::engine::Matmul::new(a, b, c, m, n, k).transpose(trans.0, trans.1);
+    dev.launch_matmul(&mm, variant)
+        .unwrap_or_else(|e| panic!("{m}x{n}x{k} {variant:?}: {e}"));
+    dev.submit().unwrap();
+    let out = dev.download(c).unwrap();
+    for buf in [a, b, c] {
+        dev.free(buf).unwrap();
+    }
+    out
+}
+
+/// Each of `variants` pinned against the planner's kernel on one case, bit for bit
+/// (`pack`: `dev` runs f16 packed, for the message).
+pub fn assert_variants_give_the_plan_bits(
+    dev: &WgpuDevice,
+    (dims, trans, dtype, pack): ((usize, usize, usize), (bool, bool), DType, bool),
+    variants: &[kiln::wgpu::MatmulVariant],
+) {
+    let want = pinned_product(dev, dims, trans, dtype, None);
+    for &v in variants {
+        let got = pinned_product(dev, dims, trans, dtype, Some(v));
+        let what = format!(
+            "{} on {dims:?} {trans:?} {dtype:?} (packed f16: {pack})",
+            v.name()
+        );
+        assert_bits_eq(&what, &got, &want);
+    }
+}
+
 /// Bit-exact equality, except that any NaN matches any NaN (payloads may differ
 /// between a native conversion and ours).
 pub fn assert_bits_eq(what: &str, got: &HostData, want: &HostData) {

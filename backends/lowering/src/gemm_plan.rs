@@ -527,19 +527,22 @@ mod tests {
         }
     }
 
-    /// Every tile of the GPU ladder is a valid tile and splits K as the table's does.
-    #[test]
-    fn every_gpu_tile_splits_k_as_the_table_does() {
-        let caps = Capabilities {
-            device_type: "discrete".into(),
-            subgroup_sizes: Some((32, 32)),
-            ..caps_lavapipe()
-        };
-        let buf = |len| kiln_engine::Buffer {
+    /// An f32 buffer of `len` values (planning reads only the type and length).
+    fn buf(len: usize) -> kiln_engine::Buffer {
+        kiln_engine::Buffer {
             id: 0,
             dtype: kiln_engine::DType::F32,
             len,
-        };
+        }
+    }
+
+    /// Each of `ladder` planned against the table's pick (which is `table_tile` where
+    /// given) on shapes with and without a K split: the same split, chunk and partials.
+    fn assert_ladder_splits_like_the_table(
+        caps: &Capabilities,
+        ladder: &[MatmulVariant],
+        table_tile: Option<MatmulVariant>,
+    ) {
         for (m, n, k) in [
             (40, 100, 2048),
             (33, 65, 1024),
@@ -547,11 +550,13 @@ mod tests {
             (1024, 4096, 256),
         ] {
             let mm = Matmul::new(buf(m * k), buf(k * n), buf(m * n), m, n, k);
-            let table = plan(&mm, &caps, None).unwrap();
-            assert_eq!(table.variant, GPU_TUNING.tiled);
-            assert_eq!(ladder_of(table.variant), &GPU_LADDER);
-            for v in GPU_LADDER {
-                let p = plan(&mm, &caps, Some(v)).unwrap();
+            let table = plan(&mm, caps, None).unwrap();
+            if let Some(t) = table_tile {
+                assert_eq!(table.variant, t);
+                assert_eq!(ladder_of(table.variant), ladder);
+            }
+            for &v in ladder {
+                let p = plan(&mm, caps, Some(v)).unwrap();
                 assert_eq!(
                     (p.splits, p.k_chunk, p.partial),
                     (table.splits, table.k_chunk, table.partial),
@@ -560,6 +565,17 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Every tile of the GPU ladder is a valid tile and splits K as the table's does.
+    #[test]
+    fn every_gpu_tile_splits_k_as_the_table_does() {
+        let caps = Capabilities {
+            device_type: "discrete".into(),
+            subgroup_sizes: Some((32, 32)),
+            ..caps_lavapipe()
+        };
+        assert_ladder_splits_like_the_table(&caps, &GPU_LADDER, Some(GPU_TUNING.tiled));
         // The long-K shapes with few tiles split at all (else the test proves little).
         let mm = Matmul::new(buf(40 * 2048), buf(2048 * 100), buf(4000), 40, 100, 2048);
         assert!(plan(&mm, &caps, None).unwrap().splits > 1);
@@ -569,29 +585,6 @@ mod tests {
     /// sum each output in the same order (tests/gemm_select.rs checks the bits).
     #[test]
     fn every_cpu_block_splits_k_as_the_table_does() {
-        let caps = caps_lavapipe();
-        let buf = |len| kiln_engine::Buffer {
-            id: 0,
-            dtype: kiln_engine::DType::F32,
-            len,
-        };
-        for (m, n, k) in [
-            (40, 100, 2048),
-            (33, 65, 1024),
-            (3, 5, 1100),
-            (1024, 4096, 256),
-        ] {
-            let mm = Matmul::new(buf(m * k), buf(k * n), buf(m * n), m, n, k);
-            let table = plan(&mm, &caps, None).unwrap();
-            for v in CPU_LADDER {
-                let p = plan(&mm, &caps, Some(v)).unwrap();
-                assert_eq!(
-                    (p.splits, p.k_chunk, p.partial),
-                    (table.splits, table.k_chunk, table.partial),
-                    "{} on {m}x{n}x{k}",
-                    v.name()
-                );
-            }
-        }
+        assert_ladder_splits_like_the_table(&caps_lavapipe(), &CPU_LADDER, None);
     }
 }
