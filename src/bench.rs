@@ -338,7 +338,8 @@ pub struct Runs<'a> {
     /// The raw Vulkan backend's devices (`vk:N`), timed through the `Device` trait:
     /// the planner's kernel and each of `extra` pinned, run as the hand-written SPIR-V
     /// GEMMs where vk's route gives them that (the row's variant then reads
-    /// `spirv <kernel>`).
+    /// `spirv <kernel>`, `spirv <kernel> texel` where A and B were read as texels,
+    /// which is followed by the same kernel's row with storage loads).
     pub vk: &'a [crate::vulkan::VkDevice],
 }
 
@@ -413,9 +414,23 @@ pub fn matmul_table(
                         vk_gflops(dev, s, dtype, pin, budget).with_context(|| {
                             format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k)
                         })?;
+                    let texel = variant.ends_with(" texel");
                     let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
                     progress(&row);
                     rows.push(row);
+                    // The same kernel with storage loads, where it read A and B as
+                    // texels: what the texel views are worth on this host.
+                    if texel {
+                        dev.use_texel_gemm(false);
+                        let timed = vk_gflops(dev, s, dtype, pin, budget);
+                        dev.use_texel_gemm(true);
+                        let (gflops, variant) = timed.with_context(|| {
+                            format!("{} {dtype} {}x{}x{}", caps.name, s.m, s.n, s.k)
+                        })?;
+                        let row = Row::new(&caps, dtype, s, variant, gflops, cpu);
+                        progress(&row);
+                        rows.push(row);
+                    }
                 }
             }
         }
@@ -535,6 +550,7 @@ pub(crate) fn vk_gflops(
 ) -> Result<(f64, String)> {
     let (spirv, _) = dev.gemm_launches();
     let coop = dev.coopmat_launches();
+    let texel = dev.texel_gemm_launches();
     dev.force_gemm_variant(pin);
     let timed = device_gflops(dev, s, dtype, budget);
     dev.force_gemm_variant(None);
@@ -546,10 +562,12 @@ pub(crate) fn vk_gflops(
     };
     let ran_spirv = dev.gemm_launches().0 > spirv;
     let ran_coop = dev.coopmat_launches() > coop;
+    let ran_texel = dev.texel_gemm_launches() > texel;
     Ok((
         gflops,
         match dev.cooperative_matrix() {
             Ok(c) if ran_coop => format!("coopmat {}", c.shape),
+            _ if ran_texel => format!("spirv {variant} texel"),
             _ if ran_spirv => format!("spirv {variant}"),
             _ => variant,
         },

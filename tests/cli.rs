@@ -347,19 +347,21 @@ fn bench_matmul_puts_vk_wgpu_and_the_spirv_gemm_side_by_side() {
         .collect();
     // wgpu's planner choice and the pinned WGSL kernels, the hand-written SPIR-V GEMM
     // through wgpu, and the raw Vulkan backend running the planner's choice as that
-    // SPIR-V GEMM (its tile specialized), the pinned tiled kernel as its twin, and the
-    // planner's kernel through naga where the pin (naive) has no twin, as it says.
+    // SPIR-V GEMM (its tile specialized), reading A and B as texels and then with
+    // storage loads, the pinned tiled kernel as its twin, and the planner's kernel
+    // through naga where the pin (naive) has no twin, as it says.
     let names: Vec<(&str, &str)> = got.iter().map(|(b, v)| (b.as_str(), v.as_str())).collect();
-    assert_eq!(names.len(), 8, "{names:?}");
+    assert_eq!(names.len(), 9, "{names:?}");
     assert_eq!(names[0].0, "vulkan");
     assert_eq!(names[1], ("vulkan", "tiled32x32x8"));
     assert_eq!(names[2], ("vulkan", "naive"));
     assert_eq!(names[3], ("vulkan", "spirv cpu16x8"));
     assert_eq!(names[4], ("vulkan", "table cpu16x8 (too small to measure)"));
-    assert_eq!(names[5], ("vk", "spirv cpu16x8"));
-    assert_eq!(names[6], ("vk", "spirv tiled32x32x8"));
+    assert_eq!(names[5], ("vk", "spirv cpu16x8 texel"));
+    assert_eq!(names[6], ("vk", "spirv cpu16x8"));
+    assert_eq!(names[7], ("vk", "spirv tiled32x32x8"));
     assert_eq!(
-        names[7],
+        names[8],
         ("vk", "cpu16x8 (pinned naive is not on the SPIR-V route)")
     );
     assert_eq!(names[0].1, "cpu16x8");

@@ -341,6 +341,10 @@ fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
                 let launch = |mm: &Matmul| {
                     let route = dev.gemm_route(mm)?;
                     assert!(hand_written(&dev, &route), "{what}: {route:?}");
+                    // A and B through texel views (lavapipe has them).
+                    if let kiln::vulkan::GemmRoute::Spirv(p) = &route {
+                        assert!(p.texel, "{what}: {p:?}");
+                    }
                     dev.launch(&Kernel::Matmul(mm.clone()))
                 };
                 check_on(&what, &dev, &c, &launch);
@@ -362,11 +366,13 @@ fn strided_batches_and_alpha_beta_run_as_spirv_on_vk() {
 /// The fused epilogue on `vk:0` runs in the SPIR-V GEMM (its `_epi` modules, each part a
 /// specialization constant): every combination of bias, GELU and the f32 copy, with
 /// alpha and beta, on f32 and f16, transposed and strided batches, against the CPU and
-/// bit for bit against wgpu's WGSL epilogue.
+/// bit for bit against wgpu's WGSL epilogue. With storage loads (A and B not through
+/// texel views), the modules a device without texel views runs.
 #[test]
 fn epilogues_run_as_spirv_on_vk() {
     let mut rng = Rng::new(2027);
     let dev = vk_device(false);
+    dev.use_texel_gemm(false);
     let wgpu = gpu("vulkan", false);
     let mut cases = 0;
     for dtype in [DType::F32, DType::F16] {
@@ -405,11 +411,13 @@ fn epilogues_run_as_spirv_on_vk() {
 /// or bf16 operands with an f32 C (the tied embedding's gradient in a GPT step), an f32
 /// bias on f16, one f32 operand; every transpose, strided batches with a broadcast B,
 /// alpha and beta, sizes of 1, primes and ones past a tile; each checked by route and
-/// counter against the CPU, and bit for bit against wgpu's WGSL GEMMs.
+/// counter against the CPU, and bit for bit against wgpu's WGSL GEMMs. With storage
+/// loads, as [`epilogues_run_as_spirv_on_vk`].
 #[test]
 fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
     let mut rng = Rng::new(2028);
     let dev = vk_device(false);
+    dev.use_texel_gemm(false);
     let wgpu = gpu("vulkan", false);
     let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
     let mixes = [
@@ -462,6 +470,101 @@ fn mixed_and_bf16_storage_run_as_spirv_on_vk() {
         }
     }
     assert_eq!(dev.gemm_launches(), (cases, 0));
+}
+
+/// On `vk:0` the CPU-class SPIR-V GEMM reads A and B through texel views of their
+/// storage (the `_mixed_texel` modules) where lavapipe loops over the lanes of a storage
+/// load: the same bits as with storage loads, over f32, f16, bf16 and mixed storage,
+/// every transpose, B four values to a fetch and one, sizes of 1 and primes, strided
+/// and broadcast batches, alpha, beta, bias, GELU and the f32 copy, and operands that
+/// are views into a larger buffer; against the CPU as well.
+#[test]
+fn texel_views_give_the_storage_loads_bits_on_vk() {
+    let mut rng = Rng::new(2030);
+    let dev = vk_device(false);
+    let (f32_, f16_, bf16) = (DType::F32, DType::F16, DType::BF16);
+    let shapes = [
+        ((1, 1, 1), 1, None),
+        ((13, 17, 29), 3, Some(5)),
+        ((37, 68, 9), 2, None),
+        ((8, 36, 100), 4, Some(4)),
+    ];
+    let mixes = [[f32_; 3], [f16_; 3], [bf16; 3], [f16_, bf16, f32_]];
+    let mut texel = 0;
+    for (i, dtypes) in mixes.into_iter().enumerate() {
+        for (s, &(dims, batch, pad_b)) in shapes.iter().enumerate() {
+            let trans = ((i + s) % 2 == 1, (i + s) % 4 >= 2);
+            let mut c = strided_batch(&mut rng, dims, trans, dtypes, batch, 3, pad_b, 7);
+            let (n, len) = (c.mm.n, c.c.len());
+            c.c = random(&mut rng, dtypes[2], len);
+            let mut mm = c.mm.clone().scaled(0.75, -0.5);
+            if s >= 2 {
+                c.bias = Some(random(&mut rng, dtypes[2], n));
+                mm.bias = Some(handle(dtypes[2], n));
+                mm.gelu = s == 3;
+                mm.c_f32 = Some(handle(f32_, len));
+            }
+            c.mm = mm;
+            let what = format!("vk texel: {dims:?} x{batch} {trans:?} {dtypes:?}");
+            let (d, w) = (&dev, what.as_str());
+            let route = |on: bool| {
+                d.use_texel_gemm(on);
+                move |mm: &Matmul| {
+                    launch_as_spirv(w, d, mm, |p| assert_eq!(p.texel, on, "{w}: {p:?}"))
+                }
+            };
+            check_on(&what, &dev, &c, &route(true));
+            let with_texels = outputs_with(&dev, &c, &route(true));
+            let with_loads = outputs_with(&dev, &c, &route(false));
+            assert!(
+                with_texels == with_loads,
+                "{what}: texel views change the bits"
+            );
+            texel += 1;
+        }
+    }
+    // A and B as views 128 elements into buffers of their own (a model's flat
+    // parameters): the views start there, on the device's alignment.
+    dev.use_texel_gemm(true);
+    let (m, n, k) = (19, 24, 33);
+    let mut c = case(&mut rng, (m, n, k), (false, false), [f16_; 3]);
+    let skip = 128;
+    let a_all = random(&mut rng, f16_, skip + m * k);
+    let b_all = random(&mut rng, f16_, skip + k * n);
+    let tail = |h: &HostData, len| HostData::from_f32(f16_, &h.to_f32()[skip..skip + len]);
+    c.a = tail(&a_all, m * k);
+    c.b = tail(&b_all, k * n);
+    let (pa, pb) = (put(&dev, &a_all), put(&dev, &b_all));
+    let (va, vb) = (
+        dev.view(pa, skip, m * k).unwrap(),
+        dev.view(pb, skip, k * n).unwrap(),
+    );
+    let out = put(&dev, &c.c);
+    let mm = Matmul {
+        a: va,
+        b: vb,
+        c: out,
+        ..c.mm.clone()
+    };
+    launch_as_spirv("views", &dev, &mm, |p| assert!(p.texel && p.vec_b, "{p:?}")).unwrap();
+    dev.submit().unwrap();
+    let got: Vec<u32> = dev
+        .download(out)
+        .unwrap()
+        .to_f32()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    let want = outputs(&dev, &c).0;
+    assert!(
+        got == want,
+        "texel views of views: other bits than whole buffers"
+    );
+    for b in [va, vb, pa, pb, out] {
+        dev.free(b).unwrap();
+    }
+    // Every case ran twice with texels and once with loads; the views twice more.
+    assert_eq!(dev.gemm_launches(), (3 * texel + 2, 0));
 }
 
 /// Split K on `vk:0`: the SPIR-V GEMM sums each of the planner's K chunks into f32

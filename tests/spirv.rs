@@ -49,11 +49,12 @@ fn committed_spirv_is_what_the_sources_compile_to() {
         "build.sh makes {built} modules, spv/ holds {}",
         modules.len()
     );
-    // matmul_cpu: 2 tiles x 2 storage types x 6 operand layouts, 12 `_epi` builds and
-    // 6 `_mixed` ones (storage types by specialization) for the vk backend; gemm_f32;
-    // attention: 3 passes x (16-bit storage, `_packed`); matmul_tiled and gemv, each
-    // with 16-bit storage or `_packed` (16-bit operands two to a word).
-    assert_eq!(modules.len(), 53);
+    // matmul_cpu: 2 tiles x 2 storage types x 6 operand layouts, 12 `_epi` builds,
+    // 6 `_mixed` ones (storage types by specialization) and their 6 `_mixed_texel`
+    // twins (A and B as texel buffers) for the vk backend; gemm_f32; attention: 3
+    // passes x (16-bit storage, `_packed`); matmul_tiled and gemv, each with 16-bit
+    // storage or `_packed` (16-bit operands two to a word).
+    assert_eq!(modules.len(), 59);
     for kernel in ["matmul_tiled", "matmul_tiled_packed", "gemv", "gemv_packed"] {
         let name = format!("{kernel}.spv");
         assert!(

@@ -88,6 +88,31 @@ fn big_gemm_blocks_and_attention_passes_first_run_on_the_primer_and_stand_ins_ma
     assert_bits_eq("stand-in vs primed block", &stood_in, &got);
     assert!(got.to_f32().iter().any(|&x| x != 0.0));
 
+    // The same block on operands of other sizes reads A and B through texel views
+    // whose sizes differ from those above in everything lavapipe's shader key could
+    // hold (the views of 512 x 512 operands are a power of two with bits 8-15 clear,
+    // these are neither): the block built once serves them, nothing new is compiled.
+    let (other, c_other) = f32_gemm(&dev, (520, 512, 520));
+    let Kernel::Matmul(other_mm) = &other else {
+        unreachable!()
+    };
+    let GemmRoute::Spirv(same) = dev.gemm_route(other_mm).unwrap() else {
+        panic!("the test needs the SPIR-V GEMM")
+    };
+    assert!(
+        planned.texel,
+        "lavapipe reads A and B as texels: {planned:?}"
+    );
+    assert_eq!(same.pipeline_key(), planned.pipeline_key());
+    dev.launch(&other).unwrap();
+    dev.download(c_other).unwrap();
+    assert_eq!(dev.gemm_stand_ins(), 1, "the primed block ran");
+    assert_eq!(
+        settled_mesa_entries(&mesa),
+        primed,
+        "texel views of other sizes compiled the block again"
+    );
+
     // The same product on a device without a primer, which runs the planned block at
     // once: the same bits.
     let plain = VkDevice::open_unprimed(

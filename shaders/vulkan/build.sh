@@ -51,6 +51,16 @@ for ops in nn nn_vec nt tn tn_vec tt; do
     glslangValidator -V --target-env vulkan1.2 "${defs[@]}" \
         -o "$out/matmul_cpu_16x2_${ops}_mixed.spv" "$here/matmul_cpu.comp" >/dev/null
 done
+# The same with A and B read through uniform texel buffers (TEXEL, `_mixed_texel`), which
+# a CPU driver gathers where it loops over the lanes of a storage load.
+for ops in nn nn_vec nt tn tn_vec tt; do
+    defs=(-DMIXED -DTEXEL)
+    [ "${ops:0:1}" = t ] && defs+=(-DTRANS_A)
+    [ "${ops:1:1}" = t ] && defs+=(-DTRANS_B)
+    [ "${ops:2}" = _vec ] && defs+=(-DVEC_B)
+    glslangValidator -V --target-env vulkan1.2 "${defs[@]}" \
+        -o "$out/matmul_cpu_16x2_${ops}_mixed_texel.spv" "$here/matmul_cpu.comp" >/dev/null
+done
 # gemm_f32: the raw Vulkan backend's plain tiled f32 GEMM (kiln-vulkan).
 glslangValidator -V --target-env vulkan1.2 -o "$out/gemm_f32.spv" "$here/gemm_f32.comp" >/dev/null
 # matmul_tiled and gemv: the GPU-class tiled GEMM and the GEMV, for Kiln's raw Vulkan

@@ -26,6 +26,14 @@
 // each split sums its chunk of K in order and writes the raw f32 sums to `cf` in
 // shaders/common/matmul_epilogue.wgsl's partials layout, and the WGSL matmul_finish
 // sums the splits and applies the epilogue, as the WGSL GEMMs' split K does.
+//
+// With TEXEL (modules `_mixed_texel`, always MIXED) A and B are read through uniform
+// texel buffers instead of storage buffers: lavapipe (Mesa 22.3) turns a storage load
+// whose address differs across lanes into a loop over the lanes with a branch per lane,
+// which is most of this kernel's time where the CPU has no AVX-512, while a texel fetch
+// is a vector gather. The host binds each operand as a buffer view of its storage
+// (R32_SFLOAT or R16_SFLOAT, the 4-value loads RGBA; bf16 as R16_UINT, RGBA16_UINT), so
+// the fetch returns the stored value exactly, and every sum is the storage path's.
 
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
@@ -58,6 +66,13 @@ layout(local_size_x = 8) in;
 layout(constant_id = 1) const uint TM = TILE_M;
 layout(constant_id = 2) const uint NV = TILE_NV;
 
+#ifdef TEXEL
+// A and B as texel buffers: f32 and f16 views fetch as floats, bf16 views as their bits.
+layout(set = 0, binding = 0) uniform samplerBuffer ta;
+layout(set = 0, binding = 0) uniform usamplerBuffer ta_bits;
+layout(set = 0, binding = 1) uniform samplerBuffer tb;
+layout(set = 0, binding = 1) uniform usamplerBuffer tb_bits;
+#else
 layout(set = 0, binding = 0) readonly buffer BufA { STORE a[]; };
 layout(set = 0, binding = 1) readonly buffer BufB { STORE b[]; };
 #ifdef VEC_B
@@ -69,6 +84,7 @@ layout(set = 0, binding = 1) readonly buffer BufB4 { f16vec4 b4[]; };
 layout(set = 0, binding = 1) readonly buffer BufB4 { vec4 b4[]; };
 #endif
 #endif
+#endif
 layout(set = 0, binding = 2) buffer BufC { STORE c[]; };
 #ifdef MIXED
 // Storage of A, B, C and the bias: 0 f32, 1 f16, 2 bf16.
@@ -77,6 +93,7 @@ layout(constant_id = 7) const uint B_DT = 0u;
 layout(constant_id = 8) const uint C_DT = 0u;
 layout(constant_id = 9) const uint BIAS_DT = 0u;
 layout(constant_id = 10) const bool PARTIAL = false;
+#ifndef TEXEL
 layout(set = 0, binding = 0) readonly buffer BufAh { float16_t a_h[]; };
 layout(set = 0, binding = 0) readonly buffer BufAb { uint16_t a_b[]; };
 layout(set = 0, binding = 1) readonly buffer BufBh { float16_t b_h[]; };
@@ -84,6 +101,7 @@ layout(set = 0, binding = 1) readonly buffer BufBb { uint16_t b_b[]; };
 #ifdef VEC_B
 layout(set = 0, binding = 1) readonly buffer BufB4h { f16vec4 b4_h[]; };
 layout(set = 0, binding = 1) readonly buffer BufB4b { u16vec4 b4_b[]; };
+#endif
 #endif
 layout(set = 0, binding = 2) buffer BufCh { float16_t c_h[]; };
 layout(set = 0, binding = 2) buffer BufCb { uint16_t c_b[]; };
@@ -94,6 +112,18 @@ float from_bf16(uint v) {
 
 #include "common/bf16.glsl"
 
+#ifdef TEXEL
+float ld_a(uint i) {
+    return A_DT == 2u ? from_bf16(texelFetch(ta_bits, int(i)).x) : texelFetch(ta, int(i)).x;
+}
+float ld_b(uint i) {
+    return B_DT == 2u ? from_bf16(texelFetch(tb_bits, int(i)).x) : texelFetch(tb, int(i)).x;
+}
+vec4 ld_b4(uint i) {
+    return B_DT == 2u ? uintBitsToFloat(texelFetch(tb_bits, int(i)) << 16)
+        : texelFetch(tb, int(i));
+}
+#else
 float ld_a(uint i) {
     return A_DT == 1u ? float(a_h[i]) : (A_DT == 2u ? from_bf16(uint(a_b[i])) : a[i]);
 }
@@ -110,6 +140,7 @@ vec4 ld_b4(uint i) {
     }
     return b4[i];
 }
+#endif
 #endif
 float ld_c(uint i) {
     return C_DT == 1u ? float(c_h[i]) : (C_DT == 2u ? from_bf16(uint(c_b[i])) : c[i]);

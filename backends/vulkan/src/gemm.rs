@@ -9,10 +9,15 @@
 //! (`constant_id` 1 and 2), so one module per storage type and transpose serves every
 //! shape the planner picks, where wgpu's passthrough needs a module per shape.
 //!
+//! Where the device has uniform texel buffers, the SPIR-V kernel reads A and B through
+//! views of their storage ([`TexelViews`]: a CPU driver gathers those, where it loops
+//! over the lanes of a storage load); the sums are the same either way.
+//!
 //! The GPU-class tiled kernel and the GEMV have twins too ([`GemmRoute::SpirvGpu`]),
 //! run wherever the planner picks them, within the device's shared-memory and
 //! workgroup limits; one module each serves every shape, transpose and storage type.
 
+use ash::vk;
 use kiln_engine::{Capabilities, DType, Matmul};
 use kiln_lowering::{plan_matmul, MatmulVariant};
 
@@ -53,6 +58,50 @@ pub struct SpirvGemmPlan {
     /// beta is not 0, so C is read: `USE_BETA` of the `_epi` and `_mixed` modules
     /// (the others test beta as they run).
     pub use_beta: bool,
+    /// A and B read through uniform texel buffers (the `_mixed_texel` modules, so
+    /// `mixed` is set): views of their storage, [`texel_format`]'s.
+    pub texel: bool,
+}
+
+/// What a device allows of the uniform texel buffers the CPU-class GEMM reads A and B
+/// through: a CPU driver such as lavapipe (Mesa 22.3) turns a storage-buffer load whose
+/// address differs across lanes into a loop over the lanes with a branch per lane, and
+/// a texel fetch into a vector gather — about 3x the GEMM where the CPU has no AVX-512,
+/// 1.2-1.35x where it has (benches/RESULTS.md). The views are made per launch from the operands' storage, so
+/// nothing is copied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TexelViews {
+    /// `maxTexelBufferElements`: texels one view may hold.
+    pub max_elements: u64,
+    /// `minTexelBufferOffsetAlignment`: where a view may start in its buffer.
+    pub offset_align: u64,
+}
+
+/// The formats A and B are viewed as, each of which must be a uniform texel buffer
+/// format on the device: f32, f16 and bf16's bits, one and four to a texel.
+pub const TEXEL_FORMATS: [vk::Format; 6] = [
+    vk::Format::R32_SFLOAT,
+    vk::Format::R32G32B32A32_SFLOAT,
+    vk::Format::R16_SFLOAT,
+    vk::Format::R16G16B16A16_SFLOAT,
+    vk::Format::R16_UINT,
+    vk::Format::R16G16B16A16_UINT,
+];
+
+/// The view format of an operand stored as `dtype` (f32, f16 or bf16), read `four`
+/// values to a fetch or one: the fetch returns the stored value exactly (a bf16's bits,
+/// which the shader shifts into an f32).
+pub fn texel_format(dtype: DType, four: bool) -> vk::Format {
+    let [one, quad] = match dtype {
+        DType::F16 => [TEXEL_FORMATS[2], TEXEL_FORMATS[3]],
+        DType::BF16 => [TEXEL_FORMATS[4], TEXEL_FORMATS[5]],
+        _ => [TEXEL_FORMATS[0], TEXEL_FORMATS[1]],
+    };
+    if four {
+        quad
+    } else {
+        one
+    }
 }
 
 impl SpirvGemmPlan {
@@ -294,6 +343,8 @@ pub struct GemmDevice {
     pub max_group_x: u32,
     /// The kernel the planner is made to pick ([`crate::VkDevice::force_gemm_variant`]).
     pub force: Option<MatmulVariant>,
+    /// Texel buffers for the CPU-class kernel's A and B, where the device has them.
+    pub texel: Option<TexelViews>,
 }
 
 /// The route of `mm` (validated) on a device with `caps` and `dev`.
@@ -394,21 +445,32 @@ pub fn route(mm: &Matmul, caps: &Capabilities, dev: GemmDevice) -> GemmRoute {
             ))
         }
     };
+    let vec_b = !mm.trans_b
+        && mm.n.is_multiple_of(4)
+        && (mm.batch == 1 || mm.stride_b.is_multiple_of(4))
+        && dev.b_offset.is_multiple_of(4 * mm.b.dtype.size() as u64);
+    // A and B through texel views where each view can start at its operand and hold
+    // it (else storage loads: the same sums, slower on a CPU driver).
+    let texel = dev.texel.is_some_and(|t| {
+        let fits = |b: &kiln_engine::Buffer, offset: u64, per_texel: u64| {
+            offset.is_multiple_of(t.offset_align) && b.len as u64 / per_texel <= t.max_elements
+        };
+        fits(&mm.a, dev.a_offset, 1) && fits(&mm.b, dev.b_offset, if vec_b { 4 } else { 1 })
+    });
     let p = SpirvGemmPlan {
         dtype,
         trans_a: mm.trans_a,
         trans_b: mm.trans_b,
-        vec_b: !mm.trans_b
-            && mm.n.is_multiple_of(4)
-            && (mm.batch == 1 || mm.stride_b.is_multiple_of(4))
-            && dev.b_offset.is_multiple_of(4 * mm.b.dtype.size() as u64),
+        vec_b,
         tm,
         nv,
         require_subgroup,
         bias: mm.bias.is_some(),
         gelu: mm.gelu,
         copy_f32: mm.c_f32.is_some(),
-        mixed,
+        // The texel modules are `_mixed` builds (the views' formats give the types).
+        mixed: if texel { Some(storage) } else { mixed },
+        texel,
         splits: plan.splits,
         use_beta: mm.beta != 0.0,
         k_chunk: if plan.splits > 1 {
@@ -564,6 +626,16 @@ pub fn storage_code(t: DType) -> u32 {
 /// specialized at pipeline creation, so the other builds' compiled-in defaults are not
 /// needed here.
 pub fn module(p: &SpirvGemmPlan) -> (&'static str, &'static [u8]) {
+    if p.texel {
+        return match (p.trans_a, p.trans_b, p.vec_b) {
+            (false, false, false) => spv!("matmul_cpu_16x2_nn_mixed_texel"),
+            (false, false, true) => spv!("matmul_cpu_16x2_nn_vec_mixed_texel"),
+            (false, true, _) => spv!("matmul_cpu_16x2_nt_mixed_texel"),
+            (true, false, false) => spv!("matmul_cpu_16x2_tn_mixed_texel"),
+            (true, false, true) => spv!("matmul_cpu_16x2_tn_vec_mixed_texel"),
+            (true, true, _) => spv!("matmul_cpu_16x2_tt_mixed_texel"),
+        };
+    }
     if p.mixed.is_some() {
         return match (p.trans_a, p.trans_b, p.vec_b) {
             (false, false, false) => spv!("matmul_cpu_16x2_nn_mixed"),
@@ -737,6 +809,50 @@ mod tests {
             panic!()
         };
         assert_eq!(module(&r).0, "matmul_cpu_16x2_nn_vec_mixed");
+    }
+
+    #[test]
+    fn texel_views_read_a_and_b_where_each_view_can_start_and_hold_its_operand() {
+        let texel = TexelViews {
+            max_elements: 1 << 20,
+            offset_align: 16,
+        };
+        let d = GemmDevice {
+            texel: Some(texel),
+            ..GemmDevice::default()
+        };
+        let plan = |product: &Matmul, dev: GemmDevice| match route(product, &lavapipe(), dev) {
+            GemmRoute::Spirv(p) => p,
+            other => panic!("not routed to SPIR-V: {other:?}"),
+        };
+        // Every storage runs the `_mixed` build's texel twin, with its types.
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let p = plan(&mm(dtype, 40, 24, 9), d);
+            assert!(p.texel && p.vec_b, "{p:?}");
+            assert_eq!(p.mixed, Some([dtype; 4]));
+            assert_eq!(module(&p).0, "matmul_cpu_16x2_nn_vec_mixed_texel");
+        }
+        let mut tn = mm(DType::F32, 40, 23, 9);
+        tn.trans_a = true;
+        assert_eq!(module(&plan(&tn, d)).0, "matmul_cpu_16x2_tn_mixed_texel");
+        // A view must start on the device's alignment...
+        let product = mm(DType::F32, 40, 24, 9);
+        for misaligned in [
+            GemmDevice { a_offset: 8, ..d },
+            GemmDevice { b_offset: 4, ..d },
+        ] {
+            let p = plan(&product, misaligned);
+            assert!(!p.texel && p.mixed.is_none(), "{p:?}");
+        }
+        // ... and hold at most its texels: B four values to one, A one.
+        let mut wide = mm(DType::F32, 4, 2048, 2048);
+        assert!(plan(&wide, d).texel);
+        wide.trans_b = true;
+        assert!(!plan(&wide, d).texel);
+        let tall = mm(DType::F32, 2048, 4, 1024);
+        assert!(!plan(&tall, d).texel);
+        // No texel buffers: the storage modules, as before.
+        assert!(!plan(&product, GemmDevice::default()).texel);
     }
 
     #[test]

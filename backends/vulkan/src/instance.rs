@@ -408,7 +408,28 @@ impl Instance {
             max_shared: props.limits.max_compute_shared_memory_size,
             max_invocations: props.limits.max_compute_work_group_invocations,
             max_group_x: props.limits.max_compute_work_group_size[0],
+            texel: self.texel_views(pd, &props.limits),
         }
+    }
+
+    /// Whether every format the texel GEMM views A and B as (f32, f16 and bf16's bits,
+    /// one and four to a texel) can be a uniform texel buffer, and the limits on views.
+    fn texel_views(
+        &self,
+        pd: vk::PhysicalDevice,
+        limits: &vk::PhysicalDeviceLimits,
+    ) -> Option<crate::gemm::TexelViews> {
+        let all = crate::gemm::TEXEL_FORMATS.iter().all(|&f| {
+            // SAFETY: `pd` came from this instance.
+            let props = unsafe { self.instance.get_physical_device_format_properties(pd, f) };
+            props
+                .buffer_features
+                .contains(vk::FormatFeatureFlags::UNIFORM_TEXEL_BUFFER)
+        });
+        all.then_some(crate::gemm::TexelViews {
+            max_elements: limits.max_texel_buffer_elements as u64,
+            offset_align: limits.min_texel_buffer_offset_alignment.max(1),
+        })
     }
 
     /// How a pipeline can require a subgroup size (`requiredSubgroupSize`): the
@@ -595,6 +616,10 @@ pub(crate) struct Features {
     pub max_shared: u32,
     pub max_invocations: u32,
     pub max_group_x: u32,
+    /// Uniform texel buffers the CPU-class GEMM reads A and B through
+    /// (`crate::gemm::TexelViews`), or none: a format it needs is not supported for
+    /// them here.
+    pub texel: Option<crate::gemm::TexelViews>,
 }
 
 /// `subgroupSizeControl` for compute shaders.

@@ -10,16 +10,21 @@ impl Device for VkDevice {
     fn alloc(&self, dtype: DType, len: usize) -> Result<Buffer> {
         let bytes = check_alloc(&self.caps, dtype, len)?;
         let mut s = self.lock();
-        // Downloads may copy it on the transfer queue.
-        let mem = self.make_shared(
-            &mut s,
-            bytes,
-            vk::BufferUsageFlags::STORAGE_BUFFER
-                | vk::BufferUsageFlags::TRANSFER_SRC
-                | vk::BufferUsageFlags::TRANSFER_DST,
-            MemoryLocation::GpuOnly,
-            true,
-        )?;
+        // Downloads may copy it on the transfer queue; the CPU-class GEMM may read it
+        // through texel views.
+        let mut usage = vk::BufferUsageFlags::STORAGE_BUFFER
+            | vk::BufferUsageFlags::TRANSFER_SRC
+            | vk::BufferUsageFlags::TRANSFER_DST;
+        let mut size = bytes;
+        if let Some(padded) = self
+            .features
+            .texel
+            .and_then(|_| texel_buffer_size(bytes, self.caps.max_buffer))
+        {
+            usage |= vk::BufferUsageFlags::UNIFORM_TEXEL_BUFFER;
+            size = padded;
+        }
+        let mem = self.make_shared(&mut s, size, usage, MemoryLocation::GpuOnly, true)?;
         // Zero-filled, in stream order (memory may be recycled).
         let (buffer, size) = (mem.buffer, mem.size);
         let cmd = match self.stream(&mut s) {
@@ -451,4 +456,21 @@ impl Device for VkDevice {
             })
             .collect())
     }
+}
+
+/// The size of a buffer the CPU-class GEMM may view as texels
+/// (`VkDevice::texel_view`): lavapipe compiles a kernel anew for each shader key, and
+/// the key holds whether each texel buffer's size is a power of two and whether bits
+/// 8-15 of each view's size are zero (a mip level count it reads from the view's
+/// buffer range). So no such buffer's size is a power of two, and 256 bytes past its
+/// data let every view be sized with those bits set: one build of a block (the
+/// primer's, on its own buffers) serves every launch. None where that would pass the
+/// device's largest buffer (such a buffer's GEMMs use storage loads:
+/// `VkDevice::texel_room`).
+pub(super) fn texel_buffer_size(bytes: u64, max_buffer: u64) -> Option<u64> {
+    let mut size = bytes + 256;
+    while size.is_power_of_two() {
+        size += 16;
+    }
+    (size <= max_buffer).then_some(size)
 }

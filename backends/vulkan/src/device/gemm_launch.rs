@@ -222,13 +222,15 @@ impl VkDevice {
 
 impl VkDevice {
     /// The set and pipeline layouts of the SPIR-V GEMM: A, B and C as storage buffers
-    /// (bindings 0-2), its parameters as a uniform (binding 3), and the epilogue
-    /// modules' bias and f32 copy of C (storage, 4 and 5), pushed per launch.
+    /// (bindings 0-2; with `texel`, A and B as uniform texel buffers), its parameters
+    /// as a uniform (binding 3), and the epilogue modules' bias and f32 copy of C
+    /// (storage, 4 and 5), pushed per launch.
     pub(super) fn gemm_layout(
         &self,
         s: &mut State,
+        texel: bool,
     ) -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout)> {
-        if let Some(l) = s.gemm_layout {
+        if let Some(l) = s.gemm_layout[texel as usize] {
             return Ok(l);
         }
         let binding = |i: u32, ty: vk::DescriptorType| {
@@ -239,9 +241,14 @@ impl VkDevice {
                 .stage_flags(vk::ShaderStageFlags::COMPUTE)
         };
         let storage = vk::DescriptorType::STORAGE_BUFFER;
+        let input = if texel {
+            vk::DescriptorType::UNIFORM_TEXEL_BUFFER
+        } else {
+            storage
+        };
         let bindings = [
-            binding(0, storage),
-            binding(1, storage),
+            binding(0, input),
+            binding(1, input),
             binding(2, storage),
             binding(3, vk::DescriptorType::UNIFORM_BUFFER),
             binding(4, storage),
@@ -266,7 +273,7 @@ impl VkDevice {
                     self.device.destroy_descriptor_set_layout(set, None);
                     self.vk_error("creating a pipeline layout", e)
                 })?;
-            s.gemm_layout = Some((set, layout));
+            s.gemm_layout[texel as usize] = Some((set, layout));
             Ok((set, layout))
         }
     }
@@ -279,7 +286,7 @@ impl VkDevice {
         s: &mut State,
         p: &SpirvGemmPlan,
     ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
-        let (_, layout) = self.gemm_layout(s)?;
+        let (_, layout) = self.gemm_layout(s, p.texel)?;
         let p = &p.pipeline_key();
         if let Some(&pipeline) = s.gemm.get(p) {
             return Ok((pipeline, layout));
@@ -305,14 +312,15 @@ impl VkDevice {
         // `gemm::route` asks for the subgroup size only where the device can require it.
         let subgroup = p.require_subgroup.then_some(gemm::LANES);
         let shape = format!(
-            "TM={} NV={} (subgroup size {})",
+            "TM={} NV={} (subgroup size {}{})",
             p.tm,
             p.nv,
             if p.require_subgroup {
                 "required"
             } else {
                 "fixed"
-            }
+            },
+            if p.texel { "; A and B as texels" } else { "" }
         );
         let pipeline =
             self.build_gemm_pipeline(layout, gemm::module(p), &spec, subgroup, &shape)?;
@@ -364,8 +372,13 @@ impl VkDevice {
         self.gemm_pipeline(s, p)?;
         self.record_gemm_with(s, mm, p.partial(), (p.splits, p.k_chunk), |dev, s, cf| {
             let pipeline = dev.gemm_pipeline(s, p)?;
-            dev.dispatch_gemm(s, mm, pipeline, &p.params(mm), p.groups(mm), cf)?;
+            let texel = p.texel.then_some(p.vec_b);
+            dev.dispatch_gemm(s, mm, pipeline, &p.params(mm), p.groups(mm), cf, texel)?;
             s.ran.insert(p.pipeline_key());
+            if p.texel {
+                dev.texel_count
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             Ok(())
         })
     }
@@ -415,7 +428,10 @@ impl VkDevice {
     /// Records one dispatch of a hand-written GEMM's `pipeline` over `groups`: A, B
     /// and C at bindings 0-2, `params` as the uniform at 3, the bias (a stand-in where
     /// the launch has none: the modules that read it declare it) at 4 and `cf` (the f32
-    /// copy of C or the partials) at 5; see `gemm_layout`.
+    /// copy of C or the partials) at 5; see `gemm_layout`. With `texel` (whether B is
+    /// read four values to a fetch), A and B are bound as texel views of their storage,
+    /// made here and retired with the stream.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch_gemm(
         &self,
         s: &mut State,
@@ -424,23 +440,76 @@ impl VkDevice {
         params: &[u32; 16],
         groups: (u64, u64, u64),
         cf: u64,
+        texel: Option<bool>,
     ) -> Result<()> {
         let mut infos = vec![];
         for id in [mm.a.id, mm.b.id, mm.c.id] {
             infos.push(self.buffer_info(s, id)?);
         }
+
         let (cmd, arena, offset) = self.put_params(s, params)?;
         infos.push(vk::DescriptorBufferInfo {
             buffer: arena,
             offset,
             range: 4 * params.len() as u64,
         });
+        // Made once the stream is open, so that they are retired with it.
+        let views = match texel {
+            Some(vec_b) => Some([
+                self.texel_view(s, infos[0], gemm::texel_format(mm.a.dtype, false))?,
+                self.texel_view(s, infos[1], gemm::texel_format(mm.b.dtype, vec_b))?,
+            ]),
+            None => None,
+        };
         infos.push(self.buffer_info(s, mm.bias.map_or(DUMMY_ID, |b| b.id))?);
         infos.push(self.buffer_info(s, cf)?);
-        let writes = buffer_writes(&infos, Some(3));
+        let mut writes = buffer_writes(&infos, Some(3));
+        if let Some(views) = &views {
+            for (w, view) in writes.iter_mut().zip(views) {
+                *w = vk::WriteDescriptorSet::default()
+                    .dst_binding(w.dst_binding)
+                    .descriptor_type(vk::DescriptorType::UNIFORM_TEXEL_BUFFER)
+                    .texel_buffer_view(std::slice::from_ref(view));
+            }
+        }
         let (x, y, z) = groups;
         self.record_compute(cmd, pipeline, &writes, &[], (x as u32, y as u32, z as u32));
         Ok(())
+    }
+
+    /// A view of `info`'s range (whole texels of `format`) for the open stream's
+    /// launches, destroyed once the stream has run.
+    fn texel_view(
+        &self,
+        s: &mut State,
+        info: vk::DescriptorBufferInfo,
+        format: vk::Format,
+    ) -> Result<vk::BufferView> {
+        let texel = match format {
+            vk::Format::R32G32B32A32_SFLOAT => 16,
+            vk::Format::R16G16B16A16_SFLOAT | vk::Format::R16G16B16A16_UINT => 8,
+            vk::Format::R32_SFLOAT => 4,
+            _ => 2,
+        };
+        // Whole texels, and bits 8-15 of the size never all zero, so that lavapipe's
+        // shader key is the same for every view (`contract::texel_buffer_size` left
+        // the 256 bytes past the data this may add).
+        let mut range = info.range / texel * texel;
+        if (range >> 8) & 0xff == 0 {
+            range += 256;
+        }
+        let create = vk::BufferViewCreateInfo::default()
+            .buffer(info.buffer)
+            .format(format)
+            .offset(info.offset)
+            .range(range);
+        // SAFETY: a live buffer made with UNIFORM_TEXEL_BUFFER usage (`alloc`, where
+        // the device has texel views); `gemm::route` checked the offset's alignment and
+        // the texel count against the device's limits, and the format's support.
+        let view = unsafe { self.device.create_buffer_view(&create, None) }
+            .map_err(|e| self.vk_error("creating a texel view", e))?;
+        Self::retired_at(s, (Self::tag(s), 0)).views.push(view);
+        Ok(view)
     }
 
     /// The block a launch planned as `p` runs: `p`, unless it is a big block whose
@@ -521,7 +590,7 @@ impl VkDevice {
         s: &mut State,
         p: &GpuGemmPlan,
     ) -> Result<(vk::Pipeline, vk::PipelineLayout)> {
-        let (_, layout) = self.gemm_layout(s)?;
+        let (_, layout) = self.gemm_layout(s, false)?;
         let p = &p.pipeline_key();
         if let Some(&pipeline) = s.gemm_gpu.get(p) {
             return Ok((pipeline, layout));
@@ -547,7 +616,8 @@ impl VkDevice {
         let pipeline = self.gpu_gemm_pipeline(s, p)?;
         self.record_gemm_with(s, mm, p.partial(), (p.splits, p.k_chunk), |dev, s, cf| {
             for (row_base, groups) in p.dispatches(mm) {
-                dev.dispatch_gemm(s, mm, pipeline, &p.params(mm, row_base), groups, cf)?;
+                let params = p.params(mm, row_base);
+                dev.dispatch_gemm(s, mm, pipeline, &params, groups, cf, None)?;
             }
             Ok(())
         })

@@ -107,6 +107,8 @@ struct Retired {
     commands: Vec<vk::CommandBuffer>,
     /// Command buffers of the transfer queue's pool.
     transfer_commands: Vec<vk::CommandBuffer>,
+    /// Texel views the CPU-class GEMM read A and B through (made per launch).
+    views: Vec<vk::BufferView>,
 }
 
 /// When something retired is unused: once the compute timeline has passed the first
@@ -189,7 +191,8 @@ pub struct State {
     ran_attention: std::collections::HashSet<String>,
     /// The tiled GEMM's and the GEMV's SPIR-V twins' pipelines, by specialization.
     gemm_gpu: HashMap<GpuGemmPlan, vk::Pipeline>,
-    gemm_layout: Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>,
+    /// The SPIR-V GEMMs' layouts: A and B as storage buffers, and as texel buffers.
+    gemm_layout: [Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>; 2],
     stream: Option<Stream>,
     /// Last timeline value submitted.
     submitted: u64,
@@ -267,6 +270,11 @@ pub struct VkDevice {
     attention_plan: Mutex<Option<AttentionPlan>>,
     /// The GEMM kernel tests force ([`VkDevice::force_gemm_variant`]).
     gemm_variant: Mutex<Option<MatmulVariant>>,
+    /// The CPU-class GEMM reads A and B through texel views where it can (tests turn
+    /// it off: [`VkDevice::use_texel_gemm`]).
+    texel_gemm: std::sync::atomic::AtomicBool,
+    /// CPU-class GEMM launches recorded that read A and B through texel views.
+    texel_count: std::sync::atomic::AtomicU64,
     /// What the cooperative-matrix GEMM runs with here, or why it does not run.
     coopmat: std::result::Result<CoopMat, String>,
     /// Runs big GEMM blocks and attention passes first on a second device (software
@@ -373,8 +381,30 @@ impl VkDevice {
             max_invocations: self.features.max_invocations,
             max_group_x: self.features.max_group_x,
             force: *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()),
+            texel: self.features.texel.filter(|_| {
+                self.texel_gemm.load(std::sync::atomic::Ordering::Relaxed)
+                    && self.texel_room(s, mm.a.id)
+                    && self.texel_room(s, mm.b.id)
+            }),
         };
         Ok(gemm::route(mm, &self.caps, dev))
+    }
+
+    /// Whether buffer `id` (a view: its parent) was made for texel views, with the 256
+    /// bytes past its data that `texel_view` may size a view into
+    /// (`contract::texel_buffer_size`).
+    fn texel_room(&self, s: &State, id: u64) -> bool {
+        let Some(slot) = s.buffers.get(&id) else {
+            return false;
+        };
+        let (mem, end) = match &slot.kind {
+            SlotKind::Own(m) => (m, slot.meta.bytes()),
+            SlotKind::View { parent, base } => match s.buffers.get(parent).map(|p| &p.kind) {
+                Some(SlotKind::Own(m)) => (m, base + slot.meta.bytes()),
+                _ => return false,
+            },
+        };
+        mem.size >= end + 256
     }
 
     /// `Kernel::Matmul` launches so far: (by the SPIR-V GEMMs — the CPU-class kernel
@@ -405,6 +435,21 @@ impl VkDevice {
     #[doc(hidden)]
     pub fn force_gemm_variant(&self, variant: Option<MatmulVariant>) {
         *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()) = variant;
+    }
+
+    /// `Kernel::Matmul` launches the CPU-class SPIR-V GEMM recorded reading A and B
+    /// through texel views (of [`VkDevice::gemm_launches`]' first count).
+    pub fn texel_gemm_launches(&self) -> u64 {
+        self.texel_count.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Lets the CPU-class SPIR-V GEMM read A and B through texel views where the device
+    /// has them (`true`, the default) or makes it use storage loads, so that tests and
+    /// benchmarks compare the two (the same sums).
+    #[doc(hidden)]
+    pub fn use_texel_gemm(&self, on: bool) {
+        self.texel_gemm
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records `kernel` (validated, its buffers live): a GEMM the SPIR-V kernel covers
@@ -638,6 +683,9 @@ impl Drop for VkDevice {
             }
             for (_, r) in std::mem::take(&mut s.retired) {
                 mems.extend(r.mems);
+                for v in r.views {
+                    self.device.destroy_buffer_view(v, None);
+                }
             }
             mems.extend(std::mem::take(&mut s.free_arenas));
             for (_, slot) in std::mem::take(&mut s.buffers) {
@@ -680,7 +728,7 @@ impl Drop for VkDevice {
             for (_, p) in s.gemm_gpu.drain() {
                 self.device.destroy_pipeline(p, None);
             }
-            if let Some((set, pl)) = s.gemm_layout.take() {
+            for (set, pl) in s.gemm_layout.iter_mut().filter_map(Option::take) {
                 self.device.destroy_pipeline_layout(pl, None);
                 self.device.destroy_descriptor_set_layout(set, None);
             }

@@ -133,7 +133,9 @@ impl VkDevice {
                 mm.c_f32.map_or(DUMMY_ID, |b| b.id)
             };
             let pipeline = self.gemm_pipeline(&mut s, &q)?;
-            self.dispatch_gemm(&mut s, &mm, pipeline, &q.params(&mm), q.groups(&mm), cf)?;
+            let (params, groups) = (q.params(&mm), q.groups(&mm));
+            let texel = q.texel.then_some(q.vec_b);
+            self.dispatch_gemm(&mut s, &mm, pipeline, &params, groups, cf, texel)?;
             let value = self.flush(&mut s)?;
             drop(s);
             self.wait_for(value)

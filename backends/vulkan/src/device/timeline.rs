@@ -58,6 +58,10 @@ impl VkDevice {
                 }
             }
             s.free_commands.extend(r.commands);
+            for v in r.views {
+                // SAFETY: the launches that read through the view have run.
+                unsafe { self.device.destroy_buffer_view(v, None) };
+            }
             if let Some(x) = s.transfer.as_mut() {
                 x.free_commands.extend(r.transfer_commands);
             }
