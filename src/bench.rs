@@ -528,7 +528,7 @@ pub(crate) fn selected_gflops(
     let name = match selected {
         Some(v) => format!("selected {}", v.name()),
         None if !dev.gemm_selection_on() => format!("table {table} (--no-tune)"),
-        None if work < crate::wgpu::tune::MIN_WORK => {
+        None if work < crate::wgpu::gemm_select::MIN_WORK => {
             format!("table {table} (too small to measure)")
         }
         None => format!("table {table} (not measured: no built rival, or budget spent)"),

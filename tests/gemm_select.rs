@@ -201,7 +201,7 @@ fn measured_blocks_are_kept_across_devices_and_a_damaged_file_is_ignored() {
     assert!(third.gemm_winners().is_empty(), "a damaged file was read");
     assert_bits_eq("after a damaged file", &tuned_product(&third), &table);
     assert_eq!(third.gemm_winners().len(), 1);
-    assert!(kiln::wgpu::tune::decode(&std::fs::read(&file).unwrap(), key_of(&file)).is_ok());
+    assert!(kiln::wgpu::gemm_select::decode(&std::fs::read(&file).unwrap(), key_of(&file)).is_ok());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

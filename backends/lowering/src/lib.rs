@@ -5,13 +5,15 @@
 //! and its own device code; nothing here knows wgpu or Vulkan.
 //!
 //! The files import in one direction (the workspace's `tests/import_cycles.rs`), lowest
-//! first: `shader`, `options`; `dispatch`; `gemm_plan`, `pipeline_cache`; `recorder`;
-//! `gemm`, `attention`; `launch`.
+//! first: `shader`, `options`; `dispatch`; `gemm_plan`, `pipeline_cache`;
+//! `gemm_select`, `recorder`; `gemm`, `attention`; `launch`.
 
 mod attention;
 mod dispatch;
 mod gemm;
 mod gemm_plan;
+/// Measured GEMM selection: what is timed, the budget, and the winners file.
+pub mod gemm_select;
 mod launch;
 mod options;
 /// The on-disk pipeline cache file format and place, shared by both backends.

@@ -8,7 +8,7 @@ use kiln_lowering::{
 };
 
 use crate::device::{State, WgpuDevice};
-use crate::tune::{
+use kiln_lowering::gemm_select::{
     as_candidate, awaiting, candidates, class, quick, select, to_build, Timing, BUDGET_S, MIN_WORK,
 };
 

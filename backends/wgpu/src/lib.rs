@@ -14,12 +14,14 @@ mod profile;
 mod spirv;
 mod timestamps;
 /// Measured GEMM block selection on CPU-class adapters (`KILN_GEMM_TUNE`).
-pub mod tune;
+mod tune;
 
 pub use adapter::{adapters, find_adapter, AdapterSummary, NO_ADAPTER_HINT};
 pub use device::WgpuDevice;
 // The planners live in the shared lowering; named here too, as the wgpu backend's API
 // for benchmarks and tests that pin a kernel.
+/// The measured GEMM selection (its budget, threshold and winners file), shared with vk.
+pub use kiln_lowering::gemm_select;
 pub use kiln_lowering::{
     attention_geometry, attention_launches, plan_attention, plan_matmul, AttentionLaunch,
     AttentionPass, AttentionPlan, DeviceOptions, MatmulPlan, MatmulVariant, GPU_LADDER,

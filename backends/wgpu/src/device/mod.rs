@@ -166,7 +166,7 @@ pub struct State {
     /// GEMM launches that ran a smaller block while their own was building.
     stand_ins: u64,
     /// Measured GEMM blocks (CPU-class adapters).
-    pub(crate) tuner: crate::tune::Tuner,
+    pub(crate) tuner: kiln_lowering::gemm_select::Tuner,
 }
 
 /// One pipeline for the compile workers.

@@ -92,7 +92,7 @@ impl WgpuDevice {
             .then(|| crate::pipeline_cache::open(&device, adapter, options))
             .flatten()
             .map(Arc::new);
-        let tuner = crate::tune::Tuner::open(&adapter.get_info(), options, &caps.device_type);
+        let tuner = crate::tune::open(&adapter.get_info(), options, &caps.device_type);
         let broken = Broken::default();
         let held_buffer = |v| Guarded::new(v, lock, &broken);
         Ok(WgpuDevice {
