@@ -555,10 +555,24 @@ pub(crate) fn vk_gflops(
     let timed = device_gflops(dev, s, dtype, budget);
     dev.force_gemm_variant(None);
     let (gflops, planned) = timed?;
+    // The block the measured selection picked for the shape, where it picked one.
+    let shaped = |len| crate::engine::Buffer { id: 0, dtype, len };
+    let probe = Matmul::new(
+        shaped(s.m * s.k),
+        shaped(s.k * s.n),
+        shaped(s.m * s.n),
+        s.m,
+        s.n,
+        s.k,
+    )
+    .transpose(s.trans_a, s.trans_b);
     let variant = match pin {
         Some(v) if dev.gemm_launches().0 > spirv => v.name(),
         Some(v) => format!("{planned} (pinned {} is not on the SPIR-V route)", v.name()),
-        None => planned,
+        None => match dev.gemm_selected(&probe) {
+            Some(w) => format!("selected {}", w.name()),
+            None => planned,
+        },
     };
     let ran_spirv = dev.gemm_launches().0 > spirv;
     let ran_coop = dev.coopmat_launches() > coop;

@@ -205,6 +205,69 @@ fn measured_blocks_are_kept_across_devices_and_a_damaged_file_is_ignored() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The same on the raw Vulkan backend (`vk:N`, whose SPIR-V GEMM runs the blocks): the
+/// first launch of the shape times its table block against the quick neighbour, on
+/// the launch's own operands, runs the winner with the table's bits (the wgpu device's,
+/// whose WGSL kernel the SPIR-V one sums as), and a second device starts from the
+/// winners file; `no_tune` keeps the table and measures nothing.
+#[test]
+fn measured_blocks_are_kept_across_devices_on_vk() {
+    let dir = std::env::temp_dir().join(format!("kiln-gemm-select-vk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let table = tuned_product(&lavapipe_with(&dir.join("off"), true));
+    let open = |no_tune| {
+        kiln::vulkan::VkDevice::open(
+            vk_index(),
+            &DeviceOptions {
+                pipeline_cache_dir: Some(dir.clone()),
+                no_tune,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let product = |dev: &kiln::vulkan::VkDevice| {
+        let (m, n, k) = TUNED;
+        let a = put(dev, &finite(DType::F32, m * k, 21));
+        let b = put(dev, &finite(DType::F32, k * n, 22));
+        let c = put(dev, &HostData::from_f32(DType::F32, &vec![0.0; m * n]));
+        let mm = Matmul::new(a, b, c, m, n, k);
+        assert!(matches!(
+            dev.gemm_route(&mm).unwrap(),
+            kiln::vulkan::GemmRoute::Spirv(_)
+        ));
+        let before = dev.gemm_selected(&mm);
+        dev.launch(&Kernel::Matmul(mm.clone())).unwrap();
+        dev.submit().unwrap();
+        let out = dev.download(c).unwrap();
+        (out, before, dev.gemm_selected(&mm))
+    };
+    let off = open(true);
+    let (out, _, chosen) = product(&off);
+    assert_bits_eq("vk table block", &out, &table);
+    assert_eq!(chosen, None, "no_tune measured blocks");
+
+    let first = open(false);
+    let (out, before, chosen) = product(&first);
+    assert_eq!(before, None);
+    assert_bits_eq("vk measured block against the table", &out, &table);
+    let chosen = chosen.expect("the first launch measured nothing");
+    assert!(
+        ["cpu16x8", "cpu8x4"].contains(&chosen.name().as_str()),
+        "{chosen:?}"
+    );
+    assert_eq!(
+        first.gemm_launches(),
+        (1, 0),
+        "timed runs counted as launches"
+    );
+    let second = open(false);
+    let (out, remembered, _) = product(&second);
+    assert_eq!(remembered, Some(chosen), "the winners file was not read");
+    assert_bits_eq("vk remembered block", &out, &table);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// At 1024³-class products the table's block is the 64-row one, whose one neighbour on
 /// the ladder (32 rows) is slow to build, so once nothing was measured there. Now its
 /// first launch asks for the neighbour in the background (its machine code compiled on

@@ -124,3 +124,62 @@ fn a_gpu_shape_is_measured_once_and_remembered() {
     assert_bits_eq("remembered tile", &again, &table);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The same on the raw Vulkan backend (`vk:N`), whose GLSL twin of the tiled kernel
+/// runs the shape: the first launch times the tiles on the launch's own operands and
+/// runs the winner (the table's bits, as the wgpu device gives them), and a second
+/// device of the adapter starts from the winners file.
+#[test]
+fn a_gpu_shape_is_measured_once_and_remembered_on_vk() {
+    let dir = std::env::temp_dir().join(format!("kiln-gemm-tiles-vk-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dims = (256, 256, 1024);
+    // The table's tile, on wgpu (the twin sums as the WGSL kernel does).
+    let wgpu = with_cache(&dir.join("off"), true);
+    let table = pinned_product(&wgpu, dims, (false, false), DType::F32, None);
+    let open = || {
+        let _ = lavapipe_as_gpu(DeviceOptions {
+            no_tune: true,
+            ..Default::default()
+        });
+        kiln::vulkan::VkDevice::open(
+            vk_index(),
+            &DeviceOptions {
+                pipeline_cache_dir: Some(dir.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let launch = |dev: &kiln::vulkan::VkDevice| {
+        let (m, n, k) = dims;
+        let a = put(dev, &finite(DType::F32, m * k, 1 + m as u64));
+        let b = put(dev, &finite(DType::F32, k * n, 2 + n as u64));
+        let c = put(dev, &HostData::from_f32(DType::F32, &vec![f32::NAN; m * n]));
+        let mm = Matmul::new(a, b, c, m, n, k);
+        let route = dev.gemm_route(&mm).unwrap();
+        assert!(
+            matches!(route, kiln::vulkan::GemmRoute::SpirvGpu(_)),
+            "not the tiled kernel's twin: {route:?}"
+        );
+        let remembered = dev.gemm_selected(&mm);
+        dev.launch(&Kernel::Matmul(mm.clone())).unwrap();
+        dev.submit().unwrap();
+        (dev.download(c).unwrap(), remembered, dev.gemm_selected(&mm))
+    };
+    let first = open();
+    assert!(first.gemm_selection_on());
+    let (out, before, chosen) = launch(&first);
+    assert_eq!(before, None);
+    assert_bits_eq("vk: measured tile against the table's", &out, &table);
+    let chosen = chosen.expect("the first launch measured nothing");
+    assert!(GPU_LADDER.contains(&chosen), "{chosen:?}");
+    // One launch recorded, on the SPIR-V route: the timed runs are not launches.
+    assert_eq!(first.gemm_launches(), (1, 0));
+
+    let second = open();
+    let (again, remembered, _) = launch(&second);
+    assert_eq!(remembered, Some(chosen), "the winners file was not read");
+    assert_bits_eq("vk: remembered tile", &again, &table);
+    let _ = std::fs::remove_dir_all(&dir);
+}

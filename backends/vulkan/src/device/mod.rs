@@ -57,6 +57,7 @@ mod cache;
 mod contract;
 mod dispatch;
 mod gemm_launch;
+mod gemm_selection;
 mod open;
 mod priming;
 #[cfg(feature = "test-hooks")]
@@ -193,6 +194,9 @@ pub struct State {
     gemm_gpu: HashMap<GpuGemmPlan, vk::Pipeline>,
     /// The SPIR-V GEMMs' layouts: A and B as storage buffers, and as texel buffers.
     gemm_layout: [Option<(vk::DescriptorSetLayout, vk::PipelineLayout)>; 2],
+    /// The measured GEMM selection's winners and what it has spent
+    /// (`gemm_selection.rs`).
+    tuner: kiln_lowering::gemm_select::Tuner,
     stream: Option<Stream>,
     /// Last timeline value submitted.
     submitted: u64,
@@ -371,6 +375,18 @@ impl VkDevice {
     }
 
     fn route(&self, s: &State, mm: &kiln_engine::Matmul) -> Result<GemmRoute> {
+        let pinned = *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner());
+        self.route_with(s, mm, pinned)
+    }
+
+    /// [`VkDevice::route`] with the planner made to pick `force` (a pin, or a
+    /// candidate of the measured selection).
+    fn route_with(
+        &self,
+        s: &State,
+        mm: &kiln_engine::Matmul,
+        force: Option<MatmulVariant>,
+    ) -> Result<GemmRoute> {
         let (_, b_offset, _) = self.resolve(s, mm.b.id)?;
         let (_, a_offset, _) = self.resolve(s, mm.a.id)?;
         let dev = GemmDevice {
@@ -380,7 +396,7 @@ impl VkDevice {
             max_shared: self.features.max_shared,
             max_invocations: self.features.max_invocations,
             max_group_x: self.features.max_group_x,
-            force: *self.gemm_variant.lock().unwrap_or_else(|e| e.into_inner()),
+            force,
             texel: self.features.texel.filter(|_| {
                 self.texel_gemm.load(std::sync::atomic::Ordering::Relaxed)
                     && self.texel_room(s, mm.a.id)
@@ -472,7 +488,8 @@ impl VkDevice {
                             mm.m, mm.n, mm.k, mm.batch
                         );
                     }
-                    self.route(s, mm)?
+                    let planned = self.route(s, mm)?;
+                    self.selected_route(s, mm, planned)?
                 }
             };
             if s.collect.is_none() {

@@ -233,6 +233,7 @@ impl VkDevice {
                         Ok(Box::new(VkDevice::open_unprimed(i, o)?) as Box<dyn PrimeOn>)
                     })
                 });
+        let tuner = super::gemm_selection::open_tuner(&features, options, &caps.device_type);
         let dev = VkDevice {
             caps,
             features,
@@ -273,6 +274,7 @@ impl VkDevice {
                 ran_attention: Default::default(),
                 gemm_gpu: HashMap::new(),
                 gemm_layout: [None, None],
+                tuner,
                 stream: None,
                 submitted: 0,
                 retired: vec![],
