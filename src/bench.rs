@@ -173,8 +173,9 @@ pub struct Row {
 }
 
 /// Runs `warm_up` until every pipeline queued since `before` (a
-/// `compiling::snapshot()` taken before the work was built) is built and has run, at
-/// least once and for at most 300 s, saying so (as `what`) when the bound is hit. A
+/// `compiling::snapshot()` taken before the work was built) is built and has run, and a
+/// run has started no new build, at least once and for at most 300 s, saying so (as
+/// `what`) when the bound is hit. A
 /// plan compiles its pipelines ahead of its first run, and on a software driver its big
 /// GEMM blocks build in the background behind smaller stand-ins (`Device::prepare`),
 /// counted done at their first run: timing before that measures the stand-ins while a
@@ -190,8 +191,11 @@ pub(crate) fn warm_until_built<E>(
     };
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
+        // Done once a run starts no build (a launch may ask for one: the measured
+        // selection's candidates) and none is left.
+        let queued = crate::engine::device::compiling::snapshot().1;
         warm_up()?;
-        if !building() {
+        if !building() && crate::engine::device::compiling::snapshot().1 == queued {
             return Ok(());
         }
         if Instant::now() > deadline {

@@ -6,12 +6,15 @@
 //! as the planner's does and sums in the same order, so the bits never change.
 //!
 //! A block's first run compiles its machine code on a software driver (seconds for a
-//! 32- or 64-row block): a slow block is timed only once it has run here (the primer
-//! runs it first), so no launch waits for a compile to measure it.
+//! 32- or 64-row block): a slow block is timed only once it has run here or on the
+//! primer (which leaves its machine code in Mesa's cache), so no launch waits for a
+//! compile to measure it. Where the planner's block has only slow neighbours (the
+//! 64-row block at 1024³), they are given to the primer, and the shape is measured at
+//! a launch after it has run them, as the wgpu backend does with its compile workers.
 
 use kiln_lowering::gemm_select::{
-    as_candidate, candidates, class, enabled_by_env, quick, select, Timing, Tuner, BUDGET_S,
-    MIN_WORK,
+    as_candidate, awaiting, candidates, class, enabled_by_env, quick, select, to_build, Timing,
+    Tuner, BUDGET_S, MIN_WORK,
 };
 use kiln_lowering::ladder_of;
 
@@ -101,22 +104,52 @@ impl VkDevice {
         }
         let work = mm.m as u64 * mm.n as u64 * mm.k as u64 * mm.batch as u64;
         let left = BUDGET_S - s.tuner.spent_s;
-        let ran = |s: &State, v: MatmulVariant| match self.route_as(s, mm, v) {
-            Ok(Some(GemmRoute::Spirv(p))) => s.ran.contains(&p.pipeline_key()),
-            _ => quick(v),
+        // Where each block stands: its machine code compiled (run here or primed:
+        // Ready), on the primer (Building), or neither (Absent); a tile, or a block
+        // off the SPIR-V route (never a candidate: Building), by its route alone.
+        let state = |s: &State, v: MatmulVariant| match self.route_as(s, mm, v) {
+            Ok(Some(GemmRoute::Spirv(p))) => {
+                let key = p.pipeline_key();
+                if s.ran.contains(&key) {
+                    return Readiness::Ready;
+                }
+                match self
+                    .primer
+                    .as_ref()
+                    .and_then(|pr| pr.state(&Block::Gemm(key)))
+                {
+                    Some(Primed::Done) => Readiness::Ready,
+                    // A block the primer could not run is not asked for again.
+                    Some(Primed::Queued | Primed::Failed) => Readiness::Building,
+                    None => Readiness::Absent,
+                }
+            }
+            Ok(Some(_)) => Readiness::Ready,
+            _ => Readiness::Building,
         };
-        // The prior is timed whatever it costs, so it must have run (its machine code
-        // compiled) first: a slow one is measured at a later launch.
-        if work < MIN_WORK || left <= 0.0 || !(quick(prior) || ran(s, prior)) {
+        let compiled = |s: &State, v: MatmulVariant| quick(v) || state(s, v) == Readiness::Ready;
+        // The prior is timed whatever it costs, so its machine code must be compiled
+        // first: a slow one is measured at a later launch.
+        if work < MIN_WORK || left <= 0.0 || !compiled(s, prior) {
             return Ok(route);
         }
+        if let Some(primer) = &self.primer {
+            let missing = to_build(prior, ladder, |v| state(s, v));
+            for &v in &missing {
+                if let Ok(Some(GemmRoute::Spirv(p))) = self.route_as(s, mm, v) {
+                    primer.ask(Job {
+                        block: Block::Gemm(p.pipeline_key()),
+                        attention: None,
+                    });
+                }
+            }
+            // Asked for now or earlier: measured at a launch after the primer ran them.
+            if !missing.is_empty() || awaiting(prior, ladder, |v| state(s, v)) {
+                return Ok(route);
+            }
+        }
         let cands: Vec<MatmulVariant> = candidates(prior, ladder, |v| {
-            let state = match self.route_as(s, mm, v) {
-                Ok(Some(_)) => Readiness::Ready,
-                // Not on the SPIR-V route: not a candidate.
-                _ => Readiness::Building,
-            };
-            as_candidate(v, prior, state, ran(s, v))
+            as_candidate(v, prior, state(s, v), compiled(s, v))
         });
         if cands.len() < 2 {
             return Ok(route);
