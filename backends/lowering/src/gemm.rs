@@ -7,7 +7,7 @@ use kiln_engine::{Capabilities, Error, Matmul, Result};
 use crate::dispatch::{groups, Dispatch, Readiness, DUMMY_ID, PARTIALS_ID, SCRATCH_ID};
 use crate::gemm_plan::{
     fixed_subgroup, kernel_for, plan, split_k, stand_in, tile, MatmulPlan, MatmulVariant,
-    CPU_LADDER, CPU_LANES, GPU_LADDER, QUICK, STAND_IN,
+    CPU_LANES, QUICK, STAND_IN,
 };
 use crate::recorder::Recorder;
 use crate::shader::{self, Repr};
@@ -527,23 +527,8 @@ pub(crate) trait LowerMatmul: Recorder {
                 self.want_ahead(s, d);
             }
         }
-        let readiness = |v: MatmulVariant| -> Result<(Readiness, bool)> {
-            let mut p = if v == best.variant {
-                best.clone()
-            } else {
-                plan(mm, self.caps(), Some(v))?
-            };
-            p.partial |= self.needs_partials(mm, &p, &view);
-            let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
-            Ok((self.readiness(s, &d), self.has_run(s, &d)))
-        };
-        let mut known = vec![];
-        for v in CPU_LADDER {
-            known.push((v, readiness(v)?));
-        }
-        let find = |v: MatmulVariant| known.iter().find(|(k, _)| *k == v).map(|&(_, r)| r);
-        let state = |v: MatmulVariant| find(v).map_or(Readiness::Absent, |r| r.0);
-        let ran = |v: MatmulVariant| find(v).is_some_and(|r| r.1);
+        let table = best.clone();
+        let (state, ran) = self.block_state(mm, &table);
         // A measured block (or one remembered from an earlier run) takes the table's
         // place where the backend selects by timing; the same bits either way.
         let preferred = self.tuned_block(s, mm, &best, &state, &ran)?;
@@ -551,7 +536,7 @@ pub(crate) trait LowerMatmul: Recorder {
             Some(v) if v != best.variant => plan(mm, self.caps(), Some(v))?,
             _ => best,
         };
-        let run = stand_in(chosen.variant, state);
+        let run = stand_in(chosen.variant, |v| state(s, v));
         if run == chosen.variant {
             return Ok(chosen);
         }
@@ -568,21 +553,43 @@ pub(crate) trait LowerMatmul: Recorder {
         mm: &Matmul,
         best: MatmulPlan,
     ) -> Result<MatmulPlan> {
-        let view = View::whole(mm);
-        let mut known = vec![];
-        for v in GPU_LADDER {
-            let mut p = plan(mm, self.caps(), Some(v))?;
-            p.partial |= self.needs_partials(mm, &p, &view);
-            let d = self.main_dispatch(mm, &p, &view, PARTIALS_ID, false);
-            known.push((v, self.readiness(s, &d), self.has_run(s, &d)));
-        }
-        let find = |v: MatmulVariant| known.iter().find(|k| k.0 == v);
-        let state = |v: MatmulVariant| find(v).map_or(Readiness::Absent, |k| k.1);
-        let ran = |v: MatmulVariant| find(v).is_some_and(|k| k.2);
+        let table = best.clone();
+        let (state, ran) = self.block_state(mm, &table);
         match self.tuned_block(s, mm, &best, &state, &ran)? {
             Some(v) if v != best.variant => plan(mm, self.caps(), Some(v)),
             _ => Ok(best),
         }
+    }
+
+    /// Where a block or tile `v` of `mm` stands (its pipeline built, building or not
+    /// asked for; `best` is the table's plan), and whether it has run: each planned
+    /// only when asked, so a launch asks about no more blocks than its decision needs.
+    /// A block the planner refuses counts as building (never run, never a candidate).
+    #[allow(clippy::type_complexity)]
+    fn block_state<'a>(
+        &'a self,
+        mm: &'a Matmul,
+        best: &'a MatmulPlan,
+    ) -> (
+        impl Fn(&Self::State, MatmulVariant) -> Readiness + 'a,
+        impl Fn(&Self::State, MatmulVariant) -> bool + 'a,
+    ) {
+        let dispatch = move |v: MatmulVariant| -> Option<Dispatch> {
+            let view = View::whole(mm);
+            let mut p = if v == best.variant {
+                best.clone()
+            } else {
+                plan(mm, self.caps(), Some(v)).ok()?
+            };
+            p.partial |= self.needs_partials(mm, &p, &view);
+            Some(self.main_dispatch(mm, &p, &view, PARTIALS_ID, false))
+        };
+        (
+            move |s: &Self::State, v| {
+                dispatch(v).map_or(Readiness::Building, |d| self.readiness(s, &d))
+            },
+            move |s: &Self::State, v| dispatch(v).is_some_and(|d| self.has_run(s, &d)),
+        )
     }
 
     /// `matmul_finish`: sums the partials' slabs into C with the epilogue.

@@ -40,15 +40,17 @@ pub trait Recorder {
     /// Counts a GEMM launch that ran another block than its plan's while that one built.
     fn note_stand_in(&self, _s: &mut Self::State, _planned: &str, _ran: &str) {}
     /// The measured block for `mm` where the backend selects blocks by timing them
-    /// (`best`: the table's plan; `state`: where each block's pipeline stands; `ran`:
-    /// whether it has run, see [`Recorder::has_run`]); `None` keeps the table's.
+    /// (`best`: the table's plan; `state`: where a block's pipeline stands; `ran`:
+    /// whether it has run, see [`Recorder::has_run`]); `None` keeps the table's. Both
+    /// plan the block they are asked about, so a launch whose winner is known asks
+    /// about none but the winner.
     fn tuned_block(
         &self,
         _s: &mut Self::State,
         _mm: &kiln_engine::Matmul,
         _best: &crate::gemm_plan::MatmulPlan,
-        _state: &dyn Fn(crate::gemm_plan::MatmulVariant) -> Readiness,
-        _ran: &dyn Fn(crate::gemm_plan::MatmulVariant) -> bool,
+        _state: &dyn Fn(&Self::State, crate::gemm_plan::MatmulVariant) -> Readiness,
+        _ran: &dyn Fn(&Self::State, crate::gemm_plan::MatmulVariant) -> bool,
     ) -> Result<Option<crate::gemm_plan::MatmulVariant>> {
         Ok(None)
     }

@@ -40,8 +40,8 @@ impl WgpuDevice {
         s: &mut State,
         mm: &Matmul,
         best: &MatmulPlan,
-        state: &dyn Fn(MatmulVariant) -> Readiness,
-        ran: &dyn Fn(MatmulVariant) -> bool,
+        state: &dyn Fn(&State, MatmulVariant) -> Readiness,
+        ran: &dyn Fn(&State, MatmulVariant) -> bool,
     ) -> Result<Option<MatmulVariant>> {
         if !s.tuner.enabled {
             return Ok(None);
@@ -56,7 +56,7 @@ impl WgpuDevice {
             // unless it would wait for a slow build: then the table's block runs until
             // it is built.
             let usable = w == best.variant
-                || match state(w) {
+                || match state(s, w) {
                     Readiness::Ready => true,
                     Readiness::Absent => quick(w),
                     Readiness::Building => false,
@@ -70,25 +70,26 @@ impl WgpuDevice {
         let limit = self.caps.max_storage_binding;
         let fits = mm.buffers().iter().all(|b| b.bytes() <= limit);
         let left = BUDGET_S - s.tuner.spent_s;
-        if work < MIN_WORK || !fits || left <= 0.0 || state(best.variant) == Readiness::Building {
+        if work < MIN_WORK || !fits || left <= 0.0 || state(s, best.variant) == Readiness::Building
+        {
             // Measured later, once the block is built (or never: too small to matter,
             // too large for one binding, or the budget is spent).
             return Ok(None);
         }
         if self.primes_big_blocks() {
-            let missing = to_build(best.variant, ladder, state);
+            let missing = to_build(best.variant, ladder, |v| state(s, v));
             for &v in &missing {
                 let p = plan_matmul(mm, &self.caps, Some(v))?;
                 let d = whole_dispatch(self, mm, &p);
                 self.build_in_background(s, d)?;
             }
             // Asked for now or earlier: measured at a launch after they are built.
-            if !missing.is_empty() || awaiting(best.variant, ladder, state) {
+            if !missing.is_empty() || awaiting(best.variant, ladder, |v| state(s, v)) {
                 return Ok(None);
             }
         }
         let cands = candidates(best.variant, ladder, |v| {
-            as_candidate(v, best.variant, state(v), ran(v))
+            as_candidate(v, best.variant, state(s, v), ran(s, v))
         });
         if cands.len() < 2 {
             return Ok(None);

@@ -66,8 +66,8 @@ impl Recorder for WgpuDevice {
         s: &mut State,
         mm: &kiln_engine::Matmul,
         best: &kiln_lowering::MatmulPlan,
-        state: &dyn Fn(kiln_lowering::MatmulVariant) -> Readiness,
-        ran: &dyn Fn(kiln_lowering::MatmulVariant) -> bool,
+        state: &dyn Fn(&State, kiln_lowering::MatmulVariant) -> Readiness,
+        ran: &dyn Fn(&State, kiln_lowering::MatmulVariant) -> bool,
     ) -> Result<Option<kiln_lowering::MatmulVariant>> {
         self.tune(s, mm, best, state, ran)
     }
