@@ -142,12 +142,6 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
     // Steps 2 and 3 follow each other.
     let split = frame(3).0;
     assert!(frame(2).1 <= split);
-    let kernel_ts = || {
-        complete
-            .iter()
-            .filter(|e| e["pid"] == 1 && e["cat"] == "kernel")
-            .map(|e| e["ts"].as_f64().unwrap())
-    };
     // (start µs, name, duration µs) of every launch, in device order.
     let mut launches: Vec<(f64, &str, f64)> = complete
         .iter()
@@ -161,11 +155,11 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
     let kernels = complete.iter().filter(|e| e["pid"] == 1).count();
     let records = complete.iter().filter(|e| e["cat"] == "record").count();
     // Both steps launch the same kernels in the same order; each launch has its device
-    // event and its host recording span. The device clock is mapped onto the host's with
-    // an error (well under 1 ms on lavapipe, more on a loaded host), and the gap between
-    // two frames can be shorter than that, so the steps are told apart by order: the
-    // first half of the launches is step 2's, ending by step 2's frame (give or take the
-    // error), the second half step 3's, starting after step 3's frame began.
+    // event and its host recording span. The device clock is mapped onto the host's
+    // with one offset for the whole profile (calibrated at its start), whose error is
+    // well under 1 ms on a quiet host and over 1 ms on a loaded CI host, and the gap
+    // between two frames can be shorter than that, so the steps are told apart by
+    // order: the first half of the launches is step 2's, the second half step 3's.
     assert!(kernels > 20, "{kernels} kernel events");
     assert_eq!(kernels % 2, 0);
     assert_eq!(launches.len(), kernels);
@@ -173,20 +167,27 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
     let names =
         |half: &[(f64, &str, f64)]| half.iter().map(|l| l.1.to_string()).collect::<Vec<_>>();
     assert_eq!(names(step_2), names(step_3));
-    assert!(step_2.last().unwrap().0 <= frame(2).1 + 1e3);
-    assert!(step_3[0].0 >= split - 1e3);
-    // A profiled step's frame runs until its devices finish, so every kernel lies in a
-    // frame (give or take the clock calibration's error).
-    for ts in kernel_ts() {
-        assert!(
-            [frame(2), frame(3)]
-                .iter()
-                .any(|&(a, b)| ts >= a - 1e3 && ts <= b + 1e3),
-            "kernel at {ts} µs outside the frames {:?} {:?}",
-            frame(2),
-            frame(3)
-        );
-    }
+    // A profiled step's frame runs until its devices finish, so one shift of the device
+    // events (the calibration's error, the same for every event) puts each step's
+    // kernels inside its own frame: the shifts that fit step 2 and those that fit step 3
+    // overlap (to 0.1 ms), and include one within 20 ms (a gross error is a bug).
+    let shifts = |half: &[(f64, &str, f64)], (lo, hi): (f64, f64)| {
+        let first = half.iter().map(|l| l.0).fold(f64::INFINITY, f64::min);
+        let last = half
+            .iter()
+            .map(|l| l.0 + l.2)
+            .fold(f64::NEG_INFINITY, f64::max);
+        (lo - first, hi - last)
+    };
+    let (a2, b2) = shifts(step_2, frame(2));
+    let (a3, b3) = shifts(step_3, frame(3));
+    let (lo, hi) = (a2.max(a3), b2.min(b3));
+    assert!(
+        lo <= hi + 100.0 && lo <= 20e3 && hi >= -20e3,
+        "no one clock shift puts each step's kernels in its frame: step 2 fits \
+         {a2:.0}..{b2:.0} µs, step 3 {a3:.0}..{b3:.0} µs"
+    );
+    assert!(split >= frame(2).1);
     assert_eq!(records, kernels);
     for cat in ["submit", "input"] {
         assert!(complete.iter().any(|e| e["cat"] == cat), "no {cat} span");
@@ -221,10 +222,10 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
     }
     // One in-order queue runs one kernel at a time, so a step's compute part is the time
     // its frame holds kernels: every kernel event's overlap with the frame, summed, within
-    // 0.1 ms (printed to 0.01 ms). And the frame holds all of the step's own kernels
-    // (their optimizer kernels included, which run after the loss is read) but for the
-    // clock calibration's error at its edges, which the bounds above grant 1 ms: a
-    // loaded CI host once put 0.36 ms of step 2's kernels outside its frame.
+    // 0.1 ms (printed to 0.01 ms). (That the frame holds all of the step's own kernels,
+    // its optimizer's included, which run after the loss is read, is the shift check
+    // above: the calibration's error moves events across the frame's edges, 0.36 ms of
+    // step 2's once on a loaded CI host.)
     let in_frame_ms = |step: u64| {
         let (lo, hi) = frame(step);
         launches
@@ -232,19 +233,11 @@ fn a_profiled_run_is_bit_identical_and_its_trace_and_table_add_up() {
             .map(|&(ts, _, dur)| ((ts + dur).min(hi) - ts.max(lo)).max(0.0) / 1e3)
             .sum::<f64>()
     };
-    let own_ms = |step: u64| {
-        let half = if step == 2 { step_2 } else { step_3 };
-        half.iter().map(|l| l.2 / 1e3).sum::<f64>()
-    };
     for (step, [_, compute, ..]) in step_lines(&table) {
-        let (held, own) = (in_frame_ms(step), own_ms(step));
+        let held = in_frame_ms(step);
         assert!(
             (held - compute).abs() <= 0.1,
             "step {step}: kernels in the frame {held:.2} ms, compute {compute} ms\n{table}"
-        );
-        assert!(
-            (own - held).abs() <= 1.0,
-            "step {step}: its kernels {own:.2} ms, {held:.2} ms of them in its frame\n{table}"
         );
     }
     assert!(table.contains("% of 1.0 GFLOP/s peak"), "{table}");
