@@ -186,6 +186,33 @@ pub fn select(
     Ok((best, spent))
 }
 
+/// The least wall time one timed run of a candidate takes (repeated launches), so that
+/// a GPU's submission cost does not decide between tiles.
+pub const TIMED_S: f64 = 0.002;
+
+/// One candidate's measurement, `run(s, reps)` recording `reps` launches and returning
+/// the seconds per launch once they have run: a warm-up run (which builds the pipeline
+/// where missing and, on a software driver, compiles its machine code), then the
+/// faster of two timed runs, each repeating the launch until it takes [`TIMED_S`].
+pub fn time_candidate<S>(
+    s: &mut S,
+    mut run: impl FnMut(&mut S, u32) -> Result<f64>,
+) -> Result<Timing> {
+    let t0 = std::time::Instant::now();
+    run(s, 1)?;
+    let once = run(s, 1)?;
+    let reps = (TIMED_S / once.max(1e-7)).ceil().clamp(1.0, 64.0) as u32;
+    let run_s = if reps == 1 {
+        once.min(run(s, 1)?)
+    } else {
+        run(s, reps)?.min(run(s, reps)?)
+    };
+    Ok(Timing {
+        run_s,
+        cost_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
 fn note(what: String) {
     eprintln!("kiln: note: {what}");
 }
@@ -246,6 +273,35 @@ impl Tuner {
             spent_s: 0.0,
             file,
         }
+    }
+
+    /// Keeps `winner` for shape class `cls`, measured in `spent` seconds after `timed`
+    /// of `candidates` candidates were timed (`KILN_COMPILE_LOG=1` prints them, as
+    /// `backend`'s), and saves the file.
+    pub fn keep(
+        &mut self,
+        backend: &str,
+        cls: String,
+        (winner, spent): (MatmulVariant, f64),
+        timed: &[String],
+        candidates: usize,
+    ) {
+        if kiln_engine::device::compiling::log_enabled() {
+            let left_out = candidates - timed.len();
+            let budget = if left_out > 0 {
+                format!("; {left_out} more not timed: the budget")
+            } else {
+                String::new()
+            };
+            eprintln!(
+                "kiln: {backend}GEMM {cls}: {} of {} ({spent:.2} s measuring{budget})",
+                winner.name(),
+                timed.join(", ")
+            );
+        }
+        self.spent_s += spent;
+        self.winners.insert(cls, winner);
+        self.save();
     }
 
     /// Saves the winners (a failure is a note: the next run measures again).

@@ -9,7 +9,8 @@ use kiln_lowering::{
 
 use crate::device::{State, WgpuDevice};
 use kiln_lowering::gemm_select::{
-    as_candidate, awaiting, candidates, class, quick, select, to_build, Timing, BUDGET_S, MIN_WORK,
+    as_candidate, awaiting, candidates, class, quick, select, time_candidate, to_build, Timing,
+    BUDGET_S, MIN_WORK,
 };
 
 impl WgpuDevice {
@@ -28,9 +29,6 @@ impl WgpuDevice {
         self.lock().tuner.enabled
     }
 }
-
-/// The least wall time one timed run of a candidate takes (repeated launches).
-const TIMED_S: f64 = 0.002;
 
 impl WgpuDevice {
     /// The block `mm` runs by measurement: remembered, or timed now (see the module
@@ -114,52 +112,20 @@ impl WgpuDevice {
             self.drop_scratch(s, f);
         }
         let (winner, spent) = result?;
-        if kiln_engine::device::compiling::log_enabled() {
-            let left_out = cands.len() - timed.len();
-            let budget = if left_out > 0 {
-                format!("; {left_out} more not timed: the budget")
-            } else {
-                String::new()
-            };
-            eprintln!(
-                "kiln: GEMM {cls}: {} of {} ({spent:.2} s measuring{budget})",
-                winner.name(),
-                timed.join(", ")
-            );
-        }
-        s.tuner.spent_s += spent;
-        s.tuner.winners.insert(cls, winner);
-        s.tuner.save();
+        s.tuner.keep("", cls, (winner, spent), &timed, cands.len());
         Ok(Some(winner))
     }
 
-    /// One block's measurement on `probe`: a warm-up run (which builds the pipeline
-    /// where missing and, on a software driver, compiles its machine code), then the
-    /// faster of two timed runs. A product that takes less than [`TIMED_S`] (a GPU's)
-    /// is launched several times per timed run, so that the submission's fixed cost
-    /// does not decide between tiles.
+    /// One block's measurement on `probe` (`time_candidate`'s runs).
     fn time_block(&self, s: &mut State, probe: &Matmul, v: MatmulVariant) -> Result<Timing> {
-        let t0 = std::time::Instant::now();
         let p = plan_matmul(probe, &self.caps, Some(v))?;
-        let run = |s: &mut State, reps: u32| -> Result<f64> {
+        time_candidate(s, |s: &mut State, reps: u32| -> Result<f64> {
             let t = std::time::Instant::now();
             for _ in 0..reps {
                 record_whole(self, s, probe, &p)?;
             }
             self.finish(s)?;
             Ok(t.elapsed().as_secs_f64() / reps as f64)
-        };
-        run(s, 1)?;
-        let once = run(s, 1)?;
-        let reps = (TIMED_S / once.max(1e-7)).ceil().clamp(1.0, 64.0) as u32;
-        let run_s = if reps == 1 {
-            once.min(run(s, 1)?)
-        } else {
-            run(s, reps)?.min(run(s, reps)?)
-        };
-        Ok(Timing {
-            run_s,
-            cost_s: t0.elapsed().as_secs_f64(),
         })
     }
 }

@@ -13,17 +13,13 @@
 //! a launch after it has run them, as the wgpu backend does with its compile workers.
 
 use kiln_lowering::gemm_select::{
-    as_candidate, awaiting, candidates, class, enabled_by_env, quick, select, to_build, Timing,
-    Tuner, BUDGET_S, MIN_WORK,
+    as_candidate, awaiting, candidates, class, enabled_by_env, quick, select, time_candidate,
+    to_build, Timing, Tuner, BUDGET_S, MIN_WORK,
 };
 use kiln_lowering::ladder_of;
 
 use super::*;
 use crate::gemm::GpuKernel;
-
-/// The least wall time one timed run of a candidate takes (repeated launches): a GPU's
-/// submission cost must not decide between tiles.
-const TIMED_S: f64 = 0.002;
 
 /// The tuner of a device with `features`, planned as `planned_type`: on unless
 /// `KILN_GEMM_TUNE=0` (`--no-tune`), its winners file keyed as the pipeline cache is
@@ -177,22 +173,8 @@ impl VkDevice {
             self.drop_scratch(s, b);
         }
         let (winner, spent) = result?;
-        if compile_log() {
-            let left_out = cands.len() - timed.len();
-            let budget = if left_out > 0 {
-                format!("; {left_out} more not timed: the budget")
-            } else {
-                String::new()
-            };
-            eprintln!(
-                "kiln: vk GEMM {cls}: {} of {} ({spent:.2} s measuring{budget})",
-                winner.name(),
-                timed.join(", ")
-            );
-        }
-        s.tuner.spent_s += spent;
-        s.tuner.winners.insert(cls, winner);
-        s.tuner.save();
+        s.tuner
+            .keep("vk ", cls, (winner, spent), &timed, cands.len());
         self.route_as(s, mm, winner).map(|r| r.unwrap_or(route))
     }
 
@@ -208,23 +190,20 @@ impl VkDevice {
         Ok(matches!(r, GemmRoute::Spirv(_) | GemmRoute::SpirvGpu(_)).then_some(r))
     }
 
-    /// One candidate's measurement on `probe`: a warm-up run (building its pipeline
-    /// where missing), then the faster of two timed runs, each repeating the launch
-    /// until it takes [`TIMED_S`].
+    /// One candidate's measurement on `probe` (`time_candidate`'s runs).
     fn time_shape(
         &self,
         s: &mut State,
         probe: &kiln_engine::Matmul,
         v: MatmulVariant,
     ) -> Result<Timing> {
-        let t0 = std::time::Instant::now();
         let route = self.route_as(s, probe, v)?.ok_or_else(|| {
             self.backend_error(format!(
                 "GEMM selection: {} left the SPIR-V route",
                 v.name()
             ))
         })?;
-        let run = |s: &mut State, reps: u32| -> Result<f64> {
+        time_candidate(s, |s: &mut State, reps: u32| -> Result<f64> {
             let t = std::time::Instant::now();
             for _ in 0..reps {
                 match &route {
@@ -236,18 +215,6 @@ impl VkDevice {
             let value = self.flush(s)?;
             self.wait_for(value)?;
             Ok(t.elapsed().as_secs_f64() / reps as f64)
-        };
-        run(s, 1)?;
-        let once = run(s, 1)?;
-        let reps = (TIMED_S / once.max(1e-7)).ceil().clamp(1.0, 64.0) as u32;
-        let run_s = if reps == 1 {
-            once.min(run(s, 1)?)
-        } else {
-            run(s, reps)?.min(run(s, reps)?)
-        };
-        Ok(Timing {
-            run_s,
-            cost_s: t0.elapsed().as_secs_f64(),
         })
     }
 
