@@ -39,18 +39,32 @@ pub struct DpRow {
     pub samples_per_s: f64,
     /// Processes in the job (1 without MPI).
     pub processes: usize,
+    /// The most any device's allocator held after the timed steps.
+    pub device_bytes: u64,
+    /// ZeRO-Offload: the host's optimizer step per step and the part of it the
+    /// devices waited for (ms; 0 without offload).
+    pub offload_ms: f64,
+    pub offload_exposed_ms: f64,
+}
+
+/// The ZeRO settings a bench dp group trains with: the stage and whether the
+/// optimizer state is offloaded to host memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Zero {
+    pub stage: u8,
+    pub offload: bool,
 }
 
 /// Times `steps` steps (after one warm-up) of a GPT on `n` devices of `adapter`, for
 /// each `n` in `counts`, each device with `micro` samples per step, the exchange
-/// overlapped with backward or not (`overlap_comm`).
+/// overlapped with backward or not (`overlap_comm`), at ZeRO settings `zero`.
 pub fn dp_table(
     adapter: usize,
     model: &GptConfig,
     micro: usize,
     counts: &[usize],
-    steps: usize,
-    overlap: bool,
+    (steps, overlap): (usize, bool),
+    zero: Zero,
 ) -> Result<Vec<DpRow>> {
     if steps == 0 || counts.contains(&0) {
         anyhow::bail!("bench dp needs at least one timed step and one device per group");
@@ -64,7 +78,7 @@ pub fn dp_table(
     }
     counts
         .iter()
-        .map(|&n| measure(adapter, model, micro, n, steps, overlap, None, None))
+        .map(|&n| measure(adapter, model, micro, n, (steps, overlap, zero), None, None))
         .collect()
 }
 
@@ -77,8 +91,7 @@ pub fn dp_processes(
     model: &GptConfig,
     micro: usize,
     local: usize,
-    steps: usize,
-    overlap: bool,
+    (steps, overlap, zero): (usize, bool, Zero),
     bucket: usize,
     procs: Processes,
 ) -> Result<DpRow> {
@@ -86,7 +99,15 @@ pub fn dp_processes(
         anyhow::bail!("bench dp needs at least one timed step and a bucket of 1 element or more");
     }
     let (procs, bucket) = (Some(procs), Some(bucket));
-    measure(adapter, model, micro, local, steps, overlap, bucket, procs)
+    measure(
+        adapter,
+        model,
+        micro,
+        local,
+        (steps, overlap, zero),
+        bucket,
+        procs,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -95,8 +116,7 @@ fn measure(
     model: &GptConfig,
     micro: usize,
     n: usize,
-    steps: usize,
-    overlap: bool,
+    (steps, overlap, zero): (usize, bool, Zero),
     bucket: Option<usize>,
     procs: Option<Processes>,
 ) -> Result<DpRow> {
@@ -112,7 +132,10 @@ fn measure(
     let ds = parse(
         &format!(
             r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
-                 "zero_optimization": {{"overlap_comm": {overlap}{bucket}}}}}"#
+                 "zero_optimization": {{"stage": {stage}, "overlap_comm": {overlap}{bucket},
+                     "offload_optimizer": {{"device": "{device}"}}}}}}"#,
+            stage = zero.stage,
+            device = if zero.offload { "cpu" } else { "none" },
         ),
         world,
     )?;
@@ -134,13 +157,17 @@ fn measure(
         .collect();
     trainer.step_group(&devs, &micro_batches)?;
     let (mut comm, mut bytes, mut across, mut hidden) = (0.0, 0, 0, 0.0);
+    let (mut host, mut exposed) = (0.0, 0.0);
     let t0 = Instant::now();
     for _ in 0..steps {
         trainer.step_group(&devs, &micro_batches)?;
-        comm += trainer.last_comm.ms;
-        bytes += trainer.last_comm.bytes;
-        across += trainer.last_comm.process_bytes;
-        hidden += trainer.last_comm.overlap;
+        let c = trainer.last_comm;
+        comm += c.ms;
+        bytes += c.bytes;
+        across += c.process_bytes;
+        hidden += c.overlap;
+        host += c.offload_ms;
+        exposed += c.offload_exposed_ms;
     }
     let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
     Ok(DpRow {
@@ -153,6 +180,9 @@ fn measure(
         process_bytes_per_step: across / steps as u64,
         samples_per_s: (world * micro) as f64 / (step_ms / 1e3),
         processes,
+        device_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
+        offload_ms: host / steps as f64,
+        offload_exposed_ms: exposed / steps as f64,
     })
 }
 

@@ -8,6 +8,10 @@
 //! copy, and stage 2's full-size gradients are one block's (shared by all blocks) plus
 //! the embeddings' and final norm's, not 2Ψ/N.
 //!
+//! With the optimizer state offloaded (`offload_optimizer`, stages 1 and 2; the last two
+//! rows) a rank's f32 master and moments (12 bytes per element of its slice) are in
+//! host memory and its device holds no optimizer state and no f32 reduced gradient.
+//!
 //! With LoRA (`--lora`) the model is the base under its adapters (`Lora`): Ψ is the
 //! adapters' elements, the only ones with gradients, masters and moments (and so the
 //! only ones ZeRO shards), and the base is held once in the storage dtype on every
@@ -26,6 +30,7 @@ use kiln_engine::models::lora::{Lora, LoraConfig, Targets};
 use kiln_engine::models::{host_memory_available, Model, Network, NetworkMemory, NetworkOptions};
 use kiln_engine::parallel::pipeline::Pipeline;
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
+use kiln_engine::parallel::zero::{check_host_fits, shard_bytes};
 use kiln_engine::{Capabilities, DType, Optimizer};
 
 /// One ZeRO stage's per-device bytes.
@@ -42,6 +47,10 @@ pub struct StageMemory {
     pub activations: u64,
     /// Kiln trains with this stage today.
     pub implemented: bool,
+    /// The optimizer state offloaded (`offload_optimizer`): `host` bytes of it per
+    /// device in host memory, none on the device.
+    pub offload: bool,
+    pub host: u64,
 }
 
 impl StageMemory {
@@ -144,6 +153,20 @@ fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<Sta
         optimizer,
         activations: m.activations,
         implemented,
+        offload: false,
+        host: 0,
+    };
+    // Offloaded: the device keeps the model copy and the full-size gradients only.
+    let offloaded = |stage, gradients| StageMemory {
+        optimizer: 0,
+        offload: true,
+        host: 12 * slice,
+        ..one(stage, m.weights, gradients, 0, true)
+    };
+    let shared = if n > 1 {
+        m.shared_gradients
+    } else {
+        m.gradients
     };
     vec![
         one(0, m.weights, m.gradients, m.optimizer, true),
@@ -167,6 +190,8 @@ fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<Sta
             m.optimizer.div_ceil(n),
             false,
         ),
+        offloaded(1, m.gradients),
+        offloaded(2, shared),
     ]
 }
 
@@ -176,13 +201,15 @@ fn mib(b: u64) -> String {
 
 /// The table `kiln estimate` prints, and whether `kiln train` would build the model on
 /// `devices` (the adapters named, one entry per device; none for a bare device count)
-/// and this host: the same check, with the same message, as training runs first.
+/// and this host at ZeRO stage `zero.0`, the optimizer state offloaded if `zero.1`:
+/// the same check, with the same message, as training runs first.
 pub fn report(
     model: &dyn Model,
     micro_batch: usize,
     dtype: DType,
     world: usize,
     devices: &[Capabilities],
+    zero: (u8, bool),
 ) -> Result<String> {
     let mut out = String::new();
     // First: it checks the model's sizes before anything is built from them.
@@ -227,27 +254,58 @@ pub fn report(
         writeln!(
             out,
             "{:<7} {:>12}{} {:>12} {:>14} {:>13} {:>12}  {}",
-            s.stage,
+            if s.offload {
+                format!("{}+host", s.stage)
+            } else {
+                s.stage.to_string()
+            },
             mib(s.weights),
             frozen_col(mib(s.frozen)),
             mib(s.gradients),
             mib(s.optimizer),
             mib(s.activations),
             mib(s.total()),
-            if s.implemented {
-                ""
+            if s.offload {
+                format!(
+                    "offload_optimizer: master+Adam in host memory, {} per device",
+                    mib(s.host)
+                )
+            } else if s.implemented {
+                String::new()
             } else {
-                "what it would give (not implemented yet)"
+                "what it would give (not implemented yet)".into()
             }
         )?;
     }
-    let m = network_memory(model, micro_batch, dtype)?;
+    let whole = network_memory(model, micro_batch, dtype)?;
+    // What kiln train checks and builds first: under ZeRO each device's network without
+    // the optimizer state, beside its shard, with its whole gradients (stage 2's blocks
+    // share one set once built).
+    let (stage, offload) = zero;
+    let sharded = stage >= 1 && (world > 1 || offload);
+    let (device, offloaded) = shard_bytes(model, world, 0..world, dtype, offload);
+    let m = match sharded {
+        true => whole.with_shards(device, offloaded),
+        false => whole,
+    };
     writeln!(
         out,
-        "kiln train builds stage 0's layout on every device before ZeRO shards it, so stage \
-         0's per-device figure is what must fit; largest buffer {}, largest kernel binding {} \
-         (what one kernel binds whole, such as an embedding table; GEMMs, elementwise \
-         kernels and the optimizer split larger buffers)",
+        "kiln train at ZeRO stage {stage}{} needs {} per device at the start: each device's \
+         network with its whole gradients (stage 2's blocks share one set once built){}; \
+         largest buffer {}, largest kernel binding {} (what one kernel binds whole, such as \
+         an embedding table; GEMMs, elementwise kernels and the optimizer split larger \
+         buffers)",
+        if offload {
+            " with offload_optimizer"
+        } else {
+            ""
+        },
+        mib(m.total()),
+        match (sharded, offload) {
+            (false, _) => " and the whole optimizer state",
+            (true, false) => " beside its shard of the optimizer state",
+            (true, true) => ", the optimizer state in host memory",
+        },
         mib(m.largest_buffer),
         mib(m.largest_binding)
     )?;
@@ -287,7 +345,12 @@ pub fn report(
         }
     }
     let caps: Vec<&Capabilities> = devices.iter().collect();
-    let verdict = match m.check_fit(&model.describe(), dtype, &caps, host) {
+    let checked = match offload {
+        true => check_host_fits(offloaded, host),
+        false => Ok(()),
+    };
+    let checked = checked.and_then(|()| m.check_fit(&model.describe(), dtype, &caps, host));
+    let verdict = match checked {
         Ok(()) => format!(
             "fits{}",
             host.map_or(String::new(), |h| format!(
@@ -543,8 +606,9 @@ pub struct Fit {
     pub devices: usize,
     /// Each device's bytes, as [`stages`] gives them (stage 0, or 2 across `devices`).
     pub memory: StageMemory,
-    /// Each device's bytes while `kiln train` builds the network: stage 0's layout,
-    /// which ZeRO then shards (the one-device row's figure).
+    /// Each device's bytes while `kiln train` builds the network: its whole gradients
+    /// beside its shard of the optimizer state (stage 1's figure), before stage 2's
+    /// blocks share one set of gradients.
     pub at_start: u64,
     /// The largest buffer one kernel binds whole ([`NetworkMemory::largest_binding`]).
     pub largest_binding: u64,
@@ -644,7 +708,8 @@ pub fn fits(
                 checkpointing: *checkpointing,
                 devices,
                 memory: all[if devices == 1 { 0 } else { 2 }],
-                at_start: all[0].total(),
+                // Built with the whole gradients: stage 1's figure, shared after.
+                at_start: all[if devices == 1 { 0 } else { 1 }].total(),
                 largest_binding: m.largest_binding,
             });
         }
@@ -719,9 +784,9 @@ pub fn fits_report(
     {
         writeln!(
             out,
-            "* fits once sharded: kiln train builds stage 0's layout (the 1-device row of \
-             the same training) on every device before ZeRO shards it, so today it needs \
-             that much at start"
+            "* fits once its blocks share gradients: kiln train builds each device's network \
+             with its whole gradients (ZeRO stage 1's figure) before stage 2's blocks share \
+             one set, so today it needs that much at start"
         )?;
     }
     let widest = rows
@@ -764,8 +829,9 @@ pub fn fits_report(
                 if r.at_start > *size {
                     write!(
                         out,
-                        " once sharded; kiln train today needs {} per device at start, so \
-                         nothing here starts on {name} devices yet",
+                        " once its blocks share gradients; kiln train today needs {} per \
+                         device at start (the gradients whole), so nothing here starts on \
+                         {name} devices yet",
                         human(r.at_start)
                     )?;
                 }

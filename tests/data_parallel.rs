@@ -635,7 +635,8 @@ fn zero_stage_2_with_accumulation_matches_stage_1() {
 #[test]
 fn bench_dp_reports_the_bytes_the_exchange_moves() {
     let index = kiln::wgpu::find_adapter("vulkan").unwrap_or_else(|e| panic!("{e}"));
-    let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], 1, false).unwrap();
+    let stage0 = kiln::bench_dp::Zero::default();
+    let rows = kiln::bench_dp::dp_table(index, &model(), B, &[1, 2], (1, false), stage0).unwrap();
     let grads = kiln::estimate::network_memory(gpt().as_ref(), B, DType::F16)
         .unwrap()
         .gradient_tensors;
@@ -645,6 +646,24 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
         .iter()
         .all(|r| r.step_ms > 0.0 && r.samples_per_s > 0.0));
     assert!(rows[1].comm_ms > 0.0);
+    // `--zero 1 --offload`: the devices drop every master and moment (12 bytes per
+    // parameter at stage 0) and the host step is timed.
+    let offload = kiln::bench_dp::Zero {
+        stage: 1,
+        offload: true,
+    };
+    let off = &kiln::bench_dp::dp_table(index, &model(), B, &[2], (1, false), offload).unwrap()[0];
+    let psi = model().parameter_count() as u64;
+    assert!(
+        rows[1].device_bytes >= off.device_bytes + 12 * psi,
+        "{:?} {off:?}",
+        rows[1]
+    );
+    assert!(
+        off.offload_ms > 0.0 && off.offload_exposed_ms <= off.offload_ms,
+        "{off:?}"
+    );
+    assert_eq!((rows[1].offload_ms, rows[1].offload_exposed_ms), (0.0, 0.0));
 }
 
 /// `overlap_comm`: gradients go down while later layers are still in backward (their

@@ -1275,8 +1275,8 @@ fn kiln_estimate_fits_names_the_cheapest_way_to_train_that_fits_each_size() {
             (r.lora, r.checkpointing, r.devices),
             (*lora, *checkpointing, [1, 2, 4][i / 4])
         );
-        assert_eq!(r.at_start, m.total(), "{}", r.spelled());
         if r.devices == 1 {
+            assert_eq!(r.at_start, m.total(), "{}", r.spelled());
             let s = &r.memory;
             assert_eq!(s.stage, 0);
             assert_eq!(
@@ -1289,6 +1289,8 @@ fn kiln_estimate_fits_names_the_cheapest_way_to_train_that_fits_each_size() {
         } else {
             let zero = kiln::estimate::stages(model.as_ref(), micro, dtype, r.devices).unwrap();
             assert_eq!(r.memory, zero[2], "{}", r.spelled());
+            // Built with the whole gradients beside the shard: stage 1's figure.
+            assert_eq!(r.at_start, zero[1].total(), "{}", r.spelled());
             assert!(r.bytes() < m.total(), "{}", r.spelled());
         }
     }

@@ -208,7 +208,7 @@ fn two_processes_train_bit_identically_to_one_process_with_two_devices() {
 }
 
 #[test]
-fn three_processes_at_zero_0_1_and_2_train_like_one_process_at_stage_0() {
+fn three_processes_at_zero_0_1_and_2_and_offloaded_train_like_one_process_at_stage_0() {
     let _one = one_job();
     let dir = scratch("three");
     let m = model(&dir);
@@ -217,9 +217,22 @@ fn three_processes_at_zero_0_1_and_2_train_like_one_process_at_stage_0() {
     let mut single = Command::new(KILN);
     single.args(train_args(&c0, &m, &base, "vulkan:0x3", 8));
     ok(&finish(single, Duration::from_secs(300)).0);
-    for stage in [0, 1, 2] {
+    // Stage 2 once more with every process's shards offloaded to its host memory.
+    for (stage, offload) in [(0, false), (1, false), (2, false), (2, true)] {
         let c = config(&dir, &format!("z{stage}.json"), stage, false, 120);
-        let run = dir.join(format!("zero{stage}"));
+        if offload {
+            let text = std::fs::read_to_string(&c).unwrap().replace(
+                r#""reduce_bucket_size": 20000"#,
+                r#""reduce_bucket_size": 20000, "offload_optimizer": {"device": "cpu"}"#,
+            );
+            assert!(text.contains("offload_optimizer"));
+            std::fs::write(&c, text).unwrap();
+        }
+        let run = dir.join(format!(
+            "zero{stage}{}",
+            if offload { "_offload" } else { "" }
+        ));
+        let stage = format!("{stage}{}", if offload { " offloaded" } else { "" });
         let mut job = mpirun();
         job.args(["-np", "3", KILN])
             .args(train_args(&c, &m, &run, "vulkan", 8));

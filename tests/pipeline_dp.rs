@@ -415,6 +415,17 @@ fn devices_that_do_not_split_into_the_stages_are_refused_with_the_fix() {
         e.contains("resolved for 4 data-parallel ranks") && e.contains("resolve it with 2"),
         "{e}"
     );
+    // The stages' optimizer state stays on their devices: offload is refused, by name.
+    let mut offload = config(2, 2, 1, "");
+    offload.zero.offload_optimizer = true;
+    let e = PipelineTrainer::new(cpus(4), model(), offload, 5, &PartitionMethod::Uniform, 2)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("offload_optimizer with pipeline stages") && e.contains("data parallel"),
+        "{e}"
+    );
     let mut pipe = PipelineTrainer::new(
         cpus(4),
         model(),

@@ -495,7 +495,7 @@ fn flops_profiler_is_honoured_and_checked_like_any_section() {
 }
 
 #[test]
-fn zero_stage_3_and_offload_are_not_supported_yet() {
+fn zero_stage_3_is_not_supported_yet() {
     let e = err(r#"{"train_batch_size": 32, "zero_optimization": {"stage": 3}}"#);
     let p = problem(&e, "zero_optimization.stage");
     assert!(
@@ -503,20 +503,81 @@ fn zero_stage_3_and_offload_are_not_supported_yet() {
         "{}",
         p.message
     );
+}
 
-    let e = err(
-        r#"{"train_batch_size": 32, "zero_optimization": {"stage": 2,
-                   "offload_optimizer": {"device": "cpu", "pin_memory": true}}}"#,
+/// `offload_optimizer` with DeepSpeed's keys: `"cpu"` offloads (so does the old
+/// `cpu_offload: true`), `"none"` and absence do not; NVMe, a partial ratio, stage 0
+/// and parameter offload (stage 3's) are refused, each naming the fix; the NVMe-only
+/// and pinning keys are accepted with a note saying they change nothing here.
+#[test]
+fn offload_optimizer_takes_deepspeeds_keys() {
+    let zero = |body: &str| format!(r#"{{"train_batch_size": 32, "zero_optimization": {body}}}"#);
+    let c = ok(&zero(
+        r#"{"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true,
+            "buffer_count": 4, "fast_init": false, "ratio": 1.0}}"#,
+    ));
+    assert!(c.zero.offload_optimizer && c.zero.stage == 2);
+    let text = c.explain();
+    for key in [
+        "offload_optimizer.pin_memory",
+        "offload_optimizer.buffer_count",
+    ] {
+        assert!(
+            text.contains(&format!("note: zero_optimization.{key} ")),
+            "{key}:\n{text}"
+        );
+    }
+    assert!(
+        ok(&zero(r#"{"stage": 1, "cpu_offload": true}"#))
+            .zero
+            .offload_optimizer
     );
-    let p = problem(&e, "zero_optimization.offload_optimizer");
-    assert!(p.message.contains("not supported by Kiln"), "{}", p.message);
-
-    let c = ok(
-        r#"{"train_batch_size": 32, "zero_optimization": {"stage": 1,
-                  "offload_optimizer": {"device": "none"}}}"#,
-    );
-    assert_eq!(c.zero.stage, 1);
-    assert!(c.zero.contiguous_gradients && c.zero.reduce_scatter && !c.zero.overlap_comm);
+    for off in [
+        r#"{"stage": 1, "offload_optimizer": {"device": "none"}}"#,
+        r#"{"stage": 1, "offload_optimizer": {}}"#,
+        r#"{"stage": 1}"#,
+    ] {
+        let c = ok(&zero(off));
+        assert!(!c.zero.offload_optimizer, "{off}");
+        assert!(c.zero.contiguous_gradients && c.zero.reduce_scatter && !c.zero.overlap_comm);
+    }
+    for (body, path, says, fix) in [
+        (
+            r#"{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}"#,
+            "zero_optimization.offload_optimizer.device",
+            "NVMe",
+            "\"cpu\"",
+        ),
+        (
+            r#"{"stage": 2, "offload_optimizer": {"device": "gpu"}}"#,
+            "zero_optimization.offload_optimizer.device",
+            "\"gpu\"",
+            "\"none\"",
+        ),
+        (
+            r#"{"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}"#,
+            "zero_optimization.offload_optimizer.ratio",
+            "part of the optimizer state",
+            "remove the key or set it to 1",
+        ),
+        (
+            r#"{"stage": 0, "offload_optimizer": {"device": "cpu"}}"#,
+            "zero_optimization.offload_optimizer",
+            "stage 1 or 2",
+            "stage to 1 or 2",
+        ),
+        (
+            r#"{"stage": 2, "offload_param": {"device": "cpu"}}"#,
+            "zero_optimization.offload_param",
+            "stage 3",
+            "\"device\": \"none\"",
+        ),
+    ] {
+        let e = err(&zero(body));
+        let p = problem(&e, path);
+        assert!(p.message.contains(says), "{body}: {}", p.message);
+        assert!(p.fix.contains(fix), "{body}: {}", p.fix);
+    }
 }
 
 // ------------------------------------------------------------------------------------

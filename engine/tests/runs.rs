@@ -28,6 +28,8 @@ fn record(step: u64, loss: f32) -> StepRecord {
         comm_ms: 0.0,
         comm_overlap: 0.0,
         comm_bytes: 0,
+        offload_ms: None,
+        offload_exposed_ms: None,
         pipeline_bubble: None,
         pipeline_bubble_theory: None,
         pipeline_bytes: None,

@@ -564,6 +564,13 @@ pub(crate) struct DpArgs {
     /// Exchange after backward instead of overlapping it (`overlap_comm: false`).
     #[arg(long)]
     pub(crate) no_overlap: bool,
+    /// ZeRO stage (`zero_optimization.stage`, 0 to 2).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) zero: u8,
+    /// Keep the optimizer state in host memory and step it there
+    /// (`offload_optimizer.device: "cpu"`; ZeRO stage 1 or 2).
+    #[arg(long)]
+    pub(crate) offload: bool,
     /// Under mpirun: network bandwidth per process for the model, GB/s (100 Gb/s
     /// Ethernet or InfiniBand EDR moves ~12).
     #[arg(long, default_value_t = 12.0)]

@@ -114,18 +114,36 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
     if kiln::engine::parallel::collective::launched_by_mpirun() {
         return bench_dp_mpi(&a, adapter, &model);
     }
-    let rows = dp_table(adapter, &model, a.micro, &a.counts, a.steps, !a.no_overlap)?;
+    let zero = kiln::bench_dp::Zero {
+        stage: a.zero,
+        offload: a.offload,
+    };
+    let rows = dp_table(
+        adapter,
+        &model,
+        a.micro,
+        &a.counts,
+        (a.steps, !a.no_overlap),
+        zero,
+    )?;
     outln!(
-        "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per device",
+        "kiln bench dp: GPT {} layers {} embd T {} vocab {}, Ψ = {}, fp16, micro-batch {} per \
+         device, ZeRO stage {}{}",
         model.n_layer,
         model.n_embd,
         model.block_size,
         model.vocab_size,
         model.parameter_count(),
-        a.micro
+        a.micro,
+        a.zero,
+        if a.offload {
+            ", optimizer state offloaded to host memory"
+        } else {
+            ""
+        }
     );
     outln!(
-        "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10}",
+        "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>16}",
         "adapter",
         "devices",
         "step ms",
@@ -133,12 +151,14 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
         "overlap",
         "MB/step",
         "samples/s",
-        "vs 1 dev"
+        "vs 1 dev",
+        "device MB",
+        "host step ms"
     );
     let base = rows.first().map_or(1.0, |r| r.samples_per_s);
     for r in &rows {
         outln!(
-            "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x",
+            "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x {:>10.2} {:>16}",
             r.adapter,
             r.devices,
             r.step_ms,
@@ -146,7 +166,13 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
             r.overlap * 100.0,
             r.bytes_per_step as f64 / 1e6,
             r.samples_per_s,
-            r.samples_per_s / base
+            r.samples_per_s / base,
+            r.device_bytes as f64 / 1e6,
+            if a.offload {
+                format!("{:.1} ({:.1} exp.)", r.offload_ms, r.offload_exposed_ms)
+            } else {
+                "-".into()
+            }
         );
     }
     // All devices here share one adapter (and on lavapipe its CPU cores), so these rows
@@ -212,8 +238,18 @@ fn bench_dp_mpi(
         let procs = Processes::new(comm.clone(), local)?;
         let p = procs.devices.len();
         let overlap = !a.no_overlap;
+        let zero = kiln::bench_dp::Zero {
+            stage: a.zero,
+            offload: a.offload,
+        };
         let r = dp_processes(
-            adapter, model, a.micro, local, a.steps, overlap, a.bucket, procs,
+            adapter,
+            model,
+            a.micro,
+            local,
+            (a.steps, overlap, zero),
+            a.bucket,
+            procs,
         )?;
         if rank != 0 {
             return Ok(());

@@ -98,7 +98,7 @@ pub(crate) fn estimate(
             if partition.is_none() && stages > 1 {
                 method = c.pipeline.partition.clone();
             }
-            let zero = c.zero.stage;
+            let zero = (c.zero.stage, c.zero.offload_optimizer);
             (
                 c.batch.micro_batch,
                 c.precision.dtype(),
@@ -111,8 +111,15 @@ pub(crate) fn estimate(
                 checkpointing,
             )
         }
-        None => (1, DType::F16, 1, 0, lora_flag, checkpointing),
+        None => (1, DType::F16, 1, (0, false), lora_flag, checkpointing),
     };
+    if zero.1 && stages > 1 {
+        bail!(
+            "zero_optimization.offload_optimizer with pipeline stages is not implemented (a \
+             pipeline's stages keep their optimizer state on their devices): estimate it \
+             without --pipeline-stages, or remove offload_optimizer"
+        );
+    }
     if lora.is_some() && stages > 1 {
         bail!(
             "LoRA with pipeline stages is not estimated per stage yet (kiln train trains \
@@ -141,14 +148,14 @@ pub(crate) fn estimate(
                 dtype,
                 (stages, world, accum),
                 &method,
-                zero
+                zero.0
             )?
         );
         return Ok(());
     }
     out!(
         "{}",
-        kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters)?
+        kiln::estimate::report(model.as_ref(), micro, dtype, world, &adapters, zero)?
     );
     Ok(())
 }

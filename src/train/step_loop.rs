@@ -276,6 +276,8 @@ pub(super) fn run(
                 comm_ms: comm.ms,
                 comm_overlap: comm.overlap,
                 comm_bytes: comm.bytes,
+                offload_ms: ds.zero.offload_optimizer.then_some(comm.offload_ms),
+                offload_exposed_ms: ds.zero.offload_optimizer.then_some(comm.offload_exposed_ms),
                 ..Default::default()
             };
             let piped = engine.pipeline_report().map(|r| {
@@ -325,7 +327,7 @@ pub(super) fn run(
                     &bar,
                     format!(
                         "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} \
-                         tokens/s, stall {:.1} ms{}",
+                         tokens/s, stall {:.1} ms{}{}",
                         since_print.0 / since_print.1 as f64,
                         since_print.1,
                         s.lr,
@@ -350,7 +352,13 @@ pub(super) fn run(
                             )
                         } else {
                             String::new()
-                        }
+                        },
+                        rec.offload_ms
+                            .zip(rec.offload_exposed_ms)
+                            .map(|(ms, exposed)| format!(
+                                ", host optimizer step {ms:.1} ms ({exposed:.1} ms exposed)"
+                            ))
+                            .unwrap_or_default()
                     ),
                 );
                 since_print = (0.0, 0);

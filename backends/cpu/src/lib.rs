@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use half::{bf16, f16};
+use kiln_engine::device::optim::{host_step, HostState, Optimizer};
 use kiln_engine::device::{check_upload, check_view, KernelTiming, RopeFreqs};
 use kiln_engine::kernels::matmul::{gelu_f64, gelu_grad_f64};
 use kiln_engine::kernels::{dropout_hash, dropout_scale, dropout_threshold, mse_grad_factor};
@@ -1121,26 +1122,26 @@ fn attention_backward(a: &AttnShape, ins: &[Vec<f32>]) -> [Vec<f32>; 3] {
     [dq, dk, dv].map(|g| g.iter().map(|&x| x as f32).collect())
 }
 
-/// Adam/AdamW in f32, in the order the kernel computes it.
+/// Adam/AdamW in f32, in the order the kernel computes it (the engine's host step).
 fn adam(s: &mut State, a: &AdamStep, name: &str) -> Result<()> {
     let scale = s.f32s(a.grad_scale, name)?[0];
     let grads = s.f32s(a.grads, name)?;
     let mut w = s.f32s(a.master, name)?;
     let mut m = s.f32s(a.m, name)?;
     let mut v = s.f32s(a.v, name)?;
-    let (bc1, bc2) = a.bias_corrections();
-    for i in 0..w.len() {
-        let mut g = grads[i] * scale;
-        if !a.decoupled {
-            g += a.weight_decay * w[i];
-        }
-        m[i] = a.beta1 * m[i] + (1.0 - a.beta1) * g;
-        v[i] = a.beta2 * v[i] + (1.0 - a.beta2) * g * g;
-        if a.decoupled {
-            w[i] -= a.lr * a.weight_decay * w[i];
-        }
-        w[i] -= a.lr * (m[i] / bc1) / ((v[i] / bc2).sqrt() + a.eps);
-    }
+    let adam = Optimizer::Adam {
+        lr: a.lr,
+        betas: [a.beta1, a.beta2],
+        eps: a.eps,
+        weight_decay: a.weight_decay,
+        decoupled: a.decoupled,
+    };
+    let state = HostState {
+        master: &mut w,
+        m: &mut m,
+        v: &mut v,
+    };
+    host_step(&adam, (a.lr, a.weight_decay, a.step), scale, &grads, state)?;
     if let Some(p) = a.params {
         s.put(p, HostData::from_f32(p.dtype, &w), name)?;
     }
@@ -1149,17 +1150,23 @@ fn adam(s: &mut State, a: &AdamStep, name: &str) -> Result<()> {
     s.put(a.master, HostData::F32(w), name)
 }
 
-/// SGD with momentum in f32, PyTorch's form.
+/// SGD with momentum in f32, PyTorch's form (the engine's host step).
 fn sgd(s: &mut State, step: &SgdStep, name: &str) -> Result<()> {
     let scale = s.f32s(step.grad_scale, name)?[0];
     let grads = s.f32s(step.grads, name)?;
     let mut w = s.f32s(step.master, name)?;
     let mut buf = s.f32s(step.momentum_buf, name)?;
-    for i in 0..w.len() {
-        let g = grads[i] * scale + step.weight_decay * w[i];
-        buf[i] = step.momentum * buf[i] + g;
-        w[i] -= step.lr * buf[i];
-    }
+    let sgd = Optimizer::Sgd {
+        lr: step.lr,
+        momentum: step.momentum,
+        weight_decay: step.weight_decay,
+    };
+    let state = HostState {
+        master: &mut w,
+        m: &mut buf,
+        v: &mut [],
+    };
+    host_step(&sgd, (step.lr, step.weight_decay, 1), scale, &grads, state)?;
     if let Some(p) = step.params {
         s.put(p, HostData::from_f32(p.dtype, &w), name)?;
     }

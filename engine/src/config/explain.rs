@@ -190,6 +190,10 @@ impl TrainConfig {
             &format!("{zp}round_robin_gradients"),
             z.round_robin_gradients.to_string(),
         );
+        line(
+            &format!("{zp}offload_optimizer.device"),
+            if z.offload_optimizer { "cpu" } else { "none" }.to_string(),
+        );
 
         line("pipeline.stages", self.pipeline.stages.to_string());
         line("pipeline.partition", self.pipeline.partition.spelled());

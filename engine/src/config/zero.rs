@@ -1,10 +1,13 @@
-//! The `zero_optimization` section: ZeRO stages 0 to 2 and their communication settings;
-//! stage 3 and offloading are rejected, stage-3-only tuning keys ignored with a warning.
+//! The `zero_optimization` section: ZeRO stages 0 to 2, their communication settings and
+//! the optimizer state's offload to host memory (`offload_optimizer`); stage 3,
+//! parameter offload and NVMe are rejected, stage-3-only tuning keys ignored with a
+//! warning.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::keys::{Inert, Spec};
+use super::provenance::Provenance;
 use super::reader::{auto_at, Reader};
 
 /// ZeRO data-parallel sharding (DeepSpeed's `zero_optimization`), stages 0 to 2.
@@ -26,6 +29,10 @@ pub struct ZeroConfig {
     pub overlap_comm: bool,
     /// Spread gradient copies over ranks round-robin.
     pub round_robin_gradients: bool,
+    /// ZeRO-Offload (`offload_optimizer.device: "cpu"`, or the old `cpu_offload: true`):
+    /// each rank's shard of the f32 master weights and moments lives in host memory
+    /// and the host runs its optimizer step. Stages 1 and 2.
+    pub offload_optimizer: bool,
 }
 
 impl Default for ZeroConfig {
@@ -40,12 +47,15 @@ impl Default for ZeroConfig {
             allgather_bucket_size: 500_000_000,
             overlap_comm: false,
             round_robin_gradients: false,
+            offload_optimizer: false,
         }
     }
 }
 
 const STAGE3_ONLY: &str = "it is only used by ZeRO stage 3";
-const OFFLOAD_ONLY: &str = "it only matters with offloading, which Kiln does not implement";
+const PINNED: &str = "pinned (page-locked) host memory speeds up a CUDA device's copies; \
+    Kiln's copies go through the driver's own staging buffers either way";
+const NVME_ONLY: &str = "it only matters when offloading to NVMe, which Kiln does not do";
 
 const ZERO: Spec = Spec {
     keys: &[
@@ -57,6 +67,8 @@ const ZERO: Spec = Spec {
         "allgather_bucket_size",
         "overlap_comm",
         "round_robin_gradients",
+        "offload_optimizer",
+        "cpu_offload",
     ],
     ignored: &[
         ("stage3_prefetch_bucket_size", Inert::Any, STAGE3_ONLY),
@@ -108,7 +120,7 @@ const ZERO: Spec = Spec {
         ("override_module_apply", Inert::Any, STAGE3_ONLY),
         ("pipeline_loading_checkpoint", Inert::Any, STAGE3_ONLY),
         ("log_trace_cache_warnings", Inert::Any, STAGE3_ONLY),
-        ("cpu_offload_use_pin_memory", Inert::Any, OFFLOAD_ONLY),
+        ("cpu_offload_use_pin_memory", Inert::Any, PINNED),
         (
             "use_multi_rank_bucket_allreduce",
             Inert::Any,
@@ -118,24 +130,16 @@ const ZERO: Spec = Spec {
     ],
     unsupported: &[
         (
-            "offload_optimizer",
-            Inert::NoOffload,
-            "offloading optimizer state to CPU or NVMe (not yet)",
-        ),
-        (
             "offload_param",
             Inert::NoOffload,
-            "offloading parameters to CPU or NVMe (not yet)",
-        ),
-        (
-            "cpu_offload",
-            Inert::Bool(false),
-            "offloading optimizer state to CPU (not yet)",
+            "offloading parameters to host memory or NVMe (it needs ZeRO stage 3, not yet \
+             in Kiln; offload_optimizer moves the optimizer state)",
         ),
         (
             "cpu_offload_params",
             Inert::Bool(false),
-            "offloading parameters to CPU (not yet)",
+            "offloading parameters to host memory (it needs ZeRO stage 3, not yet in \
+             Kiln; offload_optimizer moves the optimizer state)",
         ),
         (
             "elastic_checkpoint",
@@ -188,7 +192,64 @@ const ZERO: Spec = Spec {
     hints: &[],
 };
 
+/// `zero_optimization.offload_optimizer`'s keys.
+const OFFLOAD_OPTIMIZER: Spec = Spec {
+    keys: &["device"],
+    ignored: &[
+        ("pin_memory", Inert::Any, PINNED),
+        ("nvme_path", Inert::Any, NVME_ONLY),
+        ("buffer_count", Inert::Any, NVME_ONLY),
+        ("pipeline_read", Inert::Any, NVME_ONLY),
+        ("pipeline_write", Inert::Any, NVME_ONLY),
+        ("pipeline", Inert::Any, NVME_ONLY),
+        ("fast_init", Inert::Any, NVME_ONLY),
+    ],
+    unsupported: &[(
+        "ratio",
+        Inert::Num(1.0),
+        "offloading part of the optimizer state (a ratio below 1 keeps the rest on the \
+         device)",
+    )],
+    hints: &[],
+};
+
 impl Reader {
+    /// `offload_optimizer` (`None` when absent or unreadable): true for `"cpu"`, false
+    /// for `"none"`; NVMe is refused with the reason.
+    fn offload_optimizer(&mut self, z: &Map<String, Value>) -> Option<bool> {
+        let prefix = "zero_optimization.offload_optimizer";
+        let sec = self
+            .section(z, "zero_optimization", "offload_optimizer")
+            .ok()??;
+        self.check_keys(sec, prefix, &OFFLOAD_OPTIMIZER);
+        let expected = "\"cpu\" or \"none\"";
+        match self.string(sec, prefix, "device", expected) {
+            Ok(Some("cpu")) => Some(true),
+            Ok(Some("none")) => Some(false),
+            Ok(Some("nvme")) => {
+                self.problem(
+                    &format!("{prefix}.device"),
+                    "offloading the optimizer state to NVMe is not supported by Kiln: it \
+                     keeps offloaded state in host memory",
+                    "set \"device\": \"cpu\" (host memory)",
+                );
+                None
+            }
+            Ok(Some(other)) => {
+                self.wrong_value(
+                    &format!("{prefix}.device"),
+                    expected,
+                    &Value::String(other.to_string()),
+                    Some("\"none\""),
+                );
+                None
+            }
+            // DeepSpeed's default device is "none".
+            Ok(None) => Some(false),
+            Err(_) => None,
+        }
+    }
+
     pub(super) fn zero(&mut self, root: &Map<String, Value>) -> ZeroConfig {
         let empty = Map::new();
         let sec = self.section(root, "", "zero_optimization").ok().flatten();
@@ -212,6 +273,28 @@ impl Reader {
             self.bucket_size(z, "reduce_bucket_size", size, d.reduce_bucket_size);
         let allgather_bucket_size =
             self.bucket_size(z, "allgather_bucket_size", size, d.allgather_bucket_size);
+        // The old spelling: a boolean for the host.
+        let legacy = self.bool_or(z, zp, "cpu_offload", false);
+        let set = self.offload_optimizer(z);
+        let offload_optimizer = set.unwrap_or(false) || legacy;
+        let device = "zero_optimization.offload_optimizer.device";
+        if set == Some(true) {
+            self.mark(device, Provenance::File);
+        } else if legacy {
+            self.mark(
+                device,
+                Provenance::Inferred("zero_optimization.cpu_offload: true".into()),
+            );
+        }
+        if offload_optimizer && stage == 0 {
+            self.problem(
+                "zero_optimization.offload_optimizer",
+                "offloading the optimizer state needs ZeRO stage 1 or 2: the host steps \
+                 each data-parallel rank's shard of it",
+                "set zero_optimization.stage to 1 or 2 (on one device too), or remove the \
+                 offload",
+            );
+        }
         ZeroConfig {
             stage,
             contiguous_gradients: self.bool_or(
@@ -236,6 +319,7 @@ impl Reader {
                 "round_robin_gradients",
                 d.round_robin_gradients,
             ),
+            offload_optimizer,
         }
     }
 

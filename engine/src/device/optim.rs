@@ -5,8 +5,14 @@
 //! long array. Gradients arrive scaled (by the fp16 loss scale) and are multiplied by
 //! `grad_scale[0]`, a device value produced by [`crate::Kernel::GradScale`] from the
 //! gradient norm, so unscaling and clipping need no host round trip.
+//!
+//! [`host_step`] is the same step over host memory: the CPU backend's kernel and
+//! ZeRO-Offload's update of a shard kept in host memory.
 
-use crate::{AdamStep, Buffer, DType, Device, HostData, Kernel, Result, SgdStep};
+use rayon::prelude::*;
+
+use crate::device::kernels::optim_step::bias_corrections;
+use crate::{AdamStep, Buffer, DType, Device, Error, HostData, Kernel, Result, SgdStep};
 
 /// The factor gradients are multiplied by, DeepSpeed's way: with `norm` the L2 norm of
 /// the scaled gradients, `combined = loss_scale * max(1, (norm / loss_scale + 1e-6) / clip)`
@@ -46,6 +52,28 @@ impl ParamBuffers {
             grad: dev.alloc(grad, n)?,
             m: dev.alloc(DType::F32, n)?,
             v: dev.alloc(DType::F32, n)?,
+        })
+    }
+
+    /// [`ParamBuffers::new`] without the optimizer state: the value and gradient
+    /// allocated, `empty` (a zero-length f32 buffer the caller owns) standing for the
+    /// master and both moments. For a network whose optimizer state is elsewhere
+    /// (ZeRO's shards).
+    pub fn without_state(
+        dev: &dyn Device,
+        init: &[f32],
+        value: DType,
+        grad: DType,
+        empty: Buffer,
+    ) -> Result<ParamBuffers> {
+        let v = dev.alloc(value, init.len())?;
+        dev.upload(v, &HostData::from_f32(value, init))?;
+        Ok(ParamBuffers {
+            value: v,
+            master: empty,
+            grad: dev.alloc(grad, init.len())?,
+            m: empty,
+            v: empty,
         })
     }
 
@@ -159,4 +187,91 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// One flat slice of optimizer state in host memory: the f32 master weights and the
+/// moments (SGD keeps its momentum in `m`; `v` is then unused and may be empty).
+pub struct HostState<'a> {
+    pub master: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
+/// Elements one host thread updates at a time.
+const HOST_CHUNK: usize = 1 << 14;
+
+/// `optimizer`'s step over host memory at learning rate `lr` with `weight_decay` (0
+/// for tensors that are not decayed); `step` is 1-based. `grads` are multiplied by
+/// `grad_scale` first, as the kernels multiply by `grad_scale[0]`. Every element goes
+/// through the f32 operations of `shaders/adam.wgsl` / `sgd.wgsl` in their order, each
+/// rounded on its own (no fused multiply-add), and elements are independent: the work
+/// is split over the host's cores (rayon) without changing a bit.
+pub fn host_step(
+    optimizer: &Optimizer,
+    (lr, weight_decay, step): (f32, f32, u32),
+    grad_scale: f32,
+    grads: &[f32],
+    st: HostState,
+) -> Result<()> {
+    let n = st.master.len();
+    let sgd = matches!(optimizer, Optimizer::Sgd { .. });
+    if grads.len() != n || st.m.len() != n || (!sgd && st.v.len() != n) {
+        return Err(Error::InvalidArgument(format!(
+            "host optimizer step: {n} master weights but {} gradients, {} and {} moments",
+            grads.len(),
+            st.m.len(),
+            st.v.len()
+        )));
+    }
+    match *optimizer {
+        Optimizer::Adam {
+            betas: [beta1, beta2],
+            eps,
+            decoupled,
+            ..
+        } => {
+            if step == 0 {
+                return Err(Error::InvalidArgument(
+                    "adam: step counts from 1 (bias correction divides by 1 - beta^step)".into(),
+                ));
+            }
+            let (bc1, bc2) = bias_corrections(beta1, beta2, step);
+            let one = |g: f32, w: &mut f32, m: &mut f32, v: &mut f32| {
+                let mut g = g * grad_scale;
+                if !decoupled {
+                    g += weight_decay * *w;
+                }
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                if decoupled {
+                    *w -= lr * weight_decay * *w;
+                }
+                *w -= lr * (*m / bc1) / ((*v / bc2).sqrt() + eps);
+            };
+            st.master
+                .par_chunks_mut(HOST_CHUNK)
+                .zip(st.m.par_chunks_mut(HOST_CHUNK))
+                .zip(st.v.par_chunks_mut(HOST_CHUNK))
+                .zip(grads.par_chunks(HOST_CHUNK))
+                .for_each(|(((w, m), v), g)| {
+                    for (((w, m), v), &g) in w.iter_mut().zip(m).zip(v).zip(g) {
+                        one(g, w, m, v);
+                    }
+                });
+        }
+        Optimizer::Sgd { momentum, .. } => {
+            st.master
+                .par_chunks_mut(HOST_CHUNK)
+                .zip(st.m.par_chunks_mut(HOST_CHUNK))
+                .zip(grads.par_chunks(HOST_CHUNK))
+                .for_each(|((w, buf), g)| {
+                    for ((w, b), &g) in w.iter_mut().zip(buf).zip(g) {
+                        let g = g * grad_scale + weight_decay * *w;
+                        *b = momentum * *b + g;
+                        *w -= lr * *b;
+                    }
+                });
+        }
+    }
+    Ok(())
 }

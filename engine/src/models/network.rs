@@ -145,8 +145,8 @@ pub struct Network {
     /// Once the blocks share gradients: the gradient buffers that remain (the arenas'
     /// are freed).
     own_grads: Vec<Buffer>,
-    /// Once the optimizer state is released: the empty buffer every master and moment
-    /// names.
+    /// Built without the optimizer state ([`Network::new_without_optimizer`]): the
+    /// empty buffer every master and moment names.
     pub(super) released: Option<Buffer>,
 }
 
@@ -159,13 +159,39 @@ impl Network {
         model: Arc<dyn Model>,
         options: &NetworkOptions,
     ) -> Result<Network> {
+        Ok(Network::build(dev, model, options, true)?.0)
+    }
+
+    /// [`Network::new`] without the optimizer state: the model copy, gradients, plan and
+    /// inputs, for a ZeRO group whose shards hold the f32 master weights and moments
+    /// (on the devices or in host memory, see `parallel::zero`), so a device never
+    /// holds the whole state, not even while the group is built. Returns the network
+    /// and every trained parameter's initial f32 master, in model order: what the
+    /// shards start from.
+    pub fn new_without_optimizer(
+        dev: &dyn Device,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+    ) -> Result<(Network, Vec<Vec<f32>>)> {
+        Network::build(dev, model, options, false)
+    }
+
+    fn build(
+        dev: &dyn Device,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+        optimizer_state: bool,
+    ) -> Result<(Network, Vec<Vec<f32>>)> {
         let Prepared {
             specs,
             frozen: frozen_specs,
             recorded,
             layout,
-            memory,
+            mut memory,
         } = prepare(model.as_ref(), options)?;
+        if !optimizer_state {
+            memory = memory.without_optimizer();
+        }
         // Before the first host vector or device buffer: a model that cannot fit is
         // refused with what it needs, not found out by an allocation that aborts.
         memory.check_fit(
@@ -191,19 +217,30 @@ impl Network {
             dev.upload(buf, &HostData::from_f32(act, &values))?;
             frozen.push((spec, buf));
         }
+        // Without the optimizer state one empty buffer stands for every master and
+        // moment.
+        let released = match optimizer_state {
+            true => None,
+            false => Some(dev.alloc(DType::F32, 0)?),
+        };
         let mut arenas = vec![];
         for (&(f32_grad, decay, _), init) in layout.arenas.iter().zip(&inits) {
             let grad = if f32_grad { DType::F32 } else { act };
-            arenas.push(Group {
-                buffers: ParamBuffers::new(dev, init, act, grad)?,
-                decay,
-            });
+            let buffers = match released {
+                None => ParamBuffers::new(dev, init, act, grad)?,
+                Some(empty) => ParamBuffers::without_state(dev, init, act, grad, empty)?,
+            };
+            arenas.push(Group { buffers, decay });
         }
         let mut params: Vec<Param> = vec![];
+        let mut masters = vec![];
         for (spec, &(arena, at)) in specs.into_iter().zip(&layout.places) {
             let n = spec.len();
             let whole = &arenas[arena].buffers;
-            let view = |b: Buffer| dev.view(b, at, n);
+            let view = |b: Buffer| match released {
+                Some(empty) if b == empty => Ok(empty),
+                _ => dev.view(b, at, n),
+            };
             params.push(Param {
                 buffers: ParamBuffers {
                     value: view(whole.value)?,
@@ -214,6 +251,9 @@ impl Network {
                 },
                 spec,
             });
+            if released.is_some() {
+                masters.push(inits[arena][at..at + n].to_vec());
+            }
         }
         let g = &recorded.graph;
         let mut inputs = vec![];
@@ -233,8 +273,9 @@ impl Network {
             inputs: bound_inputs(&recorded, &inputs, &frozen),
             groups: arenas.clone(),
         };
-        let plan = g.compile(dev, &bindings, Some(&options.optimizer))?;
-        Ok(Network {
+        let optimizer = released.is_none().then_some(&options.optimizer);
+        let plan = g.compile(dev, &bindings, optimizer)?;
+        let network = Network {
             model,
             options: options.clone(),
             params,
@@ -250,8 +291,9 @@ impl Network {
             shared_block_grads: false,
             trained: Cell::new(0),
             own_grads: vec![],
-            released: None,
-        })
+            released,
+        };
+        Ok((network, masters))
     }
 
     /// What [`Network::new`] allocates for `model` with `options`, computed without a
@@ -264,13 +306,21 @@ impl Network {
     /// [`Network::memory`] for a data-parallel group of one replica per device in
     /// `devs`, refused where it cannot fit (see [`NetworkMemory::check_fit`]): the
     /// replicas of devices that share the host's memory add up. [`Network::new`] checks
-    /// one device; a group checks all of them before building the first.
+    /// one device; a group checks all of them before building the first. With
+    /// `shards: Some((device, host))` the group is built with
+    /// [`Network::new_without_optimizer`] and ZeRO's shards: each device holds at most
+    /// `device` bytes of optimizer state (its slice; none when offloaded) in place of
+    /// the whole, and the host `host` bytes more (the offloaded slices).
     pub fn check_memory(
         model: &dyn Model,
         options: &NetworkOptions,
         devs: &[&dyn Device],
+        shards: Option<(u64, u64)>,
     ) -> Result<NetworkMemory> {
-        let m = Network::memory(model, options)?;
+        let mut m = Network::memory(model, options)?;
+        if let Some((device, host)) = shards {
+            m = m.with_shards(device, host);
+        }
         let caps: Vec<&Capabilities> = devs.iter().map(|d| d.caps()).collect();
         m.check_fit(
             &model.describe(),
@@ -706,6 +756,7 @@ impl Network {
                 Some(empty) => empty.bytes(),
                 None => whole(|b| b.master.bytes() + b.m.bytes() + b.v.bytes()),
             },
+            offloaded: 0,
         }
     }
 

@@ -358,13 +358,13 @@ pub(super) fn prepare(model: &dyn Model, options: &NetworkOptions) -> Result<Pre
         .iter()
         .map(|s| options.dtype.padded_bytes(s.len()))
         .sum();
-    memory.largest_buffer = memory.largest_buffer.max(
-        frozen
-            .iter()
-            .map(|s| options.dtype.padded_bytes(s.len()))
-            .max()
-            .unwrap_or(0),
-    );
+    let largest_frozen = frozen
+        .iter()
+        .map(|s| options.dtype.padded_bytes(s.len()))
+        .max()
+        .unwrap_or(0);
+    memory.largest_buffer = memory.largest_buffer.max(largest_frozen);
+    memory.largest_plan_buffer = memory.largest_plan_buffer.max(largest_frozen);
     Ok(Prepared {
         specs,
         frozen,
@@ -455,6 +455,13 @@ fn measure(
     m.activations = plan.total() + input_bytes;
     m.largest_parameter_buffer = layout.arenas.iter().map(|a| f(a.2)).max().unwrap_or(0);
     m.largest_buffer = plan.largest.max(m.largest_parameter_buffer);
+    m.largest_plan_buffer = plan.largest;
+    m.largest_stateless_buffer = layout
+        .arenas
+        .iter()
+        .map(|&(f32_grad, _, n)| a(n).max(if f32_grad { f(n) } else { a(n) }))
+        .max()
+        .unwrap_or(0);
     m.largest_binding = plan.largest_bound;
     // The initial weights: every arena's f32 values at once, and while the largest is
     // uploaded its f32 copy and its rounded model copy. A checkpoint downloads the

@@ -46,9 +46,38 @@ pub struct NetworkMemory {
     /// checkpoint downloads, or the initial weights while they are drawn and uploaded,
     /// whichever is larger.
     pub host: u64,
+    /// The plan's largest buffer, and the largest flat buffer of parameters without
+    /// the optimizer state (a model copy or gradient): what
+    /// [`NetworkMemory::without_optimizer`] keeps.
+    #[serde(skip)]
+    pub largest_plan_buffer: u64,
+    #[serde(skip)]
+    pub largest_stateless_buffer: u64,
 }
 
 impl NetworkMemory {
+    /// A ZeRO group's network ([`NetworkMemory::without_optimizer`]) beside its shards:
+    /// `device` bytes of optimizer state on each device, `host` bytes of it in host
+    /// memory (see `parallel::zero::shard_bytes`).
+    pub fn with_shards(&self, device: u64, host: u64) -> NetworkMemory {
+        let mut m = self.without_optimizer();
+        m.optimizer += device;
+        m.host += host;
+        m
+    }
+
+    /// The network without its optimizer state (`Network::new_without_optimizer`: one
+    /// empty f32 buffer stands for every master and moment).
+    pub fn without_optimizer(&self) -> NetworkMemory {
+        let largest_parameter_buffer = self.largest_stateless_buffer;
+        NetworkMemory {
+            optimizer: DType::F32.padded_bytes(0),
+            largest_parameter_buffer,
+            largest_buffer: self.largest_plan_buffer.max(largest_parameter_buffer),
+            ..*self
+        }
+    }
+
     pub fn total(&self) -> u64 {
         self.weights
             .saturating_add(self.frozen)
@@ -218,7 +247,7 @@ impl NetworkMemory {
 }
 
 /// Bytes as a person reads them (binary units).
-fn human(bytes: u64) -> String {
+pub fn human(bytes: u64) -> String {
     let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut x = bytes as f64;
     let mut u = 0;
@@ -270,9 +299,14 @@ pub struct ModelStateBytes {
     pub gradients: u64,
     /// f32 master weights, optimizer moments and what updates them.
     pub optimizer: u64,
+    /// Host memory holding this device's optimizer state instead (ZeRO-Offload: its
+    /// shard's f32 master weights and moments); not device bytes, so not in `total`.
+    #[serde(default)]
+    pub offloaded: u64,
 }
 
 impl ModelStateBytes {
+    /// Device bytes.
     pub fn total(&self) -> u64 {
         self.weights + self.gradients + self.optimizer
     }

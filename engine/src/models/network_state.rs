@@ -1,7 +1,7 @@
 //! A network's weights and training state in and out of its device: setting weights
 //! (checked in full before the first byte is written) and reading them, the model
 //! copies for a safetensors file, every parameter's checkpoint state
-//! (`ParamState`), and the release of the optimizer state a ZeRO group shards.
+//! (`ParamState`).
 
 use std::borrow::Cow;
 
@@ -381,39 +381,6 @@ impl Network {
             dev.upload(b.v, &HostData::F32(s.v.clone()))?;
         }
         Ok(())
-    }
-
-    /// Frees every parameter's f32 master and moments, for a ZeRO group whose ranks
-    /// each keep only their shard of them (see `parallel::zero`); one empty buffer is
-    /// left in their place, so an optimizer launch on them is a length error, never a
-    /// silent no-op; the plan is compiled again without its update. Returns the master
-    /// weights as they were (the shards' start).
-    pub fn release_optimizer_state(&mut self, dev: &dyn Device) -> Result<Vec<Vec<f32>>> {
-        if self.released.is_some() {
-            return Err(Error::InvalidArgument(
-                "network: the optimizer state was already released".into(),
-            ));
-        }
-        let mut masters = vec![];
-        let empty = dev.alloc(DType::F32, 0)?;
-        for p in &mut self.params {
-            let b = &mut p.buffers;
-            masters.push(dev.download(b.master)?.to_f32());
-            for x in [b.master, b.m, b.v] {
-                dev.free(x)?;
-            }
-            (b.master, b.m, b.v) = (empty, empty, empty);
-        }
-        for a in &mut self.arenas {
-            let b = &mut a.buffers;
-            for x in [b.master, b.m, b.v] {
-                dev.free(x)?;
-            }
-            (b.master, b.m, b.v) = (empty, empty, empty);
-        }
-        self.released = Some(empty);
-        self.recompile(dev)?;
-        Ok(masters)
     }
 
     /// Overwrites parameter `index`'s model copy (storage dtype, bit-exact): how a ZeRO

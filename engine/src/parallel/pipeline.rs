@@ -233,13 +233,21 @@ impl Pipeline {
                 vec![None; part.params.len()]
             };
             let shares = sharing.iter().any(Option::is_some);
-            let mut masters = vec![];
             for r in 0..dp {
                 let dev = devs[s * dp + r].as_ref();
+                // Sharded, the shards hold the optimizer state: one empty buffer stands
+                // for every master and moment, and the plans compile without an update.
+                let empty = match sharded {
+                    true => Some(dev.alloc(DType::F32, 0)?),
+                    false => None,
+                };
                 let mut params = vec![];
                 for &i in &part.params {
                     let grad = if specs[i].f32_grad { DType::F32 } else { act };
-                    params.push(ParamBuffers::new(dev, &inits[i], act, grad)?);
+                    params.push(match empty {
+                        None => ParamBuffers::new(dev, &inits[i], act, grad)?,
+                        Some(e) => ParamBuffers::without_state(dev, &inits[i], act, grad, e)?,
+                    });
                 }
                 // The frozen weights it reads (after the trained ones in model order).
                 let mut frozen = vec![];
@@ -256,20 +264,6 @@ impl Pipeline {
                         dev.free(params[k].grad)?;
                         params[k].grad = params[q].grad;
                     }
-                }
-                if sharded {
-                    // The shards hold the optimizer state: the stage's own copies go
-                    // before its plans are compiled without an update.
-                    let empty = dev.alloc(DType::F32, 0)?;
-                    let mut mine = vec![];
-                    for b in &mut params {
-                        mine.push(dev.download(b.master)?.to_f32());
-                        for x in [b.master, b.m, b.v] {
-                            dev.free(x)?;
-                        }
-                        (b.master, b.m, b.v) = (empty, empty, empty);
-                    }
-                    masters.push(mine);
                 }
                 let input_pos = part
                     .inputs
@@ -332,11 +326,13 @@ impl Pipeline {
             }
             shards.push(if sharded {
                 let group: Vec<&dyn Device> = (0..dp).map(|r| devs[s * dp + r].as_ref()).collect();
+                let masters: Vec<&[f32]> = part.params.iter().map(|&i| &inits[i][..]).collect();
                 Some(Shards::from_masters(
                     &group,
                     &masters,
                     &vec![act; part.params.len()],
                     None,
+                    false,
                 )?)
             } else {
                 None
@@ -678,7 +674,7 @@ impl Pipeline {
                 layout.push((self.specs[i].len(), self.options.dtype, self.specs[i].decay));
             }
             let step = u64::from(self.steps) + 1;
-            let (wholes, _) =
+            let super::zero::Updated { wholes, .. } =
                 shards.update(&group, optimizer, &layout, (&sum, lr, grad_scale, step))?;
             for (r, dev) in group.iter().enumerate() {
                 let stage = &self.stages[s * dp + r];

@@ -13,147 +13,417 @@
 //! (ranks numbered process by process); a process holds its own devices' slices,
 //! receives only their gradients (`collective::Ownership`), and the updated weights
 //! and checkpointed states are gathered between processes.
+//!
+//! ZeRO-Offload keeps a rank's slice in host memory instead (f32 master and moments):
+//! the reduced gradients are on the host already (the exchange sums them there), the
+//! step runs on the host's cores ([`host_step`], the kernels' arithmetic) and the
+//! updated model copy goes to the devices with the all-gather's upload.
+
+use std::sync::Mutex;
+use std::time::Instant;
 
 use super::collective::{f32_parts, Processes};
 pub use super::shard::{segments, shard_range, Segment};
-use crate::device::optim::ParamBuffers;
-use crate::models::{ModelStateBytes, Network, ParamState};
+use crate::device::optim::{host_step, HostState, ParamBuffers};
+use crate::models::{human, Model, ModelStateBytes, Network, ParamState};
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
 
-/// One segment of a rank's shard on its device: the f32 master, moments and reduced
-/// gradient of that slice of one tensor, and the slice's updated model copy.
+/// One segment of a rank's shard: its slice of one tensor's optimizer state.
 struct ShardSegment {
     seg: Segment,
-    buffers: ParamBuffers,
+    home: Home,
 }
 
-/// ZeRO stages 1 and 2: every rank's optimizer-state segments on its device, and the
-/// f32[1] gradient factor its updates read.
+/// Where a segment's optimizer state lives.
+enum Home {
+    /// On the rank's device: f32 master, moments and reduced gradient, and the slice's
+    /// updated model copy.
+    Device(ParamBuffers),
+    /// In host memory (ZeRO-Offload): the f32 master and moments (SGD's momentum in
+    /// `m`, `v` unused, as on a device). Locked only while one step or copy runs.
+    Host(Mutex<HostSlice>),
+}
+
+struct HostSlice {
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl HostSlice {
+    fn new(init: &[f32]) -> HostSlice {
+        HostSlice {
+            master: init.to_vec(),
+            m: committed_zeros(init.len()),
+            v: committed_zeros(init.len()),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        4 * (self.master.len() + self.m.len() + self.v.len()) as u64
+    }
+}
+
+/// `n` zeros written, not only reserved: the host memory an offloaded shard needs is
+/// taken when the run starts (and a host too small for it fails then), not on the
+/// first step.
+fn committed_zeros(n: usize) -> Vec<f32> {
+    let mut v = vec![0.0f32; n];
+    // Zeroed pages from the allocator are not resident until written; the black box
+    // keeps the writes from being folded away as already done.
+    std::hint::black_box(&mut v[..]);
+    v.fill(0.0);
+    v
+}
+
+fn lock(slice: &Mutex<HostSlice>) -> std::sync::MutexGuard<'_, HostSlice> {
+    // A panic elsewhere while holding it cannot leave a half-written step: the step
+    // writes every element or returns an error before writing.
+    slice.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Device bytes of rank `rank`'s shard of tensors of `sizes` elements over `world`
+/// ranks, the model copies in `dtype`, as [`Shards::from_masters`] allocates it on the
+/// device: per segment f32 master, moments and reduced gradient and the slice's copy,
+/// and the f32 gradient factor. Offloaded, none.
+pub fn device_bytes(sizes: &[usize], world: usize, rank: usize, dtype: DType) -> u64 {
+    let f32b = |n: usize| DType::F32.padded_bytes(n);
+    segments(sizes, world, rank)
+        .iter()
+        .map(|s| 4 * f32b(s.range.len()) + dtype.padded_bytes(s.range.len()))
+        .sum::<u64>()
+        + f32b(1)
+}
+
+/// The optimizer state a group's `ranks` (this process's, of `world`) hold for
+/// `model`'s trained parameters with model copies in `dtype`: the most any one device
+/// holds ([`device_bytes`]; none when `offload`ed) and what the host holds (12 bytes
+/// per element of those ranks' slices when offloaded, else none).
+pub fn shard_bytes(
+    model: &dyn Model,
+    world: usize,
+    ranks: std::ops::Range<usize>,
+    dtype: DType,
+    offload: bool,
+) -> (u64, u64) {
+    // The trained parameters come first in a model's list, the frozen after.
+    let sizes: Vec<usize> = model
+        .parameters()
+        .iter()
+        .take_while(|p| !p.frozen)
+        .map(|p| p.len())
+        .collect();
+    let sizes = &sizes[..];
+    if offload {
+        let total = sizes.iter().sum();
+        let elements: usize = ranks.map(|r| shard_range(total, world, r).len()).sum();
+        return (0, 12 * elements as u64);
+    }
+    let device = ranks
+        .map(|r| device_bytes(sizes, world, r, dtype))
+        .max()
+        .unwrap_or(0);
+    (device, 0)
+}
+
+/// Refuses, before anything is allocated, an offloaded optimizer state that the host
+/// cannot hold: `need` bytes of this process's shards (12 per element: f32 master and
+/// two moments) against `available` host bytes (`None`: the host does not say).
+pub fn check_host_fits(need: u64, available: Option<u64>) -> Result<()> {
+    let elements = need / 12;
+    match available {
+        Some(avail) if need > avail => Err(Error::InvalidArgument(format!(
+            "zero_optimization.offload_optimizer: the host needs {} for this process's \
+             shards of the optimizer state ({elements} parameters × 12 bytes: f32 master \
+             weights and two moments) but has {} available; spread the data-parallel \
+             ranks over more processes or hosts (each holds only its ranks' shards), free \
+             host memory, or keep the state on the devices (remove offload_optimizer)",
+            human(need),
+            human(avail)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// An offloaded step's host time (ms): the host step over the slices, and the part
+/// of it the devices waited for beyond the updated weights' uploads (not hidden
+/// behind them). Zero without offload.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OffloadTime {
+    pub host_ms: f64,
+    pub exposed_ms: f64,
+}
+
+/// What one update of the shards gave: every tensor's whole updated model copy (for
+/// the caller to write to its replicas), the bytes moved so far, and the time the
+/// host spent stepping offloaded shards (ms; 0 without offload).
+pub struct Updated {
+    pub wholes: Vec<HostData>,
+    pub bytes: u64,
+    pub host_ms: f64,
+}
+
+/// ZeRO stages 1 and 2: every rank's optimizer-state segments, on its device (with
+/// the f32[1] gradient factor its updates read) or, offloaded, in host memory.
 pub struct Shards {
     /// This process's ranks' segments, in rank order.
     ranks: Vec<Vec<ShardSegment>>,
+    /// Per rank, on its device; empty when offloaded.
     scale: Vec<Buffer>,
     procs: Option<Processes>,
+    /// Every slice is in host memory.
+    offloaded: bool,
 }
 
 impl Shards {
-    /// Takes the optimizer state off every replica (they start from the same weights)
-    /// and gives each rank its slice.
-    /// With `procs`, the partitioning spans every process's devices and these are
-    /// this process's.
-    pub fn new(
-        models: &mut [&mut Network],
-        devs: &[&dyn Device],
-        procs: Option<&Processes>,
-    ) -> Result<Shards> {
-        let layout = models[0].parameter_layout();
-        let dtypes: Vec<DType> = layout.iter().map(|l| l.2).collect();
-        let mut masters = vec![];
-        for (m, &dev) in models.iter_mut().zip(devs) {
-            masters.push(m.release_optimizer_state(dev)?);
-        }
-        Shards::from_masters(devs, &masters, &dtypes, procs)
-    }
-
-    /// Gives each of `devs` (ranks, in order) its slice of the tensors whose whole f32
-    /// masters rank r holds in `masters[r]` (every rank the same values) and whose
-    /// model copies are stored in `dtypes`: the layout [`Shards::new`] gives a
-    /// network, for any list of tensors (a pipeline stage's parameters).
+    /// Gives each of `devs` (ranks, in order) its slice of the tensors whose initial
+    /// f32 masters are `masters` (the same on every rank: replicas start from the same
+    /// weights) and whose model copies are stored in `dtypes`: a network's trained
+    /// parameters (`Network::new_without_optimizer`) or a pipeline stage's. `offload`
+    /// keeps every slice in host memory instead of on its device. With `procs`, the
+    /// partitioning spans every process's devices and these are this process's.
     pub fn from_masters(
         devs: &[&dyn Device],
-        masters: &[Vec<Vec<f32>>],
+        masters: &[&[f32]],
         dtypes: &[DType],
         procs: Option<&Processes>,
+        offload: bool,
     ) -> Result<Shards> {
         let world = procs.map_or(devs.len(), Processes::world);
         let first = procs.map_or(0, Processes::first_rank);
-        let sizes: Vec<usize> = masters[0].iter().map(Vec::len).collect();
+        let sizes: Vec<usize> = masters.iter().map(|m| m.len()).collect();
         let (mut ranks, mut scale) = (vec![], vec![]);
-        for (rank, (masters, &dev)) in masters.iter().zip(devs).enumerate() {
+        for (rank, &dev) in devs.iter().enumerate() {
             let mut segs = vec![];
             for seg in segments(&sizes, world, first + rank) {
                 let init = &masters[seg.param][seg.range.clone()];
-                let buffers = ParamBuffers::new(dev, init, dtypes[seg.param], DType::F32)?;
-                segs.push(ShardSegment { seg, buffers });
+                let home = if offload {
+                    Home::Host(Mutex::new(HostSlice::new(init)))
+                } else {
+                    Home::Device(ParamBuffers::new(dev, init, dtypes[seg.param], DType::F32)?)
+                };
+                segs.push(ShardSegment { seg, home });
             }
             ranks.push(segs);
-            scale.push(dev.alloc(DType::F32, 1)?);
+            if !offload {
+                scale.push(dev.alloc(DType::F32, 1)?);
+            }
         }
         Ok(Shards {
             ranks,
             scale,
             procs: procs.cloned(),
+            offloaded: offload,
         })
+    }
+
+    /// The optimizer state is in host memory (ZeRO-Offload).
+    pub fn offloaded(&self) -> bool {
+        self.offloaded
     }
 
     /// Each rank updates its own segments from the reduced gradients `sum` (a
     /// reduce-scatter: it receives only its slice), then the updated slices are
     /// gathered on the host and every rank receives the whole new model copy (the
-    /// all-gather). `step` is 1-based. Returns the bytes moved.
+    /// all-gather). `step` is 1-based. Returns the bytes moved and, offloaded, the
+    /// host step's time.
     pub fn apply(
         &self,
         models: &mut [&mut Network],
         devs: &[&dyn Device],
         optimizer: &Optimizer,
         (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
-    ) -> Result<u64> {
+    ) -> Result<(u64, OffloadTime)> {
         let layout: Vec<(usize, DType, bool)> = models[0]
             .parameter_layout()
             .into_iter()
             .map(|(_, shape, dtype, decay)| (shape.iter().product(), dtype, decay))
             .collect();
-        let (wholes, mut bytes) =
-            self.update(devs, optimizer, &layout, (sum, lr, grad_scale, step))?;
-        for (i, whole) in wholes.iter().enumerate() {
-            for (m, dev) in models.iter().zip(devs) {
-                m.set_value(*dev, i, whole)?;
-                bytes += whole.as_bytes().len() as u64;
+        let step32 = u32::try_from(step).map_err(|_| {
+            Error::InvalidArgument("more optimizer steps than the engine counts".into())
+        })?;
+        let hyper = (sum, lr, grad_scale, step);
+        let (bytes, time) = if self.offloaded && self.procs.is_none() {
+            self.apply_overlapped(models, devs, optimizer, &layout, hyper)?
+        } else {
+            let Updated {
+                wholes,
+                mut bytes,
+                host_ms,
+            } = self.update(devs, optimizer, &layout, hyper)?;
+            for (i, whole) in wholes.iter().enumerate() {
+                for (m, dev) in models.iter().zip(devs) {
+                    m.set_value(*dev, i, whole)?;
+                    bytes += whole.as_bytes().len() as u64;
+                }
             }
-        }
-        let step = u32::try_from(step).expect("update checked the step");
+            // Every update is stepped before the first upload: none of it hidden.
+            let time = OffloadTime {
+                host_ms,
+                exposed_ms: host_ms,
+            };
+            (bytes, time)
+        };
         for m in models.iter_mut() {
-            m.set_steps_applied(step);
+            m.set_steps_applied(step32);
         }
-        Ok(bytes)
+        Ok((bytes, time))
+    }
+
+    /// [`Shards::apply`] with every slice in this process's host memory: tensor by
+    /// tensor, a host thread steps the slices of a tensor (on every core) while this
+    /// thread uploads the tensors stepped before it to every device, so the host step
+    /// and the uploads overlap. The same arithmetic on the same numbers as
+    /// [`Shards::update`], so the same bits.
+    fn apply_overlapped(
+        &self,
+        models: &[&mut Network],
+        devs: &[&dyn Device],
+        optimizer: &Optimizer,
+        layout: &[(usize, DType, bool)],
+        (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
+    ) -> Result<(u64, OffloadTime)> {
+        let step = u32::try_from(step).expect("apply checked the step");
+        let mut by_param: Vec<Vec<&ShardSegment>> = vec![vec![]; layout.len()];
+        for s in self.ranks.iter().flatten() {
+            by_param[s.seg.param].push(s);
+        }
+        let t0 = Instant::now();
+        let (mut bytes, mut upload_ms) = (0, 0.0);
+        // Two tensors ahead at most: the host memory in flight stays small.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<HostData>>(2);
+        let host_ms = std::thread::scope(|scope| -> Result<f64> {
+            // Owned here: an upload's error drops it on return, which stops the
+            // stepper at its next send instead of leaving it blocked on a full channel.
+            let rx = rx;
+            let stepper = scope.spawn(move || {
+                let mut busy = 0.0;
+                for (i, segs) in by_param.iter().enumerate() {
+                    let t = Instant::now();
+                    let (n, dtype, decays) = layout[i];
+                    let decay = if decays {
+                        optimizer.weight_decay()
+                    } else {
+                        0.0
+                    };
+                    let whole = (|| {
+                        let mut part = Vec::with_capacity(n * dtype.size());
+                        for s in segs {
+                            let Home::Host(slice) = &s.home else {
+                                unreachable!("an offloaded shard holds host slices only");
+                            };
+                            let mut slice = lock(slice);
+                            let HostSlice { master, m, v } = &mut *slice;
+                            let grads = &sum[i][s.seg.range.clone()];
+                            let state = HostState { master, m, v };
+                            host_step(optimizer, (lr, decay, step), grad_scale, grads, state)?;
+                            let value = HostData::from_f32(dtype, &slice.master);
+                            part.extend_from_slice(value.as_bytes());
+                        }
+                        Ok(HostData::from_bytes(dtype, n, &part))
+                    })();
+                    busy += t.elapsed().as_secs_f64() * 1e3;
+                    let failed = whole.is_err();
+                    if tx.send(whole).is_err() || failed {
+                        break;
+                    }
+                }
+                busy
+            });
+            for (i, whole) in rx.iter().enumerate() {
+                let whole = whole?;
+                let t = Instant::now();
+                for (m, dev) in models.iter().zip(devs) {
+                    m.set_value(*dev, i, &whole)?;
+                    bytes += whole.as_bytes().len() as u64;
+                }
+                upload_ms += t.elapsed().as_secs_f64() * 1e3;
+            }
+            Ok(stepper.join().expect("the host step does not panic"))
+        })?;
+        // The devices wait for the last upload: what the step added beyond the
+        // uploads' own time is the host step's exposed part.
+        let wall = t0.elapsed().as_secs_f64() * 1e3;
+        let exposed_ms = (wall - upload_ms).clamp(0.0, host_ms);
+        Ok((
+            bytes,
+            OffloadTime {
+                host_ms,
+                exposed_ms,
+            },
+        ))
     }
 
     /// [`Shards::apply`]'s update and all-gather for tensors laid out as `layout`
     /// (elements, storage dtype, weight decay applies), in the order the shards were
-    /// made from: returns every tensor's whole updated model copy, for the caller to
-    /// write to its replicas, and the bytes moved so far.
+    /// made from (see [`Updated`]).
     pub fn update(
         &self,
         devs: &[&dyn Device],
         optimizer: &Optimizer,
         layout: &[(usize, DType, bool)],
         (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u64),
-    ) -> Result<(Vec<HostData>, u64)> {
+    ) -> Result<Updated> {
         let step = u32::try_from(step).map_err(|_| {
             Error::InvalidArgument("more optimizer steps than the engine counts".into())
         })?;
+        let decay = |param: usize| {
+            if layout[param].2 {
+                optimizer.weight_decay()
+            } else {
+                0.0
+            }
+        };
         let mut bytes = 0;
         for ((segs, &scale), dev) in self.ranks.iter().zip(&self.scale).zip(devs) {
             dev.upload(scale, &HostData::F32(vec![grad_scale]))?;
             for s in segs {
+                let Home::Device(buffers) = &s.home else {
+                    continue;
+                };
                 let g = HostData::F32(sum[s.seg.param][s.seg.range.clone()].to_vec());
                 bytes += g.as_bytes().len() as u64;
-                dev.upload(s.buffers.grad, &g)?;
-                let decay = if layout[s.seg.param].2 {
-                    optimizer.weight_decay()
-                } else {
-                    0.0
-                };
-                dev.launch(&s.buffers.step(optimizer, scale, lr, decay, step))?;
+                dev.upload(buffers.grad, &g)?;
+                let decay = decay(s.seg.param);
+                dev.launch(&buffers.step(optimizer, scale, lr, decay, step))?;
             }
             dev.submit()?;
         }
+        // Offloaded slices step on the host, each over every core, while the devices
+        // (above) run theirs.
+        let t0 = Instant::now();
+        let mut host_values = vec![];
+        for s in self.ranks.iter().flatten() {
+            let Home::Host(slice) = &s.home else {
+                continue;
+            };
+            let mut slice = lock(slice);
+            let HostSlice { master, m, v } = &mut *slice;
+            let grads = &sum[s.seg.param][s.seg.range.clone()];
+            let state = HostState { master, m, v };
+            let hyper = (lr, decay(s.seg.param), step);
+            host_step(optimizer, hyper, grad_scale, grads, state)?;
+            host_values.push(HostData::from_f32(layout[s.seg.param].1, &slice.master));
+        }
+        let host_ms = if self.offloaded {
+            t0.elapsed().as_secs_f64() * 1e3
+        } else {
+            0.0
+        };
+        let mut host_values = host_values.into_iter();
         // All-gather: each tensor's slices, in rank order, make the whole tensor.
         let mut parts: Vec<Vec<u8>> = vec![vec![]; layout.len()];
         let mut mine = vec![];
         for (segs, dev) in self.ranks.iter().zip(devs) {
             for s in segs {
-                let v = dev.download(s.buffers.value)?;
-                bytes += v.as_bytes().len() as u64;
+                let v = match &s.home {
+                    Home::Device(buffers) => {
+                        let v = dev.download(buffers.value)?;
+                        bytes += v.as_bytes().len() as u64;
+                        v
+                    }
+                    Home::Host(_) => host_values.next().expect("one value per host slice"),
+                };
                 match self.procs {
                     None => parts[s.seg.param].extend_from_slice(v.as_bytes()),
                     Some(_) => mine.extend_from_slice(v.as_bytes()),
@@ -181,7 +451,11 @@ impl Shards {
             .zip(&parts)
             .map(|(&(n, dtype, _), part)| HostData::from_bytes(dtype, n, part))
             .collect();
-        Ok((wholes, bytes))
+        Ok(Updated {
+            wholes,
+            bytes,
+            host_ms,
+        })
     }
 
     /// Fills the masters and moments of whole-model `states` from the shards.
@@ -197,11 +471,17 @@ impl Shards {
             for s in segs {
                 let st = &mut states[s.seg.param];
                 let r = s.seg.range.clone();
-                let (master, m, v) = (
-                    dev.download(s.buffers.master)?.to_f32(),
-                    dev.download(s.buffers.m)?.to_f32(),
-                    dev.download(s.buffers.v)?.to_f32(),
-                );
+                let (master, m, v) = match &s.home {
+                    Home::Device(b) => (
+                        dev.download(b.master)?.to_f32(),
+                        dev.download(b.m)?.to_f32(),
+                        dev.download(b.v)?.to_f32(),
+                    ),
+                    Home::Host(slice) => {
+                        let h = lock(slice);
+                        (h.master.clone(), h.m.clone(), h.v.clone())
+                    }
+                };
                 if self.procs.is_some() {
                     // Placed below with every other process's slices.
                     for x in [&master, &m, &v] {
@@ -249,10 +529,20 @@ impl Shards {
             for s in segs {
                 let st = &states[s.seg.param];
                 let r = s.seg.range.clone();
-                let f32s = |v: &[f32]| HostData::F32(v[r.clone()].to_vec());
-                dev.upload(s.buffers.master, &f32s(&st.master))?;
-                dev.upload(s.buffers.m, &f32s(&st.m))?;
-                dev.upload(s.buffers.v, &f32s(&st.v))?;
+                match &s.home {
+                    Home::Device(b) => {
+                        let f32s = |v: &[f32]| HostData::F32(v[r.clone()].to_vec());
+                        dev.upload(b.master, &f32s(&st.master))?;
+                        dev.upload(b.m, &f32s(&st.m))?;
+                        dev.upload(b.v, &f32s(&st.v))?;
+                    }
+                    Home::Host(slice) => {
+                        let mut h = lock(slice);
+                        h.master.copy_from_slice(&st.master[r.clone()]);
+                        h.m.copy_from_slice(&st.m[r.clone()]);
+                        h.v.copy_from_slice(&st.v[r]);
+                    }
+                }
             }
         }
         Ok(())
@@ -265,27 +555,45 @@ impl Shards {
         for (segs, dev) in self.ranks.iter().zip(devs) {
             for s in segs.iter().filter(|s| s.seg.param == param) {
                 let r = s.seg.range.clone();
-                dev.upload(s.buffers.master, &HostData::F32(master[r.clone()].to_vec()))?;
-                let zeros = HostData::F32(vec![0.0; r.len()]);
-                dev.upload(s.buffers.m, &zeros)?;
-                dev.upload(s.buffers.v, &zeros)?;
+                match &s.home {
+                    Home::Device(b) => {
+                        dev.upload(b.master, &HostData::F32(master[r.clone()].to_vec()))?;
+                        let zeros = HostData::F32(vec![0.0; r.len()]);
+                        dev.upload(b.m, &zeros)?;
+                        dev.upload(b.v, &zeros)?;
+                    }
+                    Home::Host(slice) => {
+                        let mut h = lock(slice);
+                        h.master.copy_from_slice(&master[r]);
+                        h.m.fill(0.0);
+                        h.v.fill(0.0);
+                    }
+                }
             }
         }
         Ok(())
     }
 
-    /// Rank `rank`'s shard bytes: master, moments, reduced gradient, updated model
-    /// copy and the step's gradient factor.
+    /// Rank `rank`'s shard bytes: on its device master, moments, reduced gradient,
+    /// updated model copy and the step's gradient factor; offloaded, the host's master
+    /// and moments.
     pub fn add_bytes(&self, rank: usize, bytes: &mut ModelStateBytes) {
         let Some(segs) = self.ranks.get(rank) else {
             return;
         };
         for s in segs {
-            let b = &s.buffers;
-            bytes.gradients += b.grad.bytes();
-            bytes.optimizer += b.master.bytes() + b.m.bytes() + b.v.bytes() + b.value.bytes();
+            match &s.home {
+                Home::Device(b) => {
+                    bytes.gradients += b.grad.bytes();
+                    bytes.optimizer +=
+                        b.master.bytes() + b.m.bytes() + b.v.bytes() + b.value.bytes();
+                }
+                Home::Host(slice) => bytes.offloaded += lock(slice).bytes(),
+            }
         }
-        bytes.optimizer += self.scale[rank].bytes();
+        if let Some(scale) = self.scale.get(rank) {
+            bytes.optimizer += scale.bytes();
+        }
     }
 
     /// Elements of the optimizer state rank `rank` holds (master + moments count once).
@@ -299,6 +607,25 @@ impl Shards {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_offload_the_host_cannot_hold_is_refused_with_the_numbers() {
+        // 100 Mi parameters: 1.2 GiB of f32 master and moments.
+        let n = 100 << 20;
+        assert!(check_host_fits(12 * n, None).is_ok());
+        assert!(check_host_fits(12 * n, Some(12 * n)).is_ok());
+        let e = check_host_fits(12 * n, Some(1 << 30))
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "offload_optimizer",
+            "1.2 GiB",
+            "1.0 GiB",
+            "104857600 parameters",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+    }
 
     #[test]
     fn shards_cover_every_element_once_and_differ_by_at_most_one() {

@@ -71,6 +71,16 @@ impl PipelineTrainer {
                 devs.len()
             )));
         }
+        if config.zero.offload_optimizer {
+            return Err(Error::Unsupported {
+                device: devs[0].caps().name.clone(),
+                what: "zero_optimization.offload_optimizer with pipeline stages: a \
+                       pipeline's stages keep their optimizer state on their devices (not \
+                       yet offloaded); train without stages (data parallel offloads) or \
+                       remove offload_optimizer"
+                    .into(),
+            });
+        }
         let (dtype, scaler) = precision(&config)?;
         let options = NetworkOptions {
             batch: config.batch.micro_batch,
@@ -271,6 +281,7 @@ fn model_states(
                 } else {
                     m.optimizer
                 },
+                offloaded: 0,
             };
             std::iter::repeat_n(bytes, dp)
         })

@@ -190,6 +190,13 @@ pub struct StepRecord {
     pub comm_overlap: f64,
     #[serde(default)]
     pub comm_bytes: u64,
+    /// ZeRO-Offload: the host's optimizer step over the offloaded shards (ms), and the
+    /// part of it the devices waited for (not hidden behind the updated weights'
+    /// uploads). Absent without offload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_exposed_ms: Option<f64>,
     /// Pipeline parallelism: the share of the step the stages waited for a neighbour
     /// (measured, the mean over stages), the schedule's `(p-1)/(m+p-1)`, and the bytes
     /// of activations and their gradients sent between stages. Absent without stages.

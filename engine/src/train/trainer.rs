@@ -17,12 +17,12 @@ use crate::config::{LossScaling, Precision, TrainConfig};
 use crate::device::optim::grad_scale_reference;
 use crate::device::profile::{span, SpanKind};
 use crate::models::{
-    in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network, NetworkOptions, ParamSpec,
-    ParamState,
+    host_memory_available, in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network,
+    NetworkOptions, ParamSpec, ParamState,
 };
 use crate::parallel::collective::{Ownership, Processes};
 use crate::parallel::exchange::{self, During};
-use crate::parallel::zero::Shards;
+use crate::parallel::zero::{self, check_host_fits, OffloadTime, Shards};
 use crate::train::checkpoint::{
     self, Checkpoint, CheckpointError, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE,
     OPTIMIZER_FILE,
@@ -132,6 +132,10 @@ pub struct CommStats {
     /// Bytes this process sent to and received from the other processes of a
     /// multi-process job.
     pub process_bytes: u64,
+    /// ZeRO-Offload: the host's optimizer step (ms) and the part of it not hidden
+    /// behind the updated weights' uploads (what the devices waited for).
+    pub offload_ms: f64,
+    pub offload_exposed_ms: f64,
 }
 
 pub struct Trainer {
@@ -252,24 +256,55 @@ impl Trainer {
             seed,
             packed: config.packed_rows,
         };
+        let first = procs.as_ref().map_or(0, Processes::first_rank);
+        // ZeRO: each rank's slice of the optimizer state, on its device or offloaded
+        // to host memory. On one device the single shard is the whole state: stage 0's
+        // layout (unless it goes to the host).
+        let offload = config.zero.offload_optimizer;
+        let sharded = config.zero.stage >= 1 && (world > 1 || offload);
+        let partitioned = config.zero.stage == 2 && world > 1;
+        let shard_bytes = if sharded {
+            // Sizes first: an absurd model is named, not listed parameter by parameter.
+            model.check_sizes()?;
+            let ranks = first..first + devs.len();
+            let (device, host) = zero::shard_bytes(model.as_ref(), world, ranks, dtype, offload);
+            if offload {
+                check_host_fits(host, host_memory_available())?;
+            }
+            Some((device, host))
+        } else {
+            None
+        };
         // The whole group at once, before the first replica: devices that share the
         // host's memory (CPU adapters) add up, and a model that cannot fit is refused
         // before anything is allocated.
-        Network::check_memory(model.as_ref(), &options, devs)?;
-        let mut models = devs
-            .iter()
-            .map(|&dev| Network::new(dev, model.clone(), &options))
-            .collect::<Result<Vec<_>>>()?;
-        let first = procs.as_ref().map_or(0, Processes::first_rank);
+        Network::check_memory(model.as_ref(), &options, devs, shard_bytes)?;
+        let mut models = vec![];
+        let mut masters = vec![];
+        for &dev in devs {
+            if sharded {
+                // The shards take the initial masters (every replica draws the same).
+                let (net, m) = Network::new_without_optimizer(dev, model.clone(), &options)?;
+                models.push(net);
+                masters = m;
+            } else {
+                models.push(Network::new(dev, model.clone(), &options)?);
+            }
+        }
         for (rank, m) in models.iter_mut().enumerate() {
             m.set_micro_offset((first + rank) * config.batch.grad_accum);
         }
         let mut shards = None;
-        // On one device the single shard is the whole state: stage 0's layout.
-        let partitioned = config.zero.stage == 2 && world > 1;
-        if config.zero.stage >= 1 && world > 1 {
-            let mut refs: Vec<&mut Network> = models.iter_mut().collect();
-            shards = Some(Shards::new(&mut refs, devs, procs.as_ref())?);
+        if sharded {
+            let dtypes: Vec<DType> = models[0].parameter_layout().iter().map(|l| l.2).collect();
+            let masters: Vec<&[f32]> = masters.iter().map(Vec::as_slice).collect();
+            shards = Some(Shards::from_masters(
+                devs,
+                &masters,
+                &dtypes,
+                procs.as_ref(),
+                offload,
+            )?);
             if let Some(p) = &mut procs {
                 // Each process then receives only the gradients its ranks update.
                 let sizes: Vec<usize> = (0..models[0].parameter_tensors())
@@ -316,7 +351,8 @@ impl Trainer {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn step(&mut self, dev: &dyn Device, micro: &[MicroBatch]) -> Result<StepStats> {
-        if self.procs.is_some() {
+        // A multi-process job exchanges; an offloaded state steps on the host.
+        if self.procs.is_some() || self.shards.is_some() {
             return self.step_group(&[dev], &[micro.to_vec()]);
         }
         if self.world() > 1 {
@@ -372,7 +408,7 @@ impl Trainer {
                 micro.len()
             )));
         }
-        if world == 1 && self.procs.is_none() {
+        if world == 1 && self.procs.is_none() && self.shards.is_none() {
             return self.step(devs[0], &micro[0]);
         }
         let want = self.config.batch.grad_accum;
@@ -418,6 +454,8 @@ impl Trainer {
             bytes,
             overlap: ex.overlap,
             process_bytes: ex.process_bytes,
+            offload_ms: 0.0,
+            offload_exposed_ms: 0.0,
         };
         if decision == StepDecision::Skip {
             self.last_comm = comm(bytes);
@@ -436,6 +474,7 @@ impl Trainer {
             clip,
         );
         let optimizer = self.config.optimizer.clone();
+        let mut offload = OffloadTime::default();
         let shards = self.shards.take();
         let mut models = self.models_mut();
         let optimizer_span = span("optimizer", SpanKind::Optimizer);
@@ -451,13 +490,20 @@ impl Trainer {
                 let step = (&ex.avg[..], lr, grad_scale, applied + 1);
                 shards
                     .apply(&mut models, devs, &optimizer, step)
-                    .map(|b| bytes += b)
+                    .map(|(b, t)| {
+                        bytes += b;
+                        offload = t;
+                    })
             }
         };
         drop(optimizer_span);
         self.shards = shards;
         applied_ok?;
-        self.last_comm = comm(bytes);
+        self.last_comm = CommStats {
+            offload_ms: offload.host_ms,
+            offload_exposed_ms: offload.exposed_ms,
+            ..comm(bytes)
+        };
         self.watch(false, loss_scale)?;
         Ok(StepStats {
             loss: ex.loss,

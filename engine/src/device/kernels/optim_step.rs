@@ -130,12 +130,18 @@ impl AdamStep {
 
     /// `1 - beta1^step` and `1 - beta2^step`, computed in f64 once per step.
     pub fn bias_corrections(&self) -> (f32, f32) {
-        let t = self.step as i32;
-        (
-            (1.0 - (self.beta1 as f64).powi(t)) as f32,
-            (1.0 - (self.beta2 as f64).powi(t)) as f32,
-        )
+        bias_corrections(self.beta1, self.beta2, self.step)
     }
+}
+
+/// Adam's `1 - beta1^step` and `1 - beta2^step`, computed in f64 once per step: what
+/// every implementation of the step (kernels and host) divides by.
+pub fn bias_corrections(beta1: f32, beta2: f32, step: u32) -> (f32, f32) {
+    let t = step as i32;
+    (
+        (1.0 - (beta1 as f64).powi(t)) as f32,
+        (1.0 - (beta2 as f64).powi(t)) as f32,
+    )
 }
 
 impl SgdStep {
