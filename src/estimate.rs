@@ -283,9 +283,9 @@ pub fn report(
     // share one set once built).
     let (stage, offload) = zero;
     let sharded = stage >= 1 && (world > 1 || offload);
-    let (device, offloaded) = shard_bytes(model, world, 0..world, dtype, offload);
+    let shards = shard_bytes(model, world, 0..world, dtype, offload);
     let m = match sharded {
-        true => whole.with_shards(device, offloaded),
+        true => whole.with_shards(shards),
         false => whole,
     };
     writeln!(
@@ -346,7 +346,7 @@ pub fn report(
     }
     let caps: Vec<&Capabilities> = devices.iter().collect();
     let checked = match offload {
-        true => check_host_fits(offloaded, host),
+        true => check_host_fits(shards.host, host),
         false => Ok(()),
     };
     let checked = checked.and_then(|()| m.check_fit(&model.describe(), dtype, &caps, host));

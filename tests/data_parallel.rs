@@ -659,10 +659,7 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
         "{:?} {off:?}",
         rows[1]
     );
-    assert!(
-        off.offload_ms > 0.0 && off.offload_exposed_ms <= off.offload_ms,
-        "{off:?}"
-    );
+    assert!(off.offload_ms > 0.0, "{off:?}");
     assert_eq!((rows[1].offload_ms, rows[1].offload_exposed_ms), (0.0, 0.0));
 }
 

@@ -240,6 +240,13 @@ fn three_processes_at_zero_0_1_and_2_and_offloaded_train_like_one_process_at_sta
         // Uneven slices (the model's size does not divide by 3), every process's state
         // gathered into process 0's checkpoint.
         assert_eq!(losses(&run), losses(&base), "ZeRO stage {stage}");
+        // Offloaded for real: the host step is timed in every step's record.
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            metrics.lines().all(|l| l.contains("\"offload_ms\"")),
+            offload,
+            "ZeRO stage {stage}"
+        );
         assert!(
             checkpoint(&run, 8) == checkpoint(&base, 8),
             "ZeRO stage {stage}: checkpoints differ"

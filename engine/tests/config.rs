@@ -532,6 +532,12 @@ fn offload_optimizer_takes_deepspeeds_keys() {
             .zero
             .offload_optimizer
     );
+    // The old and the new key disagreeing is a problem, not a silent choice.
+    let e = err(&zero(
+        r#"{"stage": 1, "cpu_offload": true, "offload_optimizer": {"device": "none"}}"#,
+    ));
+    let p = problem(&e, "zero_optimization.cpu_offload");
+    assert!(p.fix.contains("remove cpu_offload"), "{}", p.fix);
     for off in [
         r#"{"stage": 1, "offload_optimizer": {"device": "none"}}"#,
         r#"{"stage": 1, "offload_optimizer": {}}"#,

@@ -86,6 +86,12 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
     use kiln::bench_dp::{check_bandwidth, dp_table, modelled_efficiency};
     use kiln::engine::models::gpt::{Gpt, GptConfig};
     // Before minutes of measuring: the model's inputs.
+    if a.offload && a.zero == 0 {
+        bail!(
+            "--offload keeps each rank's shard of the optimizer state in host memory: add \
+             --zero 1 or --zero 2"
+        );
+    }
     check_bandwidth("pcie-gbps", a.pcie_gbps)?;
     check_bandwidth("host-gbps", a.host_gbps)?;
     let model: GptConfig = match &a.model {

@@ -276,6 +276,15 @@ impl Reader {
         // The old spelling: a boolean for the host.
         let legacy = self.bool_or(z, zp, "cpu_offload", false);
         let set = self.offload_optimizer(z);
+        if legacy && set == Some(false) && z.contains_key("offload_optimizer") {
+            self.problem(
+                "zero_optimization.cpu_offload",
+                "cpu_offload: true asks for the offload that offload_optimizer.device \
+                 \"none\" turns off",
+                "remove cpu_offload (its old name) and set offload_optimizer.device to \
+                 \"cpu\" or \"none\"",
+            );
+        }
         let offload_optimizer = set.unwrap_or(false) || legacy;
         let device = "zero_optimization.offload_optimizer.device";
         if set == Some(true) {

@@ -32,7 +32,9 @@ pub(crate) use network_build::{
     check_sharing, check_specs, declare_params, draw_initial, hand_over_groups, record,
     shared_gradients,
 };
-pub use network_memory::{host_memory_available, human, ModelStateBytes, NetworkMemory};
+pub use network_memory::{
+    host_memory_available, human, ModelStateBytes, NetworkMemory, ShardBytes,
+};
 pub use network_state::ParamState;
 pub(crate) use network_state::{in_file, match_frozen, weight_copies};
 

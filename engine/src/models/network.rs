@@ -18,7 +18,7 @@ use super::network_build::{
     check_sharing, draw_initial, hand_over_groups, prepare, shared_gradients, NetworkOptions,
     Prepared, Recorded,
 };
-use super::network_memory::{host_memory_available, ModelStateBytes, NetworkMemory};
+use super::network_memory::{host_memory_available, ModelStateBytes, NetworkMemory, ShardBytes};
 use super::{Model, ParamSpec};
 use crate::data;
 use crate::device::optim::ParamBuffers;
@@ -307,19 +307,18 @@ impl Network {
     /// `devs`, refused where it cannot fit (see [`NetworkMemory::check_fit`]): the
     /// replicas of devices that share the host's memory add up. [`Network::new`] checks
     /// one device; a group checks all of them before building the first. With
-    /// `shards: Some((device, host))` the group is built with
-    /// [`Network::new_without_optimizer`] and ZeRO's shards: each device holds at most
-    /// `device` bytes of optimizer state (its slice; none when offloaded) in place of
-    /// the whole, and the host `host` bytes more (the offloaded slices).
+    /// `shards` the group is built with [`Network::new_without_optimizer`] and ZeRO's
+    /// shards: each device holds its slice of the optimizer state (none when
+    /// offloaded) in place of the whole, and the host the offloaded slices.
     pub fn check_memory(
         model: &dyn Model,
         options: &NetworkOptions,
         devs: &[&dyn Device],
-        shards: Option<(u64, u64)>,
+        shards: Option<ShardBytes>,
     ) -> Result<NetworkMemory> {
         let mut m = Network::memory(model, options)?;
-        if let Some((device, host)) = shards {
-            m = m.with_shards(device, host);
+        if let Some(shards) = shards {
+            m = m.with_shards(shards);
         }
         let caps: Vec<&Capabilities> = devs.iter().map(|d| d.caps()).collect();
         m.check_fit(
@@ -738,8 +737,8 @@ impl Network {
     }
 
     /// Device bytes of this replica's model states as allocated: model copy,
-    /// gradients (shared ones once) and f32 master + moments (empty after
-    /// [`Network::release_optimizer_state`]).
+    /// gradients (shared ones once) and f32 master + moments (one empty buffer when
+    /// built by [`Network::new_without_optimizer`]).
     pub fn model_state_bytes(&self) -> ModelStateBytes {
         let whole = |f: fn(&ParamBuffers) -> u64| -> u64 {
             self.arenas.iter().map(|a| f(&a.buffers)).sum()

@@ -56,13 +56,14 @@ pub struct NetworkMemory {
 }
 
 impl NetworkMemory {
-    /// A ZeRO group's network ([`NetworkMemory::without_optimizer`]) beside its shards:
-    /// `device` bytes of optimizer state on each device, `host` bytes of it in host
-    /// memory (see `parallel::zero::shard_bytes`).
-    pub fn with_shards(&self, device: u64, host: u64) -> NetworkMemory {
+    /// A ZeRO group's network ([`NetworkMemory::without_optimizer`]) beside its shards
+    /// (see `parallel::zero::shard_bytes`).
+    pub fn with_shards(&self, shards: ShardBytes) -> NetworkMemory {
         let mut m = self.without_optimizer();
-        m.optimizer += device;
-        m.host += host;
+        m.optimizer += shards.device;
+        m.host += shards.host;
+        m.largest_parameter_buffer = m.largest_parameter_buffer.max(shards.largest);
+        m.largest_buffer = m.largest_buffer.max(shards.largest);
         m
     }
 
@@ -198,6 +199,13 @@ impl NetworkMemory {
         if total {
             fixes.push("a smaller model (n_layer, n_embd, vocab_size)");
         }
+        if total && self.optimizer > 0 {
+            fixes.push(
+                "ZeRO stage 1 or 2 over more devices (each holds a slice of the f32 master + \
+                 optimizer bytes) or zero_optimization.offload_optimizer (none of them on the \
+                 devices)",
+            );
+        }
         let act_heavy = self.activations >= self.total() / 4;
         if total && act_heavy {
             fixes.push(
@@ -221,16 +229,10 @@ impl NetworkMemory {
             fixes
                 .push("fewer devices on a CPU adapter (each keeps a whole replica in host memory)");
         }
-        let zero = if total {
-            " ZeRO stages 1 and 2 do not lower this peak: every device builds the whole \
-             model state before its optimizer state is sharded."
-        } else {
-            ""
-        };
         Err(Error::InvalidArgument(format!(
             "{what} does not fit, so nothing was allocated: it needs {} per device (weights \
              {}{}, gradients {}, f32 master + optimizer {}, activations {}; `kiln estimate` \
-             shows them); {}. Try {}.{zero}",
+             shows them); {}. Try {}.",
             human(self.total()),
             human(self.weights),
             match self.frozen {
@@ -290,6 +292,16 @@ pub fn host_memory_available() -> Option<u64> {
         avail = avail.min(limit.saturating_sub(used));
     }
     Some(avail)
+}
+
+/// The optimizer state of a ZeRO group's shards: the most bytes any one device holds
+/// (none when offloaded), the bytes in this process's host memory (offloaded), and the
+/// largest single buffer a device allocates for them (an f32 slice).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardBytes {
+    pub device: u64,
+    pub host: u64,
+    pub largest: u64,
 }
 
 /// A device's bytes of model states, by what they hold (ZeRO's accounting).

@@ -25,7 +25,7 @@ use std::time::Instant;
 use super::collective::{f32_parts, Processes};
 pub use super::shard::{segments, shard_range, Segment};
 use crate::device::optim::{host_step, HostState, ParamBuffers};
-use crate::models::{human, Model, ModelStateBytes, Network, ParamState};
+use crate::models::{human, Model, ModelStateBytes, Network, ParamState, ShardBytes};
 use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
 
 /// One segment of a rank's shard: its slice of one tensor's optimizer state.
@@ -97,15 +97,16 @@ pub fn device_bytes(sizes: &[usize], world: usize, rank: usize, dtype: DType) ->
 
 /// The optimizer state a group's `ranks` (this process's, of `world`) hold for
 /// `model`'s trained parameters with model copies in `dtype`: the most any one device
-/// holds ([`device_bytes`]; none when `offload`ed) and what the host holds (12 bytes
-/// per element of those ranks' slices when offloaded, else none).
+/// holds ([`device_bytes`]) and its largest buffer (a segment's f32 slice), or, when
+/// `offload`ed, nothing on the devices and 12 bytes per element of those ranks' slices
+/// in host memory.
 pub fn shard_bytes(
     model: &dyn Model,
     world: usize,
     ranks: std::ops::Range<usize>,
     dtype: DType,
     offload: bool,
-) -> (u64, u64) {
+) -> ShardBytes {
     // The trained parameters come first in a model's list, the frozen after.
     let sizes: Vec<usize> = model
         .parameters()
@@ -117,13 +118,26 @@ pub fn shard_bytes(
     if offload {
         let total = sizes.iter().sum();
         let elements: usize = ranks.map(|r| shard_range(total, world, r).len()).sum();
-        return (0, 12 * elements as u64);
+        return ShardBytes {
+            host: 12 * elements as u64,
+            ..ShardBytes::default()
+        };
     }
+    let largest = ranks
+        .clone()
+        .flat_map(|r| segments(sizes, world, r))
+        .map(|s| DType::F32.padded_bytes(s.range.len()))
+        .max()
+        .unwrap_or(0);
     let device = ranks
         .map(|r| device_bytes(sizes, world, r, dtype))
         .max()
         .unwrap_or(0);
-    (device, 0)
+    ShardBytes {
+        device,
+        largest,
+        host: 0,
+    }
 }
 
 /// Refuses, before anything is allocated, an offloaded optimizer state that the host
@@ -135,9 +149,10 @@ pub fn check_host_fits(need: u64, available: Option<u64>) -> Result<()> {
         Some(avail) if need > avail => Err(Error::InvalidArgument(format!(
             "zero_optimization.offload_optimizer: the host needs {} for this process's \
              shards of the optimizer state ({elements} parameters × 12 bytes: f32 master \
-             weights and two moments) but has {} available; spread the data-parallel \
-             ranks over more processes or hosts (each holds only its ranks' shards), free \
-             host memory, or keep the state on the devices (remove offload_optimizer)",
+             weights and two moments) but has {} available (each process of a job checks \
+             its own shards); spread the data-parallel ranks over more hosts (each holds \
+             only its ranks' shards), free host memory, or keep the state on the devices \
+             (remove offload_optimizer)",
             human(need),
             human(avail)
         ))),
@@ -274,7 +289,9 @@ impl Shards {
     /// tensor, a host thread steps the slices of a tensor (on every core) while this
     /// thread uploads the tensors stepped before it to every device, so the host step
     /// and the uploads overlap. The same arithmetic on the same numbers as
-    /// [`Shards::update`], so the same bits.
+    /// [`Shards::update`], so the same bits. An error leaves some tensors stepped on
+    /// the host and not on the devices: the step has failed as a whole, and the run
+    /// resumes from its last checkpoint (as after any failed update).
     fn apply_overlapped(
         &self,
         models: &[&mut Network],

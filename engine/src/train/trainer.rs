@@ -261,17 +261,24 @@ impl Trainer {
         // to host memory. On one device the single shard is the whole state: stage 0's
         // layout (unless it goes to the host).
         let offload = config.zero.offload_optimizer;
+        if offload && config.zero.stage == 0 {
+            return Err(Error::InvalidArgument(
+                "zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 (the host steps \
+                 each rank's shard of the optimizer state): set zero_optimization.stage"
+                    .into(),
+            ));
+        }
         let sharded = config.zero.stage >= 1 && (world > 1 || offload);
         let partitioned = config.zero.stage == 2 && world > 1;
         let shard_bytes = if sharded {
             // Sizes first: an absurd model is named, not listed parameter by parameter.
             model.check_sizes()?;
             let ranks = first..first + devs.len();
-            let (device, host) = zero::shard_bytes(model.as_ref(), world, ranks, dtype, offload);
+            let shards = zero::shard_bytes(model.as_ref(), world, ranks, dtype, offload);
             if offload {
-                check_host_fits(host, host_memory_available())?;
+                check_host_fits(shards.host, host_memory_available())?;
             }
-            Some((device, host))
+            Some(shards)
         } else {
             None
         };
@@ -351,8 +358,8 @@ impl Trainer {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn step(&mut self, dev: &dyn Device, micro: &[MicroBatch]) -> Result<StepStats> {
-        // A multi-process job exchanges; an offloaded state steps on the host.
-        if self.procs.is_some() || self.shards.is_some() {
+        // A multi-process job exchanges; one device's offloaded state steps on the host.
+        if self.procs.is_some() || (self.shards.is_some() && self.world() == 1) {
             return self.step_group(&[dev], &[micro.to_vec()]);
         }
         if self.world() > 1 {
