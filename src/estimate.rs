@@ -389,7 +389,7 @@ pub fn pipeline_memory(
     options: &NetworkOptions,
     method: &PartitionMethod,
     (stages, dp): (usize, usize),
-    zero_stage: u8,
+    (zero_stage, offload): (u8, bool),
 ) -> Result<Vec<NetworkMemory>> {
     let mut memory = Pipeline::memory(model, options, method, stages)?;
     let sharded = zero_stage >= 1 && dp > 1;
@@ -401,8 +401,14 @@ pub fn pipeline_memory(
         if sharded {
             // The stage's f32 master and two moments: 12 bytes per element.
             let slice = (m.optimizer / 12).div_ceil(dp as u64);
-            m.optimizer = (12 + options.dtype.size() as u64) * slice;
-            m.gradients += 4 * slice;
+            if offload {
+                // In host memory: the device keeps one empty buffer in their place.
+                m.optimizer = DType::F32.padded_bytes(0);
+                m.host += 12 * slice;
+            } else {
+                m.optimizer = (12 + options.dtype.size() as u64) * slice;
+                m.gradients += 4 * slice;
+            }
         }
     }
     Ok(memory)
@@ -419,7 +425,7 @@ pub fn pipeline_report(
     dtype: DType,
     (stages, world, m): (usize, usize, usize),
     method: &PartitionMethod,
-    zero_stage: u8,
+    (zero_stage, offload): (u8, bool),
 ) -> Result<String> {
     if stages == 0 || world % stages != 0 {
         anyhow::bail!(
@@ -436,7 +442,7 @@ pub fn pipeline_report(
         packed: false,
     };
     let dp = world / stages;
-    let memory = pipeline_memory(model, &options, method, (stages, dp), zero_stage)?;
+    let memory = pipeline_memory(model, &options, method, (stages, dp), (zero_stage, offload))?;
     let blocks = Pipeline::stage_blocks_of(model, method, stages)?;
     let sharded = zero_stage >= 1 && dp > 1;
     let partitioned = zero_stage == 2 && dp > 1;
@@ -461,6 +467,13 @@ pub fn pipeline_report(
             String::new()
         }
     )?;
+    if sharded && offload {
+        writeln!(
+            out,
+            "offload_optimizer: each device's shard of master+Adam (12 bytes per element of \
+             its slice) is in host memory; the master+Adam column is what stays on the device"
+        )?;
+    }
     writeln!(
         out,
         "{:<7} {:>8} {:>12} {:>12} {:>14} {:>13} {:>12}  in flight",

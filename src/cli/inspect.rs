@@ -113,13 +113,6 @@ pub(crate) fn estimate(
         }
         None => (1, DType::F16, 1, (0, false), lora_flag, checkpointing),
     };
-    if zero.1 && stages > 1 {
-        bail!(
-            "zero_optimization.offload_optimizer with pipeline stages is not implemented (a \
-             pipeline's stages keep their optimizer state on their devices): estimate it \
-             without --pipeline-stages, or remove offload_optimizer"
-        );
-    }
     if lora.is_some() && stages > 1 {
         bail!(
             "LoRA with pipeline stages is not estimated per stage yet (kiln train trains \
@@ -148,7 +141,7 @@ pub(crate) fn estimate(
                 dtype,
                 (stages, world, accum),
                 &method,
-                zero.0
+                zero
             )?
         );
         return Ok(());

@@ -100,7 +100,7 @@ use super::pipeline_schedule::Schedule;
 use super::pipeline_stages::{
     compile_slot, cut, local_blocks, stage_costs, stage_data, stage_memory, Cut, Stage,
 };
-use super::zero::Shards;
+use super::zero::{shard_bytes_of, Shards};
 use crate::device::optim::ParamBuffers;
 use crate::graph::{Loss, Op};
 use crate::models::{
@@ -150,14 +150,15 @@ impl Pipeline {
         method: &PartitionMethod,
     ) -> Result<Pipeline> {
         let p = devs.len();
-        Pipeline::replicated(devs, model, options, method, p, 0)
+        Pipeline::replicated(devs, model, options, method, p, 0, false)
     }
 
     /// `devs.len() / stages` replicas of `model` cut into `stages` stages (pp × dp):
     /// device `s * dp + r` runs stage `s` of replica `r`. Every replica starts from
     /// the same weights; with `zero_stage` 1 or 2 and more than one replica, each
-    /// stage's optimizer state is sharded over the stage's replicas, and under 2 its
-    /// alike blocks share one block's gradient buffers (see the module doc).
+    /// stage's optimizer state is sharded over the stage's replicas (in host memory
+    /// with `offload`), and under 2 its alike blocks share one block's gradient
+    /// buffers (see the module doc).
     pub fn replicated(
         devs: Vec<Box<dyn Device>>,
         model: Arc<dyn Model>,
@@ -165,8 +166,19 @@ impl Pipeline {
         method: &PartitionMethod,
         stages: usize,
         zero_stage: u32,
+        offload: bool,
     ) -> Result<Pipeline> {
         let dp = replicas(devs.len(), stages)?;
+        if offload && !(zero_stage >= 1 && dp > 1) {
+            return Err(Error::InvalidArgument(format!(
+                "pipeline: zero_optimization.offload_optimizer moves the shards of each \
+                 stage's optimizer state that ZeRO stage 1 or 2 spreads over the stage's \
+                 data-parallel replicas, and this pipeline has {dp} replica(s) at stage \
+                 {zero_stage}: give at least twice as many devices as stages with stage 1 \
+                 or 2, or remove offload_optimizer (with one replica a stage's gradients \
+                 are not brought to the host)"
+            )));
+        }
         if zero_stage > 2 {
             return Err(Error::InvalidArgument(format!(
                 "pipeline: zero_optimization.stage {zero_stage}: parameter partitioning \
@@ -195,6 +207,16 @@ impl Pipeline {
                 m.gradients = m.shared_gradients;
             }
         }
+        // Sharded, a stage's devices are built without its optimizer state, beside
+        // their slice of it (none on the device when offloaded).
+        let sharded = zero_stage >= 1 && dp > 1;
+        if sharded {
+            for (m, part) in memory.iter_mut().zip(&parts) {
+                let sizes: Vec<usize> = part.params.iter().map(|&i| specs[i].len()).collect();
+                let act = options.dtype;
+                *m = m.with_shards(shard_bytes_of(&sizes, dp, 0..dp, act, offload));
+            }
+        }
         for (f, dev) in devs.iter().enumerate() {
             let s = f / dp;
             let what = if dp == 1 {
@@ -220,7 +242,6 @@ impl Pipeline {
             .collect();
         let act = options.dtype;
         let trained = specs.iter().filter(|s| !s.frozen).count();
-        let sharded = zero_stage >= 1 && dp > 1;
         let mut built = vec![];
         let mut shards = vec![];
         for (s, part) in parts.into_iter().enumerate() {
@@ -332,7 +353,7 @@ impl Pipeline {
                     &masters,
                     &vec![act; part.params.len()],
                     None,
-                    false,
+                    offload,
                 )?)
             } else {
                 None

@@ -194,6 +194,8 @@ pub(super) fn stage_memory(
             m.gradient_tensors += (grad.size() * n) as u64;
             m.optimizer += 3 * f(n);
             m.largest_parameter_buffer = m.largest_parameter_buffer.max(f(n));
+            let stateless = act.padded_bytes(n).max(grad.padded_bytes(n));
+            m.largest_stateless_buffer = m.largest_stateless_buffer.max(stateless);
             params.push(ParamBuffers {
                 value: stand_in(act, n),
                 master: stand_in(DType::F32, n),
@@ -231,6 +233,7 @@ pub(super) fn stage_memory(
             bound = plan.largest_bound.max(bound);
         }
         m.largest_buffer = largest.max(m.largest_parameter_buffer);
+        m.largest_plan_buffer = largest;
         m.largest_binding = bound;
         m.host = drawn.max(m.weights + m.optimizer);
         out.push(m);

@@ -114,7 +114,17 @@ pub fn shard_bytes(
         .take_while(|p| !p.frozen)
         .map(|p| p.len())
         .collect();
-    let sizes = &sizes[..];
+    shard_bytes_of(&sizes, world, ranks, dtype, offload)
+}
+
+/// [`shard_bytes`] for tensors of `sizes` elements (a pipeline stage's).
+pub fn shard_bytes_of(
+    sizes: &[usize],
+    world: usize,
+    ranks: std::ops::Range<usize>,
+    dtype: DType,
+    offload: bool,
+) -> ShardBytes {
     if offload {
         let total = sizes.iter().sum();
         let elements: usize = ranks.map(|r| shard_range(total, world, r).len()).sum();

@@ -71,16 +71,6 @@ impl PipelineTrainer {
                 devs.len()
             )));
         }
-        if config.zero.offload_optimizer {
-            return Err(Error::Unsupported {
-                device: devs[0].caps().name.clone(),
-                what: "zero_optimization.offload_optimizer with pipeline stages: a \
-                       pipeline's stages keep their optimizer state on their devices (not \
-                       yet offloaded); train without stages (data parallel offloads) or \
-                       remove offload_optimizer"
-                    .into(),
-            });
-        }
         let (dtype, scaler) = precision(&config)?;
         let options = NetworkOptions {
             batch: config.batch.micro_batch,
@@ -90,8 +80,15 @@ impl PipelineTrainer {
             packed: config.packed_rows,
         };
         let zero = u32::from(config.zero.stage);
-        let memory = model_states(model.as_ref(), &options, method, stages, dp, zero)?;
-        let pipe = Pipeline::replicated(devs, model, &options, method, stages, zero)?;
+        let offload = config.zero.offload_optimizer;
+        let memory = model_states(
+            model.as_ref(),
+            &options,
+            method,
+            (stages, dp),
+            (zero, offload),
+        )?;
+        let pipe = Pipeline::replicated(devs, model, &options, method, stages, zero, offload)?;
         Ok(PipelineTrainer {
             pipe,
             memory,
@@ -256,16 +253,16 @@ impl PipelineTrainer {
 
 /// Per device (stage-major), the model states of `stages` stages in `dp` replicas:
 /// ZeRO 1 and 2 leave each replica a 1/dp shard of its stage's optimizer state (to
-/// within one element's rounding); under 2 a stage's alike blocks share one set of
-/// gradient buffers.
+/// within one element's rounding), in host memory when `offload`ed; under 2 a stage's
+/// alike blocks share one set of gradient buffers.
 fn model_states(
     model: &dyn Model,
     options: &NetworkOptions,
     method: &PartitionMethod,
-    stages: usize,
-    dp: usize,
-    zero: u32,
+    (stages, dp): (usize, usize),
+    (zero, offload): (u32, bool),
 ) -> Result<Vec<ModelStateBytes>> {
+    let sharded = zero >= 1 && dp > 1;
     Ok(Pipeline::memory(model, options, method, stages)?
         .iter()
         .flat_map(|m| {
@@ -276,12 +273,15 @@ fn model_states(
                 } else {
                     m.gradients
                 },
-                optimizer: if zero >= 1 && dp > 1 {
-                    m.optimizer.div_ceil(dp as u64)
-                } else {
-                    m.optimizer
+                optimizer: match (sharded, offload) {
+                    (true, false) => m.optimizer.div_ceil(dp as u64),
+                    (true, true) => 0,
+                    (false, _) => m.optimizer,
                 },
-                offloaded: 0,
+                offloaded: match (sharded, offload) {
+                    (true, true) => m.optimizer.div_ceil(dp as u64),
+                    _ => 0,
+                },
             };
             std::iter::repeat_n(bytes, dp)
         })
