@@ -76,6 +76,44 @@ fn committed_zeros(n: usize) -> Vec<f32> {
     v
 }
 
+/// The weight decay tensor `param` of `layout` takes (0 where decay does not apply).
+fn weight_decay(optimizer: &Optimizer, layout: &[(usize, DType, bool)], param: usize) -> f32 {
+    if layout[param].2 {
+        optimizer.weight_decay()
+    } else {
+        0.0
+    }
+}
+
+impl ShardSegment {
+    /// Steps this segment on the host, if it is offloaded, from the reduced gradients
+    /// `sum` of tensors laid out as `layout`, and returns its updated model copy;
+    /// `None` for a segment on its device.
+    fn step_on_host(
+        &self,
+        optimizer: &Optimizer,
+        layout: &[(usize, DType, bool)],
+        (sum, lr, grad_scale, step): (&[Vec<f32>], f32, f32, u32),
+    ) -> Result<Option<HostData>> {
+        let Home::Host(slice) = &self.home else {
+            return Ok(None);
+        };
+        let param = self.seg.param;
+        let mut slice = lock(slice);
+        let HostSlice { master, m, v } = &mut *slice;
+        let grads = &sum[param][self.seg.range.clone()];
+        let hyper = (lr, weight_decay(optimizer, layout, param), step);
+        host_step(
+            optimizer,
+            hyper,
+            grad_scale,
+            grads,
+            HostState { master, m, v },
+        )?;
+        Ok(Some(HostData::from_f32(layout[param].1, &slice.master)))
+    }
+}
+
 fn lock(slice: &Mutex<HostSlice>) -> std::sync::MutexGuard<'_, HostSlice> {
     // A panic elsewhere while holding it cannot leave a half-written step: the step
     // writes every element or returns an error before writing.
@@ -327,24 +365,13 @@ impl Shards {
                 let mut busy = 0.0;
                 for (i, segs) in by_param.iter().enumerate() {
                     let t = Instant::now();
-                    let (n, dtype, decays) = layout[i];
-                    let decay = if decays {
-                        optimizer.weight_decay()
-                    } else {
-                        0.0
-                    };
+                    let (n, dtype, _) = layout[i];
                     let whole = (|| {
                         let mut part = Vec::with_capacity(n * dtype.size());
                         for s in segs {
-                            let Home::Host(slice) = &s.home else {
-                                unreachable!("an offloaded shard holds host slices only");
-                            };
-                            let mut slice = lock(slice);
-                            let HostSlice { master, m, v } = &mut *slice;
-                            let grads = &sum[i][s.seg.range.clone()];
-                            let state = HostState { master, m, v };
-                            host_step(optimizer, (lr, decay, step), grad_scale, grads, state)?;
-                            let value = HostData::from_f32(dtype, &slice.master);
+                            let value = s
+                                .step_on_host(optimizer, layout, (sum, lr, grad_scale, step))?
+                                .expect("an offloaded shard holds host slices only");
                             part.extend_from_slice(value.as_bytes());
                         }
                         Ok(HostData::from_bytes(dtype, n, &part))
@@ -394,13 +421,6 @@ impl Shards {
         let step = u32::try_from(step).map_err(|_| {
             Error::InvalidArgument("more optimizer steps than the engine counts".into())
         })?;
-        let decay = |param: usize| {
-            if layout[param].2 {
-                optimizer.weight_decay()
-            } else {
-                0.0
-            }
-        };
         let mut bytes = 0;
         for ((segs, &scale), dev) in self.ranks.iter().zip(&self.scale).zip(devs) {
             dev.upload(scale, &HostData::F32(vec![grad_scale]))?;
@@ -411,7 +431,7 @@ impl Shards {
                 let g = HostData::F32(sum[s.seg.param][s.seg.range.clone()].to_vec());
                 bytes += g.as_bytes().len() as u64;
                 dev.upload(buffers.grad, &g)?;
-                let decay = decay(s.seg.param);
+                let decay = weight_decay(optimizer, layout, s.seg.param);
                 dev.launch(&buffers.step(optimizer, scale, lr, decay, step))?;
             }
             dev.submit()?;
@@ -421,16 +441,10 @@ impl Shards {
         let t0 = Instant::now();
         let mut host_values = vec![];
         for s in self.ranks.iter().flatten() {
-            let Home::Host(slice) = &s.home else {
-                continue;
-            };
-            let mut slice = lock(slice);
-            let HostSlice { master, m, v } = &mut *slice;
-            let grads = &sum[s.seg.param][s.seg.range.clone()];
-            let state = HostState { master, m, v };
-            let hyper = (lr, decay(s.seg.param), step);
-            host_step(optimizer, hyper, grad_scale, grads, state)?;
-            host_values.push(HostData::from_f32(layout[s.seg.param].1, &slice.master));
+            let hyper = (sum, lr, grad_scale, step);
+            if let Some(value) = s.step_on_host(optimizer, layout, hyper)? {
+                host_values.push(value);
+            }
         }
         let host_ms = if self.offloaded {
             t0.elapsed().as_secs_f64() * 1e3
