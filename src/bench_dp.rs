@@ -45,14 +45,29 @@ pub struct DpRow {
     /// devices waited for (ms; 0 without offload).
     pub offload_ms: f64,
     pub offload_exposed_ms: f64,
+    /// ZeRO stage 3: host time loading the blocks' weights per step (all devices, ms)
+    /// and the share of it hidden behind the devices' work.
+    pub gather_ms: f64,
+    pub gather_hidden: f64,
 }
 
-/// The ZeRO settings a bench dp group trains with: the stage and whether the
-/// optimizer state is offloaded to host memory.
-#[derive(Clone, Copy, Debug, Default)]
+/// The ZeRO settings a bench dp group trains with: the stage, whether the optimizer
+/// state is offloaded to host memory, and stage 3's persistence threshold.
+#[derive(Clone, Copy, Debug)]
 pub struct Zero {
     pub stage: u8,
     pub offload: bool,
+    pub persistence_threshold: u64,
+}
+
+impl Default for Zero {
+    fn default() -> Zero {
+        Zero {
+            stage: 0,
+            offload: false,
+            persistence_threshold: 100_000,
+        }
+    }
 }
 
 /// Times `steps` steps (after one warm-up) of a GPT on `n` devices of `adapter`, for
@@ -133,8 +148,10 @@ fn measure(
         &format!(
             r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
                  "zero_optimization": {{"stage": {stage}, "overlap_comm": {overlap}{bucket},
+                     "stage3_param_persistence_threshold": {threshold},
                      "offload_optimizer": {{"device": "{device}"}}}}}}"#,
             stage = zero.stage,
+            threshold = zero.persistence_threshold,
             device = if zero.offload { "cpu" } else { "none" },
         ),
         world,
@@ -158,6 +175,7 @@ fn measure(
     trainer.step_group(&devs, &micro_batches)?;
     let (mut comm, mut bytes, mut across, mut hidden) = (0.0, 0, 0, 0.0);
     let (mut host, mut exposed) = (0.0, 0.0);
+    let (mut gather, mut gather_hidden) = (0.0, 0.0);
     let t0 = Instant::now();
     for _ in 0..steps {
         trainer.step_group(&devs, &micro_batches)?;
@@ -168,6 +186,8 @@ fn measure(
         hidden += c.overlap;
         host += c.offload_ms;
         exposed += c.offload_exposed_ms;
+        gather += c.gather_ms;
+        gather_hidden += c.gather_hidden_ms;
     }
     let step_ms = t0.elapsed().as_secs_f64() * 1e3 / steps as f64;
     Ok(DpRow {
@@ -183,6 +203,8 @@ fn measure(
         device_bytes: devs.iter().map(|d| d.allocated_bytes()).max().unwrap_or(0),
         offload_ms: host / steps as f64,
         offload_exposed_ms: exposed / steps as f64,
+        gather_ms: gather / steps as f64,
+        gather_hidden: gather_hidden / gather.max(1e-9),
     })
 }
 

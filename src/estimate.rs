@@ -25,9 +25,11 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use anyhow::Result;
-use kiln_engine::config::LoraSection;
+use kiln_engine::config::{LoraSection, ZeroConfig};
 use kiln_engine::models::lora::{Lora, LoraConfig, Targets};
-use kiln_engine::models::{host_memory_available, Model, Network, NetworkMemory, NetworkOptions};
+use kiln_engine::models::{
+    host_memory_available, Model, Network, NetworkMemory, NetworkOptions, Partition,
+};
 use kiln_engine::parallel::pipeline::Pipeline;
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
 use kiln_engine::parallel::zero::{check_host_fits, shard_bytes};
@@ -110,32 +112,74 @@ pub fn network_memory(
     micro_batch: usize,
     dtype: DType,
 ) -> Result<NetworkMemory> {
-    let options = NetworkOptions {
+    Ok(Network::memory(model, &options(micro_batch, dtype))?)
+}
+
+fn options(micro_batch: usize, dtype: DType) -> NetworkOptions {
+    NetworkOptions {
         batch: micro_batch,
         dtype,
         optimizer: Optimizer::adamw(1e-3, 0.0),
         seed: 0,
         packed: false,
-    };
-    Ok(Network::memory(model, &options)?)
+    }
 }
 
-/// Per-device memory for stages 0..=3 on `world` devices.
+/// Per-device memory for stages 0..=3 on `world` devices, stage 3 at DeepSpeed's
+/// default `stage3_param_persistence_threshold`.
 pub fn stages(
     model: &dyn Model,
     micro_batch: usize,
     dtype: DType,
     world: usize,
 ) -> Result<Vec<StageMemory>> {
+    let threshold = ZeroConfig::default().param_persistence_threshold;
+    stages_with(model, micro_batch, dtype, world, threshold)
+}
+
+/// [`stages`] with stage 3 keeping tensors of fewer than `persistence_threshold`
+/// elements whole on every device.
+pub fn stages_with(
+    model: &dyn Model,
+    micro_batch: usize,
+    dtype: DType,
+    world: usize,
+    persistence_threshold: u64,
+) -> Result<Vec<StageMemory>> {
     let m = network_memory(model, micro_batch, dtype)?;
+    let m3 = stage3_memory(model, micro_batch, dtype, persistence_threshold)?;
     // The trained parameters: a LoRA model's frozen base has no gradient or optimizer
     // state to shard.
     let (psi, _) = counts(model);
-    Ok(stages_of(&m, psi, dtype, world))
+    Ok(stages_of([&m, &m3], psi, dtype, world))
 }
 
-/// [`stages`] from a network's memory `m` and its `psi` trained elements.
-fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<StageMemory> {
+/// What a ZeRO stage-3 replica of `model` allocates besides its shard
+/// (`Network::new_stage3`).
+pub fn stage3_memory(
+    model: &dyn Model,
+    micro_batch: usize,
+    dtype: DType,
+    persistence_threshold: u64,
+) -> Result<NetworkMemory> {
+    let partition = Partition::Stage3 {
+        persistence_threshold: persistence_threshold as usize,
+    };
+    Ok(Network::memory_partitioned(
+        model,
+        &options(micro_batch, dtype),
+        partition,
+    )?)
+}
+
+/// [`stages`] from a network's memory `m`, a stage-3 replica's `m3` and `psi` trained
+/// elements.
+fn stages_of(
+    [m, m3]: [&NetworkMemory; 2],
+    psi: u64,
+    dtype: DType,
+    world: usize,
+) -> Vec<StageMemory> {
     let n = world.max(1) as u64;
     // A ZeRO rank's slice: f32 master and moments, the f32 reduced gradient, and the
     // slice's updated model copy (zero.rs); whole tensors keep their arenas' gaps.
@@ -143,15 +187,15 @@ fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<Sta
     let sharded = (12 + dtype.size() as u64) * slice;
     let one = |stage, weights, gradients, optimizer, implemented| StageMemory {
         stage,
-        weights,
-        frozen: if stage == 3 {
-            m.frozen.div_ceil(n)
+        activations: if stage == 3 {
+            m3.activations
         } else {
-            m.frozen
+            m.activations
         },
+        weights,
+        frozen: m.frozen,
         gradients,
         optimizer,
-        activations: m.activations,
         implemented,
         offload: false,
         host: 0,
@@ -183,15 +227,20 @@ fn stages_of(m: &NetworkMemory, psi: u64, dtype: DType, world: usize) -> Vec<Sta
         } else {
             one(2, m.weights, m.gradients, m.optimizer, true)
         },
-        one(
-            3,
-            m.weights.div_ceil(n),
-            m.gradients.div_ceil(n),
-            m.optimizer.div_ceil(n),
-            false,
-        ),
+        // Stage 3 is sharded on one device too, and its blocks share one set of
+        // weights and gradients; the streamed weights are in host memory.
+        StageMemory {
+            host: m3.streamed,
+            ..one(3, m3.weights, m3.gradients + 4 * slice, sharded, true)
+        },
         offloaded(1, m.gradients),
         offloaded(2, shared),
+        StageMemory {
+            weights: m3.weights,
+            host: 12 * slice + m3.streamed,
+            activations: m3.activations,
+            ..offloaded(3, m3.gradients)
+        },
     ]
 }
 
@@ -209,11 +258,11 @@ pub fn report(
     dtype: DType,
     world: usize,
     devices: &[Capabilities],
-    zero: (u8, bool),
+    (stage, offload, threshold): (u8, bool, u64),
 ) -> Result<String> {
     let mut out = String::new();
     // First: it checks the model's sizes before anything is built from them.
-    let rows = stages(model, micro_batch, dtype, world)?;
+    let rows = stages_with(model, micro_batch, dtype, world, threshold)?;
     let (psi, frozen) = counts(model);
     if frozen == 0 {
         writeln!(
@@ -265,9 +314,22 @@ pub fn report(
             mib(s.optimizer),
             mib(s.activations),
             mib(s.total()),
-            if s.offload {
+            if s.offload && s.stage == 3 {
+                format!(
+                    "offload_optimizer: master+Adam in host memory, {} per device; the \
+                     blocks' weights too, {} for all devices",
+                    mib(s.host - rows[3].host),
+                    mib(rows[3].host)
+                )
+            } else if s.offload {
                 format!(
                     "offload_optimizer: master+Adam in host memory, {} per device",
+                    mib(s.host)
+                )
+            } else if s.stage == 3 {
+                format!(
+                    "one block's weights and gradients on a device (alike blocks take turns); \
+                     the blocks' weights in host memory, {} for all devices",
                     mib(s.host)
                 )
             } else if s.implemented {
@@ -281,17 +343,17 @@ pub fn report(
     // What kiln train checks and builds first: under ZeRO each device's network without
     // the optimizer state, beside its shard, with its whole gradients (stage 2's blocks
     // share one set once built).
-    let (stage, offload) = zero;
-    let sharded = stage >= 1 && (world > 1 || offload);
+    let sharded = stage >= 1 && (world > 1 || offload || stage == 3);
     let shards = shard_bytes(model, world, 0..world, dtype, offload);
-    let m = match sharded {
-        true => whole.with_shards(shards),
-        false => whole,
+    let m = match (sharded, stage) {
+        (true, 3) => stage3_memory(model, micro_batch, dtype, threshold)?.with_shards(shards),
+        (true, _) => whole.with_shards(shards),
+        (false, _) => whole,
     };
     writeln!(
         out,
         "kiln train at ZeRO stage {stage}{} needs {} per device at the start: each device's \
-         network with its whole gradients (stage 2's blocks share one set once built){}; \
+         network {}{}; \
          largest buffer {}, largest kernel binding {} (what one kernel binds whole, such as \
          an embedding table; GEMMs, elementwise kernels and the optimizer split larger \
          buffers)",
@@ -301,6 +363,10 @@ pub fn report(
             ""
         },
         mib(m.total()),
+        match stage {
+            3 => "with one block's weights and gradients (alike blocks take turns in them)",
+            _ => "with its whole gradients (stage 2's blocks share one set once built)",
+        },
         match (sharded, offload) {
             (false, _) => " and the whole optimizer state",
             (true, false) => " beside its shard of the optimizer state",
@@ -715,7 +781,8 @@ pub fn fits(
     for devices in FIT_DEVICES {
         for ((lora, checkpointing, model), m) in models.iter().zip(&memory) {
             let (psi, _) = counts(model.as_ref());
-            let all = stages_of(m, psi, dtype, devices);
+            // Stage 3's row is not read here: the network's memory stands in for it.
+            let all = stages_of([m, m], psi, dtype, devices);
             rows.push(Fit {
                 lora: *lora,
                 checkpointing: *checkpointing,

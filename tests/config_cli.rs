@@ -100,7 +100,8 @@ fn config_check_refuses_devices_and_impossible_worlds() {
 }
 
 /// `config check` shows the notes `config explain` does: a key accepted but doing
-/// nothing at this stage (stage 3's prefetch bucket at stage 2) is said, not passed over.
+/// nothing at this stage (stage 3's model persistence threshold at stage 2) is said, not
+/// passed over.
 #[test]
 fn config_check_notes_a_key_that_does_nothing_here() {
     let dir = scratch("inert");
@@ -108,7 +109,7 @@ fn config_check_notes_a_key_that_does_nothing_here() {
     std::fs::write(
         &path,
         r#"{"train_micro_batch_size_per_gpu": 2,
-            "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 50000000}}"#,
+            "zero_optimization": {"stage": 2, "stage3_model_persistence_threshold": 5000}}"#,
     )
     .unwrap();
     let out = kiln(&["config", "check", path.to_str().unwrap(), "--world", "2"]);
@@ -120,7 +121,7 @@ fn config_check_notes_a_key_that_does_nothing_here() {
     );
     let note = text
         .lines()
-        .find(|l| l.starts_with("note:") && l.contains("stage3_prefetch_bucket_size"))
+        .find(|l| l.starts_with("note:") && l.contains("stage3_model_persistence_threshold"))
         .unwrap_or_else(|| panic!("no note on the stage-3 key: {text}"));
     assert!(note.contains("only used by ZeRO stage 3"), "{note}");
     assert!(text.contains(": ok ("), "{text}");

@@ -651,6 +651,7 @@ fn bench_dp_reports_the_bytes_the_exchange_moves() {
     let offload = kiln::bench_dp::Zero {
         stage: 1,
         offload: true,
+        ..Default::default()
     };
     let off = &kiln::bench_dp::dp_table(index, &model(), B, &[2], (1, false), offload).unwrap()[0];
     let psi = model().parameter_count() as u64;
@@ -716,6 +717,7 @@ fn overlapping_the_exchange_with_backward_changes_no_bits() {
 struct Flaky {
     inner: Box<dyn Device>,
     launches_left: std::sync::atomic::AtomicI64,
+    uploads_left: std::sync::atomic::AtomicI64,
 }
 
 impl Flaky {
@@ -759,6 +761,15 @@ impl Device for Flaky {
         d: &kiln::engine::HostData,
     ) -> kiln::engine::Result<()> {
         self.check()?;
+        if self
+            .uploads_left
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            <= 0
+        {
+            self.launches_left
+                .store(-1, std::sync::atomic::Ordering::SeqCst);
+            return Err(self.lost());
+        }
         self.inner.upload(b, d)
     }
     fn begin_download(
@@ -807,6 +818,7 @@ fn a_device_lost_mid_step_is_an_error_not_a_hang() {
         let flaky = Flaky {
             inner: gpu("vulkan", false),
             launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+            uploads_left: std::sync::atomic::AtomicI64::new(i64::MAX),
         };
         let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
         let mut c = config("", B, 1, 2);
@@ -825,6 +837,54 @@ fn a_device_lost_mid_step_is_an_error_not_a_hang() {
         let e = group.step_group(&refs, &per_rank).unwrap_err().to_string();
         assert!(e.contains("device lost"), "overlap {overlap}: {e}");
     }
+}
+
+/// ZeRO stage 3: a device lost while a block's weights are loaded into it (its upload
+/// fails in forward, the gather): the step returns the device's error on every rank
+/// (no panic, no hang), and the state saved before the step loads into a fresh group,
+/// which trains on.
+#[test]
+fn a_device_lost_mid_gather_is_an_error_and_the_saved_state_resumes() {
+    let good = gpu("vulkan", false);
+    let flaky = Flaky {
+        inner: gpu("vulkan", false),
+        launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+        uploads_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+    };
+    let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
+    let mut c = config("", B, 1, 2);
+    c.zero.stage = 3;
+    c.zero.overlap_comm = true;
+    // Every matrix of the blocks is streamed.
+    c.zero.param_persistence_threshold = 100;
+    let mut group = Trainer::new_group(&refs, gpt(), c.clone(), 3).unwrap();
+    assert!((0..group.model.parameter_tensors()).any(|i| group.model.streams(i)));
+    let data = batches(2);
+    let per_rank: Vec<Vec<MicroBatch>> = data[0]
+        .iter()
+        .map(|(a, b)| vec![MicroBatch::tokens(a, b)])
+        .collect();
+    group.step_group(&refs, &per_rank).unwrap();
+    let saved = (group.param_states(&refs).unwrap(), group.state());
+    // The step's two input uploads pass; the first weight load fails.
+    flaky
+        .uploads_left
+        .store(2, std::sync::atomic::Ordering::SeqCst);
+    let t = std::time::Instant::now();
+    let e = group.step_group(&refs, &per_rank).unwrap_err().to_string();
+    assert!(e.contains("device lost"), "{e}");
+    assert!(t.elapsed().as_secs() < 30, "{:?}", t.elapsed());
+    let fresh: Vec<Box<dyn Device>> = (0..2).map(|_| gpu("vulkan", false)).collect();
+    let fresh: Vec<&dyn Device> = fresh.iter().map(|d| d.as_ref()).collect();
+    let mut resumed = Trainer::new_group(&fresh, gpt(), c, 3).unwrap();
+    resumed.load_param_states(&fresh, &saved.0).unwrap();
+    resumed.restore(&saved.1).unwrap();
+    assert_eq!(resumed.param_states(&fresh).unwrap(), saved.0);
+    assert!(resumed
+        .step_group(&fresh, &per_rank)
+        .unwrap()
+        .loss
+        .is_finite());
 }
 
 /// wgpu's GL backend drives every device of the adapter through one context, and a

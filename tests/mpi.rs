@@ -208,7 +208,7 @@ fn two_processes_train_bit_identically_to_one_process_with_two_devices() {
 }
 
 #[test]
-fn three_processes_at_zero_0_1_and_2_and_offloaded_train_like_one_process_at_stage_0() {
+fn three_processes_at_zero_0_to_3_and_offloaded_train_like_one_process_at_stage_0() {
     let _one = one_job();
     let dir = scratch("three");
     let m = model(&dir);
@@ -217,13 +217,15 @@ fn three_processes_at_zero_0_1_and_2_and_offloaded_train_like_one_process_at_sta
     let mut single = Command::new(KILN);
     single.args(train_args(&c0, &m, &base, "vulkan:0x3", 8));
     ok(&finish(single, Duration::from_secs(300)).0);
-    // Stage 2 once more with every process's shards offloaded to its host memory.
-    for (stage, offload) in [(0, false), (1, false), (2, false), (2, true)] {
+    // Stage 2 once more with every process's shards offloaded to its host memory, and
+    // stage 3 (every block's matrices streamed: a threshold of 1000 elements) offloaded.
+    for (stage, offload) in [(0, false), (1, false), (2, false), (2, true), (3, true)] {
         let c = config(&dir, &format!("z{stage}.json"), stage, false, 120);
         if offload {
             let text = std::fs::read_to_string(&c).unwrap().replace(
                 r#""reduce_bucket_size": 20000"#,
-                r#""reduce_bucket_size": 20000, "offload_optimizer": {"device": "cpu"}"#,
+                r#""reduce_bucket_size": 20000, "offload_optimizer": {"device": "cpu"},
+                   "stage3_param_persistence_threshold": 1000"#,
             );
             assert!(text.contains("offload_optimizer"));
             std::fs::write(&c, text).unwrap();
@@ -245,6 +247,12 @@ fn three_processes_at_zero_0_1_and_2_and_offloaded_train_like_one_process_at_sta
         assert_eq!(
             metrics.lines().all(|l| l.contains("\"offload_ms\"")),
             offload,
+            "ZeRO stage {stage}"
+        );
+        // Stage 3's weight loads are measured in every record.
+        assert_eq!(
+            metrics.lines().all(|l| l.contains("\"gather_ms\"")),
+            stage.starts_with('3'),
             "ZeRO stage {stage}"
         );
         assert!(

@@ -499,6 +499,23 @@ fn devices_that_do_not_split_into_the_stages_are_refused_with_the_fix() {
         e.contains("offload_optimizer") && e.contains("twice as many devices as stages"),
         "{e}"
     );
+    // Stage 3's blocks take turns in one set of weight buffers, which a pipeline
+    // stage does not do: refused, saying which stages work.
+    let e = PipelineTrainer::new(
+        cpus(4),
+        model(),
+        config(2, 2, 3, ""),
+        5,
+        &PartitionMethod::Uniform,
+        2,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("stage 3 is not supported with pipeline stages") && e.contains("stage 1 or 2"),
+        "{e}"
+    );
     let mut pipe = PipelineTrainer::new(
         cpus(4),
         model(),

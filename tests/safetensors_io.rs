@@ -50,9 +50,9 @@ fn export_then_import_round_trips_bit_exactly() {
     }
     let (a, mut b) = (a.model, mlp(dev.as_ref(), 99).model);
     let path = dir().join("mlp.safetensors");
-    save(dev.as_ref(), &a.tensors(), &path).unwrap();
+    save(dev.as_ref(), &a.tensors().unwrap(), &path).unwrap();
     b.load_weights(dev.as_ref(), &path).unwrap();
-    for (ta, tb) in a.tensors().iter().zip(b.tensors()) {
+    for (ta, tb) in a.tensors().unwrap().iter().zip(b.tensors().unwrap()) {
         let (ha, hb) = (
             dev.download(ta.buffer).unwrap(),
             dev.download(tb.buffer).unwrap(),
@@ -65,7 +65,7 @@ fn export_then_import_round_trips_bit_exactly() {
         a.predict(dev.as_ref(), &batch).unwrap(),
         b.predict(dev.as_ref(), &batch).unwrap()
     );
-    assert_eq!(a.tensors().len(), 4);
+    assert_eq!(a.tensors().unwrap().len(), 4);
 }
 
 #[test]
@@ -74,7 +74,7 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     let mut m = mlp(dev.as_ref(), 1).model;
     let d = dir();
     let good = d.join("good.safetensors");
-    save(dev.as_ref(), &m.tensors(), &good).unwrap();
+    save(dev.as_ref(), &m.tensors().unwrap(), &good).unwrap();
     let bytes = std::fs::read(&good).unwrap();
 
     // Truncated.
@@ -97,7 +97,7 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     assert!(e.contains("broken.safetensors"), "{e}");
     // A parameter the file lacks.
     let fewer = d.join("fewer.safetensors");
-    save(dev.as_ref(), &m.tensors()[1..], &fewer).unwrap();
+    save(dev.as_ref(), &m.tensors().unwrap()[1..], &fewer).unwrap();
     let e = m
         .load_weights(dev.as_ref(), &fewer)
         .unwrap_err()
@@ -107,7 +107,7 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
         "{e}"
     );
     // A shape that differs.
-    let mut reshaped = m.tensors();
+    let mut reshaped = m.tensors().unwrap();
     reshaped[0].shape = vec![7, 5];
     let other = d.join("reshaped.safetensors");
     save(dev.as_ref(), &reshaped, &other).unwrap();
@@ -123,7 +123,7 @@ fn bad_files_are_clear_errors_and_a_failed_write_keeps_the_old_file() {
     // and a crash's leftover temporary file does not affect it either.
     let e = save(
         dev.as_ref(),
-        &m.tensors(),
+        &m.tensors().unwrap(),
         &d.join("missing/dir/x.safetensors"),
     );
     assert!(e.is_err());

@@ -131,7 +131,7 @@ fn imported_trains_like_built(dev: &dyn Device, dtype: DType) {
     // fp32: the model copy is the whole truth. 16-bit: the f32 masters, so the model
     // copy B derives (rounded once) must be A's.
     if dtype == DType::F32 {
-        safetensors_io::save(dev, &a.model.tensors(), &path).unwrap();
+        safetensors_io::save(dev, &a.model.tensors().unwrap(), &path).unwrap();
     } else {
         safetensors_io::write(&path, &masters(&a, &devs)).unwrap();
     }

@@ -494,15 +494,46 @@ fn flops_profiler_is_honoured_and_checked_like_any_section() {
     assert!(p.message.contains("trace.json"), "{}", p.message);
 }
 
+/// Stage 3 with DeepSpeed's keys: `stage3_param_persistence_threshold` (or its short
+/// name) sets which tensors stay whole on the devices, 100 000 elements by default as in
+/// DeepSpeed; the fetch tuning keys are accepted with a note saying why they change
+/// nothing; the two spellings disagreeing is a problem.
 #[test]
-fn zero_stage_3_is_not_supported_yet() {
-    let e = err(r#"{"train_batch_size": 32, "zero_optimization": {"stage": 3}}"#);
-    let p = problem(&e, "zero_optimization.stage");
-    assert!(
-        p.message.contains("not supported by Kiln yet"),
-        "{}",
-        p.message
+fn zero_stage_3_takes_deepspeeds_keys() {
+    let zero = |body: &str| format!(r#"{{"train_batch_size": 32, "zero_optimization": {body}}}"#);
+    let c = ok(&zero(r#"{"stage": 3}"#));
+    assert_eq!(
+        (c.zero.stage, c.zero.param_persistence_threshold),
+        (3, 100_000)
     );
+    let c = ok(&zero(
+        r#"{"stage": 3, "stage3_param_persistence_threshold": 4096,
+            "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": true,
+            "offload_optimizer": {"device": "cpu"}}"#,
+    ));
+    assert_eq!(c.zero.param_persistence_threshold, 4096);
+    assert!(c.zero.offload_optimizer);
+    let text = c.explain();
+    for key in [
+        "stage3_prefetch_bucket_size",
+        "stage3_max_live_parameters",
+        "stage3_gather_16bit_weights_on_model_save",
+    ] {
+        assert!(
+            text.contains(&format!("note: zero_optimization.{key} ")),
+            "{key}:\n{text}"
+        );
+    }
+    let c = ok(&zero(r#"{"stage": 3, "param_persistence_threshold": 7}"#));
+    assert_eq!(c.zero.param_persistence_threshold, 7);
+    let e = err(&zero(
+        r#"{"stage": 3, "param_persistence_threshold": 7,
+            "stage3_param_persistence_threshold": 8}"#,
+    ));
+    let p = problem(&e, "zero_optimization.param_persistence_threshold");
+    assert!(p.fix.contains("keep one"), "{}", p.fix);
 }
 
 /// `offload_optimizer` with DeepSpeed's keys: `"cpu"` offloads (so does the old
@@ -569,13 +600,13 @@ fn offload_optimizer_takes_deepspeeds_keys() {
         (
             r#"{"stage": 0, "offload_optimizer": {"device": "cpu"}}"#,
             "zero_optimization.offload_optimizer",
-            "stage 1 or 2",
-            "stage to 1 or 2",
+            "stage 1, 2 or 3",
+            "stage to 1, 2 or 3",
         ),
         (
             r#"{"stage": 2, "offload_param": {"device": "cpu"}}"#,
             "zero_optimization.offload_param",
-            "stage 3",
+            "16-bit parameters",
             "\"device\": \"none\"",
         ),
     ] {

@@ -30,6 +30,8 @@ fn record(step: u64, loss: f32) -> StepRecord {
         comm_bytes: 0,
         offload_ms: None,
         offload_exposed_ms: None,
+        gather_ms: None,
+        gather_hidden: None,
         pipeline_bubble: None,
         pipeline_bubble_theory: None,
         pipeline_bytes: None,

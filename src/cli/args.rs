@@ -564,13 +564,17 @@ pub(crate) struct DpArgs {
     /// Exchange after backward instead of overlapping it (`overlap_comm: false`).
     #[arg(long)]
     pub(crate) no_overlap: bool,
-    /// ZeRO stage (`zero_optimization.stage`, 0 to 2).
-    #[arg(long, default_value_t = 0)]
+    /// ZeRO stage (`zero_optimization.stage`, 0 to 3).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub(crate) zero: u8,
     /// Keep the optimizer state in host memory and step it there
-    /// (`offload_optimizer.device: "cpu"`; ZeRO stage 1 or 2).
+    /// (`offload_optimizer.device: "cpu"`; ZeRO stage 1, 2 or 3).
     #[arg(long)]
     pub(crate) offload: bool,
+    /// Stage 3: tensors of fewer elements stay whole on every device
+    /// (`stage3_param_persistence_threshold`; DeepSpeed's default).
+    #[arg(long, default_value_t = 100_000)]
+    pub(crate) persistence_threshold: u64,
     /// Under mpirun: network bandwidth per process for the model, GB/s (100 Gb/s
     /// Ethernet or InfiniBand EDR moves ~12).
     #[arg(long, default_value_t = 12.0)]

@@ -89,7 +89,7 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
     if a.offload && a.zero == 0 {
         bail!(
             "--offload keeps each rank's shard of the optimizer state in host memory: add \
-             --zero 1 or --zero 2"
+             --zero 1, 2 or 3"
         );
     }
     check_bandwidth("pcie-gbps", a.pcie_gbps)?;
@@ -123,6 +123,7 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
     let zero = kiln::bench_dp::Zero {
         stage: a.zero,
         offload: a.offload,
+        persistence_threshold: a.persistence_threshold,
     };
     let rows = dp_table(
         adapter,
@@ -149,7 +150,7 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
         }
     );
     outln!(
-        "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>16}",
+        "{:<34} {:>7} {:>9} {:>9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>16} {:>18}",
         "adapter",
         "devices",
         "step ms",
@@ -159,12 +160,13 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
         "samples/s",
         "vs 1 dev",
         "device MB",
-        "host step ms"
+        "host step ms",
+        "weight loads ms"
     );
     let base = rows.first().map_or(1.0, |r| r.samples_per_s);
     for r in &rows {
         outln!(
-            "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x {:>10.2} {:>16}",
+            "{:<34} {:>7} {:>9.1} {:>9.1} {:>7.0}% {:>10.2} {:>10.1} {:>9.2}x {:>10.2} {:>16} {:>18}",
             r.adapter,
             r.devices,
             r.step_ms,
@@ -176,6 +178,11 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
             r.device_bytes as f64 / 1e6,
             if a.offload {
                 format!("{:.1} ({:.1} exp.)", r.offload_ms, r.offload_exposed_ms)
+            } else {
+                "-".into()
+            },
+            if a.zero == 3 {
+                format!("{:.1} ({:.0}% hid.)", r.gather_ms, r.gather_hidden * 100.0)
             } else {
                 "-".into()
             }
@@ -247,6 +254,7 @@ fn bench_dp_mpi(
         let zero = kiln::bench_dp::Zero {
             stage: a.zero,
             offload: a.offload,
+            persistence_threshold: a.persistence_threshold,
         };
         let r = dp_processes(
             adapter,

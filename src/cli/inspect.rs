@@ -37,7 +37,7 @@ pub(crate) fn estimate(
     let mut method =
         kiln::engine::partition::PartitionMethod::parse(partition.unwrap_or("parameters"))
             .map_err(anyhow::Error::msg)?;
-    let m = read_model(model)?;
+    let m = at_seq(read_model(model)?, seq)?;
     let (world, adapters) = match devices {
         [n] if n.parse::<usize>().is_ok() && memory_limit.is_some() => bail!(
             "--memory-limit checks a run against devices named by spec: add --devices \
@@ -98,7 +98,11 @@ pub(crate) fn estimate(
             if partition.is_none() && stages > 1 {
                 method = c.pipeline.partition.clone();
             }
-            let zero = (c.zero.stage, c.zero.offload_optimizer);
+            let zero = (
+                c.zero.stage,
+                c.zero.offload_optimizer,
+                c.zero.param_persistence_threshold,
+            );
             (
                 c.batch.micro_batch,
                 c.precision.dtype(),
@@ -111,7 +115,17 @@ pub(crate) fn estimate(
                 checkpointing,
             )
         }
-        None => (1, DType::F16, 1, (0, false), lora_flag, checkpointing),
+        None => {
+            let threshold = kiln::engine::config::ZeroConfig::default().param_persistence_threshold;
+            (
+                1,
+                DType::F16,
+                1,
+                (0, false, threshold),
+                lora_flag,
+                checkpointing,
+            )
+        }
     };
     if lora.is_some() && stages > 1 {
         bail!(
@@ -125,7 +139,7 @@ pub(crate) fn estimate(
              (kiln train trains it): estimate it without --pipeline-stages"
         );
     }
-    let model = kiln::estimate::adapt(m.build(seq.unwrap_or(m.block_size())), lora)?;
+    let model = kiln::estimate::adapt(m.build(m.block_size()), lora)?;
     let model: std::sync::Arc<dyn kiln::engine::models::Model> = match checkpointing {
         Some(every) => std::sync::Arc::new(kiln::engine::models::checkpointed::Checkpointed::new(
             model, every,
@@ -141,7 +155,7 @@ pub(crate) fn estimate(
                 dtype,
                 (stages, world, accum),
                 &method,
-                zero
+                (zero.0, zero.1)
             )?
         );
         return Ok(());
@@ -154,6 +168,25 @@ pub(crate) fn estimate(
 }
 
 /// The model config `--model` names, read and checked.
+/// The model at `--seq` as `kiln train --seq` builds it: its block_size becomes the
+/// sequence length (a GPT's position table with it), checked the same way.
+fn at_seq(
+    mut m: kiln::engine::models::ModelConfig,
+    seq: Option<usize>,
+) -> Result<kiln::engine::models::ModelConfig> {
+    if let Some(seq) = seq {
+        let most = m.block_size();
+        if seq == 0 || seq > most {
+            bail!(
+                "--seq {seq}: give 1 to {most} tokens (the model's block_size, the longest \
+                 sequence it has positions for)"
+            );
+        }
+        m.set_block_size(seq);
+    }
+    Ok(m)
+}
+
 fn read_model(model: &std::path::Path) -> Result<kiln::engine::models::ModelConfig> {
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)
@@ -204,7 +237,7 @@ pub(crate) fn estimate_fits(
         );
     }
     let lora_flag = kiln::estimate::lora_settings(lora, None)?;
-    let m = read_model(model)?;
+    let m = at_seq(read_model(model)?, seq)?;
     // The flags, else the config's (as `kiln train` reads them), else micro-batch 1 in
     // fp16, the default LoRA settings and every block checkpointed.
     let (micro, dtype, lora, checkpointing) = match config {
@@ -226,7 +259,7 @@ pub(crate) fn estimate_fits(
         Some(l) => l,
         None => kiln::engine::models::lora::LoraConfig::parse_flag(kiln::estimate::FIT_LORA)?,
     };
-    let base = m.build(seq.unwrap_or(m.block_size()));
+    let base = m.build(m.block_size());
     out!(
         "{}",
         kiln::estimate::fits_report(

@@ -278,6 +278,9 @@ pub(super) fn run(
                 comm_bytes: comm.bytes,
                 offload_ms: ds.zero.offload_optimizer.then_some(comm.offload_ms),
                 offload_exposed_ms: ds.zero.offload_optimizer.then_some(comm.offload_exposed_ms),
+                gather_ms: (ds.zero.stage == 3).then_some(comm.gather_ms),
+                gather_hidden: (ds.zero.stage == 3)
+                    .then_some(comm.gather_hidden_ms / comm.gather_ms.max(1e-9)),
                 ..Default::default()
             };
             let piped = engine.pipeline_report().map(|r| {
@@ -327,7 +330,7 @@ pub(super) fn run(
                     &bar,
                     format!(
                         "step {step}: loss {:.4} (mean of last {}), lr {:.3e}, scale {}, {:.0} \
-                         tokens/s, stall {:.1} ms{}{}",
+                         tokens/s, stall {:.1} ms{}{}{}",
                         since_print.0 / since_print.1 as f64,
                         since_print.1,
                         s.lr,
@@ -357,6 +360,13 @@ pub(super) fn run(
                             .zip(rec.offload_exposed_ms)
                             .map(|(ms, exposed)| format!(
                                 ", host optimizer step {ms:.1} ms ({exposed:.1} ms exposed)"
+                            ))
+                            .unwrap_or_default(),
+                        rec.gather_ms
+                            .zip(rec.gather_hidden)
+                            .map(|(ms, hidden)| format!(
+                                ", stage-3 weight loads {ms:.1} ms ({:.0}% hidden)",
+                                hidden * 100.0
                             ))
                             .unwrap_or_default()
                     ),

@@ -1,7 +1,7 @@
-//! The `zero_optimization` section: ZeRO stages 0 to 2, their communication settings and
-//! the optimizer state's offload to host memory (`offload_optimizer`); stage 3,
-//! parameter offload and NVMe are rejected, stage-3-only tuning keys ignored with a
-//! warning.
+//! The `zero_optimization` section: ZeRO stages 0 to 3, their communication settings,
+//! stage 3's persistence threshold and the optimizer state's offload to host memory
+//! (`offload_optimizer`); parameter offload and NVMe are rejected, DeepSpeed's stage-3
+//! fetch tuning keys accepted with a note saying why they change nothing.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -31,12 +31,15 @@ pub struct ZeroConfig {
     pub round_robin_gradients: bool,
     /// ZeRO-Offload (`offload_optimizer.device: "cpu"`, or the old `cpu_offload: true`):
     /// each rank's shard of the f32 master weights and moments lives in host memory
-    /// and the host runs its optimizer step. Stages 1 and 2.
+    /// and the host runs its optimizer step. Stages 1, 2 and 3.
     pub offload_optimizer: bool,
+    /// Stage 3: tensors of fewer elements keep a model copy on every device instead of
+    /// taking turns in the first block's buffers (`stage3_param_persistence_threshold`).
+    pub param_persistence_threshold: u64,
 }
 
 impl Default for ZeroConfig {
-    /// DeepSpeed's defaults for stages 0 to 2.
+    /// DeepSpeed's defaults.
     fn default() -> Self {
         ZeroConfig {
             stage: 0,
@@ -48,11 +51,17 @@ impl Default for ZeroConfig {
             overlap_comm: false,
             round_robin_gradients: false,
             offload_optimizer: false,
+            param_persistence_threshold: 100_000,
         }
     }
 }
 
 const STAGE3_ONLY: &str = "it is only used by ZeRO stage 3";
+const STAGE3_FETCH: &str = "it tunes how DeepSpeed's stage 3 fetches parameters; Kiln's \
+    stage 3 keeps one block's weights live on a device and loads each block's from host \
+    memory just before its first kernel (a block still live at the turn from forward to \
+    backward is not loaded again)";
+const WHOLE_SAVES: &str = "Kiln's checkpoints and saved models always hold whole tensors";
 const PINNED: &str = "pinned (page-locked) host memory speeds up a CUDA device's copies; \
     Kiln's copies go through the driver's own staging buffers either way";
 const NVME_ONLY: &str = "it only matters when offloading to NVMe, which Kiln does not do";
@@ -69,30 +78,27 @@ const ZERO: Spec = Spec {
         "round_robin_gradients",
         "offload_optimizer",
         "cpu_offload",
+        "stage3_param_persistence_threshold",
+        "param_persistence_threshold",
     ],
     ignored: &[
-        ("stage3_prefetch_bucket_size", Inert::Any, STAGE3_ONLY),
-        (
-            "stage3_param_persistence_threshold",
-            Inert::Any,
-            STAGE3_ONLY,
-        ),
+        ("stage3_prefetch_bucket_size", Inert::Any, STAGE3_FETCH),
         (
             "stage3_model_persistence_threshold",
             Inert::Any,
             STAGE3_ONLY,
         ),
-        ("stage3_max_live_parameters", Inert::Any, STAGE3_ONLY),
-        ("stage3_max_reuse_distance", Inert::Any, STAGE3_ONLY),
+        ("stage3_max_live_parameters", Inert::Any, STAGE3_FETCH),
+        ("stage3_max_reuse_distance", Inert::Any, STAGE3_FETCH),
         (
             "stage3_gather_16bit_weights_on_model_save",
             Inert::Any,
-            STAGE3_ONLY,
+            WHOLE_SAVES,
         ),
         (
             "stage3_gather_fp16_weights_on_model_save",
             Inert::Any,
-            STAGE3_ONLY,
+            WHOLE_SAVES,
         ),
         (
             "stage3_use_all_reduce_for_fetch_params",
@@ -105,15 +111,14 @@ const ZERO: Spec = Spec {
             STAGE3_ONLY,
         ),
         // The same settings under the names DeepSpeed's schema gives them.
-        ("prefetch_bucket_size", Inert::Any, STAGE3_ONLY),
-        ("param_persistence_threshold", Inert::Any, STAGE3_ONLY),
+        ("prefetch_bucket_size", Inert::Any, STAGE3_FETCH),
         ("model_persistence_threshold", Inert::Any, STAGE3_ONLY),
-        ("max_live_parameters", Inert::Any, STAGE3_ONLY),
-        ("max_reuse_distance", Inert::Any, STAGE3_ONLY),
+        ("max_live_parameters", Inert::Any, STAGE3_FETCH),
+        ("max_reuse_distance", Inert::Any, STAGE3_FETCH),
         (
             "gather_16bit_weights_on_model_save",
             Inert::Any,
-            STAGE3_ONLY,
+            WHOLE_SAVES,
         ),
         ("sub_group_size", Inert::Any, STAGE3_ONLY),
         ("memory_efficient_linear", Inert::Any, STAGE3_ONLY),
@@ -132,14 +137,16 @@ const ZERO: Spec = Spec {
         (
             "offload_param",
             Inert::NoOffload,
-            "offloading parameters to host memory or NVMe (it needs ZeRO stage 3, not yet \
-             in Kiln; offload_optimizer moves the optimizer state)",
+            "offloading the 16-bit parameters to host memory or NVMe (Kiln's stage 3 keeps \
+             its blocks' weights in host memory between uses already, but not the rest; \
+             offload_optimizer moves the optimizer state)",
         ),
         (
             "cpu_offload_params",
             Inert::Bool(false),
-            "offloading parameters to host memory (it needs ZeRO stage 3, not yet in \
-             Kiln; offload_optimizer moves the optimizer state)",
+            "offloading the 16-bit parameters to host memory (Kiln's stage 3 keeps its \
+             blocks' weights in host memory between uses already, but not the rest; \
+             offload_optimizer moves the optimizer state)",
         ),
         (
             "elastic_checkpoint",
@@ -260,13 +267,27 @@ impl Reader {
         let z = sec.unwrap_or(&empty);
         let d = ZeroConfig::default();
         let stage = self.uint_or(z, zp, "stage", (0, 3), 0) as u8;
-        if stage == 3 {
+        // DeepSpeed's schema spells it without the prefix too.
+        let elements = (0, u32::MAX as u64);
+        let default = d.param_persistence_threshold;
+        let long = "stage3_param_persistence_threshold";
+        let threshold = self.uint_or(z, zp, long, elements, default);
+        let short = self.uint_or(z, zp, "param_persistence_threshold", elements, default);
+        if z.contains_key(long)
+            && z.contains_key("param_persistence_threshold")
+            && threshold != short
+        {
             self.problem(
-                "zero_optimization.stage",
-                "ZeRO stage 3 (partitioned parameters) is not supported by Kiln yet",
-                "use stage 2 (shards gradients and optimizer states) or stage 1",
+                "zero_optimization.param_persistence_threshold",
+                format!("it says {short} but {long} says {threshold}: the same setting"),
+                "keep one of the two",
             );
         }
+        let param_persistence_threshold = if z.contains_key(long) {
+            threshold
+        } else {
+            short
+        };
         // Kept as a usize by the engine (elements per bucket).
         let size = (1, usize::MAX as u64);
         let reduce_bucket_size =
@@ -298,10 +319,10 @@ impl Reader {
         if offload_optimizer && stage == 0 {
             self.problem(
                 "zero_optimization.offload_optimizer",
-                "offloading the optimizer state needs ZeRO stage 1 or 2: the host steps \
+                "offloading the optimizer state needs ZeRO stage 1, 2 or 3: the host steps \
                  each data-parallel rank's shard of it",
-                "set zero_optimization.stage to 1 or 2 (on one device too), or remove the \
-                 offload",
+                "set zero_optimization.stage to 1, 2 or 3 (on one device too), or remove \
+                 the offload",
             );
         }
         ZeroConfig {
@@ -329,6 +350,7 @@ impl Reader {
                 d.round_robin_gradients,
             ),
             offload_optimizer,
+            param_persistence_threshold,
         }
     }
 

@@ -157,6 +157,13 @@ pub trait Device: Send + Sync {
     /// Blocks until every submitted launch has finished.
     fn wait(&self) -> Result<()>;
 
+    /// Whether submitted work is still running, as a snapshot (never waits): host work
+    /// done while it is counts as hidden behind the device's. A device that runs each
+    /// launch as it is recorded (the CPU backend) is never busy.
+    fn busy(&self) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Bytes of device memory held by live buffers allocated through this trait.
     fn allocated_bytes(&self) -> u64;
 

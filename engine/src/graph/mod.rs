@@ -17,6 +17,8 @@
 //!   optimizer) over plain weight buffers.
 //! - `packing.rs`: several documents per row (packed training examples): attention
 //!   within each document, positions restarting at each.
+//! - `weight_stream.rs`: parameters bound to one shared model-copy buffer (ZeRO stage
+//!   3) loaded from host memory before the launches that read them.
 //!
 //! Shapes: the last dim is the feature dim; ops treat the leading dims as rows.
 
@@ -28,10 +30,12 @@ mod packing;
 pub use packing::{POSITIONS as DOCUMENT_POSITIONS, STARTS as DOCUMENT_STARTS};
 mod plan;
 mod split;
+mod weight_stream;
 
 pub use forward_plan::ForwardPlan;
 pub use plan::{Bindings, Group, Plan, PlanMemory};
 pub use split::{Boundary, StageGraph};
+pub use weight_stream::StreamStats;
 
 use crate::{ActivationKind, DType, Error, HostData, Result, RopeFreqs};
 

@@ -32,6 +32,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use super::autodiff;
 use super::ops::{self, Saved};
+use super::weight_stream::{self, StreamStats, WeightStream};
 use super::{Graph, Source, Tensor};
 use crate::device::optim::{Optimizer, ParamBuffers};
 use crate::{Buffer, DType, Device, Error, HostData, Kernel, ReduceOp, Result};
@@ -49,7 +50,10 @@ pub struct Bindings {
     /// parameters may name one gradient buffer (ZeRO stage 2's shared block
     /// gradients): then every micro-batch writes its gradients afresh, and the caller
     /// takes them as they become final ([`Plan::accumulate_with`],
-    /// [`Plan::backward_with`]).
+    /// [`Plan::backward_with`]). Two parameters may name one model-copy buffer (ZeRO
+    /// stage 3): they take turns in it, each loaded from the host copy given with
+    /// [`Plan::set_streamed`] before the first launch that reads it (compiled without
+    /// an optimizer).
     pub params: Vec<ParamBuffers>,
     /// A buffer for every input tensor, of its dtype and length.
     pub inputs: Vec<(Tensor, Buffer)>,
@@ -106,8 +110,10 @@ pub(super) struct Emitter<'g> {
     pub constants: Vec<(Buffer, HostData)>,
     /// Placeholders standing for the caller's buffers: each parameter's gradient has
     /// one of its own, so the launches that write it can be told apart even where
-    /// several parameters share one buffer.
+    /// several parameters share one buffer; so has each model copy that shares.
     pub external: HashMap<u64, Buffer>,
+    /// The placeholders of model copies that share a buffer, to their parameter.
+    pub streamed: HashMap<u64, usize>,
     /// The loss op's backward launches (cross-entropy or MSE): their scale is the loss
     /// seed, set per step.
     pub seeds: Vec<usize>,
@@ -137,6 +143,7 @@ impl<'g> Emitter<'g> {
             pinned: vec![],
             constants: vec![],
             external: HashMap::new(),
+            streamed: HashMap::new(),
             seeds: vec![],
             random: vec![],
             op: 0,
@@ -267,6 +274,9 @@ pub struct Plan {
     flag: Buffer,
     grad_scale: Buffer,
     memory: PlanMemory,
+    /// Model copies that take turns in shared buffers, loaded from host memory before
+    /// the launches that read them (ZeRO stage 3); `None` when no two parameters share.
+    stream: Option<WeightStream>,
     /// Whether the device was asked to compile every launch's pipelines (before the
     /// first run, all at once: a backend compiles them concurrently).
     prepared: std::sync::atomic::AtomicBool,
@@ -445,6 +455,25 @@ impl Graph {
                 e.launch(g.buffers.step(opt, grad_scale, opt.lr(), decay, 1))?;
             }
         }
+        let stream = match e.streamed.is_empty() {
+            true => None,
+            false if optimizer.is_some() => {
+                return Err(Error::InvalidArgument(
+                    "plan: parameters share a model-copy buffer (ZeRO stage 3), so the \
+                     optimizer cannot update them on the device; compile without one"
+                        .into(),
+                ))
+            }
+            false => {
+                let reads = weight_stream::placeholder_reads(&e.launches, &e.streamed);
+                let mut slot = vec![None; self.params.len()];
+                for &p in e.streamed.values() {
+                    slot[p] = Some(bindings.params[p].value);
+                }
+                let name = |p: usize| self.params[p].name.clone();
+                Some(WeightStream::new(reads, slot, &name)?)
+            }
+        };
         // Fresh gradients every micro-batch: the first-write forms stay as emitted.
         let mut first_only = vec![false; e.launches.len()];
         for &i in e
@@ -481,6 +510,7 @@ impl Graph {
             flag,
             grad_scale,
             memory: PlanMemory::default(),
+            stream,
             prepared: Default::default(),
             eval_prepared: Default::default(),
         };
@@ -523,9 +553,16 @@ fn bind(
     let external = check_external;
     let mut grads = HashMap::new();
     let mut fresh = false;
+    // Model copies bound to more than one parameter take turns in their buffer (ZeRO
+    // stage 3): each parameter reads its own placeholder, so the launches that read it
+    // can be told apart.
+    let mut value_uses: HashMap<u64, usize> = HashMap::new();
+    for p in &b.params {
+        *value_uses.entry(p.value.id).or_default() += 1;
+    }
     // A set, not a look back over the earlier parameters (layers squared when deep).
     let mut grad_ids = std::collections::HashSet::new();
-    for (decl, p) in g.params.iter().zip(&b.params) {
+    for (k, (decl, p)) in g.params.iter().zip(&b.params).enumerate() {
         let i = g.t(decl.tensor);
         let n = i.len();
         external(format!("value of `{}`", decl.name), p.value, i.dtype, n)?;
@@ -540,7 +577,14 @@ fn bind(
             }
         }
         fresh |= !grad_ids.insert(p.grad.id);
-        e.value[decl.tensor.0] = Some(p.value);
+        e.value[decl.tensor.0] = Some(if value_uses[&p.value.id] > 1 {
+            let proxy = e.scratch(p.value.dtype, n);
+            e.external.insert(proxy.id, p.value);
+            e.streamed.insert(proxy.id, k);
+            proxy
+        } else {
+            p.value
+        });
         let proxy = e.scratch(p.grad.dtype, n);
         e.external.insert(proxy.id, p.grad);
         grads.insert(decl.tensor, proxy);
@@ -888,11 +932,15 @@ impl Plan {
     /// step's first micro-batch runs.
     fn run(&self, dev: &dyn Device, from: usize, to: usize, later_micro: bool) -> Result<()> {
         self.prepare_device(dev)?;
-        for (k, &only) in self.launches[from..to]
+        for (i, (k, &only)) in self.launches[from..to]
             .iter()
             .zip(&self.first_only[from..to])
+            .enumerate()
         {
             if !(only && later_micro) {
+                if let Some(s) = &self.stream {
+                    s.before(dev, from + i)?;
+                }
                 dev.launch(k)?;
             }
         }
@@ -936,7 +984,10 @@ impl Plan {
         {
             dev.prepare(&launches)?;
         }
-        for k in &launches {
+        for (i, k) in launches.iter().enumerate() {
+            if let Some(s) = &self.stream {
+                s.before(dev, i)?;
+            }
             dev.launch(k)?;
         }
         dev.submit()
@@ -1220,6 +1271,43 @@ impl Plan {
     pub fn apply(&mut self, dev: &dyn Device, lr: f32, step: u32, grad_scale: f32) -> Result<()> {
         dev.upload(self.grad_scale, &HostData::F32(vec![grad_scale]))?;
         self.update(dev, lr, step)
+    }
+
+    /// Whether parameter `p`'s model copy takes turns in a shared buffer (ZeRO stage
+    /// 3): it lives in host memory ([`Plan::set_streamed`]) and is loaded before use.
+    pub fn streams(&self, p: usize) -> bool {
+        self.stream.as_ref().is_some_and(|s| s.streams(p))
+    }
+
+    /// Sets streamed parameter `p`'s model copy (dtype and length of its buffer); the
+    /// next launch that reads it loads it.
+    pub fn set_streamed(&self, p: usize, data: std::sync::Arc<HostData>) -> Result<()> {
+        match &self.stream {
+            Some(s) => s.set(p, data),
+            None => Err(Error::InvalidArgument(format!(
+                "plan: parameter {p} is not streamed; its weights live on the device"
+            ))),
+        }
+    }
+
+    /// Streamed parameter `p`'s model copy in host memory.
+    pub fn streamed(&self, p: usize) -> Option<std::sync::Arc<HostData>> {
+        self.stream.as_ref().and_then(|s| s.get(p))
+    }
+
+    /// What the streamed weights' loads moved since the last call (zeros without any).
+    pub fn take_stream_stats(&self) -> StreamStats {
+        self.stream
+            .as_ref()
+            .map_or_else(StreamStats::default, WeightStream::take_stats)
+    }
+
+    /// Moves the streamed weights' host copies from `old` (a plan compiled before
+    /// over the same parameters) into this one.
+    pub fn adopt_streamed(&self, old: &Plan) {
+        if let (Some(new), Some(old)) = (&self.stream, &old.stream) {
+            new.put_host(old.take_host());
+        }
     }
 
     /// Releases every buffer the plan allocated (not the caller's bindings); the plan

@@ -27,11 +27,11 @@ pub(crate) use network::{
     batch_input, best_per_row, check_documents, check_ids, one_document_per_row, random_key,
 };
 pub use network::{MicroBatch, Network, Ready};
-pub use network_build::NetworkOptions;
 pub(crate) use network_build::{
     check_sharing, check_specs, declare_params, draw_initial, hand_over_groups, record,
     shared_gradients,
 };
+pub use network_build::{NetworkOptions, Partition};
 pub use network_memory::{
     host_memory_available, human, ModelStateBytes, NetworkMemory, ShardBytes,
 };

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use super::network_build::{
     check_sharing, draw_initial, hand_over_groups, prepare, shared_gradients, NetworkOptions,
-    Prepared, Recorded,
+    Partition, Prepared, Recorded,
 };
 use super::network_memory::{host_memory_available, ModelStateBytes, NetworkMemory, ShardBytes};
 use super::{Model, ParamSpec};
@@ -121,7 +121,7 @@ pub struct Network {
     pub(super) arenas: Vec<Group>,
     /// The forward pass as recorded, and its compiled step.
     recorded: Recorded,
-    plan: Plan,
+    pub(super) plan: Plan,
     /// One device buffer per input, in [`Forward::inputs`] order.
     ///
     /// [`Forward::inputs`]: super::Forward::inputs
@@ -148,6 +148,10 @@ pub struct Network {
     /// Built without the optimizer state ([`Network::new_without_optimizer`]): the
     /// empty buffer every master and moment names.
     pub(super) released: Option<Buffer>,
+    /// Whole, or ZeRO stage 3's shared block buffers ([`Network::new_stage3`]).
+    partition: Partition,
+    /// Stage 3: the model copies of sharing tensors under the persistence threshold.
+    persistent: Vec<Buffer>,
 }
 
 impl Network {
@@ -159,7 +163,7 @@ impl Network {
         model: Arc<dyn Model>,
         options: &NetworkOptions,
     ) -> Result<Network> {
-        Ok(Network::build(dev, model, options, true)?.0)
+        Ok(Network::build(dev, model, options, true, Partition::Whole, None)?.0)
     }
 
     /// [`Network::new`] without the optimizer state: the model copy, gradients, plan and
@@ -173,7 +177,28 @@ impl Network {
         model: Arc<dyn Model>,
         options: &NetworkOptions,
     ) -> Result<(Network, Vec<Vec<f32>>)> {
-        Network::build(dev, model, options, false)
+        Network::build(dev, model, options, false, Partition::Whole, None)
+    }
+
+    /// A ZeRO stage-3 replica ([`Partition::Stage3`]): as
+    /// [`Network::new_without_optimizer`], and alike blocks share the first block's
+    /// gradient buffers (as after [`Network::share_block_gradients`]) and, for tensors
+    /// of at least `persistence_threshold` elements, its model-copy buffers: each
+    /// block's model copy lives in host memory and is loaded before the launches that
+    /// read it. The host copies are taken from `alike` (another replica of the same
+    /// model and options, so a process holds one copy) when given, else made from the
+    /// initial weights.
+    pub fn new_stage3(
+        dev: &dyn Device,
+        model: Arc<dyn Model>,
+        options: &NetworkOptions,
+        persistence_threshold: usize,
+        alike: Option<&Network>,
+    ) -> Result<(Network, Vec<Vec<f32>>)> {
+        let partition = Partition::Stage3 {
+            persistence_threshold,
+        };
+        Network::build(dev, model, options, false, partition, alike)
     }
 
     fn build(
@@ -181,6 +206,8 @@ impl Network {
         model: Arc<dyn Model>,
         options: &NetworkOptions,
         optimizer_state: bool,
+        partition: Partition,
+        alike: Option<&Network>,
     ) -> Result<(Network, Vec<Vec<f32>>)> {
         let Prepared {
             specs,
@@ -188,7 +215,9 @@ impl Network {
             recorded,
             layout,
             mut memory,
-        } = prepare(model.as_ref(), options)?;
+            share,
+            streamed,
+        } = prepare(model.as_ref(), options, partition)?;
         if !optimizer_state {
             memory = memory.without_optimizer();
         }
@@ -203,10 +232,19 @@ impl Network {
         let act = options.dtype;
         let mut rng = SplitMix(options.seed);
         // Initial values in model order (the draws do not depend on the layout), each
-        // written at its place in its arena; the gaps stay zero for good.
+        // written at its place in its arena (the gaps stay zero for good) or, for a
+        // tensor that takes the first block's buffers, kept on the host.
         let mut inits: Vec<Vec<f32>> = layout.arenas.iter().map(|a| vec![0.0; a.2]).collect();
-        for (spec, &(arena, at)) in specs.iter().zip(&layout.places) {
-            draw_initial(spec, &mut rng, &mut inits[arena][at..at + spec.len()]);
+        let mut loose: Vec<Vec<f32>> = vec![vec![]; specs.len()];
+        for (i, (spec, place)) in specs.iter().zip(&layout.places).enumerate() {
+            let values = match *place {
+                Some((arena, at)) => &mut inits[arena][at..at + spec.len()],
+                None => {
+                    loose[i] = vec![0.0; spec.len()];
+                    &mut loose[i][..]
+                }
+            };
+            draw_initial(spec, &mut rng, values);
         }
         // The frozen weights are drawn after the trained ones, as the model lists them.
         let mut frozen = vec![];
@@ -234,26 +272,49 @@ impl Network {
         }
         let mut params: Vec<Param> = vec![];
         let mut masters = vec![];
-        for (spec, &(arena, at)) in specs.into_iter().zip(&layout.places) {
+        let mut persistent = vec![];
+        for (i, (spec, place)) in specs.into_iter().zip(&layout.places).enumerate() {
             let n = spec.len();
-            let whole = &arenas[arena].buffers;
-            let view = |b: Buffer| match released {
-                Some(empty) if b == empty => Ok(empty),
-                _ => dev.view(b, at, n),
+            let buffers = match (*place, share[i], released) {
+                (Some((arena, at)), _, _) => {
+                    let whole = &arenas[arena].buffers;
+                    let view = |b: Buffer| match released {
+                        Some(empty) if b == empty => Ok(empty),
+                        _ => dev.view(b, at, n),
+                    };
+                    if released.is_some() {
+                        masters.push(inits[arena][at..at + n].to_vec());
+                    }
+                    ParamBuffers {
+                        value: view(whole.value)?,
+                        master: view(whole.master)?,
+                        grad: view(whole.grad)?,
+                        m: view(whole.m)?,
+                        v: view(whole.v)?,
+                    }
+                }
+                (None, Some(q), Some(empty)) => {
+                    let first = params[q].buffers;
+                    let value = if streamed[i] {
+                        first.value
+                    } else {
+                        let own = dev.alloc(act, n)?;
+                        dev.upload(own, &HostData::from_f32(act, &loose[i]))?;
+                        persistent.push(own);
+                        own
+                    };
+                    masters.push(std::mem::take(&mut loose[i]));
+                    ParamBuffers {
+                        value,
+                        grad: first.grad,
+                        master: empty,
+                        m: empty,
+                        v: empty,
+                    }
+                }
+                _ => unreachable!("a tensor without a place shares, and only without state"),
             };
-            params.push(Param {
-                buffers: ParamBuffers {
-                    value: view(whole.value)?,
-                    master: view(whole.master)?,
-                    grad: view(whole.grad)?,
-                    m: view(whole.m)?,
-                    v: view(whole.v)?,
-                },
-                spec,
-            });
-            if released.is_some() {
-                masters.push(inits[arena][at..at + n].to_vec());
-            }
+            params.push(Param { buffers, spec });
         }
         let g = &recorded.graph;
         let mut inputs = vec![];
@@ -268,13 +329,31 @@ impl Network {
             _ => None,
         };
         let loss_rows = g.losses().map_or(0, |l| g.shape(l).iter().product());
+        let stage3 = partition != Partition::Whole;
         let bindings = Bindings {
             params: params.iter().map(|p| p.buffers).collect(),
             inputs: bound_inputs(&recorded, &inputs, &frozen),
-            groups: arenas.clone(),
+            // Stage 3's gradients are shared as stage 2's: each tensor its own group.
+            groups: if stage3 { vec![] } else { arenas.clone() },
         };
         let optimizer = released.is_none().then_some(&options.optimizer);
         let plan = g.compile(dev, &bindings, optimizer)?;
+        if stage3 {
+            // As stage 2: the blocks that share gradient buffers must write them one
+            // after another.
+            let writes = |p: usize| plan.gradient_writes(p);
+            check_sharing(&model.blocks(), &share, &writes, &model.describe())?;
+        }
+        for (p, &s) in streamed.iter().enumerate() {
+            if !s {
+                continue;
+            }
+            let host = match alike.and_then(|a| a.plan.streamed(p)) {
+                Some(h) => h,
+                None => Arc::new(HostData::from_f32(act, &masters[p])),
+            };
+            plan.set_streamed(p, host)?;
+        }
         let network = Network {
             model,
             options: options.clone(),
@@ -288,10 +367,12 @@ impl Network {
             loss_rows,
             step: 0,
             micro_offset: 0,
-            shared_block_grads: false,
+            shared_block_grads: stage3,
             trained: Cell::new(0),
             own_grads: vec![],
             released,
+            partition,
+            persistent,
         };
         Ok((network, masters))
     }
@@ -300,7 +381,17 @@ impl Network {
     /// device (tested equal to a device's allocator): the forward pass is recorded and
     /// the plan's buffers assigned as compiling would, over stand-in buffers.
     pub fn memory(model: &dyn Model, options: &NetworkOptions) -> Result<NetworkMemory> {
-        Ok(prepare(model, options)?.memory)
+        Network::memory_partitioned(model, options, Partition::Whole)
+    }
+
+    /// [`Network::memory`] of a replica laid out as `partition` says (ZeRO stage 3:
+    /// [`Network::new_stage3`], whose optimizer state the shards hold).
+    pub fn memory_partitioned(
+        model: &dyn Model,
+        options: &NetworkOptions,
+        partition: Partition,
+    ) -> Result<NetworkMemory> {
+        Ok(prepare(model, options, partition)?.memory)
     }
 
     /// [`Network::memory`] for a data-parallel group of one replica per device in
@@ -309,14 +400,15 @@ impl Network {
     /// one device; a group checks all of them before building the first. With
     /// `shards` the group is built with [`Network::new_without_optimizer`] and ZeRO's
     /// shards: each device holds its slice of the optimizer state (none when
-    /// offloaded) in place of the whole, and the host the offloaded slices.
+    /// offloaded) in place of the whole, and the host the offloaded slices; with
+    /// `partition` stage 3, each replica is laid out as [`Network::new_stage3`] does.
     pub fn check_memory(
         model: &dyn Model,
         options: &NetworkOptions,
         devs: &[&dyn Device],
-        shards: Option<ShardBytes>,
+        (shards, partition): (Option<ShardBytes>, Partition),
     ) -> Result<NetworkMemory> {
-        let mut m = Network::memory(model, options)?;
+        let mut m = Network::memory_partitioned(model, options, partition)?;
         if let Some(shards) = shards {
             m = m.with_shards(shards);
         }
@@ -371,7 +463,9 @@ impl Network {
         };
         let optimizer = self.released.is_none().then_some(&self.options.optimizer);
         self.plan.free(dev)?;
-        self.plan = r.graph.compile(dev, &bindings, optimizer)?;
+        let plan = r.graph.compile(dev, &bindings, optimizer)?;
+        plan.adopt_streamed(&self.plan);
+        self.plan = plan;
         Ok(())
     }
 
@@ -709,6 +803,17 @@ impl Network {
         self.recompile(dev)
     }
 
+    /// Whether parameter `index`'s model copy lives in host memory and is loaded before
+    /// use (a ZeRO stage-3 replica's block weights, see [`Network::new_stage3`]).
+    pub fn streams(&self, index: usize) -> bool {
+        self.plan.streams(index)
+    }
+
+    /// What loading streamed weights moved since the last call (ZeRO stage 3).
+    pub fn take_stream_stats(&self) -> crate::graph::StreamStats {
+        self.plan.take_stream_stats()
+    }
+
     /// Parameter `index`'s gradient buffer (a data-parallel group downloads it from
     /// another thread while this network records the rest of backward).
     pub fn gradient_buffer(&self, index: usize) -> Buffer {
@@ -745,8 +850,10 @@ impl Network {
         };
         ModelStateBytes {
             weights: whole(|b| b.value.bytes())
-                + self.frozen.iter().map(|f| f.1.bytes()).sum::<u64>(),
-            gradients: if self.shared_block_grads {
+                + self.frozen.iter().map(|f| f.1.bytes()).sum::<u64>()
+                + self.persistent.iter().map(|b| b.bytes()).sum::<u64>(),
+            // Stage 3's shared gradients are the arenas' (built shared).
+            gradients: if self.shared_block_grads && self.partition == Partition::Whole {
                 self.own_grads.iter().map(|g| g.bytes()).sum()
             } else {
                 whole(|b| b.grad.bytes())

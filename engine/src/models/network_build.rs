@@ -44,20 +44,72 @@ const ARENA_ALIGN: usize = 128;
 /// WebGPU adapter allows, so one launch can update a whole buffer anywhere.
 const ARENA_ELEMS: usize = (128 << 20) / 4;
 
+/// How a replica holds its model copy and gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Partition {
+    /// Every parameter's model copy and gradient in buffers of its own (stages 0 to
+    /// 2; stage 2 shares gradients after building, see
+    /// [`Network::share_block_gradients`]).
+    ///
+    /// [`Network::share_block_gradients`]: super::Network::share_block_gradients
+    #[default]
+    Whole,
+    /// ZeRO stage 3: every block that looks like the model's first writes its
+    /// gradients into the first block's buffers and reads its model copy from the
+    /// first block's buffers, into which it is loaded from host memory before use;
+    /// tensors of fewer than `persistence_threshold` elements (norms, biases) keep a
+    /// model copy of their own on the device (DeepSpeed's
+    /// `stage3_param_persistence_threshold`). Built without the optimizer state.
+    Stage3 { persistence_threshold: usize },
+}
+
+/// Per parameter under `partition`: the first block's parameter whose buffers it
+/// takes (gradient, and the model copy when streamed), and whether its model copy is
+/// streamed from host memory (the first block's own included).
+pub(crate) fn partition_sharing(
+    specs: &[ParamSpec],
+    blocks: &[Vec<usize>],
+    partition: Partition,
+) -> (Vec<Option<usize>>, Vec<bool>) {
+    let Partition::Stage3 {
+        persistence_threshold,
+    } = partition
+    else {
+        return (vec![None; specs.len()], vec![false; specs.len()]);
+    };
+    let share = shared_gradients(specs, blocks);
+    let mut streamed = vec![false; specs.len()];
+    for (p, q) in share.iter().enumerate() {
+        if let Some(q) = *q {
+            if specs[p].len() >= persistence_threshold {
+                streamed[p] = true;
+                streamed[q] = true;
+            }
+        }
+    }
+    (share, streamed)
+}
+
 /// Where the parameters live: optimizer groups (same gradient dtype, same weight
 /// decay) packed into flat buffers ("arenas"), each tensor a view at an aligned offset,
 /// so one launch per arena updates, checks or measures every tensor in it.
 pub(super) struct ArenaLayout {
     /// Per arena: (f32 gradients, weight decay, elements).
     pub(super) arenas: Vec<(bool, bool, usize)>,
-    /// Per parameter: (arena, first element).
-    pub(super) places: Vec<(usize, usize)>,
+    /// Per parameter: (arena, first element); `None` for one that takes the first
+    /// block's buffers (ZeRO stage 3).
+    pub(super) places: Vec<Option<(usize, usize)>>,
 }
 
-fn arena_layout(specs: &[ParamSpec]) -> ArenaLayout {
+/// The arenas of `specs`, leaving out those `share` gives another's buffers.
+fn arena_layout(specs: &[ParamSpec], share: &[Option<usize>]) -> ArenaLayout {
     let mut arenas: Vec<(bool, bool, usize)> = vec![];
     let mut places = vec![];
-    for spec in specs {
+    for (spec, shared) in specs.iter().zip(share) {
+        if shared.is_some() {
+            places.push(None);
+            continue;
+        }
         let n = spec.len();
         let key = (spec.f32_grad, spec.decay);
         let open = arenas.iter().rposition(|a| (a.0, a.1) == key);
@@ -73,7 +125,7 @@ fn arena_layout(specs: &[ParamSpec]) -> ArenaLayout {
             }
         };
         arenas[place.0].2 = place.1 + n;
-        places.push(place);
+        places.push(Some(place));
     }
     ArenaLayout { arenas, places }
 }
@@ -128,9 +180,9 @@ pub(crate) fn check_sharing(
         for (j, b) in &sharers[k + 1..] {
             if a.start < b.end && b.start < a.end {
                 return Err(Error::InvalidArgument(format!(
-                    "ZeRO stage 2: blocks {i} and {j} of {what} write their gradients \
-                     interleaved in backward, so they cannot share gradient buffers; use \
-                     stage 1"
+                    "ZeRO stage 2 and 3: blocks {i} and {j} of {what} write their \
+                     gradients interleaved in backward, so they cannot share gradient \
+                     buffers; use stage 1"
                 )));
             }
         }
@@ -342,18 +394,28 @@ pub(super) struct Prepared {
     pub(super) recorded: Recorded,
     pub(super) layout: ArenaLayout,
     pub(super) memory: NetworkMemory,
+    /// See [`partition_sharing`].
+    pub(super) share: Vec<Option<usize>>,
+    pub(super) streamed: Vec<bool>,
 }
 
 /// Checks `model`'s sizes (before its per-layer tables are built), declares and checks
 /// its parameters, records its graph and lays out and measures its buffers.
-pub(super) fn prepare(model: &dyn Model, options: &NetworkOptions) -> Result<Prepared> {
+pub(super) fn prepare(
+    model: &dyn Model,
+    options: &NetworkOptions,
+    partition: Partition,
+) -> Result<Prepared> {
     model.check_sizes()?;
     let mut specs = model.parameters();
     check_specs(model, &specs)?;
     let recorded = record(model, &specs, options)?;
     let frozen = specs.split_off(trained_count(&specs));
-    let layout = arena_layout(&specs);
-    let mut memory = measure(model, &specs, &recorded, &layout, options)?;
+    let (share, streamed) = partition_sharing(&specs, &model.blocks(), partition);
+    let layout = arena_layout(&specs, &share);
+    let stage3 = partition != Partition::Whole;
+    let sharing = (&share[..], &streamed[..], stage3);
+    let mut memory = measure(model, &specs, &recorded, &layout, options, sharing)?;
     memory.frozen = frozen
         .iter()
         .map(|s| options.dtype.padded_bytes(s.len()))
@@ -371,6 +433,8 @@ pub(super) fn prepare(model: &dyn Model, options: &NetworkOptions) -> Result<Pre
         recorded,
         layout,
         memory,
+        share,
+        streamed,
     })
 }
 
@@ -384,6 +448,7 @@ fn measure(
     recorded: &Recorded,
     layout: &ArenaLayout,
     options: &NetworkOptions,
+    (share, streamed, stage3): (&[Option<usize>], &[bool], bool),
 ) -> Result<NetworkMemory> {
     let act = options.dtype;
     let f = |n: usize| DType::F32.padded_bytes(n);
@@ -400,6 +465,19 @@ fn measure(
         m.gradient_tensors += grad;
         if shared.is_none() {
             m.shared_gradients += grad;
+        }
+    }
+    // Stage 3: a sharing tensor below the persistence threshold keeps its model copy;
+    // the streamed ones live in host memory, one copy for every replica.
+    let mut loose = 0;
+    let mut streamed_bytes = 0;
+    for (i, p) in specs.iter().enumerate() {
+        if share[i].is_some() && !streamed[i] {
+            m.weights += a(p.len());
+            loose = loose.max(a(p.len()));
+        }
+        if streamed[i] {
+            streamed_bytes += act.size() as u64 * p.len() as u64;
         }
     }
     // Distinct ids of the right dtype and length are all planning needs.
@@ -420,10 +498,17 @@ fn measure(
         v: stand_in(DType::F32, n),
     };
     let grad_dtype = |f32_grad: bool| if f32_grad { DType::F32 } else { act };
-    let params = specs
-        .iter()
-        .map(|s| buffers(grad_dtype(s.f32_grad), s.len()))
-        .collect();
+    let mut params: Vec<ParamBuffers> = vec![];
+    for (i, s) in specs.iter().enumerate() {
+        let mut b = buffers(grad_dtype(s.f32_grad), s.len());
+        if let Some(q) = share[i] {
+            b.grad = params[q].grad;
+            if streamed[i] {
+                b.value = params[q].value;
+            }
+        }
+        params.push(b);
+    }
     let groups = layout
         .arenas
         .iter()
@@ -446,12 +531,14 @@ fn measure(
         let (_, shape, dtype) = g.describe(t);
         inputs.push((t, stand_in(dtype, shape.iter().product())));
     }
+    // Stage 3 compiles as a ZeRO replica does: no update, each tensor its own group.
     let bindings = Bindings {
         params,
         inputs,
-        groups,
+        groups: if stage3 { vec![] } else { groups },
     };
-    let plan = g.memory(&bindings, Some(&options.optimizer))?;
+    let optimizer = (!stage3).then_some(&options.optimizer);
+    let plan = g.memory(&bindings, optimizer)?;
     m.activations = plan.total() + input_bytes;
     m.largest_parameter_buffer = layout.arenas.iter().map(|a| f(a.2)).max().unwrap_or(0);
     m.largest_buffer = plan.largest.max(m.largest_parameter_buffer);
@@ -463,13 +550,21 @@ fn measure(
         .max()
         .unwrap_or(0);
     m.largest_binding = plan.largest_bound;
+    m.largest_stateless_buffer = m.largest_stateless_buffer.max(loose);
     // The initial weights: every arena's f32 values at once, and while the largest is
     // uploaded its f32 copy and its rounded model copy. A checkpoint downloads the
     // model copy, master weights and moments.
     let largest = layout.arenas.iter().map(|a| a.2).max().unwrap_or(0);
-    let drawn: u64 = layout.arenas.iter().map(|a| f(a.2)).sum();
+    let sharers: u64 = specs
+        .iter()
+        .zip(share)
+        .filter(|(_, q)| q.is_some())
+        .map(|(p, _)| f(p.len()))
+        .sum();
+    let drawn: u64 = layout.arenas.iter().map(|a| f(a.2)).sum::<u64>() + sharers;
     let init = drawn + f(largest) + a(largest);
-    m.host = init.max(m.weights + m.optimizer);
+    m.host = init.max(m.weights + m.optimizer) + streamed_bytes;
+    m.streamed = streamed_bytes;
     Ok(m)
 }
 

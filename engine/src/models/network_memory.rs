@@ -46,6 +46,9 @@ pub struct NetworkMemory {
     /// checkpoint downloads, or the initial weights while they are drawn and uploaded,
     /// whichever is larger.
     pub host: u64,
+    /// Host bytes of the model copies ZeRO stage 3 streams to the devices (one copy
+    /// for every replica of a process; included in `host`).
+    pub streamed: u64,
     /// The plan's largest buffer, and the largest flat buffer of parameters without
     /// the optimizer state (a model copy or gradient): what
     /// [`NetworkMemory::without_optimizer`] keeps.
@@ -204,6 +207,12 @@ impl NetworkMemory {
                 "ZeRO stage 1 or 2 over more devices (each holds a slice of the f32 master + \
                  optimizer bytes) or zero_optimization.offload_optimizer (none of them on the \
                  devices)",
+            );
+        }
+        if total && self.streamed == 0 {
+            fixes.push(
+                "ZeRO stage 3 (each device holds one block's weights and gradients; the \
+                 blocks' weights wait in host memory)",
             );
         }
         let act_heavy = self.activations >= self.total() / 4;

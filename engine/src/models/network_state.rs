@@ -4,6 +4,7 @@
 //! (`ParamState`).
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use super::network::Network;
 use super::ParamSpec;
@@ -220,7 +221,7 @@ impl Network {
             dev.upload(b.m, &zeros)?;
             dev.upload(b.v, &zeros)?;
         }
-        dev.upload(b.value, value)
+        self.set_value(dev, index, value)
     }
 
     /// Sets the frozen weights (a LoRA run's base model) from host tensors named as the
@@ -289,28 +290,39 @@ impl Network {
 
     /// The model copies' buffers under their checkpoint names, for
     /// `safetensors_io::save`. Reading a file back is [`Network::load_weights`]:
-    /// uploading into these buffers alone would leave the f32 masters behind.
-    pub fn tensors(&self) -> Vec<crate::device::safetensors_io::NamedTensor> {
-        self.params
+    /// uploading into these buffers alone would leave the f32 masters behind. A ZeRO
+    /// stage-3 replica has no buffer of its own for its blocks' weights: refused (its
+    /// trainer's `param_states` holds them).
+    pub fn tensors(&self) -> Result<Vec<crate::device::safetensors_io::NamedTensor>> {
+        if (0..self.params.len()).any(|p| self.plan.streams(p)) {
+            return Err(Error::InvalidArgument(
+                "a ZeRO stage-3 replica's block weights take turns in one set of device \
+                 buffers; save them from the trainer's param_states"
+                    .into(),
+            ));
+        }
+        Ok(self
+            .params
             .iter()
             .map(|p| crate::device::safetensors_io::NamedTensor {
                 name: p.spec.name.clone(),
                 buffer: p.buffers.value,
                 shape: p.spec.shape.clone(),
             })
-            .collect()
+            .collect())
     }
 
     /// Every parameter's full training state, for checkpoints.
     pub fn param_states(&self, dev: &dyn Device) -> Result<Vec<ParamState>> {
         self.params
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let b = &p.buffers;
                 Ok(ParamState {
                     name: p.spec.name.clone(),
                     shape: p.spec.shape.clone(),
-                    value: dev.download(b.value)?,
+                    value: self.value(dev, i)?,
                     master: dev.download(b.master)?.to_f32(),
                     m: dev.download(b.m)?.to_f32(),
                     v: dev.download(b.v)?.to_f32(),
@@ -332,7 +344,7 @@ impl Network {
                 self.params.len()
             )));
         }
-        for p in &self.params {
+        for (i, p) in self.params.iter().enumerate() {
             let (spec, b) = (&p.spec, &p.buffers);
             let s = states
                 .iter()
@@ -375,7 +387,7 @@ impl Network {
                     });
                 }
             }
-            dev.upload(b.value, &s.value)?;
+            self.set_value(dev, i, &s.value)?;
             dev.upload(b.master, &HostData::F32(s.master.clone()))?;
             dev.upload(b.m, &HostData::F32(s.m.clone()))?;
             dev.upload(b.v, &HostData::F32(s.v.clone()))?;
@@ -388,13 +400,41 @@ impl Network {
     /// alone: the f32 master keeps its values and the next optimizer step writes the
     /// copy from it again, so this does not set a weight (that is
     /// [`Network::set_weights`]).
+    /// A stage-3 replica's streamed tensor keeps it in host memory (loaded before use).
     pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
-        dev.upload(self.param(index)?.buffers.value, data)
+        self.set_value_shared(dev, index, &Arc::new(data.clone()))
     }
 
-    /// Parameter `index`'s model copy as stored.
+    /// [`Network::set_value`] from data the replicas of a process share: a ZeRO
+    /// stage-3 replica keeps its streamed tensors' copies as this one host copy.
+    pub fn set_value_shared(
+        &self,
+        dev: &dyn Device,
+        index: usize,
+        data: &Arc<HostData>,
+    ) -> Result<()> {
+        let b = self.param(index)?.buffers.value;
+        if !self.plan.streams(index) {
+            return dev.upload(b, data);
+        }
+        if data.dtype() != b.dtype || data.len() != b.len {
+            return Err(Error::LenMismatch {
+                what: format!("model copy of parameter {index} ({})", b.dtype),
+                expected: b.len,
+                found: data.len(),
+            });
+        }
+        self.plan.set_streamed(index, data.clone())
+    }
+
+    /// Parameter `index`'s model copy as stored (from host memory where stage 3
+    /// streams it).
     pub fn value(&self, dev: &dyn Device, index: usize) -> Result<HostData> {
-        dev.download(self.param(index)?.buffers.value)
+        let b = self.param(index)?.buffers.value;
+        match self.plan.streamed(index) {
+            Some(h) if self.plan.streams(index) => Ok((*h).clone()),
+            _ => dev.download(b),
+        }
     }
 
     /// Sets the count of applied optimizer steps (restoring a checkpoint).

@@ -1,7 +1,8 @@
 //! Training on several devices: data parallelism's gradient exchange through host
 //! memory (`exchange`), ZeRO's partitioning of the optimizer state and gradients
 //! across the data-parallel ranks, on their devices or offloaded to host memory
-//! (`zero`; which rank owns what in `shard`), and the collective operations between the
+//! (`zero`; which rank owns what in `shard`; stage 3's updated weights go to host
+//! memory, from which the replicas load each block), and the collective operations between the
 //! processes of a multi-process job (`collective`; over MPI in `mpi`, with the `mpi`
 //! feature), and for pipeline parallelism the 1F1B schedule (`pipeline_schedule`),
 //! the cut of a model's blocks into stages (`pipeline_partition`) and the executor

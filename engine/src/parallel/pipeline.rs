@@ -181,9 +181,11 @@ impl Pipeline {
         }
         if zero_stage > 2 {
             return Err(Error::InvalidArgument(format!(
-                "pipeline: zero_optimization.stage {zero_stage}: parameter partitioning \
-                 (stage 3) is not implemented; a pipeline shards optimizer state (stage 1) \
-                 or also gradients (stage 2) over its replicas"
+                "pipeline: zero_optimization.stage {zero_stage}: ZeRO stage 3 is not \
+                 supported with pipeline stages (a stage's blocks do not take turns in one \
+                 set of weight buffers); a pipeline shards the optimizer state (stage 1) or \
+                 also the gradients (stage 2) over its replicas: set stage 1 or 2, or train \
+                 at stage 3 without pipeline stages"
             )));
         }
         let p = stages;

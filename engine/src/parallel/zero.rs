@@ -114,6 +114,26 @@ impl ShardSegment {
     }
 }
 
+/// Gives every replica tensor `i`'s updated model copy `whole`: uploaded, or kept as
+/// one host copy the replicas share where ZeRO stage 3 streams the tensor (its loads
+/// move it later). Returns the bytes uploaded.
+fn hand_out(
+    models: &[&mut Network],
+    devs: &[&dyn Device],
+    i: usize,
+    whole: HostData,
+) -> Result<u64> {
+    let whole = std::sync::Arc::new(whole);
+    let mut bytes = 0;
+    for (m, dev) in models.iter().zip(devs) {
+        m.set_value_shared(*dev, i, &whole)?;
+        if !m.streams(i) {
+            bytes += whole.as_bytes().len() as u64;
+        }
+    }
+    Ok(bytes)
+}
+
 fn lock(slice: &Mutex<HostSlice>) -> std::sync::MutexGuard<'_, HostSlice> {
     // A panic elsewhere while holding it cannot leave a half-written step: the step
     // writes every element or returns an error before writing.
@@ -314,11 +334,8 @@ impl Shards {
                 mut bytes,
                 host_ms,
             } = self.update(devs, optimizer, &layout, hyper)?;
-            for (i, whole) in wholes.iter().enumerate() {
-                for (m, dev) in models.iter().zip(devs) {
-                    m.set_value(*dev, i, whole)?;
-                    bytes += whole.as_bytes().len() as u64;
-                }
+            for (i, whole) in wholes.into_iter().enumerate() {
+                bytes += hand_out(models, devs, i, whole)?;
             }
             // Every update is stepped before the first upload: none of it hidden.
             let time = OffloadTime {
@@ -385,12 +402,8 @@ impl Shards {
                 busy
             });
             for (i, whole) in rx.iter().enumerate() {
-                let whole = whole?;
                 let t = Instant::now();
-                for (m, dev) in models.iter().zip(devs) {
-                    m.set_value(*dev, i, &whole)?;
-                    bytes += whole.as_bytes().len() as u64;
-                }
+                bytes += hand_out(models, devs, i, whole?)?;
                 upload_ms += t.elapsed().as_secs_f64() * 1e3;
             }
             Ok(stepper.join().expect("the host step does not panic"))

@@ -197,6 +197,13 @@ pub struct StepRecord {
     pub offload_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload_exposed_ms: Option<f64>,
+    /// ZeRO stage 3: host time loading the blocks' weights into the devices (ms, all
+    /// devices) and the share of it hidden behind the devices' work. Absent below
+    /// stage 3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gather_ms: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gather_hidden: Option<f64>,
     /// Pipeline parallelism: the share of the step the stages waited for a neighbour
     /// (measured, the mean over stages), the schedule's `(p-1)/(m+p-1)`, and the bytes
     /// of activations and their gradients sent between stages. Absent without stages.

@@ -16,9 +16,10 @@ use serde::{Deserialize, Serialize};
 use crate::config::{LossScaling, Precision, TrainConfig};
 use crate::device::optim::grad_scale_reference;
 use crate::device::profile::{span, SpanKind};
+use crate::graph::StreamStats;
 use crate::models::{
     host_memory_available, in_file, weight_copies, MicroBatch, Model, ModelStateBytes, Network,
-    NetworkOptions, ParamSpec, ParamState,
+    NetworkOptions, ParamSpec, ParamState, Partition,
 };
 use crate::parallel::collective::{Ownership, Processes};
 use crate::parallel::exchange::{self, During};
@@ -124,7 +125,8 @@ pub struct CommStats {
     /// Exchange time the step paid: downloading, reducing and uploading gradients,
     /// counted from the end of the last device's backward (earlier work overlapped it).
     pub ms: f64,
-    /// Bytes copied between devices and host (both directions, all devices).
+    /// Bytes copied between devices and host (both directions, all devices; stage 3's
+    /// weight loads included).
     pub bytes: u64,
     /// Share of the exchanged bytes reduced while some device was still in backward
     /// (in a multi-process job: of the bytes exchanged between processes).
@@ -136,6 +138,12 @@ pub struct CommStats {
     /// behind the updated weights' uploads (what the devices waited for).
     pub offload_ms: f64,
     pub offload_exposed_ms: f64,
+    /// ZeRO stage 3: the host time spent loading the blocks' weights into the devices
+    /// during forward and backward (all devices), the part of it spent while the
+    /// device was still running earlier work (hidden), and the bytes loaded.
+    pub gather_ms: f64,
+    pub gather_hidden_ms: f64,
+    pub gather_bytes: u64,
 }
 
 pub struct Trainer {
@@ -238,16 +246,6 @@ impl Trainer {
                 config.batch.world,
             )));
         }
-        if config.zero.stage > 2 {
-            return Err(Error::Unsupported {
-                device: devs[0].caps().name.clone(),
-                what: format!(
-                    "zero_optimization.stage {}: parameter partitioning (stage 3) is not \
-                     implemented; stage 2 shards gradients and optimizer state",
-                    config.zero.stage
-                ),
-            });
-        }
         let (dtype, scaler) = precision(&config)?;
         let options = NetworkOptions {
             batch: config.batch.micro_batch,
@@ -263,13 +261,21 @@ impl Trainer {
         let offload = config.zero.offload_optimizer;
         if offload && config.zero.stage == 0 {
             return Err(Error::InvalidArgument(
-                "zero_optimization.offload_optimizer needs ZeRO stage 1 or 2 (the host steps \
-                 each rank's shard of the optimizer state): set zero_optimization.stage"
+                "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (the host \
+                 steps each rank's shard of the optimizer state): set zero_optimization.stage"
                     .into(),
             ));
         }
-        let sharded = config.zero.stage >= 1 && (world > 1 || offload);
-        let partitioned = config.zero.stage == 2 && world > 1;
+        // Stage 3 on one device still streams its blocks' weights from host memory.
+        let stage3 = config.zero.stage == 3;
+        let sharded = config.zero.stage >= 1 && (world > 1 || offload || stage3);
+        let partitioned = (config.zero.stage == 2 && world > 1) || stage3;
+        let partition = match stage3 {
+            true => Partition::Stage3 {
+                persistence_threshold: config.zero.param_persistence_threshold as usize,
+            },
+            false => Partition::Whole,
+        };
         let shard_bytes = if sharded {
             // Sizes first: an absurd model is named, not listed parameter by parameter.
             model.check_sizes()?;
@@ -285,11 +291,25 @@ impl Trainer {
         // The whole group at once, before the first replica: devices that share the
         // host's memory (CPU adapters) add up, and a model that cannot fit is refused
         // before anything is allocated.
-        Network::check_memory(model.as_ref(), &options, devs, shard_bytes)?;
-        let mut models = vec![];
+        Network::check_memory(model.as_ref(), &options, devs, (shard_bytes, partition))?;
+        let mut models: Vec<Network> = vec![];
         let mut masters = vec![];
         for &dev in devs {
-            if sharded {
+            if let Partition::Stage3 {
+                persistence_threshold,
+            } = partition
+            {
+                // The replicas share one host copy of the streamed weights.
+                let (net, m) = Network::new_stage3(
+                    dev,
+                    model.clone(),
+                    &options,
+                    persistence_threshold,
+                    models.first(),
+                )?;
+                models.push(net);
+                masters = m;
+            } else if sharded {
                 // The shards take the initial masters (every replica draws the same).
                 let (net, m) = Network::new_without_optimizer(dev, model.clone(), &options)?;
                 models.push(net);
@@ -443,6 +463,10 @@ impl Trainer {
             p.comm
                 .arrive(&format!("step {}'s gradient exchange", self.steps + 1))?;
         }
+        // Loads since the last step (an evaluation's) are not this step's.
+        for m in self.models() {
+            m.take_stream_stats();
+        }
         let procs = self.procs.clone();
         let ex = {
             let models = self.models_mut();
@@ -456,13 +480,21 @@ impl Trainer {
         let (t0, mut bytes) = (ex.started, ex.bytes);
         let decision = self.decide(ex.overflow)?;
         self.steps += 1;
-        let comm = |bytes| CommStats {
+        let mut gathered = StreamStats::default();
+        for m in self.models() {
+            gathered.add(m.take_stream_stats());
+        }
+        let comm = |bytes: u64| CommStats {
             ms: t0.elapsed().as_secs_f64() * 1e3 + ex.blocked_ms,
-            bytes,
+            // Stage 3's weight loads are copies between host and devices too.
+            bytes: bytes + gathered.bytes,
             overlap: ex.overlap,
             process_bytes: ex.process_bytes,
             offload_ms: 0.0,
             offload_exposed_ms: 0.0,
+            gather_ms: gathered.ms,
+            gather_hidden_ms: gathered.hidden_ms,
+            gather_bytes: gathered.bytes,
         };
         if decision == StepDecision::Skip {
             self.last_comm = comm(bytes);
@@ -617,9 +649,11 @@ impl Trainer {
                 )));
             }
         }
-        for (m, dev) in self.models().zip(devs) {
-            for (i, st) in states.iter().enumerate() {
-                m.set_value(*dev, i, &st.value)?;
+        for (i, st) in states.iter().enumerate() {
+            // One host copy for every replica where stage 3 keeps it there.
+            let value = Arc::new(st.value.clone());
+            for (m, dev) in self.models().zip(devs) {
+                m.set_value_shared(*dev, i, &value)?;
             }
         }
         shards.scatter(devs, states)
@@ -653,8 +687,9 @@ impl Trainer {
                     }
                 }
                 Some(shards) => {
+                    let value = Arc::new(value.into_owned());
                     for (m, dev) in self.models().zip(devs) {
-                        m.write_weights(*dev, i, &value, None, false)?;
+                        m.set_value_shared(*dev, i, &value)?;
                     }
                     shards.set_weights(devs, i, &master)?;
                 }

@@ -324,6 +324,11 @@ impl Device for VkDevice {
         self.reclaim(&mut s)
     }
 
+    fn busy(&self) -> Result<bool> {
+        let submitted = self.lock().submitted;
+        Ok(self.completed()? < submitted)
+    }
+
     fn allocated_bytes(&self) -> u64 {
         self.lock().allocated
     }

@@ -274,6 +274,16 @@ impl Device for WgpuDevice {
         })
     }
 
+    fn busy(&self) -> Result<bool> {
+        self.call(|| {
+            let status = self
+                .device
+                .poll(wgpu::PollType::Poll)
+                .map_err(|e| self.backend_error(format!("polling the device: {e}")))?;
+            Ok(!status.is_queue_empty())
+        })
+    }
+
     fn allocated_bytes(&self) -> u64 {
         self.lock().allocated
     }
