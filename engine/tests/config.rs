@@ -528,6 +528,11 @@ fn zero_stage_3_takes_deepspeeds_keys() {
     }
     let c = ok(&zero(r#"{"stage": 3, "param_persistence_threshold": 7}"#));
     assert_eq!(c.zero.param_persistence_threshold, 7);
+    // Hugging Face's ZeRO-3 template: "auto" keeps DeepSpeed's default, with a note.
+    let c = ok(&zero(
+        r#"{"stage": 3, "stage3_param_persistence_threshold": "auto"}"#,
+    ));
+    assert_eq!(c.zero.param_persistence_threshold, 100_000);
     let e = err(&zero(
         r#"{"stage": 3, "param_persistence_threshold": 7,
             "stage3_param_persistence_threshold": 8}"#,

@@ -167,7 +167,6 @@ pub(crate) fn estimate(
     Ok(())
 }
 
-/// The model config `--model` names, read and checked.
 /// The model at `--seq` as `kiln train --seq` builds it: its block_size becomes the
 /// sequence length (a GPT's position table with it), checked the same way.
 fn at_seq(
@@ -187,6 +186,7 @@ fn at_seq(
     Ok(m)
 }
 
+/// The model config `--model` names, read and checked.
 fn read_model(model: &std::path::Path) -> Result<kiln::engine::models::ModelConfig> {
     let text = kiln::train::read_json_input(model, "the model config")?;
     let m = kiln::engine::models::ModelConfig::parse(&text)

@@ -56,7 +56,8 @@ impl Default for ZeroConfig {
     }
 }
 
-const STAGE3_ONLY: &str = "it is only used by ZeRO stage 3";
+const STAGE3_ONLY: &str = "it tunes a part of DeepSpeed's ZeRO stage 3 that Kiln's stage 3 \
+    does not have";
 const STAGE3_FETCH: &str = "it tunes how DeepSpeed's stage 3 fetches parameters; Kiln's \
     stage 3 keeps one block's weights live on a device and loads each block's from host \
     memory just before its first kernel (a block still live at the turn from forward to \
@@ -268,11 +269,10 @@ impl Reader {
         let d = ZeroConfig::default();
         let stage = self.uint_or(z, zp, "stage", (0, 3), 0) as u8;
         // DeepSpeed's schema spells it without the prefix too.
-        let elements = (0, u32::MAX as u64);
         let default = d.param_persistence_threshold;
         let long = "stage3_param_persistence_threshold";
-        let threshold = self.uint_or(z, zp, long, elements, default);
-        let short = self.uint_or(z, zp, "param_persistence_threshold", elements, default);
+        let threshold = self.persistence_threshold(z, long, default);
+        let short = self.persistence_threshold(z, "param_persistence_threshold", default);
         if z.contains_key(long)
             && z.contains_key("param_persistence_threshold")
             && threshold != short
@@ -357,6 +357,24 @@ impl Reader {
     /// A bucket size; `"auto"` (the Hugging Face Trainer's hidden_size², which needs the
     /// model) keeps DeepSpeed's default: buckets only group gradients for communication,
     /// so their size does not change the result.
+    /// Stage 3's persistence threshold under `key`; `"auto"` (Hugging Face's 10 ×
+    /// hidden_size, which needs the model) keeps DeepSpeed's default: it changes which
+    /// tensors stay on the devices, not the result.
+    fn persistence_threshold(&mut self, z: &Map<String, Value>, key: &str, default: u64) -> u64 {
+        if auto_at(z, key) {
+            self.resolved_auto(
+                &format!("zero_optimization.{key}"),
+                format!(
+                    "DeepSpeed's default {default} elements; Hugging Face would use 10 × the \
+                     model's hidden_size, and the threshold changes only which tensors stay \
+                     whole on the devices"
+                ),
+            );
+            return default;
+        }
+        self.uint_or(z, "zero_optimization", key, (0, u32::MAX as u64), default)
+    }
+
     fn bucket_size(
         &mut self,
         z: &Map<String, Value>,

@@ -1304,9 +1304,13 @@ impl Plan {
 
     /// Moves the streamed weights' host copies from `old` (a plan compiled before
     /// over the same parameters) into this one.
-    pub fn adopt_streamed(&self, old: &Plan) {
-        if let (Some(new), Some(old)) = (&self.stream, &old.stream) {
-            new.put_host(old.take_host());
+    pub fn adopt_streamed(&self, old: &Plan) -> Result<()> {
+        match (&self.stream, &old.stream) {
+            (Some(new), Some(old)) => new.put_host(old.take_host()),
+            (None, None) => Ok(()),
+            _ => Err(Error::InvalidArgument(
+                "plan: compiled again with other streamed weights than before".into(),
+            )),
         }
     }
 

@@ -174,11 +174,17 @@ impl WeightStream {
         std::mem::take(&mut *lock(&self.host))
     }
 
-    pub(super) fn put_host(&self, host: Vec<Option<Arc<HostData>>>) {
+    pub(super) fn put_host(&self, host: Vec<Option<Arc<HostData>>>) -> Result<()> {
         let mut mine = lock(&self.host);
-        if host.len() == mine.len() {
-            *mine = host;
+        if host.len() != mine.len() {
+            return Err(Error::InvalidArgument(format!(
+                "plan: {} streamed weights carried into a plan of {} parameters",
+                host.len(),
+                mine.len()
+            )));
         }
+        *mine = host;
+        Ok(())
     }
 }
 

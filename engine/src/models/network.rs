@@ -464,7 +464,7 @@ impl Network {
         let optimizer = self.released.is_none().then_some(&self.options.optimizer);
         self.plan.free(dev)?;
         let plan = r.graph.compile(dev, &bindings, optimizer)?;
-        plan.adopt_streamed(&self.plan);
+        plan.adopt_streamed(&self.plan)?;
         self.plan = plan;
         Ok(())
     }

@@ -402,6 +402,9 @@ impl Network {
     /// [`Network::set_weights`]).
     /// A stage-3 replica's streamed tensor keeps it in host memory (loaded before use).
     pub fn set_value(&self, dev: &dyn Device, index: usize, data: &HostData) -> Result<()> {
+        if !self.plan.streams(index) {
+            return dev.upload(self.param(index)?.buffers.value, data);
+        }
         self.set_value_shared(dev, index, &Arc::new(data.clone()))
     }
 
@@ -431,9 +434,15 @@ impl Network {
     /// streams it).
     pub fn value(&self, dev: &dyn Device, index: usize) -> Result<HostData> {
         let b = self.param(index)?.buffers.value;
+        if !self.plan.streams(index) {
+            return dev.download(b);
+        }
+        // The shared buffer holds whichever block ran last: never read in its place.
         match self.plan.streamed(index) {
-            Some(h) if self.plan.streams(index) => Ok((*h).clone()),
-            _ => dev.download(b),
+            Some(h) => Ok((*h).clone()),
+            None => Err(Error::InvalidArgument(format!(
+                "the weights of streamed parameter {index} were never set"
+            ))),
         }
     }
 

@@ -352,8 +352,8 @@ impl Shards {
 
     /// [`Shards::apply`] with every slice in this process's host memory: tensor by
     /// tensor, a host thread steps the slices of a tensor (on every core) while this
-    /// thread uploads the tensors stepped before it to every device, so the host step
-    /// and the uploads overlap. The same arithmetic on the same numbers as
+    /// thread hands the tensors stepped before it to every replica (uploads, or the
+    /// host copy stage 3 loads from), so the host step and the uploads overlap. The same arithmetic on the same numbers as
     /// [`Shards::update`], so the same bits. An error leaves some tensors stepped on
     /// the host and not on the devices: the step has failed as a whole, and the run
     /// resumes from its last checkpoint (as after any failed update).
