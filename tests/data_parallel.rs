@@ -721,6 +721,14 @@ struct Flaky {
 }
 
 impl Flaky {
+    /// `inner`, not lost until told.
+    fn new(inner: Box<dyn Device>) -> Flaky {
+        Flaky {
+            inner,
+            launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+            uploads_left: std::sync::atomic::AtomicI64::new(i64::MAX),
+        }
+    }
     fn lost(&self) -> kiln::engine::Error {
         kiln::engine::Error::Backend {
             device: self.inner.caps().name.clone(),
@@ -815,11 +823,7 @@ impl Device for Flaky {
 fn a_device_lost_mid_step_is_an_error_not_a_hang() {
     for overlap in [false, true] {
         let good = gpu("vulkan", false);
-        let flaky = Flaky {
-            inner: gpu("vulkan", false),
-            launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
-            uploads_left: std::sync::atomic::AtomicI64::new(i64::MAX),
-        };
+        let flaky = Flaky::new(gpu("vulkan", false));
         let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
         let mut c = config("", B, 1, 2);
         c.zero.overlap_comm = overlap;
@@ -846,11 +850,7 @@ fn a_device_lost_mid_step_is_an_error_not_a_hang() {
 #[test]
 fn a_device_lost_mid_gather_is_an_error_and_the_saved_state_resumes() {
     let good = gpu("vulkan", false);
-    let flaky = Flaky {
-        inner: gpu("vulkan", false),
-        launches_left: std::sync::atomic::AtomicI64::new(i64::MAX),
-        uploads_left: std::sync::atomic::AtomicI64::new(i64::MAX),
-    };
+    let flaky = Flaky::new(gpu("vulkan", false));
     let refs: Vec<&dyn Device> = vec![good.as_ref(), &flaky];
     let mut c = config("", B, 1, 2);
     c.zero.stage = 3;

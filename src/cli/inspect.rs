@@ -174,14 +174,7 @@ fn at_seq(
     seq: Option<usize>,
 ) -> Result<kiln::engine::models::ModelConfig> {
     if let Some(seq) = seq {
-        let most = m.block_size();
-        if seq == 0 || seq > most {
-            bail!(
-                "--seq {seq}: give 1 to {most} tokens (the model's block_size, the longest \
-                 sequence it has positions for)"
-            );
-        }
-        m.set_block_size(seq);
+        m.set_seq(seq)?;
     }
     Ok(m)
 }

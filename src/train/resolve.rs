@@ -247,14 +247,7 @@ pub(super) fn resolve(opts: &TrainOptions) -> Result<Resolved> {
         if opts.resume {
             bail!("--seq with --resume: a resumed run keeps its sequence length; drop --seq");
         }
-        let most = model.block_size();
-        if seq == 0 || seq > most {
-            bail!(
-                "--seq {seq}: give 1 to {most} tokens (the model's block_size, the longest \
-                 sequence it has positions for)"
-            );
-        }
-        model.set_block_size(seq);
+        model.set_seq(seq)?;
     }
     Ok(Resolved {
         started,

@@ -430,6 +430,20 @@ impl ModelConfig {
         }
     }
 
+    /// `--seq`: trains on sequences of `seq` tokens ([`ModelConfig::set_block_size`]),
+    /// refused outside 1 to the model's block_size.
+    pub fn set_seq(&mut self, seq: usize) -> Result<()> {
+        let most = self.block_size();
+        if seq == 0 || seq > most {
+            return Err(Error::InvalidArgument(format!(
+                "--seq {seq}: give 1 to {most} tokens (the model's block_size, the longest \
+                 sequence it has positions for)"
+            )));
+        }
+        self.set_block_size(seq);
+        Ok(())
+    }
+
     /// Trains on sequences of `t` tokens (GPT-2's position embedding keeps its first `t`
     /// rows).
     pub fn set_block_size(&mut self, t: usize) {

@@ -420,13 +420,7 @@ impl Network {
         if !self.plan.streams(index) {
             return dev.upload(b, data);
         }
-        if data.dtype() != b.dtype || data.len() != b.len {
-            return Err(Error::LenMismatch {
-                what: format!("model copy of parameter {index} ({})", b.dtype),
-                expected: b.len,
-                found: data.len(),
-            });
-        }
+        // The stream checks the dtype and length against the shared buffer.
         self.plan.set_streamed(index, data.clone())
     }
 
