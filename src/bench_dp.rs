@@ -52,11 +52,13 @@ pub struct DpRow {
 }
 
 /// The ZeRO settings a bench dp group trains with: the stage, whether the optimizer
-/// state is offloaded to host memory, and stage 3's persistence threshold.
+/// state (`offload`) and stage 3's parameter copies (`offload_param`) are offloaded to
+/// host memory, and stage 3's persistence threshold.
 #[derive(Clone, Copy, Debug)]
 pub struct Zero {
     pub stage: u8,
     pub offload: bool,
+    pub offload_param: bool,
     pub persistence_threshold: u64,
 }
 
@@ -65,6 +67,7 @@ impl Default for Zero {
         Zero {
             stage: 0,
             offload: false,
+            offload_param: false,
             persistence_threshold: 100_000,
         }
     }
@@ -149,10 +152,12 @@ fn measure(
             r#"{{"train_micro_batch_size_per_gpu": {micro}, "fp16": {{"enabled": true}},
                  "zero_optimization": {{"stage": {stage}, "overlap_comm": {overlap}{bucket},
                      "stage3_param_persistence_threshold": {threshold},
-                     "offload_optimizer": {{"device": "{device}"}}}}}}"#,
+                     "offload_optimizer": {{"device": "{device}"}},
+                     "offload_param": {{"device": "{param_device}"}}}}}}"#,
             stage = zero.stage,
             threshold = zero.persistence_threshold,
             device = if zero.offload { "cpu" } else { "none" },
+            param_device = if zero.offload_param { "cpu" } else { "none" },
         ),
         world,
     )?;

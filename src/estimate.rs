@@ -8,9 +8,11 @@
 //! copy, and stage 2's full-size gradients are one block's (shared by all blocks) plus
 //! the embeddings' and final norm's, not 2Ψ/N.
 //!
-//! With the optimizer state offloaded (`offload_optimizer`, stages 1 and 2; the last two
-//! rows) a rank's f32 master and moments (12 bytes per element of its slice) are in
+//! With the optimizer state offloaded (`offload_optimizer`, stages 1 to 3; the rows
+//! `N+host`) a rank's f32 master and moments (12 bytes per element of its slice) are in
 //! host memory and its device holds no optimizer state and no f32 reduced gradient.
+//! With stage 3's parameters offloaded (`offload_param` alone; the row `3+param`) a
+//! device holds no 16-bit copy of its slice.
 //!
 //! With LoRA (`--lora`) the model is the base under its adapters (`Lora`): Ψ is the
 //! adapters' elements, the only ones with gradients, masters and moments (and so the
@@ -32,7 +34,7 @@ use kiln_engine::models::{
 };
 use kiln_engine::parallel::pipeline::Pipeline;
 use kiln_engine::parallel::pipeline_partition::PartitionMethod;
-use kiln_engine::parallel::zero::{check_host_fits, shard_bytes};
+use kiln_engine::parallel::zero::{check_host_fits, shard_bytes, Offload};
 use kiln_engine::{Capabilities, DType, Optimizer};
 
 /// One ZeRO stage's per-device bytes.
@@ -53,6 +55,9 @@ pub struct StageMemory {
     /// device in host memory, none on the device.
     pub offload: bool,
     pub host: u64,
+    /// Stage 3's `offload_param` without `offload_optimizer`: no 16-bit copy of the
+    /// shard on the device.
+    pub offload_param: bool,
 }
 
 impl StageMemory {
@@ -199,6 +204,7 @@ fn stages_of(
         implemented,
         offload: false,
         host: 0,
+        offload_param: false,
     };
     // Offloaded: the device keeps the model copy and the full-size gradients only.
     let offloaded = |stage, gradients| StageMemory {
@@ -211,6 +217,10 @@ fn stages_of(
         m.shared_gradients
     } else {
         m.gradients
+    };
+    let stage3 = StageMemory {
+        host: m3.streamed,
+        ..one(3, m3.weights, m3.gradients + 4 * slice, sharded, true)
     };
     vec![
         one(0, m.weights, m.gradients, m.optimizer, true),
@@ -229,10 +239,7 @@ fn stages_of(
         },
         // Stage 3 is sharded on one device too, and its blocks share one set of
         // weights and gradients; the streamed weights are in host memory.
-        StageMemory {
-            host: m3.streamed,
-            ..one(3, m3.weights, m3.gradients + 4 * slice, sharded, true)
-        },
+        stage3,
         offloaded(1, m.gradients),
         offloaded(2, shared),
         StageMemory {
@@ -240,6 +247,13 @@ fn stages_of(
             host: 12 * slice + m3.streamed,
             activations: m3.activations,
             ..offloaded(3, m3.gradients)
+        },
+        // offload_param alone: the shard's master, moments and reduced gradient stay,
+        // its 16-bit copy does not.
+        StageMemory {
+            optimizer: 12 * slice,
+            offload_param: true,
+            ..stage3
         },
     ]
 }
@@ -250,15 +264,15 @@ fn mib(b: u64) -> String {
 
 /// The table `kiln estimate` prints, and whether `kiln train` would build the model on
 /// `devices` (the adapters named, one entry per device; none for a bare device count)
-/// and this host at ZeRO stage `zero.0`, the optimizer state offloaded if `zero.1`:
-/// the same check, with the same message, as training runs first.
+/// and this host at ZeRO stage `zero.0`, offloading as `zero.1` says: the same check,
+/// with the same message, as training runs first.
 pub fn report(
     model: &dyn Model,
     micro_batch: usize,
     dtype: DType,
     world: usize,
     devices: &[Capabilities],
-    (stage, offload, threshold): (u8, bool, u64),
+    (stage, offload, threshold): (u8, Offload, u64),
 ) -> Result<String> {
     let mut out = String::new();
     // First: it checks the model's sizes before anything is built from them.
@@ -305,6 +319,8 @@ pub fn report(
             "{:<7} {:>12}{} {:>12} {:>14} {:>13} {:>12}  {}",
             if s.offload {
                 format!("{}+host", s.stage)
+            } else if s.offload_param {
+                format!("{}+param", s.stage)
             } else {
                 s.stage.to_string()
             },
@@ -326,6 +342,10 @@ pub fn report(
                     "offload_optimizer: master+Adam in host memory, {} per device",
                     mib(s.host)
                 )
+            } else if s.offload_param {
+                "offload_param: no 16-bit copy of the shard on a device (the host rounds the \
+                 downloaded master); the blocks' weights in host memory as at stage 3"
+                    .to_string()
             } else if s.stage == 3 {
                 format!(
                     "one block's weights and gradients on a device (alike blocks take turns); \
@@ -343,7 +363,7 @@ pub fn report(
     // What kiln train checks and builds first: under ZeRO each device's network without
     // the optimizer state, beside its shard, with its whole gradients (stage 2's blocks
     // share one set once built).
-    let sharded = stage >= 1 && (world > 1 || offload || stage == 3);
+    let sharded = stage >= 1 && (world > 1 || offload.optimizer || stage == 3);
     let shards = shard_bytes(model, world, 0..world, dtype, offload);
     let m = match (sharded, stage) {
         (true, 3) => stage3_memory(model, micro_batch, dtype, threshold)?.with_shards(shards),
@@ -357,20 +377,24 @@ pub fn report(
          largest buffer {}, largest kernel binding {} (what one kernel binds whole, such as \
          an embedding table; GEMMs, elementwise kernels and the optimizer split larger \
          buffers)",
-        if offload {
-            " with offload_optimizer"
-        } else {
-            ""
+        match (offload.optimizer, offload.params) {
+            (true, true) => " with offload_optimizer and offload_param",
+            (true, false) => " with offload_optimizer",
+            (false, true) => " with offload_param",
+            (false, false) => "",
         },
         mib(m.total()),
         match stage {
             3 => "with one block's weights and gradients (alike blocks take turns in them)",
             _ => "with its whole gradients (stage 2's blocks share one set once built)",
         },
-        match (sharded, offload) {
-            (false, _) => " and the whole optimizer state",
-            (true, false) => " beside its shard of the optimizer state",
-            (true, true) => ", the optimizer state in host memory",
+        match (sharded, offload.optimizer, offload.params) {
+            (false, ..) => " and the whole optimizer state",
+            (true, false, false) => " beside its shard of the optimizer state",
+            (true, false, true) => {
+                " beside its shard of the optimizer state (without its 16-bit copy)"
+            }
+            (true, true, _) => ", the optimizer state in host memory",
         },
         mib(m.largest_buffer),
         mib(m.largest_binding)
@@ -411,7 +435,7 @@ pub fn report(
         }
     }
     let caps: Vec<&Capabilities> = devices.iter().collect();
-    let checked = match offload {
+    let checked = match offload.optimizer {
         true => check_host_fits(shards.host, host),
         false => Ok(()),
     };

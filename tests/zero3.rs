@@ -12,12 +12,28 @@ use kiln::cpu::CpuDevice;
 use kiln::engine::config::parse;
 use kiln::engine::models::gpt::{Gpt, GptConfig};
 use kiln::engine::models::{MicroBatch, Model};
+use kiln::engine::parallel::zero::{self, Offload};
 use kiln::engine::train::trainer::Trainer;
 use kiln::engine::{DType, Device, HostData};
 
 const B: usize = 2;
 const T: usize = 8;
 const STEPS: usize = 5;
+
+/// Where the shards live: on the devices, the optimizer state offloaded
+/// (`offload_optimizer`), the parameter copies offloaded (`offload_param`).
+const DEV: Offload = Offload {
+    optimizer: false,
+    params: false,
+};
+const OPT: Offload = Offload {
+    optimizer: true,
+    params: false,
+};
+const PARAM: Offload = Offload {
+    optimizer: false,
+    params: true,
+};
 
 fn gpt() -> std::sync::Arc<Gpt> {
     gpt_of(4)
@@ -42,17 +58,19 @@ fn config(
     precision: &str,
     world: usize,
     stage: u8,
-    offload: bool,
+    offload: Offload,
     accum: usize,
 ) -> kiln::engine::TrainConfig {
-    let device = if offload { "cpu" } else { "none" };
+    let on = |host: bool| if host { "cpu" } else { "none" };
+    let (device, param) = (on(offload.optimizer), on(offload.params));
     parse(
         &format!(
             r#"{{"train_micro_batch_size_per_gpu": {B}, "gradient_accumulation_steps": {accum},
                 "gradient_clipping": 0.5, {precision}
                 "zero_optimization": {{"stage": {stage}, "overlap_comm": true,
                     "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 200,
-                    "offload_optimizer": {{"device": "{device}"}}}},
+                    "offload_optimizer": {{"device": "{device}"}},
+                    "offload_param": {{"device": "{param}"}}}},
                 "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.1}}}},
                 "scheduler": {{"type": "WarmupLR", "params": {{"warmup_num_steps": 3, "warmup_max_lr": 0.01}}}}}}"#,
         ),
@@ -91,7 +109,12 @@ fn refs(devs: &[Box<dyn Device>]) -> Vec<&dyn Device> {
 /// Trains a group at `stages[0]` and one at `stages[1]` (each `(stage, offload)`) side
 /// by side, asserting every step's loss (by its bits) and decision equal, and the whole
 /// states equal at the end; in fp16 step 2 overflows on the last rank and both skip it.
-fn trains_alike(devs: [&[&dyn Device]; 2], precision: &str, stages: [(u8, bool); 2], accum: usize) {
+fn trains_alike(
+    devs: [&[&dyn Device]; 2],
+    precision: &str,
+    stages: [(u8, Offload); 2],
+    accum: usize,
+) {
     let world = devs[0].len();
     let what = format!("world {world}, {stages:?}, {precision}");
     let mut groups: Vec<Trainer> = stages
@@ -179,29 +202,35 @@ fn stage_3_trains_bit_for_bit_as_stage_0_and_2_on_cpu_backend_devices() {
     };
     for n in [2, 4] {
         let (a, b) = (cpus(n), cpus(n));
-        trains_alike([&refs(&a), &refs(&b)], "", [(0, false), (3, false)], 1);
-        trains_alike([&refs(&a), &refs(&b)], "", [(2, false), (3, false)], 2);
+        trains_alike([&refs(&a), &refs(&b)], "", [(0, DEV), (3, DEV)], 1);
+        trains_alike([&refs(&a), &refs(&b)], "", [(2, DEV), (3, DEV)], 2);
     }
     let (a, b) = (cpus(2), cpus(2));
-    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, false), (3, false)], 2);
-    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, true), (3, true)], 2);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, DEV), (3, DEV)], 2);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, OPT), (3, OPT)], 2);
+    // offload_param: the host rounds the downloaded master into the copy the kernel
+    // would have written.
+    trains_alike([&refs(&a), &refs(&b)], "", [(3, DEV), (3, PARAM)], 2);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(3, DEV), (3, PARAM)], 2);
 }
 
 /// On lavapipe: stage 3 trains as stage 2 bit for bit (fp32 and fp16 with loss
 /// scaling and a skipped overflow step, the optimizer state on the devices and
 /// offloaded), on two devices and on one (where the single shard holds everything and
-/// the blocks still take turns in one set of buffers).
+/// the blocks still take turns in one set of buffers); with `offload_param` as without
+/// (the host's f16 rounding of the master is the kernel's).
 #[test]
 fn on_the_gpu_stage_3_trains_bit_for_bit_as_stage_2() {
     let gpus =
         |n: usize| -> Vec<Box<dyn Device>> { (0..n).map(|_| gpu("vulkan", false)).collect() };
     let (a, b) = (gpus(2), gpus(2));
-    trains_alike([&refs(&a), &refs(&b)], "", [(2, false), (3, false)], 2);
-    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, true), (3, true)], 2);
+    trains_alike([&refs(&a), &refs(&b)], "", [(2, DEV), (3, DEV)], 2);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(2, OPT), (3, OPT)], 2);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(3, DEV), (3, PARAM)], 2);
     // One device: stage 1 would sum its micro-batches on the device and stage 3 on the
     // host (its blocks share gradient buffers), so one micro-batch per step.
     let (a, b) = (gpus(1), gpus(1));
-    trains_alike([&refs(&a), &refs(&b)], FP16, [(1, true), (3, true)], 1);
+    trains_alike([&refs(&a), &refs(&b)], FP16, [(1, OPT), (3, OPT)], 1);
 }
 
 /// Each device's allocator holds what `kiln estimate`'s stage-3 row says (within 2 %:
@@ -209,10 +238,11 @@ fn on_the_gpu_stage_3_trains_bit_for_bit_as_stage_2() {
 /// model states beside the activations (exactly); stage 3 holds less than stage 2 by
 /// the model copies of the blocks after the first (those over the persistence
 /// threshold), exactly. The blocks' weights are in host memory once for the process.
+/// With `offload_param` a device holds exactly its slices' 16-bit copies less.
 #[test]
 fn a_stage_3_device_holds_one_blocks_weights_as_the_estimate_says() {
     let world = 2;
-    let build = |stage: u8, offload: bool| {
+    let build = |stage: u8, offload: Offload| {
         let devs: Vec<Box<dyn Device>> = (0..world).map(|_| gpu("vulkan", false)).collect();
         let before: Vec<u64> = devs.iter().map(|d| d.allocated_bytes()).collect();
         let r = refs(&devs);
@@ -238,12 +268,15 @@ fn a_stage_3_device_holds_one_blocks_weights_as_the_estimate_says() {
         .filter(|p| !p.name.starts_with("transformer.h.0."))
         .map(|p| DType::F16.padded_bytes(p.len()))
         .sum();
-    let (_d2, _t2, bytes2) = build(2, false);
-    for offload in [false, true] {
+    let (_d2, _t2, bytes2) = build(2, DEV);
+    let mut on_devices = vec![];
+    for offload in [DEV, OPT, PARAM] {
         let (_d3, t3, bytes3) = build(3, offload);
         let row = estimate
             .iter()
-            .find(|s| s.stage == 3 && s.offload == offload)
+            .find(|s| {
+                (s.stage, s.offload, s.offload_param) == (3, offload.optimizer, offload.params)
+            })
             .unwrap();
         for rank in 0..world {
             let states = t3.model_state_bytes(rank);
@@ -251,7 +284,7 @@ fn a_stage_3_device_holds_one_blocks_weights_as_the_estimate_says() {
             let predicted = row.total();
             let off = predicted.abs_diff(bytes3[rank]) as f64 / predicted as f64;
             assert!(off < 0.02, "rank {rank}: {} vs {row:?}", bytes3[rank]);
-            if !offload {
+            if offload == DEV {
                 // Same shards and activations; the blocks after the first share its
                 // buffers (arena gaps aside: each tensor starts on 256 bytes).
                 let saved = bytes2[rank] - bytes3[rank];
@@ -264,6 +297,17 @@ fn a_stage_3_device_holds_one_blocks_weights_as_the_estimate_says() {
         }
         let elements: usize = streamed.iter().map(|p| p.len()).sum();
         assert_eq!(m3.streamed, 2 * elements as u64, "f16 host copies, once");
+        match offload {
+            DEV => on_devices = bytes3,
+            PARAM => {
+                let sizes: Vec<usize> = spec.iter().map(|p| p.len()).collect();
+                for rank in 0..world {
+                    let copies = zero::copy_bytes(&sizes, world, rank, DType::F16);
+                    assert_eq!(on_devices[rank] - bytes3[rank], copies, "rank {rank}");
+                }
+            }
+            _ => {}
+        }
     }
 }
 
@@ -282,7 +326,7 @@ fn stage_3_state_moves_to_and_from_other_stages_and_device_counts() {
     let (d0, d3) = (cpus(world), cpus(world));
     let (r0, r3) = (refs(&d0), refs(&d3));
     let make = |r: &[&dyn Device], stage: u8| {
-        Trainer::new_group(r, gpt(), config("", r.len(), stage, false, 1), 3).unwrap()
+        Trainer::new_group(r, gpt(), config("", r.len(), stage, DEV, 1), 3).unwrap()
     };
     let mut reference = make(&r0, 0);
     let mut three = make(&r3, 3);
@@ -332,7 +376,7 @@ fn stage_3_loads_each_block_twice_a_step_mostly_behind_the_devices_work() {
     let devs: Vec<Box<dyn Device>> = (0..world).map(|_| gpu("vulkan", false)).collect();
     let r = refs(&devs);
     let model = gpt_of(8);
-    let mut t = Trainer::new_group(&r, model.clone(), config(FP16, world, 3, false, 1), 3).unwrap();
+    let mut t = Trainer::new_group(&r, model.clone(), config(FP16, world, 3, DEV, 1), 3).unwrap();
     let block: u64 = model
         .parameters()
         .iter()

@@ -427,7 +427,11 @@ fn offloaded_shards_are_resident_host_memory_child() {
     let masters: Vec<&[f32]> = masters.iter().map(Vec::as_slice).collect();
     let dtypes = [DType::F16; 3];
     let before = rss();
-    let shards = Shards::from_masters(&devs, &masters, &dtypes, None, true).unwrap();
+    let offload = kiln::engine::parallel::zero::Offload {
+        optimizer: true,
+        params: false,
+    };
+    let shards = Shards::from_masters(&devs, &masters, &dtypes, None, offload).unwrap();
     let grown = rss() as i64 - before as i64;
     let want = 12 * total as i64;
     // 4 MiB of slack for the allocator's own pages and the bookkeeping.

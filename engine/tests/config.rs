@@ -543,7 +543,7 @@ fn zero_stage_3_takes_deepspeeds_keys() {
 
 /// `offload_optimizer` with DeepSpeed's keys: `"cpu"` offloads (so does the old
 /// `cpu_offload: true`), `"none"` and absence do not; NVMe, a partial ratio, stage 0
-/// and parameter offload (stage 3's) are refused, each naming the fix; the NVMe-only
+/// and parameter offload below stage 3 are refused, each naming the fix; the NVMe-only
 /// and pinning keys are accepted with a note saying they change nothing here.
 #[test]
 fn offload_optimizer_takes_deepspeeds_keys() {
@@ -611,8 +611,70 @@ fn offload_optimizer_takes_deepspeeds_keys() {
         (
             r#"{"stage": 2, "offload_param": {"device": "cpu"}}"#,
             "zero_optimization.offload_param",
-            "16-bit parameters",
-            "\"device\": \"none\"",
+            "needs ZeRO stage 3",
+            "stage to 3",
+        ),
+    ] {
+        let e = err(&zero(body));
+        let p = problem(&e, path);
+        assert!(p.message.contains(says), "{body}: {}", p.message);
+        assert!(p.fix.contains(fix), "{body}: {}", p.fix);
+    }
+}
+
+/// `offload_param` with DeepSpeed's keys (stage 3 only, as in DeepSpeed): `"cpu"` (or
+/// the old `cpu_offload_params: true`) offloads, `"none"` does not, NVMe and a disagreeing
+/// old key are refused naming the fix; the NVMe-only and pinning keys get a note.
+#[test]
+fn offload_param_takes_deepspeeds_keys() {
+    let zero = |body: &str| format!(r#"{{"train_batch_size": 32, "zero_optimization": {body}}}"#);
+    let c = ok(&zero(
+        r#"{"stage": 3, "offload_param": {"device": "cpu", "pin_memory": true,
+            "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+            "offload_optimizer": {"device": "cpu"}}"#,
+    ));
+    assert!(c.zero.offload_param && c.zero.offload_optimizer);
+    let text = c.explain();
+    assert!(
+        text.contains("zero_optimization.offload_param.device"),
+        "{text}"
+    );
+    for key in ["pin_memory", "buffer_count", "buffer_size", "max_in_cpu"] {
+        assert!(
+            text.contains(&format!("note: zero_optimization.offload_param.{key} ")),
+            "{key}:\n{text}"
+        );
+    }
+    assert!(
+        ok(&zero(r#"{"stage": 3, "cpu_offload_params": true}"#))
+            .zero
+            .offload_param
+    );
+    for off in [
+        r#"{"stage": 3, "offload_param": {"device": "none"}}"#,
+        r#"{"stage": 2, "offload_param": {"device": "none"}}"#,
+        r#"{"stage": 3}"#,
+    ] {
+        assert!(!ok(&zero(off)).zero.offload_param, "{off}");
+    }
+    for (body, path, says, fix) in [
+        (
+            r#"{"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}"#,
+            "zero_optimization.offload_param.device",
+            "the 16-bit parameters to NVMe",
+            "\"cpu\"",
+        ),
+        (
+            r#"{"stage": 3, "cpu_offload_params": true, "offload_param": {"device": "none"}}"#,
+            "zero_optimization.cpu_offload_params",
+            "turns off",
+            "remove cpu_offload_params",
+        ),
+        (
+            r#"{"stage": 1, "cpu_offload_params": true}"#,
+            "zero_optimization.offload_param",
+            "needs ZeRO stage 3",
+            "stage to 3",
         ),
     ] {
         let e = err(&zero(body));

@@ -571,6 +571,10 @@ pub(crate) struct DpArgs {
     /// (`offload_optimizer.device: "cpu"`; ZeRO stage 1, 2 or 3).
     #[arg(long)]
     pub(crate) offload: bool,
+    /// Stage 3: no device holds a 16-bit copy of its shard; the host rounds the
+    /// downloaded master (`offload_param.device: "cpu"`).
+    #[arg(long)]
+    pub(crate) offload_param: bool,
     /// Stage 3: tensors of fewer elements stay whole on every device
     /// (`stage3_param_persistence_threshold`; DeepSpeed's default).
     #[arg(long, default_value_t = 100_000)]

@@ -92,6 +92,12 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
              --zero 1, 2 or 3"
         );
     }
+    if a.offload_param && a.zero != 3 {
+        bail!(
+            "--offload-param offloads stage 3's parameter copies: add --zero 3 (below it every \
+             device holds every weight it computes with)"
+        );
+    }
     check_bandwidth("pcie-gbps", a.pcie_gbps)?;
     check_bandwidth("host-gbps", a.host_gbps)?;
     let model: GptConfig = match &a.model {
@@ -123,6 +129,7 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
     let zero = kiln::bench_dp::Zero {
         stage: a.zero,
         offload: a.offload,
+        offload_param: a.offload_param,
         persistence_threshold: a.persistence_threshold,
     };
     let rows = dp_table(
@@ -143,10 +150,11 @@ pub(crate) fn bench_dp(a: DpArgs) -> Result<()> {
         model.parameter_count(),
         a.micro,
         a.zero,
-        if a.offload {
-            ", optimizer state offloaded to host memory"
-        } else {
-            ""
+        match (a.offload, a.offload_param) {
+            (true, false) => ", optimizer state offloaded to host memory",
+            (true, true) => ", optimizer state and parameter copies offloaded to host memory",
+            (false, true) => ", parameter copies offloaded to host memory",
+            (false, false) => "",
         }
     );
     outln!(
@@ -254,6 +262,7 @@ fn bench_dp_mpi(
         let zero = kiln::bench_dp::Zero {
             stage: a.zero,
             offload: a.offload,
+            offload_param: a.offload_param,
             persistence_threshold: a.persistence_threshold,
         };
         let r = dp_processes(

@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Result};
 
+use kiln::engine::parallel::zero::Offload;
 use kiln::engine::Device;
 
 use super::args::{ConfigWhat, RunsWhat};
@@ -98,11 +99,11 @@ pub(crate) fn estimate(
             if partition.is_none() && stages > 1 {
                 method = c.pipeline.partition.clone();
             }
-            let zero = (
-                c.zero.stage,
-                c.zero.offload_optimizer,
-                c.zero.param_persistence_threshold,
-            );
+            let offload = Offload {
+                optimizer: c.zero.offload_optimizer,
+                params: c.zero.offload_param,
+            };
+            let zero = (c.zero.stage, offload, c.zero.param_persistence_threshold);
             (
                 c.batch.micro_batch,
                 c.precision.dtype(),
@@ -121,7 +122,7 @@ pub(crate) fn estimate(
                 1,
                 DType::F16,
                 1,
-                (0, false, threshold),
+                (0, Offload::default(), threshold),
                 lora_flag,
                 checkpointing,
             )
@@ -155,7 +156,7 @@ pub(crate) fn estimate(
                 dtype,
                 (stages, world, accum),
                 &method,
-                (zero.0, zero.1)
+                (zero.0, zero.1.optimizer)
             )?
         );
         return Ok(());

@@ -194,6 +194,10 @@ impl TrainConfig {
             &format!("{zp}offload_optimizer.device"),
             if z.offload_optimizer { "cpu" } else { "none" }.to_string(),
         );
+        line(
+            &format!("{zp}offload_param.device"),
+            if z.offload_param { "cpu" } else { "none" }.to_string(),
+        );
 
         line("pipeline.stages", self.pipeline.stages.to_string());
         line("pipeline.partition", self.pipeline.partition.spelled());

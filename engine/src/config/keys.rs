@@ -22,8 +22,6 @@ pub(super) enum Inert {
     /// An object whose values are all `null`, `false` or 0 (`{}` included): sections
     /// without an `enabled` key, whose options are off at those values.
     Empty,
-    /// An object with `"device": "none"`.
-    NoOffload,
 }
 
 impl Inert {
@@ -41,12 +39,6 @@ impl Inert {
                 m.values()
                     .all(|x| x.is_null() || x == &Value::Bool(false) || x.as_f64() == Some(0.0))
             }),
-            Inert::NoOffload => {
-                v.as_object()
-                    .and_then(|m| m.get("device"))
-                    .and_then(Value::as_str)
-                    == Some("none")
-            }
         }
     }
 
@@ -57,7 +49,6 @@ impl Inert {
             Inert::Num(x) => format!("remove the key or set it to {x}"),
             Inert::Disabled => "remove the key or set \"enabled\": false".to_string(),
             Inert::Empty => "remove the key, or set its options to null or false".to_string(),
-            Inert::NoOffload => "remove the key or set \"device\": \"none\"".to_string(),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The `zero_optimization` section: ZeRO stages 0 to 3, their communication settings,
 //! stage 3's persistence threshold and the optimizer state's offload to host memory
-//! (`offload_optimizer`); parameter offload and NVMe are rejected, DeepSpeed's stage-3
-//! fetch tuning keys accepted with a note saying why they change nothing.
+//! (`offload_optimizer`) and, at stage 3, of the parameters' updated 16-bit copies
+//! (`offload_param`); NVMe is rejected, DeepSpeed's stage-3 fetch tuning keys accepted
+//! with a note saying why they change nothing.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -33,6 +34,10 @@ pub struct ZeroConfig {
     /// each rank's shard of the f32 master weights and moments lives in host memory
     /// and the host runs its optimizer step. Stages 1, 2 and 3.
     pub offload_optimizer: bool,
+    /// Stage 3's `offload_param.device: "cpu"` (or the old `cpu_offload_params: true`):
+    /// no device holds a 16-bit copy of its shard; the host makes the updated copy from
+    /// the downloaded f32 master (with `offload_optimizer` it is made there already).
+    pub offload_param: bool,
     /// Stage 3: tensors of fewer elements keep a model copy on every device instead of
     /// taking turns in the first block's buffers (`stage3_param_persistence_threshold`).
     pub param_persistence_threshold: u64,
@@ -51,6 +56,7 @@ impl Default for ZeroConfig {
             overlap_comm: false,
             round_robin_gradients: false,
             offload_optimizer: false,
+            offload_param: false,
             param_persistence_threshold: 100_000,
         }
     }
@@ -79,6 +85,8 @@ const ZERO: Spec = Spec {
         "round_robin_gradients",
         "offload_optimizer",
         "cpu_offload",
+        "offload_param",
+        "cpu_offload_params",
         "stage3_param_persistence_threshold",
         "param_persistence_threshold",
     ],
@@ -135,20 +143,6 @@ const ZERO: Spec = Spec {
         ),
     ],
     unsupported: &[
-        (
-            "offload_param",
-            Inert::NoOffload,
-            "offloading the 16-bit parameters to host memory or NVMe (Kiln's stage 3 keeps \
-             its blocks' weights in host memory between uses already, but not the rest; \
-             offload_optimizer moves the optimizer state)",
-        ),
-        (
-            "cpu_offload_params",
-            Inert::Bool(false),
-            "offloading the 16-bit parameters to host memory (Kiln's stage 3 keeps its \
-             blocks' weights in host memory between uses already, but not the rest; \
-             offload_optimizer moves the optimizer state)",
-        ),
         (
             "elastic_checkpoint",
             Inert::Bool(false),
@@ -221,24 +215,43 @@ const OFFLOAD_OPTIMIZER: Spec = Spec {
     hints: &[],
 };
 
+/// `zero_optimization.offload_param`'s keys.
+const OFFLOAD_PARAM: Spec = Spec {
+    keys: &["device"],
+    ignored: &[
+        ("pin_memory", Inert::Any, PINNED),
+        ("nvme_path", Inert::Any, NVME_ONLY),
+        ("buffer_count", Inert::Any, NVME_ONLY),
+        ("buffer_size", Inert::Any, NVME_ONLY),
+        ("max_in_cpu", Inert::Any, NVME_ONLY),
+    ],
+    unsupported: &[],
+    hints: &[],
+};
+
 impl Reader {
-    /// `offload_optimizer` (`None` when absent or unreadable): true for `"cpu"`, false
-    /// for `"none"`; NVMe is refused with the reason.
-    fn offload_optimizer(&mut self, z: &Map<String, Value>) -> Option<bool> {
-        let prefix = "zero_optimization.offload_optimizer";
-        let sec = self
-            .section(z, "zero_optimization", "offload_optimizer")
-            .ok()??;
-        self.check_keys(sec, prefix, &OFFLOAD_OPTIMIZER);
+    /// `offload_optimizer` or `offload_param` (`name`, with keys `spec`, offloading
+    /// `what`; `None` when absent or unreadable): true for `"cpu"`, false for `"none"`;
+    /// NVMe is refused with the reason.
+    fn offload_section(
+        &mut self,
+        z: &Map<String, Value>,
+        (name, spec, what): (&str, &Spec, &str),
+    ) -> Option<bool> {
+        let prefix = format!("zero_optimization.{name}");
+        let sec = self.section(z, "zero_optimization", name).ok()??;
+        self.check_keys(sec, &prefix, spec);
         let expected = "\"cpu\" or \"none\"";
-        match self.string(sec, prefix, "device", expected) {
+        match self.string(sec, &prefix, "device", expected) {
             Ok(Some("cpu")) => Some(true),
             Ok(Some("none")) => Some(false),
             Ok(Some("nvme")) => {
                 self.problem(
                     &format!("{prefix}.device"),
-                    "offloading the optimizer state to NVMe is not supported by Kiln: it \
-                     keeps offloaded state in host memory",
+                    format!(
+                        "offloading {what} to NVMe is not supported by Kiln: it keeps \
+                         offloaded state in host memory"
+                    ),
                     "set \"device\": \"cpu\" (host memory)",
                 );
                 None
@@ -296,7 +309,14 @@ impl Reader {
             self.bucket_size(z, "allgather_bucket_size", size, d.allgather_bucket_size);
         // The old spelling: a boolean for the host.
         let legacy = self.bool_or(z, zp, "cpu_offload", false);
-        let set = self.offload_optimizer(z);
+        let set = self.offload_section(
+            z,
+            (
+                "offload_optimizer",
+                &OFFLOAD_OPTIMIZER,
+                "the optimizer state",
+            ),
+        );
         if legacy && set == Some(false) && z.contains_key("offload_optimizer") {
             self.problem(
                 "zero_optimization.cpu_offload",
@@ -325,6 +345,7 @@ impl Reader {
                  the offload",
             );
         }
+        let offload_param = self.offload_param(z, stage);
         ZeroConfig {
             stage,
             contiguous_gradients: self.bool_or(
@@ -350,8 +371,49 @@ impl Reader {
                 d.round_robin_gradients,
             ),
             offload_optimizer,
+            offload_param,
             param_persistence_threshold,
         }
+    }
+
+    /// `offload_param` (or the old `cpu_offload_params: true`), stage 3 only, as
+    /// DeepSpeed has it.
+    fn offload_param(&mut self, z: &Map<String, Value>, stage: u8) -> bool {
+        let zp = "zero_optimization";
+        let legacy = self.bool_or(z, zp, "cpu_offload_params", false);
+        let set = self.offload_section(
+            z,
+            ("offload_param", &OFFLOAD_PARAM, "the 16-bit parameters"),
+        );
+        if legacy && set == Some(false) && z.contains_key("offload_param") {
+            self.problem(
+                "zero_optimization.cpu_offload_params",
+                "cpu_offload_params: true asks for the offload that offload_param.device \
+                 \"none\" turns off",
+                "remove cpu_offload_params (its old name) and set offload_param.device to \
+                 \"cpu\" or \"none\"",
+            );
+        }
+        let on = set.unwrap_or(false) || legacy;
+        let device = "zero_optimization.offload_param.device";
+        if set == Some(true) {
+            self.mark(device, Provenance::File);
+        } else if legacy {
+            self.mark(
+                device,
+                Provenance::Inferred("zero_optimization.cpu_offload_params: true".into()),
+            );
+        }
+        if on && stage != 3 {
+            self.problem(
+                "zero_optimization.offload_param",
+                "offloading the 16-bit parameters needs ZeRO stage 3 (below it every device \
+                 holds every weight it computes with)",
+                "set zero_optimization.stage to 3, or set offload_param's \"device\": \
+                 \"none\"",
+            );
+        }
+        on
     }
 
     /// A bucket size; `"auto"` (the Hugging Face Trainer's hidden_size², which needs the

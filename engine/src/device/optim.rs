@@ -55,6 +55,22 @@ impl ParamBuffers {
         })
     }
 
+    /// [`ParamBuffers::new`] without a model copy: `value` is the master, and the
+    /// caller steps it without writing a copy (ZeRO's parameter offload, whose host
+    /// rounds the downloaded master).
+    pub fn without_copy(dev: &dyn Device, init: &[f32], grad: DType) -> Result<ParamBuffers> {
+        let n = init.len();
+        let master = dev.alloc(DType::F32, n)?;
+        dev.upload(master, &HostData::F32(init.to_vec()))?;
+        Ok(ParamBuffers {
+            value: master,
+            master,
+            grad: dev.alloc(grad, n)?,
+            m: dev.alloc(DType::F32, n)?,
+            v: dev.alloc(DType::F32, n)?,
+        })
+    }
+
     /// [`ParamBuffers::new`] without the optimizer state: the value and gradient
     /// allocated, `empty` (a zero-length f32 buffer the caller owns) standing for the
     /// master and both moments. For a network whose optimizer state is elsewhere

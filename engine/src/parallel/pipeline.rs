@@ -100,7 +100,7 @@ use super::pipeline_schedule::Schedule;
 use super::pipeline_stages::{
     compile_slot, cut, local_blocks, stage_costs, stage_data, stage_memory, Cut, Stage,
 };
-use super::zero::{shard_bytes_of, Shards};
+use super::zero::{shard_bytes_of, Offload, Shards};
 use crate::device::optim::ParamBuffers;
 use crate::graph::{Loss, Op};
 use crate::models::{
@@ -212,6 +212,11 @@ impl Pipeline {
         // Sharded, a stage's devices are built without its optimizer state, beside
         // their slice of it (none on the device when offloaded).
         let sharded = zero_stage >= 1 && dp > 1;
+        // Stage 3 (and so parameter offload) is refused with pipeline stages.
+        let offload = Offload {
+            optimizer: offload,
+            params: false,
+        };
         if sharded {
             for (m, part) in memory.iter_mut().zip(&parts) {
                 let sizes: Vec<usize> = part.params.iter().map(|&i| specs[i].len()).collect();

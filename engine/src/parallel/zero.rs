@@ -17,7 +17,9 @@
 //! ZeRO-Offload keeps a rank's slice in host memory instead (f32 master and moments):
 //! the reduced gradients are on the host already (the exchange sums them there), the
 //! step runs on the host's cores ([`host_step`], the kernels' arithmetic) and the
-//! updated model copy goes to the devices with the all-gather's upload.
+//! updated model copy goes to the devices with the all-gather's upload. Parameter
+//! offload (stage 3's `offload_param`) keeps the master and moments on the device but
+//! not the slice's 16-bit copy: the host rounds the downloaded f32 master into it.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -26,7 +28,7 @@ use super::collective::{f32_parts, Processes};
 pub use super::shard::{segments, shard_range, Segment};
 use crate::device::optim::{host_step, HostState, ParamBuffers};
 use crate::models::{human, Model, ModelStateBytes, Network, ParamState, ShardBytes};
-use crate::{Buffer, DType, Device, Error, HostData, Optimizer, Result};
+use crate::{Buffer, DType, Device, Error, HostData, Kernel, Optimizer, Result};
 
 /// One segment of a rank's shard: its slice of one tensor's optimizer state.
 struct ShardSegment {
@@ -34,10 +36,22 @@ struct ShardSegment {
     home: Home,
 }
 
+/// Where ZeRO keeps each rank's shard (DeepSpeed's `offload_optimizer` and
+/// `offload_param`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Offload {
+    /// The f32 master and moments in host memory, stepped there.
+    pub optimizer: bool,
+    /// No 16-bit copy of the slice on the device: the host makes the updated copy from
+    /// the downloaded f32 master (the same rounding as the kernels'). Implied by
+    /// `optimizer`, whose copies are made on the host anyway.
+    pub params: bool,
+}
+
 /// Where a segment's optimizer state lives.
 enum Home {
     /// On the rank's device: f32 master, moments and reduced gradient, and the slice's
-    /// updated model copy.
+    /// updated model copy (with parameter offload, `value` is the master: no copy).
     Device(ParamBuffers),
     /// In host memory (ZeRO-Offload): the f32 master and moments (SGD's momentum in
     /// `m`, `v` unused, as on a device). Locked only while one step or copy runs.
@@ -114,6 +128,16 @@ impl ShardSegment {
     }
 }
 
+/// `step` (an optimizer kernel) without its write of the 16-bit model copy.
+fn without_copy(mut step: Kernel) -> Kernel {
+    match &mut step {
+        Kernel::Adam(a) => a.params = None,
+        Kernel::Sgd(s) => s.params = None,
+        _ => {}
+    }
+    step
+}
+
 /// Gives every replica tensor `i`'s updated model copy `whole`: uploaded, or kept as
 /// one host copy the replicas share where ZeRO stage 3 streams the tensor (its loads
 /// move it later). Returns the bytes uploaded.
@@ -148,22 +172,32 @@ pub fn device_bytes(sizes: &[usize], world: usize, rank: usize, dtype: DType) ->
     let f32b = |n: usize| DType::F32.padded_bytes(n);
     segments(sizes, world, rank)
         .iter()
-        .map(|s| 4 * f32b(s.range.len()) + dtype.padded_bytes(s.range.len()))
+        .map(|s| 4 * f32b(s.range.len()))
         .sum::<u64>()
+        + copy_bytes(sizes, world, rank, dtype)
         + f32b(1)
+}
+
+/// The bytes of the 16-bit copies of rank `rank`'s slices (in [`device_bytes`]; what
+/// parameter offload leaves off the device).
+pub fn copy_bytes(sizes: &[usize], world: usize, rank: usize, dtype: DType) -> u64 {
+    segments(sizes, world, rank)
+        .iter()
+        .map(|s| dtype.padded_bytes(s.range.len()))
+        .sum()
 }
 
 /// The optimizer state a group's `ranks` (this process's, of `world`) hold for
 /// `model`'s trained parameters with model copies in `dtype`: the most any one device
 /// holds ([`device_bytes`]) and its largest buffer (a segment's f32 slice), or, when
-/// `offload`ed, nothing on the devices and 12 bytes per element of those ranks' slices
-/// in host memory.
+/// with the optimizer state offloaded, nothing on the devices and 12 bytes per element
+/// of those ranks' slices in host memory; with the parameters offloaded, no copies.
 pub fn shard_bytes(
     model: &dyn Model,
     world: usize,
     ranks: std::ops::Range<usize>,
     dtype: DType,
-    offload: bool,
+    offload: Offload,
 ) -> ShardBytes {
     // The trained parameters come first in a model's list, the frozen after.
     let sizes: Vec<usize> = model
@@ -181,9 +215,9 @@ pub fn shard_bytes_of(
     world: usize,
     ranks: std::ops::Range<usize>,
     dtype: DType,
-    offload: bool,
+    offload: Offload,
 ) -> ShardBytes {
-    if offload {
+    if offload.optimizer {
         let total = sizes.iter().sum();
         let elements: usize = ranks.map(|r| shard_range(total, world, r).len()).sum();
         return ShardBytes {
@@ -197,8 +231,12 @@ pub fn shard_bytes_of(
         .map(|s| DType::F32.padded_bytes(s.range.len()))
         .max()
         .unwrap_or(0);
+    let copies = |r| match offload.params {
+        true => copy_bytes(sizes, world, r, dtype),
+        false => 0,
+    };
     let device = ranks
-        .map(|r| device_bytes(sizes, world, r, dtype))
+        .map(|r| device_bytes(sizes, world, r, dtype) - copies(r))
         .max()
         .unwrap_or(0);
     ShardBytes {
@@ -256,6 +294,8 @@ pub struct Shards {
     procs: Option<Processes>,
     /// Every slice is in host memory.
     offloaded: bool,
+    /// The slices on the devices have no 16-bit copy (parameter offload).
+    copies_on_host: bool,
 }
 
 impl Shards {
@@ -263,15 +303,16 @@ impl Shards {
     /// f32 masters are `masters` (the same on every rank: replicas start from the same
     /// weights) and whose model copies are stored in `dtypes`: a network's trained
     /// parameters (`Network::new_without_optimizer`) or a pipeline stage's. `offload`
-    /// keeps every slice in host memory instead of on its device. With `procs`, the
+    /// says where the slices live ([`Offload`]). With `procs`, the
     /// partitioning spans every process's devices and these are this process's.
     pub fn from_masters(
         devs: &[&dyn Device],
         masters: &[&[f32]],
         dtypes: &[DType],
         procs: Option<&Processes>,
-        offload: bool,
+        offload: Offload,
     ) -> Result<Shards> {
+        let copies_on_host = offload.params && !offload.optimizer;
         let world = procs.map_or(devs.len(), Processes::world);
         let first = procs.map_or(0, Processes::first_rank);
         let sizes: Vec<usize> = masters.iter().map(|m| m.len()).collect();
@@ -280,15 +321,17 @@ impl Shards {
             let mut segs = vec![];
             for seg in segments(&sizes, world, first + rank) {
                 let init = &masters[seg.param][seg.range.clone()];
-                let home = if offload {
+                let home = if offload.optimizer {
                     Home::Host(Mutex::new(HostSlice::new(init)))
+                } else if copies_on_host {
+                    Home::Device(ParamBuffers::without_copy(dev, init, DType::F32)?)
                 } else {
                     Home::Device(ParamBuffers::new(dev, init, dtypes[seg.param], DType::F32)?)
                 };
                 segs.push(ShardSegment { seg, home });
             }
             ranks.push(segs);
-            if !offload {
+            if !offload.optimizer {
                 scale.push(dev.alloc(DType::F32, 1)?);
             }
         }
@@ -296,7 +339,8 @@ impl Shards {
             ranks,
             scale,
             procs: procs.cloned(),
-            offloaded: offload,
+            offloaded: offload.optimizer,
+            copies_on_host,
         })
     }
 
@@ -445,7 +489,11 @@ impl Shards {
                 bytes += g.as_bytes().len() as u64;
                 dev.upload(buffers.grad, &g)?;
                 let decay = weight_decay(optimizer, layout, s.seg.param);
-                dev.launch(&buffers.step(optimizer, scale, lr, decay, step))?;
+                let mut kernel = buffers.step(optimizer, scale, lr, decay, step);
+                if self.copies_on_host {
+                    kernel = without_copy(kernel);
+                }
+                dev.launch(&kernel)?;
             }
             dev.submit()?;
         }
@@ -471,6 +519,12 @@ impl Shards {
         for (segs, dev) in self.ranks.iter().zip(devs) {
             for s in segs {
                 let v = match &s.home {
+                    Home::Device(buffers) if self.copies_on_host => {
+                        // The host rounds the master as the kernel would have.
+                        let master = dev.download(buffers.master)?;
+                        bytes += master.as_bytes().len() as u64;
+                        HostData::from_f32(layout[s.seg.param].1, &master.to_f32())
+                    }
                     Home::Device(buffers) => {
                         let v = dev.download(buffers.value)?;
                         bytes += v.as_bytes().len() as u64;
@@ -639,8 +693,10 @@ impl Shards {
             match &s.home {
                 Home::Device(b) => {
                     bytes.gradients += b.grad.bytes();
-                    bytes.optimizer +=
-                        b.master.bytes() + b.m.bytes() + b.v.bytes() + b.value.bytes();
+                    bytes.optimizer += b.master.bytes() + b.m.bytes() + b.v.bytes();
+                    if !self.copies_on_host {
+                        bytes.optimizer += b.value.bytes();
+                    }
                 }
                 Home::Host(slice) => bytes.offloaded += lock(slice).bytes(),
             }

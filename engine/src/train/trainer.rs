@@ -23,7 +23,7 @@ use crate::models::{
 };
 use crate::parallel::collective::{Ownership, Processes};
 use crate::parallel::exchange::{self, During};
-use crate::parallel::zero::{self, check_host_fits, OffloadTime, Shards};
+use crate::parallel::zero::{self, check_host_fits, Offload, OffloadTime, Shards};
 use crate::train::checkpoint::{
     self, Checkpoint, CheckpointError, CheckpointFile, HostTensor, SaveOptions, MODEL_FILE,
     OPTIMIZER_FILE,
@@ -258,17 +258,27 @@ impl Trainer {
         // ZeRO: each rank's slice of the optimizer state, on its device or offloaded
         // to host memory. On one device the single shard is the whole state: stage 0's
         // layout (unless it goes to the host).
-        let offload = config.zero.offload_optimizer;
-        if offload && config.zero.stage == 0 {
+        let offload = Offload {
+            optimizer: config.zero.offload_optimizer,
+            params: config.zero.offload_param,
+        };
+        if offload.optimizer && config.zero.stage == 0 {
             return Err(Error::InvalidArgument(
                 "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (the host \
                  steps each rank's shard of the optimizer state): set zero_optimization.stage"
                     .into(),
             ));
         }
+        if offload.params && config.zero.stage != 3 {
+            return Err(Error::InvalidArgument(
+                "zero_optimization.offload_param needs ZeRO stage 3 (below it every device \
+                 holds every weight it computes with): set zero_optimization.stage to 3"
+                    .into(),
+            ));
+        }
         // Stage 3 on one device still streams its blocks' weights from host memory.
         let stage3 = config.zero.stage == 3;
-        let sharded = config.zero.stage >= 1 && (world > 1 || offload || stage3);
+        let sharded = config.zero.stage >= 1 && (world > 1 || offload.optimizer || stage3);
         let partitioned = (config.zero.stage == 2 && world > 1) || stage3;
         let partition = match stage3 {
             true => Partition::Stage3 {
@@ -281,7 +291,7 @@ impl Trainer {
             model.check_sizes()?;
             let ranks = first..first + devs.len();
             let shards = zero::shard_bytes(model.as_ref(), world, ranks, dtype, offload);
-            if offload {
+            if offload.optimizer {
                 check_host_fits(shards.host, host_memory_available())?;
             }
             Some(shards)
