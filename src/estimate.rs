@@ -442,11 +442,9 @@ pub fn report(
     let checked = checked.and_then(|()| m.check_fit(&model.describe(), dtype, &caps, host));
     let verdict = match checked {
         Ok(()) => format!(
-            "fits{}",
-            host.map_or(String::new(), |h| format!(
-                " ({} of host memory available)",
-                mib(h)
-            ))
+            "fits (the host needs {}{})",
+            mib(m.host_bytes(&caps)),
+            host.map_or(String::new(), |h| format!(", {} available", mib(h)))
         ),
         Err(e) => format!("refused: {e}"),
     };

@@ -297,6 +297,13 @@ fn a_stage_3_device_holds_one_blocks_weights_as_the_estimate_says() {
         }
         let elements: usize = streamed.iter().map(|p| p.len()).sum();
         assert_eq!(m3.streamed, 2 * elements as u64, "f16 host copies, once");
+        // The host's figure holds what a checkpoint gathers: every tensor's model copy,
+        // master and moments (a replica's layout holds one block's).
+        let gathered: u64 = spec
+            .iter()
+            .map(|p| DType::F16.padded_bytes(p.len()) + 3 * DType::F32.padded_bytes(p.len()))
+            .sum();
+        assert!(m3.host >= gathered + m3.streamed, "{m3:?}");
         match offload {
             DEV => on_devices = bytes3,
             PARAM => {

@@ -25,6 +25,7 @@ fn record(step: u64, loss: f32) -> StepRecord {
         step_ms: 20.0,
         input_stall_ms: 0.5,
         device_memory_bytes: 1 << 20,
+        host_peak_bytes: None,
         comm_ms: 0.0,
         comm_overlap: 0.0,
         comm_bytes: 0,
@@ -143,7 +144,11 @@ fn summary_of_records() {
     records[8].eval_loss = Some(3.6);
     records[8].eval_accuracy = Some(0.5);
     records[3].device_memory_bytes = 7 << 20;
+    // The host's peak where reported (a record without it, as off Linux, is skipped).
+    records[2].host_peak_bytes = Some(9 << 20);
+    records[5].host_peak_bytes = Some(8 << 20);
     let s = Summary::from_records(&records, 2);
+    assert_eq!(s.peak_host_bytes, Some(9 << 20));
     assert_eq!(s.steps, 10);
     assert_eq!(s.last_step, Some(10));
     assert_eq!(s.skipped_steps, 1);
@@ -183,6 +188,7 @@ fn summary_of_records() {
     assert_eq!(empty.steps, 0);
     assert_eq!(empty.final_loss, None);
     assert_eq!(empty.mean_tokens_per_s, None);
+    assert_eq!(empty.peak_host_bytes, None);
     let short = Summary::from_records(&records[..2], 5);
     assert_eq!(short.warmup_steps_excluded, 0);
     assert_eq!(short.mean_tokens_per_s, Some(1.0));

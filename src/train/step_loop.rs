@@ -273,6 +273,7 @@ pub(super) fn run(
                     .map(|d| d.allocated_bytes())
                     .max()
                     .unwrap_or(0),
+                host_peak_bytes: kiln_engine::models::host_peak_resident(),
                 comm_ms: comm.ms,
                 comm_overlap: comm.overlap,
                 comm_bytes: comm.bytes,

@@ -79,6 +79,23 @@ pub fn write(path: &Path, tensors: &[HostTensor]) -> Result<()> {
     crate::fsutil::write_atomic(path, &bytes).map_err(|f| io(&f.path, f.action, f.err))
 }
 
+/// Writes named host tensors to a safetensors file at `path`, a tensor at a time
+/// (no copy of the whole file in memory, unlike [`encode`]).
+pub(crate) fn encode_to_file(
+    tensors: &[(&str, &[usize], &HostData)],
+    path: &Path,
+) -> std::result::Result<(), String> {
+    let views = tensors
+        .iter()
+        .map(|&(name, shape, host)| {
+            TensorView::new(st_dtype(host.dtype()), shape.to_vec(), host.as_bytes())
+                .map(|v| (name.to_string(), v))
+                .map_err(|e| format!("tensor `{name}`: {e}"))
+        })
+        .collect::<std::result::Result<Vec<_>, String>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| e.to_string())
+}
+
 /// Serializes named host tensors to safetensors bytes.
 pub(crate) fn encode(
     tensors: &[(&str, &[usize], &HostData)],

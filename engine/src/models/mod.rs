@@ -33,7 +33,7 @@ pub(crate) use network_build::{
 };
 pub use network_build::{NetworkOptions, Partition};
 pub use network_memory::{
-    host_memory_available, human, ModelStateBytes, NetworkMemory, ShardBytes,
+    host_memory_available, host_peak_resident, human, ModelStateBytes, NetworkMemory, ShardBytes,
 };
 pub use network_state::ParamState;
 pub(crate) use network_state::{in_file, match_frozen, weight_copies};

@@ -552,8 +552,9 @@ fn measure(
     m.largest_binding = plan.largest_bound;
     m.largest_stateless_buffer = m.largest_stateless_buffer.max(loose);
     // The initial weights: every arena's f32 values at once, and while the largest is
-    // uploaded its f32 copy and its rounded model copy. A checkpoint downloads the
-    // model copy, master weights and moments.
+    // uploaded its f32 copy and its rounded model copy. A checkpoint gathers every
+    // trained tensor's model copy, master weights and moments (at stage 3 too, whose
+    // layout holds one block's).
     let largest = layout.arenas.iter().map(|a| a.2).max().unwrap_or(0);
     let sharers: u64 = specs
         .iter()
@@ -563,7 +564,8 @@ fn measure(
         .sum();
     let drawn: u64 = layout.arenas.iter().map(|a| f(a.2)).sum::<u64>() + sharers;
     let init = drawn + f(largest) + a(largest);
-    m.host = init.max(m.weights + m.optimizer) + streamed_bytes;
+    let checkpoint: u64 = specs.iter().map(|p| a(p.len()) + 3 * f(p.len())).sum();
+    m.host = init.max(checkpoint) + streamed_bytes;
     m.streamed = streamed_bytes;
     Ok(m)
 }

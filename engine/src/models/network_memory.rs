@@ -82,6 +82,16 @@ impl NetworkMemory {
         }
     }
 
+    /// Host bytes at the peak for a group on `devices`: [`NetworkMemory::host`] and the
+    /// memory of every device on a CPU adapter (lavapipe, llvmpipe, the CPU backend),
+    /// which is the host's. Not counted: the drivers' own memory (a CPU adapter's
+    /// compiled kernels among it) and the allocator's unreturned pages.
+    pub fn host_bytes(&self, devices: &[&Capabilities]) -> u64 {
+        let on_host = devices.iter().filter(|c| c.device_type == "cpu").count() as u64;
+        self.host
+            .saturating_add(self.total().saturating_mul(on_host))
+    }
+
     pub fn total(&self) -> u64 {
         self.weights
             .saturating_add(self.frozen)
@@ -160,9 +170,7 @@ impl NetworkMemory {
             }
         }
         let on_host = devices.iter().filter(|c| c.device_type == "cpu").count() as u64;
-        let need = self
-            .host
-            .saturating_add(self.total().saturating_mul(on_host));
+        let need = self.host_bytes(devices);
         if let Some(avail) = host_available.filter(|&a| need > a) {
             let devices = if on_host == 0 {
                 String::new()
@@ -174,8 +182,9 @@ impl NetworkMemory {
                 )
             };
             over.push(format!(
-                "the host needs {}: {} for a checkpoint's copy of the model states{devices}, \
-                 over the {} available",
+                "the host needs {}: {} for the model states a checkpoint gathers (or the \
+                 initial weights) beside any offloaded optimizer state and stage 3's \
+                 streamed weights{devices}, over the {} available",
                 human(need),
                 human(self.host),
                 human(avail)
@@ -271,6 +280,14 @@ pub fn human(bytes: u64) -> String {
     } else {
         format!("{x:.1} {}", units[u])
     }
+}
+
+/// This process's peak resident memory so far (Linux's VmHWM); `None` elsewhere.
+pub fn host_peak_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let v = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    let kib: u64 = v.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 /// Memory the host can still give this process, when it says: Linux's MemAvailable,

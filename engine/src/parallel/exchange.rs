@@ -303,11 +303,13 @@ pub fn during_backward(
     // communication thread: (ACROSS, averaged tensors, during backward).
     let (to_reducer, from_ranks) = mpsc::channel::<Result<(usize, Bucket, bool)>>();
     const ACROSS: usize = usize::MAX;
-    // slots[p][round][rank]; a round is folded into sums[p] once complete.
-    let mut slots: Vec<Vec<Vec<Option<Vec<f32>>>>> =
-        vec![vec![vec![None; local]; rounds]; n_params];
+    // slots[p][round · local + rank]: a copy waits there only until every copy before
+    // it (rounds in order, ranks in order within a round) is in; next[p] is the next
+    // copy to add into sums[p].
+    let copies = rounds * local;
+    let mut slots: Vec<Vec<Option<Vec<f32>>>> = vec![vec![None; copies]; n_params];
     let mut arrived = vec![vec![0usize; local]; n_params];
-    let mut folded = vec![0usize; n_params];
+    let mut next = vec![0usize; n_params];
     let mut sums: Vec<Vec<f32>> = vec![vec![]; n_params];
     let mut inspected = vec![(false, 0f64); n_params];
     let (mut bytes, mut overlapped_bytes, mut total_bytes) = (0u64, 0u64, 0u64);
@@ -502,19 +504,25 @@ pub fn during_backward(
                     )));
                 }
                 arrived[p][r] += 1;
-                slots[p][round][r] = Some(g);
-                while folded[p] < rounds && slots[p][folded[p]].iter().all(Option::is_some) {
-                    let parts: Vec<Vec<f32>> = slots[p][folded[p]]
-                        .iter_mut()
-                        .map(|x| x.take().unwrap_or_default())
-                        .collect();
-                    folded[p] += 1;
-                    let last = folded[p] == rounds;
-                    let average_here = last && procs.is_none();
-                    fold(&mut sums[p], &parts, average_here.then_some(scale));
-                    if !last {
-                        continue;
+                slots[p][round * local + r] = Some(g);
+                // Each copy is added as soon as the copies before it are: the order of
+                // `fold` over a round's copies, so the same bits, with no rank's copy
+                // held while the others arrive unless an earlier rank lags.
+                let before = next[p];
+                while let Some(g) = slots[p].get_mut(next[p]).and_then(Option::take) {
+                    next[p] += 1;
+                    let last = next[p] == copies;
+                    let average_here = (last && procs.is_none()).then_some(scale);
+                    if sums[p].is_empty() {
+                        sums[p] = g;
+                        if let Some(scale) = average_here {
+                            scale_in_place(&mut sums[p], scale);
+                        }
+                    } else {
+                        fold(&mut sums[p], std::slice::from_ref(&g), average_here);
                     }
+                }
+                if before < copies && next[p] == copies {
                     if procs.is_some() {
                         to_comm
                             .send((p, std::mem::take(&mut sums[p])))

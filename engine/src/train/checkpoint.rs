@@ -27,7 +27,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 pub use crate::device::host::HostTensor;
-use crate::device::safetensors_io::{encode, st_dtype};
+use crate::device::safetensors_io::{encode_to_file, st_dtype};
 use crate::fsutil::{self, ctx, IoFailure};
 use crate::{DType, HostData};
 
@@ -365,12 +365,34 @@ fn parse_dir_name(name: &str) -> Option<u64> {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
     let mut s = String::with_capacity(64);
-    for b in digest.iter() {
+    for b in digest {
         let _ = write!(s, "{b:02x}");
     }
     s
+}
+
+/// Flushes the file at `path` to the disk and returns its length and SHA-256, read
+/// back a few MiB at a time.
+fn synced_digest(path: &Path) -> Result<(u64, String)> {
+    use std::io::Read;
+    let mut f = ctx(std::fs::File::open(path), "opening", path)?;
+    ctx(f.sync_all(), "flushing", path)?;
+    let (mut hasher, mut len) = (Sha256::new(), 0u64);
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = ctx(f.read(&mut buf), "reading back", path)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((len, hex(&hasher.finalize())))
 }
 
 /// A file name that stays inside the checkpoint directory.
@@ -577,14 +599,16 @@ fn write_contents(dir: &Path, step: u64, files: &[CheckpointFile], state: &Value
             .iter()
             .map(|t| (t.name.as_str(), t.shape.as_slice(), &t.data))
             .collect();
-        let bytes = encode(&named).map_err(|e| {
+        // Written a tensor at a time and hashed back from the file: a checkpoint never
+        // holds a second, serialized copy of the model states in memory.
+        encode_to_file(&named, &path).map_err(|e| {
             CheckpointError::InvalidInput(format!("serializing `{}`: {e}", path.display()))
         })?;
-        fsutil::write_synced(&path, &bytes)?;
+        let (bytes, sha256) = synced_digest(&path)?;
         entries.push(FileEntry {
             name: f.name.clone(),
-            bytes: bytes.len() as u64,
-            sha256: sha256_hex(&bytes),
+            bytes,
+            sha256,
             tensors: f
                 .tensors
                 .iter()

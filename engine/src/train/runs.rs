@@ -182,6 +182,10 @@ pub struct StepRecord {
     #[serde(deserialize_with = "nan_if_null")]
     pub input_stall_ms: f64,
     pub device_memory_bytes: u64,
+    /// The process's peak resident host memory so far (Linux's VmHWM; absent where the
+    /// system does not say): what the host check's figure is compared with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_peak_bytes: Option<u64>,
     /// Data parallelism: time spent exchanging gradients through the host, the share
     /// of it hidden behind compute, and the bytes moved (0 on one device).
     #[serde(default)]
@@ -542,6 +546,9 @@ pub struct Summary {
     /// Sum of step times unless the caller sets the wall-clock time.
     pub total_time_s: f64,
     pub peak_device_memory_bytes: u64,
+    /// The process's peak resident host memory over the records (where reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_host_bytes: Option<u64>,
     /// Filled in by the caller.
     pub devices: Vec<String>,
     /// Per device, the model states' bytes as allocated (filled in by the caller).
@@ -596,6 +603,9 @@ impl Summary {
                 }
             }
             s.peak_device_memory_bytes = s.peak_device_memory_bytes.max(r.device_memory_bytes);
+            if let Some(h) = r.host_peak_bytes {
+                s.peak_host_bytes = Some(s.peak_host_bytes.map_or(h, |p| p.max(h)));
+            }
         }
         let last = |has: fn(&StepRecord) -> bool| records.iter().rev().find(|r| has(r));
         let series = [
