@@ -390,11 +390,23 @@ fn stage_3_loads_each_block_twice_a_step_mostly_behind_the_devices_work() {
         .filter(|p| p.name.starts_with("transformer.h.0.") && p.len() >= 200)
         .map(|p| 2 * p.len() as u64)
         .sum();
+    let slots: u64 = model
+        .parameters()
+        .iter()
+        .filter(|p| p.name.starts_with("transformer.h.0.") && p.len() >= 200)
+        .map(|p| DType::F16.padded_bytes(p.len()))
+        .sum();
     let (mut ms, mut hidden) = (0.0, 0.0);
     for step in &batches(world, 1)[..3] {
         t.step_group(&r, step).unwrap();
         let c = t.last_comm;
         assert_eq!(c.gather_bytes, 15 * block * world as u64, "{c:?}");
+        // The host runs at most two blocks' loads ahead of a device (their buffers'
+        // bytes): the staging the uploads hold at once.
+        assert!(
+            c.gather_in_flight > 0 && c.gather_in_flight <= 2 * slots,
+            "{c:?}"
+        );
         ms += c.gather_ms;
         hidden += c.gather_hidden_ms;
     }

@@ -180,6 +180,23 @@ fn save_then_load_is_bit_exact_with_the_same_state() {
     );
 }
 
+/// The tensor files are written a tensor at a time by a writer that makes files
+/// private; they keep the permissions any file created there gets, as the manifest.
+#[cfg(unix)]
+#[test]
+fn tensor_files_get_the_permissions_of_the_checkpoints_other_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let run = common::scratch("ckpt-permissions");
+    let saved = save_step(&run, 7, 3);
+    let mode = |name: &str| {
+        let m = std::fs::metadata(saved.dir.join(name)).unwrap();
+        m.permissions().mode() & 0o777
+    };
+    let manifest = mode("manifest.json");
+    assert_eq!(mode(MODEL_FILE), manifest);
+    assert_eq!(mode(OPTIMIZER_FILE), manifest);
+}
+
 #[test]
 fn a_corrupted_byte_is_a_checksum_error_naming_the_file() {
     let run = common::scratch("ckpt-corrupt");

@@ -600,10 +600,21 @@ fn write_contents(dir: &Path, step: u64, files: &[CheckpointFile], state: &Value
             .map(|t| (t.name.as_str(), t.shape.as_slice(), &t.data))
             .collect();
         // Written a tensor at a time and hashed back from the file: a checkpoint never
-        // holds a second, serialized copy of the model states in memory.
+        // holds a second, serialized copy of the model states in memory. The writer
+        // makes the file private; it gets the permissions a file created here gets
+        // (the umask's), as the other files of the checkpoint do.
+        let mode = {
+            let probe = ctx(std::fs::File::create(&path), "creating", &path)?;
+            ctx(probe.metadata(), "reading the permissions of", &path)?.permissions()
+        };
         encode_to_file(&named, &path).map_err(|e| {
             CheckpointError::InvalidInput(format!("serializing `{}`: {e}", path.display()))
         })?;
+        ctx(
+            std::fs::set_permissions(&path, mode),
+            "setting the permissions of",
+            &path,
+        )?;
         let (bytes, sha256) = synced_digest(&path)?;
         entries.push(FileEntry {
             name: f.name.clone(),
