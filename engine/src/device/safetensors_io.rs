@@ -80,20 +80,25 @@ pub fn write(path: &Path, tensors: &[HostTensor]) -> Result<()> {
 }
 
 /// Writes named host tensors to a safetensors file at `path`, a tensor at a time
-/// (no copy of the whole file in memory, unlike [`encode`]).
+/// (no copy of the whole file in memory, unlike [`encode`]). A tensor that cannot be
+/// written as given is an `InvalidInput` error; the file system's errors are its own.
 pub(crate) fn encode_to_file(
     tensors: &[(&str, &[usize], &HostData)],
     path: &Path,
-) -> std::result::Result<(), String> {
+) -> std::io::Result<()> {
+    let invalid = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, msg);
     let views = tensors
         .iter()
         .map(|&(name, shape, host)| {
             TensorView::new(st_dtype(host.dtype()), shape.to_vec(), host.as_bytes())
                 .map(|v| (name.to_string(), v))
-                .map_err(|e| format!("tensor `{name}`: {e}"))
+                .map_err(|e| invalid(format!("tensor `{name}`: {e}")))
         })
-        .collect::<std::result::Result<Vec<_>, String>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| e.to_string())
+        .collect::<std::io::Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(e) => e,
+        other => invalid(other.to_string()),
+    })
 }
 
 /// Serializes named host tensors to safetensors bytes.

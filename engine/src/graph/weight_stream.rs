@@ -219,6 +219,18 @@ impl WeightStream {
         Ok(pending)
     }
 
+    /// Redeems the fences still queued and frees their buffer: the loads are done
+    /// once the device has run them, and a plan being freed loads nothing more.
+    pub(super) fn release(&self, dev: &dyn Device) -> Result<()> {
+        for (_, ticket) in lock(&self.in_flight).drain(..) {
+            dev.finish_download(ticket)?;
+        }
+        if let Some(fence) = lock(&self.fence).take() {
+            dev.free(fence)?;
+        }
+        Ok(())
+    }
+
     /// The loads' totals since the last call, reset.
     pub(super) fn take_stats(&self) -> StreamStats {
         std::mem::take(&mut *lock(&self.stats))

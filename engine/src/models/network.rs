@@ -171,7 +171,9 @@ impl Network {
     /// (on the devices or in host memory, see `parallel::zero`), so a device never
     /// holds the whole state, not even while the group is built. Returns the network
     /// and every trained parameter's initial f32 master, in model order: what the
-    /// shards start from.
+    /// shards start from. It checks the device and the host memory building it takes;
+    /// the group's peak on the host (a checkpoint's gather, offloaded shards) is
+    /// [`Network::check_memory`]'s to check, before the first replica.
     pub fn new_without_optimizer(
         dev: &dyn Device,
         model: Arc<dyn Model>,
@@ -220,6 +222,10 @@ impl Network {
         } = prepare(model.as_ref(), options, partition)?;
         if !optimizer_state {
             memory = memory.without_optimizer();
+            // A ZeRO replica: its group's check (`check_memory`) counted the host's
+            // peak (a checkpoint's gather, the shards); the replica checks what
+            // building it takes, which the replicas built before it have not freed.
+            memory.host = memory.build_host;
         }
         // Before the first host vector or device buffer: a model that cannot fit is
         // refused with what it needs, not found out by an allocation that aborts.

@@ -566,6 +566,7 @@ fn measure(
     let init = drawn + f(largest) + a(largest);
     let checkpoint: u64 = specs.iter().map(|p| a(p.len()) + 3 * f(p.len())).sum();
     m.host = init.max(checkpoint) + streamed_bytes;
+    m.build_host = init + streamed_bytes;
     m.streamed = streamed_bytes;
     Ok(m)
 }

@@ -54,6 +54,11 @@ pub struct NetworkMemory {
     /// [`NetworkMemory::without_optimizer`] keeps.
     #[serde(skip)]
     pub largest_plan_buffer: u64,
+    /// Host bytes building one replica takes (its initial weights while drawn and
+    /// uploaded, and its streamed weights' copies): what a ZeRO replica, built after its
+    /// group's check, checks on its own.
+    #[serde(skip)]
+    pub build_host: u64,
     #[serde(skip)]
     pub largest_stateless_buffer: u64,
 }

@@ -380,7 +380,12 @@ fn hex(digest: &[u8]) -> String {
 /// back a few MiB at a time.
 fn synced_digest(path: &Path) -> Result<(u64, String)> {
     use std::io::Read;
-    let mut f = ctx(std::fs::File::open(path), "opening", path)?;
+    // Writable: flushing a file needs write access on some systems (Windows).
+    let open = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path);
+    let mut f = ctx(open, "opening", path)?;
     ctx(f.sync_all(), "flushing", path)?;
     let (mut hasher, mut len) = (Sha256::new(), 0u64);
     let mut buf = vec![0u8; 8 << 20];
@@ -607,9 +612,15 @@ fn write_contents(dir: &Path, step: u64, files: &[CheckpointFile], state: &Value
             let probe = ctx(std::fs::File::create(&path), "creating", &path)?;
             ctx(probe.metadata(), "reading the permissions of", &path)?.permissions()
         };
-        encode_to_file(&named, &path).map_err(|e| {
-            CheckpointError::InvalidInput(format!("serializing `{}`: {e}", path.display()))
-        })?;
+        match encode_to_file(&named, &path) {
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                return Err(CheckpointError::InvalidInput(format!(
+                    "serializing `{}`: {e}",
+                    path.display()
+                )))
+            }
+            written => ctx(written, "writing", &path)?,
+        }
         ctx(
             std::fs::set_permissions(&path, mode),
             "setting the permissions of",
