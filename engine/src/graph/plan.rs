@@ -1317,9 +1317,6 @@ impl Plan {
     /// Releases every buffer the plan allocated (not the caller's bindings); the plan
     /// must not run afterwards.
     pub fn free(&mut self, dev: &dyn Device) -> Result<()> {
-        if let Some(s) = &self.stream {
-            s.release(dev)?;
-        }
         for b in self.owned.drain(..) {
             dev.free(b)?;
         }

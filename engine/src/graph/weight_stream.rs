@@ -7,19 +7,15 @@
 //! again, in reverse, in backward, so one block's buffers serve every block: a device
 //! holds the weights of one block (plus those outside blocks) instead of all of them.
 //! What a load costs is the upload of one block's weights; the device runs the work
-//! submitted before it while the host copies (the load submits first). An upload
-//! takes staging memory from the backend until the device has copied it, so the host
-//! may run at most two blocks' loads ahead of the device: each load queues a fence
-//! (a readback of a one-element buffer of the stream's) and a load past that waits for
-//! the oldest.
+//! submitted before it while the host copies (the load submits first).
 //!
 //! [`Bindings`]: super::Bindings
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use crate::{Buffer, Device, Error, HostData, Kernel, PendingDownload, Result};
+use crate::{Buffer, Device, Error, HostData, Kernel, Result};
 
 /// What the loads of a plan moved since the last [`WeightStream::take_stats`].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -33,9 +29,6 @@ pub struct StreamStats {
     /// device may have waited for part of it only).
     pub ms: f64,
     pub hidden_ms: f64,
-    /// The most bytes of loads the device had not yet copied when one was issued
-    /// (this one included): the staging the backend held for them.
-    pub max_in_flight: u64,
 }
 
 impl StreamStats {
@@ -45,7 +38,6 @@ impl StreamStats {
         self.bytes += other.bytes;
         self.ms += other.ms;
         self.hidden_ms += other.hidden_ms;
-        self.max_in_flight = self.max_in_flight.max(other.max_in_flight);
     }
 }
 
@@ -59,14 +51,6 @@ pub(super) struct WeightStream {
     /// Which parameter each shared buffer holds now, by buffer id.
     resident: Mutex<HashMap<u64, usize>>,
     stats: Mutex<StreamStats>,
-    /// Loads the device may not have copied yet, oldest first: bytes and the fence
-    /// queued behind the load.
-    in_flight: Mutex<VecDeque<(u64, PendingDownload)>>,
-    /// The one-element buffer the fences read, allocated on the first load (256 bytes
-    /// of device memory; freed with the device).
-    fence: Mutex<Option<Buffer>>,
-    /// Bytes of loads allowed in flight: two blocks' (every shared buffer's, twice).
-    budget: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -98,22 +82,12 @@ impl WeightStream {
             }
         }
         let n = slot.len();
-        let mut seen = HashSet::new();
-        let block: u64 = slot
-            .iter()
-            .flatten()
-            .filter(|b| seen.insert(b.id))
-            .map(|b| b.bytes())
-            .sum();
         Ok(WeightStream {
             reads,
             slot,
             host: Mutex::new(vec![None; n]),
             resident: Mutex::new(HashMap::new()),
             stats: Mutex::new(StreamStats::default()),
-            in_flight: Mutex::new(VecDeque::new()),
-            fence: Mutex::new(None),
-            budget: 2 * block,
         })
     }
 
@@ -171,8 +145,6 @@ impl WeightStream {
                 dev.submit()?;
                 submitted = true;
             }
-            let bytes = data.as_bytes().len() as u64;
-            let pending = self.make_room(dev, bytes)?;
             let t = Instant::now();
             // Not resident while the upload may have failed half-way.
             resident.remove(&slot.id);
@@ -180,53 +152,13 @@ impl WeightStream {
             resident.insert(slot.id, p);
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let hidden = dev.busy()?;
-            let fence = {
-                let mut fence = lock(&self.fence);
-                match *fence {
-                    Some(b) => b,
-                    None => *fence.insert(dev.alloc(crate::DType::F32, 1)?),
-                }
-            };
-            let ticket = dev.begin_download(fence)?;
-            lock(&self.in_flight).push_back((bytes, ticket));
             let mut s = lock(&self.stats);
             s.loads += 1;
-            s.bytes += bytes;
+            s.bytes += data.as_bytes().len() as u64;
             s.ms += ms;
-            s.max_in_flight = s.max_in_flight.max(pending + bytes);
             if hidden {
                 s.hidden_ms += ms;
             }
-        }
-        Ok(())
-    }
-
-    /// Waits, oldest first, for loads the device has not copied yet until `bytes` more
-    /// fit the budget (one load always goes); returns the bytes still in flight.
-    fn make_room(&self, dev: &dyn Device, bytes: u64) -> Result<u64> {
-        let mut queue = lock(&self.in_flight);
-        let mut pending: u64 = queue.iter().map(|q| q.0).sum();
-        // A device with nothing running has copied every load: retire them all.
-        let idle = !dev.busy()?;
-        while let Some(&(b, _)) = queue.front() {
-            if !idle && pending + bytes <= self.budget {
-                break;
-            }
-            pending -= b;
-            let (_, ticket) = queue.pop_front().expect("a front entry");
-            dev.finish_download(ticket)?;
-        }
-        Ok(pending)
-    }
-
-    /// Redeems the fences still queued and frees their buffer: the loads are done
-    /// once the device has run them, and a plan being freed loads nothing more.
-    pub(super) fn release(&self, dev: &dyn Device) -> Result<()> {
-        for (_, ticket) in lock(&self.in_flight).drain(..) {
-            dev.finish_download(ticket)?;
-        }
-        if let Some(fence) = lock(&self.fence).take() {
-            dev.free(fence)?;
         }
         Ok(())
     }

@@ -144,9 +144,6 @@ pub struct CommStats {
     pub gather_ms: f64,
     pub gather_hidden_ms: f64,
     pub gather_bytes: u64,
-    /// The most bytes of loads any device had not yet copied when one was issued: the
-    /// staging memory the loads held at once (bounded at two blocks' weights).
-    pub gather_in_flight: u64,
 }
 
 pub struct Trainer {
@@ -508,7 +505,6 @@ impl Trainer {
             gather_ms: gathered.ms,
             gather_hidden_ms: gathered.hidden_ms,
             gather_bytes: gathered.bytes,
-            gather_in_flight: gathered.max_in_flight,
         };
         if decision == StepDecision::Skip {
             self.last_comm = comm(bytes);
