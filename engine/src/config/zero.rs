@@ -307,35 +307,11 @@ impl Reader {
             self.bucket_size(z, "reduce_bucket_size", size, d.reduce_bucket_size);
         let allgather_bucket_size =
             self.bucket_size(z, "allgather_bucket_size", size, d.allgather_bucket_size);
-        // The old spelling: a boolean for the host.
-        let legacy = self.bool_or(z, zp, "cpu_offload", false);
-        let set = self.offload_section(
+        let offload_optimizer = self.offload(
             z,
-            (
-                "offload_optimizer",
-                &OFFLOAD_OPTIMIZER,
-                "the optimizer state",
-            ),
+            ("cpu_offload", "offload_optimizer", &OFFLOAD_OPTIMIZER),
+            "the optimizer state",
         );
-        if legacy && set == Some(false) && z.contains_key("offload_optimizer") {
-            self.problem(
-                "zero_optimization.cpu_offload",
-                "cpu_offload: true asks for the offload that offload_optimizer.device \
-                 \"none\" turns off",
-                "remove cpu_offload (its old name) and set offload_optimizer.device to \
-                 \"cpu\" or \"none\"",
-            );
-        }
-        let offload_optimizer = set.unwrap_or(false) || legacy;
-        let device = "zero_optimization.offload_optimizer.device";
-        if set == Some(true) {
-            self.mark(device, Provenance::File);
-        } else if legacy {
-            self.mark(
-                device,
-                Provenance::Inferred("zero_optimization.cpu_offload: true".into()),
-            );
-        }
         if offload_optimizer && stage == 0 {
             self.problem(
                 "zero_optimization.offload_optimizer",
@@ -345,7 +321,21 @@ impl Reader {
                  the offload",
             );
         }
-        let offload_param = self.offload_param(z, stage);
+        let offload_param = self.offload(
+            z,
+            ("cpu_offload_params", "offload_param", &OFFLOAD_PARAM),
+            "the 16-bit parameters",
+        );
+        // Stage 3 only, as DeepSpeed has it.
+        if offload_param && stage != 3 {
+            self.problem(
+                "zero_optimization.offload_param",
+                "offloading the 16-bit parameters needs ZeRO stage 3 (below it every device \
+                 holds every weight it computes with)",
+                "set zero_optimization.stage to 3, or set offload_param's \"device\": \
+                 \"none\"",
+            );
+        }
         ZeroConfig {
             stage,
             contiguous_gradients: self.bool_or(
@@ -376,44 +366,40 @@ impl Reader {
         }
     }
 
-    /// `offload_param` (or the old `cpu_offload_params: true`), stage 3 only, as
-    /// DeepSpeed has it.
-    fn offload_param(&mut self, z: &Map<String, Value>, stage: u8) -> bool {
+    /// Whether `section` (keys `spec`) or its old boolean spelling `legacy` offloads
+    /// `what` to host memory; the two disagreeing is a problem, and where the setting
+    /// came from is marked on `section.device`.
+    fn offload(
+        &mut self,
+        z: &Map<String, Value>,
+        (legacy, section, spec): (&str, &str, &Spec),
+        what: &str,
+    ) -> bool {
         let zp = "zero_optimization";
-        let legacy = self.bool_or(z, zp, "cpu_offload_params", false);
-        let set = self.offload_section(
-            z,
-            ("offload_param", &OFFLOAD_PARAM, "the 16-bit parameters"),
-        );
-        if legacy && set == Some(false) && z.contains_key("offload_param") {
+        let old = self.bool_or(z, zp, legacy, false);
+        let set = self.offload_section(z, (section, spec, what));
+        if old && set == Some(false) && z.contains_key(section) {
             self.problem(
-                "zero_optimization.cpu_offload_params",
-                "cpu_offload_params: true asks for the offload that offload_param.device \
-                 \"none\" turns off",
-                "remove cpu_offload_params (its old name) and set offload_param.device to \
-                 \"cpu\" or \"none\"",
+                &format!("{zp}.{legacy}"),
+                format!(
+                    "{legacy}: true asks for the offload that {section}.device \"none\" turns off"
+                ),
+                format!(
+                    "remove {legacy} (its old name) and set {section}.device to \"cpu\" or \
+                     \"none\""
+                ),
             );
         }
-        let on = set.unwrap_or(false) || legacy;
-        let device = "zero_optimization.offload_param.device";
+        let device = format!("{zp}.{section}.device");
         if set == Some(true) {
-            self.mark(device, Provenance::File);
-        } else if legacy {
+            self.mark(&device, Provenance::File);
+        } else if old {
             self.mark(
-                device,
-                Provenance::Inferred("zero_optimization.cpu_offload_params: true".into()),
+                &device,
+                Provenance::Inferred(format!("{zp}.{legacy}: true")),
             );
         }
-        if on && stage != 3 {
-            self.problem(
-                "zero_optimization.offload_param",
-                "offloading the 16-bit parameters needs ZeRO stage 3 (below it every device \
-                 holds every weight it computes with)",
-                "set zero_optimization.stage to 3, or set offload_param's \"device\": \
-                 \"none\"",
-            );
-        }
-        on
+        set.unwrap_or(false) || old
     }
 
     /// A bucket size; `"auto"` (the Hugging Face Trainer's hidden_size², which needs the

@@ -41,18 +41,10 @@ pub struct ParamBuffers {
 impl ParamBuffers {
     /// Allocates the buffers and uploads `init` to the master and (rounded) the value.
     pub fn new(dev: &dyn Device, init: &[f32], value: DType, grad: DType) -> Result<ParamBuffers> {
-        let n = init.len();
-        let master = dev.alloc(DType::F32, n)?;
-        dev.upload(master, &HostData::F32(init.to_vec()))?;
-        let v = dev.alloc(value, n)?;
-        dev.upload(v, &HostData::from_f32(value, init))?;
-        Ok(ParamBuffers {
-            value: v,
-            master,
-            grad: dev.alloc(grad, n)?,
-            m: dev.alloc(DType::F32, n)?,
-            v: dev.alloc(DType::F32, n)?,
-        })
+        let mut b = ParamBuffers::without_copy(dev, init, grad)?;
+        b.value = dev.alloc(value, init.len())?;
+        dev.upload(b.value, &HostData::from_f32(value, init))?;
+        Ok(b)
     }
 
     /// [`ParamBuffers::new`] without a model copy: `value` is the master, and the
